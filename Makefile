@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Both create (or reuse) the local virtualenv .venv and install pinned versions by themselves.
+# torch is installed first and pinned in every pip call: an unpinned torch pulls a multi-GB CUDA build.
+PYTHON ?= python3
+TORCH ?= 2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.quantmesh-installed
+
+.PHONY: demo test lint format venv clean
+
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH)
+	$(PIP) install -q torch==$(TORCH) -r requirements.lock
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/quantmesh demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples
+	$(VENV)/bin/ruff format src tests benchmarks examples
+
+test: lint
+	$(PY) -m pytest -q -m "not cuda" tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,41 @@
+"""quantmesh: quantized + LoRA training and serving of any PyTorch model over dp x tp meshes.
+
+Example:
+    >>> import quantmesh as qm
+    >>> mesh = qm.init_mesh(tp=2)                      # doctest: +SKIP
+    >>> with qm.empty_model():                         # doctest: +SKIP
+    ...     model = MyModel(cfg)
+    >>> qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16))  # doctest: +SKIP
+
+Names are imported lazily: `import quantmesh` costs little on top of `import torch`, and optional
+integrations (bitsandbytes, transformers, peft, torchao) load only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Mesh": "mesh",
+    "MeshError": "mesh",
+    "init_mesh": "mesh",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'quantmesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,1 @@
+"""The `quantmesh` command line: one entry point that launches its own workers."""

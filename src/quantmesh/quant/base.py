@@ -1,0 +1,120 @@
+"""The quantization contract: a format quantizes one local shard of a linear weight on its device.
+
+TP code never names a format. A parallel layer asks its format for an empty local module, then hands
+it this rank's float shard (already sliced, already on the target device) to quantize in place.
+"""
+
+from __future__ import annotations
+
+import abc
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["QuantConfig", "QuantFormat", "QuantError", "get_format", "resolve_quant"]
+
+FORMATS = ("nf4", "fp4", "int8")
+BACKENDS = ("bitsandbytes", "torchao")
+
+
+class QuantError(ValueError):
+    """A quantization request that cannot be honoured; the message names the fix."""
+
+
+@dataclass(kw_only=True)
+class QuantConfig:
+    """How to quantize the frozen base of a model.
+
+    Example:
+        >>> QuantConfig(format="nf4", skip=["lm_head", "*.mlp.down_proj"])
+        QuantConfig(format='nf4', ...)
+    """
+
+    format: str = "nf4"
+    """"nf4" or "fp4" (4-bit, bitsandbytes Linear4bit) or "int8" (LLM.int8, Linear8bitLt)."""
+    backend: str = "bitsandbytes"
+    """"bitsandbytes" (default) or "torchao" (nf4 via NF4Tensor, int8 weight-only)."""
+    double_quant: bool = True
+    """4-bit only: quantize the per-block absmax statistics too (saves ~0.37 bit/param)."""
+    compute_dtype: torch.dtype | None = None
+    """dtype of the matmul; None = bfloat16 on CUDA, float32 on CPU."""
+    blocksize: int = 64
+    """4-bit only: elements per quantization block of the flattened (out, in) weight."""
+    int8_threshold: float = 6.0
+    """int8 only: LLM.int8 outlier threshold (0 disables the mixed-precision decomposition)."""
+    skip: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Module FQNs or globs to keep unquantized; a bare name matches any module of that name."""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise QuantError(f"quant format {self.format!r} is unknown; use one of {', '.join(FORMATS)}")
+        if self.backend not in BACKENDS:
+            raise QuantError(f"quant backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+        if self.backend == "torchao" and self.format == "fp4":
+            raise QuantError("torchao has no fp4 format here; use format='nf4' or backend='bitsandbytes'")
+        if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+            raise QuantError(f"blocksize={self.blocksize}; use a power of two from 32 to 4096")
+        self.skip = list(self.skip)
+
+    def skips(self, fqn: str) -> bool:
+        """True when `fqn` matches one of `skip` (glob on the FQN, or a bare module name)."""
+        last = fqn.rsplit(".", 1)[-1]
+        return any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.skip)
+
+
+def resolve_quant(quant: str | QuantConfig | None) -> QuantConfig | None:
+    """Turn the `quant=` argument of parallelize into a QuantConfig (or None)."""
+    if quant is None or isinstance(quant, QuantConfig):
+        return quant
+    if isinstance(quant, str):
+        return QuantConfig(format=quant)
+    raise QuantError(f"quant={quant!r}; use None, 'nf4', 'fp4', 'int8' or qm.QuantConfig(...)")
+
+
+class QuantFormat(abc.ABC):
+    """One quantized format of a linear layer's weight (implemented in quant/bnb.py, quant/torchao.py)."""
+
+    name: str
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+
+    @abc.abstractmethod
+    def new_linear(
+        self, in_features: int, out_features: int, *, bias: bool, device: torch.device,
+        dtype: torch.dtype,
+    ) -> nn.Module:
+        """An empty local quantized linear (in_features -> out_features); weight set later.
+
+        `dtype` is the dtype of the bias and of activations; the bias, if any, is an ordinary float
+        parameter named `bias` on the returned module.
+        """
+
+    @abc.abstractmethod
+    def quantize_into(self, module: nn.Module, weight: torch.Tensor) -> None:
+        """Quantize `weight` (out, in), a float tensor already on the module's device, into `module`."""
+
+    @abc.abstractmethod
+    def dequantize(self, module: nn.Module) -> torch.Tensor:
+        """The module's weight as a float tensor (out, in), for export and merging."""
+
+    @abc.abstractmethod
+    def bytes_per_param(self) -> float:
+        """Average bytes per weight element, statistics included (for the memory planner)."""
+
+    def block_elems(self) -> int:
+        """Elements per quantization block of the flattened weight (1 for per-row formats)."""
+        return 1
+
+
+def get_format(config: QuantConfig) -> QuantFormat:
+    """The QuantFormat for a config (imports the backend lazily)."""
+    if config.backend == "torchao":
+        from .torchao import torchao_format
+
+        return torchao_format(config)
+    from .bnb import bnb_format
+
+    return bnb_format(config)

@@ -1,0 +1,153 @@
+"""Run a function on N spawned CPU ranks (gloo) with a hard timeout; every rank's traceback on failure.
+
+This is the one way quantmesh's multi-rank tests start processes. It never hangs: when any rank fails
+or the deadline passes, the others are asked for their stacks (faulthandler) and killed.
+
+Example:
+    >>> def show(rank):
+    ...     import quantmesh as qm
+    ...     return repr(qm.init_mesh(tp=2))
+    >>> run_ranks(show, 2)  # doctest: +SKIP
+    ['Mesh(rank 0/2: ...)', 'Mesh(rank 1/2: ...)']
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RanksFailed", "run_ranks"]
+
+
+class RanksFailed(RuntimeError):
+    """One or more ranks failed or timed out; the message holds every rank's traceback or stack."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, port, args, kwargs, env, log_path, queue):  # pragma: no cover - in child
+    import faulthandler
+    import sys
+
+    log = open(log_path, "w", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 2)
+    sys.stderr = log
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        result = fn(rank, *args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(rank, *args, **kwargs)` on `world_size` spawned processes; return results by rank.
+
+    `fn` must be importable (a module-level function). Each rank gets torchrun's environment
+    variables, so `qm.init_mesh()` inside it just works (gloo on CPU). On any exception, or when
+    `timeout` seconds pass, all ranks are stopped and `RanksFailed` lists every rank's traceback (a
+    hanging rank's current stack is dumped with faulthandler first).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    logdir = tempfile.mkdtemp(prefix="qm-ranks-")
+    logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, port, args, kwargs, env or {}, logs[r], queue),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while len(results) + len(errors) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        try:
+            rank, ok, payload = queue.get(timeout=min(left, 0.5))
+        except Exception:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+            for r in dead:
+                if r not in results and r not in errors:
+                    errors[r] = f"process exited with code {procs[r].exitcode} before reporting"
+            if errors:
+                break
+            continue
+        (results if ok else errors)[rank] = payload
+        if errors:
+            break
+    if errors or timed_out:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGUSR1)  # dump its stack into its log
+        time.sleep(0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        parts = []
+        why = f"timed out after {timeout:.0f} s" if timed_out else "failed"
+        for r in range(world_size):
+            if r in errors:
+                status = errors[r]
+            elif r in results:
+                status = "finished"
+            else:
+                status = "did not finish (stopped)"
+            with open(logs[r], errors="replace") as f:
+                log = f.read()[-6000:]
+            parts.append(f"--- rank {r}: {status}\n{log}")
+        raise RanksFailed(f"{world_size} ranks {why}:\n" + "\n".join(parts))
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,1 @@
+"""Tensor parallelism: autograd collectives, parallel layers, apply_tp."""
