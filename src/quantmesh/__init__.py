@@ -23,6 +23,21 @@ _EXPORTS = {
     "Mesh": "mesh",
     "MeshError": "mesh",
     "init_mesh": "mesh",
+    "empty_model": "empty",
+    "Plan": "plan",
+    "PlanError": "plan",
+    "auto_plan": "autoplan",
+    "parallelize": "parallelize",
+    "QuantConfig": "quant.base",
+    "QuantError": "quant.base",
+    "LoraConfig": "lora",
+    "LoraError": "lora",
+    "trainable_parameters": "lora",
+    "apply_dp": "dp",
+    "no_sync": "dp",
+    "split_layers": "layersplit",
+    "full_state_dict": "state",
+    "clip_grad_norm_": "state",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

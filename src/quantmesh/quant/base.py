@@ -46,17 +46,35 @@ class QuantConfig:
     """int8 only: LLM.int8 outlier threshold (0 disables the mixed-precision decomposition)."""
     skip: list[str] = field(default_factory=lambda: ["lm_head"])
     """Module FQNs or globs to keep unquantized; a bare name matches any module of that name."""
+    targets: list[str] | None = None
+    """Modules to quantize (FQNs, globs or bare names); None = every linear layer not skipped. A
+    target that is not a linear layer is an error (only linears have quantized forms)."""
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise QuantError(f"quant format {self.format!r} is unknown; use one of {', '.join(FORMATS)}")
+            raise QuantError(
+                f"quant format {self.format!r} is unknown; use one of {', '.join(FORMATS)}"
+            )
         if self.backend not in BACKENDS:
-            raise QuantError(f"quant backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+            raise QuantError(
+                f"quant backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}"
+            )
         if self.backend == "torchao" and self.format == "fp4":
-            raise QuantError("torchao has no fp4 format here; use format='nf4' or backend='bitsandbytes'")
+            raise QuantError(
+                "torchao has no fp4 format here; use format='nf4' or backend='bitsandbytes'"
+            )
         if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
             raise QuantError(f"blocksize={self.blocksize}; use a power of two from 32 to 4096")
         self.skip = list(self.skip)
+        if self.targets is not None:
+            self.targets = [self.targets] if isinstance(self.targets, str) else list(self.targets)
+
+    def selects(self, fqn: str) -> bool:
+        """True when `fqn` is named by `targets` (always True when targets is None)."""
+        if self.targets is None:
+            return True
+        last = fqn.rsplit(".", 1)[-1]
+        return any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.targets)
 
     def skips(self, fqn: str) -> bool:
         """True when `fqn` matches one of `skip` (glob on the FQN, or a bare module name)."""
@@ -83,7 +101,12 @@ class QuantFormat(abc.ABC):
 
     @abc.abstractmethod
     def new_linear(
-        self, in_features: int, out_features: int, *, bias: bool, device: torch.device,
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        device: torch.device,
         dtype: torch.dtype,
     ) -> nn.Module:
         """An empty local quantized linear (in_features -> out_features); weight set later.

@@ -1,0 +1,277 @@
+"""auto_plan: the model's own tp plan where it has one, otherwise one inferred from structure.
+
+Structure: in each repeated block (the elements of the model's largest ModuleList), linears are read in
+definition order; a linear that reads the block's width opens (or joins) a column group, and the linear
+that writes the width back (the residual stream) and reads a column group's output closes it as
+rowwise. Conv layers in a Sequential pair the same way when only elementwise ops sit between them. A
+column group left without a rowwise partner is replicated (its output would otherwise stay sharded).
+The input embedding is vocab-split and the output head colwise with gathered logits, tied or not.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .plan import Plan
+from .tp.kinds import kind_of
+
+__all__ = ["auto_plan"]
+
+# Names that read the block input: never chosen as the rowwise closer of a group.
+INPUT_NAMES = {
+    "q",
+    "k",
+    "v",
+    "query",
+    "key",
+    "value",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "c_attn",
+    "qkv",
+    "qkv_proj",
+    "in_proj",
+    "linear_query",
+    "linear_keys",
+    "linear_values",
+    "w_q",
+    "w_k",
+    "w_v",
+    "wq",
+    "wk",
+    "wv",
+    "gate_proj",
+    "up_proj",
+    "w1",
+    "w3",
+    "w_1",
+    "fc1",
+    "c_fc",
+    "gate_up_proj",
+    "query_key_value",
+    "dense_h_to_4h",
+    "lin1",
+    "to_q",
+    "to_k",
+    "to_v",
+}
+# Names that write the residual stream back.
+OUTPUT_NAMES = {
+    "o_proj",
+    "out_proj",
+    "c_proj",
+    "final_linear",
+    "down_proj",
+    "fc2",
+    "w2",
+    "w_2",
+    "wo",
+    "dense",
+    "proj",
+    "dense_4h_to_h",
+    "lin2",
+    "to_out",
+    "out",
+}
+ELEMENTWISE = (
+    nn.ReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.Dropout,
+    nn.Identity,
+    nn.ReLU6,
+    nn.Mish,
+    nn.Hardswish,
+)
+
+
+def auto_plan(model: nn.Module, tp: int) -> Plan:
+    """A Plan for `model` over `tp` ranks; `print(plan)` explains every decision.
+
+    Example:
+        >>> plan = qm.auto_plan(model, tp=2)  # doctest: +SKIP
+        >>> print(plan)                       # doctest: +SKIP
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}; use a positive int")
+    rules: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    hf = _hf_rules(model)
+    if hf:
+        rules.update(hf)
+        notes.update({k: "model's own tp plan" for k in hf})
+    else:
+        r, n = _structural_rules(model)
+        rules.update(r)
+        notes.update(n)
+    emb, head = _embedding_and_head(model)
+    if emb is not None:
+        rules[emb] = "vocab"
+        notes[emb] = "input embedding"
+    if head is not None:
+        rules[head] = "colwise_gather"
+        notes[head] = "output head, logits gathered"
+    _replicate_notes(model, rules, notes)
+    return Plan(rules, notes=notes, model=model, tp=tp, user_rules=())
+
+
+def _hf_rules(model: nn.Module) -> dict[str, str]:
+    cfg = getattr(model, "config", None)
+    base_plan = getattr(cfg, "base_model_tp_plan", None) if cfg is not None else None
+    if not base_plan:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_prefix = bool(prefix) and hasattr(model, prefix)
+    out = {}
+    for k, v in base_plan.items():
+        out[f"{prefix}.{k}" if has_prefix else k] = v
+    for k, v in (getattr(model, "_tp_plan", None) or {}).items():
+        out[k] = v
+    return out
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Elements of the largest ModuleList (by parameters): the repeated blocks. Several lists
+    (encoder and decoder) all count when they are large."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in lists}
+    top = max(sizes.values())
+    out = []
+    for n, m in lists:
+        if sizes[n] >= top * 0.2 and not any(n.startswith(o + ".") for o, _ in out):
+            out += [(f"{n}.{i}", b) for i, b in enumerate(m)]
+    return out
+
+
+def _structural_rules(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    rules: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    for bname, block in _blocks(model):
+        _pair_block(bname, block, rules, notes)
+    for sname, seq in model.named_modules():
+        if isinstance(seq, nn.Sequential):
+            _pair_convs(sname, seq, rules, notes)
+    return rules, notes
+
+
+def _pair_block(bname: str, block: nn.Module, rules: dict, notes: dict) -> None:
+    lins = [
+        (f"{bname}.{n}", m)
+        for n, m in block.named_modules()
+        if n and kind_of(m) is not None and kind_of(m).linear_like
+    ]
+    if not lins:
+        return
+    width = kind_of(lins[0][1]).in_out(lins[0][1])[0]
+    siblings: dict[str, list[str]] = {}
+    for n, _ in lins:
+        siblings.setdefault(n.rsplit(".", 1)[0], []).append(n)
+    group: list[tuple[str, int]] = []  # open column group: (fqn, out features)
+    for fqn, m in lins:
+        fin, fout = kind_of(m).in_out(m)
+        name = fqn.rsplit(".", 1)[-1]
+        closes = (
+            group
+            and fout == width
+            and name not in INPUT_NAMES
+            and (name in OUTPUT_NAMES or siblings[fqn.rsplit(".", 1)[0]][-1] == fqn)
+            and any(fin == o or o % fin == 0 for _, o in group)
+        )
+        if closes:
+            for g, _ in group:
+                rules[g] = "colwise"
+                notes[g] = "structure: reads the block input"
+            rules[fqn] = "rowwise"
+            notes[fqn] = "structure: writes the residual stream"
+            group = []
+        elif fin == width:
+            group.append((fqn, fout))
+        else:
+            rules[fqn] = "replicate"
+            notes[fqn] = "replicated: not part of a column/row pair"
+    for g, _ in group:
+        rules[g] = "replicate"
+        notes[g] = "replicated: no rowwise partner found after it"
+
+
+def _pair_convs(sname: str, seq: nn.Sequential, rules: dict, notes: dict) -> None:
+    items = list(seq.named_children())
+    i = 0
+    while i < len(items):
+        n, m = items[i]
+        k = kind_of(m)
+        if k is not None and k.name == "Conv2d":
+            j = i + 1
+            while j < len(items) and isinstance(items[j][1], ELEMENTWISE):
+                j += 1
+            if (
+                j < len(items)
+                and kind_of(items[j][1]) is not None
+                and kind_of(items[j][1]).name == "Conv2d"
+                and items[j][1].in_channels == m.out_channels
+            ):
+                a, b = (
+                    f"{sname}.{n}" if sname else n,
+                    f"{sname}.{items[j][0]}" if sname else items[j][0],
+                )
+                rules[a], notes[a] = "colwise", "structure: conv, output channels split"
+                rules[b], notes[b] = "rowwise", "structure: conv, input channels split"
+                i = j + 1
+                continue
+        i += 1
+
+
+def _embedding_and_head(model: nn.Module) -> tuple[str | None, str | None]:
+    names = {id(m): n for n, m in model.named_modules()}
+    emb = head = None
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    try:
+        e = get_in() if callable(get_in) else None
+        h = get_out() if callable(get_out) else None
+    except (NotImplementedError, AttributeError):
+        e = h = None
+    if isinstance(e, nn.Embedding):
+        emb = names.get(id(e))
+    if h is not None and kind_of(h) is not None and kind_of(h).linear_like:
+        head = names.get(id(h))
+    if emb is None:  # a custom model: the largest embedding is the token embedding
+        embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        if embs:
+            emb = max(embs, key=lambda x: x[1].num_embeddings)[0]
+    if head is None and emb is not None:
+        vocab = model.get_submodule(emb).num_embeddings
+        lins = [
+            (n, m)
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m.out_features == vocab
+        ]
+        if lins:
+            head = lins[-1][0]
+    return emb, head
+
+
+def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
+    """Say why norms and other parameterized leaves stay whole (shown in the table)."""
+    for n, m in model.named_modules():
+        if not n or n in rules or list(m.children()) or not any(True for _ in m.parameters(False)):
+            continue
+        if any(p and p != n and n.startswith(p + ".") for p in rules):
+            continue
+        t = type(m).__name__
+        if "Norm" in t:
+            why = f"replicated: {t}"
+        elif isinstance(m, nn.Embedding):
+            why = "replicated: small embedding"
+        elif kind_of(m) is None:
+            why = f"replicated: {t} has no parallel form"
+        else:
+            continue
+        rules[n] = "replicate"
+        notes[n] = why

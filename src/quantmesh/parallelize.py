@@ -1,0 +1,115 @@
+"""parallelize: the one ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
+
+Everything is validated first (plan against the model, quant and LoRA targets), before any allocation
+or collective. Then each planned / quantized / adapted module becomes a ShardedModule holding this
+rank's shard on its device; the rest is materialized there; finally trainable parameters get their
+gradient sync over dp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .autoplan import auto_plan
+from .dp import apply_dp
+from .layersplit import install_moves, layer_placement
+from .lora import LoraConfig, LoraError, lora_targets
+from .plan import Plan
+from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
+from .tp.apply import apply_tp
+from .tp.kinds import kind_of
+
+__all__ = ["parallelize"]
+
+
+def parallelize(
+    model: nn.Module,
+    mesh,
+    *,
+    plan: Plan | dict[str, str] | None = None,
+    quant: str | QuantConfig | None = None,
+    lora: LoraConfig | None = None,
+    dtype: torch.dtype | None = None,
+    data_parallel: bool = True,
+) -> nn.Module:
+    """Tensor-parallelize, quantize and LoRA-adapt `model` in place over `mesh`; returns it.
+
+    Module and parameter names never change. A model built under `qm.empty_model()` gets
+    uninitialized shards (fill them with `qm.load_checkpoint`); a model with real CPU weights is
+    sliced per rank, and each rank's slice is moved and quantized on its device.
+
+    Args:
+        plan: a Plan or {fqn/glob: style}; None = `qm.auto_plan(model, mesh.tp)`.
+        quant: None, "nf4", "fp4", "int8" or a QuantConfig (every linear except `skip`).
+        lora: adapters on the targeted linears; everything else is frozen.
+        dtype: cast floating-point weights (e.g. torch.bfloat16); None keeps the model's.
+        data_parallel: sync trainable gradients over mesh.dp (torch's DDP engine).
+
+    Example:
+        >>> model = qm.parallelize(model, mesh, quant="nf4",
+        ...                        lora=qm.LoraConfig(r=16, targets=["q_proj", "v_proj"]))  # doctest: +SKIP
+    """
+    if isinstance(plan, dict):
+        plan = Plan(plan)
+    if plan is None:
+        plan = auto_plan(model, mesh.tp)
+    qcfg = resolve_quant(quant)
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise LoraError(f"lora={lora!r}; pass qm.LoraConfig(r=..., targets=[...]) or None")
+    if len(mesh.devices) > 1 and mesh.tp > 1:
+        raise ValueError(
+            f"devices_per_rank={len(mesh.devices)} with tp={mesh.tp}: a rank either splits its "
+            f"replica's layers over its own devices or joins a tp group, not both; use tp=1"
+        )
+
+    # 1. validate everything before allocating anything
+    resolved = plan.resolve(model, mesh.tp)
+    wrap: dict[str, dict] = {e.fqn: {} for e in resolved.sharded()}
+    fmt = get_format(qcfg) if qcfg is not None else None
+    if qcfg is not None:
+        for fqn, m in model.named_modules():
+            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn):
+                continue
+            k = kind_of(m)
+            if k is not None and k.linear_like:
+                wrap.setdefault(fqn, {})["fmt"] = fmt
+            elif qcfg.targets is not None and _is_leaf_with_weight(m):
+                raise QuantError(
+                    f"{fqn} is a {type(m).__name__}; {qcfg.backend} quantizes only linear layers; "
+                    f"remove it from QuantConfig(targets=...) or add it to skip"
+                )
+    if lora is not None:
+        for fqn in lora_targets(model, lora):
+            m = model.get_submodule(fqn)
+            k = kind_of(m)
+            if k is None or not k.linear_like:
+                raise LoraError(
+                    f"LoRA target {fqn} is a {type(m).__name__}; LoRA applies to linear layers "
+                    f"only; narrow LoraConfig(targets=...)"
+                )
+            e = resolved.entries.get(fqn)
+            if e is not None and e.style == "vocab":
+                raise LoraError(f"LoRA on a vocab-split embedding ({fqn}) is not supported")
+            wrap.setdefault(fqn, {})["lora"] = True
+
+    # 2. build shards on their devices (quantized there), attach adapters, materialize the rest
+    placement = layer_placement(model, mesh.devices)
+    if lora is not None:
+        model.requires_grad_(False)
+    apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, dtype=dtype, lora=lora)
+    if len(mesh.devices) > 1:
+        install_moves(model, placement)
+    model._qm_mesh = mesh
+    model._qm_plan = resolved
+    model._qm_lora = lora
+    model._qm_quant = qcfg
+
+    # 3. data parallel over the trainable parameters
+    if data_parallel and mesh.dp > 1:
+        apply_dp(model, mesh)
+    return model
+
+
+def _is_leaf_with_weight(m: nn.Module) -> bool:
+    return getattr(m, "weight", None) is not None and not list(m.children())

@@ -1,0 +1,345 @@
+"""A plan is data: {module FQN or glob: style}. Resolving it against a model gives one entry per module.
+
+Resolution validates everything before any allocation or collective: unknown names, styles that do not
+fit a module, dimensions that cannot be split, tied weights split differently. Every replicated module
+of interest carries the reason, and `str(plan)` prints the table.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .heads import KV_ATTRS, Q_ATTRS, SIZE_ATTRS, HeadInfo, find_heads, split_features
+from .styles import HF_STYLE_ALIASES, STYLES, FeatureSplit
+from .tp.kinds import Kind, kind_of
+
+__all__ = ["Plan", "PlanError", "Entry", "Resolved"]
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the model; the message names the module, the shapes and the fix."""
+
+
+@dataclass
+class Entry:
+    """The resolved decision for one module."""
+
+    fqn: str
+    type_name: str
+    style: str
+    split: FeatureSplit | None
+    reason: str
+    kind: Kind | None = None
+    heads: HeadInfo | None = None
+
+    def local_shape(self, module: nn.Module, rank: int) -> tuple[int, ...]:
+        """Shape of rank's local weight (in the module's own layout)."""
+        w = getattr(module, "weight", None)
+        if w is None:
+            return ()
+        shape = list(w.shape)
+        if self.split is not None and self.kind is not None:
+            dim = self.kind.w_out_dim if self.style.startswith("colwise") else self.kind.w_in_dim
+            shape[dim] = self.split.size(rank)
+        return tuple(shape)
+
+
+@dataclass
+class Resolved:
+    """A plan resolved against one model and tp size."""
+
+    tp: int
+    entries: dict[str, Entry]  # sharded or otherwise notable modules, in model order
+    attr_updates: dict[str, dict[str, list[int]]] = field(
+        default_factory=dict
+    )  # owner -> attr -> per rank
+
+    def sharded(self) -> list[Entry]:
+        return [e for e in self.entries.values() if e.split is not None]
+
+
+def _canon(style: str, where: str) -> str:
+    s = HF_STYLE_ALIASES.get(style, style)
+    if s not in STYLES:
+        raise PlanError(f"unknown style {style!r} for {where}; use one of {', '.join(STYLES)}")
+    return s
+
+
+class Plan:
+    """Module FQNs or globs mapped to styles; later rules (overrides) win over earlier ones.
+
+    Example:
+        >>> plan = qm.auto_plan(model, tp=2)                                  # doctest: +SKIP
+        >>> plan = plan.override({"blocks.*.attn.proj": "rowwise", "head": "replicate"})  # doctest: +SKIP
+        >>> print(plan)                                                       # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        rules: dict[str, str] | None = None,
+        *,
+        notes: dict[str, str] | None = None,
+        model: nn.Module | None = None,
+        tp: int | None = None,
+        user_rules: tuple[str, ...] = (),
+    ):
+        self.rules = {k: _canon(v, k) for k, v in (rules or {}).items()}
+        self.notes = dict(notes or {})  # fqn/glob -> why the planner chose it
+        self.user_rules = (
+            tuple(user_rules) if user_rules else tuple(self.rules) if model is None else ()
+        )
+        self._model, self._tp = model, tp
+
+    def override(self, rules: dict[str, str]) -> Plan:
+        """A new plan where `rules` take precedence (user overrides must match some module)."""
+        merged = {k: v for k, v in self.rules.items() if k not in rules}
+        merged.update(rules)
+        notes = {k: v for k, v in self.notes.items() if k not in rules}
+        notes.update({k: "override" for k in rules})
+        return Plan(
+            merged,
+            notes=notes,
+            model=self._model,
+            tp=self._tp,
+            user_rules=self.user_rules + tuple(rules),
+        )
+
+    def __iter__(self):
+        return iter(self.rules.items())
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def style_for(self, fqn: str) -> tuple[str, str] | None:
+        """(style, rule) of the last rule that matches `fqn`; an exact name beats a glob."""
+        if fqn in self.rules:
+            return self.rules[fqn], fqn
+        hit = None
+        for pat, style in self.rules.items():
+            if any(c in pat for c in "*?[") and fnmatch.fnmatchcase(fqn, pat):
+                hit = (style, pat)
+        return hit
+
+    # ------------------------------------------------------------------------------------------
+    def resolve(self, model: nn.Module, tp: int) -> Resolved:
+        """Validate against `model` and decide every module's split for `tp` ranks."""
+        modules = dict(model.named_modules())
+        for pat in self.user_rules:
+            if pat in modules or (
+                any(c in pat for c in "*?[") and any(fnmatch.fnmatchcase(n, pat) for n in modules)
+            ):
+                continue
+            close = [n for n in modules if n.endswith(pat.rsplit(".", 1)[-1])][:5]
+            hint = f"; modules with that last name: {', '.join(close)}" if close else ""
+            raise PlanError(f"plan rule {pat!r} matches no module of {type(model).__name__}{hint}")
+        entries: dict[str, Entry] = {}
+        for fqn, mod in modules.items():
+            hit = self.style_for(fqn) if fqn else None
+            if hit is None:
+                continue
+            style, rule = hit
+            entries[fqn] = self._resolve_one(model, fqn, mod, style, rule, tp)
+        _segment_packed(model, entries, tp)
+        _check_direct_use(model, entries)
+        _check_ties(model, entries)
+        return Resolved(tp, entries, _attr_updates(model, entries, tp))
+
+    def _resolve_one(self, model, fqn, mod, style, rule, tp) -> Entry:
+        kind = kind_of(mod)
+        note = self.notes.get(rule, self.notes.get(fqn, ""))
+        tname = type(mod).__name__
+        if style == "replicate":
+            return Entry(fqn, tname, "replicate", None, note or "replicated: by plan", kind)
+        if kind is None:
+            raise PlanError(
+                f"style {style!r} does not fit {fqn} ({tname}): quantmesh splits Linear, "
+                f"transformers Conv1D, Embedding and Conv2d (groups=1); use 'replicate' for it"
+            )
+        if style == "vocab" and kind.name != "Embedding":
+            raise PlanError(
+                f"style 'vocab' needs an Embedding, but {fqn} is a {tname}; "
+                f"use 'colwise' or 'rowwise'"
+            )
+        if style != "vocab" and kind.name == "Embedding":
+            raise PlanError(f"{fqn} is an Embedding; use 'vocab' (split its rows) or 'replicate'")
+        in_f, out_f = kind.in_out(mod)
+        n = out_f if style.startswith("colwise") else in_f
+        heads = find_heads(model, fqn) if style in ("colwise", "rowwise") else None
+        if tp == 1:
+            return Entry(fqn, tname, style, None, "tp=1", kind, heads)
+        split, how = split_features(n, tp, heads)
+        if split is None:
+            return Entry(fqn, tname, "replicate", None, f"replicated: {how}", kind, heads)
+        return Entry(fqn, tname, style, split, f"{note + ', ' if note else ''}{how}", kind, heads)
+
+    # ------------------------------------------------------------------------------------------
+    def table(self, model: nn.Module | None = None, tp: int | None = None) -> str:
+        """The plan as a table: module, type, style, local weight shape per rank, and why."""
+        model = model if model is not None else self._model
+        tp = tp if tp is not None else self._tp
+        if model is None or tp is None:
+            return "\n".join(f"{k}: {v}" for k, v in self.rules.items())
+        res = self.resolve(model, tp)
+        rows = [("module", "type", "style", "local weight per rank", "why")]
+        for e in _collapse(res, model):
+            rows.append(e)
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        lines.insert(1, "-" * min(120, len(lines[0])))
+        for owner, attrs in res.attr_updates.items():
+            for a, vals in attrs.items():
+                lines.append(
+                    f"per-rank attribute: {_globify(owner)}.{a} = {'/'.join(str(v) for v in vals)}"
+                )
+        return f"Plan for tp={tp}:\n" + "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"Plan({self.rules!r})"
+
+
+_NUM = re.compile(r"\.(\d+)\.")
+
+
+def _globify(fqn: str) -> str:
+    return _NUM.sub(".*.", f".{fqn}.").strip(".")
+
+
+def _collapse(res: Resolved, model: nn.Module) -> list[tuple[str, ...]]:
+    """One row per distinct (glob, type, style, shapes, why): repeated blocks print once."""
+    seen: dict[tuple, int] = {}
+    rows: list[list] = []
+    for e in res.entries.values():
+        mod = model.get_submodule(e.fqn)
+        shapes = "/".join(
+            "x".join(str(d) for d in e.local_shape(mod, r)) for r in range(res.tp if e.split else 1)
+        )
+        key = (_globify(e.fqn), e.type_name, e.style, shapes, e.reason)
+        if key in seen:
+            rows[seen[key]][5] += 1
+            continue
+        seen[key] = len(rows)
+        rows.append([*key, 1])
+    out = []
+    for g, t, s, sh, why, count in rows:
+        out.append((g + (f" (x{count})" if count > 1 else ""), t, s, sh, why))
+    return out
+
+
+def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> None:
+    """Packed projections (q|k|v, gate|up): split each segment alike with the rowwise reader."""
+    from .styles import segmented_split
+
+    for e in list(entries.values()):
+        if e.style != "colwise" or e.split is None:
+            continue
+        parent = e.fqn.rsplit(".", 1)[0] if "." in e.fqn else ""
+        mod = model.get_submodule(e.fqn)
+        out_f = e.kind.in_out(mod)[1]
+        for o in entries.values():
+            if o.style != "rowwise" or (o.fqn.rsplit(".", 1)[0] if "." in o.fqn else "") != parent:
+                continue
+            in_r = o.kind.in_out(model.get_submodule(o.fqn))[0]
+            h = e.heads
+            segs = None
+            if out_f == in_r:
+                break
+            if h is not None and in_r == h.q_size and out_f == h.q_size + 2 * h.kv_size:
+                segs = [h.q_size, h.kv_size, h.kv_size]
+            elif out_f in (2 * in_r, 3 * in_r):
+                segs = [in_r] * (out_f // in_r)
+            if segs:
+                parts = []
+                for n in segs:
+                    s, _ = split_features(n, tp, h)
+                    if s is None:
+                        break
+                    parts.append(s)
+                if len(parts) == len(segs) and o.split is not None:
+                    e.split = segmented_split(parts)
+                    e.reason += f", packed {len(segs)} segments"
+                else:
+                    e.style, e.split = "replicate", None
+                    e.reason = f"replicated: packed segments of {e.fqn} cannot be split over {tp}"
+                break
+
+
+_SRC_CACHE: dict[type, str] = {}
+
+
+def _forward_src(cls: type) -> str:
+    if cls not in _SRC_CACHE:
+        try:
+            _SRC_CACHE[cls] = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            _SRC_CACHE[cls] = ""
+    return _SRC_CACHE[cls]
+
+
+def _check_direct_use(model: nn.Module, entries: dict[str, Entry]) -> None:
+    """Replicate modules whose weight a parent reads directly (F.linear(x, self.proj.weight))."""
+    for e in entries.values():
+        if e.split is None:
+            continue
+        parts = e.fqn.split(".")
+        name = parts[-1]
+        pat = re.compile(rf"\.{re.escape(name)}\.(weight|bias)\b")
+        for i in range(len(parts) - 1, -1, -1):
+            anc = model.get_submodule(".".join(parts[:i]))
+            if pat.search(_forward_src(type(anc))):
+                e.style, e.split = "replicate", None
+                e.reason = f"replicated: {type(anc).__name__}.forward reads {name}.weight directly"
+                break
+
+
+def _check_ties(model: nn.Module, entries: dict[str, Entry]) -> None:
+    """Tied weights (embedding and head) must be split alike."""
+    owners: dict[int, list[str]] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        w = mod._parameters.get("weight") if hasattr(mod, "_parameters") else None
+        if w is not None:
+            owners.setdefault(id(w), []).append(fqn)
+    for names in owners.values():
+        if len(names) < 2:
+            continue
+        es = [entries.get(n) for n in names]
+        splits = {(e.split.per_rank if e and e.split else None) for e in es}
+        if len(splits) > 1:
+            desc = ", ".join(f"{n} ({e.style if e else 'replicate'})" for n, e in zip(names, es))
+            raise PlanError(
+                f"tied weights are split differently: {desc}; give both the same split "
+                f"(an embedding 'vocab' with its head 'colwise_gather'), or replicate both"
+            )
+
+
+def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
+    """Per-rank head counts for attention modules that store them (not transformers configs)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for e in entries.values():
+        h = e.heads
+        if e.split is None or h is None or h.from_config or e.style != "colwise":
+            continue
+        mod = model.get_submodule(e.fqn)
+        q = h.q_size
+        if e.kind.in_out(mod)[1] not in (q, q + 2 * h.kv_size):  # q, or packed q|k|v
+            continue
+        owner = model.get_submodule(h.owner)
+        q_local = [sum(min(b, q) - a for a, b in e.split.ranges(r) if a < q) for r in range(tp)]
+        ups = out.setdefault(h.owner, {})
+        for a in Q_ATTRS:
+            if isinstance(getattr(owner, a, None), int):
+                ups[a] = [q // h.head_dim for q in q_local]
+        for a in KV_ATTRS:
+            if isinstance(getattr(owner, a, None), int):
+                ups[a] = [q // h.head_dim // (h.heads // h.kv_heads) for q in q_local]
+        for a in SIZE_ATTRS:
+            if getattr(owner, a, None) == h.q_size:
+                ups[a] = q_local
+    return out

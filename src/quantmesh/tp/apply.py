@@ -1,0 +1,128 @@
+"""apply_tp: swap every planned, quantized or LoRA-targeted module for a ShardedModule, in place.
+
+Order per module: build the empty local shard on its device -> fill it from the original module when
+that one holds real weights (sliced per rank first, so no device ever sees a full copy) -> attach LoRA.
+Modules left alone are materialized on their device (meta -> uninitialized, to be loaded).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layersplit import device_of
+from ..styles import slice_dim
+from .kinds import kind_of
+from .layers import ShardedModule
+
+__all__ = ["apply_tp", "sharded_modules"]
+
+
+def sharded_modules(model: nn.Module) -> list[tuple[str, ShardedModule]]:
+    """(fqn, module) for every ShardedModule in `model`."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ShardedModule)]
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    owners: dict[int, list[str]] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        w = mod._parameters.get("weight")
+        if w is not None:
+            owners.setdefault(id(w), []).append(fqn)
+    return [names for names in owners.values() if len(names) > 1]
+
+
+def apply_tp(
+    model: nn.Module, mesh, resolved, *, wrap: dict[str, dict], placement, dtype=None, lora=None
+) -> nn.Module:
+    """Replace modules named in `wrap` ({fqn: {"fmt": QuantFormat|None}}) by ShardedModules.
+
+    Example:
+        >>> apply_tp(model, mesh, plan.resolve(model, mesh.tp), wrap=..., placement={"": dev})  # doctest: +SKIP
+    """
+    from ..lora import attach_lora
+
+    tied = _tied_groups(model)
+    built: dict[str, ShardedModule] = {}
+    for fqn in [n for n, _ in model.named_modules() if n in wrap]:
+        orig = model.get_submodule(fqn)
+        entry = resolved.entries.get(fqn)
+        split = entry.split if entry is not None else None
+        style = entry.style if split is not None else "replicate"
+        device = device_of(placement, fqn)
+        m = ShardedModule.build(
+            orig,
+            fqn,
+            kind_of(orig),
+            style,
+            split,
+            rank=mesh.tp_rank,
+            group=mesh.tp_group if split is not None else None,
+            device=device,
+            dtype=dtype,
+            fmt=wrap[fqn].get("fmt"),
+        )
+        if orig.weight.device.type != "meta":
+            for name, sl in m.param_slices().items():
+                t = getattr(orig, name)
+                m.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
+            m.loaded = True
+        else:
+            m.loaded = False
+        if lora is not None and wrap[fqn].get("lora"):
+            attach_lora(m, lora, device=device)
+        parent_name, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, m)
+        built[fqn] = m
+    for names in tied:  # re-tie shared weights (their splits were checked equal by the plan)
+        first = next((built[n] for n in names if n in built), None)
+        for n in names:
+            if n in built and built[n] is not first and first.fmt is None and built[n].fmt is None:
+                built[n].local._parameters["weight"] = first.local._parameters["weight"]
+                built[n]._sync_from_local()
+    _materialize_rest(model, placement, dtype)
+    for owner, attrs in resolved.attr_updates.items():
+        mod = model.get_submodule(owner)
+        for a, per_rank in attrs.items():
+            setattr(mod, a, per_rank[mesh.tp_rank])
+    return model
+
+
+@torch.no_grad()
+def _materialize_rest(model: nn.Module, placement, dtype) -> None:
+    """Everything not sharded: meta -> empty on its device; real -> moved (and cast) there.
+    A parameter shared by several modules (tied weights) stays shared."""
+    done: dict[int, nn.Parameter] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, ShardedModule):
+            continue
+        dev = device_of(placement, fqn)
+        for name, p in list(mod._parameters.items()):
+            if p is None or _inside_sharded(model, fqn):
+                continue
+            if id(p) in done:
+                mod._parameters[name] = done[id(p)]
+                continue
+            dt = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
+            if p.device.type == "meta":
+                new = torch.empty_like(p, device=dev, dtype=dt)
+            elif p.device != dev or p.dtype != dt:
+                new = p.to(device=dev, dtype=dt)
+            else:
+                continue
+            done[id(p)] = mod._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if b.device.type == "meta":
+                mod._buffers[name] = torch.empty_like(b, device=dev)
+            elif b.device != dev:
+                mod._buffers[name] = b.to(dev)
+
+
+def _inside_sharded(model: nn.Module, fqn: str) -> bool:
+    parts = fqn.split(".")
+    for i in range(len(parts), 0, -1):
+        if isinstance(model.get_submodule(".".join(parts[:i])), ShardedModule):
+            return True
+    return False

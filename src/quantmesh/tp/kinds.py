@@ -1,0 +1,82 @@
+"""Module kinds the parallel layers know: where each one keeps its input and output features.
+
+A kind maps the feature-space split of a style onto parameter dimensions, and builds an empty local
+module of the same kind with fewer features. Quantization applies to linear-like kinds only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Kind", "kind_of"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    w_out_dim: int  # dim of `weight` holding output features
+    w_in_dim: int  # dim of `weight` holding input features
+    feat_dim: int  # dim of the activations holding features (-1 for linears, 1 for conv2d)
+    linear_like: bool  # y = x W^T + b, possibly with a transposed weight; quantizable
+
+    def in_out(self, module: nn.Module) -> tuple[int, int]:
+        w = module.weight
+        return int(w.shape[self.w_in_dim]), int(w.shape[self.w_out_dim])
+
+
+LINEAR = Kind("Linear", 0, 1, -1, True)
+CONV1D = Kind("Conv1D", 1, 0, -1, True)  # transformers' GPT-2 Conv1D: weight (in, out)
+EMBEDDING = Kind("Embedding", 1, 0, -1, False)  # rows: vocabulary ("in"), cols: features ("out")
+CONV2D = Kind("Conv2d", 0, 1, 1, False)
+
+
+def kind_of(module: nn.Module) -> Kind | None:
+    """The Kind of `module`, or None when quantmesh cannot shard it (it is then replicated)."""
+    if isinstance(module, nn.Linear) or _is_quant_linear(module):
+        return LINEAR
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return CONV1D
+    if isinstance(module, nn.Embedding):
+        return EMBEDDING
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        return CONV2D
+    return None
+
+
+def _is_quant_linear(module: nn.Module) -> bool:
+    return type(module).__name__ in ("Linear4bit", "Linear8bitLt", "LinearNF4")
+
+
+def new_local(
+    kind: Kind, orig: nn.Module, in_f: int, out_f: int, bias: bool, device, dtype
+) -> nn.Module:
+    """An empty module of `orig`'s kind with `in_f` -> `out_f` features, on `device` (uninitialized)."""
+    if kind is LINEAR:
+        return nn.Linear(in_f, out_f, bias=bias, device=device, dtype=dtype)
+    if kind is CONV1D:
+        with torch.device(device):
+            m = type(orig)(out_f, in_f)  # Conv1D(nf, nx)
+        m.to(dtype)
+        if not bias:
+            m.bias = None
+        return m
+    if kind is EMBEDDING:
+        return nn.Embedding(in_f, out_f, device=device, dtype=dtype)
+    if kind is CONV2D:
+        return nn.Conv2d(
+            in_f,
+            out_f,
+            orig.kernel_size,
+            orig.stride,
+            orig.padding,
+            orig.dilation,
+            1,
+            bias,
+            orig.padding_mode,
+            device=device,
+            dtype=dtype,
+        )
+    raise AssertionError(kind)

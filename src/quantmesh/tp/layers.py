@@ -1,0 +1,235 @@
+"""The one parallel layer: a wrapper around a *local* module holding only this rank's shard.
+
+The wrapper sits in the model tree under the original name and registers the local module's
+parameters under their original names, so `state_dict()` keys never change (no wrapper prefixes). The
+local module may be nn.Linear, transformers' Conv1D, nn.Embedding, nn.Conv2d, or a quantized linear
+built by a QuantFormat; this file never names a format. LoRA adapters, when attached, live here too
+(`lora_A`, `lora_B`), sharded as derived from the base style (see lora.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..styles import FeatureSplit, Ranges
+from .comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from .kinds import Kind, new_local
+
+__all__ = ["ShardedModule"]
+
+
+class ShardedModule(nn.Module):
+    """A module of `kind` split by `style` over a tp group (or replicated, for quant/LoRA only).
+
+    Built empty (uninitialized or on meta); `load_param` fills it one parameter slice at a time.
+
+    Example:
+        >>> m = ShardedModule.build(nn.Linear(8, 16), "model.q", kind_of(lin), "colwise",
+        ...                         split, rank=0, group=g, device="cpu")  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @classmethod
+    def build(
+        cls,
+        orig: nn.Module,
+        fqn: str,
+        kind: Kind,
+        style: str,
+        split: FeatureSplit | None,
+        *,
+        rank: int,
+        group,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+        fmt=None,
+    ) -> ShardedModule:
+        self = cls()
+        self.fqn, self.kind, self.style, self.split = fqn, kind, style, split
+        self.tp_rank, self.group, self.fmt = rank, group, fmt
+        self.tp = 1 if split is None else len(split.per_rank)
+        in_full, out_full = kind.in_out(orig)
+        self.in_full, self.out_full = in_full, out_full
+        in_l, out_l = in_full, out_full
+        if style in ("colwise", "colwise_gather"):
+            out_l = split.size(rank)
+        elif style in ("rowwise", "vocab"):
+            in_l = split.size(rank)
+        self.in_local, self.out_local = in_l, out_l
+        has_bias = getattr(orig, "bias", None) is not None
+        # rowwise: each rank's partial sum must not carry the bias; the wrapper adds it once, after
+        # the reduction, so the bias lives on the wrapper (same name) and the local module has none.
+        local_bias = has_bias and style != "rowwise"
+        dt = dtype or orig.weight.dtype
+        self.float_dtype = dt
+        if fmt is not None:
+            local = fmt.new_linear(in_l, out_l, bias=local_bias, device=device, dtype=dt)
+        else:
+            local = new_local(kind, orig, in_l, out_l, local_bias, device, dt)
+        if kind.name == "Embedding":
+            self.padding_idx = orig.padding_idx
+        for name, p in local.named_parameters(recurse=False):  # keep the original's frozen-ness
+            op = getattr(orig, name, None)
+            p.requires_grad_(
+                isinstance(op, nn.Parameter) and op.requires_grad and p.is_floating_point()
+            )
+        object.__setattr__(self, "local", local)  # hidden: not a child, so no extra FQN level
+        self._sync_from_local()
+        if has_bias and style == "rowwise":
+            self.bias = nn.Parameter(
+                torch.empty(out_full, device=device, dtype=dt),
+                requires_grad=orig.bias.requires_grad,
+            )
+        self.device_hint = torch.device(device)
+        self.lora_scale: float | None = None  # set by lora.attach_lora, with lora_A / lora_B
+        return self
+
+    # ---- parameters shared with the hidden local module --------------------------------------
+    def _sync_from_local(self) -> None:
+        """(Re-)register the local module's parameters on the wrapper under the same names."""
+        for name, p in self.local._parameters.items():
+            if name == "bias" and self.style == "rowwise":
+                continue
+            self._parameters[name] = p
+        for name, b in self.local._buffers.items():
+            self._buffers[name] = b
+
+    def _apply(self, fn, recurse=True):
+        shared = [n for n in self._parameters if n in self.local._parameters]
+        for n in shared:
+            del self._parameters[n]
+        super()._apply(fn, recurse)  # own params (rowwise bias) and children (LoRA)
+        self.local._apply(fn)
+        self._sync_from_local()
+        return self
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.local.train(mode)
+        return self
+
+    # ---- slices: where each parameter comes from in the full (checkpoint-layout) tensor -------
+    def param_slices(self) -> dict[str, tuple[int, Ranges] | None]:
+        """For each base parameter name: (dim, ranges) of the full tensor it holds, or None (whole)."""
+        k, st, r = self.kind, self.style, self.tp_rank
+        out: dict[str, tuple[int, Ranges] | None] = {"weight": None}
+        if self.has_bias:
+            out["bias"] = None
+        if st in ("colwise", "colwise_gather"):
+            out["weight"] = (k.w_out_dim, self.split.ranges(r))
+            if self.has_bias:
+                out["bias"] = (0, self.split.ranges(r))
+        elif st in ("rowwise", "vocab"):
+            out["weight"] = (k.w_in_dim, self.split.ranges(r))
+        return out
+
+    @property
+    def has_bias(self) -> bool:
+        return self._parameters.get("bias") is not None
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of this rank's slice of base parameter `name`, in checkpoint layout."""
+        if name == "bias":
+            return (self.out_local if self.style != "rowwise" else self.out_full,)
+        shape = [0, 0]
+        shape[self.kind.w_out_dim] = self.out_local
+        shape[self.kind.w_in_dim] = self.in_local
+        if self.kind.name == "Conv2d":
+            shape += list(self.local.kernel_size)
+        return tuple(shape)
+
+    @torch.no_grad()
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        """Set base parameter `name` from this rank's slice (checkpoint layout, any device/dtype)."""
+        expected = self.local_shape(name)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{self.fqn}.{name}: got a slice of shape {tuple(value.shape)}, expected {expected} "
+                f"(style {self.style}, tp rank {self.tp_rank}/{self.tp})"
+            )
+        device = self.device_hint
+        if name == "weight" and self.fmt is not None:
+            w = value.t() if self.kind.name == "Conv1D" else value  # quantized layout is (out, in)
+            w = w.to(
+                device=device, dtype=torch.float32 if device.type == "cpu" else self.float_dtype
+            )
+            self.fmt.quantize_into(self.local, w.contiguous())
+            self._sync_from_local()
+            return
+        owner = self if (name == "bias" and self.style == "rowwise") else self.local
+        p = owner._parameters[name]
+        if p.device.type == "meta":
+            new = nn.Parameter(
+                value.to(device=device, dtype=self.float_dtype).clone(),
+                requires_grad=p.requires_grad,
+            )
+            owner._parameters[name] = new
+            self._sync_from_local()
+        else:
+            p.copy_(value.to(dtype=p.dtype))
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        st, g, tp = self.style, self.group, self.tp
+        if st == "vocab":
+            return self._vocab_forward(x)
+        if st == "rowwise":
+            return self._rowwise_forward(x, *args, **kwargs)
+        # colwise / colwise_gather / replicate: the input is whole on every rank
+        y = self.local(copy_to_tp(x, g) if tp > 1 else x, *args, **kwargs)
+        if self.lora_scale is not None:
+            # A is whole and sees the whole input, so its gradient is complete on every rank;
+            # the copy-to-tp op sits after A, where the tensor is only r wide.
+            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., r)
+            if tp > 1:
+                a = copy_to_tp(a, g)
+            y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
+        if st == "colwise_gather" and tp > 1:
+            y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
+        return y
+
+    def _rowwise_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        g, tp, fd = self.group, self.tp, self.kind.feat_dim
+        if x.shape[fd] != self.in_local:  # a replicated input: keep our part (grads gathered)
+            if not self.split.contiguous() or x.shape[fd] != self.in_full:
+                raise ValueError(
+                    f"{self.fqn}: rowwise input has {x.shape[fd]} features; expected this rank's "
+                    f"{self.in_local} (or all {self.in_full})"
+                )
+            x = split_to_tp(x, fd, self.split.sizes(), self.tp_rank, g)
+        y = self.local(x, *args, **kwargs)  # (..., out) partial sum over this rank's inputs
+        a = None
+        if self.lora_scale is not None:
+            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., r) partial
+            if tp > 1:  # one all-reduce carries both partial sums
+                both = reduce_from_tp(torch.cat([y, a.to(y.dtype)], dim=-1), g)
+                y, a = both.split([y.shape[-1], a.shape[-1]], dim=-1)
+                a = a.to(self.lora_A.weight.dtype)
+        elif tp > 1:
+            y = reduce_from_tp(y, g)
+        bias = self._parameters.get("bias")
+        if bias is not None:
+            shape = [1] * y.dim()
+            shape[fd] = -1
+            y = y + bias.view(shape).to(y.dtype)
+        if a is not None:  # B is whole and sees the summed A output: complete gradients
+            y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)
+        return y
+
+    def _vocab_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ((start, stop),) = self.split.ranges(self.tp_rank)
+        outside = (ids < start) | (ids >= stop)
+        local_ids = (ids - start).masked_fill(outside, 0)
+        y = self.local(local_ids)  # (..., E); rows of other ranks' tokens are zeroed, then summed
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        return reduce_from_tp(y, self.group) if self.tp > 1 else y
+
+    def extra_repr(self) -> str:
+        q = f", quant={self.fmt.name}" if self.fmt is not None else ""
+        return (
+            f"{self.kind.name}({self.in_full} -> {self.out_full}), style={self.style}, "
+            f"local=({self.in_local} -> {self.out_local}), tp {self.tp_rank}/{self.tp}{q}"
+        )
