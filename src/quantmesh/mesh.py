@@ -91,7 +91,9 @@ def resolve_sizes(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int,
     sizes = {"dp": dp, "pp": pp, "tp": tp}
     for name, v in sizes.items():
         if not isinstance(v, int) or (v < 1 and v != -1):
-            raise MeshError(f"{name}={v!r} is not a valid mesh size; use a positive int, or -1 for the rest")
+            raise MeshError(
+                f"{name}={v!r} is not a valid mesh size; use a positive int, or -1 for the rest"
+            )
     free = [n for n, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise MeshError(f"only one mesh axis may be -1, got {', '.join(f'{n}=-1' for n in free)}")
@@ -117,7 +119,9 @@ def resolve_sizes(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int,
 
 def _valid_hint(world_size: int) -> str:
     tps = [t for t in range(1, world_size + 1) if world_size % t == 0]
-    return "valid choices: " + ", ".join(f"tp={t}, dp={world_size // t}" for t in tps) + " (or dp=-1)"
+    return (
+        "valid choices: " + ", ".join(f"tp={t}, dp={world_size // t}" for t in tps) + " (or dp=-1)"
+    )
 
 
 def _env_int(name: str, default: int) -> int:
@@ -140,10 +144,18 @@ def _local_devices(
     n = torch.cuda.device_count()
     need = local_world * devices_per_rank
     if need > n:
+        # Offer only the fixes that fit on this host (n >= 1 here: CUDA is available).
+        fixes = []
+        if n // local_world >= 1:
+            fixes.append(f"devices_per_rank={n // local_world}")
+        if n // devices_per_rank >= 1:
+            k = n // devices_per_rank
+            fixes.append(f"{k} rank{'s' if k > 1 else ''} per host")
+        if not fixes:
+            fixes.append(f"devices_per_rank=1 with {n} rank{'s' if n > 1 else ''} per host")
         raise MeshError(
             f"{local_world} ranks on this host x devices_per_rank={devices_per_rank} = {need} GPUs "
-            f"asked, but this host has {n}; use devices_per_rank={max(1, n // local_world)} "
-            f"or {max(1, n // devices_per_rank)} processes per host"
+            f"asked, but this host has {n}; use {' or '.join(fixes)}"
         )
     first = local_rank * devices_per_rank
     return [torch.device("cuda", first + i) for i in range(devices_per_rank)]
@@ -197,12 +209,16 @@ def init_mesh(
     dp, pp, tp = resolve_sizes(world, dp, tp, pp)  # checked before any collective
 
     if backend is None:
-        backend = dist.get_backend() if initialized else ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = (
+            dist.get_backend() if initialized else ("nccl" if torch.cuda.is_available() else "gloo")
+        )
     if backend not in ("gloo", "nccl"):
         raise MeshError(f"backend={backend!r}; use 'gloo' (CPU) or 'nccl' (CUDA)")
     is_cuda = backend == "nccl"
     if is_cuda and not torch.cuda.is_available():
-        raise MeshError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False; use 'gloo'")
+        raise MeshError(
+            "backend='nccl' needs CUDA, but torch.cuda.is_available() is False; use 'gloo'"
+        )
     local_rank = _env_int("LOCAL_RANK", rank)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     devices = _local_devices(is_cuda, local_rank, local_world, devices_per_rank)

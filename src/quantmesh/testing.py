@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import shutil
 import signal
 import socket
 import tempfile
@@ -36,7 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, args, kwargs, env, log_path, queue):  # pragma: no cover - in child
+def _child(rank, world, port, call, env, log_path, queue):  # pragma: no cover - in child
     import faulthandler
     import sys
 
@@ -58,8 +60,11 @@ def _child(fn, rank, world, port, args, kwargs, env, log_path, queue):  # pragma
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        fn, args, kwargs = pickle.loads(call)
         result = fn(rank, *args, **kwargs)
-        queue.put((rank, True, result))
+        # Pickle here, not in the queue's feeder thread: there an unpicklable result is only
+        # printed and dropped, and the parent would wait for it until the timeout.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -87,15 +92,26 @@ def run_ranks(
     `timeout` seconds pass, all ranks are stopped and `RanksFailed` lists every rank's traceback (a
     hanging rank's current stack is dumped with faulthandler first).
     """
+    try:
+        call = pickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        raise TypeError(
+            f"run_ranks could not pickle {fn!r} and its arguments ({e}); the spawned ranks import "
+            f"it by name, so pass a module-level function and picklable arguments"
+        ) from e
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     logdir = tempfile.mkdtemp(prefix="qm-ranks-")
     logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]
+    for path in logs:
+        # Created here, so that a rank dying in spawn's bootstrap (before it opens its log; the
+        # bootstrap's traceback goes to this process's stderr) still has a log to report.
+        open(path, "w").close()
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, port, args, kwargs, env or {}, logs[r], queue),
+            args=(r, world_size, port, call, env or {}, logs[r], queue),
             daemon=True,
         )
         for r in range(world_size)
@@ -114,19 +130,27 @@ def run_ranks(
         try:
             rank, ok, payload = queue.get(timeout=min(left, 0.5))
         except Exception:
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+            dead = [
+                r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+            ]
             for r in dead:
                 if r not in results and r not in errors:
-                    errors[r] = f"process exited with code {procs[r].exitcode} before reporting"
+                    errors[r] = (
+                        f"process exited with code {procs[r].exitcode} before reporting (a "
+                        f"crash in spawn's start-up prints to the parent's stderr, not to this log)"
+                    )
             if errors:
                 break
             continue
-        (results if ok else errors)[rank] = payload
+        if ok:
+            results[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
         if errors:
             break
     if errors or timed_out:
-        for p in procs:
-            if p.is_alive():
+        for r, p in enumerate(procs):
+            if p.is_alive() and r not in errors and r not in results:
                 os.kill(p.pid, signal.SIGUSR1)  # dump its stack into its log
         time.sleep(0.5)
         for p in procs:
@@ -145,9 +169,11 @@ def run_ranks(
             with open(logs[r], errors="replace") as f:
                 log = f.read()[-6000:]
             parts.append(f"--- rank {r}: {status}\n{log}")
+        shutil.rmtree(logdir, ignore_errors=True)
         raise RanksFailed(f"{world_size} ranks {why}:\n" + "\n".join(parts))
     for p in procs:
         p.join(10)
         if p.is_alive():
             p.kill()
+    shutil.rmtree(logdir, ignore_errors=True)
     return [results[r] for r in range(world_size)]

@@ -12,8 +12,15 @@ import sys
 __all__ = ["launch"]
 
 
-def launch(nproc: int, target: list[str], *, module: bool = False, nnodes: str = "1",
-           rdzv_endpoint: str | None = None, node_rank: int | None = None) -> int:
+def launch(
+    nproc: int,
+    target: list[str],
+    *,
+    module: bool = False,
+    nnodes: str = "1",
+    rdzv_endpoint: str | None = None,
+    node_rank: int | None = None,
+) -> int:
     """Run `target` (a script and its args, or a module with `module=True`) on `nproc` workers.
 
     Returns the exit code (0 when every worker succeeded).
@@ -41,10 +48,14 @@ def launch(nproc: int, target: list[str], *, module: bool = False, nnodes: str =
     try:
         run(args)
     except ChildFailedError as e:
-        failures = e.failures
-        first = min(failures.values(), key=lambda f: f.timestamp)
+        # {global rank: ProcessFailure}. The agent SIGTERMs the survivors after the first failure,
+        # so they show up here too, with negative exit codes and often the same (whole-second)
+        # timestamp: the rank that really failed is the one with a positive exit code.
+        rank, first = min(
+            e.failures.items(), key=lambda kv: (kv[1].exitcode <= 0, kv[1].timestamp, kv[0])
+        )
         print(
-            f"quantmesh: worker rank {first.global_rank} failed (exit code {first.exitcode}); "
+            f"quantmesh: worker rank {rank} failed (exit code {first.exitcode}); "
             f"all {nproc} workers were stopped. Its traceback is above.",
             file=sys.stderr,
         )

@@ -14,8 +14,14 @@ def _run(args: argparse.Namespace) -> int:
     if not args.target:
         print("quantmesh run: name a script (or -m module) to launch", file=sys.stderr)
         return 2
-    return launch(args.nproc, args.target, module=args.module, nnodes=args.nnodes,
-                  rdzv_endpoint=args.rdzv_endpoint, node_rank=args.node_rank)
+    return launch(
+        args.nproc,
+        args.target,
+        module=args.module,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        node_rank=args.node_rank,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
