@@ -1,0 +1,514 @@
+"""bitsandbytes formats: nf4 / fp4 (QLoRA's Linear4bit) and int8 (LLM.int8's Linear8bitLt).
+
+Quantization goes through bitsandbytes.functional on the shard's own device, exactly once; nothing
+relies on the quantize-on-`.to()` side effect of Params4bit / Int8Params. The local modules are
+subclasses of bitsandbytes' Linear4bit / Linear8bitLt (so `isinstance` checks in peft and
+transformers hold) whose forward casts the bias instead of rewriting `bias.data` in place, never
+repacks the weight for the CPU avx512-bf16 kernel (that path silently drops input gradients), and
+says clearly when the weight was never quantized.
+
+bitsandbytes is imported lazily: `bnb_format(cfg).bytes_per_param()` costs no import, and the
+module classes are built on first use (`QuantLinear4bit` / `QuantLinear8bit` resolve through the
+module's __getattr__, so pickling them works).
+
+Pre-quantized 4-bit checkpoints (transformers' layout: packed `weight` + `weight.absmax`,
+`weight.quant_map`, nested stats, `weight.quant_state.bitsandbytes__nf4`) load through
+`Bnb4bitFormat.load_quantized`, optionally sliced by `split_4bit` along rows or columns when the
+slice boundaries fall on quantization blocks; see `split_4bit` for what is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import QuantConfig, QuantError, QuantFormat
+from .kinds import compute_dtype_for
+
+__all__ = ["bnb_format", "Bnb4bitFormat", "Bnb8bitFormat", "split_4bit", "quant_state_from_tensors"]
+
+NESTED_BLOCK = 256  # bitsandbytes quantizes the per-block absmax in blocks of 256 (double quant)
+INT8_REF_IN = 1024  # in_features assumed by int8 bytes_per_param when none is given (upper bound)
+
+
+def bnb_format(config: QuantConfig) -> QuantFormat:
+    """The bitsandbytes QuantFormat for `config` ("nf4" / "fp4" -> 4-bit, "int8" -> LLM.int8).
+
+    Example:
+        >>> fmt = bnb_format(QuantConfig(format="nf4"))
+        >>> round(fmt.bytes_per_param(), 4), fmt.block_elems()
+        (0.5159, 64)
+    """
+    if config.format in ("nf4", "fp4"):
+        return Bnb4bitFormat(config)
+    if config.format == "int8":
+        return Bnb8bitFormat(config)
+    raise QuantError(f"bitsandbytes has no format {config.format!r}; use 'nf4', 'fp4' or 'int8'")
+
+
+# ---- the local module classes, built on first use -----------------------------------------------
+class _Int8CastFilter(logging.Filter):
+    # MatMul8bitLt logs this on every forward whose input is not fp16 (the cast is by design)
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast from" not in record.getMessage()
+
+
+@functools.cache
+def _bnb() -> Any:
+    """bitsandbytes, imported once and quietly (it warns that an optional CPU kernel is absent)."""
+    lg = logging.getLogger("bitsandbytes")
+    level = lg.level
+    lg.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional  # noqa: F401
+    finally:
+        lg.setLevel(level)
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_Int8CastFilter())
+    return bitsandbytes
+
+
+@functools.cache
+def _classes() -> dict[str, type]:
+    bnb = _bnb()
+
+    class QuantLinear4bit(bnb.nn.Linear4bit):
+        """bitsandbytes Linear4bit, filled by `Bnb4bitFormat.quantize_into`; weight frozen."""
+
+        def reset_parameters(self) -> None:  # the weight comes from quantize_into
+            pass
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            qs = getattr(self.weight, "quant_state", None)
+            if qs is None:
+                raise RuntimeError(_not_quantized(self))
+            cd = self.compute_dtype or x.dtype
+            bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
+            # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
+            y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
+            return y.to(x.dtype)
+
+    class QuantLinear8bit(bnb.nn.Linear8bitLt):
+        """bitsandbytes Linear8bitLt (LLM.int8), filled by `Bnb8bitFormat.quantize_into`."""
+
+        def reset_parameters(self) -> None:
+            pass
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.weight
+            scb = getattr(w, "SCB", None)
+            if scb is None:
+                raise RuntimeError(_not_quantized(self))
+            if scb.device != w.device:  # nn.Module._apply swaps .data and leaves SCB behind
+                w.SCB = scb = scb.to(w.device)
+            # the state is rebuilt from the weight each call, so module moves cannot leave it stale
+            self.state.CB, self.state.SCB = w.data, scb
+            self.state.is_training = self.training
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return bnb.matmul(x, w, bias=bias, state=self.state)
+
+    out = {"QuantLinear4bit": QuantLinear4bit, "QuantLinear8bit": QuantLinear8bit}
+    for cls in out.values():
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return out
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("QuantLinear4bit", "QuantLinear8bit"):
+        return _classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _not_quantized(m: nn.Module) -> str:
+    return (
+        f"{type(m).__name__}({m.in_features} -> {m.out_features}) has no quantized weight yet; "
+        "call fmt.quantize_into(module, weight) or load a checkpoint first"
+    )
+
+
+def _check_shard(module: nn.Module, weight: torch.Tensor) -> None:
+    want = (module.out_features, module.in_features)
+    if tuple(weight.shape) != want:
+        raise ValueError(
+            f"quantize_into got a weight of shape {tuple(weight.shape)}, expected (out, in) = "
+            f"{want}; transpose Conv1D weights and slice to this rank's shard first"
+        )
+    if not weight.is_floating_point():
+        raise ValueError(f"quantize_into got a {weight.dtype} weight; pass the float shard")
+    bias = getattr(module, "bias", None)
+    if bias is not None and bias.device.type != "meta" and bias.device != weight.device:
+        raise ValueError(
+            f"the weight shard is on {weight.device} but the module's bias is on {bias.device}; "
+            f"move the shard to {bias.device} (quantization happens where the shard is)"
+        )
+
+
+def _materialize_bias(module: nn.Module, device: torch.device) -> None:
+    # a module built on meta becomes real on the shard's device; the caller loads the bias values
+    b = getattr(module, "bias", None)
+    if b is not None and b.device.type == "meta":
+        real = torch.zeros(b.shape, dtype=b.dtype, device=device)
+        module.bias = nn.Parameter(real, requires_grad=b.requires_grad)
+
+
+class Bnb4bitFormat(QuantFormat):
+    """nf4 / fp4 blockwise 4-bit (bitsandbytes Linear4bit, Params4bit + QuantState).
+
+    Example:
+        >>> fmt = bnb_format(QuantConfig(format="nf4"))
+        >>> m = fmt.new_linear(64, 32, bias=True, device="cpu", dtype=torch.float32)
+        >>> fmt.quantize_into(m, torch.randn(32, 64))
+        >>> m(torch.randn(2, 64)).shape
+        torch.Size([2, 32])
+    """
+
+    def __init__(self, config: QuantConfig):
+        super().__init__(config)
+        self.name = config.format
+
+    def new_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> nn.Module:
+        """An empty QuantLinear4bit; its weight is a packed uint8 placeholder until quantize_into.
+
+        Example:
+            >>> m = bnb_format(QuantConfig()).new_linear(64, 32, bias=False, device="meta",
+            ...                                          dtype=torch.bfloat16)
+            >>> m.weight.shape, m.weight.is_meta
+            (torch.Size([1024, 1]), True)
+        """
+        Params4bit = _bnb().nn.Params4bit
+        device = torch.device(device)
+        cfg = self.config
+        m = _classes()["QuantLinear4bit"](
+            in_features, out_features, bias=bias, quant_type=cfg.format,
+            compress_statistics=cfg.double_quant, device="meta",
+        )  # fmt: skip
+        m.support_avx512bf16_for_cpu = False  # the repacked CPU layout loses input gradients
+        m.compute_dtype = None if device.type == "meta" else compute_dtype_for(cfg, device)
+        m.compute_type_is_set = True
+        # (ceil(out*in/2), 1) uint8: bitsandbytes' packed layout, two 4-bit codes per byte
+        n_bytes = (in_features * out_features + 1) // 2
+        m.weight = Params4bit(
+            torch.empty((n_bytes, 1), dtype=torch.uint8, device=device), requires_grad=False,
+            blocksize=cfg.blocksize, compress_statistics=cfg.double_quant, quant_type=cfg.format,
+            module=m, bnb_quantized=True,  # True: a later .to() moves it and never quantizes
+        )  # fmt: skip
+        if bias:
+            m.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        return m
+
+    @torch.no_grad()
+    def quantize_into(self, module: nn.Module, weight: torch.Tensor) -> None:
+        """Quantize the float shard `weight` (out, in) on its device into `module`.
+
+        Example:
+            >>> fmt = bnb_format(QuantConfig(format="fp4", double_quant=False))
+            >>> m = fmt.new_linear(64, 8, bias=False, device="meta", dtype=torch.float32)
+            >>> fmt.quantize_into(m, torch.randn(8, 64)); m.weight.device.type
+            'cpu'
+        """
+        F = _bnb().functional
+        _check_shard(module, weight)
+        cfg = self.config
+        packed, qs = F.quantize_4bit(
+            weight.detach().contiguous(), blocksize=cfg.blocksize,
+            compress_statistics=cfg.double_quant, quant_type=cfg.format,
+        )  # fmt: skip
+        _set_4bit(module, packed, qs, compute_dtype_for(cfg, weight.device))
+
+    def load_quantized(
+        self,
+        module: nn.Module,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        dim: int | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        """Fill `module` from a pre-quantized 4-bit checkpoint entry, optionally one slice of it.
+
+        `tensors` holds the entry's keys without the module prefix ("weight", "weight.absmax",
+        "weight.quant_map", ["weight.nested_absmax", "weight.nested_quant_map"],
+        "weight.quant_state.bitsandbytes__nf4"). `dim`/`start`/`stop` select rows (dim 0, colwise)
+        or columns (dim 1, rowwise) of the logical (out, in) weight; see `split_4bit`.
+
+        Example:
+            >>> fmt.load_quantized(m, {"weight": w, "weight.absmax": a, ...},  # doctest: +SKIP
+            ...                    device="cuda:0", dim=0, start=0, stop=2048)
+        """
+        packed, qs = quant_state_from_tensors(tensors)
+        cfg = self.config
+        if (qs.quant_type, qs.blocksize) != (cfg.format, cfg.blocksize):
+            raise QuantError(
+                f"the checkpoint holds {qs.quant_type} with blocksize {qs.blocksize}, but the "
+                f"QuantConfig says {cfg.format} with blocksize {cfg.blocksize}; use "
+                f"QuantConfig(format={qs.quant_type!r}, blocksize={qs.blocksize})"
+            )
+        if dim is not None:
+            packed, qs = split_4bit(packed, qs, dim, start, qs.shape[dim] if stop is None else stop)
+        if tuple(qs.shape) != (module.out_features, module.in_features):
+            raise ValueError(
+                f"the pre-quantized weight is {tuple(qs.shape)}, the module expects "
+                f"{(module.out_features, module.in_features)}; pass the rank's dim/start/stop"
+            )
+        if device is None:
+            device = module.weight.device
+        device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("the module is on meta; pass load_quantized(..., device=...)")
+        qs.to(device)
+        _set_4bit(module, packed.to(device), qs, compute_dtype_for(cfg, device))
+
+    def dequantize(self, module: nn.Module) -> torch.Tensor:
+        """The float weight (out, in) in the dtype the shard had when quantized.
+
+        Example:
+            >>> fmt.dequantize(m).shape  # doctest: +SKIP
+            torch.Size([8, 64])
+        """
+        F = _bnb().functional
+        qs = getattr(module.weight, "quant_state", None)
+        if qs is None:
+            raise RuntimeError(_not_quantized(module))
+        return F.dequantize_4bit(module.weight.data, qs)
+
+    def bytes_per_param(self, in_features: int | None = None) -> float:
+        """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and
+        fp32 per 256 blocks. Per-tensor constants (code books, ~1 KiB a layer) are left out.
+
+        Example:
+            >>> bnb_format(QuantConfig(format="nf4", double_quant=False)).bytes_per_param()
+            0.5625
+        """
+        bs = self.config.blocksize
+        if self.config.double_quant:
+            return 0.5 + 1 / bs + 4 / (bs * NESTED_BLOCK)
+        return 0.5 + 4 / bs
+
+    def block_elems(self) -> int:
+        """Elements per quantization block of the flattened (out, in) weight (= blocksize)."""
+        return self.config.blocksize
+
+
+def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:
+    Params4bit = _bnb().nn.Params4bit
+    module.weight = Params4bit(
+        packed, requires_grad=False, quant_state=qs, blocksize=qs.blocksize,
+        compress_statistics=qs.nested, quant_type=qs.quant_type, quant_storage=packed.dtype,
+        module=module, bnb_quantized=True,
+    )  # fmt: skip
+    module.quant_state = qs
+    module.quant_storage = packed.dtype
+    module.compute_dtype, module.compute_type_is_set = cd, True
+    module.support_avx512bf16_for_cpu = False
+    _materialize_bias(module, packed.device)
+
+
+class Bnb8bitFormat(QuantFormat):
+    """LLM.int8: int8 weight with one absmax scale per output row (bitsandbytes Linear8bitLt).
+
+    On CPU in train mode bitsandbytes dequantizes the weight and ignores the outlier threshold; in
+    eval mode (and always on CUDA) it quantizes activations too, with fp16 outlier columns.
+
+    Example:
+        >>> fmt = bnb_format(QuantConfig(format="int8"))
+        >>> m = fmt.new_linear(64, 32, bias=True, device="cpu", dtype=torch.float32)
+        >>> fmt.quantize_into(m, torch.randn(32, 64)); m.weight.dtype
+        torch.int8
+    """
+
+    name = "int8"
+
+    def new_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> nn.Module:
+        """An empty QuantLinear8bit with an int8 (out, in) placeholder weight.
+
+        Example:
+            >>> m = bnb_format(QuantConfig(format="int8")).new_linear(
+            ...     16, 8, bias=False, device="meta", dtype=torch.float32)
+            >>> m.weight.dtype, m.weight.shape
+            (torch.int8, torch.Size([8, 16]))
+        """
+        Int8Params = _bnb().nn.Int8Params
+        device = torch.device(device)
+        m = _classes()["QuantLinear8bit"](
+            in_features, out_features, bias=bias, has_fp16_weights=False,
+            threshold=self.config.int8_threshold, device="meta",
+        )  # fmt: skip
+        m.weight = Int8Params(
+            torch.empty((out_features, in_features), dtype=torch.int8, device=device),
+            requires_grad=False,
+            has_fp16_weights=False,
+        )
+        if bias:
+            m.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        return m
+
+    @torch.no_grad()
+    def quantize_into(self, module: nn.Module, weight: torch.Tensor) -> None:
+        """Row-wise int8 quantization of the float shard (out, in), on its device.
+
+        Example:
+            >>> fmt.quantize_into(m, torch.randn(8, 16))  # doctest: +SKIP
+        """
+        F, Int8Params = _bnb().functional, _bnb().nn.Int8Params
+        _check_shard(module, weight)
+        top = float(weight.abs().max()) if weight.numel() else 0.0
+        if top > torch.finfo(torch.float16).max:
+            raise QuantError(
+                f"a weight value of magnitude {top:.3g} overflows float16, which LLM.int8 "
+                "quantizes from; skip this layer (QuantConfig(skip=[...])) or use format='nf4'"
+            )
+        # CB (out, in) int8, SCB (out,) fp32 row absmax; bitsandbytes quantizes from fp16
+        cb, scb, _ = F.int8_vectorwise_quant(weight.detach().to(torch.float16).contiguous())
+        module.weight = Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+        module.state.reset_grads()  # drop a previous quantization's CB / SCB
+        module.orig_dtype = weight.dtype
+        _materialize_bias(module, weight.device)
+
+    def dequantize(self, module: nn.Module) -> torch.Tensor:
+        """CB * SCB / 127 as (out, in), in the dtype the shard had.
+
+        Example:
+            >>> fmt.dequantize(m).shape  # doctest: +SKIP
+            torch.Size([8, 16])
+        """
+        F = _bnb().functional
+        w = module.weight
+        scb = getattr(w, "SCB", None)
+        if scb is None:
+            raise RuntimeError(_not_quantized(module))
+        out = F.int8_vectorwise_dequant(w.data, scb.to(w.device))
+        return out.to(getattr(module, "orig_dtype", torch.float32))
+
+    def bytes_per_param(self, in_features: int | None = None) -> float:
+        """1 byte per weight plus an fp32 scale per row, amortized over `in_features`
+        (default 1024, an upper bound for typical hidden sizes).
+
+        Example:
+            >>> bnb_format(QuantConfig(format="int8")).bytes_per_param(in_features=4096)
+            1.0009765625
+        """
+        return 1.0 + 4 / (in_features or INT8_REF_IN)
+
+
+# ---- pre-quantized 4-bit tensors ----------------------------------------------------------------
+def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """(packed weight, QuantState) from one Linear4bit's checkpoint keys, module prefix removed.
+
+    Example:
+        >>> packed, qs = quant_state_from_tensors(  # doctest: +SKIP
+        ...     {k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)})
+    """
+    QuantState = _bnb().functional.QuantState
+    if "weight" not in tensors:
+        raise KeyError(f"no 'weight' among the pre-quantized keys {sorted(tensors)}")
+    stats = {k[len("weight.") :]: v for k, v in tensors.items() if k.startswith("weight.")}
+    if not any(k.startswith("quant_state.") for k in stats):
+        raise QuantError(
+            f"the keys {sorted(tensors)} hold no 'weight.quant_state.bitsandbytes__nf4' (or fp4) "
+            "entry; this is not a bitsandbytes 4-bit checkpoint"
+        )
+    return tensors["weight"], QuantState.from_dict(dict(stats), device=torch.device("cpu"))
+
+
+def split_4bit(
+    packed: torch.Tensor, qs: Any, dim: int, start: int, stop: int
+) -> tuple[torch.Tensor, Any]:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a quantized (out, in) 4-bit weight.
+
+    Exact: the slice dequantizes to exactly the same values as the full weight's slice. Needs
+    block alignment: rows when start*in and stop*in are multiples of blocksize (or stop is the last
+    row); columns when in, start and stop are multiples of blocksize. Double-quant statistics stay
+    nested when a row slice starts on a 256-block boundary of the absmax; otherwise they are
+    dequantized to fp32 (exact, 4/blocksize bytes per param instead of ~1/blocksize). The CPU
+    avx512 repacked layout is not supported (checkpoints never hold it).
+
+    Example:
+        >>> packed, qs = F.quantize_4bit(w, quant_type="nf4")       # doctest: +SKIP
+        >>> top, qs_top = split_4bit(packed, qs, 0, 0, w.shape[0] // 2)  # doctest: +SKIP
+    """
+    F = _bnb().functional
+    QuantState = F.QuantState
+    out_f, in_f = (int(s) for s in qs.shape)
+    bs, n = qs.blocksize, out_f * in_f
+    if getattr(qs, "packing_format_for_cpu", False):
+        raise QuantError("this 4-bit weight uses the CPU repacked layout; slice it before use")
+    if dim not in (0, 1) or not 0 <= start < stop <= (out_f, in_f)[dim]:
+        raise ValueError(
+            f"split_4bit: dim={dim}, [{start}, {stop}) is not a slice of {(out_f, in_f)}"
+        )
+    data = packed.reshape(-1).view(torch.uint8)  # bytes, two codes each, element 2k first
+    if data.numel() != (n + 1) // 2:
+        raise ValueError(
+            f"packed weight has {data.numel()} bytes, expected {(n + 1) // 2} for {(out_f, in_f)}"
+        )
+    nested = qs.nested
+    absmax = qs.absmax
+    what = "rows" if dim == 0 else "columns"
+    where = f"{what} [{start}, {stop}) of a {qs.quant_type} {(out_f, in_f)}"
+    if dim == 0:
+        e0, e1 = start * in_f, stop * in_f
+        if e0 % bs or (e1 % bs and stop != out_f):
+            raise QuantError(
+                f"{where} weight start at element {e0} and end at {e1}, not both multiples of "
+                f"blocksize {bs}; slice pre-quantized weights on block boundaries (pick a tp that "
+                "aligns them) or load the float checkpoint and quantize after slicing"
+            )
+        b0, b1 = e0 // bs, -(-e1 // bs)
+        data = data[e0 // 2 : (e1 + 1) // 2]
+        if nested and b0 % NESTED_BLOCK == 0:  # whole nested blocks: keep the compact stats
+            n0, n1 = b0 // NESTED_BLOCK, -(-b1 // NESTED_BLOCK)
+            s2 = qs.state2
+            state2 = QuantState(
+                absmax=s2.absmax[n0:n1].clone(),
+                code=s2.code,
+                blocksize=s2.blocksize,
+                dtype=s2.dtype,
+            )
+            new = QuantState(absmax=absmax[b0:b1].clone(), shape=torch.Size((stop - start, in_f)),
+                             code=qs.code, blocksize=bs, quant_type=qs.quant_type, dtype=qs.dtype,
+                             offset=qs.offset, state2=state2)  # fmt: skip
+            return data.clone().view(packed.dtype).reshape(-1, 1), new
+        amax = _float_absmax(F, qs)[b0:b1]
+        shape = (stop - start, in_f)
+    else:
+        if in_f % bs or start % bs or stop % bs:
+            raise QuantError(
+                f"{where} weight: in={in_f}, start={start} and stop={stop} must all be multiples "
+                f"of blocksize {bs} to slice columns; load the float checkpoint instead"
+            )
+        rows = data.view(out_f, in_f // 2)  # (out, in/2) bytes, whole blocks per row
+        data = rows[:, start // 2 : stop // 2].reshape(-1)
+        amax = _float_absmax(F, qs).view(out_f, in_f // bs)[:, start // bs : stop // bs].reshape(-1)
+        shape = (out_f, stop - start)
+    new = QuantState(absmax=amax.contiguous(), shape=torch.Size(shape), code=qs.code, blocksize=bs,
+                     quant_type=qs.quant_type, dtype=qs.dtype)  # fmt: skip
+    return data.contiguous().view(packed.dtype).reshape(-1, 1), new
+
+
+def _float_absmax(F: Any, qs: Any) -> torch.Tensor:
+    # (n_blocks,) fp32, computed exactly as bitsandbytes' own dequantize_4bit does for nested stats
+    if not qs.nested:
+        return qs.absmax
+    return F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset

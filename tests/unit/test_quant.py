@@ -1,0 +1,393 @@
+"""The quantized formats (bitsandbytes nf4 / fp4 / int8, torchao nf4 / int8) on CPU.
+
+Each format is checked against its own dequantized weight and against the reference module built the
+way its library documents; shards are checked against quantize-full-then-slice.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from quantmesh.quant.base import QuantConfig, QuantError, get_format
+from quantmesh.quant.kinds import check_quantizable, compute_dtype_for, quantizable
+
+CONFIGS = {
+    "bnb-nf4": dict(format="nf4"),
+    "bnb-nf4-nodq": dict(format="nf4", double_quant=False),
+    "bnb-fp4": dict(format="fp4"),
+    "bnb-int8": dict(format="int8"),
+    "ao-nf4": dict(format="nf4", backend="torchao"),
+    "ao-int8": dict(format="int8", backend="torchao"),
+}
+OUT, IN = 64, 128  # 8192 elements: 128 blocks of 64
+
+
+def _fmt(key: str, **kw):
+    return get_format(QuantConfig(**CONFIGS[key], **kw))
+
+
+def _quantized(key: str, device: str = "cpu", bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    fmt = _fmt(key)
+    w = torch.randn(OUT, IN, generator=g) * 0.05
+    m = fmt.new_linear(IN, OUT, bias=bias, device=device, dtype=torch.float32)
+    fmt.quantize_into(m, w)
+    if bias:
+        m.bias = nn.Parameter(torch.randn(OUT, generator=g) * 0.1)
+    return fmt, m, w
+
+
+def _x(seed: int = 1, n: int = 5) -> torch.Tensor:
+    return torch.randn(n, IN, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- forward and gradients against the dequantized weight ---------------------------------------
+@pytest.mark.parametrize("key", ["bnb-nf4", "bnb-nf4-nodq", "bnb-fp4", "ao-nf4", "ao-int8"])
+def test_forward_matches_dequantized(key):
+    fmt, m, _ = _quantized(key)
+    x = _x()
+    w = fmt.dequantize(m).float()
+    assert w.shape == (OUT, IN)
+    # same dequantized fp32 weight: only the summation order (addmm vs matmul + add) may differ
+    torch.testing.assert_close(m(x), x @ w.T + m.bias, rtol=1e-5, atol=1e-6)
+    y16 = m(x.to(torch.bfloat16))  # computed in fp32 (the CPU default), returned in bf16
+    assert y16.dtype == torch.bfloat16
+
+
+# relative Frobenius error of the dequantized weight on Gaussian weights; measured on 4096 x 4096:
+# nf4 0.092, fp4 0.122, int8 0.0087; the bounds leave ~25% headroom for a small 64 x 128 sample
+REL_ERR = {"nf4": 0.12, "fp4": 0.15, "int8": 0.012}
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_dequantize_is_close_to_the_weight(key):
+    fmt, m, w = _quantized(key)
+    rel = (fmt.dequantize(m).float() - w).norm() / w.norm()
+    assert rel < REL_ERR[fmt.config.format], float(rel)
+
+
+def test_blocksize_is_used():
+    fmt = get_format(QuantConfig(format="nf4", blocksize=128, double_quant=False))
+    m = fmt.new_linear(IN, OUT, bias=False, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(m, torch.randn(OUT, IN))
+    qs = m.weight.quant_state
+    assert qs.blocksize == 128 and qs.absmax.numel() == OUT * IN // 128 and fmt.block_elems() == 128
+
+
+def test_int8_forward_train_and_eval():
+    fmt, m, _ = _quantized("bnb-int8")
+    x = _x()
+    w = fmt.dequantize(m)
+    ref = x @ w.T + m.bias
+    m.train()  # CPU train mode: dequantize + fp matmul (bitsandbytes ignores the threshold here)
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+    m.eval()  # LLM.int8: activations quantized per row to int8 (step absmax/127), fp16 cast
+    err = (m(x) - ref).abs()
+    bound = (x.abs().amax(-1, keepdim=True) / 254 + x.abs() * 1e-3) @ w.abs().T + 1e-4
+    assert (err <= bound).all(), float((err - bound).max())
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_input_grads_after_eval_no_grad_forward(key):
+    fmt, m, _ = _quantized(key)
+    m.eval()
+    with torch.no_grad():  # bitsandbytes' avx512-bf16 repack would trigger here and drop grads
+        m(_x())
+    w = fmt.dequantize(m).float()
+    g = torch.randn(5, OUT, generator=torch.Generator().manual_seed(3))
+    for train in (False, True):
+        m.train(train)
+        x = _x().requires_grad_(True)
+        m(x).backward(g)
+        assert x.grad is not None, f"no input gradient (train={train})"
+        # grad_x = g @ W with the same dequantized weight; fp32 summation order only
+        torch.testing.assert_close(x.grad, g @ w, rtol=1e-4, atol=1e-5)
+    assert not m.weight.requires_grad
+
+
+# ---- against the reference modules built the libraries' usual way --------------------------------
+@pytest.mark.parametrize("key", ["bnb-nf4", "bnb-nf4-nodq", "bnb-fp4"])
+def test_4bit_matches_stock_linear4bit(key):
+    import bitsandbytes as bnb
+
+    fmt, m, w = _quantized(key)
+    cfg = fmt.config
+    lin = nn.Linear(IN, OUT)
+    lin.weight.data, lin.bias.data = w.clone(), m.bias.detach().clone()
+    ref = bnb.nn.Linear4bit(IN, OUT, compute_dtype=torch.float32, quant_type=cfg.format,
+                            compress_statistics=cfg.double_quant)  # fmt: skip
+    ref.load_state_dict(lin.state_dict())
+    ref = ref.to("cpu")  # bitsandbytes quantizes on this .to()
+    ref.support_avx512bf16_for_cpu = False  # same kernel path as ours; see the grads test
+    assert torch.equal(ref.weight.data, m.weight.data)  # packed codes, bit for bit
+    assert torch.equal(ref.weight.quant_state.absmax, m.weight.quant_state.absmax)
+    x = _x()
+    assert torch.equal(ref(x), m(x))
+
+
+def test_int8_matches_stock_linear8bitlt():
+    import bitsandbytes as bnb
+
+    fmt, m, w = _quantized("bnb-int8")
+    lin = nn.Linear(IN, OUT)
+    lin.weight.data, lin.bias.data = w.clone(), m.bias.detach().clone()
+    ref = bnb.nn.Linear8bitLt(IN, OUT, has_fp16_weights=False, threshold=6.0)
+    ref.load_state_dict(lin.state_dict())
+    ref = ref.to("cpu")
+    assert torch.equal(ref.weight.data, m.weight.data) and torch.equal(ref.weight.SCB, m.weight.SCB)
+    x = _x()
+    x[:, 7] = 20.0  # an outlier column above the threshold: the mixed fp16 path runs
+    for train in (False, True):
+        ref.train(train), m.train(train)
+        assert torch.equal(ref(x), m(x)), f"train={train}"
+
+
+def test_torchao_matches_torchao_reference():
+    from quantmesh.quant.torchao import _ao
+
+    fmt, m, w = _quantized("ao-nf4", bias=False)
+    # 128 blocks of 64 -> scaler block 128 (largest power of two <= 256 dividing the block count)
+    ref = _ao()["to_nf4"](w, 64, 128)
+    x = _x()
+    assert torch.equal(nn.functional.linear(x, ref), m(x))
+    assert torch.equal(ref.get_original_weight(), fmt.dequantize(m))
+
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    fmt, m, w = _quantized("ao-int8", bias=False)
+    lin = nn.Linear(IN, OUT, bias=False)
+    lin.weight.data = w.clone()
+    quantize_(lin, Int8WeightOnlyConfig(set_inductor_config=False))
+    assert torch.equal(lin.weight.dequantize(), fmt.dequantize(m))
+    torch.testing.assert_close(lin(x), m(x), rtol=1e-5, atol=1e-6)  # same int8 weight and scales
+
+
+# ---- shards against quantize-full-then-slice -----------------------------------------------------
+def _q4(w: torch.Tensor, dq: bool):
+    import bitsandbytes.functional as F
+
+    return F.quantize_4bit(w.contiguous(), blocksize=64, compress_statistics=dq, quant_type="nf4")
+
+
+def test_nf4_shard_equals_full_then_slice():
+    """Without double quant a block-aligned shard is bit-identical (codes and absmax) to the same
+    slice of the fully quantized weight, for row (colwise) and column (rowwise) splits. With double
+    quant the codes are still identical, but the absmax statistics are re-quantized around the
+    shard's own mean, so dequantized values agree only within the 8-bit absmax error."""
+    import bitsandbytes.functional as F
+
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    p, qs = _q4(w, dq=False)
+    rows = p.view(256, 256)  # (out, in/2) bytes
+    amax = qs.absmax.view(256, 8)  # (out, in/64) blocks
+    for r0, r1 in [(0, 128), (128, 256), (40, 90)]:  # rows x 512 elements: always block aligned
+        ps, qss = _q4(w[r0:r1], dq=False)
+        assert torch.equal(ps.view(-1), rows[r0:r1].reshape(-1))
+        assert torch.equal(qss.absmax, amax[r0:r1].reshape(-1))
+    for c0, c1 in [(0, 256), (256, 512), (64, 192)]:  # column shards of whole blocks
+        ps, qss = _q4(w[:, c0:c1], dq=False)
+        assert torch.equal(ps.view(-1), rows[:, c0 // 2 : c1 // 2].reshape(-1))
+        assert torch.equal(qss.absmax, amax[:, c0 // 64 : c1 // 64].reshape(-1))
+
+    pn, qn = _q4(w, dq=True)
+    exact = F.dequantize_4bit(p, qs)  # fp32 absmax: the reference both are compared with
+    full = F.dequantize_4bit(pn, qn)
+    for sl in [(slice(0, 128), slice(None)), (slice(None), slice(256, 512))]:
+        ps, qss = _q4(w[sl], dq=True)
+        assert torch.equal(ps.view(-1), _q4(w, dq=False)[0].view(256, 256)[sl[0], _half(sl[1])]
+                           .reshape(-1))  # fmt: skip
+        # the 8-bit dynamic absmax code is within ~0.75% of the true absmax (measured); each
+        # element is code * absmax, so two such quantizations differ by at most ~1.5% relatively
+        diff = (F.dequantize_4bit(ps, qss) - full[sl]).abs()
+        assert (diff <= 0.02 * exact[sl].abs() + 1e-7).all()
+
+
+def _half(s: slice) -> slice:
+    return slice(None if s.start is None else s.start // 2, None if s.stop is None else s.stop // 2)
+
+
+def test_int8_row_shard_is_exact():
+    # one scale per output row: a row (colwise) shard is exact; a column shard is not (new scales)
+    fmt, m, w = _quantized("bnb-int8", bias=False)
+    part = fmt.new_linear(IN, 24, bias=False, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(part, w[8:32])
+    assert torch.equal(part.weight.data, m.weight.data[8:32])
+    assert torch.equal(fmt.dequantize(part), fmt.dequantize(m)[8:32])
+
+
+# ---- pre-quantized 4-bit checkpoints -------------------------------------------------------------
+@pytest.mark.parametrize("dq", [True, False])
+def test_split_prequantized_4bit(dq):
+    import bitsandbytes.functional as F
+
+    from quantmesh.quant.bnb import quant_state_from_tensors, split_4bit
+
+    fmt = get_format(QuantConfig(format="nf4", double_quant=dq))
+    w = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))  # 512 absmax blocks
+    full = fmt.new_linear(64, 512, bias=False, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(full, w)
+    sd = full.state_dict()  # transformers' layout: weight + weight.absmax + ... + quant_state
+    ref = fmt.dequantize(full)
+    packed, qs = quant_state_from_tensors(sd)
+    cases = [(0, 256, 512), (0, 4, 260), (1, 0, 64)]  # nested kept / fp32 stats / all columns
+    for dim, a, b in cases:
+        p2, q2 = split_4bit(packed, qs, dim, a, b)
+        want = ref[a:b] if dim == 0 else ref[:, a:b]
+        assert torch.equal(F.dequantize_4bit(p2, q2), want), (dim, a, b)  # exact by design
+    assert split_4bit(packed, qs, 0, 256, 512)[1].nested == dq  # 256 blocks = one nested block
+    shard = fmt.new_linear(64, 256, bias=False, device="meta", dtype=torch.float32)
+    fmt.load_quantized(shard, sd, device="cpu", dim=0, start=256, stop=512)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(shard(x), full(x)[:, 256:], rtol=0, atol=0)
+
+    w2 = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
+    p2, q2 = _q4(w2, dq=dq)
+    with pytest.raises(QuantError, match=r"rows \[0, 3\) .* not both multiples of blocksize 64"):
+        split_4bit(p2, q2, 0, 0, 3)  # ends at element 3 x 96 = 288, inside a block
+    with pytest.raises(QuantError, match="multiples of blocksize 64 to slice columns"):
+        split_4bit(p2, q2, 1, 0, 32)
+
+
+def test_load_quantized_refuses_other_format():
+    fmt = get_format(QuantConfig(format="nf4"))
+    src = get_format(QuantConfig(format="fp4"))
+    m = src.new_linear(64, 8, bias=False, device="cpu", dtype=torch.float32)
+    src.quantize_into(m, torch.randn(8, 64))
+    with pytest.raises(QuantError, match=r"holds fp4 with blocksize 64.*format='fp4'"):
+        fmt.load_quantized(fmt.new_linear(64, 8, bias=False, device="meta", dtype=torch.float32),
+                           m.state_dict(), device="cpu")  # fmt: skip
+
+
+# ---- memory, meta, errors ------------------------------------------------------------------------
+def _stat_bytes(key: str, m: nn.Module) -> int:
+    """Bytes of the weight and its per-block / per-row statistics (not per-tensor constants)."""
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    if key.startswith("bnb") and key != "bnb-int8":
+        qs = m.weight.quant_state
+        return nb(m.weight.data) + nb(qs.absmax) + (nb(qs.state2.absmax) if qs.nested else 0)
+    if key == "bnb-int8":
+        return nb(m.weight.data) + nb(m.weight.SCB)
+    if key == "ao-nf4":
+        t = m.weight
+        return nb(t.quantized_data) + nb(t.quantized_scalers) + nb(t.quantization_factor)
+    return nb(m.weight) + nb(m.weight_scale)
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_bytes_per_param_matches_tensors(key):
+    fmt = _fmt(key)
+    out, inp = 256, 512  # 2048 blocks of 64 = 8 whole nested blocks of 256
+    m = fmt.new_linear(inp, out, bias=False, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(m, torch.randn(out, inp))
+    assert _stat_bytes(key, m) == pytest.approx(fmt.bytes_per_param(in_features=inp) * out * inp)
+    assert 0.5 < fmt.bytes_per_param() < 1.01
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_meta_then_quantize_into(key):
+    fmt = _fmt(key)
+    m = fmt.new_linear(IN, OUT, bias=True, device="meta", dtype=torch.float32)
+    assert m.bias.is_meta
+    with pytest.raises(RuntimeError, match="no quantized weight yet"):
+        m(torch.randn(2, IN, device="meta"))
+    w = torch.randn(OUT, IN) * 0.05
+    fmt.quantize_into(m, w)
+    assert m.weight.device.type == "cpu" and m.bias.device.type == "cpu"
+    b = torch.randn(OUT)
+    m.bias.data = b  # both ways of loading the bias work once the module is real
+    x = _x()
+    y1 = m(x)
+    m.bias = nn.Parameter(b.clone())
+    torch.testing.assert_close(m(x), y1, rtol=0, atol=0)
+    torch.testing.assert_close(y1 - b, m(x) - m.bias, rtol=0, atol=0)
+    c = copy.deepcopy(m)  # deepcopy keeps the quantized weight exactly
+    assert torch.equal(c(x), y1) and torch.equal(fmt.dequantize(c), fmt.dequantize(m))
+
+
+def test_quantize_into_checks_the_shard():
+    fmt = _fmt("bnb-nf4")
+    m = fmt.new_linear(IN, OUT, bias=False, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"shape \(128, 64\), expected \(out, in\) = \(64, 128\)"):
+        fmt.quantize_into(m, torch.randn(IN, OUT))
+    with pytest.raises(QuantError, match=r"holds 8200 elements, not a multiple of blocksize 64"):
+        _fmt("ao-nf4").new_linear(100, 82, bias=False, device="meta", dtype=torch.float32)
+
+
+def test_check_quantizable_messages():
+    with pytest.raises(QuantError) as e:
+        check_quantizable("model.conv1", nn.Conv2d(3, 8, 3))
+    assert str(e.value) == (
+        "model.conv1 is a Conv2d; bitsandbytes quantizes only linear layers (nn.Linear, "
+        'transformers\' Conv1D); add it to QuantConfig(skip=["model.conv1"])'
+    )
+    with pytest.raises(QuantError, match=r"^emb is an Embedding; torchao quantizes only"):
+        check_quantizable("emb", nn.Embedding(10, 4), backend="torchao")
+    mha = nn.MultiheadAttention(8, 2)
+    with pytest.raises(QuantError, match="output projection of an nn.MultiheadAttention"):
+        check_quantizable("attn.out_proj", mha.out_proj)
+    _, q, _ = _quantized("bnb-nf4", device="meta")
+    assert not quantizable(q)
+    assert quantizable(nn.Linear(4, 4)) and not quantizable(nn.LayerNorm(4))
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    assert quantizable(conv1d(8, 4))
+    check_quantizable("h.0.attn.c_attn", conv1d(8, 4))
+    assert compute_dtype_for(QuantConfig(), "cuda") == torch.bfloat16
+    assert compute_dtype_for(QuantConfig(compute_dtype=torch.float16), "cpu") == torch.float16
+
+
+def test_config_validation_messages():
+    cases = [
+        (dict(format="int4"), "quant format 'int4' is unknown; use one of nf4, fp4, int8"),
+        (dict(backend="hqq"), "quant backend 'hqq' is unknown; use one of bitsandbytes, torchao"),
+        (dict(format="fp4", backend="torchao"), "torchao has no fp4 format here"),
+        (dict(blocksize=48), "blocksize=48; use a power of two from 32 to 4096"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(QuantError, match=msg):
+            QuantConfig(**kw)
+    with pytest.raises(QuantError, match="always quantizes its block scales"):
+        get_format(QuantConfig(backend="torchao", double_quant=False))
+    assert QuantConfig(skip=["*.mlp.down_proj"]).skips("model.layers.3.mlp.down_proj")
+    assert QuantConfig().skips("lm_head") and not QuantConfig().skips("model.lm_head_norm")
+
+
+# ---- CUDA: the same code path on the GPU machine (skipped elsewhere) -----------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_cuda_meta_quantize_forward_grads_and_moves(key):
+    fmt = _fmt(key)
+    w = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0)) * 0.05
+    m = fmt.new_linear(IN, OUT, bias=True, device="meta", dtype=torch.bfloat16)
+    fmt.quantize_into(m, w.to("cuda", torch.bfloat16))  # the loader's bf16 shard, on the GPU
+    m.bias = nn.Parameter(torch.randn(OUT, device="cuda", dtype=torch.bfloat16))
+    assert m.weight.device.type == "cuda"
+    x = _x().to("cuda", torch.bfloat16)
+    m.eval()
+    with torch.no_grad():
+        m(x)
+    m.train()
+    xg = x.clone().requires_grad_(True)
+    y = m(xg)
+    y.float().sum().backward()
+    wd = fmt.dequantize(m).float()
+    assert y.dtype == torch.bfloat16 and xg.grad is not None
+    # bf16 compute (the CUDA default): 8 mantissa bits, |y| ~ 1 -> ~1e-2 absolute; int8 (LLM.int8
+    # on CUDA also in train mode) adds activation quantization, step absmax/127 per row
+    tol = 0.1 if key == "bnb-int8" else 3e-2
+    torch.testing.assert_close(y.float(), x.float() @ wd.T + m.bias.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(xg.grad.float(), wd.sum(0).expand(5, IN), rtol=3e-2, atol=3e-2)
+    # module moves keep the quantized state usable (bitsandbytes keeps stats beside the weight)
+    c = fmt.new_linear(IN, OUT, bias=False, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(c, w)
+    y_cpu = c(_x())
+    c.to("cuda")
+    y_gpu = c(_x().to("cuda")).float().cpu()
+    tol = 0.1 if key == "bnb-int8" else 3e-2  # CPU fp32 vs CUDA bf16 compute (int8: LLM.int8)
+    torch.testing.assert_close(y_gpu, y_cpu, rtol=tol, atol=tol)
+    c.to("cpu")
+    torch.testing.assert_close(c(_x()), y_cpu, rtol=0, atol=0)
