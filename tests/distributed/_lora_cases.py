@@ -1,0 +1,193 @@
+"""Rank functions for the LoRA / quantization / data-parallel tests (spawned by run_ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+import quantmesh as qm
+from quantmesh.state import gather_param, tp_sharded
+from quantmesh.tp.layers import ShardedModule
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).float()
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps)]
+
+
+def full_lora_grads(model) -> dict[str, torch.Tensor]:
+    """Unsharded LoRA gradients (every rank gets them)."""
+    out = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, ShardedModule) or m.lora_scale is None:
+            continue
+        split = tp_sharded(m)
+        for pname in ("lora_A.weight", "lora_B.weight"):
+            g = m.get_parameter(pname).grad
+            if pname in split:
+                dim, s = split[pname]
+                g = gather_param(g, dim, s, m.group)
+            out[f"{name}.{pname}"] = g.clone()
+    return out
+
+
+def train(
+    rank: int, dp: int, tp: int, quant, steps: int = 5, devices_per_rank: int = 1, accum: int = 1
+) -> dict:
+    """`steps` AdamW steps of LoRA training on a fixed global batch; losses and LoRA grads."""
+    if quant == "nf4_no_double_quant":
+        quant = qm.QuantConfig(format="nf4", double_quant=False)
+    mesh = qm.init_mesh(dp=dp, tp=tp, devices_per_rank=devices_per_rank)
+    model = tiny_llama()
+    lora = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7)
+    qm.parallelize(model, mesh, quant=quant, lora=lora)
+    # SGD with momentum, not Adam: Adam's first steps are sign-like (g / |g|), so a gradient element
+    # at rounding level flips its step between layouts and the comparison would test Adam, not us
+    opt = torch.optim.SGD(qm.trainable_parameters(model), lr=0.5, momentum=0.9)
+    per_rank = GLOBAL_BATCH // dp
+    losses, grads, norms = [], [], []
+    for ids in batches(steps):
+        local = ids[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank]
+        micro = local.chunk(accum)
+        total = 0.0
+        for i, mb in enumerate(micro):
+            ctx = qm.no_sync(model) if i < accum - 1 else _null()
+            with ctx:
+                loss = model(mb, labels=mb).loss / accum
+                loss.backward()
+            total += loss.detach()
+        if dp > 1:  # the mean over the global batch: average the per-replica means
+            torch.distributed.all_reduce(total, group=mesh.dp_group)
+            total /= dp
+        grads.append(full_lora_grads(model))
+        norms.append(float(qm.clip_grad_norm_(model, 1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return {
+        "losses": losses,
+        "grads": grads if mesh.rank == 0 else None,
+        "norms": norms,
+        "replicas": _replicated_digest(model, mesh),
+    }
+
+
+def _replicated_digest(model, mesh) -> bool:
+    """True when every trainable parameter that is replicated over tp is bitwise equal across tp."""
+    if mesh.tp == 1:
+        return True
+    ok = True
+    for m in model.modules():
+        if not isinstance(m, ShardedModule) or m.lora_scale is None:
+            continue
+        sharded = tp_sharded(m)
+        for pname in ("lora_A.weight", "lora_B.weight"):
+            if pname in sharded:
+                continue
+            t = m.get_parameter(pname).detach().contiguous()
+            parts = [torch.empty_like(t) for _ in range(mesh.tp)]
+            torch.distributed.all_gather(parts, t, group=mesh.tp_group)
+            ok &= all(torch.equal(parts[0], p) for p in parts)
+    return ok
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def many(rank: int, cases: list[tuple]) -> list[dict]:
+    """Several training runs in one spawn (one mesh each)."""
+    return [train(rank, *c) for c in cases]
+
+
+def peft_compare(rank: int, quant) -> dict:
+    """Our TP LoRA vs peft's LoRA on the unsharded model, with the same A and B copied in."""
+    import peft
+
+    mesh = qm.init_mesh(tp=2)
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    ours = tiny_llama()
+    qm.parallelize(ours, mesh, quant=quant, lora=qm.LoraConfig(r=4, alpha=8, targets=targets))
+    g = torch.Generator().manual_seed(5)
+    full_b = {}
+    with torch.no_grad():  # nonzero B (a fresh adapter is a no-op), sliced as each style holds it
+        for name, m in ours.named_modules():
+            if isinstance(m, ShardedModule) and m.lora_scale is not None:
+                b = torch.randn(m.out_full, 4, generator=g) * 0.1
+                full_b[name] = b
+                if "lora_B.weight" in tp_sharded(m):
+                    ((a, z),) = m.split.ranges(m.tp_rank)
+                    b = b[a:z]
+                m.lora_B.weight.copy_(b)
+    sd = qm.full_state_dict(ours, rank0_only=False)
+    ref = tiny_llama()
+    if quant is not None:  # the reference quantizes the same (whole) weights: use our tp=1 shards
+        return {"skipped": True}
+    pm = peft.get_peft_model(
+        ref, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
+    with torch.no_grad():
+        for name in full_b:
+            base = f"base_model.model.{name}"
+            pm.get_parameter(f"{base}.lora_A.default.weight").copy_(sd[f"{name}.lora_A.weight"])
+            pm.get_parameter(f"{base}.lora_B.default.weight").copy_(sd[f"{name}.lora_B.weight"])
+    ids = batches(1)[0]
+    out_ours = ours(ids, labels=ids)
+    out_ref = pm(ids, labels=ids)
+    out_ours.loss.backward()
+    out_ref.loss.backward()
+    ours_g = full_lora_grads(ours)
+    errs = {}
+    for name in full_b:
+        for p in ("lora_A", "lora_B"):
+            rg = pm.get_parameter(f"base_model.model.{name}.{p}.default.weight").grad
+            og = ours_g[f"{name}.{p}.weight"]
+            errs[f"{name}.{p}"] = float((og - rg).norm() / rg.norm())
+    return {
+        "logits": float((out_ours.logits - out_ref.logits).abs().max()),
+        "loss": (float(out_ours.loss), float(out_ref.loss)),
+        "grad_errs": errs,
+    }
+
+
+def param_bytes(rank: int, tp: int, quant) -> dict:
+    """Bytes of this rank's sharded-module parameters, and of the whole model's same modules."""
+    mesh = qm.init_mesh(tp=tp)
+    model = tiny_llama()
+    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=4, targets=TARGETS))
+    base = lora = 0
+    for name, m in model.named_modules():
+        if isinstance(m, ShardedModule) and name.rsplit(".", 1)[-1] in TARGETS:
+            for n, p in m.named_parameters():
+                if n.startswith("lora_"):
+                    lora += p.numel() * p.element_size()
+                else:
+                    base += p.numel() * p.element_size()
+            qs = getattr(m.local.weight, "quant_state", None)
+            if qs is not None:  # 4-bit statistics live on the quant state
+                base += qs.absmax.numel() * qs.absmax.element_size()
+    return {"base": base, "lora": lora}
