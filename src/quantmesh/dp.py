@@ -51,8 +51,7 @@ def apply_dp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Modul
         model,
         ignored_modules=[_Frozen(frozen)] if frozen else None,
         process_group=mesh.dp_group,
-        bucket_cap_mb=bucket_cap_mb,
-        broadcast_buffers=False,
+        bucket_cap_mb=bucket_cap_mb,  # DDP wraps a list of the trainable params: no buffers
         **kwargs,
     )
     model._qm_dp = True
