@@ -47,7 +47,7 @@ def full_lora_grads(model) -> dict[str, torch.Tensor]:
             if pname in split:
                 dim, s = split[pname]
                 g = gather_param(g, dim, s, m.group)
-            out[f"{name}.{pname}"] = g.clone()
+            out[f"{name}.{pname}"] = g.detach().cpu().clone()
     return out
 
 
@@ -73,6 +73,7 @@ def train(
         for i, mb in enumerate(micro):
             ctx = qm.no_sync(model) if i < accum - 1 else _null()
             with ctx:
+                mb = mb.to(mesh.device)
                 loss = model(mb, labels=mb).loss / accum
                 loss.backward()
             total += loss.detach()
