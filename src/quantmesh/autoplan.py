@@ -3,12 +3,17 @@
 Structure: in each repeated block (the elements of the model's largest ModuleList), linears are read in
 definition order; a linear that reads the block's width opens (or joins) a column group, and the linear
 that writes the width back (the residual stream) and reads a column group's output closes it as
-rowwise. Conv layers in a Sequential pair the same way when only elementwise ops sit between them. A
-column group left without a rowwise partner is replicated (its output would otherwise stay sharded).
+rowwise. Layers in a Sequential pair the same way when only elementwise ops sit between them
+(Linear -> GELU -> Linear, Conv2d -> ReLU -> Conv2d), so a plain MLP or CNN splits too. A column group
+left without a rowwise partner is replicated (its output would otherwise stay sharded).
 The input embedding is vocab-split and the output head colwise with gathered logits, tied or not.
+Every other module with parameters gets a "replicated: why" row (norms, small embeddings, layers
+outside any pair, modules with no parallel form).
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 from torch import nn
 
@@ -100,16 +105,16 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
         raise ValueError(f"tp={tp!r}; use a positive int")
     rules: dict[str, str] = {}
     notes: dict[str, str] = {}
+    embs, head = _embedding_and_head(model)
     hf = _hf_rules(model)
     if hf:
         rules.update(hf)
         notes.update({k: "model's own tp plan" for k in hf})
     else:
-        r, n = _structural_rules(model)
+        r, n = _structural_rules(model, skip={head})
         rules.update(r)
         notes.update(n)
-    emb, head = _embedding_and_head(model)
-    if emb is not None:
+    for emb in embs:
         rules[emb] = "vocab"
         notes[emb] = "input embedding"
     if head is not None:
@@ -149,14 +154,17 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _structural_rules(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+def _structural_rules(
+    model: nn.Module, skip: set[str | None]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Rules from structure; modules in `skip` (the output head) are left to the caller."""
     rules: dict[str, str] = {}
     notes: dict[str, str] = {}
     for bname, block in _blocks(model):
         _pair_block(bname, block, rules, notes)
     for sname, seq in model.named_modules():
         if isinstance(seq, nn.Sequential):
-            _pair_convs(sname, seq, rules, notes)
+            _pair_sequential(sname, seq, rules, notes, skip)
     return rules, notes
 
 
@@ -181,7 +189,8 @@ def _pair_block(bname: str, block: nn.Module, rules: dict, notes: dict) -> None:
             and fout == width
             and name not in INPUT_NAMES
             and (name in OUTPUT_NAMES or siblings[fqn.rsplit(".", 1)[0]][-1] == fqn)
-            and any(fin == o or o % fin == 0 for _, o in group)
+            # it reads (part of) a group's output: all of it, or one segment of a packed q|k|v
+            and any(fin <= o for _, o in group)
         )
         if closes:
             for g, _ in group:
@@ -200,36 +209,54 @@ def _pair_block(bname: str, block: nn.Module, rules: dict, notes: dict) -> None:
         notes[g] = "replicated: no rowwise partner found after it"
 
 
-def _pair_convs(sname: str, seq: nn.Sequential, rules: dict, notes: dict) -> None:
-    items = list(seq.named_children())
-    i = 0
-    while i < len(items):
+def _pair_sequential(
+    sname: str, seq: nn.Sequential, rules: dict, notes: dict, skip: set[str | None]
+) -> None:
+    """In a Sequential, a layer followed (through elementwise ops only) by one that reads exactly
+    its output becomes a colwise -> rowwise pair: Linear -> GELU -> Linear, Conv2d -> ReLU -> Conv2d.
+    Layers already planned (inside a block) and the output head are left alone."""
+    items = [(f"{sname}.{n}" if sname else n, m) for n, m in seq.named_children()]
+
+    def free(i: int) -> bool:
         n, m = items[i]
         k = kind_of(m)
-        if k is not None and k.name == "Conv2d":
-            j = i + 1
-            while j < len(items) and isinstance(items[j][1], ELEMENTWISE):
-                j += 1
-            if (
-                j < len(items)
-                and kind_of(items[j][1]) is not None
-                and kind_of(items[j][1]).name == "Conv2d"
-                and items[j][1].in_channels == m.out_channels
-            ):
-                a, b = (
-                    f"{sname}.{n}" if sname else n,
-                    f"{sname}.{items[j][0]}" if sname else items[j][0],
-                )
-                rules[a], notes[a] = "colwise", "structure: conv, output channels split"
-                rules[b], notes[b] = "rowwise", "structure: conv, input channels split"
-                i = j + 1
-                continue
+        return k is not None and k.name != "Embedding" and n not in rules and n not in skip
+
+    i = 0
+    while i < len(items):
+        if not free(i):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(items) and isinstance(items[j][1], ELEMENTWISE):
+            j += 1
+        if j == len(items) or not free(j):
+            i += 1
+            continue
+        (a, ma), (b, mb) = items[i], items[j]
+        ka, kb = kind_of(ma), kind_of(mb)
+        if (ka.name == "Conv2d") == (kb.name == "Conv2d") and kb.in_out(mb)[0] == ka.in_out(ma)[1]:
+            what = "conv, output channels split" if ka.name == "Conv2d" else "output features split"
+            rules[a], notes[a] = "colwise", f"structure: {what}"
+            what = "conv, input channels split" if ka.name == "Conv2d" else "input features split"
+            rules[b], notes[b] = "rowwise", f"structure: {what}"
+            i = j + 1
+            continue
         i += 1
 
 
-def _embedding_and_head(model: nn.Module) -> tuple[str | None, str | None]:
+def _embedding_and_head(model: nn.Module) -> tuple[list[str], str | None]:
+    """(token embeddings to split on rows, the output head) of `model`.
+
+    A transformers model names them (get_input_embeddings / get_output_embeddings). A custom model:
+    the largest embeddings (within 2x of the largest, so an encoder-decoder's source and target
+    tables both count; position tables are far smaller), and the last linear whose outputs are one
+    of their vocabularies. An embedding tied to the head is always split (the tie must be split
+    alike, see plan._check_ties).
+    """
     names = {id(m): n for n, m in model.named_modules()}
-    emb = head = None
+    embs: list[str] = []
+    head = None
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
     try:
@@ -237,32 +264,39 @@ def _embedding_and_head(model: nn.Module) -> tuple[str | None, str | None]:
         h = get_out() if callable(get_out) else None
     except (NotImplementedError, AttributeError):
         e = h = None
-    if isinstance(e, nn.Embedding):
-        emb = names.get(id(e))
+    if isinstance(e, nn.Embedding) and id(e) in names:
+        embs.append(names[id(e)])
     if h is not None and kind_of(h) is not None and kind_of(h).linear_like:
         head = names.get(id(h))
-    if emb is None:  # a custom model: the largest embedding is the token embedding
-        embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-        if embs:
-            emb = max(embs, key=lambda x: x[1].num_embeddings)[0]
-    if head is None and emb is not None:
-        vocab = model.get_submodule(emb).num_embeddings
+    all_embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if not embs and all_embs:  # a custom model
+        top = max(m.num_embeddings for _, m in all_embs)
+        embs = [n for n, m in all_embs if 2 * m.num_embeddings >= top]
+    if head is None and embs:
+        vocabs = {model.get_submodule(n).num_embeddings for n in embs}
         lins = [
-            (n, m)
+            n
             for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m.out_features == vocab
+            if kind_of(m) is not None
+            and kind_of(m).linear_like
+            and kind_of(m).in_out(m)[1] in vocabs
         ]
-        if lins:
-            head = lins[-1][0]
-    return emb, head
+        head = lins[-1] if lins else None
+    if head is not None:
+        w = model.get_submodule(head).weight
+        embs += [n for n, m in all_embs if m.weight is w and n not in embs]
+    return embs, head
 
 
 def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
     """Say why norms and other parameterized leaves stay whole (shown in the table)."""
     for n, m in model.named_modules():
-        if not n or n in rules or list(m.children()) or not any(True for _ in m.parameters(False)):
+        # leaves with parameters, and containers with parameters of their own
+        # (nn.MultiheadAttention's in_proj_weight, BERT's cls.predictions.bias)
+        if not n or not any(True for _ in m.parameters(False)):
             continue
-        if any(p and p != n and n.startswith(p + ".") for p in rules):
+        parts = n.split(".")  # skip it when a rule (a name or a glob) covers it or an ancestor
+        if any(_matches(".".join(parts[:i]), rules) for i in range(1, len(parts) + 1)):
             continue
         t = type(m).__name__
         if "Norm" in t:
@@ -271,7 +305,14 @@ def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
             why = "replicated: small embedding"
         elif kind_of(m) is None:
             why = f"replicated: {t} has no parallel form"
-        else:
-            continue
+        else:  # a linear or conv outside any column/row pair (a classifier, a pooler)
+            why = "replicated: not part of a column/row pair"
         rules[n] = "replicate"
         notes[n] = why
+
+
+def _matches(fqn: str, rules: dict) -> bool:
+    """Whether a rule of `rules` names `fqn` exactly or as a glob (model.layers.*.mlp.up_proj)."""
+    return fqn in rules or any(
+        any(c in pat for c in "*?[") and fnmatch.fnmatchcase(fqn, pat) for pat in rules
+    )

@@ -36,6 +36,7 @@ class Entry:
     reason: str
     kind: Kind | None = None
     heads: HeadInfo | None = None
+    requested: str = ""  # the plan's style, before any downgrade to replicate
 
     def local_shape(self, module: nn.Module, rank: int) -> tuple[int, ...]:
         """Shape of rank's local weight (in the module's own layout)."""
@@ -96,10 +97,20 @@ class Plan:
         self._model, self._tp = model, tp
 
     def override(self, rules: dict[str, str]) -> Plan:
-        """A new plan where `rules` take precedence (user overrides must match some module)."""
-        merged = {k: v for k, v in self.rules.items() if k not in rules}
+        """A new plan where `rules` take precedence (user overrides must match some module).
+
+        An override glob also replaces the earlier exact names it matches (the auto planner's
+        rules are exact names), so `{"blocks.*.mlp.fc": "replicate"}` wins over "blocks.0.mlp.fc".
+        """
+
+        def replaced(k: str) -> bool:
+            return k in rules or any(
+                any(c in pat for c in "*?[") and fnmatch.fnmatchcase(k, pat) for pat in rules
+            )
+
+        merged = {k: v for k, v in self.rules.items() if not replaced(k)}
         merged.update(rules)
-        notes = {k: v for k, v in self.notes.items() if k not in rules}
+        notes = {k: v for k, v in self.notes.items() if not replaced(k)}
         notes.update({k: "override" for k in rules})
         return Plan(
             merged,
@@ -146,6 +157,7 @@ class Plan:
             entries[fqn] = self._resolve_one(model, fqn, mod, style, rule, tp)
         _segment_packed(model, entries, tp)
         _check_direct_use(model, entries)
+        _check_partners(model, entries)
         _check_ties(model, entries)
         return Resolved(tp, entries, _attr_updates(model, entries, tp))
 
@@ -154,7 +166,9 @@ class Plan:
         note = self.notes.get(rule, self.notes.get(fqn, ""))
         tname = type(mod).__name__
         if style == "replicate":
-            return Entry(fqn, tname, "replicate", None, note or "replicated: by plan", kind)
+            return Entry(
+                fqn, tname, "replicate", None, note or "replicated: by plan", kind, None, style
+            )
         if kind is None:
             raise PlanError(
                 f"style {style!r} does not fit {fqn} ({tname}): quantmesh splits Linear, "
@@ -171,11 +185,12 @@ class Plan:
         n = out_f if style.startswith("colwise") else in_f
         heads = find_heads(model, fqn) if style in ("colwise", "rowwise") else None
         if tp == 1:
-            return Entry(fqn, tname, style, None, "tp=1", kind, heads)
+            return Entry(fqn, tname, style, None, "tp=1", kind, heads, style)
         split, how = split_features(n, tp, heads)
         if split is None:
-            return Entry(fqn, tname, "replicate", None, f"replicated: {how}", kind, heads)
-        return Entry(fqn, tname, style, split, f"{note + ', ' if note else ''}{how}", kind, heads)
+            return Entry(fqn, tname, "replicate", None, f"replicated: {how}", kind, heads, style)
+        why = f"{note + ', ' if note else ''}{how}"
+        return Entry(fqn, tname, style, split, why, kind, heads, style)
 
     # ------------------------------------------------------------------------------------------
     def table(self, model: nn.Module | None = None, tp: int | None = None) -> str:
@@ -193,9 +208,10 @@ class Plan:
         lines.insert(1, "-" * min(120, len(lines[0])))
         for owner, attrs in res.attr_updates.items():
             for a, vals in attrs.items():
-                lines.append(
-                    f"per-rank attribute: {_globify(owner)}.{a} = {'/'.join(str(v) for v in vals)}"
-                )
+                where = _globify(owner, model)
+                line = f"per-rank attribute: {where}.{a} = {'/'.join(map(str, vals))}"
+                if line not in lines:  # repeated blocks: one line for all of them
+                    lines.append(line)
         return f"Plan for tp={tp}:\n" + "\n".join(lines)
 
     def __str__(self) -> str:
@@ -205,11 +221,15 @@ class Plan:
         return f"Plan({self.rules!r})"
 
 
-_NUM = re.compile(r"\.(\d+)\.")
-
-
-def _globify(fqn: str) -> str:
-    return _NUM.sub(".*.", f".{fqn}.").strip(".")
+def _globify(fqn: str, model: nn.Module) -> str:
+    """`fqn` with the index of every repeated block replaced by `*` (elements of a ModuleList;
+    a Sequential's positions stay, they name different layers)."""
+    parts = fqn.split(".") if fqn else []
+    out = []
+    for i, p in enumerate(parts):
+        parent = model.get_submodule(".".join(parts[:i]))
+        out.append("*" if p.isdigit() and isinstance(parent, nn.ModuleList) else p)
+    return ".".join(out)
 
 
 def _collapse(res: Resolved, model: nn.Module) -> list[tuple[str, ...]]:
@@ -221,7 +241,7 @@ def _collapse(res: Resolved, model: nn.Module) -> list[tuple[str, ...]]:
         shapes = "/".join(
             "x".join(str(d) for d in e.local_shape(mod, r)) for r in range(res.tp if e.split else 1)
         )
-        key = (_globify(e.fqn), e.type_name, e.style, shapes, e.reason)
+        key = (_globify(e.fqn, model), e.type_name, e.style, shapes, e.reason)
         if key in seen:
             rows[seen[key]][5] += 1
             continue
@@ -256,15 +276,18 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
             elif out_f in (2 * in_r, 3 * in_r):
                 segs = [in_r] * (out_f // in_r)
             if segs:
-                parts = []
+                parts, hows = [], []
                 for n in segs:
-                    s, _ = split_features(n, tp, h)
+                    s, how = split_features(n, tp, h)
                     if s is None:
                         break
                     parts.append(s)
+                    hows.append(how)
                 if len(parts) == len(segs) and o.split is not None:
                     e.split = segmented_split(parts)
-                    e.reason += f", packed {len(segs)} segments"
+                    # the reason said how the whole dimension splits; say how each segment does
+                    base = e.reason.rsplit(", ", 1)[0] + ", " if ", " in e.reason else ""
+                    e.reason = f"{base}{len(segs)} packed segments, each {hows[0]}"
                 else:
                     e.style, e.split = "replicate", None
                     e.reason = f"replicated: packed segments of {e.fqn} cannot be split over {tp}"
@@ -299,24 +322,88 @@ def _check_direct_use(model: nn.Module, entries: dict[str, Entry]) -> None:
                 break
 
 
+def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
+    """A colwise layer's output stays split until a rowwise layer reads it; when that reader is not
+    split rowwise (heads that cannot be split, a weight read directly, a user override, no rule),
+    replicate the writer too: otherwise the reader would get this rank's slice of its input.
+
+    Readers are found by structure, not by tracing: the layers of the same family (linear-like, or
+    conv) in the writer's scope that are not writers themselves, in the parent first, then the
+    grandparent, and so on. At the first level that has any, those whose input size equals the
+    writer's output win, then a multiple either way (KV heads into o_proj), then a smaller one (one
+    segment of a packed q|k|v). A writer with no reader in scope is left alone.
+    """
+    layers = {n: kind_of(m) for n, m in model.named_modules() if kind_of(m) is not None}
+    in_size = {n: k.in_out(model.get_submodule(n))[0] for n, k in layers.items()}
+    writers = {n for n, e in entries.items() if e.requested in ("colwise", "colwise_gather")} | {
+        n for n, k in layers.items() if k.name == "Embedding"
+    }
+    for e in entries.values():
+        if e.style != "colwise" or e.split is None:
+            continue
+        out_f = e.kind.in_out(model.get_submodule(e.fqn))[1]
+        conv = e.kind.name == "Conv2d"
+        parts = e.fqn.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            scope = ".".join(parts[:i])
+            cands = [
+                n
+                for n, k in layers.items()
+                if (not scope or n.startswith(scope + "."))
+                and n not in writers
+                and (k.name == "Conv2d") == conv
+            ]
+            tiers = (
+                [n for n in cands if in_size[n] == out_f],
+                [n for n in cands if out_f % in_size[n] == 0 or in_size[n] % out_f == 0],
+                [n for n in cands if in_size[n] < out_f],
+            )
+            readers = next((t for t in tiers if t), None)
+            if readers is None:
+                continue
+            lost = [
+                n
+                for n in readers
+                if n not in entries or entries[n].style != "rowwise" or entries[n].split is None
+            ]
+            if lost:
+                e.style, e.split = "replicate", None
+                rel = lost[0][len(scope) + 1 :] if scope else lost[0]  # the same in every block
+                e.reason = f"replicated: its reader {rel} is not split rowwise"
+            break
+
+
 def _check_ties(model: nn.Module, entries: dict[str, Entry]) -> None:
-    """Tied weights (embedding and head) must be split alike."""
-    owners: dict[int, list[str]] = {}
+    """Tied parameters (an embedding and its head, a head's bias and its owner's) must be split
+    alike: a split tensor cannot also be whole somewhere else."""
+    owners: dict[int, list[tuple[str, str]]] = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
-        w = mod._parameters.get("weight") if hasattr(mod, "_parameters") else None
-        if w is not None:
-            owners.setdefault(id(w), []).append(fqn)
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((fqn, pname))
     for names in owners.values():
         if len(names) < 2:
             continue
-        es = [entries.get(n) for n in names]
-        splits = {(e.split.per_rank if e and e.split else None) for e in es}
+        es = [entries.get(n) for n, _ in names]
+        splits = {_param_split(e, pname) for e, (_, pname) in zip(es, names)}
         if len(splits) > 1:
-            desc = ", ".join(f"{n} ({e.style if e else 'replicate'})" for n, e in zip(names, es))
+            desc = ", ".join(
+                f"{n}.{pname} ({e.style if e else 'replicate'})" for e, (n, pname) in zip(es, names)
+            )
             raise PlanError(
                 f"tied weights are split differently: {desc}; give both the same split "
                 f"(an embedding 'vocab' with its head 'colwise_gather'), or replicate both"
             )
+
+
+def _param_split(e: Entry | None, pname: str):
+    """Per-rank ranges of parameter `pname` of a planned module; None when it stays whole (a
+    rowwise or colwise_gather bias is whole on every rank: see tp/layers.py)."""
+    if e is None or e.split is None:
+        return None
+    if pname == "weight" or (pname == "bias" and e.style == "colwise"):
+        return e.split.per_rank
+    return None
 
 
 def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:

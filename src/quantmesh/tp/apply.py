@@ -32,6 +32,32 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in owners.values() if len(names) > 1]
 
 
+def _shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module fqn, parameter name) holding one Parameter (weights, biases, any name)."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((fqn, pname))
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) -> None:
+    """A parameter a wrapped module keeps whole (a colwise_gather head's bias) that was shared with
+    a module left alone (BERT's cls.predictions.bias) is shared again: one tensor, one gradient.
+    The plan refuses ties whose wrapped side is split (plan._check_ties)."""
+    for group in shared:
+        src = next((built[f]._parameters.get(p) for f, p in group if f in built), None)
+        if src is None:
+            continue
+        for fqn, pname in group:
+            if fqn in built or _inside_sharded(model, fqn):
+                continue
+            mod = model.get_submodule(fqn)
+            if mod._parameters[pname].shape == src.shape:  # not a split or quantized tensor
+                mod._parameters[pname] = src
+
+
 def apply_tp(
     model: nn.Module, mesh, resolved, *, wrap: dict[str, dict], placement, dtype=None, lora=None
 ) -> nn.Module:
@@ -43,6 +69,7 @@ def apply_tp(
     from ..lora import attach_lora
 
     tied = _tied_groups(model)
+    shared = _shared_params(model)
     built: dict[str, ShardedModule] = {}
     for fqn in [n for n, _ in model.named_modules() if n in wrap]:
         orig = model.get_submodule(fqn)
@@ -80,6 +107,7 @@ def apply_tp(
             if n in built and built[n] is not first and first.fmt is None and built[n].fmt is None:
                 built[n].local._parameters["weight"] = first.local._parameters["weight"]
                 built[n]._sync_from_local()
+    _retie_unwrapped(model, shared, built)
     _materialize_rest(model, placement, dtype)
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)

@@ -50,6 +50,22 @@ def _is_quant_linear(module: nn.Module) -> bool:
     return type(module).__name__ in ("Linear4bit", "Linear8bitLt", "LinearNF4")
 
 
+class Conv1DNoBias(nn.Module):
+    """transformers' Conv1D layout without a bias: weight (in, out), y = x @ weight.
+
+    The local module of a rowwise Conv1D: its bias is added once, after the reduction, by the
+    wrapper, and transformers' own Conv1D cannot drop it (its forward is addmm(bias, x, weight)).
+    """
+
+    def __init__(self, in_f: int, out_f: int, *, device=None, dtype=None):
+        super().__init__()
+        self.nx, self.nf = in_f, out_f
+        self.weight = nn.Parameter(torch.empty(in_f, out_f, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight  # (..., in) @ (in, out) -> (..., out)
+
+
 def new_local(
     kind: Kind, orig: nn.Module, in_f: int, out_f: int, bias: bool, device, dtype
 ) -> nn.Module:
@@ -57,12 +73,11 @@ def new_local(
     if kind is LINEAR:
         return nn.Linear(in_f, out_f, bias=bias, device=device, dtype=dtype)
     if kind is CONV1D:
+        if not bias:  # transformers' Conv1D.forward always adds its bias (addmm): use our own
+            return Conv1DNoBias(in_f, out_f, device=device, dtype=dtype)
         with torch.device(device):
             m = type(orig)(out_f, in_f)  # Conv1D(nf, nx)
-        m.to(dtype)
-        if not bias:
-            m.bias = None
-        return m
+        return m.to(dtype)
     if kind is EMBEDDING:
         return nn.Embedding(in_f, out_f, device=device, dtype=dtype)
     if kind is CONV2D:

@@ -18,6 +18,12 @@ from .kinds import Kind, new_local
 
 __all__ = ["ShardedModule"]
 
+# Styles whose bias lives whole on the wrapper and is added once to the complete output: after the
+# reduction (rowwise: a per-rank bias would be summed tp times), or after the gather (colwise_gather:
+# so a bias shared with another module's parameter, like BERT's cls.predictions.bias, stays one
+# tensor that both modules update).
+WRAPPER_BIAS_STYLES = ("rowwise", "colwise_gather")
+
 
 class ShardedModule(nn.Module):
     """A module of `kind` split by `style` over a tp group (or replicated, for quant/LoRA only).
@@ -60,9 +66,9 @@ class ShardedModule(nn.Module):
             in_l = split.size(rank)
         self.in_local, self.out_local = in_l, out_l
         has_bias = getattr(orig, "bias", None) is not None
-        # rowwise: each rank's partial sum must not carry the bias; the wrapper adds it once, after
-        # the reduction, so the bias lives on the wrapper (same name) and the local module has none.
-        local_bias = has_bias and style != "rowwise"
+        # rowwise / colwise_gather: the wrapper holds the whole bias (same name) and adds it to the
+        # complete output (see WRAPPER_BIAS_STYLES); the local module has none.
+        local_bias = has_bias and style not in WRAPPER_BIAS_STYLES
         dt = dtype or orig.weight.dtype
         self.float_dtype = dt
         if fmt is not None:
@@ -78,7 +84,7 @@ class ShardedModule(nn.Module):
             )
         object.__setattr__(self, "local", local)  # hidden: not a child, so no extra FQN level
         self._sync_from_local()
-        if has_bias and style == "rowwise":
+        if has_bias and style in WRAPPER_BIAS_STYLES:
             self.bias = nn.Parameter(
                 torch.empty(out_full, device=device, dtype=dt),
                 requires_grad=orig.bias.requires_grad,
@@ -91,7 +97,7 @@ class ShardedModule(nn.Module):
     def _sync_from_local(self) -> None:
         """(Re-)register the local module's parameters on the wrapper under the same names."""
         for name, p in self.local._parameters.items():
-            if name == "bias" and self.style == "rowwise":
+            if name == "bias" and self.style in WRAPPER_BIAS_STYLES:
                 continue
             self._parameters[name] = p
         for name, b in self.local._buffers.items():
@@ -120,7 +126,7 @@ class ShardedModule(nn.Module):
             out["bias"] = None
         if st in ("colwise", "colwise_gather"):
             out["weight"] = (k.w_out_dim, self.split.ranges(r))
-            if self.has_bias:
+            if self.has_bias and st == "colwise":
                 out["bias"] = (0, self.split.ranges(r))
         elif st in ("rowwise", "vocab"):
             out["weight"] = (k.w_in_dim, self.split.ranges(r))
@@ -133,7 +139,7 @@ class ShardedModule(nn.Module):
     def local_shape(self, name: str) -> tuple[int, ...]:
         """Shape of this rank's slice of base parameter `name`, in checkpoint layout."""
         if name == "bias":
-            return (self.out_local if self.style != "rowwise" else self.out_full,)
+            return (self.out_full if self.style in WRAPPER_BIAS_STYLES else self.out_local,)
         shape = [0, 0]
         shape[self.kind.w_out_dim] = self.out_local
         shape[self.kind.w_in_dim] = self.in_local
@@ -159,7 +165,7 @@ class ShardedModule(nn.Module):
             self.fmt.quantize_into(self.local, w.contiguous())
             self._sync_from_local()
             return
-        owner = self if (name == "bias" and self.style == "rowwise") else self.local
+        owner = self if (name == "bias" and self.style in WRAPPER_BIAS_STYLES) else self.local
         p = owner._parameters[name]
         if p.device.type == "meta":
             new = nn.Parameter(
@@ -189,6 +195,11 @@ class ShardedModule(nn.Module):
             y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
         if st == "colwise_gather" and tp > 1:
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
+        bias = self._parameters.get("bias") if st == "colwise_gather" else None
+        if bias is not None:  # whole, after the gather: (out_full,) broadcast on the feature dim
+            shape = [1] * y.dim()
+            shape[self.kind.feat_dim] = -1
+            y = y + bias.view(shape).to(y.dtype)
         return y
 
     def _rowwise_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
