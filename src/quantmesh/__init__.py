@@ -38,6 +38,13 @@ _EXPORTS = {
     "split_layers": "layersplit",
     "full_state_dict": "state",
     "clip_grad_norm_": "state",
+    "load_checkpoint": "load",
+    "from_pretrained": "hf",
+    "save_adapter": "save",
+    "load_adapter": "save",
+    "save_state": "save_resume",
+    "load_state": "save_resume",
+    "export": "save_export",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -97,7 +97,13 @@ def parallelize(
     placement = layer_placement(model, mesh.devices)
     if lora is not None:
         model.requires_grad_(False)
+    # for load_checkpoint: names that hold no values yet (meta), and names sharing one tensor
+    # (tied weights; a checkpoint may hold only one of them, and quantizing one side unties them)
+    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
+    tied = _tied_names(model)
     apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, dtype=dtype, lora=lora)
+    model._qm_uninitialized = set(meta)
+    model._qm_tied = tied
     if len(mesh.devices) > 1:
         install_moves(model, placement)
     model._qm_mesh = mesh
@@ -109,6 +115,19 @@ def parallelize(
     if data_parallel and mesh.dp > 1:
         apply_dp(model, mesh)
     return model
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one Parameter (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _is_leaf_with_weight(m: nn.Module) -> bool:

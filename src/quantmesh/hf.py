@@ -1,0 +1,160 @@
+"""transformers convenience: open a saved causal-LM folder straight into a parallelized model.
+
+config -> skeleton on meta -> plan -> parallelize (TP + quant + LoRA) -> slice-streaming load. No
+rank ever holds the whole model: the skeleton costs nothing and each rank reads its own slices.
+
+Checkpoint key names are mapped to the model's the way transformers itself does for plain renames:
+its own renaming rules for the model (legacy `LayerNorm.gamma` -> `.weight`, ...), then adding or
+stripping the model's `base_model_prefix` (GPT-2 checkpoints saved from `GPT2Model` hold `h.0...`,
+the LM head model expects `transformer.h.0...`), and dropping keys the model class declares
+ignorable (`_keys_to_ignore_on_load_unexpected`, e.g. GPT-2's old `attn.bias` mask buffers).
+Conversions that fuse or split tensors (some MoE checkpoints) cannot be streamed as slices and are
+refused with the names of the keys involved.
+
+transformers is imported only when a function here is called.
+
+Example:
+    >>> mesh = qm.init_mesh(tp=2)                                              # doctest: +SKIP
+    >>> model = qm.from_pretrained("llama_dir", mesh, quant="nf4",
+    ...                            lora=qm.LoraConfig(r=16, targets=["q_proj", "v_proj"]))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .empty import empty_model
+from .load import expected_keys, load_checkpoint
+from .lora import LoraConfig
+from .parallelize import parallelize
+from .plan import Plan
+from .quant.base import QuantConfig
+
+__all__ = ["from_pretrained", "hf_key_map"]
+
+
+def _transformers_renames(model: nn.Module) -> tuple[list, list]:
+    """(renamings, converters) transformers would apply to this model's checkpoint keys."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:  # an older transformers without the conversion registry
+        return [], []
+    try:
+        transforms = get_model_conversion_mapping(model)
+    except Exception:  # an internal API: never let its drift break loading plain checkpoints
+        return [], []
+    renames = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return renames, converters
+
+
+def hf_key_map(model: nn.Module) -> Callable[[str], str | None]:
+    """A key_map for `load_checkpoint` that maps a transformers checkpoint's keys onto `model`.
+
+    Raises NotImplementedError (when called on a key) for keys that transformers would fuse or
+    split on load, which a slice-streaming loader cannot do.
+
+    Example:
+        >>> qm.load_checkpoint(model, "gpt2_dir", key_map=hf_key_map(model))  # doctest: +SKIP
+    """
+    want = set(expected_keys(model))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    ignore = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    renames, converters = _transformers_renames(model)
+
+    def rename(key: str) -> str | None:
+        k = key
+        if k not in want:
+            for t in renames:
+                k, _ = t.rename_source_key(k)
+        if k in want:
+            return k
+        if prefix and f"{prefix}.{k}" in want:  # a base-model checkpoint into an LM head model
+            return f"{prefix}.{k}"
+        if prefix and k.startswith(prefix + ".") and k[len(prefix) + 1 :] in want:
+            return k[len(prefix) + 1 :]
+        if any(p.search(key) for p in ignore):  # only keys the model has no place for
+            return None
+        for c in converters:
+            _, pattern = c.rename_source_key(k)
+            if pattern is not None:
+                raise NotImplementedError(
+                    f"checkpoint key {key!r} needs transformers' tensor conversion "
+                    f"{type(c).__name__}({pattern!r} -> {c.target_patterns}) for "
+                    f"{type(model).__name__}: it fuses or splits tensors, which quantmesh cannot "
+                    "stream as slices; convert the checkpoint once (load it with transformers and "
+                    "save_pretrained it), or pass key_map= yourself"
+                )
+        return key
+
+    return rename
+
+
+def _config_dtype(config) -> torch.dtype | None:
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    mesh,
+    *,
+    quant: str | QuantConfig | None = None,
+    lora: LoraConfig | None = None,
+    dtype: torch.dtype | None = None,
+    plan: Plan | dict[str, str] | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """A transformers causal LM from a local folder, parallelized over `mesh` and loaded by slices.
+
+    Collective: every rank calls it. The model comes back in eval mode, as transformers'
+    `from_pretrained` returns it (call `model.train()` to fine-tune), with the folder's
+    `generation_config.json` as `model.generation_config` when there is one.
+
+    Args:
+        path: a folder written by `save_pretrained` (config.json + safetensors or .bin weights);
+            pre-quantized checkpoints (a `quantization_config` in config.json) are refused.
+        quant, lora, plan: as in `qm.parallelize`; plan None = `qm.auto_plan`.
+        dtype: the float dtype of the weights; None = the config's `dtype` (float32 if unset).
+        progress: a tqdm bar of bytes read, on global rank 0.
+
+    Example:
+        >>> model = qm.from_pretrained("llama_dir", mesh, quant="nf4")  # doctest: +SKIP
+        >>> model.generate(ids, max_new_tokens=8)                        # doctest: +SKIP
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"from_pretrained({str(path)!r}): no config.json there; expected a folder written by "
+            "save_pretrained (download a hub model first, e.g. huggingface_hub.snapshot_download)"
+        )
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None):
+        raise ValueError(
+            f"{path} holds a pre-quantized checkpoint (quantization_config "
+            f"{config.quantization_config.get('quant_method', '?')!r} in config.json); "
+            "from_pretrained expects float weights and quantizes after slicing: point it at the "
+            "float checkpoint and pass quant='nf4' / 'int8'"
+        )
+    dtype = dtype or _config_dtype(config) or torch.float32
+    with empty_model():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
+    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype)
+    load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
