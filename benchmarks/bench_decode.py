@@ -1,0 +1,186 @@
+"""Greedy decoding speed of a bf16 Llama-2-7B-shaped model: quantmesh tp vs one GPU.
+
+  --mode single   plain transformers on one device: `generate` with the dynamic cache, then (unless
+                  --no-compile) with cache_implementation="static", which transformers compiles
+                  (torch.compile, mode reduce-overhead) on CUDA; the compile time is reported apart.
+  --mode tp       under torchrun: the model built on meta, qm.parallelize(tp=world size, bf16), then
+                  transformers' `generate` on the parallelized model (dynamic cache); with
+                  --compile also the static cache (compiled by transformers as above).
+
+Both fill the same seeded random weights (drawn on the device, so single and tp hold equal
+values); batch 1, a 32-token random prompt, 256 new tokens, no EOS (exactly 256 are generated).
+New tokens/s = 256 / generate's wall time (prefill included), after a warm-up generate. With
+--ref-json (the single run's result) the tp run reports how many leading tokens agree with one
+GPU's.
+
+Usage:
+    python benchmarks/bench_decode.py --mode single --out DIR
+    torchrun --nproc-per-node 2 benchmarks/bench_decode.py --mode tp --out DIR \
+        --ref-json DIR/result_decode_single.json
+Writes DIR/result_decode_<mode>.json (rank 0), rewritten after each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qmbench as qb  # noqa: E402
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    qb.shape_args(p)
+    p.add_argument("--mode", required=True, choices=["single", "tp"])
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--no-compile", action="store_true", help="single: skip the static+compile run")
+    p.add_argument("--compile", action="store_true", help="tp: also the static cache + compile")
+    p.add_argument(
+        "--ref-json", default=None, help="tp: the single run's JSON, for token agreement"
+    )
+    a = qb.finish_args(p.parse_args(argv))
+    if a.smoke:
+        a.new, a.prompt = 16, 8
+    return a
+
+
+def prepare_generation(model) -> None:
+    gc = model.generation_config
+    gc.eos_token_id = None  # random weights: never stop early, always a.new tokens
+    gc.pad_token_id = 0
+    gc.do_sample = False
+    model.config.use_cache = True
+    model.eval()
+
+
+def prompt_ids(a, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, a.vocab, (1, a.prompt), generator=g).to(device)
+
+
+@torch.no_grad()
+def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, torch.Tensor]:
+    qb.sync(device)
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, use_cache=True, **kw)
+    qb.sync(device)
+    dt = time.perf_counter() - t0
+    got = out.shape[1] - ids.shape[1]
+    if got != new:
+        raise RuntimeError(f"generate returned {got} new tokens, expected {new}")
+    return dt, out[0, ids.shape[1] :].tolist()
+
+
+def phase(model, a, ids, device, R: dict, name: str, **kw) -> list[int]:
+    """One warm-up generate (short, or full length when it compiles), then the timed one."""
+    qb.reset_peaks(device)
+    t0 = time.perf_counter()
+    timed_generate(model, ids, a.new if kw else min(16, a.new), device, **kw)
+    warm = time.perf_counter() - t0
+    dt, tokens = timed_generate(model, ids, a.new, device, **kw)
+    R[name] = {
+        "new_tokens_per_s": round(a.new / dt, 2),
+        "ms_per_token": round(dt / a.new * 1000, 3),
+        "warmup_generate_s": round(warm, 2),
+        "compiled": bool(getattr(model, "_compiled_call", None) is not None),
+        "mem": qb.gpu_mem(device),
+    }
+    qb.log(f"{name}: {a.new / dt:.1f} new tokens/s (warm-up {warm:.1f} s)")
+    return tokens
+
+
+def run_single(a, R: dict, out_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device("cpu" if a.cpu else "cuda:0")
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(
+            qb.llama_config(a, use_cache=True), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    R["build"] = qb.fill_random(model, seed=a.seed)
+    R["build"]["build_s"] = round(time.perf_counter() - t0, 2)
+    prepare_generation(model)
+    ids = prompt_ids(a, dev)
+    R["tokens"] = phase(model, a, ids, dev, R, "dynamic_cache")
+    qb.write_json(out_path, R)
+    if not a.no_compile:
+        with qb.record_errors(R, "static_compile_error"):
+            phase(model, a, ids, dev, R, "static_compile", cache_implementation="static")
+    runs = [R[k]["new_tokens_per_s"] for k in ("dynamic_cache", "static_compile") if k in R]
+    R["best_new_tokens_per_s"] = max(runs)
+
+
+def run_tp(a, R: dict, out_path: str) -> None:
+    import torch.distributed as dist
+
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=-1, dp=1, backend="gloo" if a.cpu else None)
+    dev = mesh.device
+    R.update(tp=mesh.tp, gpus=mesh.world_size)
+    t0 = time.perf_counter()
+    model = qb.skeleton(qb.llama_config(a, use_cache=True))
+    qm.parallelize(model, mesh, dtype=torch.bfloat16)
+    R["build"] = qb.fill_random(model, seed=a.seed)
+    R["build"]["build_s"] = round(time.perf_counter() - t0, 2)
+    prepare_generation(model)
+    ids = prompt_ids(a, dev)
+    R["tokens"] = phase(model, a, ids, dev, R, "dynamic_cache")
+    if a.ref_json and os.path.exists(a.ref_json):
+        import json
+
+        with open(a.ref_json) as f:
+            ref = json.load(f).get("tokens") or []
+        same = 0
+        for x, y in zip(R["tokens"], ref):
+            if x != y:
+                break
+            same += 1
+        R["tokens_agree_with_single"] = same
+    if mesh.rank == 0:
+        qb.write_json(out_path, R)
+    if a.compile:
+        with qb.record_errors(R, "static_compile_error"):
+            phase(model, a, ids, dev, R, "static_compile", cache_implementation="static")
+    runs = [R[k]["new_tokens_per_s"] for k in ("dynamic_cache", "static_compile") if k in R]
+    R["best_new_tokens_per_s"] = max(runs)
+    dist.barrier()
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    R = {
+        "bench": "decode",
+        "mode": a.mode,
+        "args": {k: v for k, v in vars(a).items() if k not in ("out", "ref_json")},
+        "versions": qb.versions(),
+        "ok": False,
+    }
+    out_path = os.path.join(a.out, f"result_decode_{a.mode}{a.tag}.json")
+    rank = int(os.environ.get("RANK", "0"))
+    t0 = time.time()
+    with qb.record_errors(R):
+        (run_single if a.mode == "single" else run_tp)(a, R, out_path)
+        R["ok"] = True
+    R["wall_s"] = round(time.time() - t0, 1)
+    if rank == 0:
+        qb.write_json(out_path, R)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    return 0 if R["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
