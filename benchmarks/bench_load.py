@@ -312,7 +312,8 @@ def load_rank(a) -> None:
         R["rss_anon_peak"] = s.peak
         R["rss_anon_after"] = qb.rss_anon_bytes()
         R["gpu_mem"] = qb.gpu_mem(dev)
-        R["spot_check"] = spot_check(model, a, gen)
+        # CUDA's Philox stream is the same on every GPU: regenerate on this rank's own device
+        R["spot_check"] = spot_check(model, a, dev if torch.device(gen).type == dev.type else gen)
         R["process_to_loaded_s"] = round(time.perf_counter() - t_proc, 2)
         R["ok"] = True
     except Exception as e:

@@ -257,7 +257,7 @@ def tables(b: dict) -> str:
     ]
     if prof:
         L.append("### Where the GPU time goes (2 profiled steps, rank 0, share of kernel time)\n")
-        cats = list(next(p for _, p in prof if "shares" in p).get("shares", {}))
+        cats = list(next((p["shares"] for _, p in prof if "shares" in p), {}))
         L.append("| layout | wall ms/step | kernel ms/step | " + " | ".join(cats) + " |")
         L.append("|---|---|---|" + "---|" * len(cats))
         for n, p in prof:
