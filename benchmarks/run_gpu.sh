@@ -93,6 +93,7 @@ step() {
   [ $rc -ne 0 ] && status=failed
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && status=timeout
   say "END $name: $status (rc $rc, $((SECONDS - t0))s)"
+  [ "$status" = ok ] || tail -n 25 "$LOG" | grep -v "^\[" | tail -n 20
   record "$name" "$status" "" "$rc" $((SECONDS - t0)) "$t"
   bundle
 }
@@ -156,4 +157,5 @@ done
 
 bundle
 say "done in ${SECONDS}s; results in $OUT"
+cat "$OUT/summary.md" 2>/dev/null
 rm -rf "$WORK"
