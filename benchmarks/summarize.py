@@ -314,7 +314,7 @@ def tables(b: dict) -> str:
     L.append("")
     L.append(
         f"tp=2 best / one GPU best: {num(dr, '{:.2f}x')} (target >= 1.3x: {verdict(dr, 1.3)}); "
-        f"leading tokens equal to one GPU's: {num(agree, '{}')} of 256."
+        f"leading tokens equal to one GPU's: {num(agree, '{}')} of {len((TP or {}).get('tokens') or []) or '–'}."
     )
     L.append("")
 
