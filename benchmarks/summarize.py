@@ -311,10 +311,11 @@ def tables(b: dict) -> str:
         )
     dr = ratio((TP or {}).get("best_new_tokens_per_s"), (S or {}).get("best_new_tokens_per_s"))
     agree = (TP or {}).get("tokens_agree_with_single")
+    n_tok = len((TP or {}).get("tokens") or [])
     L.append("")
     L.append(
         f"tp=2 best / one GPU best: {num(dr, '{:.2f}x')} (target >= 1.3x: {verdict(dr, 1.3)}); "
-        f"leading tokens equal to one GPU's: {num(agree, '{}')} of {len((TP or {}).get('tokens') or []) or '–'}."
+        f"leading tokens equal to one GPU's: {num(agree, '{}')} of {n_tok or '–'}."
     )
     L.append("")
 
