@@ -595,7 +595,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -
 def _probe(y: torch.Tensor, seed: int = 123) -> torch.Tensor:
     """A fixed random cotangent: loss = (y * probe).sum() gives every output its own gradient."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(y.shape, generator=g).to(y.dtype)  # drawn in fp32: same values in fp64
+    # drawn in fp32 on the CPU: the same values in fp64 and on any device
+    return torch.randn(y.shape, generator=g).to(device=y.device, dtype=y.dtype)
 
 
 def forward_backward(model: nn.Module, run) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -675,7 +676,8 @@ def _leaf_run(x: torch.Tensor):
     so its gradient is compared too."""
 
     def run(m: nn.Module):
-        xx = x.to(next(m.parameters()).dtype).clone().requires_grad_()
+        p = next(m.parameters())
+        xx = x.to(device=p.device, dtype=p.dtype).clone().requires_grad_()
         return m(xx), [xx]
 
     return run
@@ -688,9 +690,15 @@ def _hf_run(ids: torch.Tensor, pad_last: int = 2):
     mask[-1, -pad_last:] = 0
 
     def run(m: nn.Module):
-        return m(input_ids=ids, attention_mask=mask).logits, []
+        dev = next(m.parameters()).device
+        return m(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits, []
 
     return run
+
+
+def _on(m: nn.Module, *xs: torch.Tensor) -> list[torch.Tensor]:
+    dev = next(m.parameters()).device
+    return [x.to(dev) for x in xs]
 
 
 def case(name: str) -> tuple[nn.Module, object]:
@@ -709,10 +717,10 @@ def case(name: str) -> tuple[nn.Module, object]:
     if name in ("nmt", "nmt_tied"):
         ref = nmt(share_decoder_embeddings=name == "nmt_tied")
         src, tgt = nmt_inputs()
-        return ref, lambda m: (m(src, tgt), [])
+        return ref, lambda m: (m(*_on(m, src, tgt)), [])
     if name == "tiny_gpt":
         ids = token_ids(99)
-        return tiny_gpt(), lambda m: (m(ids), [])
+        return tiny_gpt(), lambda m: (m(*_on(m, ids)), [])
     builders = {
         "llama": lambda: llama(heads=8, kv_heads=4),  # GQA, 2 query heads per KV head
         "llama_9h_3kv": lambda: llama(heads=9, kv_heads=3),  # tp=2: 2+1 groups; tp=4: none
@@ -742,6 +750,13 @@ def fill_from(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     for name, t in model.state_dict(keep_vars=True).items():
         if name.rpartition(".")[0] not in sharded:
             t.copy_(sd[name])
+
+
+def _no_tf32(device: torch.device) -> None:
+    """fp32 means fp32 on a GPU too: cuDNN convolutions default to TF32 (10-bit mantissas)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def check_case(name: str, mesh, plan=None, floors: bool = False) -> dict:
@@ -776,6 +791,8 @@ def check_case(name: str, mesh, plan=None, floors: bool = False) -> dict:
         facts["sd_mismatch"] = bad
     else:
         facts["sd_mismatch"] = None
+    _no_tf32(mesh.device)
+    ref.to(mesh.device)  # on a GPU mesh, compare on the GPU
     if floors:
         e64 = compare_tp(copy.deepcopy(ref).double(), copy.deepcopy(ref), run)
         facts["floor_out"] = e64["out"]
@@ -801,7 +818,7 @@ def check_case(name: str, mesh, plan=None, floors: bool = False) -> dict:
                 seen.add(id(rp))
                 facts["ref_split_bytes"] += rp.numel() * rp.element_size()
     facts["replicated_grads"] = {
-        n: p.grad.clone()
+        n: p.grad.detach().cpu().clone()
         for n, p in model.named_parameters()
         if id(p) not in split_ids and p.grad is not None
     }
@@ -864,5 +881,56 @@ def check_empty(name: str, mesh) -> dict:
         ]
     else:
         facts["sd_mismatch"] = None
-    facts["errs"] = compare_tp(ref, skel, run)
+    _no_tf32(mesh.device)
+    facts["errs"] = compare_tp(ref.to(mesh.device), skel, run)
     return facts
+
+
+def check_dropout(mesh, lora: bool = False) -> dict:
+    """Train-mode NMTModel with dropout 0.1 everywhere (and LoRA dropout 0.1 with `lora`): one
+    forward / backward after the same torch.manual_seed on every rank.
+
+    Returns: replicated_grads (name -> grad of every parameter not split over tp: norms, rowwise
+    biases, LoRA A of colwise and B of rowwise layers), and dropout_active (the train-mode logits
+    differ from the eval-mode ones, so masks were drawn).
+    """
+    import copy
+
+    import quantmesh as qm
+    from quantmesh.state import tp_sharded
+    from quantmesh.tp.layers import ShardedModule
+
+    ref = nmt()
+    for m in ref.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.1
+    model = copy.deepcopy(ref)
+    cfg = None
+    if lora:
+        names = ["linear_query", "linear_values", "final_linear", "w_1", "w_2"]
+        cfg = qm.LoraConfig(r=4, alpha=8, dropout=0.1, targets=names)
+    qm.parallelize(model, mesh, lora=cfg)
+    if lora:  # B starts at zero: give it values, so that A gets a gradient
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    src, tgt = nmt_inputs()
+    with torch.no_grad():
+        y_eval = model.eval()(*_on(model, src, tgt))
+    model.train()
+    torch.manual_seed(1234)
+    y = model(*_on(model, src, tgt))
+    (y * _probe(y)).sum().backward()
+    split: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, ShardedModule):
+            split |= {id(m.get_parameter(n)) for n in tp_sharded(m)}
+    return {
+        "replicated_grads": {
+            n: p.grad.detach().cpu().clone()
+            for n, p in model.named_parameters()
+            if id(p) not in split and p.grad is not None
+        },
+        "dropout_active": not torch.equal(y.detach(), y_eval),
+    }

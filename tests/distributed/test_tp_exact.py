@@ -45,6 +45,8 @@ def _rank(rank: int, tp: int) -> dict:
     plan = qm.Plan({"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"})
     out["mlp_explicit"] = M.check_case("mlp", mesh, plan=plan, floors=rank == 0)
     out["empty"] = {name: M.check_empty(name, mesh) for name in EMPTY_CASES}
+    out["dropout"] = M.check_dropout(mesh)
+    out["dropout_lora"] = M.check_dropout(mesh, lora=True)
     return out
 
 
@@ -175,3 +177,20 @@ def test_empty_model_allocates_only_shards(tp: int, name: str) -> None:
         assert e["errs"]["out"] <= tol_out, (rank, e["errs"]["out"])
         assert max(v for k, v in e["errs"].items() if k != "out") <= tol_grad
     assert facts[0]["empty"][name]["sd_mismatch"] == []
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("case", ["dropout", "dropout_lora"])
+def test_dropout_masks_keep_replicated_gradients_identical(tp: int, case: str) -> None:
+    """Training with dropout: masks on whole activations (residual dropout, a colwise layer's LoRA
+    dropout) must be the same on every rank even though split regions draw per-rank amounts
+    (2+2+1+1 heads at tp=4); otherwise norms, biases and LoRA A would get different gradients on
+    each rank and the replicas would drift apart."""
+    facts = _facts(tp)
+    assert all(f[case]["dropout_active"] for f in facts)
+    first = facts[0][case]["replicated_grads"]
+    assert any("lora_A" in n for n in first) == (case == "dropout_lora"), sorted(first)
+    for rank, f in enumerate(facts[1:], 1):
+        grads = f[case]["replicated_grads"]
+        differ = [n for n in first if not torch.equal(first[n], grads[n])]
+        assert not differ, f"rank {rank} differs from rank 0 on {differ}"

@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from ..styles import FeatureSplit, Ranges
-from .comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from .comm import (
+    copy_to_tp,
+    copy_to_tp_once,
+    gather_from_tp,
+    reduce_from_tp,
+    rng_regions,
+    split_to_tp,
+)
 from .kinds import Kind, new_local
 
 __all__ = ["ShardedModule"]
@@ -178,6 +185,13 @@ class ShardedModule(nn.Module):
             p.copy_(value.to(dtype=p.dtype))
 
     # ---- forward ------------------------------------------------------------------------------
+    def _lora_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's input: under autocast the matmul casts it anyway, so no fp32 copy of x
+        (it would be kept for backward, once per adapter); otherwise in the adapter's dtype."""
+        if torch.is_autocast_enabled(x.device.type):
+            return x
+        return x.to(self.lora_A.weight.dtype)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         st, g, tp = self.style, self.group, self.tp
         if st == "vocab":
@@ -185,16 +199,24 @@ class ShardedModule(nn.Module):
         if st == "rowwise":
             return self._rowwise_forward(x, *args, **kwargs)
         # colwise / colwise_gather / replicate: the input is whole on every rank
-        y = self.local(copy_to_tp(x, g) if tp > 1 else x, *args, **kwargs)
+        dev = self.device_hint
+        if self.lora_scale is not None:
+            # x is whole: its dropout mask must be the same on every rank (see RngRegions)
+            with rng_regions.replicated(dev):
+                xd = self.lora_dropout(x)
+        if tp > 1:  # the output is split: random draws from here on are this rank's own
+            rng_regions.enter(dev, self.tp_rank)
+        y = self.local(copy_to_tp_once(x, g) if tp > 1 else x, *args, **kwargs)
         if self.lora_scale is not None:
             # A is whole and sees the whole input, so its gradient is complete on every rank;
             # the copy-to-tp op sits after A, where the tensor is only r wide.
-            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., r)
+            a = self.lora_A(self._lora_in(xd))  # (..., r)
             if tp > 1:
                 a = copy_to_tp(a, g)
             y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
         if st == "colwise_gather" and tp > 1:
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
+            rng_regions.exit(dev)  # whole again
         bias = self._parameters.get("bias") if st == "colwise_gather" else None
         if bias is not None:  # whole, after the gather: (out_full,) broadcast on the feature dim
             shape = [1] * y.dim()
@@ -211,16 +233,20 @@ class ShardedModule(nn.Module):
                     f"{self.in_local} (or all {self.in_full})"
                 )
             x = split_to_tp(x, fd, self.split.sizes(), self.tp_rank, g)
+        if tp > 1:  # x is split (its writer entered already when it was colwise)
+            rng_regions.enter(self.device_hint, self.tp_rank)
         y = self.local(x, *args, **kwargs)  # (..., out) partial sum over this rank's inputs
         a = None
         if self.lora_scale is not None:
-            a = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., r) partial
+            a = self.lora_A(self._lora_in(self.lora_dropout(x)))  # (..., r) partial
             if tp > 1:  # one all-reduce carries both partial sums
                 both = reduce_from_tp(torch.cat([y, a.to(y.dtype)], dim=-1), g)
                 y, a = both.split([y.shape[-1], a.shape[-1]], dim=-1)
                 a = a.to(self.lora_A.weight.dtype)
         elif tp > 1:
             y = reduce_from_tp(y, g)
+        if tp > 1:  # y is whole again: back to the shared random stream
+            rng_regions.exit(self.device_hint)
         bias = self._parameters.get("bias")
         if bias is not None:
             shape = [1] * y.dim()
