@@ -357,7 +357,7 @@ def _load(model, source, strict: bool, key_map, progress: bool) -> LoadResult:
 
 
 def _bar(total: int, show: bool, what: str):
-    if not show or os.environ.get("QUANTMESH_NO_PROGRESS"):
+    if not show:
         return None
     try:
         from tqdm.auto import tqdm

@@ -1,4 +1,4 @@
-"""Saving, part 1: the shared machinery (atomic, rank-0, streamed) and LoRA adapters in PEFT format.
+"""Saving: the shared machinery every save uses (atomic, rank-0 writes, streamed shards).
 
 Every save is collective and follows one pattern (`collective_save`):
 
@@ -10,23 +10,16 @@ Every save is collective and follows one pattern (`collective_save`):
     4. rank 0 swaps the folder in (or drops it on any error); all ranks agree, which is also the
        barrier: every rank returns after the files are in place, or every rank raises.
 
-A process killed mid-save leaves the previous save at `path` intact (atomic.py).
-
-PEFT mapping (what `peft.PeftModel.from_pretrained` reads): `adapter_config.json` (peft_type LORA,
-r, lora_alpha, lora_dropout, target_modules, bias "none", fan_in_fan_out for Conv1D bases,
-task_type CAUSAL_LM for causal LMs) and `adapter_model.safetensors` holding the unsharded
-`base_model.model.<module fqn>.lora_A.weight` (r, in) and `...lora_B.weight` (out, r).
+A process killed mid-save leaves the previous save at `path` intact (atomic.py). The savers:
+save_peft.py (adapters), save_resume.py (training state), save_export.py (merged model).
 
 Example:
-    >>> qm.save_adapter(model, "out/adapter")   # doctest: +SKIP
-    >>> qm.load_adapter(model4, "out/adapter")  # doctest: +SKIP  (a model at another tp size)
+    >>> collective_save("out/x", lambda w: w.json("a.json", {}), "save_x")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import re
 from collections.abc import Callable
@@ -38,16 +31,11 @@ import torch
 from torch import nn
 
 from .atomic import atomic_dir
-from .checkpoint import open_checkpoint
-from .load import _rank, all_ranks_ok, sharded_fqns
-from .lora import LoraConfig, LoraError
+from .load import _rank, all_ranks_ok
 from .state import gather_param, tp_sharded
 from .tp.layers import ShardedModule
 
 __all__ = [
-    "save_adapter",
-    "load_adapter",
-    "adapter_lora_config",
     "collective_save",
     "agreed",
     "ShardWriter",
@@ -55,10 +43,6 @@ __all__ = [
     "in_first_replica",
     "parse_size",
 ]
-
-PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 # ---- the collective save pattern ----------------------------------------------------------------
@@ -238,254 +222,3 @@ def full_tensor(m: ShardedModule, name: str, local: torch.Tensor | None = None) 
     t = (local if local is not None else m.get_parameter(name)).detach()
     spec = tp_sharded(m).get(name)
     return t if spec is None else gather_param(t, spec[0], spec[1], m.group)
-
-
-# ---- PEFT adapters ------------------------------------------------------------------------------
-def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
-    return {f: m for f, m in sharded_fqns(model).items() if m.lora_scale is not None}
-
-
-def _peft_targets(model: nn.Module, targets: set[str]) -> list[str] | str:
-    """Bare module names when they select exactly `targets` in the plain model, else a regex."""
-    leaves = sorted({f.rsplit(".", 1)[-1] for f in targets})
-    lora_children = {f"{f}.{c}" for f in targets for c in ("lora_A", "lora_B", "lora_dropout")}
-    covered = {
-        n
-        for n, _ in model.named_modules()
-        if n and n.rsplit(".", 1)[-1] in leaves and n not in lora_children
-    }
-    if covered == targets:
-        return leaves
-    return "(" + "|".join(re.escape(f) for f in sorted(targets)) + ")"  # PEFT: re.fullmatch
-
-
-def _task_type(model: nn.Module) -> str | None:
-    if not type(model).__module__.startswith("transformers."):
-        return None
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except ImportError:
-        return None
-    return (
-        "CAUSAL_LM" if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else None
-    )
-
-
-def _number(x: float) -> float | int:
-    return int(x) if float(x).is_integer() else float(x)
-
-
-def _adapter_config(model: nn.Module, mods: dict[str, ShardedModule], base: str | None) -> dict:
-    first = next(iter(mods.values()))
-    r = int(first.lora_A.weight.shape[0])
-    for f, m in mods.items():
-        if m.lora_A.weight.shape[0] != r or not math.isclose(m.lora_scale, first.lora_scale):
-            raise LoraError(
-                f"LoRA of {f} has r={m.lora_A.weight.shape[0]}, scale={m.lora_scale}, but "
-                f"{first.fqn} has r={r}, scale={first.lora_scale}; a PEFT adapter_config holds "
-                "one r and one alpha: save adapters of one rank"
-            )
-    drop = first.lora_dropout
-    if base is None:
-        cfg = getattr(model, "config", None)
-        base = getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None) or None
-    return {
-        "peft_type": "LORA",
-        "task_type": _task_type(model),
-        "base_model_name_or_path": base,
-        "revision": None,
-        "inference_mode": True,
-        "r": r,
-        "lora_alpha": _number(first.lora_scale * r),
-        "lora_dropout": float(drop.p) if isinstance(drop, nn.Dropout) else 0.0,
-        "target_modules": _peft_targets(model, set(mods)),
-        "exclude_modules": None,
-        "bias": "none",
-        "fan_in_fan_out": any(m.kind.name == "Conv1D" for m in mods.values()),
-        "use_rslora": False,
-        "use_dora": False,
-        "lora_bias": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "auto_mapping": None,
-    }
-
-
-def save_adapter(
-    model: nn.Module, path: str | os.PathLike, *, base_model_name_or_path: str | None = None
-) -> None:
-    """Write the model's LoRA adapters as a PEFT adapter folder (unsharded, any tp size).
-
-    Collective: every rank calls it; global rank 0 writes, atomically; all return after the write.
-
-    Args:
-        base_model_name_or_path: recorded in adapter_config.json; default: the model's
-            `config._name_or_path` (set by `qm.from_pretrained`) or None.
-
-    Example:
-        >>> qm.save_adapter(model, "out/adapter")                     # doctest: +SKIP
-        >>> peft.PeftModel.from_pretrained(plain_model, "out/adapter")  # doctest: +SKIP
-    """
-
-    def check() -> tuple[dict, dict]:
-        mods = _lora_modules(model)
-        if not mods:
-            raise LoraError(
-                f"{type(model).__name__} has no LoRA adapters to save; parallelize it with "
-                "lora=qm.LoraConfig(...) (or load_adapter into such a model) first"
-            )
-        return mods, _adapter_config(model, mods, base_model_name_or_path)
-
-    mods, config = agreed(check, "save_adapter")
-
-    def produce(w: _Rank0Writer) -> None:
-        if not in_first_replica(model):
-            return
-        tensors = {}
-        for fqn, m in mods.items():  # gathered one module at a time; adapters are small
-            for name in ("lora_A.weight", "lora_B.weight"):
-                t = full_tensor(m, name)
-                if w:
-                    tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = _owned(t)
-        w.run(_save_file, tensors, w.folder / ADAPTER_WEIGHTS if w else None)
-        w.json(ADAPTER_CONFIG, config)
-
-    collective_save(path, produce, "save_adapter")
-
-
-def _peft_key(key: str) -> str:
-    """PEFT file key -> model key: drop the wrapper prefix and an adapter name (".default")."""
-    key = key.removeprefix(PEFT_PREFIX)
-    return re.sub(r"\.(lora_[AB])\.(?!weight$)[^.]+\.weight$", r".\1.weight", key)
-
-
-def _read_adapter_config(path: Path) -> dict:
-    cfg_path = path / ADAPTER_CONFIG
-    if not cfg_path.is_file():
-        raise FileNotFoundError(
-            f"{path} has no {ADAPTER_CONFIG}; expected a PEFT adapter folder (adapter_config.json "
-            "+ adapter_model.safetensors), as written by qm.save_adapter or PeftModel.save_pretrained"
-        )
-    cfg = json.loads(cfg_path.read_text())
-    bad = []
-    if cfg.get("peft_type") != "LORA":
-        bad.append(f"peft_type={cfg.get('peft_type')!r} (expected 'LORA')")
-    for flag in ("use_dora", "use_rslora", "lora_bias"):
-        if cfg.get(flag):
-            bad.append(f"{flag}=true")
-    if cfg.get("bias", "none") != "none":
-        bad.append(f"bias={cfg['bias']!r} (expected 'none')")
-    if cfg.get("modules_to_save"):
-        bad.append(f"modules_to_save={cfg['modules_to_save']}")
-    for pat in ("rank_pattern", "alpha_pattern"):
-        if cfg.get(pat):
-            bad.append(f"{pat}={cfg[pat]}")
-    if bad:
-        raise LoraError(
-            f"{cfg_path} uses LoRA features quantmesh does not load: {', '.join(bad)}; quantmesh "
-            "loads plain LoRA (one r and alpha, no bias, no DoRA/rsLoRA, no extra saved modules)"
-        )
-    return cfg
-
-
-def _adapter_weights(path: Path) -> Path:
-    for name in (ADAPTER_WEIGHTS, "adapter_model.bin"):
-        if (path / name).is_file():
-            return path / name
-    raise FileNotFoundError(f"{path} has no {ADAPTER_WEIGHTS} (nor adapter_model.bin)")
-
-
-def adapter_lora_config(path: str | os.PathLike) -> LoraConfig:
-    """The LoraConfig that builds a model fitting the adapter at `path` (targets: exact names).
-
-    Example:
-        >>> qm.parallelize(model, mesh, lora=adapter_lora_config("out/adapter"))  # doctest: +SKIP
-        >>> qm.load_adapter(model, "out/adapter")                                # doctest: +SKIP
-    """
-    path = Path(path)
-    cfg = _read_adapter_config(path)
-    with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
-        fqns = sorted({k.rsplit(".", 2)[0] for k in reader.keys() if ".lora_" in k})
-    return LoraConfig(
-        r=int(cfg["r"]), alpha=cfg["lora_alpha"], dropout=float(cfg.get("lora_dropout") or 0.0),
-        targets=fqns,
-    )  # fmt: skip
-
-
-def _check_adapter(model: nn.Module, reader, cfg: dict, mods: dict[str, ShardedModule]) -> None:
-    keys = set(reader.keys())
-    r = int(cfg["r"])
-    in_file = {k.rsplit(".", 2)[0] for k in keys if re.search(r"\.lora_[AB]\.weight$", k)}
-    other = sorted(k for k in keys if not re.search(r"\.lora_[AB]\.weight$", k))
-    problems = []
-    if other:
-        problems.append(f"tensors other than lora_A/lora_B: {other[:10]}")
-    if missing := sorted(in_file - set(mods)):
-        problems.append(f"adapter modules without LoRA in the model: {missing[:10]}")
-    if extra := sorted(set(mods) - in_file):
-        problems.append(f"model LoRA modules absent from the adapter: {extra[:10]}")
-    for fqn in sorted(in_file & set(mods)):
-        m = mods[fqn]
-        if m.lora_A.weight.shape[0] != r:
-            problems.append(f"{fqn}: model r={m.lora_A.weight.shape[0]}, adapter r={r}")
-            continue
-        for name, want in (("lora_A.weight", (r, m.in_full)), ("lora_B.weight", (m.out_full, r))):
-            key = f"{fqn}.{name}"
-            if key not in keys:
-                problems.append(f"{key} missing")
-            elif tuple(reader.shape(key)) != want:
-                problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
-    if problems:
-        raise LoraError(
-            f"the adapter at {reader.source} does not fit {type(model).__name__}:\n  "
-            + "\n  ".join(problems)
-            + f"\nFix: parallelize the base model with lora=qm.LoraConfig(r={r}, "
-            f"alpha={cfg.get('lora_alpha')}, targets=...) naming exactly the adapter's modules "
-            "(quantmesh.save.adapter_lora_config(path) builds it), on the base model it was "
-            "trained on"
-        )
-
-
-def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
-    """Load a PEFT LoRA adapter into a parallelized model with LoRA attached, at any tp size.
-
-    Each rank reads only its slice of A and B (colwise base: B's rows; rowwise base: A's columns).
-    The adapter's lora_alpha and lora_dropout replace the model's. Collective.
-
-    Example:
-        >>> qm.parallelize(model, mesh, lora=adapter_lora_config("out/adapter"))  # doctest: +SKIP
-        >>> qm.load_adapter(model, "out/adapter")                                # doctest: +SKIP
-    """
-    path = Path(path)
-
-    def run() -> None:
-        cfg = _read_adapter_config(path)
-        mods = _lora_modules(model)
-        if not mods:
-            raise LoraError(
-                f"{type(model).__name__} has no LoRA modules to load {path} into; parallelize it "
-                "with lora=quantmesh.save.adapter_lora_config(path) first"
-            )
-        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-        p = float(cfg.get("lora_dropout") or 0.0)
-        with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
-            _check_adapter(model, reader, cfg, mods)  # everything, before reading any data
-            with torch.no_grad():
-                for fqn, m in mods.items():
-                    split = tp_sharded(m)
-                    for name in ("lora_A.weight", "lora_B.weight"):
-                        dest = m.get_parameter(name)
-                        dim, fs = split.get(name, (None, None))
-                        ranges = fs.ranges(m.tp_rank) if fs is not None else None
-                        dest.copy_(reader.read(f"{fqn}.{name}", dim, ranges, dtype=dest.dtype,
-                                               device=dest.device))  # fmt: skip
-                    m.lora_scale = alpha / r
-                    m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
-        if isinstance(getattr(model, "_qm_lora", None), LoraConfig):
-            model._qm_lora = dataclasses.replace(model._qm_lora, alpha=alpha, dropout=p)
-
-    agreed(run, "load_adapter")

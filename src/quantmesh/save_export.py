@@ -90,8 +90,7 @@ def _tie_views(model: nn.Module, t, merge: bool) -> bool:
 def _save_configs(model: nn.Module, folder, dtype, untied: bool) -> None:
     cfg = copy.deepcopy(model.config)
     cfg.architectures = [type(model).__name__]
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
+    cfg.__dict__.pop("quantization_config", None)  # the folder holds float weights
     if dtype is not None:
         cfg.dtype = dtype
     if untied and getattr(cfg, "tie_word_embeddings", False):

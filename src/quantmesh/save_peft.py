@@ -1,0 +1,295 @@
+"""LoRA adapters in PEFT's format: save_adapter, load_adapter (any tp size), adapter_lora_config.
+
+What `peft.PeftModel.from_pretrained` reads: `adapter_config.json` (peft_type LORA, r, lora_alpha,
+lora_dropout, target_modules, bias "none", fan_in_fan_out for Conv1D bases, task_type CAUSAL_LM
+for causal LMs, base_model_name_or_path) and `adapter_model.safetensors` holding the unsharded
+`base_model.model.<module fqn>.lora_A.weight` (r, in) and `...lora_B.weight` (out, r). The A/B
+layout is the same for Linear and Conv1D bases (only the base weight is transposed in a Conv1D).
+
+Example:
+    >>> qm.save_adapter(model, "out/adapter")   # doctest: +SKIP
+    >>> qm.load_adapter(model4, "out/adapter")  # doctest: +SKIP  (a model at another tp size)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
+from .checkpoint import open_checkpoint
+from .load import sharded_fqns
+from .lora import LoraConfig, LoraError
+from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, in_first_replica
+from .state import tp_sharded
+from .tp.layers import ShardedModule
+
+__all__ = ["save_adapter", "load_adapter", "adapter_lora_config"]
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+# ---- the adapter config ------------------------------------------------------------------------------
+def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
+    return {f: m for f, m in sharded_fqns(model).items() if m.lora_scale is not None}
+
+
+def _peft_targets(model: nn.Module, targets: set[str]) -> list[str] | str:
+    """Bare module names when they select exactly `targets` in the plain model, else a regex."""
+    leaves = sorted({f.rsplit(".", 1)[-1] for f in targets})
+    lora_children = {f"{f}.{c}" for f in targets for c in ("lora_A", "lora_B", "lora_dropout")}
+    covered = {
+        n
+        for n, _ in model.named_modules()
+        if n and n.rsplit(".", 1)[-1] in leaves and n not in lora_children
+    }
+    if covered == targets:
+        return leaves
+    return "(" + "|".join(re.escape(f) for f in sorted(targets)) + ")"  # PEFT: re.fullmatch
+
+
+def _task_type(model: nn.Module) -> str | None:
+    if not type(model).__module__.startswith("transformers."):
+        return None
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    return (
+        "CAUSAL_LM" if type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else None
+    )
+
+
+def _alpha(model: nn.Module, scale: float, r: int) -> float | int:
+    """lora_alpha as the user gave it (scale = alpha / r), not re-derived through a float product."""
+    cfg = getattr(model, "_qm_lora", None)
+    alpha = (
+        cfg.alpha if isinstance(cfg, LoraConfig) and math.isclose(cfg.alpha / r, scale) else None
+    )
+    alpha = round(scale * r, 9) if alpha is None else alpha
+    return int(alpha) if float(alpha).is_integer() else float(alpha)
+
+
+def _adapter_config(model: nn.Module, mods: dict[str, ShardedModule], base: str | None) -> dict:
+    first = next(iter(mods.values()))
+    r = int(first.lora_A.weight.shape[0])
+    for f, m in mods.items():
+        if m.lora_A.weight.shape[0] != r or not math.isclose(m.lora_scale, first.lora_scale):
+            raise LoraError(
+                f"LoRA of {f} has r={m.lora_A.weight.shape[0]}, scale={m.lora_scale}, but "
+                f"{first.fqn} has r={r}, scale={first.lora_scale}; a PEFT adapter_config holds "
+                "one r and one alpha: save adapters of one rank"
+            )
+    drop = first.lora_dropout
+    if base is None:
+        cfg = getattr(model, "config", None)
+        base = getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None) or None
+    return {
+        "peft_type": "LORA",
+        "task_type": _task_type(model),
+        "base_model_name_or_path": base,
+        "revision": None,
+        "inference_mode": True,
+        "r": r,
+        "lora_alpha": _alpha(model, first.lora_scale, r),
+        "lora_dropout": float(drop.p) if isinstance(drop, nn.Dropout) else 0.0,
+        "target_modules": _peft_targets(model, set(mods)),
+        "exclude_modules": None,
+        "bias": "none",
+        "fan_in_fan_out": any(m.kind.name == "Conv1D" for m in mods.values()),
+        "use_rslora": False,
+        "use_dora": False,
+        "lora_bias": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "auto_mapping": None,
+    }
+
+
+def save_adapter(
+    model: nn.Module, path: str | os.PathLike, *, base_model_name_or_path: str | None = None
+) -> None:
+    """Write the model's LoRA adapters as a PEFT adapter folder (unsharded, any tp size).
+
+    Collective: every rank calls it; global rank 0 writes, atomically; all return after the write.
+
+    Args:
+        base_model_name_or_path: recorded in adapter_config.json; default: the model's
+            `config._name_or_path` (set by `qm.from_pretrained`) or None.
+
+    Example:
+        >>> qm.save_adapter(model, "out/adapter")                     # doctest: +SKIP
+        >>> peft.PeftModel.from_pretrained(plain_model, "out/adapter")  # doctest: +SKIP
+    """
+
+    def check() -> tuple[dict, dict]:
+        mods = _lora_modules(model)
+        if not mods:
+            raise LoraError(
+                f"{type(model).__name__} has no LoRA adapters to save; parallelize it with "
+                "lora=qm.LoraConfig(...) (or load_adapter into such a model) first"
+            )
+        return mods, _adapter_config(model, mods, base_model_name_or_path)
+
+    mods, config = agreed(check, "save_adapter")
+
+    def produce(w: _Rank0Writer) -> None:
+        if not in_first_replica(model):
+            return
+        tensors = {}
+        for fqn, m in mods.items():  # gathered one module at a time; adapters are small
+            for name in ("lora_A.weight", "lora_B.weight"):
+                t = full_tensor(m, name)
+                if w:
+                    tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = _owned(t)
+        w.run(saving._save_file, tensors, w.folder / ADAPTER_WEIGHTS if w else None)
+        w.json(ADAPTER_CONFIG, config)
+
+    collective_save(path, produce, "save_adapter")
+
+
+def _peft_key(key: str) -> str:
+    """PEFT file key -> model key: drop the wrapper prefix and an adapter name (".default")."""
+    key = key.removeprefix(PEFT_PREFIX)
+    return re.sub(r"\.(lora_[AB])\.(?!weight$)[^.]+\.weight$", r".\1.weight", key)
+
+
+def _read_adapter_config(path: Path) -> dict:
+    cfg_path = path / ADAPTER_CONFIG
+    if not cfg_path.is_file():
+        raise FileNotFoundError(
+            f"{path} has no {ADAPTER_CONFIG}; expected a PEFT adapter folder (adapter_config.json "
+            "+ adapter_model.safetensors), as written by qm.save_adapter or PeftModel.save_pretrained"
+        )
+    cfg = json.loads(cfg_path.read_text())
+    bad = []
+    if cfg.get("peft_type") != "LORA":
+        bad.append(f"peft_type={cfg.get('peft_type')!r} (expected 'LORA')")
+    for flag in ("use_dora", "use_rslora", "lora_bias"):
+        if cfg.get(flag):
+            bad.append(f"{flag}=true")
+    if cfg.get("bias", "none") != "none":
+        bad.append(f"bias={cfg['bias']!r} (expected 'none')")
+    if cfg.get("modules_to_save"):
+        bad.append(f"modules_to_save={cfg['modules_to_save']}")
+    for pat in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(pat):
+            bad.append(f"{pat}={cfg[pat]}")
+    if bad:
+        raise LoraError(
+            f"{cfg_path} uses LoRA features quantmesh does not load: {', '.join(bad)}; quantmesh "
+            "loads plain LoRA (one r and alpha, no bias, no DoRA/rsLoRA, no extra saved modules)"
+        )
+    return cfg
+
+
+def _adapter_weights(path: Path) -> Path:
+    for name in (ADAPTER_WEIGHTS, "adapter_model.bin"):
+        if (path / name).is_file():
+            return path / name
+    raise FileNotFoundError(f"{path} has no {ADAPTER_WEIGHTS} (nor adapter_model.bin)")
+
+
+def adapter_lora_config(path: str | os.PathLike) -> LoraConfig:
+    """The LoraConfig that builds a model fitting the adapter at `path` (targets: exact names).
+
+    Example:
+        >>> qm.parallelize(model, mesh, lora=adapter_lora_config("out/adapter"))  # doctest: +SKIP
+        >>> qm.load_adapter(model, "out/adapter")                                # doctest: +SKIP
+    """
+    path = Path(path)
+    cfg = _read_adapter_config(path)
+    with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
+        fqns = sorted({k.rsplit(".", 2)[0] for k in reader.keys() if ".lora_" in k})
+    return LoraConfig(
+        r=int(cfg["r"]), alpha=cfg["lora_alpha"], dropout=float(cfg.get("lora_dropout") or 0.0),
+        targets=fqns,
+    )  # fmt: skip
+
+
+def _check_adapter(model: nn.Module, reader, cfg: dict, mods: dict[str, ShardedModule]) -> None:
+    keys = set(reader.keys())
+    r = int(cfg["r"])
+    in_file = {k.rsplit(".", 2)[0] for k in keys if re.search(r"\.lora_[AB]\.weight$", k)}
+    other = sorted(k for k in keys if not re.search(r"\.lora_[AB]\.weight$", k))
+    problems = []
+    if other:
+        problems.append(f"tensors other than lora_A/lora_B: {other[:10]}")
+    if missing := sorted(in_file - set(mods)):
+        problems.append(f"adapter modules without LoRA in the model: {missing[:10]}")
+    if extra := sorted(set(mods) - in_file):
+        problems.append(f"model LoRA modules absent from the adapter: {extra[:10]}")
+    for fqn in sorted(in_file & set(mods)):
+        m = mods[fqn]
+        if m.lora_A.weight.shape[0] != r:
+            problems.append(f"{fqn}: model r={m.lora_A.weight.shape[0]}, adapter r={r}")
+            continue
+        for name, want in (("lora_A.weight", (r, m.in_full)), ("lora_B.weight", (m.out_full, r))):
+            key = f"{fqn}.{name}"
+            if key not in keys:
+                problems.append(f"{key} missing")
+            elif tuple(reader.shape(key)) != want:
+                problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+    if problems:
+        raise LoraError(
+            f"the adapter at {reader.source} does not fit {type(model).__name__}:\n  "
+            + "\n  ".join(problems)
+            + f"\nFix: parallelize the base model with lora=qm.LoraConfig(r={r}, "
+            f"alpha={cfg.get('lora_alpha')}, targets=...) naming exactly the adapter's modules "
+            "(quantmesh.save_peft.adapter_lora_config(path) builds it), on the base model it was "
+            "trained on"
+        )
+
+
+def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load a PEFT LoRA adapter into a parallelized model with LoRA attached, at any tp size.
+
+    Each rank reads only its slice of A and B (colwise base: B's rows; rowwise base: A's columns).
+    The adapter's lora_alpha and lora_dropout replace the model's. Collective.
+
+    Example:
+        >>> qm.parallelize(model, mesh, lora=adapter_lora_config("out/adapter"))  # doctest: +SKIP
+        >>> qm.load_adapter(model, "out/adapter")                                # doctest: +SKIP
+    """
+    path = Path(path)
+
+    def run() -> None:
+        cfg = _read_adapter_config(path)
+        mods = _lora_modules(model)
+        if not mods:
+            raise LoraError(
+                f"{type(model).__name__} has no LoRA modules to load {path} into; parallelize it "
+                "with lora=quantmesh.save_peft.adapter_lora_config(path) first"
+            )
+        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        p = float(cfg.get("lora_dropout") or 0.0)
+        with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
+            _check_adapter(model, reader, cfg, mods)  # everything, before reading any data
+            with torch.no_grad():
+                for fqn, m in mods.items():
+                    split = tp_sharded(m)
+                    for name in ("lora_A.weight", "lora_B.weight"):
+                        dest = m.get_parameter(name)
+                        dim, fs = split.get(name, (None, None))
+                        ranges = fs.ranges(m.tp_rank) if fs is not None else None
+                        dest.copy_(reader.read(f"{fqn}.{name}", dim, ranges, dtype=dest.dtype,
+                                               device=dest.device))  # fmt: skip
+                    m.lora_scale = alpha / r
+                    m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
+        if isinstance(getattr(model, "_qm_lora", None), LoraConfig):
+            model._qm_lora = dataclasses.replace(model._qm_lora, alpha=alpha, dropout=p)
+
+    agreed(run, "load_adapter")
