@@ -85,7 +85,9 @@ def _trainable(model):
 def _fresh(path, mesh):
     import quantmesh as qm
 
-    model = qm.from_pretrained(path, mesh, lora=_lora(targets=LLAMA_TARGETS), progress=False)
+    # LoRA dropout on: resuming must restore the generators its masks come from
+    lora = _lora(targets=LLAMA_TARGETS, dropout=0.1)
+    model = qm.from_pretrained(path, mesh, lora=lora, progress=False)
     model.train()
     return model, torch.optim.AdamW(qm.trainable_parameters(model), lr=1e-2)
 
