@@ -45,6 +45,8 @@ _EXPORTS = {
     "save_state": "save_resume",
     "load_state": "save_resume",
     "export": "save_export",
+    "estimate_memory": "memory",
+    "MemoryEstimate": "memory",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,17 +1,23 @@
-"""Registry of the CLI's subcommands beyond `run` (plan, finetune, generate, demo)."""
+"""Registry of the CLI's subcommands beyond `run`: plan, finetune, generate, demo.
+
+Each lives in its own module with an `add_parser(sub)` that registers its flags and handler; the
+heavy imports (torch, transformers) happen inside the handlers, so `quantmesh --help` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from . import demo, finetune, generate, plan_cmd
+
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Add each subcommand's parser; each module registers itself here as it lands."""
-    d = sub.add_parser("demo", help="the embedded default: a small real model fine-tuned on CPU ranks")
-    d.set_defaults(func=_demo_placeholder)
+    """Add the parsers of plan, finetune, generate and demo to the `quantmesh` command.
 
-
-def _demo_placeholder(args: argparse.Namespace) -> int:
-    from .launch import launch
-
-    return launch(2, ["quantmesh.cli.hello"], module=True)
+    Example:
+        >>> p = argparse.ArgumentParser(); add_subcommands(p.add_subparsers())  # doctest: +SKIP
+    """
+    plan_cmd.add_parser(sub)
+    finetune.add_parser(sub)
+    generate.add_parser(sub)
+    demo.add_parser(sub)

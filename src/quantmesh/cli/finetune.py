@@ -1,0 +1,399 @@
+"""`quantmesh finetune [CONFIG.toml] [--flags]`: LoRA fine-tuning of a transformers causal LM.
+
+Settings come from three layers, each overriding the one before: the defaults of FinetuneConfig,
+the TOML file (flat `key = value`, the flag names with underscores; paths as you would type them
+on the command line: relative to the current directory, `~` expanded), then the flags. Everything is checked here, in the launching process, before
+any worker starts; the workers (cli/worker.py) then load, train and save. Under torchrun (RANK and
+WORLD_SIZE set) the command runs in place instead of launching.
+
+Example:
+    $ quantmesh finetune examples/finetune.toml --nproc 2 --tp 2 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CliError, user_errors
+
+__all__ = ["FinetuneConfig", "add_parser", "load_config", "run"]
+
+QUANTS = ("none", "nf4", "fp4", "int8")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig:
+    """Everything one fine-tuning run needs; a TOML file and flags fill it.
+
+    Example:
+        >>> FinetuneConfig(model="m", data=["a.txt"], tp=2, nproc=4).dp
+        2
+    """
+
+    model: str = ""
+    """Folder of a transformers causal LM (config.json, weights, tokenizer)."""
+    data: list[str] = field(default_factory=list)
+    """Training files: .txt, .jsonl with "text", or instruction .jsonl with "prompt"/"response"."""
+    output_dir: str = "quantmesh-out"
+    """Where the adapter, checkpoints, metrics.jsonl and loss.png go."""
+    tp: int = 1
+    """Tensor-parallel size: ranks that split each layer."""
+    dp: int | None = None
+    """Data-parallel size; None = nproc * nnodes / tp (or 1 when nproc is not given)."""
+    nproc: int | None = None
+    """Worker processes on this node; None = tp * dp / nnodes."""
+    nnodes: int = 1
+    """Nodes of a multi-node run launched by quantmesh (each runs the same command)."""
+    node_rank: int | None = None
+    """This node's rank in a multi-node run."""
+    rdzv_endpoint: str | None = None
+    """host:port of the rendezvous for a multi-node run."""
+    quant: str = "none"
+    """Quantization of the frozen base: none, nf4, fp4 or int8 (bitsandbytes)."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator (the adapter output is scaled by alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    lora_targets: list[str] | None = None
+    """Module names to adapt; None = every attention and MLP projection of a Llama-style model."""
+    seq_len: int = 512
+    """Tokens per example; documents are packed back to back (EOS between them)."""
+    micro_batch: int = 1
+    """Examples per forward pass on each data-parallel rank."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = 2e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay of the adapters."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to lr."""
+    schedule: str = "cosine"
+    """After warm-up: cosine or linear decay to 0, or constant."""
+    steps: int | None = None
+    """Optimizer steps to run; None = epochs over the data."""
+    epochs: float | None = None
+    """Passes over the training data when steps is not given (default 1)."""
+    eval_fraction: float = 0.0
+    """Share of the packed examples held out for evaluation."""
+    eval_every: int = 0
+    """Evaluate every N steps (and at the end); 0 = only at the end, when there is eval data."""
+    save_every: int = 0
+    """Save the adapter and resumable state every N steps; 0 = only at the end."""
+    resume: str | None = None
+    """A checkpoint folder (checkpoints/step-N) or an output dir (its latest checkpoint)."""
+    overwrite: bool = False
+    """Allow an output_dir that already holds a run (its files are replaced)."""
+    seed: int = 0
+    """Seed of the data order, LoRA initialization and dropout."""
+    max_grad_norm: float = 1.0
+    """Clip the adapters' global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        if isinstance(self.lora_targets, str):
+            self.lora_targets = [t for t in self.lora_targets.split(",") if t]
+        if self.quant not in QUANTS:
+            raise CliError(f"quant={self.quant!r}; use one of {', '.join(QUANTS)}")
+        if self.schedule not in SCHEDULES:
+            raise CliError(f"schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        for name in ("tp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CliError(f"{name}={v!r}; expected an integer >= 1")
+        for name in ("dp", "nproc", "steps"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise CliError(f"{name}={v!r}; expected an integer >= 1 (or leave it unset)")
+        for name in ("warmup_steps", "eval_every", "save_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CliError(f"{name}={v!r}; expected an integer >= 0")
+        if not self.lr > 0:
+            raise CliError(f"lr={self.lr}; expected a positive learning rate such as 2e-4")
+        if self.epochs is not None and not self.epochs > 0:
+            raise CliError(f"epochs={self.epochs}; expected a positive number")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise CliError(f"eval_fraction={self.eval_fraction}; expected a value in [0, 1)")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise CliError(f"lora_dropout={self.lora_dropout}; expected a value in [0, 1)")
+        if self.max_grad_norm < 0 or self.weight_decay < 0:
+            raise CliError("max_grad_norm and weight_decay must be >= 0 (0 turns clipping off)")
+        self._resolve_mesh()
+
+    def _resolve_mesh(self) -> None:
+        """Fill in nproc / dp from each other so that nproc * nnodes == tp * dp."""
+        n, tp = self.nnodes, self.tp
+        if self.nproc is None:
+            dp = self.dp or 1
+            if (tp * dp) % n:
+                raise CliError(
+                    f"tp={tp} x dp={dp} = {tp * dp} processes cannot be spread evenly over "
+                    f"nnodes={n}; give --nproc (workers per node)"
+                )
+            self.dp, self.nproc = dp, tp * dp // n
+            return
+        world = self.nproc * n
+        if world % tp:
+            fits = [t for t in range(1, world + 1) if world % t == 0]
+            raise CliError(
+                f"--tp {tp} does not divide the {world} processes (--nproc {self.nproc} x "
+                f"--nnodes {n}); use --tp {' or '.join(map(str, fits))}, or change --nproc"
+            )
+        if self.dp is not None and self.dp * tp != world:
+            raise CliError(
+                f"--tp {tp} x --dp {self.dp} = {tp * self.dp} processes, but --nproc {self.nproc}"
+                f" x --nnodes {n} = {world}; drop --dp (it is then {world // tp}) or fix one"
+            )
+        self.dp = world // tp
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    def lora_config(self):
+        """The qm.LoraConfig of this run (LoRA A initialized from `seed`)."""
+        from ..lora import LoraConfig
+
+        kw = {"targets": list(self.lora_targets)} if self.lora_targets else {}
+        return LoraConfig(
+            r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, seed=self.seed, **kw
+        )
+
+    def train_config(self):
+        """The quantmesh.train.TrainConfig part of this run."""
+        from ..train import TrainConfig
+
+        names = ("micro_batch", "grad_accum", "lr", "weight_decay", "warmup_steps", "schedule")
+        names += ("steps", "epochs", "eval_every", "save_every", "seed", "max_grad_norm")
+        return TrainConfig(**{n: getattr(self, n) for n in names})
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> FinetuneConfig:
+        return cls(**json.loads(text))
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
+PATH_KEYS = ("model", "output_dir", "resume")
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    """Read a TOML file into FinetuneConfig keyword arguments (`~` in paths expanded).
+
+    Example:
+        >>> load_config("examples/finetune.toml")["seq_len"]  # doctest: +SKIP
+        256
+    """
+    import tomllib
+
+    path = Path(path)
+    if not path.is_file():
+        raise CliError(f"config file {str(path)!r} does not exist; check the path")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CliError(f"{path} is not valid TOML: {e}") from None
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = (
+                f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(FIELDS)}"
+            )
+            raise CliError(f"{path}: unknown key {key!r}{hint}")
+        if isinstance(value, dict):
+            raise CliError(f"{path}: [{key}] is a table; write flat `key = value` lines")
+        out[name] = value
+    for name in PATH_KEYS:
+        if isinstance(out.get(name), str):
+            out[name] = os.path.expanduser(out[name])
+    if "data" in out:
+        data = [out["data"]] if isinstance(out["data"], str) else out["data"]
+        out["data"] = [os.path.expanduser(d) if isinstance(d, str) else d for d in data]
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `finetune` and its flags (each flag overrides the TOML key of the same name)."""
+    p = sub.add_parser(
+        "finetune",
+        help="LoRA fine-tuning of a transformers causal LM over dp x tp ranks",
+        description="Fine-tune LoRA adapters. Flags override CONFIG.toml, which overrides the "
+        "defaults. Under torchrun the command runs in place; otherwise it launches its workers.",
+    )
+    p.add_argument("config", nargs="?", help="a TOML file of settings (flag names, underscores)")
+    p.add_argument("--model", help="transformers model folder")
+    p.add_argument("--data", nargs="+", help=".txt / .jsonl files")
+    p.add_argument("--output-dir", help="where results go (default quantmesh-out)")
+    g = p.add_argument_group("mesh")
+    g.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
+    g.add_argument("--dp", type=int, help="data-parallel size (default nproc*nnodes/tp)")
+    g.add_argument("--nproc", type=int, help="workers on this node (default tp*dp)")
+    g.add_argument("--nnodes", type=int, help="nodes (multi-node launch)")
+    g.add_argument("--node-rank", type=int, help="this node's rank (multi-node launch)")
+    g.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-node launch)")
+    g = p.add_argument_group("model")
+    g.add_argument("--quant", choices=QUANTS, help="quantize the frozen base (default none)")
+    g.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
+    g.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 32)")
+    g.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
+    g.add_argument("--lora-targets", nargs="+", help="module names (default all projections)")
+    g = p.add_argument_group("training")
+    g.add_argument("--seq-len", type=int, help="tokens per packed example (default 512)")
+    g.add_argument("--micro-batch", type=int, help="examples per forward per dp rank (default 1)")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default 2e-4)")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0)")
+    g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 0)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="lr after warm-up (default cosine)")
+    g.add_argument("--steps", type=int, help="optimizer steps (default: --epochs)")
+    g.add_argument("--epochs", type=float, help="passes over the data (default 1)")
+    g.add_argument("--eval-fraction", type=float, help="held-out share of examples (default 0)")
+    g.add_argument("--eval-every", type=int, help="evaluate every N steps (default: at the end)")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at the end)")
+    g.add_argument("--resume", help="checkpoint folder, or an output dir (its latest checkpoint)")
+    g.add_argument("--overwrite", action="store_true", default=None, help="reuse output-dir")
+    g.add_argument("--seed", type=int, help="seed of data order, LoRA init, dropout (default 0)")
+    g.add_argument("--max-grad-norm", type=float, help="gradient clipping, 0 = off (default 1)")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace, *, torchrun: bool = False) -> FinetuneConfig:
+    """Defaults <- TOML file <- flags, as one validated FinetuneConfig.
+
+    Under torchrun the process count is torchrun's (LOCAL_WORLD_SIZE per node, WORLD_SIZE in all),
+    whatever the file or flags say about nproc, nnodes or dp.
+    """
+    kw = load_config(args.config) if args.config else {}
+    for name in FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    if kw.get("lora_targets"):
+        targets = kw["lora_targets"]
+        targets = [targets] if isinstance(targets, str) else targets
+        kw["lora_targets"] = [t for item in targets for t in item.split(",") if t]
+    if not kw.get("model"):
+        raise CliError('no model given; pass --model DIR (or `model = "DIR"` in the TOML file)')
+    if not kw.get("data"):
+        raise CliError("no training data given; pass --data FILE... (or `data = [...]` in TOML)")
+    if torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        kw.update(nproc=local, nnodes=max(1, world // local), dp=None)
+    try:
+        return FinetuneConfig(**kw)
+    except TypeError as e:  # a TOML value of the wrong type reached a comparison
+        raise CliError(f"invalid setting: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `finetune` command: validate, then launch the workers (or run in place under torchrun)."""
+    from . import worker
+    from .errors import run_workers
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    with user_errors():
+        cfg = config_from_args(args, torchrun=under_torchrun)
+        check_finetune(cfg, in_place=under_torchrun)
+    if under_torchrun:
+        return worker.run_in_place("finetune", cfg.to_json())
+    print(
+        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x dp={cfg.dp}), "
+        f"output in {cfg.output_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_workers(
+        cfg.nproc,
+        ["quantmesh.cli.worker", "finetune", cfg.to_json()],
+        nnodes=str(cfg.nnodes),
+        rdzv_endpoint=cfg.rdzv_endpoint,
+        node_rank=cfg.node_rank,
+    )
+
+
+def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
+    """Every check that needs no worker: files, formats, mesh, LoRA targets, plan, memory.
+
+    Raises CliError (or another user error) with the fix. Runs in the launching process, so a
+    mistake costs seconds, not a model load on every rank.
+
+    Example:
+        >>> check_finetune(FinetuneConfig(model="m", data=["a.txt"]))  # doctest: +SKIP
+    """
+    import torch
+
+    from ..autoplan import auto_plan
+    from ..data import read_documents
+    from ..lora import lora_targets
+    from ..memory import estimate_memory
+    from ..train import resolve_resume
+    from .plan_cmd import check_memory, load_skeleton
+
+    config, model = load_skeleton(cfg.model)
+    _check_tokenizer(Path(cfg.model).expanduser())
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and cfg.seq_len > max_pos:
+        raise CliError(
+            f"--seq-len {cfg.seq_len} is longer than the model's context "
+            f"(max_position_embeddings={max_pos} in config.json); use --seq-len {max_pos} or less"
+        )
+    for path in cfg.data:
+        read_documents(path)  # DataError names the file, the line and the expected format
+    cuda = torch.cuda.is_available()
+    if cuda and not in_place and cfg.nproc > torch.cuda.device_count():
+        raise CliError(
+            f"--nproc {cfg.nproc} workers on this node, but it has {torch.cuda.device_count()} "
+            "GPU(s); one worker drives one GPU: lower --nproc (or --tp / --dp)"
+        )
+    lora = cfg.lora_config()
+    lora_targets(model, lora)  # names that match nothing: LoraError listing the linear layers
+    plan = auto_plan(model, cfg.tp)
+    plan.resolve(model, cfg.tp)  # PlanError: a split the model cannot take
+    if cfg.resume:
+        resolve_resume(cfg.resume)
+    out = Path(cfg.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--output-dir {str(out)!r} is a file; pass a folder")
+    if (out / "metrics.jsonl").exists() and not (cfg.resume or cfg.overwrite):
+        raise CliError(
+            f"--output-dir {str(out)!r} already holds a run (metrics.jsonl); pass --resume "
+            f"{out} to continue it, --overwrite to replace it, or another --output-dir"
+        )
+    est = estimate_memory(
+        model,
+        tp=cfg.tp,
+        dp=cfg.dp,
+        plan=plan,
+        quant=None if cfg.quant == "none" else cfg.quant,
+        lora=lora,
+        seq_len=cfg.seq_len,
+        micro_batch=cfg.micro_batch,
+        dtype=torch.bfloat16 if cuda else torch.float32,
+    )
+    check_memory(est, cfg.nproc, what="training")
+
+
+def _check_tokenizer(path: Path) -> None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / n).is_file() for n in names):
+        raise CliError(
+            f"model folder {str(path)!r} has no tokenizer (none of {', '.join(names)}); save "
+            "the tokenizer next to the model (tokenizer.save_pretrained(folder))"
+        )

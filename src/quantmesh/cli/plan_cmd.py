@@ -1,0 +1,204 @@
+"""`quantmesh plan MODEL --tp N`: the plan table and the bytes per GPU, from config.json alone.
+
+No weights are read and no workers start: the model is built on the meta device from its config,
+planned, and measured by `quantmesh.memory.estimate_memory`. The helpers here (the skeleton, the
+memory check) are shared by `finetune` and `generate`, which run them before launching.
+
+Example:
+    $ quantmesh plan ~/.cache/quantmesh/SmolLM2-135M-Instruct --tp 2 --quant nf4 --lora-r 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .errors import CliError, user_errors
+
+__all__ = ["add_parser", "check_memory", "device_budget", "load_skeleton", "run"]
+
+CPU_RUNTIME_BYTES = 1 << 30  # a CPU worker's python, torch, transformers and bitsandbytes (~1 GiB)
+
+
+def load_skeleton(model_dir: str | Path):
+    """(config, model on meta) of a transformers folder; CliError when it is not one.
+
+    Example:
+        >>> cfg, model = load_skeleton("SmolLM2-135M-Instruct")  # doctest: +SKIP
+        >>> next(model.parameters()).device
+        device(type='meta')
+    """
+    path = Path(model_dir).expanduser()
+    if not path.exists():
+        raise CliError(
+            f"model folder {str(path)!r} does not exist; pass a folder written by "
+            "save_pretrained (config.json, weights, tokenizer)"
+        )
+    if not path.is_dir():
+        raise CliError(f"model {str(path)!r} is a file; pass the folder that holds config.json")
+    if not (path / "config.json").is_file():
+        raise CliError(
+            f"model folder {str(path)!r} has no config.json (it holds: "
+            f"{', '.join(sorted(p.name for p in path.iterdir())[:8]) or 'nothing'}); expected a "
+            "transformers model folder written by save_pretrained"
+        )
+    try:
+        json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CliError(f"{path / 'config.json'} is not valid JSON ({e})") from None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..empty import empty_model
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with empty_model():
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise CliError(
+            f"{path / 'config.json'} does not describe a causal LM transformers can build: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    return config, model
+
+
+def device_budget(nproc_local: int) -> tuple[str, int, str]:
+    """(device kind, bytes one rank may use, where the figure comes from) on this machine.
+
+    CUDA: the smallest free memory of the first `nproc_local` GPUs. CPU: available RAM shared by
+    the local ranks, less a runtime allowance per rank (CPU_RUNTIME_BYTES).
+
+    Example:
+        >>> device_budget(2)  # doctest: +SKIP
+        ('cpu', 11274289152, 'available RAM 23.1 GiB / 2 ranks, less 1 GiB runtime each')
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        n = min(nproc_local, torch.cuda.device_count())
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(n))
+        return "cuda", int(free), f"free memory of the emptiest of {n} GPU(s)"
+    import psutil
+
+    from ..memory import format_bytes
+
+    avail = psutil.virtual_memory().available
+    per = avail // max(1, nproc_local) - CPU_RUNTIME_BYTES
+    return (
+        "cpu",
+        int(per),
+        f"available RAM {format_bytes(avail)} / {nproc_local} rank(s), less "
+        f"{format_bytes(CPU_RUNTIME_BYTES)} runtime each",
+    )
+
+
+def check_memory(est, nproc_local: int, *, what: str) -> None:
+    """Raise CliError when the estimate does not fit one rank's share of this machine.
+
+    Example:
+        >>> check_memory(estimate_memory(model, tp=2, ...), 2, what="training")  # doctest: +SKIP
+    """
+    from ..memory import format_bytes
+
+    kind, budget, source = device_budget(nproc_local)
+    if est.total <= budget:
+        return
+    raise CliError(
+        f"estimated out of memory: {what} needs about {format_bytes(est.total)} per rank (tp rank "
+        f"{est.rank}), but a rank has {format_bytes(max(budget, 0))} ({source}).\n"
+        f"{est.table()}\n"
+        "Fix: a smaller --micro-batch or --seq-len, a larger --tp, or --quant nf4; "
+        "`quantmesh plan` shows the estimate for any choice"
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `plan`."""
+    p = sub.add_parser(
+        "plan",
+        help="print the tp plan and estimated bytes per GPU (reads only config.json)",
+        description="Build the model on meta from config.json, print the plan table and the "
+        "estimated memory of one rank (formula: quantmesh.memory). No weights are read.",
+    )
+    p.add_argument("model", help="transformers model folder (only config.json is read)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    p.add_argument("--quant", choices=("none", "nf4", "fp4", "int8"), default="none")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = no training (default)")
+    p.add_argument("--lora-targets", nargs="+", help="module names (default all projections)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=2048, help="tokens/example")
+    p.add_argument("--micro-batch", type=int, default=1, help="examples per forward (default 1)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda: bf16 weights and activations (default); cpu: fp32, as CPU ranks run",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `plan` command: one process, no workers."""
+    with user_errors():
+        for name in ("tp", "dp", "seq", "micro_batch"):
+            if getattr(args, name) < 1:
+                raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)}; expected >= 1")
+        if args.lora_r < 0:
+            raise CliError(f"--lora-r {args.lora_r}; expected >= 1 (or 0 for no LoRA)")
+        _, model = load_skeleton(args.model)
+        print(plan_report(model, args))
+    return 0
+
+
+def plan_report(model, args: argparse.Namespace) -> str:
+    """The table and the estimate as printed by `quantmesh plan`."""
+    import torch
+
+    from ..autoplan import auto_plan
+    from ..lora import LoraConfig, lora_targets
+    from ..memory import estimate_memory
+
+    plan = auto_plan(model, args.tp)
+    table = plan.table(model, args.tp)
+    lora = None
+    if args.lora_r:
+        kw = (
+            {"targets": [t for x in args.lora_targets for t in x.split(",")]}
+            if (args.lora_targets)
+            else {}
+        )
+        lora = LoraConfig(r=args.lora_r, dropout=args.lora_dropout, **kw)
+        lora_targets(model, lora)  # names that match nothing are an error, with the valid names
+    quant = None if args.quant == "none" else args.quant
+    gpu = args.device == "cuda"
+    est = estimate_memory(
+        model,
+        tp=args.tp,
+        dp=args.dp,
+        plan=plan,
+        quant=quant,
+        lora=lora,
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        dtype=torch.bfloat16 if gpu else torch.float32,
+    )
+    mode = (
+        f"training LoRA r={args.lora_r} with AdamW"
+        if lora
+        else "forward only (inference); add --lora-r to estimate training"
+    )
+    unit = "GPU" if gpu else "CPU rank"
+    dtypes = "bf16 weights, bf16 autocast" if gpu else "fp32 weights and activations"
+    lines = [
+        table,
+        "",
+        f"Estimated memory per {unit} (tp rank {est.rank} of {args.tp}, dp={args.dp}; "
+        f"quant={args.quant}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
+        est.table(),
+        "Assumes: activation checkpointing off, SDPA attention, frozen base; excludes the CUDA "
+        "context, allocator fragmentation and workspaces. Formula: quantmesh.memory.",
+    ]
+    lines += [f"Note: {n}" for n in est.notes]
+    return "\n".join(lines)

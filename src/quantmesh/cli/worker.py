@@ -1,0 +1,180 @@
+"""What launched workers run: `python -m quantmesh.cli.worker {finetune,generate,demo} JSON`.
+
+The launching command has already validated everything it could; the JSON holds its resolved
+settings, so every rank runs exactly the same thing. A failure becomes one line naming the rank
+(errors.worker_main); the traceback of an unexpected one is kept in OUTPUT/logs/rank-R.log.
+
+Example:
+    $ torchrun --nproc-per-node 2 -m quantmesh.cli.worker finetune '{"model": "m", ...}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "run_in_place", "setup_worker"]
+
+
+def setup_worker() -> None:
+    """Quiet the libraries' import-time chatter (printed once per rank) and size CPU threads."""
+    # Models and tokenizers come from local folders (checked by the launching command); never let
+    # a typo turn into minutes of hub retries on every rank.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from .errors import quiet_libraries
+
+    quiet_libraries()
+    import torch
+
+    if not torch.cuda.is_available():
+        # Ranks of one host share its cores; more threads than cores only adds contention.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def _dataset(cfg, tokenizer):
+    from ..data import build_dataset
+    from .errors import CliError
+
+    try:
+        return build_dataset(
+            cfg.data, tokenizer, cfg.seq_len, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+        )
+    except ValueError as e:
+        if type(e) is not ValueError:  # DataError and friends already say what to fix
+            raise
+        raise CliError(str(e)) from None
+
+
+def finetune(payload: str) -> int:
+    """A finetune worker: mesh, tokenizer, data, model, train, save (every rank)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import quantmesh as qm
+
+    from ..train import train
+    from .finetune import FinetuneConfig
+
+    cfg = FinetuneConfig.from_json(payload)
+    mesh = qm.init_mesh(tp=cfg.tp, dp=-1)
+    rank0 = mesh.rank == 0
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    dataset = _dataset(cfg, tok)
+    if rank0:
+        print(
+            f"data: {dataset.num_documents} documents, {dataset.num_tokens} tokens -> "
+            f"{len(dataset.train)} train / {len(dataset.eval)} eval examples of {cfg.seq_len}",
+            flush=True,
+        )
+    dtype = torch.bfloat16 if mesh.device.type == "cuda" else torch.float32
+    model = qm.from_pretrained(
+        cfg.model,
+        mesh,
+        quant=None if cfg.quant == "none" else cfg.quant,
+        lora=cfg.lora_config(),
+        dtype=dtype,
+        progress=rank0,
+    )
+    try:
+        result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir,
+                       resume=cfg.resume)  # fmt: skip
+    except ValueError as e:  # run sizes that do not fit the data (train checks them first)
+        if type(e) is not ValueError:
+            raise
+        from .errors import CliError
+
+        raise CliError(str(e)) from None
+    if rank0:
+        out = Path(cfg.output_dir)
+        last = result.losses[-1] if result.losses else float("nan")
+        ev = (
+            f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
+        )
+        print(
+            f"done: step {result.steps}, loss {last:.4f}{ev}, "
+            f"{result.tokens_per_s:.0f} tokens/s\n"
+            f"  adapter      {out / 'adapter'}\n"
+            f"  checkpoints  {out / 'checkpoints'} (resume with --resume {out})\n"
+            f"  metrics      {out / 'metrics.jsonl'}\n"
+            f"  loss plot    {out / 'loss.png'}",
+            flush=True,
+        )
+    return 0
+
+
+def generate(payload: str) -> int:
+    """A generate worker: load on tp ranks (with the adapter), answer each prompt."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import quantmesh as qm
+
+    from ..save_peft import adapter_lora_config
+    from .generate import GenerateConfig, generate_text
+
+    cfg = GenerateConfig(**json.loads(payload))
+    mesh = qm.init_mesh(tp=cfg.tp, dp=1)
+    lora = adapter_lora_config(cfg.adapter) if cfg.adapter else None
+    dtype = torch.bfloat16 if mesh.device.type == "cuda" else torch.float32
+    quant = None if cfg.quant == "none" else cfg.quant
+    model = qm.from_pretrained(cfg.model, mesh, quant=quant, lora=lora, dtype=dtype, progress=False)
+    if cfg.adapter:
+        qm.load_adapter(model, cfg.adapter)
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    for i, prompt in enumerate(cfg.prompts):
+        if mesh.rank == 0 and len(cfg.prompts) > 1:
+            print(f"{'' if i == 0 else chr(10)}>>> {prompt}", flush=True)
+        generate_text(model, tok, prompt, cfg, stream=True)
+        if mesh.rank == 0:
+            print(flush=True)
+    return 0
+
+
+def demo(payload: str) -> int:
+    from .demo import demo_worker
+
+    return demo_worker(payload)
+
+
+KINDS = {"finetune": finetune, "generate": generate, "demo": demo}
+
+
+def run_in_place(kind: str, payload: str) -> int:
+    """Run worker `kind` in this process (already one of torchrun's ranks). Returns the exit code.
+
+    Example:
+        >>> run_in_place("generate", json.dumps({"model": "m", "prompts": ["Hi"]}))  # doctest: +SKIP
+        0
+    """
+    setup_worker()
+    out = json.loads(payload).get("output_dir")
+    log_dir = Path(out) / "logs" if out else None
+    from .errors import worker_main
+
+    rc = worker_main(lambda: KINDS[kind](payload), log_dir=log_dir)
+    import torch.distributed as dist
+
+    # On failure, leave at once: the launcher stops the other ranks, and tearing down a group that
+    # still has peers inside a collective could wait on them.
+    if rc == 0 and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m quantmesh.cli.worker KIND JSON`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in KINDS:
+        print(f"usage: python -m quantmesh.cli.worker {{{','.join(KINDS)}}} JSON", file=sys.stderr)
+        return 2
+    return run_in_place(argv[0], argv[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

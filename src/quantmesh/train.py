@@ -1,0 +1,414 @@
+"""The LoRA training loop behind `quantmesh finetune` and `quantmesh demo`, usable on its own.
+
+One optimizer step = `grad_accum` micro-batches on every dp rank. The loss of a step is the mean
+over every labelled token of the whole global batch (all micro-batches, all dp ranks), so a step
+gives the same gradient for any dp x grad_accum split of the same global batch: each micro-batch's
+summed loss is divided by the step's global label count (all-reduced over dp before the first
+forward), and multiplied by dp because DDP averages gradients over dp. Non-final micro-steps run
+under `qm.no_sync`, so the dp all-reduce happens once per step.
+
+Determinism: the data order depends only on (seed, epoch) (`data.iterate_batches`), and the RNG
+(dropout) is reseeded every step from (seed, step, dp rank): tp ranks of one replica draw the same
+numbers, and a resumed run continues exactly where a checkpoint was taken.
+
+Example:
+    >>> result = train(model, mesh, dataset, TrainConfig(steps=100, lr=2e-4), output_dir="out")
+    ...                                                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TrainConfig", "TrainResult", "evaluate", "lr_at", "train"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """How to train: batch, schedule, length, evaluation and checkpoints.
+
+    Example:
+        >>> TrainConfig(steps=30, lr=2e-3, warmup_steps=3).schedule
+        'cosine'
+    """
+
+    micro_batch: int = 1
+    """Examples per forward pass on each dp rank."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 2e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    schedule: str = "cosine"
+    """After warm-up: "cosine" or "linear" decay to 0 at the last step, or "constant"."""
+    steps: int | None = None
+    """Optimizer steps; None = `epochs` passes over the training examples."""
+    epochs: float | None = None
+    """Passes over the data when steps is None (default 1)."""
+    eval_every: int = 0
+    """Evaluate every N steps and at the end; 0 = only at the end (when there is eval data)."""
+    save_every: int = 0
+    """Checkpoint (adapter + resumable state) every N steps; 0 = only at the end."""
+    seed: int = 0
+    """Seed of the data order and of the per-step RNG."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 = off."""
+    progress: bool = True
+    """A tqdm bar on global rank 0."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1 or self.grad_accum < 1:
+            raise ValueError(
+                f"micro_batch={self.micro_batch}, grad_accum={self.grad_accum}; both >= 1"
+            )
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule={self.schedule!r}; use cosine, linear or constant")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}; expected > 0")
+
+
+@dataclass
+class TrainResult:
+    """What a run did, as seen by this rank."""
+
+    steps: int
+    """The last optimizer step completed."""
+    losses: list[float] = field(default_factory=list)
+    """Training loss of each step this process ran."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    """Evaluation loss by step."""
+    tokens_per_s: float = 0.0
+    """Mean training throughput of this process, input tokens over all dp ranks."""
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Learning rate of optimizer step `step` (0-based) out of `total`.
+
+    Example:
+        >>> cfg = TrainConfig(lr=1.0, warmup_steps=2, schedule="linear")
+        >>> [round(lr_at(s, cfg, 6), 2) for s in range(6)]
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total - cfg.warmup_steps)
+    frac = (step - cfg.warmup_steps) / span  # 0 at the end of warm-up, -> 1 at the last step
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - frac)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def _device(model: nn.Module) -> torch.device:
+    mesh = getattr(model, "_qm_mesh", None)
+    if mesh is not None:
+        return mesh.device
+    return next(model.parameters()).device
+
+
+def _autocast(device: torch.device):
+    # bf16 autocast on CUDA: the adapters stay fp32, matmuls run in bf16. CPU runs fp32 throughout.
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(summed next-token cross-entropy over labelled tokens, their count) of one micro-batch.
+
+    Example:
+        >>> total, n = loss_sum(model, {"input_ids": ids, "labels": ids})  # doctest: +SKIP
+    """
+    device = _device(model)
+    ids = batch["input_ids"].to(device)  # (B, T)
+    labels = batch["labels"].to(device)  # (B, T); the model predicts position t+1 at t
+    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # shift without copying logits
+    with _autocast(device):
+        logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V), gathered over tp
+    total = F.cross_entropy(
+        logits.float().view(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return total, int((target != IGNORE_INDEX).sum())
+
+
+def _all_sum(values: list[float], mesh, device: torch.device) -> list[float]:
+    """Sum floats over the dp group (tp ranks of one replica hold the same values already)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if mesh is not None and mesh.dp > 1:
+        dist.all_reduce(t, group=mesh.dp_group)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
+    """Mean next-token loss over `examples`, split over the dp ranks. Collective.
+
+    Example:
+        >>> evaluate(model, dataset.eval, micro_batch=4)  # doctest: +SKIP
+        2.87
+    """
+    mesh = getattr(model, "_qm_mesh", None)
+    dp, dp_rank = (mesh.dp, mesh.dp_rank) if mesh is not None else (1, 0)
+    was_training = model.training
+    model.eval()
+    mine = examples[dp_rank::dp]
+    total, count = 0.0, 0
+    for i in range(0, len(mine), micro_batch):
+        rows = mine[i : i + micro_batch]
+        batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+        s, n = loss_sum(model, batch)
+        total, count = total + float(s), count + n
+    total, count = _all_sum([total, count], mesh, _device(model))
+    model.train(was_training)
+    return total / max(count, 1.0)
+
+
+def _micro_batches(examples, cfg: TrainConfig, mesh, start_micro: int) -> Iterator[dict]:
+    """This dp rank's micro-batches forever (epoch after epoch), from micro-batch `start_micro`."""
+    from .data import iterate_batches, steps_per_epoch
+
+    dp, dp_rank = (mesh.dp, mesh.dp_rank) if mesh is not None else (1, 0)
+    per_epoch = steps_per_epoch(len(examples), cfg.micro_batch, dp)
+    epoch, skip = divmod(start_micro, per_epoch)
+    for e in itertools.count(epoch):
+        it = iterate_batches(
+            examples, cfg.micro_batch, dp_rank=dp_rank, dp_size=dp, seed=cfg.seed, epoch=e
+        )
+        yield from itertools.islice(it, skip if e == epoch else 0, None)
+
+
+def total_steps(num_examples: int, cfg: TrainConfig, dp: int) -> int:
+    """Optimizer steps of the run: cfg.steps, or epochs x (global batches per epoch / grad_accum).
+
+    Example:
+        >>> total_steps(100, TrainConfig(micro_batch=2, grad_accum=2, epochs=1.0), dp=1)
+        25
+    """
+    if cfg.steps is not None:
+        return cfg.steps
+    per_epoch = num_examples // (cfg.micro_batch * dp)
+    steps = int((cfg.epochs or 1.0) * per_epoch) // cfg.grad_accum
+    if steps < 1:
+        raise ValueError(
+            f"{num_examples} training examples make no full optimizer step of "
+            f"micro_batch={cfg.micro_batch} x dp={dp} x grad_accum={cfg.grad_accum}; "
+            "lower those, raise --epochs, or add data"
+        )
+    return steps
+
+
+def _step_seed(seed: int, step: int, dp_rank: int) -> int:
+    # Same on the tp ranks of one replica (their dropout masks on replicated inputs must agree).
+    return (seed * 1_000_003 + step * 7_919 + dp_rank * 104_729) % (2**63)
+
+
+def resolve_resume(path: str | Path) -> Path:
+    """The checkpoint folder to resume from: `path` itself (holding state/), or the latest
+    checkpoints/step-N of an output dir.
+
+    Example:
+        >>> resolve_resume("out")  # doctest: +SKIP
+        PosixPath('out/checkpoints/step-000040')
+    """
+    p = Path(path).expanduser()
+    if (p / "state").is_dir():
+        return p
+    steps = sorted((p / "checkpoints").glob("step-*/state"))
+    if steps:
+        return steps[-1].parent
+    raise FileNotFoundError(
+        f"nothing to resume at {str(p)!r}: expected a checkpoint folder holding state/ "
+        "(OUTPUT/checkpoints/step-N) or an output dir with checkpoints/; "
+        "checkpoints are written every --save-every steps and at the end"
+    )
+
+
+def _read_metrics(path: Path, upto: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [r for r in rows if r["step"] <= upto]
+
+
+def _save_checkpoint(model, opt, out: Path, step: int) -> Path:
+    import quantmesh as qm
+
+    ckpt = out / "checkpoints" / f"step-{step:06d}"
+    qm.save_adapter(model, ckpt / "adapter")
+    qm.save_state(model, opt, ckpt / "state", step=step)
+    return ckpt
+
+
+def train(
+    model: nn.Module,
+    dataset,
+    cfg: TrainConfig,
+    *,
+    output_dir: str | Path,
+    resume: str | Path | None = None,
+    on_step: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Train the model's trainable parameters (its LoRA adapters) with AdamW; save as it goes.
+
+    Collective: every rank calls it with the same arguments. `dataset` has `.train` and `.eval`
+    lists of {"input_ids", "labels"} (`quantmesh.data.build_dataset`). Writes, on global rank 0:
+    OUTPUT/metrics.jsonl (one line per step), OUTPUT/adapter (PEFT, at the end),
+    OUTPUT/checkpoints/step-N/{adapter,state} (every save_every steps and at the end) and
+    OUTPUT/loss.png.
+
+    Example:
+        >>> model = qm.from_pretrained("model_dir", mesh, quant="nf4", lora=qm.LoraConfig(r=16))
+        ...                                                                 # doctest: +SKIP
+        >>> train(model, build_dataset(["a.txt"], tok, 256), TrainConfig(steps=50),
+        ...       output_dir="out")                                         # doctest: +SKIP
+    """
+    import contextlib
+
+    import quantmesh as qm
+
+    mesh = getattr(model, "_qm_mesh", None)
+    if mesh is None:
+        raise ValueError("train() needs a model from qm.parallelize or qm.from_pretrained")
+    out = Path(output_dir)
+    rank0 = mesh.rank == 0
+    device = _device(model)
+    params = qm.trainable_parameters(model)
+    if not params:
+        raise ValueError("the model has no trainable parameters; parallelize it with lora=...")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total = total_steps(len(dataset.train), cfg, mesh.dp)
+    start = qm.load_state(model, opt, resolve_resume(resume) / "state") if resume else 0
+    if start > total:
+        raise ValueError(f"the checkpoint is at step {start}, past this run's {total} steps")
+
+    metrics = out / "metrics.jsonl"
+    history = _read_metrics(metrics, start) if resume else []
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in history))
+    seq = dataset.train[0]["input_ids"].shape[0]
+    step_tokens = cfg.micro_batch * seq * cfg.grad_accum * mesh.dp
+    tokens = history[-1]["tokens"] if history else 0
+    elapsed0 = history[-1]["elapsed"] if history else 0.0
+    batches = _micro_batches(dataset.train, cfg, mesh, start * cfg.grad_accum)
+    result = TrainResult(steps=start)
+
+    bar = None
+    if rank0 and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    model.train()
+    t_start = time.perf_counter()
+    train_time = 0.0
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        torch.manual_seed(_step_seed(cfg.seed, step, mesh.dp_rank))
+        lr = lr_at(step, cfg, total)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        micro = [next(batches) for _ in range(cfg.grad_accum)]
+        n_local = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro)
+        (n_global,) = _all_sum([n_local], mesh, device)
+        scale = mesh.dp / max(n_global, 1.0)  # DDP averages over dp: undo it, then token-mean
+        summed = 0.0
+        for i, batch in enumerate(micro):
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else qm.no_sync(model):
+                s, _ = loss_sum(model, batch)
+                (s * scale).backward()
+            summed += float(s.detach())
+            del s
+        if cfg.max_grad_norm > 0:
+            qm.clip_grad_norm_(model, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        (summed,) = _all_sum([summed], mesh, device)
+        loss = summed / max(n_global, 1.0)
+        dt = time.perf_counter() - t0
+        train_time += dt
+        tokens += step_tokens
+        n = step + 1
+        rec = {
+            "step": n,
+            "loss": round(loss, 6),
+            "lr": lr,
+            "tokens": tokens,
+            "tokens_per_s": round(step_tokens / dt, 2),
+            "elapsed": round(elapsed0 + time.perf_counter() - t_start, 3),
+        }
+        if dataset.eval and ((cfg.eval_every and n % cfg.eval_every == 0) or n == total):
+            rec["eval_loss"] = round(evaluate(model, dataset.eval, cfg.micro_batch), 6)
+            result.eval_losses[n] = rec["eval_loss"]
+        result.losses.append(loss)
+        result.steps = n
+        if rank0:
+            with metrics.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{step_tokens / dt:.0f}", lr=f"{lr:.1e}")
+            bar.update(1)
+        if on_step is not None:
+            on_step(rec)
+        if cfg.save_every and n % cfg.save_every == 0 and n != total:
+            _save_checkpoint(model, opt, out, n)
+    if bar is not None:
+        bar.close()
+    result.tokens_per_s = (total - start) * step_tokens / max(train_time, 1e-9)
+    _save_checkpoint(model, opt, out, total)
+    qm.save_adapter(model, out / "adapter")
+    if rank0:
+        plot_losses(metrics, out / "loss.png")
+    return result
+
+
+def plot_losses(metrics: str | Path, png: str | Path, *, title: str | None = None) -> Path:
+    """Draw loss (and eval loss) against step from a metrics.jsonl into a PNG (matplotlib, Agg).
+
+    Example:
+        >>> plot_losses("out/metrics.jsonl", "out/loss.png")  # doctest: +SKIP
+        PosixPath('out/loss.png')
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed, and never a window popping up mid-training
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(ln) for ln in Path(metrics).read_text().splitlines() if ln.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1.5)
+    ev = [r for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title or f"{Path(metrics).parent.name}: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png)
+    plt.close(fig)
+    return png

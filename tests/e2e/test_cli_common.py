@@ -1,0 +1,109 @@
+"""Shared helpers of the CLI end-to-end tests: a tiny random Llama folder and a CLI runner.
+
+The model is shaped like SmolLM2 where it matters for tensor parallelism (9 heads, 3 KV heads, tied
+embeddings) but tiny (hidden 72, 2 layers), with a word-level tokenizer built offline over a few
+sentences and a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "quantmesh.cli.main"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = (
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
+    "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. "
+    "Now is the winter of our discontent made glorious summer by this sun of York. "
+    "All the world's a stage, and all the men and women merely players. "
+)
+
+
+def cli(
+    *args: str, timeout: float = 170, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run `quantmesh ARGS` (from the repository root by default) as a user would; never longer
+    than `timeout` seconds."""
+    full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        full.pop(k, None)  # the CLI launches its own workers: nothing from outside may leak in
+    return subprocess.run(
+        [*CLI, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def make_tokenizer():
+    """A word-level tokenizer over CORPUS's words, with EOS, pad, unk and a ChatML template.
+
+    Word-level (not byte-level) on purpose: every token decodes to whole words, so text streamed
+    token by token equals the text decoded at once, and the tests can compare strings exactly.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    words = sorted(set(CORPUS.split()) | {"user", "assistant", "system"})
+    vocab = {w: i for i, w in enumerate(specials + words)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
+    """Save a random tiny LlamaForCausalLM + tokenizer to `path` (a transformers folder)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = make_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=72,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger than the default init, so that greedy decoding is not flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.25)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_tiny_llama_round_trips(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    make_tiny_llama(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3
+    text = "whether 'tis nobler in the mind"
+    assert tok.decode(tok(text)["input_ids"]) == text  # corpus words: nothing is unknown
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )

@@ -1,0 +1,149 @@
+"""Likely mistakes give one clear `quantmesh: error: ...` and exit code 2, before any worker starts;
+a worker that fails later gives one line naming its rank and the first line of its error.
+
+Most cases call the CLI's `main()` in this process (the launching process is where they are caught,
+and a launch here would be a bug: it is replaced by a tripwire); two run it as a user does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantmesh.cli import errors
+from quantmesh.cli.main import main
+
+from .test_cli_common import CORPUS, cli, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("errors")
+    make_tiny_llama(d / "tiny")
+    (d / "ok.txt").write_text(CORPUS * 4)
+    return d
+
+
+def _fails(argv: list[str], capsys, monkeypatch) -> str:
+    """Run the CLI in process; it must exit with code 2 before launching; returns its stderr."""
+
+    def tripwire(*a, **k):
+        raise AssertionError(f"workers were launched for {argv}")
+
+    monkeypatch.setattr(errors, "run_workers", tripwire)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("quantmesh: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+def test_missing_model_folder(tiny: Path, capsys, monkeypatch) -> None:
+    err = _fails(["finetune", "--model", str(tiny / "nope"), "--data", str(tiny / "ok.txt")],
+                 capsys, monkeypatch)  # fmt: skip
+    assert f"model folder '{tiny / 'nope'}' does not exist" in err
+
+
+def test_a_folder_without_config_json(tiny: Path, capsys, monkeypatch) -> None:
+    err = _fails(["plan", str(tiny)], capsys, monkeypatch)
+    assert "has no config.json (it holds: " in err and "ok.txt" in err
+
+
+def test_data_in_the_wrong_format(tiny: Path, capsys, monkeypatch) -> None:
+    bad = tiny / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"foo": 1}) + "\n")
+    err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(bad), "--seq-len", "64"],
+                 capsys, monkeypatch)  # fmt: skip
+    assert f"{bad} line 2: expected a JSON object with a 'text' field" in err
+    assert "got keys ['foo']" in err
+
+
+def test_mesh_sizes_that_do_not_divide_the_process_count(tiny: Path, capsys, monkeypatch) -> None:
+    base = [
+        "finetune",
+        "--model",
+        str(tiny / "tiny"),
+        "--data",
+        str(tiny / "ok.txt"),
+        "--seq-len",
+        "64",
+    ]
+    err = _fails([*base, "--nproc", "3", "--tp", "2"], capsys, monkeypatch)
+    assert "--tp 2 does not divide the 3 processes (--nproc 3 x --nnodes 1); use --tp 1 or 3" in err
+    err = _fails([*base, "--nproc", "4", "--tp", "2", "--dp", "3"], capsys, monkeypatch)
+    assert "--tp 2 x --dp 3 = 6 processes, but --nproc 4 x --nnodes 1 = 4" in err
+
+
+def test_lora_targets_that_match_nothing(tiny: Path, capsys, monkeypatch) -> None:
+    err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
+                  "--seq-len", "64", "--lora-targets", "qkv"], capsys, monkeypatch)  # fmt: skip
+    assert "LoRA target 'qkv' matches no module" in err and "q_proj" in err
+
+
+def test_a_sequence_longer_than_the_context(tiny: Path, capsys, monkeypatch) -> None:
+    err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
+                  "--seq-len", "4096"], capsys, monkeypatch)  # fmt: skip
+    assert "--seq-len 4096 is longer than the model's context" in err
+    assert "max_position_embeddings=256" in err
+
+
+def test_an_estimated_out_of_memory(tiny: Path, capsys, monkeypatch) -> None:
+    # 200k examples of 256 tokens per micro-batch: the logits alone are ~250 GiB.
+    err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
+                  "--seq-len", "256", "--micro-batch", "200000"], capsys, monkeypatch)  # fmt: skip
+    assert re.search(r"estimated out of memory: training needs about [\d.]+ GiB per rank", err)
+    assert "logits + loss" in err and "--micro-batch" in err
+
+
+def test_an_adapter_that_does_not_fit_the_model(tiny: Path, capsys, monkeypatch) -> None:
+    from safetensors.torch import save_file
+
+    ad = tiny / "adapter"
+    ad.mkdir(exist_ok=True)
+    (ad / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+        "base_model_name_or_path": "some-other-model",
+    }))  # fmt: skip
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    save_file({key.format("A"): torch.zeros(4, 50), key.format("B"): torch.zeros(72, 4)},
+              ad / "adapter_model.safetensors")  # fmt: skip
+    err = _fails(["generate", str(tiny / "tiny"), "--adapter", str(ad), "--prompt", "hi"],
+                 capsys, monkeypatch)  # fmt: skip
+    assert "does not fit the model" in err
+    assert "model.layers.0.self_attn.q_proj.lora_A: (4, 50) in the adapter, the model needs " \
+        "(4, 72)" in err  # fmt: skip
+    assert "'some-other-model'" in err
+
+
+def test_exit_code_and_message_as_a_user_sees_them(tiny: Path) -> None:
+    proc = cli("plan", str(tiny / "missing"), "--tp", "2", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"quantmesh: error: model folder '{tiny / 'missing'}' does not exist; pass a folder "
+        "written by save_pretrained (config.json, weights, tokenizer)"
+    ]
+
+
+def test_a_failing_worker_gives_one_line_naming_its_rank(tiny: Path, tmp_path: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny / "tiny", broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)  # not a safetensors file
+    out = tmp_path / "out"
+    proc = cli("finetune", "--model", str(broken), "--data", str(tiny / "ok.txt"), "--nproc", "2",
+               "--tp", "2", "--seq-len", "16", "--output-dir", str(out))  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("quantmesh: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    m = re.match(r"quantmesh: error: rank (\d): (\w+): .+ \(traceback: (.+)\)$", lines[0])
+    assert m, lines[0]
+    assert "Traceback" not in proc.stderr
+    assert Path(m.group(3)) == out / "logs" / f"rank-{m.group(1)}.log"
+    assert "Traceback (most recent call last)" in Path(m.group(3)).read_text()

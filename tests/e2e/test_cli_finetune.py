@@ -1,0 +1,77 @@
+"""`quantmesh finetune` on instruction data at dp=2 with gradient accumulation: the logged loss of
+the first step is the token-mean over the whole global batch, with prompts masked out.
+
+The reference is computed here, on one process, with plain transformers: the same examples
+(`build_dataset` + `iterate_batches` with the run's seed), the same model (the adapters start at
+zero, so step 1 sees the base model), cross-entropy summed over response tokens only and divided by
+their count over all 4 micro-batches of the step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .test_cli_common import cli, make_tiny_llama
+
+WORDS = "the sea of troubles and the winter of our discontent made glorious summer".split()
+
+
+def _instructions(path: Path, n: int = 48) -> None:
+    g = torch.Generator().manual_seed(0)
+    with path.open("w") as f:
+        for _ in range(n):
+            pick = torch.randint(0, len(WORDS), (12,), generator=g).tolist()
+            prompt = " ".join(WORDS[j] for j in pick[:7])
+            response = " ".join(WORDS[j] for j in pick[7:])
+            f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+
+
+def _reference(model_dir: Path, data: Path, seq_len: int) -> tuple[float, float]:
+    """(masked loss, unmasked loss) of step 1 of a dp=2, micro_batch=1, grad_accum=2 run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantmesh.data import build_dataset, iterate_batches
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ds = build_dataset([data], tok, seq_len, seed=0)
+    assert 0 < ds.num_labelled < len(ds.train) * seq_len  # prompts really are masked
+    micro = []
+    for rank in range(2):  # the first 2 micro-batches (grad_accum=2) of each dp rank
+        it = iterate_batches(ds.train, 1, dp_rank=rank, dp_size=2, seed=0, epoch=0)
+        micro += [next(it), next(it)]
+    sums, counts, all_sum, all_count = 0.0, 0, 0.0, 0
+    with torch.no_grad():
+        for b in micro:
+            logits = model(input_ids=b["input_ids"]).logits[0, :-1]  # (T-1, V)
+            labels = b["labels"][0, 1:]
+            ids = b["input_ids"][0, 1:]
+            sums += float(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+            counts += int((labels != -100).sum())
+            all_sum += float(F.cross_entropy(logits, ids, reduction="sum"))
+            all_count += ids.numel()
+    return sums / counts, all_sum / all_count
+
+
+def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: Path) -> None:
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    data = tmp_path / "instructions.jsonl"
+    _instructions(data)
+    proc = cli(
+        "finetune", "--model", str(model_dir), "--data", str(data), "--nproc", "2", "--tp", "1",
+        "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "32", "--steps", "2",
+        "--lr", "1e-2", "--output-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tp=1 x dp=2" in proc.stderr
+    rows = [json.loads(ln) for ln in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["tokens"] == 2 * 2 * 1 * 32  # dp x grad_accum x micro_batch x seq_len
+    masked, unmasked = _reference(model_dir, data, 32)
+    assert abs(masked - unmasked) > 0.05  # the two readings are far apart: the test can tell
+    # fp32 on both sides; the sharded run sums in another order: 1e-4 is loose for 1e-6 noise.
+    assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked, unmasked)

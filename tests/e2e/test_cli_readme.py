@@ -1,0 +1,153 @@
+"""The README's examples, run as written on a tiny model: its CLI commands in order, and the Python
+example (examples/quickstart.py, which the README quotes verbatim).
+
+The README names the demo's SmolLM2 folder and examples/finetune.toml; here the folder is a tiny
+random Llama of the same head layout, and the TOML is examples/finetune.toml with only its
+`model` and `data` lines pointed at tiny files. Every other setting is the example's own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from .test_cli_common import CORPUS, REPO, cli, make_tiny_llama
+
+README = REPO / "README.md"
+SMOLLM2 = "~/.cache/quantmesh/SmolLM2-135M-Instruct"
+
+
+def readme_commands() -> list[list[str]]:
+    """`$ quantmesh ...` lines of the README's console blocks, in order, as argv lists."""
+    text = README.read_text()
+    blocks = re.findall(r"```console\n(.*?)```", text, flags=re.S)
+    lines = [ln[2:] for b in blocks for ln in b.splitlines() if ln.startswith("$ quantmesh ")]
+    return [shlex.split(ln)[1:] for ln in lines]
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the tiny model, its data and the example TOML pointed at them."""
+    d = tmp_path_factory.mktemp("readme")
+    make_tiny_llama(d / "tiny")
+    (d / "plays.txt").write_text(CORPUS * 60)
+    toml = (REPO / "examples" / "finetune.toml").read_text()
+    toml, n1 = re.subn(r"(?m)^model = .*$", f'model = "{d / "tiny"}"', toml)
+    toml, n2 = re.subn(r"(?m)^data = .*$", f'data = ["{d / "plays.txt"}"]', toml)
+    assert n1 == n2 == 1, "examples/finetune.toml must keep one `model =` and one `data =` line"
+    (d / "finetune.toml").write_text(toml)
+    return d
+
+
+def _as_test(argv: list[str], d: Path) -> list[str]:
+    out = []
+    for a in argv:
+        a = a.replace(SMOLLM2, str(d / "tiny"))
+        out.append(str(d / "finetune.toml") if a == "examples/finetune.toml" else a)
+    return out
+
+
+def test_the_readme_commands_run_in_order(workdir: Path) -> None:
+    cmds = readme_commands()
+    assert [c[0] for c in cmds] == ["plan", "finetune", "finetune", "generate"], cmds
+    out = workdir / "quantmesh-out"
+    first_run: list[dict] = []
+    for argv in cmds:
+        proc = cli(*_as_test(argv, workdir), cwd=workdir)
+        assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        if argv[0] == "plan":
+            assert "Plan for tp=2" in proc.stdout and "total" in proc.stdout
+            # 9 heads / 3 KV heads over 2 ranks: 2 + 1 KV groups, so q_proj is 6 + 3 heads of 8
+            assert re.search(
+                r"self_attn\.q_proj \(x2\)\s+Linear\s+colwise\s+48x72/24x72", proc.stdout
+            )
+        elif argv[0] == "finetune" and "--resume" not in argv:
+            rows = _metrics(out / "metrics.jsonl")
+            assert [r["step"] for r in rows] == list(range(1, 31))
+            assert [r["step"] for r in rows if "eval_loss" in r] == [10, 20, 30]
+            for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
+                assert (out / name).is_file(), name
+            for step in (10, 20, 30):
+                assert (out / f"checkpoints/step-{step:06d}/state").is_dir()
+            assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            first_run = rows
+        elif argv[0] == "finetune":
+            rows = _metrics(out / "metrics.jsonl")
+            steps = int(argv[argv.index("--steps") + 1])
+            assert [r["step"] for r in rows] == list(range(1, steps + 1))
+            assert rows[: len(first_run)] == first_run  # history kept, then continued
+        else:  # generate: the same text as transformers + peft on one process, unsharded
+            assert proc.stdout.strip() == _peft_reference(workdir, argv), proc.stdout
+
+
+def _peft_reference(d: Path, argv: list[str]) -> str:
+    """What plain transformers + peft generate for the README's generate command (greedy)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert "--quant" not in argv and "--temperature" not in argv, argv
+    opt = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
+    tok = AutoTokenizer.from_pretrained(d / "tiny")
+    base = AutoModelForCausalLM.from_pretrained(d / "tiny", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, d / opt["--adapter"]).eval()
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": opt["--prompt"]}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **ids,
+            max_new_tokens=int(opt.get("--max-new-tokens", 128)),
+            do_sample=False,
+            repetition_penalty=float(opt.get("--repetition-penalty", 1.0)),
+            pad_token_id=tok.pad_token_id,
+        )
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_resume_repeats_the_uninterrupted_run_exactly(workdir: Path) -> None:
+    out = workdir / "quantmesh-out"
+    if not (out / "checkpoints/step-000020").is_dir():
+        pytest.skip("needs the README run of test_the_readme_commands_run_in_order")
+    original = {r["step"]: r["loss"] for r in _metrics(out / "metrics.jsonl")}
+    proc = cli(
+        "finetune",
+        str(workdir / "finetune.toml"),
+        "--resume",
+        str(out / "checkpoints/step-000020"),
+        "--output-dir",
+        str(workdir / "resumed"),
+        cwd=workdir,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = _metrics(workdir / "resumed/metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(21, 31))
+    # Same layout, same data order, RNG reseeded per step: the losses repeat to the last digit.
+    assert [r["loss"] for r in resumed] == [original[s] for s in range(21, 31)]
+
+
+def test_the_python_example_is_the_file_and_runs(workdir: Path) -> None:
+    script = REPO / "examples" / "quickstart.py"
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert any(b.strip() and b in script.read_text() for b in blocks), (
+        "the README's Python example must be examples/quickstart.py (after its docstring)"
+    )
+    proc = cli(
+        "run", "--nproc", "2", str(script), str(workdir / "tiny"), str(workdir / "plays.txt"),
+        cwd=workdir,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+\s+loss ([\d.]+)", proc.stdout)]
+    assert len(losses) == 10, proc.stdout
+    assert losses[-1] < losses[0], losses  # 10 steps at lr 2e-3 on a repeated text
+    assert (workdir / "quickstart-adapter" / "adapter_config.json").is_file()
