@@ -126,7 +126,12 @@ def _rank() -> int:
 
 # ---- what the model expects ---------------------------------------------------------------------
 def sharded_fqns(model: nn.Module) -> dict[str, ShardedModule]:
-    """{fqn: ShardedModule} of `model`, in model order."""
+    """{fqn: ShardedModule} of `model`, in model order.
+
+    Example:
+        >>> sorted(sharded_fqns(model))[:1]  # doctest: +SKIP
+        ['lm_head']
+    """
     return {n: m for n, m in model.named_modules() if isinstance(m, ShardedModule)}
 
 
@@ -311,8 +316,13 @@ def _leftovers(model: nn.Module, written: set[str]) -> list[str]:
 
 
 def _load(model, source, strict: bool, key_map, progress: bool) -> LoadResult:
-    targets = _targets(model)
     own = not isinstance(source, CheckpointReader)
+    if not own and key_map is not None:
+        raise ValueError(
+            "key_map= was given with an open CheckpointReader, which already maps its keys; "
+            "pass key_map to open_checkpoint instead, or pass the path here"
+        )
+    targets = _targets(model)
     reader = open_checkpoint(source, key_map=key_map) if own else source
     try:
         sources, result = _plan_sources(model, reader, targets, strict)

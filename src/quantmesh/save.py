@@ -172,7 +172,9 @@ class _Rank0Writer:
         self.run(lambda: (self.folder / name).write_text(text))
 
 
-def collective_save(path: str | os.PathLike, produce: Callable[[_Rank0Writer], None], what: str):
+def collective_save(
+    path: str | os.PathLike, produce: Callable[[_Rank0Writer], None], what: str
+) -> None:
     """Run `produce(writer)` on every rank; rank 0's writes land atomically at `path`.
 
     `writer` is falsy on other ranks. Collective; see the module docstring for the protocol.
@@ -207,7 +209,12 @@ def collective_save(path: str | os.PathLike, produce: Callable[[_Rank0Writer], N
 
 
 def in_first_replica(model: nn.Module) -> bool:
-    """True on the ranks of data-parallel replica 0 (the ones that gather and write)."""
+    """True on the ranks of data-parallel replica 0 (the ones that gather and write).
+
+    Example:
+        >>> in_first_replica(model)  # doctest: +SKIP  (dp_rank 0 of a dp=2 mesh)
+        True
+    """
     mesh = getattr(model, "_qm_mesh", None)
     return mesh is None or mesh.dp_rank == 0
 

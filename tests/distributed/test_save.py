@@ -169,6 +169,10 @@ def _reload(d: dict, dp: int, tp: int) -> dict:
     f["rng_warning"] = any("RNG states are not" in str(w.message) for w in caught)
     f["state_lora"] = _trainable(model)
     f["state_opt"] = {k: _full_opt(model, opt, k) for k in ("exp_avg", "exp_avg_sq")}
+    if dp > 1:  # saving from dp x tp: replica 0 writes, the files equal the tp=2 originals
+        qm.save_adapter(m, d["adapter_dp"])
+        qm.export(m, d["export_dp"])
+        qm.save_state(model, opt, d["state_dp"], step=f["step"])
     return f
 
 
@@ -231,7 +235,7 @@ def d(tmp_path_factory):
     root = tmp_path_factory.mktemp("save")
     out = {"llama": str(llama_dir(root / "llama")), "gpt2": str(gpt2_dir(root / "gpt2"))}
     for name in ("llama_adapter", "gpt2_adapter", "llama_export", "gpt2_export", "nf4_export",
-                 "state"):  # fmt: skip
+                 "state", "adapter_dp", "export_dp", "state_dp"):  # fmt: skip
         out[name] = str(root / name)
     return out
 
@@ -328,6 +332,27 @@ def test_state_reshards_to_another_layout(a, b, c):
             for key in ("exp_avg", "exp_avg_sq"):
                 for k, v in a[0]["saved_opt"][key].items():
                     assert torch.equal(f[tp]["state_opt"][key][k], v), (tp, key, k)
+
+
+def _tensors(folder: str, stem: str) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(
+        f for f in os.listdir(folder) if f.startswith(stem) and f.endswith(".safetensors")
+    )
+    return {k: v for f in files for k, v in load_file(f"{folder}/{f}").items()}
+
+
+def test_saves_from_dp_x_tp_equal_the_originals(c, d):
+    # a save made at dp=2 x tp=1 after loading the tp=2 saves holds the same bits
+    for new, old, stem in (("adapter_dp", "llama_adapter", "adapter_model"),
+                           ("export_dp", "llama_export", "model"),
+                           ("state_dp", "state", "trainable"), ("state_dp", "state", "optimizer")):  # fmt: skip
+        got, want = _tensors(d[new], stem), _tensors(d[old], stem)
+        assert got.keys() == want.keys() and len(want) > 0, (new, stem)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (new, k)
+    assert json.loads(open(f"{d['state_dp']}/state.json").read())["mesh"] == {"dp": 2, "tp": 1}
 
 
 # --------------------------------------------------------------------------- crash safety
