@@ -1,0 +1,41 @@
+"""`quantmesh demo` (what `make demo` runs), shortened with --steps: the held-out loss falls and
+every product is written. Needs PyPI the first time (the assets are cached afterwards)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from .test_cli_common import cli
+
+
+@pytest.mark.slow
+def test_demo_short_run_learns_and_writes_its_results(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    t0 = time.monotonic()
+    proc = cli("demo", "--steps", "8", "--max-new-tokens", "12", "--output-dir", str(out),
+               timeout=420)  # fmt: skip
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout
+    assert "loaded on tp=2: q_proj 6+3 heads, k_proj 2+1 KV heads" in text, text
+    assert "--- before fine-tuning:" in text and "--- after fine-tuning:" in text
+    before, after = (
+        float(x) for x in re.search(r"held-out loss: ([\d.]+) -> ([\d.]+)", text).groups()
+    )
+    assert after < before - 0.05, (before, after)  # 8 steps at lr 3e-3 move it well past noise
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["eval_loss"] == pytest.approx(after, abs=1e-3)
+    for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                 "generations.md", "checkpoints/step-000008/state/state.json"):  # fmt: skip
+        assert (out / name).is_file(), name
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    gens = (out / "generations.md").read_text()
+    assert "## Before fine-tuning" in gens and "## After 8 steps on Shakespeare" in gens
+    assert f"written to {out}" in text
+    print(f"demo --steps 8 took {took:.0f} s")

@@ -1,0 +1,82 @@
+"""`quantmesh plan`: the plan table and the estimate it prints, from config.json alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantmesh.cli.main import main
+
+from .test_cli_common import cli, make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the tiny model's config.json and nothing else: no weights are needed."""
+    d = tmp_path_factory.mktemp("plan")
+    make_tiny_llama(d / "full")
+    (d / "cfg").mkdir()
+    (d / "cfg" / "config.json").write_text((d / "full" / "config.json").read_text())
+    return d / "cfg"
+
+
+def _expected(model_dir: Path, *, tp: int, quant, r: int, seq: int, mb: int, dtype) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import quantmesh as qm
+
+    with qm.empty_model():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    lora = qm.LoraConfig(r=r) if r else None
+    est = qm.estimate_memory(model, tp=tp, quant=quant, lora=lora, seq_len=seq, micro_batch=mb,
+                             dtype=dtype)  # fmt: skip
+    return est.table()
+
+
+def test_plan_prints_the_table_and_the_estimate(config_only: Path, capsys) -> None:
+    argv = ["plan", str(config_only), "--tp", "2", "--quant", "nf4", "--lora-r", "8",
+            "--seq", "64", "--micro-batch", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {  # module glob -> (style, local weight shape per rank)
+        "model.embed_tokens": ("vocab", None),
+        "model.layers.*.self_attn.q_proj (x2)": ("colwise", "48x72/24x72"),  # 6 + 3 heads of 8
+        "model.layers.*.self_attn.k_proj (x2)": ("colwise", "16x72/8x72"),  # 2 + 1 KV heads
+        "model.layers.*.self_attn.o_proj (x2)": ("rowwise", "72x48/72x24"),
+        "model.layers.*.mlp.gate_proj (x2)": ("colwise", "48x72/48x72"),
+        "model.layers.*.mlp.down_proj (x2)": ("rowwise", "72x48/72x48"),
+        "lm_head": ("colwise_gather", None),
+    }
+    for glob, (style, shapes) in rows.items():
+        line = next((ln for ln in out.splitlines() if ln.startswith(glob + " ")), None)
+        assert line is not None, (glob, out)
+        assert line.split()[len(glob.split()) + 1] == style, line
+        if shapes:
+            assert shapes in line, line
+    assert "GPU (tp rank 0 of 2, dp=1; quant=nf4; training LoRA r=8" in out
+    table = _expected(config_only, tp=2, quant="nf4", r=8, seq=64, mb=2, dtype=torch.bfloat16)
+    assert table in out
+    total = re.search(r"^  total\s+([\d.]+) (\w+)$", out, flags=re.M)
+    assert total and float(total.group(1)) > 0
+
+
+def test_plan_without_lora_is_a_forward_estimate(config_only: Path, capsys) -> None:
+    assert main(["plan", str(config_only), "--tp", "1", "--seq", "32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "forward only (inference); add --lora-r to estimate training" in out
+    assert "per CPU rank" in out and "fp32 weights and activations" in out
+    assert "lora" not in out.split("Estimated memory")[1].lower().replace("--lora-r", "")
+    table = _expected(config_only, tp=1, quant=None, r=0, seq=32, mb=1, dtype=torch.float32)
+    assert table in out
+
+
+def test_plan_as_a_user_runs_it_reads_only_config_json(config_only: Path) -> None:
+    assert sorted(p.name for p in config_only.iterdir()) == ["config.json"]
+    proc = cli("plan", str(config_only), "--tp", "2", "--lora-r", "4", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Plan for tp=2:")
+    assert json.loads((config_only / "config.json").read_text())["num_attention_heads"] == 9
