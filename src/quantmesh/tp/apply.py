@@ -109,11 +109,26 @@ def apply_tp(
                 built[n]._sync_from_local()
     _retie_unwrapped(model, shared, built)
     _materialize_rest(model, placement, dtype)
+    track = _has_dropout(model)  # without dropout, the RNG-region bookkeeping is pure overhead
+    for m in built.values():
+        m.track_rng = track
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
         for a, per_rank in attrs.items():
             setattr(mod, a, per_rank[mesh.tp_rank])
     return model
+
+
+def _has_dropout(model: nn.Module) -> bool:
+    """True when some module may draw random masks: an nn.Dropout with p > 0, or a float attribute
+    named like a dropout probability (transformers' attention_dropout) above zero."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        for k, v in vars(m).items():
+            if "dropout" in k and isinstance(v, float) and v > 0:
+                return True
+    return False
 
 
 @torch.no_grad()

@@ -105,25 +105,31 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
 
+_LAST_COPY: dict[object, tuple[weakref.ref, torch.Tensor]] = {}  # group -> (input, its copy)
+
+
 def copy_to_tp_once(x: torch.Tensor, group) -> torch.Tensor:
     """copy_to_tp, shared by every colwise layer that reads the same tensor (q, k, v; gate, up).
 
     Autograd then sums their input gradients *before* the one all-reduce, instead of all-reducing
     each layer's gradient of x separately: 1 collective per block input instead of 3 (attention) or
-    2 (gated MLP). The link lives on `x` as a weak reference, so it never extends any lifetime.
+    2 (gated MLP). One slot per group remembers the last input (weakly) and its copy (strongly: the
+    copy may have no other owner between q_proj and k_proj), so at most one activation is held.
 
     Example:
         >>> q_in = copy_to_tp_once(x, g); k_in = copy_to_tp_once(x, g)  # doctest: +SKIP
         >>> q_in is k_in                                                # doctest: +SKIP
         True
     """
-    if not x.requires_grad or torch.compiler.is_compiling():
-        return x if not x.requires_grad else copy_to_tp(x, group)
-    ref = getattr(x, "_qm_tp_copy", None)
-    y = ref[1]() if ref is not None and ref[0] is group else None
-    if y is None:
-        y = copy_to_tp(x, group)
-        x._qm_tp_copy = (group, weakref.ref(y))
+    if not x.requires_grad:
+        return x  # no gradient to reduce
+    if torch.compiler.is_compiling():
+        return copy_to_tp(x, group)
+    last = _LAST_COPY.get(group)
+    if last is not None and last[0]() is x:
+        return last[1]
+    y = copy_to_tp(x, group)
+    _LAST_COPY[group] = (weakref.ref(x), y)
     return y
 
 

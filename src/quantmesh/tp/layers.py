@@ -97,6 +97,7 @@ class ShardedModule(nn.Module):
                 requires_grad=orig.bias.requires_grad,
             )
         self.device_hint = torch.device(device)
+        self.track_rng = True  # apply_tp turns it off when the model has no active dropout
         self.lora_scale: float | None = None  # set by lora.attach_lora, with lora_A / lora_B
         return self
 
@@ -200,11 +201,14 @@ class ShardedModule(nn.Module):
             return self._rowwise_forward(x, *args, **kwargs)
         # colwise / colwise_gather / replicate: the input is whole on every rank
         dev = self.device_hint
+        rng = tp > 1 and self.track_rng and self.training  # dropout anywhere: keep masks aligned
         if self.lora_scale is not None:
-            # x is whole: its dropout mask must be the same on every rank (see RngRegions)
-            with rng_regions.replicated(dev):
+            if rng:  # x is whole: its dropout mask must be the same on every rank (RngRegions)
+                with rng_regions.replicated(dev):
+                    xd = self.lora_dropout(x)
+            else:
                 xd = self.lora_dropout(x)
-        if tp > 1:  # the output is split: random draws from here on are this rank's own
+        if rng:  # the output is split: random draws from here on are this rank's own
             rng_regions.enter(dev, self.tp_rank)
         y = self.local(copy_to_tp_once(x, g) if tp > 1 else x, *args, **kwargs)
         if self.lora_scale is not None:
@@ -216,7 +220,8 @@ class ShardedModule(nn.Module):
             y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
         if st == "colwise_gather" and tp > 1:
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
-            rng_regions.exit(dev)  # whole again
+            if rng:
+                rng_regions.exit(dev)  # whole again
         bias = self._parameters.get("bias") if st == "colwise_gather" else None
         if bias is not None:  # whole, after the gather: (out_full,) broadcast on the feature dim
             shape = [1] * y.dim()
@@ -233,7 +238,8 @@ class ShardedModule(nn.Module):
                     f"{self.in_local} (or all {self.in_full})"
                 )
             x = split_to_tp(x, fd, self.split.sizes(), self.tp_rank, g)
-        if tp > 1:  # x is split (its writer entered already when it was colwise)
+        rng = tp > 1 and self.track_rng and self.training
+        if rng:  # x is split (its writer entered already when it was colwise)
             rng_regions.enter(self.device_hint, self.tp_rank)
         y = self.local(x, *args, **kwargs)  # (..., out) partial sum over this rank's inputs
         a = None
@@ -245,7 +251,7 @@ class ShardedModule(nn.Module):
                 a = a.to(self.lora_A.weight.dtype)
         elif tp > 1:
             y = reduce_from_tp(y, g)
-        if tp > 1:  # y is whole again: back to the shared random stream
+        if rng:  # y is whole again: back to the shared random stream
             rng_regions.exit(self.device_hint)
         bias = self._parameters.get("bias")
         if bias is not None:
