@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session of quantmesh's benchmarks against its peers, on one machine, inside a time budget.
 #
-#   bash benchmarks/run_gpu.sh [--cpu] [STAGE...]     STAGE: train decode load (default: all three)
+#   bash benchmarks/run_gpu.sh [--cpu] [STAGE...]     STAGE: train tp2 decode load (default:
+#                                                     train decode load)
 #
 #   train   env, bf16 matmul peak, then at the same micro-batch: peer D (accelerate layer split,
 #           NF4) / quantmesh tp=2 nf4 (+ loss check vs CPU, variants, profile), peer E (DDP of
@@ -26,7 +27,7 @@ STAGES=()
 for arg in "$@"; do
   case "$arg" in
     --cpu) CPU=1 ;;
-    train | decode | load) STAGES+=("$arg") ;;
+    train | tp2 | decode | load) STAGES+=("$arg") ;;
     *) echo "unknown argument: $arg (stages: train decode load; flag: --cpu)" >&2; exit 2 ;;
   esac
 done
@@ -140,15 +141,24 @@ for stage in "${STAGES[@]}"; do
     step qm_dp2 180 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 1 --quant nf4 "${TRAIN[@]}" \
       ${OURS[@]+"${OURS[@]}"}
     ;;
+  tp2)  # quantmesh tp=2 alone (after a change to the sharded layers), with the loss check
+    step matmul_peak 60 "$PY" benchmarks/matmul_peak.py --out "$WORK" ${OURS[@]+"${OURS[@]}"}
+    if [ -n "${WITH_PEER_D:-}" ] && [ -f $PEER ]; then  # the same-call baseline for the ratio
+      step peer_D 120 "$PY" $PEER D --out "$WORK" --mb "$MB" --tag "_mb$MB" ${SHAPE[@]+"${SHAPE[@]}"}
+    fi
+    step qm_tp2 110 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 2 --quant nf4 --mb "$MB" \
+      --peak-json "$WORK/matmul_peak.json" --out "$WORK" --check --profile ${OURS[@]+"${OURS[@]}"}
+    ;;
   decode)
-    step decode_single 200 "$PY" benchmarks/bench_decode.py --mode single --out "$WORK" \
+    step decode_single ${DECODE_SINGLE_S:-200} "$PY" benchmarks/bench_decode.py --mode single --out "$WORK" \
       ${OURS[@]+"${OURS[@]}"}
-    step decode_tp2 220 "${TORCHRUN[@]}" benchmarks/bench_decode.py --mode tp --compile \
+    step decode_tp2 ${DECODE_TP_S:-220} "${TORCHRUN[@]}" benchmarks/bench_decode.py --mode tp \
+      ${DECODE_COMPILE---compile} \
       --out "$WORK" --ref-json "$WORK/result_decode_single.json" ${OURS[@]+"${OURS[@]}"}
     ;;
   load)
     # on the repository's disk (a real disk: the read rate must not come from tmpfs)
-    step load 300 "$PY" benchmarks/bench_load.py --dir "$ROOT/.bench/ckpt" --out "$WORK" \
+    step load ${LOAD_S:-300} "$PY" benchmarks/bench_load.py --dir "$ROOT/.bench/ckpt" --out "$WORK" \
       --nproc 2 --tp 2 --quant nf4 ${OURS[@]+"${OURS[@]}"}
     rm -rf "$ROOT/.bench/ckpt"
     ;;
