@@ -94,7 +94,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     """Training loss of each step this process ran."""
     eval_losses: dict[int, float] = field(default_factory=dict)
-    """Evaluation loss by step."""
+    """Evaluation loss by step; step 0 is the model before training (a run that starts at 0)."""
     tokens_per_s: float = 0.0
     """Mean training throughput of this process, input tokens over all dp ranks."""
 
@@ -298,6 +298,11 @@ def train(
     if not params:
         raise ValueError("the model has no trainable parameters; parallelize it with lora=...")
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if len(dataset.train) < cfg.micro_batch * mesh.dp:
+        raise ValueError(
+            f"{len(dataset.train)} training examples are fewer than one global batch of "
+            f"micro_batch={cfg.micro_batch} x dp={mesh.dp}; lower those or seq_len, or add data"
+        )
     total = total_steps(len(dataset.train), cfg, mesh.dp)
     start = qm.load_state(model, opt, resolve_resume(resume) / "state") if resume else 0
     if start > total:
@@ -310,11 +315,15 @@ def train(
         metrics.write_text("".join(json.dumps(r) + "\n" for r in history))
     seq = dataset.train[0]["input_ids"].shape[0]
     step_tokens = cfg.micro_batch * seq * cfg.grad_accum * mesh.dp
-    tokens = history[-1]["tokens"] if history else 0
+    tokens = history[-1]["tokens"] if history else start * step_tokens
     elapsed0 = history[-1]["elapsed"] if history else 0.0
     batches = _micro_batches(dataset.train, cfg, mesh, start * cfg.grad_accum)
     result = TrainResult(steps=start)
 
+    if dataset.eval and start == 0:  # the baseline: held-out loss before any update
+        result.eval_losses[0] = round(evaluate(model, dataset.eval, cfg.micro_batch), 6)
+        if rank0:
+            print(f"eval loss before training: {result.eval_losses[0]:.4f}", flush=True)
     bar = None
     if rank0 and cfg.progress:
         from tqdm.auto import tqdm
@@ -380,12 +389,17 @@ def train(
     _save_checkpoint(model, opt, out, total)
     qm.save_adapter(model, out / "adapter")
     if rank0:
-        plot_losses(metrics, out / "loss.png")
+        plot_losses(metrics, out / "loss.png", baseline=result.eval_losses.get(0))
     return result
 
 
-def plot_losses(metrics: str | Path, png: str | Path, *, title: str | None = None) -> Path:
+def plot_losses(
+    metrics: str | Path, png: str | Path, *, title: str | None = None, baseline: float | None = None
+) -> Path:
     """Draw loss (and eval loss) against step from a metrics.jsonl into a PNG (matplotlib, Agg).
+
+    One step's loss is noisy (a small batch each time), so a moving average over about a sixth
+    of the run is drawn over it; `baseline` is the eval loss before training, drawn at step 0.
 
     Example:
         >>> plot_losses("out/metrics.jsonl", "out/loss.png")  # doctest: +SKIP
@@ -397,11 +411,19 @@ def plot_losses(metrics: str | Path, png: str | Path, *, title: str | None = Non
     import matplotlib.pyplot as plt
 
     rows = [json.loads(ln) for ln in Path(metrics).read_text().splitlines() if ln.strip()]
+    steps, losses = [r["step"] for r in rows], [r["loss"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=1.5)
-    ev = [r for r in rows if "eval_loss" in r]
+    ax.plot(steps, losses, color="tab:blue", alpha=0.35, lw=1, label="train loss (per step)")
+    w = max(1, len(rows) // 6)
+    if w > 1:
+        avg = [sum(losses[max(0, i - w + 1) : i + 1]) / (i + 1 - max(0, i - w + 1))
+               for i in range(len(losses))]  # fmt: skip
+        ax.plot(steps, avg, color="tab:blue", lw=2, label=f"train loss ({w}-step mean)")
+    ev = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if baseline is not None:
+        ev.insert(0, (0, baseline))
     if ev:
-        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+        ax.plot(*zip(*ev), "o-", color="tab:orange", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title or f"{Path(metrics).parent.name}: loss")

@@ -198,7 +198,16 @@ def load_config(path: str | os.PathLike) -> dict:
         >>> load_config("examples/finetune.toml")["seq_len"]  # doctest: +SKIP
         256
     """
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the same parser, as a package
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise CliError(
+                "reading a TOML config needs Python 3.11+ (tomllib) or `pip install tomli`; "
+                "or pass every setting as a flag"
+            ) from None
 
     path = Path(path)
     if not path.is_file():

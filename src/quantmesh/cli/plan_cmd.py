@@ -19,6 +19,7 @@ from .errors import CliError, user_errors
 __all__ = ["add_parser", "check_memory", "device_budget", "load_skeleton", "run"]
 
 CPU_RUNTIME_BYTES = 1 << 30  # a CPU worker's python, torch, transformers and bitsandbytes (~1 GiB)
+CUDA_RUNTIME_BYTES = 3 << 29  # CUDA context (~0.5 GiB), cuBLAS / NCCL workspaces, fragmentation
 
 
 def load_skeleton(model_dir: str | Path):
@@ -66,22 +67,29 @@ def load_skeleton(model_dir: str | Path):
 def device_budget(nproc_local: int) -> tuple[str, int, str]:
     """(device kind, bytes one rank may use, where the figure comes from) on this machine.
 
-    CUDA: the smallest free memory of the first `nproc_local` GPUs. CPU: available RAM shared by
-    the local ranks, less a runtime allowance per rank (CPU_RUNTIME_BYTES).
+    CUDA: the smallest total memory of the first `nproc_local` GPUs less CUDA_RUNTIME_BYTES (read
+    from the device properties: this process creates no CUDA context, which would hold memory on
+    every GPU while the workers train). CPU: available RAM shared by the local ranks, less
+    CPU_RUNTIME_BYTES per rank.
 
     Example:
         >>> device_budget(2)  # doctest: +SKIP
-        ('cpu', 11274289152, 'available RAM 23.1 GiB / 2 ranks, less 1 GiB runtime each')
+        ('cpu', 11274289152, 'available RAM 23.1 GiB / 2 rank(s), less 1.00 GiB runtime each')
     """
     import torch
 
+    from ..memory import format_bytes
+
     if torch.cuda.is_available():
         n = min(nproc_local, torch.cuda.device_count())
-        free = min(torch.cuda.mem_get_info(i)[0] for i in range(n))
-        return "cuda", int(free), f"free memory of the emptiest of {n} GPU(s)"
+        total = min(torch.cuda.get_device_properties(i).total_memory for i in range(n))
+        return (
+            "cuda",
+            int(total - CUDA_RUNTIME_BYTES),
+            f"the smallest of {n} GPU(s), {format_bytes(total)}, less "
+            f"{format_bytes(CUDA_RUNTIME_BYTES)} for the CUDA context and workspaces",
+        )
     import psutil
-
-    from ..memory import format_bytes
 
     avail = psutil.virtual_memory().available
     per = avail // max(1, nproc_local) - CPU_RUNTIME_BYTES
