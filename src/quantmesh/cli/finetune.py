@@ -320,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
     with user_errors():
         cfg = config_from_args(args, torchrun=under_torchrun)
         check_finetune(cfg, in_place=under_torchrun)
+    if cfg.overwrite and not cfg.resume and int(os.environ.get("RANK", "0")) == 0:
+        _clear_run(Path(cfg.output_dir).expanduser())
     if under_torchrun:
         return worker.run_in_place("finetune", cfg.to_json())
     print(
@@ -335,6 +337,18 @@ def run(args: argparse.Namespace) -> int:
         rdzv_endpoint=cfg.rdzv_endpoint,
         node_rank=cfg.node_rank,
     )
+
+
+RUN_PRODUCTS = ("metrics.jsonl", "loss.png", "adapter", "checkpoints", "logs")
+
+
+def _clear_run(out: Path) -> None:
+    """--overwrite: drop what a previous run wrote (a stale checkpoint must not be "the latest")."""
+    import shutil
+
+    for name in RUN_PRODUCTS:
+        p = out / name
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
