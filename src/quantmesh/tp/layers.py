@@ -248,7 +248,9 @@ class ShardedModule(nn.Module):
             if tp > 1:  # one all-reduce carries both partial sums
                 both = reduce_from_tp(torch.cat([y, a.to(y.dtype)], dim=-1), g)
                 y, a = both.split([y.shape[-1], a.shape[-1]], dim=-1)
-                a = a.to(self.lora_A.weight.dtype)
+                # a copy, not a view: lora_B saves its input for backward, and a view would keep
+                # the whole (..., out + r) reduction buffer alive until then
+                a = a.to(self.lora_A.weight.dtype, copy=True)
         elif tp > 1:
             y = reduce_from_tp(y, g)
         if rng:  # y is whole again: back to the shared random stream
