@@ -27,7 +27,7 @@ _EXPORTS = {
     "Plan": "plan",
     "PlanError": "plan",
     "auto_plan": "autoplan",
-    "parallelize": "parallelize",
+    "parallelize": "pipeline",  # not parallelize.py: an imported submodule would shadow the function
     "QuantConfig": "quant.base",
     "QuantError": "quant.base",
     "LoraConfig": "lora",

@@ -32,7 +32,7 @@ from torch import nn
 from .empty import empty_model
 from .load import expected_keys, load_checkpoint
 from .lora import LoraConfig
-from .parallelize import parallelize
+from .pipeline import parallelize
 from .plan import Plan
 from .quant.base import QuantConfig
 

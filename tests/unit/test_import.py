@@ -64,3 +64,21 @@ def test_every_public_name_resolves() -> None:
     missing = [n for n in quantmesh.__all__ if not hasattr(quantmesh, n)]
     assert missing == [], f"quantmesh.__all__ lists names that do not resolve: {missing}"
     assert set(dir(quantmesh)) >= set(quantmesh.__all__)
+
+
+def test_public_functions_are_not_shadowed_by_submodules():
+    """Importing every submodule first (as other modules do) must not turn a public function into
+    the module of the same name (Python sets package attributes on submodule import)."""
+    import importlib
+    import pkgutil
+
+    import quantmesh as qm
+
+    for info in pkgutil.walk_packages(qm.__path__, "quantmesh."):
+        if ".cli" in info.name:
+            continue
+        importlib.import_module(info.name)
+    import types
+
+    for name in qm.__all__:
+        assert not isinstance(getattr(qm, name), types.ModuleType), name

@@ -1,4 +1,5 @@
-"""parallelize: the one ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
+"""parallelize (in pipeline.py, so that importing this module never shadows `qm.parallelize`): the one
+ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
 
 Everything is validated first (plan against the model, quant and LoRA targets), before any allocation
 or collective. Then each planned / quantized / adapted module becomes a ShardedModule holding this
