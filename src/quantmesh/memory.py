@@ -24,9 +24,8 @@ rank 0 more), in bytes:
                                 copy (its local in-width), and dropout adds a mask (1 byte on CUDA,
                                 a 4-byte noise tensor on CPU)
                  n r            each adapter's A output, kept by B (n adapters per layer)
-                 + out          at tp > 1, per rowwise adapter (o_proj, down_proj): A's output
-                                travels in one buffer with the base output through the all-reduce,
-                                and B keeps a view of it, so the whole buffer stays alive
+                                (a rowwise adapter's A output shares the base output's all-reduce
+                                buffer, then is copied out: B keeps r columns, not the buffer)
                  int8 only      LLM.int8 keeps each matmul's input too (one per role)
                where h is the hidden size and q, kv, i this rank's query, key-value and MLP widths;
                times micro_batch * seq_len * layers
@@ -343,14 +342,8 @@ def _activations(
     if fmt is not None and fmt.name == "int8":
         # LLM.int8's matmul keeps its input for backward: every role's shared input, once.
         per_tok += sum(shared[r] for r in shared if copies or r not in roles)
-    per_tok += len(mine) * lora.r  # A's output, kept by B
-    # A split rowwise adapter sends A's output through the base output's all-reduce, in one
-    # buffer; B keeps a view of it, so the whole (out + r) buffer stays alive.
-    per_tok += sum(
-        widths[f][1]
-        for f in mine
-        if (e := resolved.entries.get(f)) is not None and e.style == "rowwise" and e.split
-    )
+    per_tok += len(mine) * lora.r  # A's output, kept by B (a rowwise adapter copies it out of the
+    # all-reduce buffer it shared with the base output, so that buffer is not kept: r, not out + r)
     act = tokens * dims.layers * per_tok * a + tokens * h * 4  # + the final norm's fp32 input
     if lora.dropout > 0:
         # Dropout masks: bool on CUDA (fused kernel); a float noise tensor on CPU.
