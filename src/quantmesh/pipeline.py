@@ -18,7 +18,7 @@ from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
 from .plan import Plan
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
-from .tp.apply import apply_tp
+from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
 
 __all__ = ["parallelize"]
@@ -101,7 +101,7 @@ def parallelize(
     # for load_checkpoint: names that hold no values yet (meta), and names sharing one tensor
     # (tied weights; a checkpoint may hold only one of them, and quantizing one side unties them)
     meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
-    tied = _tied_names(model)
+    tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
     apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, dtype=dtype, lora=lora)
     model._qm_uninitialized = set(meta)
     model._qm_tied = tied
@@ -121,14 +121,6 @@ def parallelize(
 def _named_tensors(model: nn.Module):
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
-
-
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """Groups of parameter names that share one Parameter (tied weights)."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return [g for g in groups.values() if len(g) > 1]
 
 
 def _is_leaf_with_weight(m: nn.Module) -> bool:

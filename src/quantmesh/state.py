@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .styles import FeatureSplit
+from .tp.comm import all_gather_uneven
 from .tp.layers import ShardedModule
 
 __all__ = ["full_state_dict", "clip_grad_norm_", "tp_sharded", "gather_param", "module_tensors"]
@@ -44,15 +45,10 @@ def _assemble(parts: list[torch.Tensor], dim: int, split: FeatureSplit) -> torch
 def gather_param(t: torch.Tensor, dim: int, split: FeatureSplit, group) -> torch.Tensor:
     """All-gather a tp-sharded tensor and reassemble the full one (every rank gets it)."""
     sizes = split.sizes()
-    width = max(sizes)
-    x = t.detach()
-    if x.shape[dim] < width:
-        pad = list(x.shape)
-        pad[dim] = width - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    bufs = [torch.empty_like(x) for _ in sizes]
-    dist.all_gather(bufs, x.contiguous(), group=group)
-    return _assemble([b.narrow(dim, 0, n) for b, n in zip(bufs, sizes)], dim, split)
+    joined = all_gather_uneven(
+        t.detach(), dim, sizes, group
+    )  # rank parts side by side, in rank order
+    return _assemble(list(joined.split(sizes, dim=dim)), dim, split)
 
 
 def module_tensors(m: ShardedModule, *, dequantize: bool = True) -> dict[str, torch.Tensor]:

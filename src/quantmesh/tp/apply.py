@@ -15,7 +15,7 @@ from ..styles import slice_dim
 from .kinds import kind_of
 from .layers import ShardedModule
 
-__all__ = ["apply_tp", "sharded_modules"]
+__all__ = ["apply_tp", "shared_params", "sharded_modules"]
 
 
 def sharded_modules(model: nn.Module) -> list[tuple[str, ShardedModule]]:
@@ -23,16 +23,7 @@ def sharded_modules(model: nn.Module) -> list[tuple[str, ShardedModule]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ShardedModule)]
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    owners: dict[int, list[str]] = {}
-    for fqn, mod in model.named_modules(remove_duplicate=False):
-        w = mod._parameters.get("weight")
-        if w is not None:
-            owners.setdefault(id(w), []).append(fqn)
-    return [names for names in owners.values() if len(names) > 1]
-
-
-def _shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
+def shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
     """Groups of (module fqn, parameter name) holding one Parameter (weights, biases, any name)."""
     owners: dict[int, list[tuple[str, str]]] = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
@@ -68,8 +59,10 @@ def apply_tp(
     """
     from ..lora import attach_lora
 
-    tied = _tied_groups(model)
-    shared = _shared_params(model)
+    shared = shared_params(model)
+    # modules whose weights are tied (an embedding and its head)
+    tied = [[f for f, p in g if p == "weight"] for g in shared]
+    tied = [g for g in tied if len(g) > 1]
     built: dict[str, ShardedModule] = {}
     for fqn in [n for n, _ in model.named_modules() if n in wrap]:
         orig = model.get_submodule(fqn)

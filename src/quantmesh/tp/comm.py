@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "all_gather_uneven",
     "copy_to_tp",
     "copy_to_tp_once",
     "reduce_from_tp",
@@ -35,7 +36,7 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def _all_gather(t: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+def all_gather_uneven(t: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim`; rank i contributes sizes[i] entries there."""
     dim = dim % t.dim()
     width = max(sizes)
@@ -78,7 +79,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, rank, group):
         ctx.dim, ctx.sizes, ctx.rank = dim, sizes, rank
-        return _all_gather(x, dim, sizes, group)
+        return all_gather_uneven(x, dim, sizes, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -93,7 +94,7 @@ class _SplitToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+        return all_gather_uneven(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
