@@ -59,13 +59,18 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--variant-steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="GPU time breakdown of 2 steps")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="qm.compile_blocks(model) before training (the compile happens in the warm-up steps)",
+    )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
     return qb.finish_args(p.parse_args(argv))
 
 
 def layout_name(a, dp: int) -> str:
     q = a.quant if a.quant != "none" else "bf16"
-    return f"tp{a.tp}_dp{dp}_{q}_lora"
+    return f"tp{a.tp}_dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
 
 
 def build(a, mesh, cfg, *, dtype, gen_device=None):
@@ -134,15 +139,19 @@ def make_vp_loss(model, mesh):
 
 
 def train(model, opt, ids, *, warmup, steps, device, autocast, loss_fn=hf_loss):
-    """Run warmup + steps optimizer steps; returns (timed seconds, losses as floats)."""
+    """Run warmup + steps optimizer steps; returns (timed seconds, losses as floats).
+
+    `train.warmup_s` holds the last call's warm-up wall time (it includes any compile)."""
     qb.reset_peaks(device)
     losses = []
     t0 = None
+    tw = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
             qb.sync(device)
             dist.barrier()
             t0 = time.perf_counter()
+            train.warmup_s = t0 - tw
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, ids)
         loss.backward()
@@ -189,6 +198,10 @@ def run_check(a, mesh, R):
     t0 = time.perf_counter()
     # weights drawn on CPU by both sides, rounded to bf16: identical values before quantization
     model, _ = build(s, mesh, cfg, dtype=torch.bfloat16, gen_device="cpu")
+    if a.compile:  # the compiled blocks are what the check is about
+        import quantmesh as qm
+
+        qm.compile_blocks(model)
     ids = batch(s, s.vocab, s.seq, s.mb, mesh.dp_rank * s.mb, dev)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=s.lr, momentum=0.9)
     losses = []
@@ -204,6 +217,8 @@ def run_check(a, mesh, R):
             lt /= mesh.dp
         losses.append(float(lt))
     del model, opt
+    if a.compile:  # forget the small shapes: the big model must not be compiled as dynamic
+        torch._dynamo.reset()
     R["mesh_losses"] = [round(x, 6) for x in losses]
     R["mesh_s"] = round(time.perf_counter() - t0, 2)
     if mesh.rank == 0:
@@ -227,6 +242,7 @@ def run_check(a, mesh, R):
             torch.set_num_threads(threads)
         rel = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
         R.update(
+            compiled=a.compile,
             cpu_fp32_losses=[round(x, 6) for x in ref_losses],
             max_rel_diff=round(max(rel), 6),
             tol=a.check_tol,
@@ -291,6 +307,7 @@ CATEGORIES = [
     ("nf4_dequant", ("dequant", "kdequantize")),
     ("gemm", ("gemm", "cutlass", "sm90", "xmma", "matmul", "cublas", "nvjet", "splitk")),
     ("loss_softmax", ("softmax", "cross_entropy", "nll_loss", "log_softmax")),
+    ("fused_triton", ("triton_",)),  # torch.compile's generated kernels (before copy/cast names)
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("copy_cast", ("copy", "cast", "to_copy", "cat", "fill")),
 ]
@@ -377,9 +394,17 @@ def main(argv=None) -> int:
         R["lora_dtype"] = sorted({str(p.dtype) for p in params})
         opt = torch.optim.AdamW(params, lr=a.lr)
         ids = batch(a, a.vocab, a.seq, a.mb, mesh.dp_rank * a.mb, dev)
+        R["compiled"] = a.compile
+        if a.compile:
+            R["compiled_blocks"] = qm.compile_blocks(model)
         dt, losses = train(
             model, opt, ids, warmup=a.warmup, steps=a.steps, device=dev, autocast=autocast
         )
+        R["warmup_s"] = round(train.warmup_s, 2)
+        if a.compile:
+            from torch._dynamo.utils import counters
+
+            R["graph_breaks"] = {k: int(v) for k, v in counters["graph_break"].items()}
         dts = gather(dt)
         mems = gather(qb.gpu_mem(dev) or {"host_rss_anon_GiB": qb.rss_anon_bytes() / 2**30})
         tok = R["tokens_per_step"] * a.steps / max(dts)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session of quantmesh's benchmarks against its peers, on one machine, inside a time budget.
 #
-#   bash benchmarks/run_gpu.sh [--cpu] [STAGE...]     STAGE: train tp2 decode load (default:
+#   bash benchmarks/run_gpu.sh [--cpu] [STAGE...]     STAGE: train tpc tp2 decode load (default:
 #                                                     train decode load)
 #
 #   train   env, bf16 matmul peak, then at the same micro-batch: peer D (accelerate layer split,
-#           NF4) / quantmesh tp=2 nf4 (+ loss check vs CPU, variants, profile), peer E (DDP of
-#           peft + bnb NF4) / quantmesh dp=2 nf4 (+ loss check, profile)
+#           NF4) / quantmesh tp=2 nf4 eager, then with compiled blocks (+ profile), peer E (DDP of
+#           peft + bnb NF4) / quantmesh dp=2 nf4 eager, then compiled (+ profile); every quantmesh
+#           run also checks its losses against a CPU reference
+#   tpc     peer D and quantmesh tp=2 compiled only (a second micro-batch: MB=4)
 #   decode  one GPU transformers (dynamic cache, static cache + compile), quantmesh tp=2
 #   load    a 7B-shaped sharded safetensors checkpoint: disk read rate vs qm.load_checkpoint
 #           into tp=2 nf4 (host RssAnon per rank)
@@ -18,7 +20,8 @@
 # Needs, git-ignored beside the code: bitsandbytes/torchao wheels in .whl/ (installed into a
 # temporary folder when present) and the peers' script as .gpu/peer_bench.py (peer steps are
 # skipped, and say so, when it is missing).
-# Environment: OUT (default .bench/out), QM_BUDGET_S (default 540), MB (default 2), PYTHON.
+# Environment: OUT (default .bench/out), QM_BUDGET_S (default 540), MB (default 2), PYTHON,
+# VARIANTS (prototype speed-ups timed after the eager tp=2 run, e.g. vp_ce,lora_bf16).
 # --cpu: every step with tiny shapes on CPU ranks (gloo), to check this script without a GPU.
 set -u
 
@@ -27,7 +30,7 @@ STAGES=()
 for arg in "$@"; do
   case "$arg" in
     --cpu) CPU=1 ;;
-    train | tp2 | decode | load) STAGES+=("$arg") ;;
+    train | tpc | tp2 | decode | load) STAGES+=("$arg") ;;
     *) echo "unknown argument: $arg (stages: train decode load; flag: --cpu)" >&2; exit 2 ;;
   esac
 done
@@ -120,34 +123,34 @@ step env 60 "$PY" benchmarks/qmbench.py --out "$WORK"
 
 for stage in "${STAGES[@]}"; do
   case $stage in
-  train)
+  train | tpc)
+    # train: peer D / tp=2 eager / tp=2 compiled, peer E / dp=2 eager / dp=2 compiled
+    # tpc:   peer D / tp=2 compiled only (e.g. at another micro-batch: MB=4)
     step matmul_peak 60 "$PY" benchmarks/matmul_peak.py --out "$WORK" ${OURS[@]+"${OURS[@]}"}
-    TRAIN=(--mb "$MB" --peak-json "$WORK/matmul_peak.json" --out "$WORK" --check --profile)
+    TRAIN=(--mb "$MB" --peak-json "$WORK/matmul_peak.json" --out "$WORK" --check)
     if [ -f $PEER ]; then
       step peer_D 180 "$PY" $PEER D --out "$WORK" --mb "$MB" --tag "_mb$MB" \
         ${SHAPE[@]+"${SHAPE[@]}"}
     else
       skip peer_D "no $PEER"
     fi
-    step qm_tp2 240 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 2 --quant nf4 "${TRAIN[@]}" \
-      --variants vp_ce,lora_bf16 --variant-steps $VARIANT_STEPS \
-      ${OURS[@]+"${OURS[@]}"}
+    if [ "$stage" = train ]; then
+      step qm_tp2 150 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 2 --quant nf4 "${TRAIN[@]}" \
+        ${VARIANTS:+--variants "$VARIANTS" --variant-steps $VARIANT_STEPS} ${OURS[@]+"${OURS[@]}"}
+    fi
+    step qm_tp2_compiled 240 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 2 --quant nf4 \
+      "${TRAIN[@]}" --compile --profile ${OURS[@]+"${OURS[@]}"}
+    [ "$stage" = tpc ] && continue
     if [ -f $PEER ]; then
       step peer_E 180 "${TORCHRUN[@]}" $PEER E --out "$WORK" --mb "$MB" --tag "_mb$MB" \
         ${SHAPE[@]+"${SHAPE[@]}"}
     else
       skip peer_E "no $PEER"
     fi
-    step qm_dp2 180 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 1 --quant nf4 "${TRAIN[@]}" \
+    step qm_dp2 150 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 1 --quant nf4 "${TRAIN[@]}" \
       ${OURS[@]+"${OURS[@]}"}
-    ;;
-  tp2)  # quantmesh tp=2 alone (after a change to the sharded layers), with the loss check
-    step matmul_peak 60 "$PY" benchmarks/matmul_peak.py --out "$WORK" ${OURS[@]+"${OURS[@]}"}
-    if [ -n "${WITH_PEER_D:-}" ] && [ -f $PEER ]; then  # the same-call baseline for the ratio
-      step peer_D 120 "$PY" $PEER D --out "$WORK" --mb "$MB" --tag "_mb$MB" ${SHAPE[@]+"${SHAPE[@]}"}
-    fi
-    step qm_tp2 110 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 2 --quant nf4 --mb "$MB" \
-      --peak-json "$WORK/matmul_peak.json" --out "$WORK" --check --profile ${OURS[@]+"${OURS[@]}"}
+    step qm_dp2_compiled 240 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 1 --quant nf4 \
+      "${TRAIN[@]}" --compile --profile ${OURS[@]+"${OURS[@]}"}
     ;;
   decode)
     step decode_single ${DECODE_SINGLE_S:-200} "$PY" benchmarks/bench_decode.py --mode single --out "$WORK" \

@@ -34,6 +34,7 @@ _EXPORTS = {
     "LoraError": "lora",
     "trainable_parameters": "lora",
     "apply_dp": "dp",
+    "compile_blocks": "compile",
     "no_sync": "dp",
     "split_layers": "layersplit",
     "full_state_dict": "state",

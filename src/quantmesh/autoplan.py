@@ -139,7 +139,7 @@ def _hf_rules(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Elements of the largest ModuleList (by parameters): the repeated blocks. Several lists
     (encoder and decoder) all count when they are large."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -160,7 +160,7 @@ def _structural_rules(
     """Rules from structure; modules in `skip` (the output head) are left to the caller."""
     rules: dict[str, str] = {}
     notes: dict[str, str] = {}
-    for bname, block in _blocks(model):
+    for bname, block in blocks_of(model):
         _pair_block(bname, block, rules, notes)
     for sname, seq in model.named_modules():
         if isinstance(seq, nn.Sequential):

@@ -1,0 +1,47 @@
+"""compile_blocks: torch.compile each repeated block of a parallelized model, in place.
+
+A tp step is bound by the host when every block issues hundreds of small kernels from Python (the
+4-bit matmuls, the adapters, norms, rotary, casts) and each tp all-reduce waits for the slower rank's
+launches. Compiling a block turns its forward and backward into one graph each: the elementwise work
+is fused and the launches come from a few generated calls. The sharded layers are written to trace
+without graph breaks: their collectives are torch.distributed calls that dynamo maps to functional
+collectives, and they keep no Python-side state under compile.
+
+Blocks, not the whole model: the blocks of a model are one class, so every block reuses one compiled
+graph (parameters are graph inputs), and the code around them (masks, embeddings, generation loops)
+stays eager. Names, state_dict keys and parameters are unchanged (`nn.Module.compile` compiles the
+module's forward in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .autoplan import blocks_of
+
+__all__ = ["compile_blocks"]
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
+    """`torch.compile` every repeated block of `model` (the elements of its largest ModuleList).
+
+    Call it after `qm.parallelize` (and after loading weights, or before: compiling is lazy and
+    happens on the first forward). Keyword arguments go to `torch.compile` (e.g. `fullgraph=True` to
+    fail on any graph break, `mode="max-autotune"`). Returns the number of blocks compiled.
+
+    Example:
+        >>> qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16))  # doctest: +SKIP
+        >>> qm.compile_blocks(model)                                             # doctest: +SKIP
+        32
+    """
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} has no repeated blocks (no nn.ModuleList with children) to "
+            "compile; call torch.compile(model) on the whole model instead"
+        )
+    for _, block in blocks:
+        block.compile(**compile_kwargs)
+    return len(blocks)
