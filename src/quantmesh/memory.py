@@ -10,36 +10,67 @@ rank 0 more), in bytes:
   grads        fp32 gradients of the adapters: 4 bytes per adapter parameter
   optimizer    AdamW's two fp32 moments: 8 bytes per adapter parameter
   ddp          with dp > 1, DDP's flat gradient buckets: 4 more bytes per adapter parameter
-  activations  what autograd keeps for the backward pass, per layer and token, in elements of the
-               activation size `a` (fp32 where named):
-                 2 x h (fp32)   the two RMSNorm inputs (Llama-style norms upcast to fp32), plus
-                                the final norm's input once
-                 2 q + 2 kv     q and k after RoPE, v, and the attention output (SDPA keeps them;
-                                memory-efficient / flash attention: no T x T matrix)
-                 3 i            gate, SiLU(gate) and up of a gated MLP (1 i: fc1's output otherwise)
-                 inputs         what the adapters' A read. Computing in the activation dtype (CPU,
-                                fp32), adapters share one tensor per role: h for q/k/v, h for
-                                gate/up, i for down_proj (o_proj reads the attention output, kept
-                                anyway). Under bf16 autocast or dropout each adapter keeps its own
-                                copy (its local in-width), and dropout adds a mask (1 byte on CUDA,
-                                a 4-byte noise tensor on CPU)
-                 n r            each adapter's A output, kept by B (n adapters per layer)
+  activations  what autograd keeps for the backward pass (each storage once), per layer and token,
+               in bytes, with `a` the activation size (2 under bf16 autocast, 4 in fp32):
+                 2 x 4 h        the two RMSNorm inputs, upcast to fp32 (plus 2 x 4 bytes: their
+                                rsqrt(mean(x^2)) rows)
+                 (2 q + 2 kv) a q and k after RoPE, v, and SDPA's output (flash / memory-efficient
+                                SDPA: no T x T matrix; the output is laid out (b, s, heads, d),
+                                so o_proj's input is the same storage), plus 4 bytes of fp32
+                                log-sum-exp per local head
+                 3 i a          gate, SiLU(gate) and up of a gated MLP (1 i: fc1's output otherwise)
+                 inputs         what the adapters' A read and keep for A's gradient. A frozen
+                                base keeps no input (bitsandbytes' 4-bit matmul saves only the
+                                packed weight; a frozen bf16 linear, none), and A reads x itself: under autocast its
+                                matmul takes bf16 x uncast, in fp32 x has the adapters' dtype
+                                already. So adapters share one tensor per role: h for q/k/v, h
+                                for gate/up, i for down_proj (o_proj reads SDPA's output, counted
+                                above), times a. With dropout each adapter keeps its own dropped
+                                copy (its local in-width, times a) and a mask (1 byte on CUDA; on
+                                CPU an a-byte noise tensor, which the estimate takes as 4 bytes:
+                                it assumes CUDA whenever a < 4)
+                 n r a          each adapter's A output, kept by B (n adapters per layer)
                                 (a rowwise adapter's A output shares the base output's all-reduce
                                 buffer, then is copied out: B keeps r columns, not the buffer)
-                 int8 only      LLM.int8 keeps each matmul's input too (one per role)
+                 int8 only      LLM.int8 keeps each matmul's input too (the adapters' tensor
+                                when they share it; its own per role with dropout or no adapter)
                where h is the hidden size and q, kv, i this rank's query, key-value and MLP widths;
-               times micro_batch * seq_len * layers
-  logits       micro_batch * seq_len * vocab * (a + 12, +4 when a < 4): the gathered logits, their
-               fp32 copy, the log-softmax kept by cross-entropy, and in backward its gradient and
-               the logits' gradient
+               times micro_batch * seq_len * layers. Layer 0's input norm keeps nothing (the
+               embedding is frozen, so no gradient flows there), and the final norm's fp32 input
+               takes its place. Once per model: under autocast the bf16 copies of the fp32 adapter
+               weights (2 bytes per adapter parameter; none for layer 0's q/k/v adapters, whose
+               input needs no gradient, which also keep no dropout mask), and RoPE's cos and sin
+               (2 x seq_len x head_dim x a). Checked against saved-tensor hooks on CPU (exact, byte
+               for byte, at tp 1 and 2, fp32 and bf16 autocast, with and without dropout but for
+               the CPU noise size noted above)
+  logits       the peak comes at the start of backward, in cross-entropy's backward: the fp32
+               log-softmax kept for it, the gradient nll_loss hands it and the gradient it returns,
+               (micro_batch, seq_len, vocab) fp32 each and live together: 12 bytes per logit, on top
+               of every saved activation. (The forward's bf16 logits + fp32 copy + log-softmax, 10
+               bytes per logit, are gone by then: nothing keeps the logits themselves.) The
+               vocabulary is whole: the auto plan's head is colwise_gather. At tp > 1 add the head's
+               input, b * s * h * a: copy_to_tp_once's one-slot cache holds it until the next forward
   transient    the largest linear's weight dequantized for a matmul (quantized formats)
 
+The total is the sum of the parts. Two small parts are not live at the training peak itself and are
+kept as a named margin: `grads` (the adapters' gradients exist from their backward until
+`zero_grad(set_to_none=True)`, so at the peak, the start of backward, only under gradient
+accumulation) and `transient` (no weight is dequantized during cross-entropy's backward).
+
 Assumptions, named so that a measured peak can be held against them: activation checkpointing
-off; bf16 autocast on GPU (a = 2), fp32 on CPU (a = 4); SDPA attention without a padding mask;
-all weights frozen except the adapters; allocator fragmentation, the CUDA context (~0.5 GiB) and
-framework workspaces are not included. Without LoRA the estimate is for a forward pass (generation):
-no gradients, no optimizer; activations are one layer's temporaries, (4 h + 3 q + 2 kv + 4 i) x a
-per token (1 i less for a non-gated MLP), and the logits b * s * vocab * (a + 4).
+off; bf16 autocast on GPU (a = 2) with fp32 adapters, fp32 on CPU (a = 4); SDPA attention without a
+padding mask; all weights frozen except the adapters; the loss is cross-entropy over the gathered
+logits, upcast to fp32. Left out: allocator rounding and fragmentation, the CUDA context (~0.5 GiB),
+framework workspaces (cuBLAS), and buffers a collective backend may still hold (at tp=2 on gloo the
+CPU peak was, in some runs, one or two b * s * (h + r) * a buffers higher: the size of a rowwise
+adapter's all-reduce). Without
+LoRA the estimate is for a forward pass (generation): no gradients, no optimizer; activations are
+one layer's temporaries, (4 h + 3 q + 2 kv + 4 i) x a per token (1 i less for a non-gated MLP),
+and the logits b * s * vocab * (a + 4).
+
+Measured (2x H200, Llama-2-7B shape, seq 2048, micro-batch 2, nf4 + LoRA r=16 on all 7 linears,
+peak `torch.cuda.max_memory_allocated` over the timed steps): tp=2 17.2 GiB against 17.21
+estimated, dp=2 26.6 GiB against 26.76.
 
 Example:
     >>> with qm.empty_model():                                          # doctest: +SKIP
@@ -75,7 +106,7 @@ class MemoryEstimate:
     lora: int = 0
     """Adapter parameters, fp32."""
     grads: int = 0
-    """Adapter gradients, fp32."""
+    """Adapter gradients, fp32 (live at the peak only under gradient accumulation)."""
     optimizer: int = 0
     """AdamW moments, 2 x fp32 per adapter parameter."""
     ddp: int = 0
@@ -83,7 +114,8 @@ class MemoryEstimate:
     activations: int = 0
     """Saved for backward (training), or one layer's worth (forward only)."""
     logits: int = 0
-    """Logits, their fp32 log-softmax and gradients."""
+    """Cross-entropy's backward over the logits: fp32 log-softmax and two gradients (+ the head's
+    input held at tp > 1)."""
     transient: int = 0
     """The largest dequantized weight during a quantized matmul."""
     rank: int = 0
@@ -157,6 +189,7 @@ class _Dims:
     head_dim: int
     inter: int
     vocab: int
+    rotary: bool = False
 
 
 def _dims(model: nn.Module) -> _Dims | None:
@@ -174,7 +207,10 @@ def _dims(model: nn.Module) -> _Dims | None:
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     hd = int(getattr(cfg, "head_dim", None) or h // heads)
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * h
-    return _Dims(h, layers, heads, kv, hd, int(inter), vocab)
+    rotary = any(
+        getattr(cfg, k, None) is not None for k in ("rope_parameters", "rope_theta", "rotary_dim")
+    )
+    return _Dims(h, layers, heads, kv, hd, int(inter), vocab, rotary)
 
 
 def estimate_memory(
@@ -330,25 +366,53 @@ def _activations(
     # The one tensor each role's adapters read when they need no copy. o_proj reads the attention
     # output, which SDPA keeps anyway (counted above), so it adds nothing.
     shared = {"attn_in": h, "mlp_in": h, "attn_out": 0, "mlp_out": i}
-    copies = a < 4 or lora.dropout > 0  # each adapter casts (autocast) or drops out its own copy
-    per_tok = 2 * 4 * h / a  # the two norm inputs, upcast to fp32 (in units of `a` bytes)
-    per_tok += 2 * q + 2 * kv  # SDPA: q, k, v and its output
-    per_tok += mlp_keep
+    # Only dropout gives an adapter its own input: under autocast A's matmul reads x itself (bf16,
+    # no cast), and without autocast x already has the adapters' dtype (fp32), so `.to` is a no-op.
+    copies = lora.dropout > 0
+    # Per layer and token, in bytes.
+    per_tok = 2 * 4 * h  # the two RMSNorm inputs, upcast to fp32
+    per_tok += 2 * 4  # and their fp32 rsqrt(mean(x^2)) rows
+    per_tok += (2 * q + 2 * kv) * a  # SDPA: q and k after RoPE, v, and its output
+    per_tok += 4 * (q // hd)  # SDPA's fp32 log-sum-exp, one per local head
+    per_tok += mlp_keep * a
     adapter_inputs = sum(widths[f][2] for f in mine)  # local in-width of each adapter's A
     if copies:
-        per_tok += adapter_inputs
+        per_tok += adapter_inputs * a
     else:
-        per_tok += sum(shared[r] for r in roles)
+        per_tok += sum(shared[r] for r in roles) * a
     if fmt is not None and fmt.name == "int8":
         # LLM.int8's matmul keeps its input for backward: every role's shared input, once.
-        per_tok += sum(shared[r] for r in shared if copies or r not in roles)
-    per_tok += len(mine) * lora.r  # A's output, kept by B (a rowwise adapter copies it out of the
-    # all-reduce buffer it shared with the base output, so that buffer is not kept: r, not out + r)
-    act = tokens * dims.layers * per_tok * a + tokens * h * 4  # + the final norm's fp32 input
+        per_tok += sum(shared[r] for r in shared if copies or r not in roles) * a
+    per_tok += len(mine) * lora.r * a  # A's output, kept by B (a rowwise adapter copies it out of
+    # the all-reduce buffer it shared with the base output, so that buffer is not kept: r, not out + r)
+    mask = 1 if a < 4 else 4  # a dropout mask: bool on CUDA (fused kernel); fp32 noise on CPU
     if lora.dropout > 0:
-        # Dropout masks: bool on CUDA (fused kernel); a float noise tensor on CPU.
-        act += tokens * dims.layers * adapter_inputs * (1 if a < 4 else 4)
-    return int(act), int(tokens * dims.vocab * (a + 12 + (4 if a < 4 else 0)))
+        per_tok += adapter_inputs * mask
+    # Layer 0's input norm keeps nothing (the embedding is frozen: no gradient flows back there);
+    # the final norm keeps its fp32 input instead: L layers' worth in all.
+    act = tokens * dims.layers * per_tok
+    # Layer 0's attention-input adapters read that norm's output, which needs no gradient either:
+    # no dropout mask and no weight cast is kept for them (A's input, kept for A's gradient, is).
+    first = [f for f in mine if roles_of[f] == "attn_in"]
+    if lora.dropout > 0:
+        act -= tokens * sum(widths[f][2] for f in first) * mask
+    if a < 4:
+        # Autocast's bf16 copies of the fp32 adapter weights, kept by their matmuls for backward.
+        act += sum(lora.r * (widths[f][2] + widths[f][3]) for f in targets) * a
+        act -= sum(lora.r * widths[f][2] for f in first) * a
+    if dims.rotary:
+        act += 2 * seq * hd * a  # RoPE's cos and sin, one (seq, head_dim) each, shared by layers
+    # Cross-entropy's backward: the fp32 log-softmax kept for it, the gradient nll_loss hands it and
+    # the gradient it returns, all (b, s, vocab) fp32 and all live at once: 12 bytes per logit.
+    logits = tokens * dims.vocab * 12
+    if any(
+        e.split is not None and e.style.startswith("colwise") and e.split.full == dims.vocab
+        for e in resolved.entries.values()
+    ):
+        # A split head: copy_to_tp_once's one-slot cache holds the last colwise input it saw, the
+        # head's (the final norm's output), until the next forward: through the whole backward.
+        logits += tokens * h * a
+    return int(act), int(logits)
 
 
 def _roles(block: list[str]) -> dict[str, str]:
