@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 __all__ = [
     "all_gather_uneven",
@@ -31,6 +32,10 @@ __all__ = [
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # A functional collective (no mutation): torch 2.11 traced the in-place form inside our
+        # autograd Functions but dropped their gradients (the compiled blocks' adapters got none).
+        return funcol.all_reduce(t.contiguous(), "sum", group)
     t = t.contiguous().clone()
     dist.all_reduce(t, group=group)
     return t
