@@ -153,10 +153,10 @@ for stage in "${STAGES[@]}"; do
       "${TRAIN[@]}" --compile --profile ${OURS[@]+"${OURS[@]}"}
     ;;
   decode)
-    step decode_single ${DECODE_SINGLE_S:-200} "$PY" benchmarks/bench_decode.py --mode single --out "$WORK" \
+    step decode_single ${DECODE_SINGLE_S:-200} "$PY" benchmarks/bench_decode.py --mode single --greedy --out "$WORK" \
       ${OURS[@]+"${OURS[@]}"}
     step decode_tp2 ${DECODE_TP_S:-220} "${TORCHRUN[@]}" benchmarks/bench_decode.py --mode tp \
-      ${DECODE_COMPILE---compile} \
+      ${DECODE_COMPILE---compile} --greedy \
       --out "$WORK" --ref-json "$WORK/result_decode_single.json" ${OURS[@]+"${OURS[@]}"}
     ;;
   load)

@@ -318,10 +318,19 @@ def tables(b: dict) -> str:
         ("transformers generate, static cache + torch.compile", S, "static_compile", 1),
         ("quantmesh tp=2, transformers generate (dynamic cache)", TP, "dynamic_cache", 2),
         ("quantmesh tp=2, static cache + torch.compile", TP, "static_compile", 2),
-    ):
+        ("quantmesh tp=2, qm.greedy_decode (CUDA graphs, no per-token read-back)", TP,
+         "qm_greedy", 2),
+        ("reference, not the peer: qm.greedy_decode on one GPU", S, "qm_greedy", 1),
+    ):  # fmt: skip
         x = (r or {}).get(key)
+        if x is None and key == "qm_greedy" and not (r or {}).get("qm_greedy_error"):
+            continue
         if x is None:
-            err = (r or {}).get("error") or (r or {}).get("static_compile_error")
+            err = (
+                (r or {}).get("error")
+                or (r or {}).get(f"{key}_error")
+                or (r or {}).get("static_compile_error")
+            )
             L.append(
                 f"| {name} | {g} | {('failed: ' + err[:80]) if err else 'not yet run'} | | | |"
             )
@@ -332,11 +341,17 @@ def tables(b: dict) -> str:
         )
     dr = ratio((TP or {}).get("best_new_tokens_per_s"), (S or {}).get("best_new_tokens_per_s"))
     agree = (TP or {}).get("tokens_agree_with_single")
+    g_agree = ((TP or {}).get("qm_greedy") or {}).get("tokens_agree_with_dynamic")
     n_tok = len((TP or {}).get("tokens") or [])
     L.append("")
     L.append(
         f"tp=2 best / one GPU best: {num(dr, '{:.2f}x')} (target >= 1.3x: {verdict(dr, 1.3)}); "
         f"leading tokens equal to one GPU's: {num(agree, '{}')} of {n_tok or '–'}."
+        + (
+            f" qm.greedy_decode's tokens equal tp=2 generate's for the first {g_agree}."
+            if g_agree is not None
+            else ""
+        )
     )
     L.append("")
 

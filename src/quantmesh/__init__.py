@@ -35,6 +35,7 @@ _EXPORTS = {
     "trainable_parameters": "lora",
     "apply_dp": "dp",
     "compile_blocks": "compile",
+    "greedy_decode": "decode",
     "no_sync": "dp",
     "split_layers": "layersplit",
     "full_state_dict": "state",

@@ -101,3 +101,43 @@ def test_compile_blocks_needs_blocks():
 
     with pytest.raises(ValueError, match="no repeated blocks"):
         qm.compile_blocks(torch.nn.Linear(2, 2))
+
+
+def _greedy(rank: int, tp: int) -> dict:
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=tp)
+    model = _llama()
+    if tp > 1:
+        qm.parallelize(model, mesh)
+    model.eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = ref[:, 8:]
+    got = [qm.greedy_decode(model, ids, 20, compile=c, mode=None) for c in (False, True, True)]
+    eos = int(ref[0, 5])  # a token that row 0 emits: it stops there, the rest become EOS
+    with_eos = qm.greedy_decode(model, ids, 20, eos_token_id=eos, compile=False, check_every=4)
+    from torch._dynamo.utils import counters
+
+    return {
+        "same": [bool((g == ref).all()) for g in got],
+        "eos_rows": [(r == eos).nonzero()[0, 0].item() if (r == eos).any() else None for r in ref],
+        "with_eos": with_eos,
+        "ref": ref,
+        "frames": dict(counters["stats"]),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_decode_matches_generate(tp):
+    for r in run_ranks(_greedy, tp, tp, timeout=300):
+        assert r["same"] == [True, True, True]  # eager loop, compiled, compiled again (reused)
+        assert r["frames"]["unique_graphs"] == 1  # the second call reused the compiled step
+        ref, got = r["ref"], r["with_eos"]
+        for row in range(2):
+            first = r["eos_rows"][row]
+            if first is None:  # never emits EOS: runs to the end unchanged
+                assert got.shape[1] == 20 and (got[row] == ref[row]).all()
+            else:  # equal up to its first EOS, EOS after it
+                assert (got[row, : first + 1] == ref[row, : first + 1]).all()
+                assert (got[row, first:] == got[row, first]).all()
