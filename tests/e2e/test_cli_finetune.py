@@ -62,12 +62,32 @@ def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: 
     data = tmp_path / "instructions.jsonl"
     _instructions(data)
     proc = cli(
-        "finetune", "--model", str(model_dir), "--data", str(data), "--nproc", "2", "--tp", "1",
-        "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "32", "--steps", "2",
-        "--lr", "1e-2", "--output-dir", str(tmp_path / "out"),
-    )  # fmt: skip
+        "finetune",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--nproc",
+        "2",
+        "--tp",
+        "1",
+        "--micro-batch",
+        "1",
+        "--grad-accum",
+        "2",
+        "--seq-len",
+        "32",
+        "--steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--compile",
+    )  # fmt: skip (--compile: the compiled blocks give the eager reference's loss too)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp=1 x dp=2" in proc.stderr
+    assert "compile: 2 blocks" in proc.stdout + proc.stderr
     rows = [json.loads(ln) for ln in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["tokens"] == 2 * 2 * 1 * 32  # dp x grad_accum x micro_batch x seq_len

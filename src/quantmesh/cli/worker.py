@@ -81,6 +81,12 @@ def finetune(payload: str) -> int:
         dtype=dtype,
         progress=rank0,
     )
+    if cfg.compile:
+        n = qm.compile_blocks(model)
+        if rank0:
+            print(
+                f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
+            )
     try:
         result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir,
                        resume=cfg.resume)  # fmt: skip
