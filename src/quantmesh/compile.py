@@ -15,6 +15,7 @@ module's forward in place).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -41,6 +42,16 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
         raise ValueError(
             f"{type(model).__name__} has no repeated blocks (no nn.ModuleList with children) to "
             "compile; call torch.compile(model) on the whole model instead"
+        )
+    from .tp.layers import ShardedModule
+
+    if any(isinstance(m, ShardedModule) and m.tp > 1 and m.track_rng for m in model.modules()):
+        warnings.warn(
+            "dropout is active in a tensor-parallel model: the bookkeeping that keeps dropout masks "
+            "consistent across tp ranks runs eagerly, so each sharded layer breaks the compiled "
+            "graph (results stay correct; the speed-up is smaller). Set dropout to 0 (model config "
+            "and LoraConfig) for the fastest compiled steps.",
+            stacklevel=2,
         )
     for _, block in blocks:
         block.compile(**compile_kwargs)
