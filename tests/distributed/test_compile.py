@@ -72,6 +72,168 @@ def test_compiled_blocks_train_like_eager(quant):
                 assert err < 1e-4, (quant, k, float(err))
 
 
+def _all_reduce_counter(rank: int) -> tuple[object, dict, list]:
+    """A backend that lists the all-reduces of every compiled forward / backward graph (as the
+    reduced shapes), and a list that records the eager dist.all_reduce calls outside them."""
+    import torch.distributed as dist
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: dict[str, list[list[tuple]]] = {"fw": [], "bw": []}
+
+    def counter(kind):
+        def compiler(gm, example_inputs):
+            ar = torch.ops._c10d_functional.all_reduce.default
+            nodes = [n for n in gm.graph.nodes if n.target is ar]
+            graphs[kind].append(sorted(tuple(n.meta["val"].shape) for n in nodes))
+            return gm
+
+        return compiler
+
+    eager: list[tuple] = []
+    orig = dist.all_reduce
+
+    def counting(t, *args, **kwargs):
+        eager.append(tuple(t.shape))
+        return orig(t, *args, **kwargs)
+
+    dist.all_reduce = counting  # the rank process ends after the test
+    backend = aot_autograd(fw_compiler=counter("fw"), bw_compiler=counter("bw"))
+    return backend, graphs, eager
+
+
+def _collectives(rank: int, compiled: bool) -> dict:
+    """One training step of the tiny Llama: its all-reduces forward and backward, as shapes."""
+    from torch._dynamo.utils import counters
+
+    import quantmesh as qm
+    from quantmesh.tp.apply import sharded_modules
+
+    backend, graphs, eager = _all_reduce_counter(rank)
+    mesh = qm.init_mesh(tp=2)
+    model = _llama()
+    qm.parallelize(model, mesh, lora=qm.LoraConfig(r=4, alpha=8))
+    if compiled:
+        qm.compile_blocks(model, fullgraph=True, backend=backend)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    steps = []
+    for _ in range(2):  # the second step runs the compiled graphs again: no new ones
+        eager.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        fw = list(eager)
+        eager.clear()
+        loss.backward()
+        steps.append({"fw": fw, "bw": list(eager)})
+    shares = {
+        n: id(m.copy_share) if m.copy_share is not None else None for n, m in sharded_modules(model)
+    }
+    return {
+        "steps": steps,
+        "graphs": graphs,
+        "shares": shares,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "breaks": dict(counters["graph_break"]),
+    }
+
+
+def _collectives_both(rank: int) -> tuple[dict, dict]:
+    return _collectives(rank, False), _collectives(rank, True)
+
+
+def test_compiled_backward_all_reduces_like_eager():
+    """q, k, v (gate, up) share one copy of their input under compile too: one backward all-reduce
+    per block input, as eagerly, not one per colwise layer."""
+    big, small, fw = (2, 32, 128), (2, 32, 4), (2, 32, 128 + 4)  # block input, LoRA A out, o/down
+    for eager, comp in run_ranks(_collectives_both, 2, timeout=400):
+        assert comp["breaks"] == {} and comp["unique_graphs"] == 2
+        # the same step, eager or compiled: every all-reduce inside a block is in its graphs
+        g = comp["graphs"]
+        assert len(g["fw"]) == 2 and len(g["bw"]) == 2  # layer 0's input needs no grad: 2 graphs
+        for e_step, c_step in zip(eager["steps"], comp["steps"]):
+            assert sorted(e_step["fw"]) == sorted(c_step["fw"] + g["fw"][0] + g["fw"][1])
+            assert sorted(e_step["bw"]) == sorted(c_step["bw"] + g["bw"][0] + g["bw"][1])
+        assert g["fw"] == [[fw, fw]] * 2  # o_proj and down_proj, each with its adapter's A sums
+        # backward (layer 1's graph first): the attention and MLP inputs, then layer 0's MLP input
+        # only; plus the A outputs of the colwise adapters (q, k, v, gate, up), r wide
+        assert g["bw"] == [[small] * 5 + [big] * 2, [small] * 5 + [big]]
+        assert comp["steps"][0]["bw"] == [big]  # outside the blocks: lm_head's input
+        # one share for q, k, v and one for gate, up, per layer; none elsewhere
+        s = comp["shares"]
+        for i in range(2):
+            p = f"model.layers.{i}."
+            attn = {s[p + f"self_attn.{x}_proj"] for x in "qkv"}
+            mlp = {s[p + f"mlp.{x}_proj"] for x in ("gate", "up")}
+            assert len(attn) == len(mlp) == 1 and None not in attn | mlp and attn != mlp
+        sharing = {n for n, v in s.items() if v is not None}
+        assert len(sharing) == 2 * 5 and not any(
+            n.endswith(("o_proj", "down_proj")) for n in sharing
+        )
+
+
+class _Block(torch.nn.Module):
+    """q and k read x, v reads another tensor of the same width, r (replicated) reads x too."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(h, 2 * h) for _ in range(3))
+        self.r, self.o = torch.nn.Linear(h, h), torch.nn.Linear(2 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.q(x) * self.k(x) + self.v(x * 2)  # this rank's features of each
+        return x + self.o(a) + self.r(x)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_Block() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _mixed_readers(rank: int, compiled: bool) -> dict:
+    import quantmesh as qm
+
+    backend, graphs, _ = _all_reduce_counter(rank)
+    mesh = qm.init_mesh(tp=2)
+    model = _Net()
+    plan = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise"}
+    plan["blocks.*.o"] = "rowwise"
+    lora = qm.LoraConfig(r=2, alpha=4, targets=["q", "k", "v", "o", "r"])
+    qm.parallelize(model, mesh, plan=plan, lora=lora)
+    with torch.no_grad():
+        for i, p in enumerate(p for n, p in model.named_parameters() if "lora_B" in n):
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(i))
+    if compiled:
+        qm.compile_blocks(model, fullgraph=True, backend=backend)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model(x).square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads["x"] = x.grad
+    return {"grads": grads, "graphs": graphs, "r": model.blocks[0].r.copy_share}
+
+
+def _mixed_both(rank: int) -> tuple[dict, dict]:
+    return _mixed_readers(rank, False), _mixed_readers(rank, True)
+
+
+def test_compiled_share_only_merges_colwise_readers_of_one_tensor():
+    """Only colwise layers given the very same tensor share its copy: v (another tensor) keeps its
+    own all-reduce, and r (replicated, whole gradient on every rank) none."""
+    for eager, comp in run_ranks(_mixed_both, 2, timeout=300):
+        assert comp["r"] is None
+        ge, gc = eager["grads"], comp["grads"]
+        assert ge.keys() == gc.keys() and len(ge) == 2 * 5 * 2 + 1  # blocks x adapters x (A, B), x
+        for k in ge:
+            err = (gc[k] - ge[k]).norm() / ge[k].norm().clamp_min(1e-12)
+            assert err < 1e-5, (k, float(err))
+        # per block: x (q and k) and 2x (v), and the A outputs of the colwise adapters q, k, v
+        assert comp["graphs"]["bw"] == [[(3, 2)] * 3 + [(3, 16)] * 2]
+
+
 def _decode(rank: int) -> dict:
     from transformers.generation.configuration_utils import CompileConfig
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..layersplit import device_of
 from ..styles import slice_dim
 from .kinds import kind_of
-from .layers import ShardedModule
+from .layers import ShardedModule, share_colwise_copies
 
 __all__ = ["apply_tp", "shared_params", "sharded_modules"]
 
@@ -105,6 +105,7 @@ def apply_tp(
     track = _has_dropout(model)  # without dropout, the RNG-region bookkeeping is pure overhead
     for m in built.values():
         m.track_rng = track
+    share_colwise_copies(model)  # q, k, v (gate, up) share one input copy under compile too
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
         for a, per_rank in attrs.items():

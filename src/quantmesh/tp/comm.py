@@ -24,6 +24,7 @@ __all__ = [
     "all_gather_uneven",
     "copy_to_tp",
     "copy_to_tp_once",
+    "CopyShare",
     "reduce_from_tp",
     "gather_from_tp",
     "split_to_tp",
@@ -114,13 +115,44 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 _LAST_COPY: dict[object, tuple[weakref.ref, torch.Tensor]] = {}  # group -> (input, its copy)
 
 
-def copy_to_tp_once(x: torch.Tensor, group) -> torch.Tensor:
+class CopyShare:
+    """One copy_to_tp of a block input for sibling colwise layers (q, k, v; gate, up), under compile.
+
+    `_LAST_COPY` (a module-level slot holding a weak reference) is Python state that dynamo cannot
+    trace, so compiled blocks would all-reduce each sibling's input gradient separately. apply_tp
+    gives the colwise sharded children of one parent module that share a tp group and an input
+    width one CopyShare, and the parent a forward hook that empties it. Within the parent's forward,
+    the first sibling copies its input and keeps (input, copy) here, and a sibling given the very
+    same tensor (dynamo traces `is` on tensors) reuses the copy; only colwise layers of one group
+    ever meet here, so a replicated reader of the tensor keeps its own gradient. Emptied at the end
+    of the parent's forward, it holds no tensor between forwards: a compiled block starts and ends
+    with an empty share (no extra graph inputs or outputs, no guard on a stale tensor).
+    """
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+
+    def copy(self, x: torch.Tensor, group) -> torch.Tensor:
+        if self.x is x:
+            return self.y
+        y = copy_to_tp(x, group)
+        self.x, self.y = x, y
+        return y
+
+    def clear(self) -> None:
+        self.x = self.y = None
+
+
+def copy_to_tp_once(x: torch.Tensor, group, share: CopyShare | None = None) -> torch.Tensor:
     """copy_to_tp, shared by every colwise layer that reads the same tensor (q, k, v; gate, up).
 
     Autograd then sums their input gradients *before* the one all-reduce, instead of all-reducing
     each layer's gradient of x separately: 1 collective per block input instead of 3 (attention) or
-    2 (gated MLP). One slot per group remembers the last input (weakly) and its copy (strongly: the
-    copy may have no other owner between q_proj and k_proj), so at most one activation is held.
+    2 (gated MLP). Eagerly, one slot per group remembers the last input (weakly) and its copy
+    (strongly: the copy may have no other owner between q_proj and k_proj), so at most one
+    activation is held. Under torch.compile the layer's `share` (see CopyShare) does it instead;
+    a layer without one gets a copy of its own there.
 
     Example:
         >>> q_in = copy_to_tp_once(x, g); k_in = copy_to_tp_once(x, g)  # doctest: +SKIP
@@ -130,7 +162,7 @@ def copy_to_tp_once(x: torch.Tensor, group) -> torch.Tensor:
     if not x.requires_grad:
         return x  # no gradient to reduce
     if torch.compiler.is_compiling():
-        return copy_to_tp(x, group)
+        return copy_to_tp(x, group) if share is None else share.copy(x, group)
     last = _LAST_COPY.get(group)
     if last is not None and last[0]() is x:
         return last[1]

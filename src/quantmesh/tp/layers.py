@@ -14,6 +14,7 @@ from torch import nn
 
 from ..styles import FeatureSplit, Ranges
 from .comm import (
+    CopyShare,
     copy_to_tp,
     copy_to_tp_once,
     gather_from_tp,
@@ -23,7 +24,7 @@ from .comm import (
 )
 from .kinds import Kind, new_local
 
-__all__ = ["ShardedModule"]
+__all__ = ["ShardedModule", "share_colwise_copies"]
 
 # Styles whose bias lives whole on the wrapper and is added once to the complete output: after the
 # reduction (rowwise: a per-rank bias would be summed tp times), or after the gather (colwise_gather:
@@ -99,6 +100,7 @@ class ShardedModule(nn.Module):
         self.device_hint = torch.device(device)
         self.track_rng = True  # apply_tp turns it off when the model has no active dropout
         self.lora_scale: float | None = None  # set by lora.attach_lora, with lora_A / lora_B
+        self.copy_share: CopyShare | None = None  # set by share_colwise_copies (compiled blocks)
         return self
 
     # ---- parameters shared with the hidden local module --------------------------------------
@@ -210,7 +212,7 @@ class ShardedModule(nn.Module):
                 xd = self.lora_dropout(x)
         if rng:  # the output is split: random draws from here on are this rank's own
             rng_regions.enter(dev, self.tp_rank)
-        y = self.local(copy_to_tp_once(x, g) if tp > 1 else x, *args, **kwargs)
+        y = self.local(copy_to_tp_once(x, g, self.copy_share) if tp > 1 else x, *args, **kwargs)
         if self.lora_scale is not None:
             # A is whole and sees the whole input, so its gradient is complete on every rank;
             # the copy-to-tp op sits after A, where the tensor is only r wide.
@@ -278,3 +280,44 @@ class ShardedModule(nn.Module):
             f"{self.kind.name}({self.in_full} -> {self.out_full}), style={self.style}, "
             f"local=({self.in_local} -> {self.out_local}), tp {self.tp_rank}/{self.tp}{q}"
         )
+
+
+def _clear_copy_shares(module: nn.Module, args, output) -> None:
+    for share in module._qm_copy_shares:
+        share.clear()
+
+
+def share_colwise_copies(model: nn.Module) -> int:
+    """Give the colwise sharded children of one module that read inputs of one width over one tp
+    group (q, k, v; gate, up) one CopyShare, emptied by a forward hook on that module: compiled
+    blocks then all-reduce one gradient per block input, as eager does. Returns the number of shares.
+
+    Example:
+        >>> share_colwise_copies(model)  # doctest: +SKIP
+        4
+    """
+    n = 0
+    for parent in model.modules():
+        if isinstance(parent, (nn.ModuleList, nn.ModuleDict)):
+            continue  # never called: nothing would empty its share
+        siblings: dict[tuple[object, int], list[ShardedModule]] = {}
+        for child in parent.children():
+            if (
+                isinstance(child, ShardedModule)
+                and child.tp > 1
+                and child.style in ("colwise", "colwise_gather")
+            ):
+                siblings.setdefault((child.group, child.in_full), []).append(child)
+        shares = []
+        for members in siblings.values():
+            if len(members) > 1:
+                share = CopyShare()
+                for m in members:
+                    m.copy_share = share
+                shares.append(share)
+        if shares:
+            if "_qm_copy_shares" not in vars(parent):
+                parent.register_forward_hook(_clear_copy_shares)
+            parent._qm_copy_shares = shares
+            n += len(shares)
+    return n
