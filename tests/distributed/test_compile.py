@@ -303,3 +303,21 @@ def test_greedy_decode_matches_generate(tp):
             else:  # equal up to its first EOS, EOS after it
                 assert (got[row, : first + 1] == ref[row, : first + 1]).all()
                 assert (got[row, first:] == got[row, first]).all()
+
+
+def _dropout_warning(rank: int) -> list[str]:
+    import warnings
+
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=2)
+    model = qm.parallelize(_llama(), mesh, lora=qm.LoraConfig(r=4, dropout=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qm.compile_blocks(model)
+    return [str(w.message) for w in caught]
+
+
+def test_compile_blocks_warns_when_dropout_breaks_the_graphs():
+    for messages in run_ranks(_dropout_warning, 2, timeout=120):
+        assert any("dropout is active" in m for m in messages), messages
