@@ -100,7 +100,7 @@ def memory_estimate(a, mesh, cfg) -> dict:
         lora = qm.LoraConfig(r=a.lora_r, alpha=a.lora_alpha, targets=qb.TARGETS)
         est = estimate_memory(
             qb.skeleton(cfg), tp=mesh.tp, dp=mesh.dp, quant=None if a.quant == "none" else a.quant,
-            lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16,
+            lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
         )  # fmt: skip
         R["total_GiB"] = round(est.total / 2**30, 3)
         R["parts_GiB"] = {

@@ -43,6 +43,39 @@ rank 0 more), in bytes:
                (2 x seq_len x head_dim x a). Checked against saved-tensor hooks on CPU (exact, byte
                for byte, at tp 1 and 2, fp32 and bf16 autocast, with and without dropout but for
                the CPU noise size noted above)
+  compiled     activations instead, with `compiled=True` (`qm.compile_blocks`: each block one
+               inductor graph): a block keeps what AOTAutograd's min-cut partitioner returns from
+               the compiled forward for the backward, not what eager autograd keeps: it recomputes
+               cheap elementwise work (the norms' fp32 upcasts and normalization, SiLU) from what
+               it keeps, per layer and token:
+                 2 (h a + 4)    the two norms' inputs as the residual stream holds them (the
+                                block's input and the residual after attention: a bytes, not fp32)
+                                and their fp32 rsqrt rows
+                 (2 q + 2 kv) a v, q and k after RoPE, SDPA's output; 4 bytes of log-sum-exp per
+                                local head (as eager)
+                 2 i a          gate and up (SiLU(gate) is recomputed); down_proj's input
+                                SiLU(gate) * up is kept as the adapters' shared `i` below
+                 inputs, n r a  the adapters' shared inputs (h, h, i) and A outputs (as eager)
+               in all (4 h + 2 q + 2 kv + 3 i + n r) a + 8 + 4 x local heads, where eager keeps
+               8 h + (2 h + 2 q + 2 kv + 4 i + n r) a + 8 + 4 x local heads: 4 h + 2 i bytes less
+               at a = 2. Layer 0's block keeps neither its input nor that rsqrt row (no gradient
+               flows into it); the final norm runs eager and keeps its fp32 input (4 h + 4). The
+               adapters' bf16 weight copies, RoPE's tables and the logits are as eager. The 4-bit
+               matmul keeps only its packed weight and quant state in the graph too (the input is
+               not saved). dp > 1: DDP runs the blocks under dynamo's DDPOptimizer, which splits
+               each compiled block where DDP's first gradient bucket fills
+               (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, 1 MiB, counted back from the
+               block's end). When that is at up_proj (down's and up's fp32 adapters pass 1 MiB: 7B's
+               shapes with r = 16, tp 1 or 2), SiLU(gate) is the first graph's output and the
+               second graph keeps it: + i a per layer and token. Elsewhere the split is not
+               modelled (a note says so). Measured on CPU, torch 2.11 inductor (and 2.13 for
+               the test), nf4 + bf16 autocast and fp32, at tp 1 and 2, dp 2 (DDP's caps scaled
+               down with the model so that it splits where 7B does), at two widths: exact to the
+               byte, both from the partitioner's saved forward outputs and from saved-tensor hooks
+               (which see the compiled Function's saved tensors, one per storage). CUDA runs the
+               same partitioner, whose choices follow op types, not the device; the CUDA graph
+               itself was not traced. Dropout, int8 and non-gated MLPs were not measured compiled:
+               their eager terms stay (a note says so)
   logits       the peak comes at the start of backward, in cross-entropy's backward: the fp32
                log-softmax kept for it, the gradient nll_loss hands it and the gradient it returns,
                (micro_batch, seq_len, vocab) fp32 each and live together: 12 bytes per logit, on top
@@ -70,7 +103,8 @@ and the logits b * s * vocab * (a + 4).
 
 Measured (2x H200, Llama-2-7B shape, seq 2048, micro-batch 2, nf4 + LoRA r=16 on all 7 linears,
 peak `torch.cuda.max_memory_allocated` over the timed steps): tp=2 17.2 GiB against 17.21
-estimated, dp=2 26.6 GiB against 26.76.
+estimated, dp=2 26.6 GiB against 26.76. Compiled blocks (torch 2.11): tp=2 13.9 GiB against 13.90,
+dp=2 24.6 GiB against 24.79 (22.1 without DDPOptimizer's split).
 
 Example:
     >>> with qm.empty_model():                                          # doctest: +SKIP
@@ -225,11 +259,14 @@ def estimate_memory(
     micro_batch: int = 1,
     dtype: torch.dtype = torch.float32,
     act_bytes: int | None = None,
+    compiled: bool = False,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train (with `lora`) or run (without) `model` under the plan.
 
     `model` may be a meta skeleton (`qm.empty_model()`); only shapes are read. `dtype` is the dtype of
     unquantized weights; `act_bytes` the activation size (default: 2 for bf16/fp16 `dtype`, else 4).
+    `compiled`: the blocks are compiled (`qm.compile_blocks`), so their activations are what the
+    compiled graphs save (module docstring, "compiled"), less than eager autograd keeps.
 
     Example:
         >>> est = estimate_memory(model, tp=2, quant="nf4", lora=qm.LoraConfig(r=16),
@@ -253,7 +290,9 @@ def estimate_memory(
     a = act_bytes or (2 if dtype in (torch.bfloat16, torch.float16) else 4)
     best: MemoryEstimate | None = None
     for r in range(tp):
-        est = _for_rank(model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp)
+        est = _for_rank(
+            model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled
+        )
         if best is None or est.total > best.total:
             best = est
     assert best is not None
@@ -267,7 +306,9 @@ def _local(n: int, entry, rank: int) -> int:
     return entry.split.size(rank)
 
 
-def _for_rank(model, resolved, rank, qcfg, fmt, lora, dtype, a, seq, mb, dp) -> MemoryEstimate:
+def _for_rank(
+    model, resolved, rank, qcfg, fmt, lora, dtype, a, seq, mb, dp, compiled=False
+) -> MemoryEstimate:
     from .lora import lora_targets
     from .tp.kinds import kind_of
 
@@ -330,13 +371,27 @@ def _for_rank(model, resolved, rank, qcfg, fmt, lora, dtype, a, seq, mb, dp) -> 
     if dims is None:
         est.notes.append("no transformers config: activations and logits are not estimated")
         return est
-    act, logits = _activations(dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb)
+    act, logits = _activations(
+        dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb, dp, compiled, est.notes
+    )
     est.activations, est.logits = act, logits
     return est
 
 
 def _activations(
-    dims: _Dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb
+    dims: _Dims,
+    resolved,
+    rank,
+    widths,
+    targets,
+    lora,
+    fmt,
+    a,
+    seq,
+    mb,
+    dp=1,
+    compiled=False,
+    notes=None,
 ) -> tuple[int, int]:
     """(activation bytes, logits bytes) from the per-layer formula in the module docstring."""
     h, hd = dims.hidden, dims.head_dim
@@ -355,6 +410,27 @@ def _activations(
     block = _first_block(widths)
     gated = sum(1 for f in block if widths[f][0] == h and widths[f][1] == dims.inter) >= 2
     mlp_keep = (3 if gated else 1) * i  # gate, SiLU(gate), up  |  fc1 output
+    if compiled and gated:
+        mlp_keep = 2 * i  # the compiled backward recomputes SiLU(gate) from gate
+    notes = notes if notes is not None else []
+    if compiled and lora is None:
+        notes.append(
+            "compiled=True: without LoRA nothing is saved; the forward estimate is eager's"
+        )
+    elif compiled:
+        unmeasured = [
+            what
+            for what, cond in (
+                ("LoRA dropout", lora.dropout > 0),
+                ("int8", fmt is not None and fmt.name == "int8"),
+                ("a non-gated MLP", not gated),
+            )
+            if cond
+        ]
+        if unmeasured:
+            notes.append(
+                f"compiled=True with {', '.join(unmeasured)}: not measured; those terms are eager's"
+            )
     if lora is None:
         # Forward only: no autograd graph; one layer's temporaries at a time, plus the logits.
         one_layer = tokens * (4 * h + 3 * q + 2 * kv + mlp_keep + i) * a
@@ -370,7 +446,8 @@ def _activations(
     # no cast), and without autocast x already has the adapters' dtype (fp32), so `.to` is a no-op.
     copies = lora.dropout > 0
     # Per layer and token, in bytes.
-    per_tok = 2 * 4 * h  # the two RMSNorm inputs, upcast to fp32
+    # the two RMSNorm inputs, upcast to fp32 (eager); compiled, as they are (the upcast is redone)
+    per_tok = 2 * (h * a if compiled else 4 * h)
     per_tok += 2 * 4  # and their fp32 rsqrt(mean(x^2)) rows
     per_tok += (2 * q + 2 * kv) * a  # SDPA: q and k after RoPE, v, and its output
     per_tok += 4 * (q // hd)  # SDPA's fp32 log-sum-exp, one per local head
@@ -388,9 +465,20 @@ def _activations(
     mask = 1 if a < 4 else 4  # a dropout mask: bool on CUDA (fused kernel); fp32 noise on CPU
     if lora.dropout > 0:
         per_tok += adapter_inputs * mask
+    split = _ddp_split_at(block, mine, widths, lora, roles_of) if compiled and dp > 1 else None
+    if split == "up":
+        per_tok += i * a  # SiLU(gate): the first split graph's output, kept by the second
+    elif split is not None:
+        notes.append(
+            f"compiled=True, dp > 1: DDPOptimizer splits each block at {split} (not measured; "
+            "only a split at up_proj is in the estimate)"
+        )
     # Layer 0's input norm keeps nothing (the embedding is frozen: no gradient flows back there);
     # the final norm keeps its fp32 input instead: L layers' worth in all.
     act = tokens * dims.layers * per_tok
+    if compiled:
+        # That norm input was counted as h a (the compiled blocks'); the final norm is eager: fp32.
+        act += tokens * (4 * h - h * a)
     # Layer 0's attention-input adapters read that norm's output, which needs no gradient either:
     # no dropout mask and no weight cast is kept for them (A's input, kept for A's gradient, is).
     first = [f for f in mine if roles_of[f] == "attn_in"]
@@ -413,6 +501,27 @@ def _activations(
         # head's (the final norm's output), until the next forward: through the whole backward.
         logits += tokens * h * a
     return int(act), int(logits)
+
+
+def _ddp_split_at(block, mine, widths, lora, roles_of) -> str | None:
+    """Where dynamo's DDPOptimizer splits a compiled block: at the adapter whose gradients fill
+    DDP's first bucket, counted from the block's end ("down", "up", "gate" for a gated MLP's
+    linears, else the FQN; None when the block's adapters never fill it)."""
+    try:
+        import torch.distributed as dist
+
+        cap = dist._DEFAULT_FIRST_BUCKET_BYTES
+    except (ImportError, AttributeError):
+        cap = 2**20
+    mlp_in = [f for f in block if roles_of.get(f) == "mlp_in"]
+    names = {f: n for f, n in zip(mlp_in, ("gate", "up"), strict=False)} if len(mlp_in) == 2 else {}
+    names.update({f: "down" for f in block if roles_of.get(f) == "mlp_out"})
+    size = 0
+    for f in reversed([f for f in block if f in set(mine)]):
+        size += lora.r * (widths[f][2] + widths[f][3]) * ADAPTER_BYTES
+        if size >= cap:
+            return names.get(f, f)
+    return None
 
 
 def _roles(block: list[str]) -> dict[str, str]:

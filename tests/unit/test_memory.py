@@ -256,3 +256,73 @@ def test_activations_and_peak_in_the_gpu_recipe() -> None:
     if got["peak"] is not None:
         # The peak above the step's start: activations kept + the logits' 12 bytes each
         assert abs((est.activations + est.logits) / got["peak"] - 1) < 0.01, (est, got)
+
+
+def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float) -> dict:
+    """Bytes the compiled blocks' forward saves (plus the eager rest of the model: the final norm,
+    RoPE's tables, the adapters' bf16 weight copies), nf4 + bf16 autocast as on GPU. A compiled
+    block is one autograd Function: its `save_for_backward` goes through the saved-tensor hooks, so
+    they count exactly what the min-cut partitioner chose to keep (one entry per storage). Under DDP
+    (dp > 1) dynamo splits every block at DDP's first bucket; the caps are divided by `bucket_scale`
+    so that the scaled model is split where Llama-2-7B's blocks are."""
+    import torch.distributed as dist
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    import quantmesh as qm
+
+    init = DDPOptimizer.__init__
+
+    def scaled(self, bucket_bytes_cap, backend_compile_fn, first_bucket_cap=None):
+        init(self, int(bucket_bytes_cap / bucket_scale), backend_compile_fn)
+
+    DDPOptimizer.__init__ = scaled
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES / bucket_scale)
+    mesh = qm.init_mesh(tp=1)
+    model = _model(False, **cfg)
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
+                   dtype=torch.bfloat16)  # fmt: skip
+    model.train()
+    assert qm.compile_blocks(model) == cfg["num_hidden_layers"]
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
+    # The root's forward (not model.model): DDP's hooks are on the root, and DDPOptimizer splits
+    # only inside DDP's forward. Without labels the head saves nothing (its weight is a parameter).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids)
+    return {"saved": sum(saved.values())}
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_compiled_activations_match_what_the_compiled_blocks_save(dp: int, monkeypatch) -> None:
+    """compiled=True: the norms keep their bf16 inputs (not fp32 upcasts), SiLU(gate) is
+    recomputed; under DDP the split graph keeps SiLU(gate) again (dp=2 splits at up_proj here, as
+    at 7B: the scaled model's adapters are 8 times smaller, and so is DDP's first bucket)."""
+    import torch.distributed as dist
+
+    import quantmesh as qm
+
+    seq, mb, scale = 200, 2, 8.0
+    got = run_ranks(_compiled_step, dp, LLAMA_SCALED, seq, mb, scale, timeout=300)
+    monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", int(2**20 / scale))
+    meta = _model(True, **LLAMA_SCALED)
+    kw = dict(quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), seq_len=seq, micro_batch=mb,
+              dtype=torch.bfloat16, dp=dp)  # fmt: skip
+    est = estimate_memory(meta, compiled=True, **kw)
+    assert not est.notes, est.notes
+    assert abs(est.activations / got[0]["saved"] - 1) < 0.01, (est, got)
+    # Eager's formula over-counts a compiled block by 4 h + 2 i bytes per layer and token: the
+    # fp32 norm inputs (2 x 4 h, not 2 x 2 h) and SiLU(gate) (2 i, none under DDP's split, which
+    # keeps it); less 2 h once: the final norm is eager in both, layer 0's input norm keeps nothing.
+    h, i, tokens, layers = 512, 1376, seq * mb, 2
+    eager = estimate_memory(meta, **kw)
+    fewer = tokens * (layers * (4 * h + (2 * i if dp == 1 else 0)) - 2 * h)
+    assert eager.activations - est.activations == fewer

@@ -138,6 +138,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=2048, help="tokens/example")
     p.add_argument("--micro-batch", type=int, default=1, help="examples per forward (default 1)")
+    p.add_argument("--compile", action="store_true", help="blocks compiled (qm.compile_blocks)")
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -191,6 +192,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         seq_len=args.seq,
         micro_batch=args.micro_batch,
         dtype=torch.bfloat16 if gpu else torch.float32,
+        compiled=getattr(args, "compile", False),
     )
     mode = (
         f"training LoRA r={args.lora_r} with AdamW"
