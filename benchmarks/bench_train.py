@@ -64,6 +64,11 @@ def parse(argv=None) -> argparse.Namespace:
         action="store_true",
         help="qm.compile_blocks(model) before training (the compile happens in the warm-up steps)",
     )
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile mode for --compile (e.g. reduce-overhead: CUDA graphs of the blocks)",
+    )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
     return qb.finish_args(p.parse_args(argv))
 
@@ -396,7 +401,8 @@ def main(argv=None) -> int:
         ids = batch(a, a.vocab, a.seq, a.mb, mesh.dp_rank * a.mb, dev)
         R["compiled"] = a.compile
         if a.compile:
-            R["compiled_blocks"] = qm.compile_blocks(model)
+            R["compile_mode"] = a.compile_mode
+            R["compiled_blocks"] = qm.compile_blocks(model, mode=a.compile_mode)
         dt, losses = train(
             model, opt, ids, warmup=a.warmup, steps=a.steps, device=dev, autocast=autocast
         )
