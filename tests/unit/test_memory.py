@@ -10,6 +10,8 @@ written; the tests allow 1%. The logits term is held against the profiled CPU pe
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -141,18 +143,10 @@ def _saved_bytes(rank: int, cfg: dict, dropouts: list[float], seq: int, mb: int)
         model = _model(False, **cfg)
         qm.parallelize(model, mesh, lora=qm.LoraConfig(r=16, dropout=dropout))
         model.train()
-        own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
         saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor, own=own, saved=saved) -> torch.Tensor:
-            st = t.untyped_storage()
-            if st.data_ptr() not in own:
-                saved[st.data_ptr()] = st.nbytes()
-            return t
-
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=g)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _counting_saved(model, saved):
             model.model(input_ids=ids)  # the body: what `activations` covers (not the logits)
         out.append(sum(saved.values()))
     return out
@@ -187,18 +181,21 @@ LLAMA_SCALED = dict(
 )
 
 
-def _gpu_recipe_step(rank: int, cfg: dict, seq: int, mb: int) -> dict:
-    """The benchmark's recipe on CPU: nf4 base, bf16 weights, fp32 LoRA on all 7 linears, bf16
-    autocast around forward + loss. Saved bytes of the body; the profiled peak of a whole step."""
+def _recipe_model(cfg: dict):
+    """The benchmark's recipe on CPU: nf4 base, bf16 weights, fp32 LoRA r=16 on all 7 linears."""
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=1)
     model = _model(False, **cfg)
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
                    dtype=torch.bfloat16)  # fmt: skip
-    model.train()
+    return model.train()
+
+
+@contextlib.contextmanager
+def _counting_saved(model, saved: dict[int, int]):
+    """Record every tensor autograd saves (not the model's own), once per storage: ptr -> bytes."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -206,9 +203,18 @@ def _gpu_recipe_step(rank: int, cfg: dict, seq: int, mb: int) -> dict:
             saved[st.data_ptr()] = st.nbytes()
         return t
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def _gpu_recipe_step(rank: int, cfg: dict, seq: int, mb: int) -> dict:
+    """The benchmark's recipe on CPU: nf4 base, bf16 weights, fp32 LoRA on all 7 linears, bf16
+    autocast around forward + loss. Saved bytes of the body; the profiled peak of a whole step."""
+    model = _recipe_model(cfg)
+    saved: dict[int, int] = {}
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _counting_saved(model, saved):
             model.model(input_ids=ids)
         loss = model(input_ids=ids, labels=ids).loss  # a warm-up step: lazy state is made here
     loss.backward()
@@ -277,26 +283,14 @@ def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float)
 
     DDPOptimizer.__init__ = scaled
     dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES / bucket_scale)
-    mesh = qm.init_mesh(tp=1)
-    model = _model(False, **cfg)
-    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
-                   dtype=torch.bfloat16)  # fmt: skip
-    model.train()
+    model = _recipe_model(cfg)
     assert qm.compile_blocks(model) == cfg["num_hidden_layers"]
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in own:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
     # The root's forward (not model.model): DDP's hooks are on the root, and DDPOptimizer splits
     # only inside DDP's forward. Without labels the head saves nothing (its weight is a parameter).
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _counting_saved(model, saved):
             model(input_ids=ids)
     return {"saved": sum(saved.values())}
 
