@@ -41,12 +41,13 @@ def _train(rank: int, quant: str | None, compiled: bool) -> dict:
         assert qm.compile_blocks(model, fullgraph=True) == 2
     opt = torch.optim.SGD(qm.trainable_parameters(model), lr=0.5, momentum=0.9)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(mesh.device)  # NCCL ranks (test_cuda.py) run this too
     losses, grads = [], []
     for _ in range(3):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
     from torch._dynamo.utils import counters

@@ -51,3 +51,19 @@ def test_nf4_tp2_on_gpus_matches_one_gpu():
     # bf16 compute on CUDA: nf4 layers run in bf16, so ~1e-2 relative; shards see different
     # double-quant statistics too (see test_lora_dp.py)
     _close(two, one, 2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_compiled_blocks_on_nccl_train_like_eager():
+    """qm.compile_blocks at tp=2 over NCCL, fp32: the compiled collectives (functional all-reduces)
+    carry the same gradients as eager. torch 2.11 dropped them once, so this runs on the GPUs."""
+    from .test_compile import _both
+
+    for eager, comp in run_ranks(_both, 2, None, timeout=600):
+        assert comp["breaks"] == {}
+        for a, b in zip(comp["losses"], eager["losses"]):
+            assert abs(a - b) / abs(b) < 1e-4, (comp["losses"], eager["losses"])
+        for ge, gc in zip(eager["grads"], comp["grads"]):
+            for k in ge:
+                err = (gc[k] - ge[k]).norm() / ge[k].norm().clamp_min(1e-12)
+                assert err < 1e-3, (k, float(err))
