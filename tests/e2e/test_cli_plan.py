@@ -24,7 +24,9 @@ def config_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "cfg"
 
 
-def _expected(model_dir: Path, *, tp: int, quant, r: int, seq: int, mb: int, dtype) -> str:
+def _expected(
+    model_dir: Path, *, tp: int, quant, r: int, seq: int, mb: int, dtype, compiled: bool = False
+) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import quantmesh as qm
@@ -33,7 +35,7 @@ def _expected(model_dir: Path, *, tp: int, quant, r: int, seq: int, mb: int, dty
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     lora = qm.LoraConfig(r=r) if r else None
     est = qm.estimate_memory(model, tp=tp, quant=quant, lora=lora, seq_len=seq, micro_batch=mb,
-                             dtype=dtype)  # fmt: skip
+                             dtype=dtype, compiled=compiled)  # fmt: skip
     return est.table()
 
 
@@ -62,6 +64,17 @@ def test_plan_prints_the_table_and_the_estimate(config_only: Path, capsys) -> No
     assert table in out
     total = re.search(r"^  total\s+([\d.]+) (\w+)$", out, flags=re.M)
     assert total and float(total.group(1)) > 0
+
+
+def test_plan_compile_estimates_the_compiled_blocks(config_only: Path, capsys) -> None:
+    argv = ["plan", str(config_only), "--tp", "2", "--quant", "nf4", "--lora-r", "8",
+            "--seq", "64", "--micro-batch", "2", "--compile"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bf16 autocast, compiled blocks" in out
+    kw = dict(tp=2, quant="nf4", r=8, seq=64, mb=2, dtype=torch.bfloat16)
+    compiled, eager = _expected(config_only, compiled=True, **kw), _expected(config_only, **kw)
+    assert compiled in out and compiled != eager  # compiled blocks keep less
 
 
 def test_plan_without_lora_is_a_forward_estimate(config_only: Path, capsys) -> None:

@@ -417,6 +417,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         seq_len=cfg.seq_len,
         micro_batch=cfg.micro_batch,
         dtype=torch.bfloat16 if cuda else torch.float32,
+        compiled=cfg.compile,
     )
     check_memory(est, cfg.nproc, what="training")
 

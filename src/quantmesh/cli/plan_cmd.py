@@ -201,6 +201,8 @@ def plan_report(model, args: argparse.Namespace) -> str:
     )
     unit = "GPU" if gpu else "CPU rank"
     dtypes = "bf16 weights, bf16 autocast" if gpu else "fp32 weights and activations"
+    if getattr(args, "compile", False):
+        dtypes += ", compiled blocks"
     lines = [
         table,
         "",
