@@ -63,7 +63,7 @@ def greedy_decode(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     compile: bool = True,
     mode: str | None = "reduce-overhead",
     check_every: int = 32,
@@ -73,8 +73,9 @@ def greedy_decode(
     The model must be a transformers causal LM (plain, quantized, or parallelized by quantmesh);
     its config gives the static cache's layout. `compile=False` runs the same loop eagerly. The
     first call compiles the step (tens of seconds for a 7B model); later calls with the same
-    shapes reuse it. Rows that reach `eos_token_id` are padded with it after their first EOS;
-    decoding stops once every row has one (checked every `check_every` tokens).
+    shapes reuse it. `eos_token_id` may be one id or several (any of them ends a row); a row that
+    reaches one is filled with it after its first EOS, and decoding stops once every row has one
+    (checked every `check_every` tokens).
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
@@ -97,6 +98,10 @@ def greedy_decode(
         model.__dict__["_qm_decoder"] = dec
     # prefill, eager: it allocates the cache (transformers marks its tensors static for the graphs)
     tok = dec.prefill(input_ids)  # (batch, 1)
+    eos = None
+    if eos_token_id is not None:
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos = torch.tensor(ids, dtype=tok.dtype, device=tok.device)  # (n_eos,)
     out = torch.empty(batch, max_new_tokens, dtype=tok.dtype, device=tok.device)
     out[:, :1] = tok
     done = 1
@@ -106,11 +111,13 @@ def greedy_decode(
         ).clone()  # a copy: a CUDA graph's output buffer is rewritten by the next replay
         out[:, i : i + 1] = tok
         done = i + 1
-        if eos_token_id is not None and done % check_every == 0:
-            if bool((out[:, :done] == eos_token_id).any(dim=1).all()):
+        if eos is not None and done % check_every == 0:
+            if bool(torch.isin(out[:, :done], eos).any(dim=1).all()):
                 break
     out = out[:, :done]
-    if eos_token_id is not None:  # everything after a row's first EOS becomes EOS
-        after = (out == eos_token_id).int().cumsum(dim=1) > 0
-        out = out.masked_fill(after, eos_token_id)
+    if eos is not None:  # everything after a row's first EOS becomes that EOS
+        hit = torch.isin(out, eos)  # (batch, done)
+        after = hit.int().cumsum(dim=1) > 0
+        first = torch.where(hit, out, 0).gather(1, hit.int().argmax(dim=1, keepdim=True))
+        out = torch.where(after, first, out)
     return out

@@ -280,12 +280,16 @@ def _greedy(rank: int, tp: int) -> dict:
     got = [qm.greedy_decode(model, ids, 20, compile=c, mode=None) for c in (False, True, True)]
     eos = int(ref[0, 5])  # a token that row 0 emits: it stops there, the rest become EOS
     with_eos = qm.greedy_decode(model, ids, 20, eos_token_id=eos, compile=False, check_every=4)
+    two = [eos, int(ref[1, 3])]  # several EOS ids: any of them ends a row
+    with_two = qm.greedy_decode(model, ids, 20, eos_token_id=two, compile=False, check_every=4)
     from torch._dynamo.utils import counters
 
     return {
         "same": [bool((g == ref).all()) for g in got],
         "eos_rows": [(r == eos).nonzero()[0, 0].item() if (r == eos).any() else None for r in ref],
         "with_eos": with_eos,
+        "with_two": with_two,
+        "two": two,
         "ref": ref,
         "frames": dict(counters["stats"]),
     }
@@ -304,6 +308,12 @@ def test_greedy_decode_matches_generate(tp):
             else:  # equal up to its first EOS, EOS after it
                 assert (got[row, : first + 1] == ref[row, : first + 1]).all()
                 assert (got[row, first:] == got[row, first]).all()
+        got, two = r["with_two"], r["two"]
+        assert got.shape[1] < 20  # both rows ended, so the loop stopped early
+        for row in range(2):
+            first = next(j for j, t in enumerate(ref[row].tolist()) if t in two)
+            assert (got[row, : first + 1] == ref[row, : first + 1]).all()
+            assert (got[row, first:] == ref[row, first]).all()  # filled with the EOS it met
 
 
 def _dropout_warning(rank: int) -> list[str]:

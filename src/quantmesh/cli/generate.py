@@ -57,6 +57,9 @@ class GenerateConfig:
     """Wrap the prompt in the tokenizer's chat template when it has one."""
     kv_cache: bool = True
     """Use transformers' KV cache (False recomputes the whole prefix per token)."""
+    fast: bool = False
+    """Decode with qm.greedy_decode (static cache; on GPUs a compiled step replayed as a CUDA
+    graph): greedy only, the reply printed when it is complete."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -69,6 +72,11 @@ class GenerateConfig:
             raise CliError(
                 f"--temperature {self.temperature} --top-p {self.top_p}; expected temperature "
                 ">= 0 (0 = greedy) and 0 < top-p <= 1"
+            )
+        if self.fast and (not self.greedy or self.repetition_penalty != 1.0 or not self.kv_cache):
+            raise CliError(
+                "--fast decodes greedily with a static KV cache; drop --temperature / --top-p, "
+                "--repetition-penalty and --no-kv-cache, or drop --fast"
             )
         if not self.prompts or not all(p.strip() for p in self.prompts):
             raise CliError("no prompt given; pass --prompt TEXT (repeat it for several)")
@@ -96,6 +104,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as it is")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute instead of caching")
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="greedy decoding with a static cache and (on GPUs) a CUDA-graphed step; no streaming",
+    )
     p.set_defaults(func=run)
 
 
@@ -119,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             chat_template=not args.no_chat_template,
             kv_cache=not args.no_kv_cache,
+            fast=args.fast,
         )
         _, model = load_skeleton(cfg.model)
         if cfg.adapter:
@@ -222,6 +236,23 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
     else:
         enc = tokenizer(prompt, return_tensors="pt")
     ids = enc["input_ids"].to(device)  # (1, T)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
+    if cfg.fast:
+        from ..decode import greedy_decode
+
+        eos = model.generation_config.eos_token_id
+        eos = tokenizer.eos_token_id if eos is None else eos
+        with autocast:  # compiled on GPUs only: on CPU the compile would cost more than it saves
+            new = greedy_decode(model, ids, cfg.max_new_tokens, eos_token_id=eos,
+                                compile=device.type == "cuda")  # fmt: skip
+        text = tokenizer.decode(new[0], skip_special_tokens=True)
+        if stream and mesh.rank == 0:
+            print(text, flush=True)
+        return text
     torch.manual_seed(cfg.seed)  # the same on every rank: sampling draws agree
     streamer = None
     if stream and mesh.rank == 0:
@@ -230,11 +261,6 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
     if not cfg.greedy:
         kw = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else torch.autocast("cpu", enabled=False)
-    )
     with torch.no_grad(), autocast:
         out = model.generate(
             ids,

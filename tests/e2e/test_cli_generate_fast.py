@@ -1,0 +1,24 @@
+"""`quantmesh generate --fast` (qm.greedy_decode) prints what the default greedy path prints, at tp=2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .test_cli_common import cli, make_tiny_llama
+
+
+def test_fast_decoding_prints_the_greedy_reply(tmp_path: Path) -> None:
+    model = make_tiny_llama(tmp_path / "tiny")
+    argv = ["generate", str(model), "--tp", "2", "--prompt", "whether tis nobler",
+            "--max-new-tokens", "24"]  # fmt: skip
+    plain, fast = cli(*argv), cli(*argv, "--fast")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert fast.returncode == 0, fast.stderr[-3000:]
+    assert plain.stdout.strip()  # a reply that a wrong path could get wrong
+    assert fast.stdout == plain.stdout
+
+
+def test_fast_refuses_sampling(tmp_path: Path) -> None:
+    proc = cli("generate", str(tmp_path), "--prompt", "hi", "--fast", "--temperature", "0.7")
+    assert proc.returncode == 2
+    assert "--fast decodes greedily" in proc.stderr
