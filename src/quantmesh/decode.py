@@ -22,6 +22,8 @@ from torch import nn
 
 __all__ = ["greedy_decode"]
 
+CACHE_STEP = 256  # the static cache's length is a multiple of this
+
 
 class _Decoder:
     """The static cache and the compiled step of one model, reused while the shapes stay the same
@@ -72,10 +74,11 @@ def greedy_decode(
 
     The model must be a transformers causal LM (plain, quantized, or parallelized by quantmesh);
     its config gives the static cache's layout. `compile=False` runs the same loop eagerly. The
-    first call compiles the step (tens of seconds for a 7B model); later calls with the same
-    shapes reuse it. `eos_token_id` may be one id or several (any of them ends a row); a row that
-    reaches one is filled with it after its first EOS, and decoding stops once every row has one
-    (checked every `check_every` tokens).
+    first call compiles the step (tens of seconds for a 7B model); later calls reuse it while the
+    batch size and the cache length (prompt + new tokens, rounded up to a multiple of 256) stay.
+    `eos_token_id` may be one id or several (any of them ends a row); a row that reaches one is
+    filled with it after its first EOS, and decoding stops once every row has one (checked every
+    `check_every` tokens).
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
@@ -91,10 +94,13 @@ def greedy_decode(
     if check_every < 1:
         raise ValueError(f"check_every={check_every}; expected >= 1")
     batch, prompt = input_ids.shape
-    key = (batch, prompt + max_new_tokens, compile, mode)
+    # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
+    # (a new cache would compile it again); unused slots are masked out.
+    max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
+    key = (batch, max_len, compile, mode)
     dec = model.__dict__.get("_qm_decoder")
     if dec is None or dec.key != key:
-        dec = _Decoder(model, batch, prompt + max_new_tokens, compile, mode)
+        dec = _Decoder(model, batch, max_len, compile, mode)
         model.__dict__["_qm_decoder"] = dec
     # prefill, eager: it allocates the cache (transformers marks its tensors static for the graphs)
     tok = dec.prefill(input_ids)  # (batch, 1)

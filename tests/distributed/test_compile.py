@@ -278,6 +278,12 @@ def _greedy(rank: int, tp: int) -> dict:
     ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = ref[:, 8:]
     got = [qm.greedy_decode(model, ids, 20, compile=c, mode=None) for c in (False, True, True)]
+    # another prompt length, the same cache length: the compiled step is reused
+    shorter = qm.greedy_decode(model, ids[:, 2:], 20, mode=None)
+    ref_shorter = model.generate(
+        ids[:, 2:], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[:, 6:]
+    got.append(shorter if bool((shorter == ref_shorter).all()) else None)
     eos = int(ref[0, 5])  # a token that row 0 emits: it stops there, the rest become EOS
     with_eos = qm.greedy_decode(model, ids, 20, eos_token_id=eos, compile=False, check_every=4)
     two = [eos, int(ref[1, 3])]  # several EOS ids: any of them ends a row
@@ -285,7 +291,7 @@ def _greedy(rank: int, tp: int) -> dict:
     from torch._dynamo.utils import counters
 
     return {
-        "same": [bool((g == ref).all()) for g in got],
+        "same": [bool((g == ref).all()) for g in got[:3]] + [got[3] is not None],
         "eos_rows": [(r == eos).nonzero()[0, 0].item() if (r == eos).any() else None for r in ref],
         "with_eos": with_eos,
         "with_two": with_two,
@@ -298,8 +304,9 @@ def _greedy(rank: int, tp: int) -> dict:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decode_matches_generate(tp):
     for r in run_ranks(_greedy, tp, tp, timeout=300):
-        assert r["same"] == [True, True, True]  # eager loop, compiled, compiled again (reused)
-        assert r["frames"]["unique_graphs"] == 1  # the second call reused the compiled step
+        # eager loop, compiled, compiled again (reused), a shorter prompt (reused)
+        assert r["same"] == [True, True, True, True]
+        assert r["frames"]["unique_graphs"] == 1  # later calls reused the compiled step
         ref, got = r["ref"], r["with_eos"]
         for row in range(2):
             first = r["eos_rows"][row]
