@@ -71,7 +71,7 @@ def prompt_ids(a, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, torch.Tensor]:
+def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, list[int]]:
     qb.sync(device)
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new, do_sample=False, use_cache=True, **kw)
@@ -83,48 +83,38 @@ def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, torch.Ten
     return dt, out[0, ids.shape[1] :].tolist()
 
 
-def phase(model, a, ids, device, R: dict, name: str, **kw) -> list[int]:
-    """One warm-up generate (short, or full length when it compiles), then the timed one."""
-    qb.reset_peaks(device)
-    t0 = time.perf_counter()
-    timed_generate(model, ids, a.new if kw else min(16, a.new), device, **kw)
-    warm = time.perf_counter() - t0
-    dt, tokens = timed_generate(model, ids, a.new, device, **kw)
-    R[name] = {
-        "new_tokens_per_s": round(a.new / dt, 2),
-        "ms_per_token": round(dt / a.new * 1000, 3),
-        "warmup_generate_s": round(warm, 2),
-        "compiled": bool(getattr(model, "_compiled_call", None) is not None),
-        "mem": qb.gpu_mem(device),
-    }
-    qb.log(f"{name}: {a.new / dt:.1f} new tokens/s (warm-up {warm:.1f} s)")
-    return tokens
-
-
-@torch.no_grad()
-def phase_greedy(model, a, ids, device, R: dict, name: str) -> list[int]:
-    """qm.greedy_decode (static cache, compiled step, no per-token read-back): a warm-up call that
-    compiles, then the timed one."""
+def timed_greedy(model, ids, new: int, device) -> tuple[float, list[int]]:
+    """qm.greedy_decode (static cache, compiled step, no per-token read-back), timed until its
+    tokens are read back on the host, as generate's return is."""
     import quantmesh as qm
 
-    mode = None if device.type == "cpu" else "reduce-overhead"
+    qb.sync(device)
+    t0 = time.perf_counter()
+    out = qm.greedy_decode(
+        model, ids, new, mode=None if device.type == "cpu" else "reduce-overhead"
+    )
+    tokens = out[0].tolist()
+    dt = time.perf_counter() - t0
+    if len(tokens) != new:
+        raise RuntimeError(f"greedy_decode returned {len(tokens)} new tokens, expected {new}")
+    return dt, tokens
+
+
+def phase(model, a, ids, device, R: dict, name: str, *, greedy: bool = False, **kw) -> list[int]:
+    """One warm-up run (short, or full length when it compiles), then the timed one: transformers'
+    `generate` with `kw`, or qm.greedy_decode when `greedy`."""
+    compiles = greedy or bool(kw)
+    timed = timed_greedy if greedy else timed_generate
     qb.reset_peaks(device)
     t0 = time.perf_counter()
-    qm.greedy_decode(model, ids, a.new, mode=mode)
-    qb.sync(device)
+    timed(model, ids, a.new if compiles else min(16, a.new), device, **kw)
     warm = time.perf_counter() - t0
-    qb.sync(device)
-    t0 = time.perf_counter()
-    out = qm.greedy_decode(model, ids, a.new, mode=mode)
-    tokens = out[0].tolist()  # the read-back ends the timing, as generate's return does
-    dt = time.perf_counter() - t0
-    if len(tokens) != a.new:
-        raise RuntimeError(f"greedy_decode returned {len(tokens)} new tokens, expected {a.new}")
+    dt, tokens = timed(model, ids, a.new, device, **kw)
     R[name] = {
         "new_tokens_per_s": round(a.new / dt, 2),
         "ms_per_token": round(dt / a.new * 1000, 3),
         "warmup_generate_s": round(warm, 2),
-        "compiled": True,
+        "compiled": greedy or getattr(model, "_compiled_call", None) is not None,
         "mem": qb.gpu_mem(device),
     }
     qb.log(f"{name}: {a.new / dt:.1f} new tokens/s (warm-up {warm:.1f} s)")
@@ -164,7 +154,7 @@ def run_single(a, R: dict, out_path: str) -> None:
     qb.write_json(out_path, R)
     if a.greedy:  # quantmesh's loop on the same single GPU, for reference (not the peer)
         with qb.record_errors(R, "qm_greedy_error"):
-            g = phase_greedy(model, a, ids, dev, R, "qm_greedy")
+            g = phase(model, a, ids, dev, R, "qm_greedy", greedy=True)
             R["qm_greedy"]["tokens_agree_with_generate"] = agree(g, R["tokens"])
 
 
@@ -200,7 +190,7 @@ def run_tp(a, R: dict, out_path: str) -> None:
             qb.write_json(out_path, R)
     if a.greedy:
         with qb.record_errors(R, "qm_greedy_error"):
-            g = phase_greedy(model, a, ids, dev, R, "qm_greedy")
+            g = phase(model, a, ids, dev, R, "qm_greedy", greedy=True)
             R["qm_greedy"]["tokens_agree_with_dynamic"] = agree(g, R["tokens"])
             if ref:
                 R["qm_greedy"]["tokens_agree_with_single"] = agree(g, ref)
