@@ -220,7 +220,7 @@ def fallback_load(model, source: str) -> None:
     """What qm.load_checkpoint does, for a tree where it has not landed yet: every ShardedModule
     reads its slices (quantized on its device by load_param), other parameters their whole
     tensor."""
-    from quantmesh.checkpoint import open_checkpoint
+    from quantmesh.io.reader import open_checkpoint
     from quantmesh.tp.layers import ShardedModule
 
     inside: set[str] = set()
@@ -243,7 +243,7 @@ def fallback_load(model, source: str) -> None:
 @torch.no_grad()
 def spot_check(model, a, gen: str) -> dict:
     """A few loaded values against the seeded generator (same device type as the writer's)."""
-    from quantmesh.styles import slice_dim
+    from quantmesh.plan.styles import slice_dim
 
     out = {}
     head = model.lm_head
@@ -289,11 +289,11 @@ def load_rank(a) -> None:
             load = qm.load_checkpoint
         except AttributeError:
             try:  # written, not yet exported
-                from quantmesh.load import load_checkpoint as load
+                from quantmesh.io.load import load_checkpoint as load
 
-                loader = "quantmesh.load.load_checkpoint"
+                loader = "quantmesh.io.load.load_checkpoint"
             except ImportError:
-                loader = "fallback (quantmesh.checkpoint reader + ShardedModule.load_param)"
+                loader = "fallback (quantmesh.io.reader reader + ShardedModule.load_param)"
 
                 def load(m, src, **_):
                     fallback_load(m, src)

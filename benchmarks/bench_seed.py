@@ -233,7 +233,7 @@ def train(model, opt, ids, *, warmup, steps, devices, autocast):
 
 
 def memory_estimate(a, mesh, cfg) -> dict:
-    """quantmesh.memory's bytes per rank; for split it is the whole replica (one device would
+    """quantmesh.plan.memory's bytes per rank; for split it is the whole replica (one device would
     need it all), the layer split puts about half of it on each of the rank's devices."""
     R: dict = {}
     with qb.record_errors(R):

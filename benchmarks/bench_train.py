@@ -96,11 +96,11 @@ def build(a, mesh, cfg, *, dtype, gen_device=None):
 
 
 def memory_estimate(a, mesh, cfg) -> dict:
-    """`quantmesh plan`'s bytes per GPU for this layout (quantmesh.memory), where it exists."""
+    """`quantmesh plan`'s bytes per GPU for this layout (quantmesh.plan.memory), where it exists."""
     R: dict = {}
     with qb.record_errors(R):
         import quantmesh as qm
-        from quantmesh.memory import estimate_memory
+        from quantmesh.plan.memory import estimate_memory
 
         lora = qm.LoraConfig(r=a.lora_r, alpha=a.lora_alpha, targets=qb.TARGETS)
         est = estimate_memory(

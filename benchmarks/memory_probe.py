@@ -143,7 +143,7 @@ def record_partitions(graphs: list, ddp_bucket_scale: float) -> None:
 
 def probe(rank: int, args: dict) -> dict:
     import quantmesh as qm
-    from quantmesh.memory import estimate_memory
+    from quantmesh.plan.memory import estimate_memory
 
     cfg = dict(SHAPE, **args["cfg"])
     autocast = args["autocast"]

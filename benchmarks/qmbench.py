@@ -145,7 +145,7 @@ def fill_random(model, *, seed: int, gen_device=None) -> dict[str, float]:
     own initialization. The full tensor of one parameter is the most that is ever materialized, on
     `gen_device` (default: the parameter's device).
     """
-    from quantmesh.styles import slice_dim
+    from quantmesh.plan.styles import slice_dim
     from quantmesh.tp.layers import ShardedModule
 
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 import quantmesh as qm
-from quantmesh.data import build_dataset, iterate_batches
+from quantmesh.train.data import build_dataset, iterate_batches
 
 model_dir, data = sys.argv[1], sys.argv[2]
 mesh = qm.init_mesh(tp=2)  # 2 ranks split every layer; more ranks add data-parallel replicas

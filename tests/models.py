@@ -618,7 +618,7 @@ def compare_tp(ref: nn.Module, model: nn.Module, run) -> dict[str, float]:
     score), so its computed value is rounding noise of the size of the weight's gradient terms, and
     dividing noise by noise would say nothing.
     """
-    from quantmesh.styles import slice_dim
+    from quantmesh.plan.styles import slice_dim
     from quantmesh.tp.layers import ShardedModule
 
     y_ref, in_ref = forward_backward(ref, run)
@@ -739,7 +739,7 @@ def case(name: str) -> tuple[nn.Module, object]:
 def fill_from(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     """Load a full state dict into a parallelized skeleton: each ShardedModule takes its slices
     (`param_slices()` + `load_param`), everything else is copied whole."""
-    from quantmesh.styles import slice_dim
+    from quantmesh.plan.styles import slice_dim
     from quantmesh.tp.layers import ShardedModule
 
     sharded = {n: m for n, m in model.named_modules() if isinstance(m, ShardedModule)}
@@ -830,7 +830,9 @@ def check_case(name: str, mesh, plan=None, floors: bool = False) -> dict:
     got = dict(model.named_parameters(remove_duplicate=False))
     facts["ties"] = [g for g in groups.values() if len(g) > 1]
     facts["ties_broken"] = [g for g in facts["ties"] if len({id(got[n]) for n in g}) > 1]
-    res = model._qm_plan
+    from quantmesh.state import parallel_state
+
+    res = parallel_state(model).plan
     facts["attrs"] = {
         owner: {a: getattr(model.get_submodule(owner), a) for a in attrs}
         for owner, attrs in res.attr_updates.items()
@@ -897,7 +899,7 @@ def check_dropout(mesh, lora: bool = False) -> dict:
     import copy
 
     import quantmesh as qm
-    from quantmesh.state import tp_sharded
+    from quantmesh.io.full import tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     ref = nmt()

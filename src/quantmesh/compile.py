@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from .autoplan import blocks_of
+from .plan.auto import blocks_of
 
 __all__ = ["compile_blocks"]
 

@@ -98,10 +98,12 @@ def greedy_decode(
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
     key = (batch, max_len, compile, mode)
-    dec = model.__dict__.get("_qm_decoder")
+    # the compiled step is cached on the model itself (a plain model works too), not in the
+    # parallel state: it is a cache of this function, not a decision of parallelize
+    dec = model.__dict__.get("_quantmesh_decoder")
     if dec is None or dec.key != key:
         dec = _Decoder(model, batch, max_len, compile, mode)
-        model.__dict__["_qm_decoder"] = dec
+        model.__dict__["_quantmesh_decoder"] = dec
     # prefill, eager: it allocates the cache (transformers marks its tensors static for the graphs)
     tok = dec.prefill(input_ids)  # (batch, 1)
     eos = None

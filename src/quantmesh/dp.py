@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from .state import parallel_state
+
 __all__ = ["apply_dp", "no_sync"]
 
 
@@ -54,7 +56,9 @@ def apply_dp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Modul
         bucket_cap_mb=bucket_cap_mb,  # DDP wraps a list of the trainable params: no buffers
         **kwargs,
     )
-    model._qm_dp = True
+    st = parallel_state(model, required=False)
+    if st is not None:
+        st.dp = True
     return model
 
 
@@ -67,7 +71,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         ...     loss_fn(model(x0)).backward()
         >>> loss_fn(model(x1)).backward()    # doctest: +SKIP  (syncs the accumulated sum)
     """
-    if not getattr(model, "_qm_dp", False):
+    if not hasattr(model, "set_requires_gradient_sync"):  # not under apply_dp (replicate)
         yield
         return
     model.set_requires_gradient_sync(False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .styles import balanced_counts
+from .plan.styles import balanced_counts
 
 __all__ = ["layer_placement", "split_layers", "device_of"]
 

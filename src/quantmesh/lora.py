@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .styles import slice_dim
+from .plan.styles import Style, slice_dim
 
 __all__ = ["LoraConfig", "LoraError", "attach_lora", "lora_targets", "trainable_parameters"]
 
@@ -125,7 +125,7 @@ def attach_lora(module: nn.Module, config: LoraConfig, *, device, dtype=torch.fl
         )
     r = config.r
     a_full = _init_A(module.fqn, r, module.in_full, config.seed)  # (r, in)
-    if module.style == "rowwise":
+    if module.style == Style.ROWWISE:
         a = slice_dim(a_full, 1, module.split.ranges(module.tp_rank))  # (r, in_local)
         out_b = module.out_full
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import quantmesh as qm
-from quantmesh.state import gather_param, tp_sharded
+from quantmesh.io.full import gather_param, tp_sharded
 from quantmesh.tp.layers import ShardedModule
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -107,7 +107,7 @@ def _collectives(rank: int, compiled: bool) -> dict:
     from torch._dynamo.utils import counters
 
     import quantmesh as qm
-    from quantmesh.tp.apply import sharded_modules
+    from quantmesh.tp.layers import sharded_modules
 
     backend, graphs, eager = _all_reduce_counter(rank)
     mesh = qm.init_mesh(tp=2)
@@ -125,7 +125,8 @@ def _collectives(rank: int, compiled: bool) -> dict:
         loss.backward()
         steps.append({"fw": fw, "bw": list(eager)})
     shares = {
-        n: id(m.copy_share) if m.copy_share is not None else None for n, m in sharded_modules(model)
+        n: id(m.copy_share) if m.copy_share is not None else None
+        for n, m in sharded_modules(model).items()
     }
     return {
         "steps": steps,

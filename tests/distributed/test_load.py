@@ -83,9 +83,9 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     from safetensors.torch import load_file
 
     import quantmesh as qm
-    from quantmesh.load import LoadError
-    from quantmesh.state import tp_sharded
-    from quantmesh.tp.apply import sharded_modules
+    from quantmesh.io.full import tp_sharded
+    from quantmesh.io.load import LoadError
+    from quantmesh.tp.layers import sharded_modules
 
     mesh = qm.init_mesh(tp=2)
     f: dict = {}
@@ -99,8 +99,12 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     full = qm.full_state_dict(m)
     f["meta_exact"] = rank != 0 or all(torch.equal(full[k], file[k]) for k in file)
     f["bytes_read"] = res.bytes_read
-    f["split_keys"] = sorted(f"{n}.{p}" for n, mod in sharded_modules(m) for p in tp_sharded(mod))
-    f["uninit_left"] = sorted(m._qm_uninitialized)
+    f["split_keys"] = sorted(
+        f"{n}.{p}" for n, mod in sharded_modules(m).items() for p in tp_sharded(mod)
+    )
+    from quantmesh.state import parallel_state
+
+    f["uninit_left"] = sorted(parallel_state(m).uninitialized)
 
     # 2. a model with real CPU weights (parallelize slices them), overwritten by the checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -186,7 +190,7 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     with torch.no_grad():
         want = ref(x)
         f["net_err"] = ((net(x) - want).abs().max() / want.abs().max()).item()
-    f["net_sharded"] = sorted(n for n, mod in sharded_modules(net) if mod.split is not None)
+    f["net_sharded"] = sorted(n for n, mod in sharded_modules(net).items() if mod.split is not None)
 
     # 9. GPT-2 (Conv1D, fused q|k|v, rowwise biases) from meta
     g = qm.parallelize(_skeleton(gpt2), mesh)
@@ -342,7 +346,7 @@ def test_a_failure_on_one_rank_raises_on_all(facts):
 
 
 def test_host_memory_stays_near_one_slice(tmp_path):
-    from quantmesh.save import ShardWriter
+    from quantmesh.io.save import ShardWriter
 
     writer = ShardWriter(tmp_path, "model", 300 * MiB)  # two files + an index, one tensor each
     g = torch.Generator().manual_seed(0)

@@ -141,11 +141,11 @@ def _spawn_a(rank: int, d: dict) -> dict:
 
 def _full_opt(model, opt, key: str) -> dict:
     """Every trainable parameter's optimizer state `key`, gathered over tp (collective)."""
-    from quantmesh.save import full_tensor
-    from quantmesh.tp.apply import sharded_modules
+    from quantmesh.io.save import full_tensor
+    from quantmesh.tp.layers import sharded_modules
 
     out = {}
-    for fqn, m in sharded_modules(model):
+    for fqn, m in sharded_modules(model).items():
         for name in ("lora_A.weight", "lora_B.weight"):
             if m.lora_scale is not None:
                 out[f"{fqn}.{name}"] = full_tensor(m, name, opt.state[m.get_parameter(name)][key])
@@ -205,7 +205,7 @@ class Tiny(nn.Module):
 
 def _spawn_d(rank: int, path: str) -> None:
     import quantmesh as qm
-    import quantmesh.save as save
+    import quantmesh.io.save as save
 
     mesh = qm.init_mesh(tp=2)
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def test_killed_save_leaves_the_previous_one(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from quantmesh.atomic import recover
+    from quantmesh.io.atomic import recover
 
     path = tmp_path / "adapter"
     with pytest.raises(RanksFailed, match=r"rank 0: (did not finish|process exited with code -9)"):

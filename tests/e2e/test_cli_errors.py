@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantmesh.cli import errors
+from quantmesh.cli import runner
 from quantmesh.cli.main import main
 
 from .test_cli_common import CORPUS, cli, make_tiny_llama
@@ -34,7 +34,7 @@ def _fails(argv: list[str], capsys, monkeypatch) -> str:
     def tripwire(*a, **k):
         raise AssertionError(f"workers were launched for {argv}")
 
-    monkeypatch.setattr(errors, "run_workers", tripwire)
+    monkeypatch.setattr(runner, "run_workers", tripwire)
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err

@@ -34,7 +34,7 @@ def _reference(model_dir: Path, data: Path, seq_len: int) -> tuple[float, float]
     """(masked loss, unmasked loss) of step 1 of a dp=2, micro_batch=1, grad_accum=2 run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantmesh.data import build_dataset, iterate_batches
+    from quantmesh.train.data import build_dataset, iterate_batches
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

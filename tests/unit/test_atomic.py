@@ -1,7 +1,7 @@
 """Atomic saves: the previous save survives an exception, a SIGKILL while writing, and a SIGKILL
 between any two steps of the swap; `recover` then leaves exactly one complete save and no debris.
 
-The killed writers are separate processes that import only quantmesh.atomic (no torch), so each
+The killed writers are separate processes that import only quantmesh.io.atomic (no torch), so each
 costs a fraction of a second.
 """
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantmesh import atomic
-from quantmesh.atomic import atomic_dir, atomic_write_file, recover
-from quantmesh.checkpoint import open_checkpoint
+from quantmesh.io import atomic
+from quantmesh.io.atomic import atomic_dir, atomic_write_file, recover
+from quantmesh.io.reader import open_checkpoint
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # printed; with KILL_AT=n it SIGKILLs itself right after the n-th os.rename of the swap.
 WRITER = r"""
 import os, signal, sys, time
-from quantmesh.atomic import atomic_dir
+from quantmesh.io.atomic import atomic_dir
 path, kill_at = sys.argv[1], int(sys.argv[2])
 real_rename, calls = os.rename, [0]
 def rename(a, b):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantmesh.checkpoint import CheckpointKeyError, open_checkpoint
+from quantmesh.io.reader import CheckpointKeyError, open_checkpoint
 
 TINY_CHUNK = 16  # bytes: smaller than any row, so every read walks one row per chunk
 

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from quantmesh.data import (
+from quantmesh.train.data import (
     IGNORE_INDEX,
     DataError,
     Document,

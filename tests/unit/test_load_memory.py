@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantmesh.checkpoint import DEFAULT_CHUNK_BYTES, open_checkpoint
+from quantmesh.io.reader import DEFAULT_CHUNK_BYTES, open_checkpoint
 
 ROWS, COLS, N = 4096, 16384, 4  # 4 x 256 MiB fp32
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""quantmesh.memory: the bytes-per-rank estimate against what a parallelized model really holds.
+"""quantmesh.plan.memory: the bytes-per-rank estimate against what a parallelized model really holds.
 
 Weights and adapter counts are compared exactly with a model parallelized on 2 gloo ranks (fp32,
 9 heads / 3 KV heads split 6 + 3). Activations are compared with what autograd really saves
@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from quantmesh.memory import MemoryEstimate, estimate_memory, format_bytes
+from quantmesh.plan.memory import MemoryEstimate, estimate_memory, format_bytes
 from quantmesh.testing import run_ranks
 
 SMOL_LAYER = dict(  # SmolLM2-135M's layer, 4 of them, a small vocabulary
@@ -122,8 +122,10 @@ def test_weights_and_adapters_match_a_parallelized_model_on_each_rank() -> None:
     meta = _model(True, **TINY)
     lora = qm.LoraConfig(r=4)
     for rank, got in enumerate(real):
-        from quantmesh.autoplan import auto_plan
-        from quantmesh.memory import _for_rank  # one rank's figure (estimate_memory takes the max)
+        from quantmesh.plan.auto import auto_plan
+        from quantmesh.plan.memory import (
+            _for_rank,  # one rank's figure (estimate_memory takes the max)
+        )
 
         res = auto_plan(meta, 2).resolve(meta, 2)
         est = _for_rank(meta, res, rank, None, None, lora, torch.float32, 4, 8, 1, 1)

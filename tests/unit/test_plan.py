@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import quantmesh as qm
-from quantmesh.heads import HeadInfo, split_features
-from quantmesh.styles import segmented_split, unit_split
+from quantmesh.plan.heads import HeadInfo, split_features
+from quantmesh.plan.styles import segmented_split, unit_split
 from tests import models as M
 
 
@@ -351,7 +351,7 @@ def test_errors_come_before_any_allocation() -> None:
     """parallelize validates the whole plan first: a bad rule fails with the model untouched."""
     model = M.nmt()
     before = {n: type(m) for n, m in model.named_modules()}
-    mesh = SimpleNamespace(tp=2, tp_rank=0, dp=1, devices=[torch.device("cpu")])
+    mesh = SimpleNamespace(tp=2, tp_rank=0, dp=1, pp=1, devices=[torch.device("cpu")])
     with pytest.raises(qm.PlanError, match="is an Embedding"):
         qm.parallelize(
             model, mesh, plan={"generator": "colwise", "encoder.embeddings.word_lut": "rowwise"}

@@ -68,7 +68,7 @@ def _layout() -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     """The `demo` command: prepare the assets here, then launch the ranks."""
     from .assets import AssetError, cache_dir, prepare_shakespeare, prepare_smollm2
-    from .errors import run_workers
+    from .runner import run_workers
 
     t0 = time.perf_counter()
     with user_errors():
@@ -123,8 +123,8 @@ def demo_worker(payload: str) -> int:
 
     import quantmesh as qm
 
-    from ..data import build_dataset
-    from ..train import TrainConfig, train
+    from ..train.data import build_dataset
+    from ..train.loop import TrainConfig, train
     from .generate import GenerateConfig, generate_text
 
     d = json.loads(payload)
@@ -194,7 +194,9 @@ def demo_worker(payload: str) -> int:
 
 def _split_summary(model) -> str:
     """'q_proj 6+3 heads, k/v_proj 2+1 KV heads' from the resolved plan of the first layer."""
-    res = getattr(model, "_qm_plan", None)
+    from ..state import parallel_state
+
+    res = parallel_state(model).plan
     parts = []
     for name in ("q_proj", "k_proj"):
         e = next((e for f, e in (res.entries.items() if res else []) if f.endswith(name)), None)

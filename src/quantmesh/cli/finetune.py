@@ -21,11 +21,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..quant.names import FORMATS
 from .errors import CliError, user_errors
 
 __all__ = ["FinetuneConfig", "add_parser", "load_config", "run"]
 
-QUANTS = ("none", "nf4", "fp4", "int8")
+QUANTS = ("none", *FORMATS)  # the choices of --quant
 SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -175,7 +176,7 @@ class FinetuneConfig:
 
     def train_config(self):
         """The quantmesh.train.TrainConfig part of this run."""
-        from ..train import TrainConfig
+        from ..train.loop import TrainConfig
 
         names = ("micro_batch", "grad_accum", "lr", "weight_decay", "warmup_steps", "schedule")
         names += ("steps", "epochs", "eval_every", "save_every", "seed", "max_grad_norm")
@@ -322,7 +323,7 @@ def config_from_args(args: argparse.Namespace, *, torchrun: bool = False) -> Fin
 def run(args: argparse.Namespace) -> int:
     """The `finetune` command: validate, then launch the workers (or run in place under torchrun)."""
     from . import worker
-    from .errors import run_workers
+    from .runner import run_workers
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     with user_errors():
@@ -370,11 +371,11 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     """
     import torch
 
-    from ..autoplan import auto_plan
-    from ..data import read_documents
     from ..lora import lora_targets
-    from ..memory import estimate_memory
-    from ..train import resolve_resume
+    from ..plan.auto import auto_plan
+    from ..plan.memory import estimate_memory
+    from ..train.data import read_documents
+    from ..train.loop import resolve_resume
     from .plan_cmd import check_memory, load_skeleton
 
     config, model = load_skeleton(cfg.model)

@@ -19,7 +19,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..quant.names import FORMATS
 from .errors import CliError, user_errors
+
+QUANTS = ("none", *FORMATS)  # the choices of --quant
 
 __all__ = ["GenerateConfig", "add_parser", "check_adapter", "generate_text", "run"]
 
@@ -96,7 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
     p.add_argument("--adapter", help="PEFT LoRA adapter folder")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--quant", choices=("none", "nf4", "fp4", "int8"), default="none")
+    p.add_argument("--quant", choices=QUANTS, default="none")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
@@ -115,8 +118,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """The `generate` command: check, then launch tp workers (or run in place under torchrun)."""
     from . import worker
-    from .errors import run_workers
     from .plan_cmd import load_skeleton
+    from .runner import run_workers
 
     with user_errors():
         cfg = GenerateConfig(
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         _, model = load_skeleton(cfg.model)
         if cfg.adapter:
             check_adapter(model, cfg.adapter)
-        from ..autoplan import auto_plan
+        from ..plan.auto import auto_plan
 
         auto_plan(model, cfg.tp).resolve(model, cfg.tp)
         under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -160,8 +163,8 @@ def check_adapter(model, adapter: str | Path) -> None:
     Example:
         >>> check_adapter(skeleton, "out/adapter")  # doctest: +SKIP
     """
+    from ..io.adapter import adapter_lora_config
     from ..lora import LoraError
-    from ..save_peft import adapter_lora_config
     from ..tp.kinds import kind_of
 
     path = Path(adapter).expanduser()
@@ -226,7 +229,9 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
     import torch
     from transformers import TextStreamer
 
-    mesh = model._qm_mesh
+    from ..state import parallel_state
+
+    mesh = parallel_state(model).mesh
     device = mesh.device
     if cfg.chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(

@@ -14,7 +14,10 @@ import argparse
 import json
 from pathlib import Path
 
+from ..quant.names import FORMATS
 from .errors import CliError, user_errors
+
+QUANTS = ("none", *FORMATS)  # the choices of --quant
 
 __all__ = ["add_parser", "check_memory", "device_budget", "load_skeleton", "run"]
 
@@ -78,7 +81,7 @@ def device_budget(nproc_local: int) -> tuple[str, int, str]:
     """
     import torch
 
-    from ..memory import format_bytes
+    from ..plan.memory import format_bytes
 
     if torch.cuda.is_available():
         n = min(nproc_local, torch.cuda.device_count())
@@ -107,7 +110,7 @@ def check_memory(est, nproc_local: int, *, what: str) -> None:
     Example:
         >>> check_memory(estimate_memory(model, tp=2, ...), 2, what="training")  # doctest: +SKIP
     """
-    from ..memory import format_bytes
+    from ..plan.memory import format_bytes
 
     kind, budget, source = device_budget(nproc_local)
     if est.total <= budget:
@@ -132,7 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="transformers model folder (only config.json is read)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
-    p.add_argument("--quant", choices=("none", "nf4", "fp4", "int8"), default="none")
+    p.add_argument("--quant", choices=QUANTS, default="none")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = no training (default)")
     p.add_argument("--lora-targets", nargs="+", help="module names (default all projections)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
@@ -165,9 +168,9 @@ def plan_report(model, args: argparse.Namespace) -> str:
     """The table and the estimate as printed by `quantmesh plan`."""
     import torch
 
-    from ..autoplan import auto_plan
     from ..lora import LoraConfig, lora_targets
-    from ..memory import estimate_memory
+    from ..plan.auto import auto_plan
+    from ..plan.memory import estimate_memory
 
     plan = auto_plan(model, args.tp)
     table = plan.table(model, args.tp)

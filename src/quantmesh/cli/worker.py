@@ -2,7 +2,7 @@
 
 The launching command has already validated everything it could; the JSON holds its resolved
 settings, so every rank runs exactly the same thing. A failure becomes one line naming the rank
-(errors.worker_main); the traceback of an unexpected one is kept in OUTPUT/logs/rank-R.log.
+(runner.worker_main); the traceback of an unexpected one is kept in OUTPUT/logs/rank-R.log.
 
 Example:
     $ torchrun --nproc-per-node 2 -m quantmesh.cli.worker finetune '{"model": "m", ...}'
@@ -38,7 +38,7 @@ def setup_worker() -> None:
 
 
 def _dataset(cfg, tokenizer):
-    from ..data import build_dataset
+    from ..train.data import build_dataset
     from .errors import CliError
 
     try:
@@ -58,7 +58,7 @@ def finetune(payload: str) -> int:
 
     import quantmesh as qm
 
-    from ..train import train
+    from ..train.loop import train
     from .finetune import FinetuneConfig
 
     cfg = FinetuneConfig.from_json(payload)
@@ -121,7 +121,7 @@ def generate(payload: str) -> int:
 
     import quantmesh as qm
 
-    from ..save_peft import adapter_lora_config
+    from ..io.adapter import adapter_lora_config
     from .generate import GenerateConfig, generate_text
 
     cfg = GenerateConfig(**json.loads(payload))
@@ -161,7 +161,7 @@ def run_in_place(kind: str, payload: str) -> int:
     setup_worker()
     out = json.loads(payload).get("output_dir")
     log_dir = Path(out) / "logs" if out else None
-    from .errors import worker_main
+    from .runner import worker_main
 
     rc = worker_main(lambda: KINDS[kind](payload), log_dir=log_dir)
     import torch.distributed as dist

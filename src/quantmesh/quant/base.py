@@ -15,7 +15,8 @@ from torch import nn
 
 __all__ = ["QuantConfig", "QuantFormat", "QuantError", "get_format", "resolve_quant"]
 
-FORMATS = ("nf4", "fp4", "int8")
+from .names import FORMATS
+
 BACKENDS = ("bitsandbytes", "torchao")
 
 
@@ -124,8 +125,11 @@ class QuantFormat(abc.ABC):
         """The module's weight as a float tensor (out, in), for export and merging."""
 
     @abc.abstractmethod
-    def bytes_per_param(self) -> float:
-        """Average bytes per weight element, statistics included (for the memory planner)."""
+    def bytes_per_param(self, in_features: int | None = None) -> float:
+        """Average bytes per weight element, statistics included (for the memory planner).
+
+        Per-row formats amortize their per-row statistics over `in_features` (None: an upper
+        bound); block formats ignore it."""
 
     def block_elems(self) -> int:
         """Elements per quantization block of the flattened weight (1 for per-row formats)."""

@@ -12,7 +12,13 @@ from torch import nn
 
 from .base import QuantConfig, QuantError
 
-__all__ = ["quantizable", "check_quantizable", "is_conv1d", "compute_dtype_for"]
+__all__ = [
+    "quantizable",
+    "check_quantizable",
+    "is_conv1d",
+    "is_quantized_linear",
+    "compute_dtype_for",
+]
 
 # class names of linears that already hold a quantized weight (bitsandbytes, torchao, ours)
 _QUANTIZED_NAMES = frozenset(
@@ -33,7 +39,13 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
-def _is_quantized(module: nn.Module) -> bool:
+def is_quantized_linear(module: nn.Module) -> bool:
+    """True for a linear that already holds a quantized weight (bitsandbytes, torchao, ours).
+
+    Example:
+        >>> is_quantized_linear(nn.Linear(4, 4))
+        False
+    """
     return any(c.__name__ in _QUANTIZED_NAMES for c in type(module).__mro__)
 
 
@@ -41,7 +53,7 @@ def _why_not(module: nn.Module) -> str | None:
     """None when `module` can be quantized, else the reason (a sentence fragment)."""
     kind = type(module).__name__
     a_kind = ("an " if kind[:1].lower() in "aeiou" else "a ") + kind
-    if _is_quantized(module):
+    if is_quantized_linear(module):
         return f"is already quantized ({kind})"
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         # nn.MultiheadAttention reads out_proj.weight directly, never calling out_proj(x)

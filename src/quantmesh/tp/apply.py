@@ -11,16 +11,12 @@ import torch
 from torch import nn
 
 from ..layersplit import device_of
-from ..styles import slice_dim
+from ..plan.styles import Style, slice_dim
 from .kinds import kind_of
-from .layers import ShardedModule, share_colwise_copies
+from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
+from .rng import RngRegions
 
-__all__ = ["apply_tp", "shared_params", "sharded_modules"]
-
-
-def sharded_modules(model: nn.Module) -> list[tuple[str, ShardedModule]]:
-    """(fqn, module) for every ShardedModule in `model`."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, ShardedModule)]
+__all__ = ["apply_tp", "shared_params"]
 
 
 def shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -42,7 +38,7 @@ def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) 
         if src is None:
             continue
         for fqn, pname in group:
-            if fqn in built or _inside_sharded(model, fqn):
+            if fqn in built or inside_sharded(fqn, built):
                 continue
             mod = model.get_submodule(fqn)
             if mod._parameters[pname].shape == src.shape:  # not a split or quantized tensor
@@ -50,7 +46,15 @@ def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) 
 
 
 def apply_tp(
-    model: nn.Module, mesh, resolved, *, wrap: dict[str, dict], placement, dtype=None, lora=None
+    model: nn.Module,
+    mesh,
+    resolved,
+    *,
+    wrap: dict[str, dict],
+    placement,
+    rng: RngRegions,
+    dtype=None,
+    lora=None,
 ) -> nn.Module:
     """Replace modules named in `wrap` ({fqn: {"fmt": QuantFormat|None}}) by ShardedModules.
 
@@ -68,7 +72,7 @@ def apply_tp(
         orig = model.get_submodule(fqn)
         entry = resolved.entries.get(fqn)
         split = entry.split if entry is not None else None
-        style = entry.style if split is not None else "replicate"
+        style = entry.style if split is not None else Style.REPLICATE
         device = device_of(placement, fqn)
         m = ShardedModule.build(
             orig,
@@ -105,6 +109,7 @@ def apply_tp(
     track = _has_dropout(model)  # without dropout, the RNG-region bookkeeping is pure overhead
     for m in built.values():
         m.track_rng = track
+        m.rng = rng
     share_colwise_copies(model)  # q, k, v (gate, up) share one input copy under compile too
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
@@ -130,12 +135,13 @@ def _materialize_rest(model: nn.Module, placement, dtype) -> None:
     """Everything not sharded: meta -> empty on its device; real -> moved (and cast) there.
     A parameter shared by several modules (tied weights) stays shared."""
     done: dict[int, nn.Parameter] = {}
+    sharded = sharded_modules(model)
     for fqn, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, ShardedModule):
             continue
         dev = device_of(placement, fqn)
         for name, p in list(mod._parameters.items()):
-            if p is None or _inside_sharded(model, fqn):
+            if p is None or inside_sharded(fqn, sharded):
                 continue
             if id(p) in done:
                 mod._parameters[name] = done[id(p)]
@@ -155,11 +161,3 @@ def _materialize_rest(model: nn.Module, placement, dtype) -> None:
                 mod._buffers[name] = torch.empty_like(b, device=dev)
             elif b.device != dev:
                 mod._buffers[name] = b.to(dev)
-
-
-def _inside_sharded(model: nn.Module, fqn: str) -> bool:
-    parts = fqn.split(".")
-    for i in range(len(parts), 0, -1):
-        if isinstance(model.get_submodule(".".join(parts[:i])), ShardedModule):
-            return True
-    return False

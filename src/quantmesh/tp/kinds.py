@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..quant.kinds import is_conv1d, is_quantized_linear
+
 __all__ = ["Kind", "kind_of"]
 
 
@@ -35,19 +37,15 @@ CONV2D = Kind("Conv2d", 0, 1, 1, False)
 
 def kind_of(module: nn.Module) -> Kind | None:
     """The Kind of `module`, or None when quantmesh cannot shard it (it is then replicated)."""
-    if isinstance(module, nn.Linear) or _is_quant_linear(module):
+    if isinstance(module, nn.Linear) or is_quantized_linear(module):
         return LINEAR
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+    if is_conv1d(module):
         return CONV1D
     if isinstance(module, nn.Embedding):
         return EMBEDDING
     if isinstance(module, nn.Conv2d) and module.groups == 1:
         return CONV2D
     return None
-
-
-def _is_quant_linear(module: nn.Module) -> bool:
-    return type(module).__name__ in ("Linear4bit", "Linear8bitLt", "LinearNF4")
 
 
 class Conv1DNoBias(nn.Module):

@@ -9,28 +9,31 @@ built by a QuantFormat; this file never names a format. LoRA adapters, when atta
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
-from ..styles import FeatureSplit, Ranges
-from .comm import (
+from ..plan.styles import FeatureSplit, Ranges, Style
+from .collectives import (
     CopyShare,
     copy_to_tp,
     copy_to_tp_once,
     gather_from_tp,
     reduce_from_tp,
-    rng_regions,
     split_to_tp,
 )
 from .kinds import Kind, new_local
+from .rng import RngRegions
 
-__all__ = ["ShardedModule", "share_colwise_copies"]
+__all__ = ["ShardedModule", "inside_sharded", "share_colwise_copies", "sharded_modules"]
 
 # Styles whose bias lives whole on the wrapper and is added once to the complete output: after the
 # reduction (rowwise: a per-rank bias would be summed tp times), or after the gather (colwise_gather:
 # so a bias shared with another module's parameter, like BERT's cls.predictions.bias, stays one
 # tensor that both modules update).
-WRAPPER_BIAS_STYLES = ("rowwise", "colwise_gather")
+WRAPPER_BIAS_STYLES = (Style.ROWWISE, Style.COLWISE_GATHER)
 
 
 class ShardedModule(nn.Module):
@@ -52,7 +55,7 @@ class ShardedModule(nn.Module):
         orig: nn.Module,
         fqn: str,
         kind: Kind,
-        style: str,
+        style: Style | str,
         split: FeatureSplit | None,
         *,
         rank: int,
@@ -62,15 +65,16 @@ class ShardedModule(nn.Module):
         fmt=None,
     ) -> ShardedModule:
         self = cls()
+        style = Style(style)
         self.fqn, self.kind, self.style, self.split = fqn, kind, style, split
         self.tp_rank, self.group, self.fmt = rank, group, fmt
         self.tp = 1 if split is None else len(split.per_rank)
         in_full, out_full = kind.in_out(orig)
         self.in_full, self.out_full = in_full, out_full
         in_l, out_l = in_full, out_full
-        if style in ("colwise", "colwise_gather"):
+        if style.is_colwise:
             out_l = split.size(rank)
-        elif style in ("rowwise", "vocab"):
+        elif style.splits_input:
             in_l = split.size(rank)
         self.in_local, self.out_local = in_l, out_l
         has_bias = getattr(orig, "bias", None) is not None
@@ -99,8 +103,9 @@ class ShardedModule(nn.Module):
             )
         self.device_hint = torch.device(device)
         self.track_rng = True  # apply_tp turns it off when the model has no active dropout
+        self.rng = RngRegions()  # apply_tp gives every layer of a model the model's one instance
         self.lora_scale: float | None = None  # set by lora.attach_lora, with lora_A / lora_B
-        self.copy_share: CopyShare | None = None  # set by share_colwise_copies (compiled blocks)
+        self.copy_share: CopyShare | None = None  # set by share_colwise_copies
         return self
 
     # ---- parameters shared with the hidden local module --------------------------------------
@@ -134,11 +139,11 @@ class ShardedModule(nn.Module):
         out: dict[str, tuple[int, Ranges] | None] = {"weight": None}
         if self.has_bias:
             out["bias"] = None
-        if st in ("colwise", "colwise_gather"):
+        if st.is_colwise:
             out["weight"] = (k.w_out_dim, self.split.ranges(r))
-            if self.has_bias and st == "colwise":
+            if self.has_bias and st == Style.COLWISE:
                 out["bias"] = (0, self.split.ranges(r))
-        elif st in ("rowwise", "vocab"):
+        elif st.splits_input:
             out["weight"] = (k.w_in_dim, self.split.ranges(r))
         return out
 
@@ -197,21 +202,21 @@ class ShardedModule(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         st, g, tp = self.style, self.group, self.tp
-        if st == "vocab":
+        if st == Style.VOCAB:
             return self._vocab_forward(x)
-        if st == "rowwise":
+        if st == Style.ROWWISE:
             return self._rowwise_forward(x, *args, **kwargs)
         # colwise / colwise_gather / replicate: the input is whole on every rank
         dev = self.device_hint
         rng = tp > 1 and self.track_rng and self.training  # dropout anywhere: keep masks aligned
         if self.lora_scale is not None:
             if rng:  # x is whole: its dropout mask must be the same on every rank (RngRegions)
-                with rng_regions.replicated(dev):
+                with self.rng.replicated(dev):
                     xd = self.lora_dropout(x)
             else:
                 xd = self.lora_dropout(x)
         if rng:  # the output is split: random draws from here on are this rank's own
-            rng_regions.enter(dev, self.tp_rank)
+            self.rng.enter(dev, self.tp_rank)
         y = self.local(copy_to_tp_once(x, g, self.copy_share) if tp > 1 else x, *args, **kwargs)
         if self.lora_scale is not None:
             # A is whole and sees the whole input, so its gradient is complete on every rank;
@@ -220,11 +225,11 @@ class ShardedModule(nn.Module):
             if tp > 1:
                 a = copy_to_tp(a, g)
             y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
-        if st == "colwise_gather" and tp > 1:
+        if st == Style.COLWISE_GATHER and tp > 1:
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
             if rng:
-                rng_regions.exit(dev)  # whole again
-        bias = self._parameters.get("bias") if st == "colwise_gather" else None
+                self.rng.exit(dev)  # whole again
+        bias = self._parameters.get("bias") if st == Style.COLWISE_GATHER else None
         if bias is not None:  # whole, after the gather: (out_full,) broadcast on the feature dim
             shape = [1] * y.dim()
             shape[self.kind.feat_dim] = -1
@@ -242,7 +247,7 @@ class ShardedModule(nn.Module):
             x = split_to_tp(x, fd, self.split.sizes(), self.tp_rank, g)
         rng = tp > 1 and self.track_rng and self.training
         if rng:  # x is split (its writer entered already when it was colwise)
-            rng_regions.enter(self.device_hint, self.tp_rank)
+            self.rng.enter(self.device_hint, self.tp_rank)
         y = self.local(x, *args, **kwargs)  # (..., out) partial sum over this rank's inputs
         a = None
         if self.lora_scale is not None:
@@ -256,7 +261,7 @@ class ShardedModule(nn.Module):
         elif tp > 1:
             y = reduce_from_tp(y, g)
         if rng:  # y is whole again: back to the shared random stream
-            rng_regions.exit(self.device_hint)
+            self.rng.exit(self.device_hint)
         bias = self._parameters.get("bias")
         if bias is not None:
             shape = [1] * y.dim()
@@ -282,15 +287,16 @@ class ShardedModule(nn.Module):
         )
 
 
-def _clear_copy_shares(module: nn.Module, args, output) -> None:
-    for share in module._qm_copy_shares:
+def _clear_shares(shares: list[CopyShare], module: nn.Module, args, output) -> None:
+    for share in shares:
         share.clear()
 
 
 def share_colwise_copies(model: nn.Module) -> int:
     """Give the colwise sharded children of one module that read inputs of one width over one tp
-    group (q, k, v; gate, up) one CopyShare, emptied by a forward hook on that module: compiled
-    blocks then all-reduce one gradient per block input, as eager does. Returns the number of shares.
+    group (q, k, v; gate, up) one CopyShare, emptied by a forward hook on that module (run also when
+    its forward raises): eager and compiled blocks then all-reduce one gradient per block input.
+    Call once per model (apply_tp does). Returns the number of shares.
 
     Example:
         >>> share_colwise_copies(model)  # doctest: +SKIP
@@ -302,11 +308,7 @@ def share_colwise_copies(model: nn.Module) -> int:
             continue  # never called: nothing would empty its share
         siblings: dict[tuple[object, int], list[ShardedModule]] = {}
         for child in parent.children():
-            if (
-                isinstance(child, ShardedModule)
-                and child.tp > 1
-                and child.style in ("colwise", "colwise_gather")
-            ):
+            if isinstance(child, ShardedModule) and child.tp > 1 and child.style.is_colwise:
                 siblings.setdefault((child.group, child.in_full), []).append(child)
         shares = []
         for members in siblings.values():
@@ -316,8 +318,28 @@ def share_colwise_copies(model: nn.Module) -> int:
                     m.copy_share = share
                 shares.append(share)
         if shares:
-            if "_qm_copy_shares" not in vars(parent):
-                parent.register_forward_hook(_clear_copy_shares)
-            parent._qm_copy_shares = shares
+            parent.register_forward_hook(functools.partial(_clear_shares, shares), always_call=True)
             n += len(shares)
     return n
+
+
+def sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
+    """{fqn: ShardedModule} of `model`, in model order: the one listing of sharded modules.
+
+    Example:
+        >>> list(sharded_modules(model))[:1]  # doctest: +SKIP
+        ['model.layers.0.self_attn.q_proj']
+    """
+    return {n: m for n, m in model.named_modules() if isinstance(m, ShardedModule)}
+
+
+def inside_sharded(name: str, sharded: Mapping[str, ShardedModule]) -> bool:
+    """True when the module or tensor `name` is one of `sharded` (from `sharded_modules`) or belongs
+    to one (its own parameters, or its LoRA children's).
+
+    Example:
+        >>> inside_sharded("model.q_proj.lora_A.weight", {"model.q_proj": q})  # doctest: +SKIP
+        True
+    """
+    parts = name.split(".") if name else []
+    return any(".".join(parts[:i]) in sharded for i in range(len(parts), -1, -1))

@@ -14,11 +14,13 @@ projections (GPT-2's c_attn = q|k|v: each segment split on head boundaries).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "Style",
     "STYLES",
     "Ranges",
     "FeatureSplit",
@@ -28,7 +30,42 @@ __all__ = [
     "slice_dim",
 ]
 
-STYLES = ("colwise", "colwise_gather", "rowwise", "vocab", "replicate")
+
+class Style(str, enum.Enum):
+    """A sharding style. A str, so that plans written as plain strings compare and hash equal.
+
+    Example:
+        >>> Style("rowwise") is Style.ROWWISE, Style.COLWISE_GATHER.is_colwise
+        (True, True)
+    """
+
+    COLWISE = "colwise"
+    COLWISE_GATHER = "colwise_gather"
+    ROWWISE = "rowwise"
+    VOCAB = "vocab"
+    REPLICATE = "replicate"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # messages quote styles as the user writes them: 'rowwise'
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def is_colwise(self) -> bool:
+        """Output features split (the input is whole on every rank)."""
+        return self in (Style.COLWISE, Style.COLWISE_GATHER)
+
+    @property
+    def splits_input(self) -> bool:
+        """Input features split (rowwise: features; vocab: token ids)."""
+        return self in (Style.ROWWISE, Style.VOCAB)
+
+
+STYLES = tuple(s.value for s in Style)
 
 # transformers' tp plan vocabulary -> ours (their names vary across versions)
 HF_STYLE_ALIASES = {

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..tp.kinds import Kind, kind_of
 from .heads import KV_ATTRS, Q_ATTRS, SIZE_ATTRS, HeadInfo, find_heads, split_features
-from .styles import HF_STYLE_ALIASES, STYLES, FeatureSplit
-from .tp.kinds import Kind, kind_of
+from .styles import HF_STYLE_ALIASES, STYLES, FeatureSplit, Style
 
 __all__ = ["Plan", "PlanError", "Entry", "Resolved"]
 
@@ -31,12 +31,12 @@ class Entry:
 
     fqn: str
     type_name: str
-    style: str
+    style: Style
     split: FeatureSplit | None
     reason: str
     kind: Kind | None = None
     heads: HeadInfo | None = None
-    requested: str = ""  # the plan's style, before any downgrade to replicate
+    requested: Style | None = None  # the plan's style, before any downgrade to replicate
 
     def local_shape(self, module: nn.Module, rank: int) -> tuple[int, ...]:
         """Shape of rank's local weight (in the module's own layout)."""
@@ -45,7 +45,7 @@ class Entry:
             return ()
         shape = list(w.shape)
         if self.split is not None and self.kind is not None:
-            dim = self.kind.w_out_dim if self.style.startswith("colwise") else self.kind.w_in_dim
+            dim = self.kind.w_out_dim if self.style.is_colwise else self.kind.w_in_dim
             shape[dim] = self.split.size(rank)
         return tuple(shape)
 
@@ -64,11 +64,11 @@ class Resolved:
         return [e for e in self.entries.values() if e.split is not None]
 
 
-def _canon(style: str, where: str) -> str:
+def _canon(style: str, where: str) -> Style:
     s = HF_STYLE_ALIASES.get(style, style)
     if s not in STYLES:
         raise PlanError(f"unknown style {style!r} for {where}; use one of {', '.join(STYLES)}")
-    return s
+    return Style(s)
 
 
 class Plan:
@@ -165,30 +165,32 @@ class Plan:
         kind = kind_of(mod)
         note = self.notes.get(rule, self.notes.get(fqn, ""))
         tname = type(mod).__name__
-        if style == "replicate":
+        if style == Style.REPLICATE:
             return Entry(
-                fqn, tname, "replicate", None, note or "replicated: by plan", kind, None, style
+                fqn, tname, Style.REPLICATE, None, note or "replicated: by plan", kind, None, style
             )
         if kind is None:
             raise PlanError(
                 f"style {style!r} does not fit {fqn} ({tname}): quantmesh splits Linear, "
                 f"transformers Conv1D, Embedding and Conv2d (groups=1); use 'replicate' for it"
             )
-        if style == "vocab" and kind.name != "Embedding":
+        if style == Style.VOCAB and kind.name != "Embedding":
             raise PlanError(
                 f"style 'vocab' needs an Embedding, but {fqn} is a {tname}; "
                 f"use 'colwise' or 'rowwise'"
             )
-        if style != "vocab" and kind.name == "Embedding":
+        if style != Style.VOCAB and kind.name == "Embedding":
             raise PlanError(f"{fqn} is an Embedding; use 'vocab' (split its rows) or 'replicate'")
         in_f, out_f = kind.in_out(mod)
-        n = out_f if style.startswith("colwise") else in_f
-        heads = find_heads(model, fqn) if style in ("colwise", "rowwise") else None
+        n = out_f if style.is_colwise else in_f
+        heads = find_heads(model, fqn) if style in (Style.COLWISE, Style.ROWWISE) else None
         if tp == 1:
             return Entry(fqn, tname, style, None, "tp=1", kind, heads, style)
         split, how = split_features(n, tp, heads)
         if split is None:
-            return Entry(fqn, tname, "replicate", None, f"replicated: {how}", kind, heads, style)
+            return Entry(
+                fqn, tname, Style.REPLICATE, None, f"replicated: {how}", kind, heads, style
+            )
         why = f"{note + ', ' if note else ''}{how}"
         return Entry(fqn, tname, style, split, why, kind, heads, style)
 
@@ -258,13 +260,16 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
     from .styles import segmented_split
 
     for e in list(entries.values()):
-        if e.style != "colwise" or e.split is None:
+        if e.style != Style.COLWISE or e.split is None:
             continue
         parent = e.fqn.rsplit(".", 1)[0] if "." in e.fqn else ""
         mod = model.get_submodule(e.fqn)
         out_f = e.kind.in_out(mod)[1]
         for o in entries.values():
-            if o.style != "rowwise" or (o.fqn.rsplit(".", 1)[0] if "." in o.fqn else "") != parent:
+            if (
+                o.style != Style.ROWWISE
+                or (o.fqn.rsplit(".", 1)[0] if "." in o.fqn else "") != parent
+            ):
                 continue
             in_r = o.kind.in_out(model.get_submodule(o.fqn))[0]
             h = e.heads
@@ -289,7 +294,7 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
                     base = e.reason.rsplit(", ", 1)[0] + ", " if ", " in e.reason else ""
                     e.reason = f"{base}{len(segs)} packed segments, each {hows[0]}"
                 else:
-                    e.style, e.split = "replicate", None
+                    e.style, e.split = Style.REPLICATE, None
                     e.reason = f"replicated: packed segments of {e.fqn} cannot be split over {tp}"
                 break
 
@@ -317,7 +322,7 @@ def _check_direct_use(model: nn.Module, entries: dict[str, Entry]) -> None:
         for i in range(len(parts) - 1, -1, -1):
             anc = model.get_submodule(".".join(parts[:i]))
             if pat.search(_forward_src(type(anc))):
-                e.style, e.split = "replicate", None
+                e.style, e.split = Style.REPLICATE, None
                 e.reason = f"replicated: {type(anc).__name__}.forward reads {name}.weight directly"
                 break
 
@@ -335,11 +340,11 @@ def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
     """
     layers = {n: kind_of(m) for n, m in model.named_modules() if kind_of(m) is not None}
     in_size = {n: k.in_out(model.get_submodule(n))[0] for n, k in layers.items()}
-    writers = {n for n, e in entries.items() if e.requested in ("colwise", "colwise_gather")} | {
-        n for n, k in layers.items() if k.name == "Embedding"
-    }
+    writers = {
+        n for n, e in entries.items() if e.requested is not None and e.requested.is_colwise
+    } | {n for n, k in layers.items() if k.name == "Embedding"}
     for e in entries.values():
-        if e.style != "colwise" or e.split is None:
+        if e.style != Style.COLWISE or e.split is None:
             continue
         out_f = e.kind.in_out(model.get_submodule(e.fqn))[1]
         conv = e.kind.name == "Conv2d"
@@ -364,10 +369,10 @@ def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
             lost = [
                 n
                 for n in readers
-                if n not in entries or entries[n].style != "rowwise" or entries[n].split is None
+                if n not in entries or entries[n].style != Style.ROWWISE or entries[n].split is None
             ]
             if lost:
-                e.style, e.split = "replicate", None
+                e.style, e.split = Style.REPLICATE, None
                 rel = lost[0][len(scope) + 1 :] if scope else lost[0]  # the same in every block
                 e.reason = f"replicated: its reader {rel} is not split rowwise"
             break
@@ -401,7 +406,7 @@ def _param_split(e: Entry | None, pname: str):
     rowwise or colwise_gather bias is whole on every rank: see tp/layers.py)."""
     if e is None or e.split is None:
         return None
-    if pname == "weight" or (pname == "bias" and e.style == "colwise"):
+    if pname == "weight" or (pname == "bias" and e.style == Style.COLWISE):
         return e.split.per_rank
     return None
 
@@ -411,7 +416,7 @@ def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
     out: dict[str, dict[str, list[int]]] = {}
     for e in entries.values():
         h = e.heads
-        if e.split is None or h is None or h.from_config or e.style != "colwise":
+        if e.split is None or h is None or h.from_config or e.style != Style.COLWISE:
             continue
         mod = model.get_submodule(e.fqn)
         q = h.q_size

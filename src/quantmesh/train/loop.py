@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..state import parallel_state
+
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "lr_at", "train"]
 
 IGNORE_INDEX = -100
@@ -119,9 +121,9 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 
 
 def _device(model: nn.Module) -> torch.device:
-    mesh = getattr(model, "_qm_mesh", None)
-    if mesh is not None:
-        return mesh.device
+    st = parallel_state(model, required=False)  # a plain model too: evaluate takes one
+    if st is not None:
+        return st.mesh.device
     return next(model.parameters()).device
 
 
@@ -169,8 +171,8 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
         >>> evaluate(model, dataset.eval, micro_batch=4)  # doctest: +SKIP
         2.87
     """
-    mesh = getattr(model, "_qm_mesh", None)
-    dp, dp_rank = (mesh.dp, mesh.dp_rank) if mesh is not None else (1, 0)
+    st = parallel_state(model, required=False)
+    dp, dp_rank = (st.mesh.dp, st.mesh.dp_rank) if st is not None else (1, 0)
     was_training = model.training
     model.eval()
     mine = examples[dp_rank::dp]
@@ -180,7 +182,7 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
         batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
         s, n = loss_sum(model, batch)
         total, count = total + float(s), count + n
-    total, count = _all_sum([total, count], mesh, _device(model))
+    total, count = _all_sum([total, count], st.mesh if st is not None else None, _device(model))
     model.train(was_training)
     return total / max(count, 1.0)
 
@@ -288,9 +290,7 @@ def train(
 
     import quantmesh as qm
 
-    mesh = getattr(model, "_qm_mesh", None)
-    if mesh is None:
-        raise ValueError("train() needs a model from qm.parallelize or qm.from_pretrained")
+    mesh = parallel_state(model).mesh  # a model from qm.parallelize or qm.from_pretrained
     out = Path(output_dir)
     rank0 = mesh.rank == 0
     device = _device(model)

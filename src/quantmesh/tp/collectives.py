@@ -11,11 +11,6 @@ gloo has no uneven all_gather.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-import zlib
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -28,7 +23,6 @@ __all__ = [
     "reduce_from_tp",
     "gather_from_tp",
     "split_to_tp",
-    "rng_regions",
 ]
 
 
@@ -112,21 +106,19 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
 
-_LAST_COPY: dict[object, tuple[weakref.ref, torch.Tensor]] = {}  # group -> (input, its copy)
-
-
 class CopyShare:
-    """One copy_to_tp of a block input for sibling colwise layers (q, k, v; gate, up), under compile.
+    """One copy_to_tp of a block input for sibling colwise layers (q, k, v; gate, up).
 
-    `_LAST_COPY` (a module-level slot holding a weak reference) is Python state that dynamo cannot
-    trace, so compiled blocks would all-reduce each sibling's input gradient separately. apply_tp
-    gives the colwise sharded children of one parent module that share a tp group and an input
-    width one CopyShare, and the parent a forward hook that empties it. Within the parent's forward,
-    the first sibling copies its input and keeps (input, copy) here, and a sibling given the very
-    same tensor (dynamo traces `is` on tensors) reuses the copy; only colwise layers of one group
-    ever meet here, so a replicated reader of the tensor keeps its own gradient. Emptied at the end
-    of the parent's forward, it holds no tensor between forwards: a compiled block starts and ends
-    with an empty share (no extra graph inputs or outputs, no guard on a stale tensor).
+    Autograd then sums the siblings' input gradients *before* one all-reduce instead of
+    all-reducing each layer's gradient of x: 1 collective per block input instead of 3 (attention)
+    or 2 (gated MLP). apply_tp gives the colwise sharded children of one parent module that share a
+    tp group and an input width one CopyShare, and the parent a forward hook that empties it. Within
+    the parent's forward the first sibling copies its input and keeps (input, copy) here; a sibling
+    given the very same tensor reuses the copy (dynamo traces `is` on tensors, so eager and compiled
+    blocks issue the same collectives). Only colwise layers of one group meet here, so a replicated
+    reader of the tensor keeps its own gradient. Emptied at the end of the parent's forward (also
+    when it raises), it holds no tensor between forwards: a compiled block starts and ends with an
+    empty share (no extra graph inputs or outputs, no guard on a stale tensor).
     """
 
     def __init__(self) -> None:
@@ -145,30 +137,16 @@ class CopyShare:
 
 
 def copy_to_tp_once(x: torch.Tensor, group, share: CopyShare | None = None) -> torch.Tensor:
-    """copy_to_tp, shared by every colwise layer that reads the same tensor (q, k, v; gate, up).
-
-    Autograd then sums their input gradients *before* the one all-reduce, instead of all-reducing
-    each layer's gradient of x separately: 1 collective per block input instead of 3 (attention) or
-    2 (gated MLP). Eagerly, one slot per group remembers the last input (weakly) and its copy
-    (strongly: the copy may have no other owner between q_proj and k_proj), so at most one
-    activation is held. Under torch.compile the layer's `share` (see CopyShare) does it instead;
-    a layer without one gets a copy of its own there.
+    """copy_to_tp, shared through `share` by every colwise sibling that reads the same tensor.
 
     Example:
-        >>> q_in = copy_to_tp_once(x, g); k_in = copy_to_tp_once(x, g)  # doctest: +SKIP
-        >>> q_in is k_in                                                # doctest: +SKIP
+        >>> s = CopyShare()                                                       # doctest: +SKIP
+        >>> copy_to_tp_once(x, g, s) is copy_to_tp_once(x, g, s)                  # doctest: +SKIP
         True
     """
     if not x.requires_grad:
         return x  # no gradient to reduce
-    if torch.compiler.is_compiling():
-        return copy_to_tp(x, group) if share is None else share.copy(x, group)
-    last = _LAST_COPY.get(group)
-    if last is not None and last[0]() is x:
-        return last[1]
-    y = copy_to_tp(x, group)
-    _LAST_COPY[group] = (weakref.ref(x), y)
-    return y
+    return copy_to_tp(x, group) if share is None else share.copy(x, group)
 
 
 def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -196,68 +174,3 @@ def split_to_tp(x: torch.Tensor, dim: int, sizes: list[int], rank: int, group) -
         >>> x_shard = split_to_tp(x, -1, [288, 288], mesh.tp_rank, mesh.tp_group)  # doctest: +SKIP
     """
     return _SplitToTP.apply(x, dim, list(sizes), rank, group)
-
-
-class RngRegions:
-    """Dropout masks: the same on every rank for whole activations, per rank for split ones.
-
-    Every rank starts from the same generator state (torch's default seed, or the same
-    torch.manual_seed), and whole activations draw the same amounts, so their masks agree. A split
-    region (between a colwise input and the rowwise output) draws per-rank amounts: uneven splits
-    (2+2+1+1 heads) would leave the ranks' generators apart, and every later mask on a whole
-    activation (residual dropout, LoRA dropout of a colwise layer) would differ per rank, so
-    replicated parameters would get different gradients and drift apart. So the sharded layers
-    mark the regions: `enter` saves the shared state and switches to a stream of this rank's own,
-    seeded from the shared state and the rank (so activation checkpointing, which replays the
-    shared state, replays these masks too); `exit` restores the shared state, untouched by the
-    region's draws. `replicated()` draws from the shared stream inside a region.
-    """
-
-    def __init__(self) -> None:
-        self._shared: dict[torch.device, torch.Tensor] = {}  # saved while inside a region
-
-    @staticmethod
-    def _get(device: torch.device) -> torch.Tensor:
-        return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-    @staticmethod
-    def _set(device: torch.device, state: torch.Tensor) -> None:
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state, device)
-        else:
-            torch.set_rng_state(state)
-
-    def enter(self, device: torch.device, rank: int) -> None:
-        """Start (or stay in) a split region on `device`."""
-        if device in self._shared:
-            return
-        state = self._get(device)
-        seed = (zlib.crc32(state.numpy().tobytes()) + 0x9E3779B1 * (rank + 1)) % 2**63
-        torch.empty(1, device=device).uniform_()  # advance the shared stream: next region differs
-        self._shared[device] = self._get(device)
-        own = torch.Generator(device=device)
-        own.manual_seed(seed)
-        self._set(device, own.get_state())
-
-    def exit(self, device: torch.device) -> None:
-        """Leave the split region: the shared stream continues where it was left."""
-        state = self._shared.pop(device, None)
-        if state is not None:
-            self._set(device, state)
-
-    @contextlib.contextmanager
-    def replicated(self, device: torch.device) -> Iterator[None]:
-        """Draw from the shared stream, inside a split region or not."""
-        if device not in self._shared:
-            yield
-            return
-        own = self._get(device)
-        self._set(device, self._shared[device])
-        try:
-            yield
-        finally:
-            self._shared[device] = self._get(device)
-            self._set(device, own)
-
-
-rng_regions = RngRegions()

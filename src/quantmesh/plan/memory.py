@@ -121,6 +121,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .styles import Style
+
 __all__ = ["MemoryEstimate", "estimate_memory", "format_bytes"]
 
 ADAPTER_BYTES = 4  # adapters are fp32 (lora.attach_lora), whatever the base dtype
@@ -274,9 +276,9 @@ def estimate_memory(
         >>> est.total / 2**30                                                         # doctest: +SKIP
         1.9
     """
-    from .autoplan import auto_plan
+    from ..quant.base import get_format, resolve_quant
+    from .auto import auto_plan
     from .plan import Plan
-    from .quant.base import get_format, resolve_quant
 
     if seq_len < 1 or micro_batch < 1:
         raise ValueError(f"seq_len={seq_len}, micro_batch={micro_batch}; both must be >= 1")
@@ -309,8 +311,8 @@ def _local(n: int, entry, rank: int) -> int:
 def _for_rank(
     model, resolved, rank, qcfg, fmt, lora, dtype, a, seq, mb, dp, compiled=False
 ) -> MemoryEstimate:
-    from .lora import lora_targets
-    from .tp.kinds import kind_of
+    from ..lora import lora_targets
+    from ..tp.kinds import kind_of
 
     est = MemoryEstimate(rank=rank)
     dt_bytes = torch.empty((), dtype=dtype).element_size()
@@ -332,9 +334,11 @@ def _for_rank(
         )
         if kind is not None:
             in_f, out_f = kind.in_out(mod)
-            style = entry.style if entry is not None and entry.split is not None else "replicate"
-            in_l = _local(in_f, entry, rank) if style in ("rowwise", "vocab") else in_f
-            out_l = _local(out_f, entry, rank) if style.startswith("colwise") else out_f
+            style = (
+                entry.style if entry is not None and entry.split is not None else Style.REPLICATE
+            )
+            in_l = _local(in_f, entry, rank) if style.splits_input else in_f
+            out_l = _local(out_f, entry, rank) if style.is_colwise else out_f
             widths[fqn] = (in_f, out_f, in_l, out_l)
         for pname, p in own:
             # A weight tied to another module is one tensor, unless quantization unties it.
@@ -352,7 +356,7 @@ def _for_rank(
                 else:
                     est.weights += n * dt_bytes
             else:  # bias: split with the outputs of a colwise layer, whole otherwise
-                n = out_l if style.startswith("colwise") else p.numel()
+                n = out_l if style.is_colwise else p.numel()
                 est.weights += n * dt_bytes
     est.transient = largest_dq
 
@@ -400,7 +404,7 @@ def _activations(
     def local_width(full_out: int) -> int:
         # This rank's width of a colwise projection with `full_out` outputs (first one found).
         for e in resolved.entries.values():
-            if e.split is not None and e.style == "colwise" and e.split.full == full_out:
+            if e.split is not None and e.style == Style.COLWISE and e.split.full == full_out:
                 return e.split.size(rank)
         return full_out
 
@@ -494,7 +498,7 @@ def _activations(
     # the gradient it returns, all (b, s, vocab) fp32 and all live at once: 12 bytes per logit.
     logits = tokens * dims.vocab * 12
     if any(
-        e.split is not None and e.style.startswith("colwise") and e.split.full == dims.vocab
+        e.split is not None and e.style.is_colwise and e.split.full == dims.vocab
         for e in resolved.entries.values()
     ):
         # A split head: copy_to_tp_once's one-slot cache holds the last colwise input it saw, the

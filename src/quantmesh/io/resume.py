@@ -34,10 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import open_checkpoint
-from .load import _coll_device, _rank, sharded_fqns
+from ..state import parallel_state
+from ..tp.layers import sharded_modules
+from .full import tp_sharded
+from .load import _coll_device, _rank
+from .reader import open_checkpoint
 from .save import ShardWriter, agreed, collective_save, full_tensor, in_first_replica, parse_size
-from .state import tp_sharded
 
 __all__ = ["save_state", "load_state"]
 
@@ -54,7 +56,7 @@ def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
 def _splits(model: nn.Module) -> dict[str, tuple[Any, str]]:
     """{fqn: (ShardedModule, local name)} of tensors split over tp."""
     out = {}
-    for fqn, m in sharded_fqns(model).items():
+    for fqn, m in sharded_modules(model).items():
         for name in tp_sharded(m):
             out[f"{fqn}.{name}" if fqn else name] = (m, name)
     return out
@@ -242,7 +244,8 @@ def save_state(
 
     trainable, splits, layout, max_bytes = agreed(check, "save_state")
     rngs = _gather_json(_rng_state())  # (world,) one state per global rank
-    mesh = getattr(model, "_qm_mesh", None)
+    st = parallel_state(model, required=False)
+    mesh = st.mesh if st is not None else None
 
     def produce(w) -> None:
         if in_first_replica(model):

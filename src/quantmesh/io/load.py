@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import CheckpointReader, KeyMap, Ranges, open_checkpoint
-from .state import tp_sharded
-from .tp.layers import ShardedModule
+from ..state import parallel_state
+from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
+from .full import tp_sharded
+from .reader import CheckpointReader, KeyMap, Ranges, open_checkpoint
 
 __all__ = [
     "LoadError",
@@ -41,7 +42,6 @@ __all__ = [
     "all_ranks_ok",
     "expected_keys",
     "load_checkpoint",
-    "sharded_fqns",
 ]
 
 _SHOW = 20  # names listed per category in an error before "... and N more"
@@ -125,16 +125,6 @@ def _rank() -> int:
 
 
 # ---- what the model expects ---------------------------------------------------------------------
-def sharded_fqns(model: nn.Module) -> dict[str, ShardedModule]:
-    """{fqn: ShardedModule} of `model`, in model order.
-
-    Example:
-        >>> sorted(sharded_fqns(model))[:1]  # doctest: +SKIP
-        ['lm_head']
-    """
-    return {n: m for n, m in model.named_modules() if isinstance(m, ShardedModule)}
-
-
 def _full_shape(m: ShardedModule, name: str) -> tuple[int, ...]:
     """Full (unsharded) shape of base parameter `name` of `m`, checkpoint layout."""
     if name == "bias":
@@ -151,15 +141,9 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _inside(name: str, sharded: Mapping[str, ShardedModule]) -> bool:
-    """True when tensor `name` belongs to a ShardedModule (its own or its LoRA children's)."""
-    parts = name.split(".")[:-1]
-    return any(".".join(parts[:i]) in sharded for i in range(len(parts), 0, -1)) or ("" in sharded)
-
-
 def _targets(model: nn.Module) -> list[_Target]:
     """Every tensor a checkpoint fills, one target per distinct tensor (tied names merged)."""
-    sharded = sharded_fqns(model)
+    sharded = sharded_modules(model)
     by_id: dict[int, _Target] = {}
     out: list[_Target] = []
 
@@ -202,13 +186,17 @@ def _targets(model: nn.Module) -> list[_Target]:
     for mname, mod in model.named_modules(remove_duplicate=False):
         for pname, p in mod._parameters.items():
             key = _join(mname, pname)
-            if p is None or _inside(key, sharded) or mname in sharded:
+            if p is None or inside_sharded(key, sharded) or mname in sharded:
                 continue
             dev = p.device if p.device.type != "meta" else torch.device("cpu")
             add(_Target(key, tuple(p.shape), None, None, [(mod, pname, "param")], p.dtype, dev), p)
         for bname, b in mod._buffers.items():
             key = _join(mname, bname)
-            if b is None or bname in mod._non_persistent_buffers_set or _inside(key, sharded):
+            if (
+                b is None
+                or bname in mod._non_persistent_buffers_set
+                or inside_sharded(key, sharded)
+            ):
                 continue
             if mname in sharded:
                 continue
@@ -221,7 +209,8 @@ def _tied_aliases(model: nn.Module, targets: list[_Target]) -> dict[str, list[st
     """{key: other keys with the same data}: names sharing one tensor, plus weights that were tied
     before parallelize untied them (a quantized head next to a float embedding)."""
     groups = [t.keys for t in targets if len(t.keys) > 1]
-    groups += [list(g) for g in getattr(model, "_qm_tied", [])]  # recorded by parallelize
+    st = parallel_state(model, required=False)
+    groups += [list(g) for g in (st.tied if st is not None else [])]  # recorded by parallelize
     alias: dict[str, list[str]] = {}
     for g in groups:
         for k in g:
@@ -305,8 +294,9 @@ def _put(t: _Target, value: torch.Tensor) -> None:
 
 def _leftovers(model: nn.Module, written: set[str]) -> list[str]:
     """Names still uninitialized: never-loaded shards, meta tensors, empty materialized ones."""
-    left = [n for n in getattr(model, "_qm_uninitialized", ()) if n not in written]
-    for fqn, m in sharded_fqns(model).items():
+    st = parallel_state(model, required=False)
+    left = [n for n in (st.uninitialized if st is not None else ()) if n not in written]
+    for fqn, m in sharded_modules(model).items():
         if not getattr(m, "loaded", True):
             left += [_join(fqn, n) for n in m.param_slices() if _join(fqn, n) not in written]
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
@@ -344,12 +334,13 @@ def _load(model, source, strict: bool, key_map, progress: bool) -> LoadResult:
     finally:
         if own:
             reader.close()
-    for m in sharded_fqns(model).values():
+    for m in sharded_modules(model).values():
         names = [_join(m.fqn, n) for n in m.param_slices()]
         if all(n in written for n in names):
             m.loaded = True
-    if hasattr(model, "_qm_uninitialized"):
-        model._qm_uninitialized = {n for n in model._qm_uninitialized if n not in written}
+    st = parallel_state(model, required=False)
+    if st is not None:
+        st.uninitialized -= written
     left = _leftovers(model, written)
     if left:
         msg = (

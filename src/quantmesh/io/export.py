@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..state import parallel_state
+from ..tp.layers import ShardedModule
+from .full import module_tensors
 from .load import _targets
 from .save import ShardWriter, agreed, collective_save, full_tensor, in_first_replica, parse_size
-from .state import module_tensors
-from .tp.layers import ShardedModule
 
 __all__ = ["export"]
 
@@ -131,7 +132,8 @@ def export(
 
     max_bytes = agreed(check, "export")
     hf = _is_hf(model)
-    tied_groups = [set(g) for g in getattr(model, "_qm_tied", [])]
+    st = parallel_state(model, required=False)
+    tied_groups = [set(g) for g in (st.tied if st is not None else [])]
 
     def produce(w) -> None:
         untied = False

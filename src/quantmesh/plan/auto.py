@@ -17,8 +17,9 @@ import fnmatch
 
 from torch import nn
 
+from ..tp.kinds import kind_of
 from .plan import Plan
-from .tp.kinds import kind_of
+from .styles import Style
 
 __all__ = ["auto_plan"]
 
@@ -115,10 +116,10 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
         rules.update(r)
         notes.update(n)
     for emb in embs:
-        rules[emb] = "vocab"
+        rules[emb] = Style.VOCAB
         notes[emb] = "input embedding"
     if head is not None:
-        rules[head] = "colwise_gather"
+        rules[head] = Style.COLWISE_GATHER
         notes[head] = "output head, logits gathered"
     _replicate_notes(model, rules, notes)
     return Plan(rules, notes=notes, model=model, tp=tp, user_rules=())
@@ -194,18 +195,18 @@ def _pair_block(bname: str, block: nn.Module, rules: dict, notes: dict) -> None:
         )
         if closes:
             for g, _ in group:
-                rules[g] = "colwise"
+                rules[g] = Style.COLWISE
                 notes[g] = "structure: reads the block input"
-            rules[fqn] = "rowwise"
+            rules[fqn] = Style.ROWWISE
             notes[fqn] = "structure: writes the residual stream"
             group = []
         elif fin == width:
             group.append((fqn, fout))
         else:
-            rules[fqn] = "replicate"
+            rules[fqn] = Style.REPLICATE
             notes[fqn] = "replicated: not part of a column/row pair"
     for g, _ in group:
-        rules[g] = "replicate"
+        rules[g] = Style.REPLICATE
         notes[g] = "replicated: no rowwise partner found after it"
 
 
@@ -237,9 +238,9 @@ def _pair_sequential(
         ka, kb = kind_of(ma), kind_of(mb)
         if (ka.name == "Conv2d") == (kb.name == "Conv2d") and kb.in_out(mb)[0] == ka.in_out(ma)[1]:
             what = "conv, output channels split" if ka.name == "Conv2d" else "output features split"
-            rules[a], notes[a] = "colwise", f"structure: {what}"
+            rules[a], notes[a] = Style.COLWISE, f"structure: {what}"
             what = "conv, input channels split" if ka.name == "Conv2d" else "input features split"
-            rules[b], notes[b] = "rowwise", f"structure: {what}"
+            rules[b], notes[b] = Style.ROWWISE, f"structure: {what}"
             i = j + 1
             continue
         i += 1
@@ -307,7 +308,7 @@ def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
             why = f"replicated: {t} has no parallel form"
         else:  # a linear or conv outside any column/row pair (a classifier, a pooler)
             why = "replicated: not part of a column/row pair"
-        rules[n] = "replicate"
+        rules[n] = Style.REPLICATE
         notes[n] = why
 
 

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .empty import empty_model
+from ..empty import empty_model
+from ..lora import LoraConfig
+from ..parallel import parallelize
+from ..plan.plan import Plan
+from ..quant.base import QuantConfig
 from .load import expected_keys, load_checkpoint
-from .lora import LoraConfig
-from .pipeline import parallelize
-from .plan import Plan
-from .quant.base import QuantConfig
 
 __all__ = ["from_pretrained", "hf_key_map"]
 

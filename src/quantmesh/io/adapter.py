@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..lora import LoraConfig, LoraError
+from ..state import parallel_state
+from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
-from .checkpoint import open_checkpoint
-from .load import sharded_fqns
-from .lora import LoraConfig, LoraError
+from .full import tp_sharded
+from .reader import open_checkpoint
 from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, in_first_replica
-from .state import tp_sharded
-from .tp.layers import ShardedModule
 
 __all__ = ["save_adapter", "load_adapter", "adapter_lora_config"]
 
@@ -40,7 +40,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 # ---- the adapter config ------------------------------------------------------------------------------
 def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
-    return {f: m for f, m in sharded_fqns(model).items() if m.lora_scale is not None}
+    return {f: m for f, m in sharded_modules(model).items() if m.lora_scale is not None}
 
 
 def _peft_targets(model: nn.Module, targets: set[str]) -> list[str] | str:
@@ -71,7 +71,8 @@ def _task_type(model: nn.Module) -> str | None:
 
 def _alpha(model: nn.Module, scale: float, r: int) -> float | int:
     """lora_alpha as the user gave it (scale = alpha / r), not re-derived through a float product."""
-    cfg = getattr(model, "_qm_lora", None)
+    st = parallel_state(model, required=False)
+    cfg = st.lora if st is not None else None
     alpha = (
         cfg.alpha if isinstance(cfg, LoraConfig) and math.isclose(cfg.alpha / r, scale) else None
     )
@@ -289,7 +290,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                                                device=dest.device))  # fmt: skip
                     m.lora_scale = alpha / r
                     m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
-        if isinstance(getattr(model, "_qm_lora", None), LoraConfig):
-            model._qm_lora = dataclasses.replace(model._qm_lora, alpha=alpha, dropout=p)
+        st = parallel_state(model, required=False)
+        if st is not None and st.lora is not None:
+            st.lora = dataclasses.replace(st.lora, alpha=alpha, dropout=p)
 
     agreed(run, "load_adapter")

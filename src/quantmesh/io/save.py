@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..state import parallel_state
+from ..tp.layers import ShardedModule
 from .atomic import atomic_dir
+from .full import gather_param, tp_sharded
 from .load import _rank, all_ranks_ok
-from .state import gather_param, tp_sharded
-from .tp.layers import ShardedModule
 
 __all__ = [
     "collective_save",
@@ -215,8 +216,8 @@ def in_first_replica(model: nn.Module) -> bool:
         >>> in_first_replica(model)  # doctest: +SKIP  (dp_rank 0 of a dp=2 mesh)
         True
     """
-    mesh = getattr(model, "_qm_mesh", None)
-    return mesh is None or mesh.dp_rank == 0
+    st = parallel_state(model, required=False)
+    return st is None or st.mesh.dp_rank == 0
 
 
 def full_tensor(m: ShardedModule, name: str, local: torch.Tensor | None = None) -> torch.Tensor:

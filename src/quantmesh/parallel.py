@@ -1,5 +1,5 @@
-"""parallelize (in pipeline.py, so that importing this module never shadows `qm.parallelize`): the one
-ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
+"""parallelize (in parallel.py, so that importing this module never shadows `qm.parallelize`): the
+one ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
 
 Everything is validated first (plan against the model, quant and LoRA targets), before any allocation
 or collective. Then each planned / quantized / adapted module becomes a ShardedModule holding this
@@ -12,14 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .autoplan import auto_plan
 from .dp import apply_dp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
-from .plan import Plan
+from .plan.auto import auto_plan
+from .plan.plan import Plan
+from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
+from .state import ParallelState, attach_state
 from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
+from .tp.rng import RngRegions
 
 __all__ = ["parallelize"]
 
@@ -58,6 +61,12 @@ def parallelize(
     qcfg = resolve_quant(quant)
     if lora is not None and not isinstance(lora, LoraConfig):
         raise LoraError(f"lora={lora!r}; pass qm.LoraConfig(r=..., targets=[...]) or None")
+    if mesh.pp > 1:
+        raise ValueError(
+            f"mesh pp={mesh.pp}: pipeline schedules are not implemented yet, so parallelize would "
+            f"leave {mesh.pp - 1} of every {mesh.pp} ranks idle; build the mesh with pp=1 and use "
+            f"tp (and dp) for these ranks, e.g. qm.init_mesh(tp={mesh.tp * mesh.pp}, dp={mesh.dp})"
+        )
     if len(mesh.devices) > 1 and mesh.tp > 1:
         raise ValueError(
             f"devices_per_rank={len(mesh.devices)} with tp={mesh.tp}: a rank either splits its "
@@ -90,7 +99,7 @@ def parallelize(
                     f"only; narrow LoraConfig(targets=...)"
                 )
             e = resolved.entries.get(fqn)
-            if e is not None and e.style == "vocab":
+            if e is not None and e.style == Style.VOCAB:
                 raise LoraError(f"LoRA on a vocab-split embedding ({fqn}) is not supported")
             wrap.setdefault(fqn, {})["lora"] = True
 
@@ -102,15 +111,25 @@ def parallelize(
     # (tied weights; a checkpoint may hold only one of them, and quantizing one side unties them)
     meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
     tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
-    apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, dtype=dtype, lora=lora)
-    model._qm_uninitialized = set(meta)
-    model._qm_tied = tied
+    rng = RngRegions()
+    apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, rng=rng, dtype=dtype, lora=lora)
+    # a forward that stops inside a split region (an exception) must not leave this rank on its
+    # private random stream: the root's hook closes every region, also when the forward raised
+    model.register_forward_hook(rng.close_all, always_call=True)
     if len(mesh.devices) > 1:
         install_moves(model, placement)
-    model._qm_mesh = mesh
-    model._qm_plan = resolved
-    model._qm_lora = lora
-    model._qm_quant = qcfg
+    attach_state(
+        model,
+        ParallelState(
+            mesh=mesh,
+            plan=resolved,
+            lora=lora,
+            quant=qcfg,
+            rng=rng,
+            tied=tied,
+            uninitialized=set(meta),
+        ),
+    )
 
     # 3. data parallel over the trainable parameters
     if data_parallel and mesh.dp > 1:

@@ -1,0 +1,99 @@
+"""Running workers: the launching side (`run_workers`: start N ranks, print one line per failure)
+and the worker side (`worker_main`: run a rank's body, leave its error where the launcher finds it).
+
+Example:
+    >>> run_workers(2, ["quantmesh.cli.worker", "finetune", "run.json"])  # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import DEBUG_ENV, ERROR_DIR_ENV, EXIT_USAGE, is_user_error, one_line
+
+__all__ = ["run_workers", "worker_main"]
+
+
+def worker_main(fn: Callable[[], int | None], *, log_dir: Path | None = None) -> int:
+    """Run a worker's body; on failure print one line naming the rank and leave the details behind.
+
+    User errors: the message, exit code 2. Other errors: the first line, the full traceback in
+    `log_dir/rank-R.log` (printed too with QUANTMESH_DEBUG=1), exit code 1. The first line also goes
+    to $QUANTMESH_ERROR_DIR/rank-R.txt for the launching process.
+
+    Example:
+        >>> sys.exit(worker_main(lambda: train(cfg), log_dir=Path("out/logs")))  # doctest: +SKIP
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return int(fn() or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as e:  # noqa: B036 - a worker must never exit without saying why
+        if isinstance(e, SystemExit):
+            return int(e.code or 0) if not isinstance(e.code, str) else 1
+        tb = traceback.format_exc()
+        log = None
+        if log_dir is not None and not is_user_error(e):
+            with contextlib.suppress(OSError):
+                log_dir.mkdir(parents=True, exist_ok=True)
+                log = log_dir / f"rank-{rank}.log"
+                log.write_text(tb)
+        if os.environ.get(DEBUG_ENV) or (log is None and not is_user_error(e)):
+            sys.stderr.write(tb)
+        line = one_line(e) + (f" (traceback: {log})" if log is not None else "")
+        err_dir = os.environ.get(ERROR_DIR_ENV)
+        if err_dir:
+            with contextlib.suppress(OSError):
+                Path(err_dir, f"rank-{rank}.txt").write_text(line + "\n")
+        else:  # run in place (under torchrun): say it here
+            print(f"quantmesh: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        return EXIT_USAGE if is_user_error(e) else 1
+
+
+def run_workers(nproc: int, module_args: list[str], **launch_kw) -> int:
+    """Launch `python -m <module_args>` on `nproc` workers; on failure print one line per cause.
+
+    The first worker to fail names itself and the first line of its error; the launcher's own
+    report (and torch's agent logging) is replaced by that line.
+
+    Example:
+        >>> run_workers(2, ["quantmesh.cli.worker", "finetune", "run.json"])  # doctest: +SKIP
+        0
+    """
+    import tempfile
+
+    from .launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="quantmesh-errors-") as err_dir:
+        os.environ[ERROR_DIR_ENV] = err_dir
+        elastic = logging.getLogger("torch.distributed.elastic")
+        old_level = elastic.level
+        captured = io.StringIO()
+        try:
+            # torch's agent logs every SIGTERM it sends to the other workers; our line says it all.
+            elastic.setLevel(logging.CRITICAL)
+            with contextlib.redirect_stderr(captured):
+                rc = launch(nproc, module_args, module=True, **launch_kw)
+        finally:
+            elastic.setLevel(old_level)
+            os.environ.pop(ERROR_DIR_ENV, None)
+        if rc == 0:
+            return 0
+        files = sorted(Path(err_dir).glob("rank-*.txt"), key=lambda p: (p.stat().st_mtime, p.name))
+        if not files:  # killed (e.g. out of memory) or crashed before it could say anything
+            sys.stderr.write(captured.getvalue())
+            return rc
+        first = files[0]
+        rank = first.stem.split("-", 1)[1]
+        line = first.read_text().strip()
+        print(f"quantmesh: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        return rc

@@ -1,0 +1,140 @@
+"""Whole-model views of a sharded model: full_state_dict, and the true global gradient norm."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..plan.styles import FeatureSplit, Style
+from ..tp.collectives import all_gather_uneven
+from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
+
+__all__ = ["full_state_dict", "clip_grad_norm_", "tp_sharded", "gather_param", "module_tensors"]
+
+
+def tp_sharded(m: ShardedModule) -> dict[str, tuple[int, FeatureSplit]]:
+    """{local parameter name: (dim, split)} of the parameters of `m` that are split over tp."""
+    if m.split is None:
+        return {}
+    out = {}
+    for name, sl in m.param_slices().items():
+        if sl is not None:
+            out[name] = (sl[0], m.split)
+    if m.lora_scale is not None:
+        if m.style == Style.ROWWISE:
+            out["lora_A.weight"] = (1, m.split)
+        else:
+            out["lora_B.weight"] = (0, m.split)
+    return out
+
+
+def _assemble(parts: list[torch.Tensor], dim: int, split: FeatureSplit) -> torch.Tensor:
+    """Put every rank's local slice back at its ranges of the full dimension."""
+    shape = list(parts[0].shape)
+    shape[dim] = split.full
+    full = parts[0].new_empty(shape)
+    for r, t in enumerate(parts):
+        pos = 0
+        for a, b in split.ranges(r):
+            full.narrow(dim, a, b - a).copy_(t.narrow(dim, pos, b - a))
+            pos += b - a
+    return full
+
+
+def gather_param(t: torch.Tensor, dim: int, split: FeatureSplit, group) -> torch.Tensor:
+    """All-gather a tp-sharded tensor and reassemble the full one (every rank gets it)."""
+    sizes = split.sizes()
+    joined = all_gather_uneven(
+        t.detach(), dim, sizes, group
+    )  # rank parts side by side, in rank order
+    return _assemble(list(joined.split(sizes, dim=dim)), dim, split)
+
+
+def module_tensors(m: ShardedModule, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
+    """The local tensors of a ShardedModule in checkpoint layout (quantized weights dequantized)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in m.param_slices():
+        if name == "weight" and m.fmt is not None:
+            w = m.fmt.dequantize(m.local)  # (out, in)
+            out[name] = w.t() if m.kind.name == "Conv1D" else w
+        else:
+            out[name] = m._parameters[name].detach()
+    if m.lora_scale is not None:
+        out["lora_A.weight"] = m.lora_A.weight.detach()
+        out["lora_B.weight"] = m.lora_B.weight.detach()
+    return out
+
+
+@torch.no_grad()
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, cpu: bool = True
+) -> dict[str, torch.Tensor]:
+    """Unsharded tensors under the original names (quantized weights dequantized, LoRA included).
+
+    Collective over the tp group: every rank must call it. With rank0_only, ranks other than
+    global rank 0 get an empty dict.
+
+    Example:
+        >>> sd = qm.full_state_dict(model)   # doctest: +SKIP
+        >>> sorted(sd)[:2]                   # doctest: +SKIP
+        ['lm_head.weight', 'model.embed_tokens.weight']
+    """
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    sharded = sharded_modules(model)
+    for name, t in model.state_dict().items():
+        if inside_sharded(name, sharded):
+            continue
+        if keep:
+            out[name] = t.detach().cpu() if cpu else t.detach()
+    for mname, m in sharded.items():
+        split_params = tp_sharded(m)
+        for pname, t in module_tensors(m).items():
+            if pname in split_params:
+                dim, split = split_params[pname]
+                t = gather_param(t, dim, split, m.group)
+            if keep:
+                out[f"{mname}.{pname}"] = t.cpu() if cpu else t
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by the true global 2-norm over tp shards (replicated parameters counted once).
+
+    Call after backward (and after the dp sync, which averages gradients: dp replicas then agree).
+
+    Example:
+        >>> norm = qm.clip_grad_norm_(model, 1.0)  # doctest: +SKIP
+    """
+    if norm_type != 2.0:
+        raise ValueError(f"norm_type={norm_type}; only the 2-norm is supported")
+    sharded_ids: set[int] = set()
+    group = None
+    for m in model.modules():
+        if isinstance(m, ShardedModule) and m.split is not None:
+            group = m.group
+            for pname in tp_sharded(m):
+                p = m.get_parameter(pname) if "." in pname else m._parameters[pname]
+                sharded_ids.add(id(p))
+    grads = [(p.grad, id(p) in sharded_ids) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    dev = grads[0][0].device
+    local = torch.zeros((), device=dev, dtype=torch.float32)
+    repl = torch.zeros((), device=dev, dtype=torch.float32)
+    for g, is_sharded in grads:
+        sq = g.detach().float().pow(2).sum().to(dev)
+        if is_sharded:
+            local += sq
+        else:
+            repl += sq
+    if group is not None:
+        dist.all_reduce(local, group=group)
+    total = (local + repl).sqrt()
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for g, _ in grads:
+            g.mul_(coef.to(g.device))
+    return total
