@@ -9,6 +9,9 @@ gradient sync over dp.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,9 +19,10 @@ from .dp import apply_dp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
 from .plan.auto import auto_plan
-from .plan.plan import Plan
+from .plan.plan import Plan, Resolved
 from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
+from .quant.kinds import check_quantizable, quantizable
 from .state import ParallelState, attach_state
 from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
@@ -36,6 +40,8 @@ def parallelize(
     lora: LoraConfig | None = None,
     dtype: torch.dtype | None = None,
     data_parallel: bool = True,
+    verify: bool = True,
+    example_inputs: Any = None,
 ) -> nn.Module:
     """Tensor-parallelize, quantize and LoRA-adapt `model` in place over `mesh`; returns it.
 
@@ -49,11 +55,38 @@ def parallelize(
         lora: adapters on the targeted linears; everything else is frozen.
         dtype: cast floating-point weights (e.g. torch.bfloat16); None keeps the model's.
         data_parallel: sync trainable gradients over mesh.dp (torch's DDP engine).
+        verify: at tp > 1, prove the plan exact first (`qm.verify_plan`: a one-block random copy
+            run whole and split on the tp group); modules whose split is not exact are
+            replicated, with the measured error as the reason in the plan table. A collective.
+        example_inputs: the probe's inputs (kwargs dict, args tuple, or callable(model,
+            device)); None works for transformers models. Without them a custom model's plan is
+            not verified (a warning says so).
+
+    The global random state of every rank is left as it was found.
 
     Example:
         >>> model = qm.parallelize(model, mesh, quant="nf4",
         ...                        lora=qm.LoraConfig(r=16, targets=["q_proj", "v_proj"]))  # doctest: +SKIP
     """
+    # nothing below may move any rank's random streams (uneven shards would move them apart)
+    cuda = [mesh.device.index or 0] if mesh.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        return _parallelize(
+            model, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs
+        )
+
+
+def _parallelize(
+    model: nn.Module,
+    mesh: Any,
+    plan: Plan | dict[str, str] | None,
+    quant: str | QuantConfig | None,
+    lora: LoraConfig | None,
+    dtype: torch.dtype | None,
+    data_parallel: bool,
+    verify: bool,
+    example_inputs: Any,
+) -> nn.Module:
     if isinstance(plan, dict):
         plan = Plan(plan)
     if plan is None:
@@ -73,37 +106,30 @@ def parallelize(
             f"replica's layers over its own devices or joins a tp group, not both; use tp=1"
         )
 
-    # 1. validate everything before allocating anything
+    # 1. validate everything before allocating anything (or any collective)
     resolved = plan.resolve(model, mesh.tp)
-    wrap: dict[str, dict] = {e.fqn: {} for e in resolved.sharded()}
     fmt = get_format(qcfg) if qcfg is not None else None
-    if qcfg is not None:
-        for fqn, m in model.named_modules():
-            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn):
-                continue
-            k = kind_of(m)
-            if k is not None and k.linear_like:
-                wrap.setdefault(fqn, {})["fmt"] = fmt
-            elif qcfg.targets is not None and _is_leaf_with_weight(m):
-                raise QuantError(
-                    f"{fqn} is a {type(m).__name__}; {qcfg.backend} quantizes only linear layers; "
-                    f"remove it from QuantConfig(targets=...) or add it to skip"
-                )
-    if lora is not None:
-        for fqn in lora_targets(model, lora):
-            m = model.get_submodule(fqn)
-            k = kind_of(m)
-            if k is None or not k.linear_like:
-                raise LoraError(
-                    f"LoRA target {fqn} is a {type(m).__name__}; LoRA applies to linear layers "
-                    f"only; narrow LoraConfig(targets=...)"
-                )
-            e = resolved.entries.get(fqn)
-            if e is not None and e.style == Style.VOCAB:
-                raise LoraError(f"LoRA on a vocab-split embedding ({fqn}) is not supported")
-            wrap.setdefault(fqn, {})["lora"] = True
+    wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
 
-    # 2. build shards on their devices (quantized there), attach adapters, materialize the rest
+    # 2. prove the split exact on the tp group; replicate what is not (the reasons go in the plan)
+    report = None
+    if verify and mesh.tp > 1 and resolved.sharded():
+        from .verify import verify_plan
+
+        report = verify_plan(model, mesh, plan, inputs=example_inputs)
+        if report.replicated:
+            plan = plan.override(report.overrides(), notes=report.replicated)
+            resolved = plan.resolve(model, mesh.tp)
+            wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
+        elif not report.verified:
+            warnings.warn(
+                f"quantmesh: the tp plan was not verified ({report.skipped}); the split is "
+                "trusted from structure alone. Pass example_inputs=... to parallelize (or check "
+                "with qm.verify_plan) to prove it exact.",
+                stacklevel=3,
+            )
+
+    # 3. build shards on their devices (quantized there), attach adapters, materialize the rest
     placement = layer_placement(model, mesh.devices)
     if lora is not None:
         model.requires_grad_(False)
@@ -128,10 +154,16 @@ def parallelize(
             rng=rng,
             tied=tied,
             uninitialized=set(meta),
+            verify=report,
         ),
     )
 
-    # 3. data parallel over the trainable parameters
+    if report is not None and report.reduce_grads:  # replicated weights that see split heads
+        from .verify import reduce_partial_grads
+
+        reduce_partial_grads(model, report.reduce_grads, mesh.tp_group)
+
+    # 4. data parallel over the trainable parameters
     if data_parallel and mesh.dp > 1:
         apply_dp(model, mesh)
     return model
@@ -144,3 +176,45 @@ def _named_tensors(model: nn.Module):
 
 def _is_leaf_with_weight(m: nn.Module) -> bool:
     return getattr(m, "weight", None) is not None and not list(m.children())
+
+
+def _wrap_plan(
+    model: nn.Module,
+    resolved: Resolved,
+    qcfg: QuantConfig | None,
+    fmt: Any,
+    lora: LoraConfig | None,
+) -> dict[str, dict]:
+    """{fqn: {"fmt": QuantFormat, "lora": True}} of every module that becomes a ShardedModule
+    (split, quantized or adapted); raises on a quant or LoRA target that cannot be."""
+    wrap: dict[str, dict] = {e.fqn: {} for e in resolved.sharded()}
+    if qcfg is not None:
+        for fqn, m in model.named_modules():
+            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn):
+                continue
+            k = kind_of(m)
+            if k is not None and k.linear_like:
+                if quantizable(m):
+                    wrap.setdefault(fqn, {})["fmt"] = fmt
+                elif qcfg.targets is not None:  # asked for by name: say why not
+                    check_quantizable(fqn, m, qcfg.backend)
+                # else: left in full precision (nn.MultiheadAttention reads out_proj.weight)
+            elif qcfg.targets is not None and _is_leaf_with_weight(m):
+                raise QuantError(
+                    f"{fqn} is a {type(m).__name__}; {qcfg.backend} quantizes only linear layers; "
+                    f"remove it from QuantConfig(targets=...) or add it to skip"
+                )
+    if lora is not None:
+        for fqn in lora_targets(model, lora):
+            m = model.get_submodule(fqn)
+            k = kind_of(m)
+            if k is None or not k.linear_like:
+                raise LoraError(
+                    f"LoRA target {fqn} is a {type(m).__name__}; LoRA applies to linear layers "
+                    f"only; narrow LoraConfig(targets=...)"
+                )
+            e = resolved.entries.get(fqn)
+            if e is not None and e.style == Style.VOCAB:
+                raise LoraError(f"LoRA on a vocab-split embedding ({fqn}) is not supported")
+            wrap.setdefault(fqn, {})["lora"] = True
+    return wrap

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .plan.plan import Resolved
     from .quant.base import QuantConfig
     from .tp.rng import RngRegions
+    from .verify import VerifyReport
 
 __all__ = ["ParallelState", "NotParallelizedError", "parallel_state", "attach_state"]
 
@@ -46,7 +47,7 @@ class ParallelState:
     uninitialized: tensor names that hold no values yet (built on meta; load_checkpoint fills them).
     rng: the dropout RNG regions of this model's tp layers.
     dp: True once the trainable gradients are synced over mesh.dp (apply_dp).
-    decoder: greedy_decode's compiled step, kept between calls.
+    verify: what verify_plan found (None when not run: tp=1 or verify=False).
     """
 
     mesh: Mesh
@@ -57,7 +58,7 @@ class ParallelState:
     tied: list[list[str]] = field(default_factory=list)
     uninitialized: set[str] = field(default_factory=set)
     dp: bool = False
-    decoder: Any = None
+    verify: VerifyReport | None = None
 
 
 def attach_state(model: nn.Module, state: ParallelState) -> None:

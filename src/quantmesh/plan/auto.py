@@ -122,7 +122,8 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
         rules[head] = Style.COLWISE_GATHER
         notes[head] = "output head, logits gathered"
     _replicate_notes(model, rules, notes)
-    return Plan(rules, notes=notes, model=model, tp=tp, user_rules=())
+    contiguous = tuple(k for k, v in hf.items() if v in ("colwise", "local_colwise"))
+    return Plan(rules, notes=notes, model=model, tp=tp, user_rules=(), contiguous=contiguous)
 
 
 def _hf_rules(model: nn.Module) -> dict[str, str]:

@@ -37,6 +37,7 @@ class Entry:
     kind: Kind | None = None
     heads: HeadInfo | None = None
     requested: Style | None = None  # the plan's style, before any downgrade to replicate
+    contiguous: bool = False  # a fused output the model's own plan splits in plain blocks
 
     def local_shape(self, module: nn.Module, rank: int) -> tuple[int, ...]:
         """Shape of rank's local weight (in the module's own layout)."""
@@ -88,16 +89,21 @@ class Plan:
         model: nn.Module | None = None,
         tp: int | None = None,
         user_rules: tuple[str, ...] = (),
+        contiguous: tuple[str, ...] = (),
     ):
         self.rules = {k: _canon(v, k) for k, v in (rules or {}).items()}
+        # rules whose fused outputs are laid out per head (the model's own plan says plain
+        # "colwise", not "packed_colwise"): split in contiguous blocks, never as q|k|v segments
+        self.contiguous = tuple(contiguous)
         self.notes = dict(notes or {})  # fqn/glob -> why the planner chose it
         self.user_rules = (
             tuple(user_rules) if user_rules else tuple(self.rules) if model is None else ()
         )
         self._model, self._tp = model, tp
 
-    def override(self, rules: dict[str, str]) -> Plan:
-        """A new plan where `rules` take precedence (user overrides must match some module).
+    def override(self, rules: dict[str, str], *, notes: dict[str, str] | None = None) -> Plan:
+        """A new plan where `rules` take precedence (user overrides must match some module);
+        `notes` say why (shown in the table; default "override").
 
         An override glob also replaces the earlier exact names it matches (the auto planner's
         rules are exact names), so `{"blocks.*.mlp.fc": "replicate"}` wins over "blocks.0.mlp.fc".
@@ -110,14 +116,16 @@ class Plan:
 
         merged = {k: v for k, v in self.rules.items() if not replaced(k)}
         merged.update(rules)
+        why = notes
         notes = {k: v for k, v in self.notes.items() if not replaced(k)}
-        notes.update({k: "override" for k in rules})
+        notes.update({k: (why or {}).get(k, "override") for k in rules})
         return Plan(
             merged,
             notes=notes,
             model=self._model,
             tp=self._tp,
             user_rules=self.user_rules + tuple(rules),
+            contiguous=self.contiguous,
         )
 
     def __iter__(self):
@@ -155,6 +163,7 @@ class Plan:
                 continue
             style, rule = hit
             entries[fqn] = self._resolve_one(model, fqn, mod, style, rule, tp)
+            entries[fqn].contiguous = rule in self.contiguous
         _segment_packed(model, entries, tp)
         _check_direct_use(model, entries)
         _check_partners(model, entries)
@@ -260,7 +269,7 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
     from .styles import segmented_split
 
     for e in list(entries.values()):
-        if e.style != Style.COLWISE or e.split is None:
+        if e.style != Style.COLWISE or e.split is None or e.contiguous:
             continue
         parent = e.fqn.rsplit(".", 1)[0] if "." in e.fqn else ""
         mod = model.get_submodule(e.fqn)

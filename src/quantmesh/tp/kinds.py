@@ -6,7 +6,9 @@ module of the same kind with fewer features. Quantization applies to linear-like
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +69,15 @@ class Conv1DNoBias(nn.Module):
 def new_local(
     kind: Kind, orig: nn.Module, in_f: int, out_f: int, bias: bool, device, dtype
 ) -> nn.Module:
-    """An empty module of `orig`'s kind with `in_f` -> `out_f` features, on `device` (uninitialized)."""
+    """An empty module of `orig`'s kind with `in_f` -> `out_f` features, on `device` (uninitialized).
+
+    A subclass of nn.Linear or nn.Embedding with a forward of its own (Gemma's embedding scales its
+    output by sqrt(hidden)) keeps its class and its forward: the local module is a copy of `orig`
+    holding the local shard, so the model's own code runs on it.
+    """
+    base = {LINEAR: nn.Linear, EMBEDDING: nn.Embedding}.get(kind)
+    if base is not None and type(orig) is not base and type(orig).forward is not base.forward:
+        return _own_class_copy(orig, in_f, out_f, bias, device, dtype)
     if kind is LINEAR:
         return nn.Linear(in_f, out_f, bias=bias, device=device, dtype=dtype)
     if kind is CONV1D:
@@ -93,3 +103,25 @@ def new_local(
             dtype=dtype,
         )
     raise AssertionError(kind)
+
+
+def _own_class_copy(
+    orig: nn.Module, in_f: int, out_f: int, bias: bool, device: Any, dtype: torch.dtype
+) -> nn.Module:
+    """A shallow copy of `orig` with fresh (uninitialized) weight and bias of the local shape."""
+    local = copy.copy(orig)
+    local._parameters = dict(orig._parameters)
+    local._buffers = {k: (None if b is None else b.to(device)) for k, b in orig._buffers.items()}
+    local._modules = dict(orig._modules)
+    local._forward_hooks = type(orig._forward_hooks)()  # hooks belong to the wrapper's position
+    local._forward_pre_hooks = type(orig._forward_pre_hooks)()
+    if isinstance(orig, nn.Embedding):
+        shape: tuple[int, ...] = (in_f, out_f)
+        local.num_embeddings, local.embedding_dim = in_f, out_f
+    else:
+        shape = (out_f, in_f)
+        local.in_features, local.out_features = in_f, out_f
+    local.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    if "bias" in local._parameters:
+        local.bias = nn.Parameter(torch.empty(out_f, device=device, dtype=dtype)) if bias else None
+    return local

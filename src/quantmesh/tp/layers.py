@@ -89,6 +89,12 @@ class ShardedModule(nn.Module):
             local = new_local(kind, orig, in_l, out_l, local_bias, device, dt)
         if kind.name == "Embedding":
             self.padding_idx = orig.padding_idx
+            # the padding row gets no gradient: where it lives, in this rank's row numbering
+            pad = orig.padding_idx
+            if pad is not None and style == Style.VOCAB and split is not None:
+                ((start, stop),) = split.ranges(rank)
+                pad = pad - start if start <= pad < stop else None
+            local.padding_idx = pad
         for name, p in local.named_parameters(recurse=False):  # keep the original's frozen-ness
             op = getattr(orig, name, None)
             p.requires_grad_(

@@ -1,0 +1,525 @@
+"""verify_plan: prove a plan exact on the tp group before trusting it, numerically.
+
+A split is exact when the sharded model computes what the whole model computes: the same outputs
+and the same gradient for every parameter. The planner decides splits from structure (names,
+shapes, head attributes); structure cannot see what a module's forward does with them (a fused
+q|k|v laid out per head, a per-head parameter applied to sharded heads, an embedding subclass that
+scales its output). So every plan is checked by running it:
+
+1. A probe: a copy of the model with each repeated block list cut to its first block, random
+   weights (the same on every rank), and small random inputs (the same on every rank).
+2. The probe runs whole (the reference) and then sharded by the plan, forward and backward, on this
+   rank's tp group. Outputs and every gradient are compared (sharded gradients gathered).
+3. When the whole plan is not exact, each group of sharded modules (the sharded children of one
+   parent: an attention, an MLP; the embedding; the head) is probed alone, and a group that is not
+   exact on its own is replicated, with the measured error as the reason.
+4. A replicated parameter whose gradient differs per rank but sums over the tp group to the
+   reference (a norm shared by all heads, applied to each rank's heads: Qwen3's q_norm) gets its
+   gradient all-reduced over tp ("reduce_grads"). That is a rule, not a model-specific fix: a
+   replicated parameter that sees sharded activations needs its gradient reduced.
+
+Every probe runs on a process group of its own with a timeout, and the ranks agree on its outcome
+over another group: a rank that raises (a shape error on one rank of an uneven split) never leaves
+its peers waiting.
+
+Example:
+    >>> report = qm.verify_plan(model, mesh)   # doctest: +SKIP
+    >>> print(report)                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import fnmatch
+import functools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .plan.auto import auto_plan, blocks_of
+from .plan.plan import Plan, _globify
+from .plan.styles import Style
+
+__all__ = ["VerifyReport", "GroupVerdict", "verify_plan", "probe_inputs"]
+
+TOLERANCE = 1e-4  # relative error (max abs difference / max abs reference), fp32
+PROBE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class GroupVerdict:
+    """The verdict on one group of sharded modules (globs over repeated blocks)."""
+
+    group: str
+    modules: list[str]
+    exact: bool
+    detail: str  # "max rel. error 3e-07" or the exception's first line
+
+
+@dataclass
+class VerifyReport:
+    """What verify_plan found. `overrides()` are plan rules that make the plan exact.
+
+    Example:
+        >>> report.exact, report.replicated   # doctest: +SKIP
+        (False, ['model.layers.*.self_attn.q_proj', ...])
+    """
+
+    tp: int
+    verified: bool  # False: the model could not be probed (see `skipped`)
+    exact: bool = True  # the plan as given was exact
+    groups: list[GroupVerdict] = field(default_factory=list)
+    replicated: dict[str, str] = field(default_factory=dict)  # module glob -> reason
+    reduce_grads: list[str] = field(default_factory=list)  # parameter globs
+    skipped: str = ""  # why the model was not probed
+
+    def overrides(self) -> dict[str, str]:
+        """Plan rules replicating every module of a group that was not exact."""
+        return {g: Style.REPLICATE.value for g in self.replicated}
+
+    def table(self) -> str:
+        if not self.verified:
+            return f"plan not verified: {self.skipped}"
+        lines = [f"verify at tp={self.tp}: " + ("exact" if self.exact else "NOT exact as planned")]
+        for g in self.groups:
+            lines.append(f"  {'ok  ' if g.exact else 'FAIL'}  {g.group}: {g.detail}")
+        for glob, why in self.replicated.items():
+            lines.append(f"  -> replicate {glob}: {why}")
+        for glob in self.reduce_grads:
+            lines.append(
+                f"  -> gradient all-reduced over tp: {glob} (replicated, sees split heads)"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ---- the probe model and its inputs -------------------------------------------------------------
+def _reduced_copy(model: nn.Module, keep: int | None = 1) -> nn.Module:
+    """A copy of `model` with each repeated block list cut to its first `keep` blocks (None: all);
+    parameters are fresh meta tensors (never a copy of the model's weights), buffers are copied."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    lists = {n.rsplit(".", 1)[0] for n, _ in blocks_of(model)} if keep is not None else set()
+    # cut before copying, so a 70B model's blocks are never copied
+    saved = {}
+    for name in lists:
+        ml = model.get_submodule(name)
+        saved[name] = dict(ml._modules)
+        ml._modules = {k: v for i, (k, v) in enumerate(saved[name].items()) if i < (keep or 0)}
+    try:
+        probe = copy.deepcopy(model, memo)
+    finally:
+        for name, mods in saved.items():
+            model.get_submodule(name)._modules = mods
+    return probe
+
+
+@torch.no_grad()
+def _randomize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Random fp32 weights, the same on every rank: matrices ~ 1/sqrt(fan_in), 1-D scales near 1,
+    biases small."""
+    gen = torch.Generator().manual_seed(seed)
+    done: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in done:  # tied weights stay tied
+                mod._parameters[name] = done[id(p)]
+                continue
+            if not p.is_floating_point():
+                t = torch.zeros(p.shape, dtype=p.dtype)
+            elif p.dim() >= 2:
+                t = torch.randn(p.shape, generator=gen) / math.sqrt(max(1, p.shape[-1]))
+            elif name.endswith("bias"):
+                t = 0.1 * torch.randn(p.shape, generator=gen)
+            else:
+                t = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            new = nn.Parameter(t.to(device), requires_grad=p.is_floating_point())
+            done[id(p)] = mod._parameters[name] = new
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                if b.device.type == "meta":
+                    b = torch.zeros(b.shape, dtype=b.dtype)
+                if b.is_floating_point() and b.dtype != torch.float32:
+                    b = b.float()
+                mod._buffers[name] = b.to(device)
+
+
+def probe_inputs(model: nn.Module, device: torch.device, seed: int = 0) -> dict[str, Any] | None:
+    """Small random inputs for a transformers model (token ids, pixels, decoder ids), or None.
+
+    Example:
+        >>> sorted(probe_inputs(model, torch.device("cpu")))   # doctest: +SKIP
+        ['input_ids']
+    """
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    name = getattr(model, "main_input_name", "input_ids")
+    out: dict[str, Any] = {}
+    if name == "pixel_values":
+        size = getattr(cfg, "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        ch = getattr(cfg, "num_channels", 3)
+        out[name] = torch.randn(2, ch, size, size, generator=gen).to(device)
+    elif name == "input_ids":
+        vocab = getattr(cfg, "vocab_size", None) or getattr(
+            getattr(cfg, "text_config", None), "vocab_size", None
+        )
+        if not vocab:
+            return None
+        out[name] = torch.randint(0, vocab, (2, 8), generator=gen).to(device)
+        if getattr(cfg, "is_encoder_decoder", False):
+            out["decoder_input_ids"] = torch.randint(0, vocab, (2, 6), generator=gen).to(device)
+    else:
+        return None
+    return out
+
+
+def _float_outputs(out: Any) -> list[torch.Tensor]:
+    """The floating tensors of a model output (tensor, tuple, dict, ModelOutput), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _float_outputs(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _float_outputs(v)]
+    return []
+
+
+def _run(model: nn.Module, inputs: Any, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Forward, then backward of a fixed random projection of every output."""
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    outs = _float_outputs(out)
+    if not outs:
+        raise ValueError(f"{type(model).__name__} returned no floating-point tensor")
+    gen = torch.Generator().manual_seed(seed + 1)
+    loss = sum(
+        (o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum()
+        for o in outs
+        if o.requires_grad
+    )
+    if isinstance(loss, torch.Tensor):
+        loss.backward()
+    return [o.detach().float() for o in outs], torch.as_tensor(float(loss))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return (a - b).abs().max().item() / max(scale, 1e-12) if a.numel() else 0.0
+
+
+# ---- groups and collectives ---------------------------------------------------------------------
+class _ProbeMesh:
+    """The parts of a Mesh that parallelize uses, over a probe group of this rank's tp ranks."""
+
+    def __init__(self, mesh: Any, group: Any) -> None:
+        self.tp, self.tp_rank, self.tp_group = mesh.tp, mesh.tp_rank, group
+        self.dp, self.dp_rank, self.pp, self.pp_rank = 1, 0, 1, 0
+        self.rank, self.devices = mesh.rank, [mesh.device]
+
+    @property
+    def device(self) -> torch.device:
+        return self.devices[0]
+
+
+def _tp_groups(mesh: Any) -> list[list[int]]:
+    grid = mesh.device_mesh.mesh  # (dp, pp, tp)
+    return [[int(r) for r in row] for row in grid.reshape(-1, mesh.tp).tolist()]
+
+
+def _new_group(mesh: Any, timeout_s: float) -> Any:
+    """A fresh group of this rank's tp ranks (every rank of the world creates every tp group)."""
+    mine = None
+    for ranks in _tp_groups(mesh):
+        g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        if mesh.rank in ranks:
+            mine = g
+    return mine
+
+
+def _agree(flag: bool, group: Any, device: torch.device) -> bool:
+    """True when `flag` is True on every rank of `group`."""
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(t, group=group)
+    return int(t.item()) == 0
+
+
+@contextlib.contextmanager
+def _quiet_rng() -> Iterator[None]:
+    """The probe draws nothing from the caller's random streams."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+# ---- the probe ----------------------------------------------------------------------------------
+@dataclass
+class _Outcome:
+    ok: bool
+    detail: str
+    partial: list[str] = field(default_factory=list)  # replicated params whose grads sum to ref
+
+
+def _probe(
+    probe: nn.Module,
+    inputs: Any,
+    plan: Plan,
+    mesh: Any,
+    ref_out: list[torch.Tensor],
+    ref_grads: dict[str, torch.Tensor],
+    agree_group: Any,
+    tol: float,
+) -> _Outcome:
+    """Run `probe` sharded by `plan` on a fresh tp group; compare with the reference."""
+    from .io.full import gather_param, tp_sharded
+    from .parallel import parallelize
+    from .tp.layers import sharded_modules
+
+    group = _new_group(mesh, PROBE_TIMEOUT_S)
+    dev = mesh.device
+    outcome: _Outcome
+    local_ok = True
+    try:
+        m = copy.deepcopy(probe)
+        m.zero_grad(set_to_none=True)
+        parallelize(m, _ProbeMesh(mesh, group), plan=plan, data_parallel=False, verify=False)
+        outs, _ = _run(m, inputs, seed=0)
+        err = max((_rel(a, b) for a, b in zip(outs, ref_out)), default=0.0)
+        if len(outs) != len(ref_out):
+            err = math.inf
+        # gradients: sharded ones gathered (collective, same order on every rank)
+        grads: dict[str, torch.Tensor] = {}
+        for fqn, sm in sharded_modules(m).items():
+            split = tp_sharded(sm)
+            for pname, p in sm.named_parameters():
+                if p.grad is None:
+                    continue
+                g = p.grad.detach().float()
+                if pname in split:
+                    dim, fs = split[pname]
+                    g = gather_param(g, dim, fs, group)
+                grads[f"{fqn}.{pname}"] = g
+        names = sharded_modules(m)
+        for name, p in m.named_parameters():
+            if (
+                name not in grads
+                and p.grad is not None
+                and not any(name.startswith(f + ".") for f in names)
+            ):
+                grads[name] = p.grad.detach().float()
+        worst, worst_name = err, "outputs"
+        order = sorted(ref_grads)
+        errs = []
+        for name in order:
+            got, ref = grads.get(name), ref_grads[name]
+            if got is None:
+                errs.append(0.0 if ref.abs().max().item() == 0 else math.inf)
+            else:
+                errs.append(_rel(got, ref))
+        # replicated gradients that differ per rank: do they sum over tp to the reference? Decided
+        # together (MIN over the group), so every rank all-reduces the same tensors.
+        cand = torch.tensor(
+            [int(e > tol and name in grads and grads[name].shape == ref_grads[name].shape)
+             for name, e in zip(order, errs)],
+            dtype=torch.int32,
+        )  # fmt: skip
+        dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
+        partial: list[str] = []
+        for i, name in enumerate(order):
+            if cand[i]:
+                summed = grads[name].clone()
+                dist.all_reduce(summed, group=group)
+                if _rel(summed, ref_grads[name]) <= tol:
+                    partial.append(name)
+                    continue
+            if errs[i] > worst:
+                worst, worst_name = errs[i], name
+        if worst > tol:
+            local_ok = False
+            outcome = _Outcome(False, f"max rel. error {worst:.2g} ({worst_name})", partial)
+        else:
+            outcome = _Outcome(True, f"max rel. error {worst:.1g}", partial)
+    except Exception as e:  # noqa: BLE001 - any failure of the sharded run is a verdict
+        local_ok = False
+        line = (str(e).strip().splitlines() or [""])[0][:160]
+        outcome = _Outcome(False, f"{type(e).__name__}: {line}")
+    if not _agree(local_ok, agree_group, torch.device("cpu") if _is_gloo(agree_group) else dev):
+        if outcome.ok:
+            outcome = _Outcome(False, "failed on another rank of the tp group")
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group(group)
+    return outcome
+
+
+def _is_gloo(group: Any) -> bool:
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def _groups_of(plan: Plan, probe: nn.Module, tp: int) -> dict[str, list[str]]:
+    """Sharded modules of the probe, grouped by parent module (as globs over blocks); modules that
+    share a parameter (an embedding tied to its head) are one group, since they split alike."""
+    res = plan.resolve(probe, tp)
+    key_of: dict[str, str] = {}
+    for e in res.sharded():
+        parent = e.fqn.rsplit(".", 1)[0] if "." in e.fqn else ""
+        glob = _globify(parent, probe) if parent else "(top level)"
+        if parent and isinstance(probe.get_submodule(parent), nn.ModuleList):
+            glob = _globify(e.fqn, probe)
+        key_of[e.fqn] = glob
+    owners: dict[int, list[str]] = {}
+    for fqn, mod in probe.named_modules(remove_duplicate=False):
+        for p in mod._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(fqn)
+    for names in owners.values():  # merge the groups of modules holding one tensor
+        keys = sorted({key_of[n] for n in names if n in key_of})
+        for fqn, k in list(key_of.items()):
+            if k in keys[1:]:
+                key_of[fqn] = keys[0]
+    groups: dict[str, list[str]] = {}
+    for fqn, k in key_of.items():
+        groups.setdefault(k, []).append(_globify(fqn, probe))
+    return groups
+
+
+def verify_plan(
+    model: nn.Module,
+    mesh: Any,
+    plan: Plan | dict[str, str] | None = None,
+    *,
+    inputs: Any = None,
+    tol: float = TOLERANCE,
+    seed: int = 0,
+) -> VerifyReport:
+    """Check `plan` numerically against the unsharded model on this rank's tp group.
+
+    Collective: every rank of the world calls it (each tp group probes on its own). The model is
+    not changed (a reduced random copy is probed). `inputs`: a dict of keyword arguments, a tuple of
+    positional ones, or a callable(model, device) returning either; None works for transformers
+    models (token ids, pixels). Returns a report; `report.overrides()` replicates what failed.
+
+    Example:
+        >>> report = qm.verify_plan(model, mesh)    # doctest: +SKIP
+        >>> report.exact                            # doctest: +SKIP
+        True
+    """
+    if isinstance(plan, dict):
+        plan = Plan(plan)
+    if plan is None:
+        plan = auto_plan(model, mesh.tp)
+    report = VerifyReport(tp=mesh.tp, verified=False)
+    if mesh.tp == 1:
+        report.skipped = "tp=1: nothing is split"
+        return report
+    dev = mesh.device
+    with _quiet_rng():
+        given = inputs
+        ref_out: list[torch.Tensor] = []
+        ref_grads: dict[str, torch.Tensor] = {}
+        failure = ""
+        for reduced in (True, False):  # a model that indexes its blocks needs them all
+            probe = _reduced_copy(model) if reduced else _reduced_copy(model, keep=None)
+            _randomize(probe, dev, seed)
+            probe.eval()  # no dropout: the comparison is about the split
+            inputs = given(probe, dev) if callable(given) else given
+            if inputs is None:
+                inputs = probe_inputs(probe, dev, seed)
+            if inputs is None:
+                report.skipped = (
+                    f"{type(model).__name__} is not a transformers model and no example inputs "
+                    "were given (pass inputs=... / example_inputs=...)"
+                )
+                return report
+            try:  # one process, no collectives: safe to fail here
+                ref = copy.deepcopy(probe)
+                ref_out, _ = _run(ref, inputs, seed=0)
+                ref_grads = {
+                    n: p.grad.detach().float()
+                    for n, p in ref.named_parameters()
+                    if p.grad is not None
+                }
+                del ref
+                failure = ""
+                break
+            except Exception as e:  # noqa: BLE001 - the whole model fails: nothing to compare
+                failure = f"the unsharded probe failed ({type(e).__name__}: {e})"
+        if failure:
+            report.skipped = failure
+            return report
+        agree_group = _new_group(mesh, PROBE_TIMEOUT_S * 3)
+        report.verified = True
+        groups = _groups_of(plan, probe, mesh.tp)
+        run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
+            probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol
+        )
+        whole = run(plan)
+        report.reduce_grads = sorted({_param_glob(n, probe) for n in whole.partial})
+        if whole.ok:
+            report.groups = [GroupVerdict("whole plan", [], True, whole.detail)]
+        else:
+            report.exact = False
+            everything = [m for ms in groups.values() for m in ms]
+            for glob, members in groups.items():
+                others = {m: Style.REPLICATE.value for m in everything if m not in members}
+                out = run(plan.override(others)) if others else whole
+                report.groups.append(GroupVerdict(glob, members, out.ok, out.detail))
+                if not out.ok:
+                    for m in members:
+                        report.replicated[m] = (
+                            f"replicated: verify: not exact when split ({out.detail})"
+                        )
+            final = run(plan.override(report.overrides())) if report.replicated else whole
+            report.groups.append(
+                GroupVerdict("plan with those replicated", [], final.ok, final.detail)
+            )
+            report.reduce_grads = sorted({_param_glob(n, probe) for n in final.partial})
+            if not final.ok:  # the groups interact: keep nothing split
+                for m in everything:
+                    report.replicated.setdefault(
+                        m, f"replicated: verify: the split plan is not exact ({final.detail})"
+                    )
+        dist.destroy_process_group(agree_group)
+    return report
+
+
+def _param_glob(name: str, probe: nn.Module) -> str:
+    mod, _, pname = name.rpartition(".")
+    return f"{_globify(mod, probe)}.{pname}" if mod else pname
+
+
+def reduce_partial_grads(model: nn.Module, globs: list[str], group: Any) -> list[str]:
+    """All-reduce over `group` the gradient of every parameter matching `globs` (each backward,
+    before accumulation). Returns the names hooked.
+
+    Example:
+        >>> reduce_partial_grads(model, ["model.layers.*.self_attn.q_norm.weight"], mesh.tp_group)  # doctest: +SKIP
+        ['model.layers.0.self_attn.q_norm.weight', ...]
+    """
+    hooked = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and any(fnmatch.fnmatchcase(name, g) for g in globs):
+            p.register_hook(functools.partial(_summed, group=group))
+            hooked.append(name)
+    return hooked
+
+
+def _summed(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """This backward's gradient summed over the tp group (each rank holds its heads' part)."""
+    grad = grad.contiguous().clone()
+    dist.all_reduce(grad, group=group)
+    return grad
