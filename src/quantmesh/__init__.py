@@ -47,6 +47,8 @@ _EXPORTS = {
     "save_state": "io.resume",
     "load_state": "io.resume",
     "export": "io.export",
+    "verify_plan": "verify",
+    "VerifyReport": "verify",
     "estimate_memory": "plan.memory",
     "MemoryEstimate": "plan.memory",
 }

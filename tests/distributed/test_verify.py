@@ -1,0 +1,210 @@
+"""verify_plan and parallelize's safety net: a split the planner cannot prove exact is replicated
+(with the reason in the plan) or its replicated weights get their partial gradients reduced; the
+model that comes back always computes what the unsharded model computes. Custom blocks below each
+break one assumption of the structural planner."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from quantmesh.testing import run_ranks
+
+D, H, HD, V = 32, 4, 8, 64
+
+
+class Attn(nn.Module):
+    """Multi-head self-attention with knobs for the cases the planner cannot see from structure."""
+
+    def __init__(self, heads: int = H, shared_norm: bool = False, head_scale: bool = False):
+        super().__init__()
+        self.num_heads, self.head_dim = heads, HD
+        self.q_proj = nn.Linear(D, heads * HD)
+        self.k_proj = nn.Linear(D, heads * HD)
+        self.v_proj = nn.Linear(D, heads * HD)
+        self.o_proj = nn.Linear(heads * HD, D)
+        # one norm shared by every head, applied to this rank's heads: partial gradients per rank
+        self.q_norm = nn.LayerNorm(HD) if shared_norm else None
+        # one scale per head, applied with the full head count: a shape error once heads split
+        self.head_scale = nn.Parameter(torch.ones(heads)) if head_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, HD)  # (B, T, h_local, hd)
+        k = self.k_proj(x).view(b, t, self.num_heads, HD)
+        v = self.v_proj(x).view(b, t, self.num_heads, HD)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        att = torch.einsum("bthd,bshd->bhts", q, k) / HD**0.5  # (B, h, T, T)
+        if self.head_scale is not None:
+            att = att * self.head_scale.view(1, -1, 1, 1)
+        y = torch.einsum("bhts,bshd->bthd", att.softmax(-1), v).reshape(b, t, -1)
+        return self.o_proj(y)
+
+
+class OddNames(nn.Module):
+    """Head count in `n_head`, head size in an attribute of an unknown name: split evenly by the
+    planner, its count never rewritten, so the sharded reshape fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_head, self.hsz = 2, 16
+        self.c_q = nn.Linear(D, 32)
+        self.c_o = nn.Linear(32, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.c_q(x).view(b, t, self.n_head, self.hsz).relu()
+        return self.c_o(q.reshape(b, t, self.n_head * self.hsz))
+
+
+class Block(nn.Module):
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.attn = attn
+        self.up = nn.Linear(D, 64)
+        self.down = nn.Linear(64, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln(x))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, make_attn):
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.layers = nn.ModuleList([Block(make_attn()) for _ in range(2)])
+        self.head = nn.Linear(D, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for blk in self.layers:
+            x = blk(x)
+        return self.head(x)
+
+
+CASES = {
+    "plain": lambda: Net(Attn),
+    "shared_norm": lambda: Net(lambda: Attn(shared_norm=True)),
+    "head_scale": lambda: Net(lambda: Attn(head_scale=True)),
+    "odd_names": lambda: Net(OddNames),
+    "uneven_heads": lambda: Net(lambda: Attn(heads=3)),
+}
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    from quantmesh.io.full import gather_param, tp_sharded
+    from quantmesh.tp.layers import sharded_modules
+
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for fqn, m in sharded_modules(model).items():
+        for pname, (dim, split) in tp_sharded(m).items():
+            out[f"{fqn}.{pname}"] = gather_param(m.get_parameter(pname).grad, dim, split, m.group)
+    return out
+
+
+def _rank(rank: int) -> dict:
+    import quantmesh as qm
+    from quantmesh.state import parallel_state
+
+    mesh = qm.init_mesh(tp=2)
+    facts: dict = {}
+    for name, make in CASES.items():
+        torch.manual_seed(0)
+        model = make()
+        ref = copy.deepcopy(model)
+        rng_before = torch.get_rng_state()
+        qm.parallelize(model, mesh, example_inputs=(_ids(0),))
+        rng_same = torch.equal(rng_before, torch.get_rng_state())
+        ids = _ids(1)
+        y, y_ref = model(ids), ref(ids)
+        y.square().mean().backward()
+        y_ref.square().mean().backward()
+        got, want = _grads(model), {n: p.grad for n, p in ref.named_parameters()}
+        # relative to each tensor's scale, floored at 1e-3 of the largest gradient: an attention
+        # key bias's gradient is zero in exact arithmetic (rounding noise on both sides)
+        floor = 1e-3 * max(g.abs().max().item() for g in want.values())
+        grad_err = max(
+            (got[n] - g).abs().max().item() / max(g.abs().max().item(), floor)
+            for n, g in want.items()
+        )
+        st = parallel_state(model)
+        facts[name] = {
+            "out_err": ((y - y_ref).abs().max() / y_ref.abs().max()).item(),
+            "grad_err": grad_err,
+            "rng_same": rng_same,
+            "split": sorted(e.fqn for e in st.plan.sharded()),
+            "reasons": {e.fqn: e.reason for e in st.plan.entries.values()},
+            "reduce_grads": st.verify.reduce_grads,
+            "exact_as_planned": st.verify.exact,
+        }
+    # a custom model with no example inputs cannot be probed: it says so
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        qm.parallelize(Net(Attn), mesh)
+    facts["warned"] = [str(x.message) for x in w if "not verified" in str(x.message)]
+    # the report on its own
+    report = qm.verify_plan(Net(lambda: Attn(head_scale=True)), mesh, inputs=(_ids(0),))
+    facts["report"] = str(report)
+    return facts
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return run_ranks(_rank, 2, timeout=240)[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exact_whatever_the_planner_assumed(facts: dict, case: str) -> None:
+    f = facts[case]
+    assert f["out_err"] < 1e-5, f
+    assert f["grad_err"] < 1e-4, f
+    assert f["rng_same"], "parallelize moved the global RNG"
+
+
+def test_plain_attention_is_split_and_exact_as_planned(facts: dict) -> None:
+    f = facts["plain"]
+    assert f["exact_as_planned"]
+    assert "layers.0.attn.q_proj" in f["split"] and "layers.1.down" in f["split"]
+
+
+def test_shared_norm_keeps_the_split_and_reduces_its_gradient(facts: dict) -> None:
+    f = facts["shared_norm"]
+    assert "layers.0.attn.q_proj" in f["split"]
+    assert f["reduce_grads"] == ["layers.*.attn.q_norm.weight", "layers.*.attn.q_norm.bias"] or (
+        sorted(f["reduce_grads"]) == ["layers.*.attn.q_norm.bias", "layers.*.attn.q_norm.weight"]
+    )
+
+
+@pytest.mark.parametrize("case", ["head_scale", "odd_names"])
+def test_a_split_that_fails_is_replicated_with_the_reason(facts: dict, case: str) -> None:
+    f = facts[case]
+    assert not f["exact_as_planned"]
+    attn = [n for n in f["reasons"] if n.startswith("layers.0.attn.") and n.count(".") == 3]
+    assert attn and all(n not in f["split"] for n in attn), f
+    assert all(f["reasons"][n].startswith("replicated: verify: not exact") for n in attn), f
+    assert "layers.0.up" in f["split"]  # the MLP still splits
+
+
+def test_uneven_heads_leave_every_rank_on_the_same_random_stream(facts: dict) -> None:
+    assert facts["uneven_heads"]["rng_same"]
+    assert "layers.0.attn.q_proj" in facts["uneven_heads"]["split"]
+
+
+def test_unverifiable_model_warns(facts: dict) -> None:
+    assert facts["warned"] and "example_inputs" in facts["warned"][0]
+
+
+def test_report_names_the_failing_group(facts: dict) -> None:
+    assert "FAIL  layers.*.attn" in facts["report"], facts["report"]
+    assert "-> replicate layers.*.attn.q_proj" in facts["report"]
