@@ -117,8 +117,8 @@ def _parallelize(
         from .verify import verify_plan
 
         report = verify_plan(model, mesh, plan, inputs=example_inputs)
-        if report.replicated:
-            plan = plan.override(report.overrides(), notes=report.replicated)
+        if report.replicated or report.contiguous:
+            plan = report.apply(plan)
             resolved = plan.resolve(model, mesh.tp)
             wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
         elif not report.verified:

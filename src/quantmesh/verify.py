@@ -78,11 +78,20 @@ class VerifyReport:
     groups: list[GroupVerdict] = field(default_factory=list)
     replicated: dict[str, str] = field(default_factory=dict)  # module glob -> reason
     reduce_grads: list[str] = field(default_factory=list)  # parameter globs
+    contiguous: list[str] = field(default_factory=list)  # fused outputs laid out per head
     skipped: str = ""  # why the model was not probed
 
     def overrides(self) -> dict[str, str]:
         """Plan rules replicating every module of a group that was not exact."""
         return {g: Style.REPLICATE.value for g in self.replicated}
+
+    def apply(self, plan: Plan) -> Plan:
+        """`plan` with this report's findings: per-head fused layouts, failed groups replicated."""
+        if self.contiguous:
+            plan = plan.with_contiguous(self.contiguous)
+        if self.replicated:
+            plan = plan.override(self.overrides(), notes=self.replicated)
+        return plan
 
     def table(self) -> str:
         if not self.verified:
@@ -92,6 +101,8 @@ class VerifyReport:
             lines.append(f"  {'ok  ' if g.exact else 'FAIL'}  {g.group}: {g.detail}")
         for glob, why in self.replicated.items():
             lines.append(f"  -> replicate {glob}: {why}")
+        for glob in self.contiguous:
+            lines.append(f"  -> fused output split in contiguous head blocks: {glob}")
         for glob in self.reduce_grads:
             lines.append(
                 f"  -> gradient all-reduced over tp: {glob} (replicated, sees split heads)"
@@ -213,7 +224,9 @@ def _run(model: nn.Module, inputs: Any, seed: int) -> tuple[list[torch.Tensor], 
     )
     if isinstance(loss, torch.Tensor):
         loss.backward()
-    return [o.detach().float() for o in outs], torch.as_tensor(float(loss))
+    return [o.detach().float() for o in outs], torch.as_tensor(
+        float(torch.as_tensor(loss).detach())
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
@@ -436,18 +449,18 @@ def verify_plan(
         ref_grads: dict[str, torch.Tensor] = {}
         failure = ""
         for reduced in (True, False):  # a model that indexes its blocks needs them all
+            if given is None and probe_inputs(model, torch.device("cpu"), seed) is None:
+                report.skipped = (  # said before any weight is made
+                    f"{type(model).__name__} is not a transformers model and no example inputs "
+                    "were given (pass inputs=... / example_inputs=...)"
+                )
+                return report
             probe = _reduced_copy(model) if reduced else _reduced_copy(model, keep=None)
             _randomize(probe, dev, seed)
             probe.eval()  # no dropout: the comparison is about the split
             inputs = given(probe, dev) if callable(given) else given
             if inputs is None:
                 inputs = probe_inputs(probe, dev, seed)
-            if inputs is None:
-                report.skipped = (
-                    f"{type(model).__name__} is not a transformers model and no example inputs "
-                    "were given (pass inputs=... / example_inputs=...)"
-                )
-                return report
             try:  # one process, no collectives: safe to fail here
                 ref = copy.deepcopy(probe)
                 ref_out, _ = _run(ref, inputs, seed=0)
@@ -477,18 +490,27 @@ def verify_plan(
         else:
             report.exact = False
             everything = [m for ms in groups.values() for m in ms]
+            packed = _packed_of(plan, probe, mesh.tp)
             for glob, members in groups.items():
                 others = {m: Style.REPLICATE.value for m in everything if m not in members}
-                out = run(plan.override(others)) if others else whole
+                alone = plan.override(others) if others else plan
+                out = run(alone) if others else whole
+                fused = [m for m in members if m in packed]
+                if not out.ok and fused:  # q|k|v fused per head rather than in segments?
+                    retry = run(alone.with_contiguous(fused))
+                    if retry.ok:
+                        report.contiguous += fused
+                        out = _Outcome(True, f"{retry.detail}, fused outputs per head")
                 report.groups.append(GroupVerdict(glob, members, out.ok, out.detail))
                 if not out.ok:
                     for m in members:
                         report.replicated[m] = (
                             f"replicated: verify: not exact when split ({out.detail})"
                         )
-            final = run(plan.override(report.overrides())) if report.replicated else whole
+            changed = report.replicated or report.contiguous
+            final = run(report.apply(plan)) if changed else whole
             report.groups.append(
-                GroupVerdict("plan with those replicated", [], final.ok, final.detail)
+                GroupVerdict("plan with those changes", [], final.ok, final.detail)
             )
             report.reduce_grads = sorted({_param_glob(n, probe) for n in final.partial})
             if not final.ok:  # the groups interact: keep nothing split
@@ -498,6 +520,16 @@ def verify_plan(
                     )
         dist.destroy_process_group(agree_group)
     return report
+
+
+def _packed_of(plan: Plan, probe: nn.Module, tp: int) -> set[str]:
+    """Globs of the modules whose fused output the plan splits as q|k|v (or gate|up) segments."""
+    res = plan.resolve(probe, tp)
+    return {
+        _globify(e.fqn, probe)
+        for e in res.sharded()
+        if e.split is not None and len(e.split.per_rank[0]) > 1 and not e.contiguous
+    }
 
 
 def _param_glob(name: str, probe: nn.Module) -> str:

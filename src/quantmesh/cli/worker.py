@@ -1,4 +1,4 @@
-"""What launched workers run: `python -m quantmesh.cli.worker {finetune,generate,demo} JSON`.
+"""What launched workers run: `python -m quantmesh.cli.worker {finetune,generate,demo,verify} JSON`.
 
 The launching command has already validated everything it could; the JSON holds its resolved
 settings, so every rank runs exactly the same thing. A failure becomes one line naming the rank
@@ -148,7 +148,13 @@ def demo(payload: str) -> int:
     return demo_worker(payload)
 
 
-KINDS = {"finetune": finetune, "generate": generate, "demo": demo}
+def verify(payload: str) -> int:
+    from .verify_cmd import verify_worker
+
+    return verify_worker(payload)
+
+
+KINDS = {"finetune": finetune, "generate": generate, "demo": demo, "verify": verify}
 
 
 def run_in_place(kind: str, payload: str) -> int:

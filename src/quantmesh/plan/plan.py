@@ -16,7 +16,7 @@ from torch import nn
 
 from ..tp.kinds import Kind, kind_of
 from .heads import KV_ATTRS, Q_ATTRS, SIZE_ATTRS, HeadInfo, find_heads, split_features
-from .styles import HF_STYLE_ALIASES, STYLES, FeatureSplit, Style
+from .styles import HF_STYLE_ALIASES, STYLES, FeatureSplit, Style, balanced_counts, unit_split
 
 __all__ = ["Plan", "PlanError", "Entry", "Resolved"]
 
@@ -128,6 +128,18 @@ class Plan:
             contiguous=self.contiguous,
         )
 
+    def with_contiguous(self, globs: list[str] | tuple[str, ...]) -> Plan:
+        """The same plan, with the fused outputs of modules matching `globs` split in contiguous
+        blocks (laid out per head or per KV group) instead of as q|k|v segments."""
+        return Plan(
+            self.rules,
+            notes=self.notes,
+            model=self._model,
+            tp=self._tp,
+            user_rules=self.user_rules,
+            contiguous=self.contiguous + tuple(globs),
+        )
+
     def __iter__(self):
         return iter(self.rules.items())
 
@@ -163,10 +175,12 @@ class Plan:
                 continue
             style, rule = hit
             entries[fqn] = self._resolve_one(model, fqn, mod, style, rule, tp)
-            entries[fqn].contiguous = rule in self.contiguous
+            if any(g == rule or fnmatch.fnmatchcase(fqn, g) for g in self.contiguous):
+                _per_group(entries[fqn], mod, tp)
         _segment_packed(model, entries, tp)
         _check_direct_use(model, entries)
         _check_partners(model, entries)
+        _split_head_tables(model, entries, tp)
         _check_ties(model, entries)
         return Resolved(tp, entries, _attr_updates(model, entries, tp))
 
@@ -264,6 +278,21 @@ def _collapse(res: Resolved, model: nn.Module) -> list[tuple[str, ...]]:
     return out
 
 
+def _per_group(e: Entry, mod: nn.Module, tp: int) -> None:
+    """A fused q|k|v laid out per head or per KV group ([q.. k v] of group 0, then group 1, ...):
+    split on group boundaries, so each rank holds whole groups of all three."""
+    e.contiguous = True
+    h = e.heads
+    if e.split is None or h is None or e.kind is None:
+        return
+    out_f = e.kind.in_out(mod)[1]
+    if out_f != h.q_size + 2 * h.kv_size or h.kv_heads < tp:
+        return
+    counts = balanced_counts(h.kv_heads, tp)
+    e.split = unit_split(out_f, out_f // h.kv_heads, counts)
+    e.reason = f"fused q|k|v per KV group, {'+'.join(map(str, counts))} groups"
+
+
 def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> None:
     """Packed projections (q|k|v, gate|up): split each segment alike with the rowwise reader."""
     from .styles import segmented_split
@@ -330,10 +359,21 @@ def _check_direct_use(model: nn.Module, entries: dict[str, Entry]) -> None:
         pat = re.compile(rf"\.{re.escape(name)}\.(weight|bias)\b")
         for i in range(len(parts) - 1, -1, -1):
             anc = model.get_submodule(".".join(parts[:i]))
-            if pat.search(_forward_src(type(anc))):
+            src = _forward_src(type(anc))
+            if any(_reads_values(src, m) for m in pat.finditer(src)):
                 e.style, e.split = Style.REPLICATE, None
                 e.reason = f"replicated: {type(anc).__name__}.forward reads {name}.weight directly"
                 break
+
+
+def _reads_values(src: str, m: re.Match) -> bool:
+    """Whether the `.name.weight` at `m` reads the tensor's values (F.linear(x, self.proj.weight)),
+    not only its dtype, device or shape, or its type (isinstance(self.wo.weight, torch.Tensor))."""
+    after = src[m.end() : m.end() + 8]
+    before = src[max(0, m.start() - 40) : m.start()]
+    if re.match(r"\.(dtype|device|shape)\b", after):
+        return False
+    return not re.search(r"isinstance\(\s*self$", before)
 
 
 def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
@@ -387,6 +427,38 @@ def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
             break
 
 
+def _split_head_tables(model: nn.Module, entries: dict[str, Entry], tp: int) -> None:
+    """A table of per-head values (an Embedding with one column per head: T5's relative position
+    bias) in an attention whose heads are split: split its columns with the heads, so each rank
+    looks up its own heads' values. Anything else per head is left to verify_plan."""
+    split_q: dict[str, Entry] = {}
+    for e in entries.values():
+        h = e.heads
+        if e.style == Style.COLWISE and e.split is not None and h is not None:
+            if e.kind is not None and e.kind.in_out(model.get_submodule(e.fqn))[1] == h.q_size:
+                split_q.setdefault(h.owner, e)
+    for owner, q in split_q.items():
+        h = q.heads
+        assert h is not None and q.split is not None
+        prefix = f"{owner}." if owner else ""
+        for name, m in model.get_submodule(owner).named_children():
+            fqn = prefix + name
+            cur = entries.get(fqn)
+            if (
+                not isinstance(m, nn.Embedding)
+                or m.embedding_dim != h.heads
+                or h.kv_heads != h.heads
+            ):
+                continue
+            if cur is not None and cur.style != Style.REPLICATE:
+                continue
+            counts = [q.split.size(r) // h.head_dim for r in range(tp)]
+            entries[fqn] = Entry(
+                fqn, type(m).__name__, Style.COLWISE, unit_split(h.heads, 1, counts),
+                "one column per head, split with the heads", kind_of(m), h, Style.COLWISE,
+            )  # fmt: skip
+
+
 def _check_ties(model: nn.Module, entries: dict[str, Entry]) -> None:
     """Tied parameters (an embedding and its head, a head's bias and its owner's) must be split
     alike: a split tensor cannot also be whole somewhere else."""
@@ -429,10 +501,14 @@ def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
             continue
         mod = model.get_submodule(e.fqn)
         q = h.q_size
-        if e.kind.in_out(mod)[1] not in (q, q + 2 * h.kv_size):  # q, or packed q|k|v
+        out_f = e.kind.in_out(mod)[1]
+        if out_f not in (q, q + 2 * h.kv_size):  # q, or packed q|k|v
             continue
         owner = model.get_submodule(h.owner)
-        q_local = [sum(min(b, q) - a for a, b in e.split.ranges(r) if a < q) for r in range(tp)]
+        if e.contiguous:  # whole groups of q|k|v per rank: q is the same share of each
+            q_local = [e.split.size(r) * q // out_f for r in range(tp)]
+        else:
+            q_local = [sum(min(b, q) - a for a, b in e.split.ranges(r) if a < q) for r in range(tp)]
         ups = out.setdefault(h.owner, {})
         for a in Q_ATTRS:
             if isinstance(getattr(owner, a, None), int):
