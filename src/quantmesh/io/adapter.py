@@ -250,7 +250,7 @@ def _check_adapter(model: nn.Module, reader, cfg: dict, mods: dict[str, ShardedM
             + "\n  ".join(problems)
             + f"\nFix: parallelize the base model with lora=qm.LoraConfig(r={r}, "
             f"alpha={cfg.get('lora_alpha')}, targets=...) naming exactly the adapter's modules "
-            "(quantmesh.save_peft.adapter_lora_config(path) builds it), on the base model it was "
+            "(quantmesh.io.adapter.adapter_lora_config(path) builds it), on the base model it was "
             "trained on"
         )
 
@@ -273,7 +273,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         if not mods:
             raise LoraError(
                 f"{type(model).__name__} has no LoRA modules to load {path} into; parallelize it "
-                "with lora=quantmesh.save_peft.adapter_lora_config(path) first"
+                "with lora=quantmesh.io.adapter.adapter_lora_config(path) first"
             )
         r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
         p = float(cfg.get("lora_dropout") or 0.0)

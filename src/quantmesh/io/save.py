@@ -11,7 +11,7 @@ Every save is collective and follows one pattern (`collective_save`):
        barrier: every rank returns after the files are in place, or every rank raises.
 
 A process killed mid-save leaves the previous save at `path` intact (atomic.py). The savers:
-save_peft.py (adapters), save_resume.py (training state), save_export.py (merged model).
+adapter.py (adapters), resume.py (training state), export.py (merged model).
 
 Example:
     >>> collective_save("out/x", lambda w: w.json("a.json", {}), "save_x")  # doctest: +SKIP
