@@ -117,7 +117,7 @@ def _parallelize(
         from .verify import verify_plan
 
         report = verify_plan(model, mesh, plan, inputs=example_inputs)
-        if report.replicated or report.contiguous:
+        if report.verified:
             plan = report.apply(plan)
             resolved = plan.resolve(model, mesh.tp)
             wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)

@@ -87,6 +87,7 @@ class VerifyReport:
 
     def apply(self, plan: Plan) -> Plan:
         """`plan` with this report's findings: per-head fused layouts, failed groups replicated."""
+        plan = plan.to_probe()
         if self.contiguous:
             plan = plan.with_contiguous(self.contiguous)
         if self.replicated:
@@ -438,6 +439,7 @@ def verify_plan(
         plan = Plan(plan)
     if plan is None:
         plan = auto_plan(model, mesh.tp)
+    plan = plan.to_probe()  # the probe decides what the source scan could only suspect
     report = VerifyReport(tp=mesh.tp, verified=False)
     if mesh.tp == 1:
         report.skipped = "tp=1: nothing is split"

@@ -138,6 +138,17 @@ def _hf_rules(model: nn.Module) -> dict[str, str]:
         out[f"{prefix}.{k}" if has_prefix else k] = v
     for k, v in (getattr(model, "_tp_plan", None) or {}).items():
         out[k] = v
+    # A fused projection whose output the model's plan gathers, read by a sibling that splits its
+    # input again (Phi-3's qkv_proj -> o_proj, gate_up_proj -> down_proj), is a plain column/row
+    # pair: keeping the output split saves both collectives and the whole-width compute. The fused
+    # output is split per segment (q|k|v, gate|up) and the probe checks it (verify_plan).
+    readers = {k.rsplit(".", 1)[0] for k, v in out.items() if v == "rowwise_split_input"}
+    for k, v in list(out.items()):
+        if v == "colwise_gather_output" and "." in k and k.rsplit(".", 1)[0] in readers:
+            out[k] = "packed_colwise"  # split per segment, not in contiguous blocks
+    for k, v in list(out.items()):
+        if v == "rowwise_split_input":
+            out[k] = "rowwise"
     return out
 
 

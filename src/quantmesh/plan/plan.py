@@ -90,11 +90,15 @@ class Plan:
         tp: int | None = None,
         user_rules: tuple[str, ...] = (),
         contiguous: tuple[str, ...] = (),
+        probed: bool = False,
     ):
         self.rules = {k: _canon(v, k) for k, v in (rules or {}).items()}
         # rules whose fused outputs are laid out per head (the model's own plan says plain
         # "colwise", not "packed_colwise"): split in contiguous blocks, never as q|k|v segments
         self.contiguous = tuple(contiguous)
+        # verify_plan runs this plan on a probe: a weight that a parent's forward source mentions
+        # (read in some branch, or not at all at run time) need not be replicated on suspicion
+        self.probed = probed
         self.notes = dict(notes or {})  # fqn/glob -> why the planner chose it
         self.user_rules = (
             tuple(user_rules) if user_rules else tuple(self.rules) if model is None else ()
@@ -126,6 +130,7 @@ class Plan:
             tp=self._tp,
             user_rules=self.user_rules + tuple(rules),
             contiguous=self.contiguous,
+            probed=self.probed,
         )
 
     def with_contiguous(self, globs: list[str] | tuple[str, ...]) -> Plan:
@@ -138,6 +143,20 @@ class Plan:
             tp=self._tp,
             user_rules=self.user_rules,
             contiguous=self.contiguous + tuple(globs),
+            probed=self.probed,
+        )
+
+    def to_probe(self) -> Plan:
+        """The same plan, resolved for verify_plan's probe: direct weight reads found in source
+        are left to the probe instead of replicated on suspicion."""
+        return Plan(
+            self.rules,
+            notes=self.notes,
+            model=self._model,
+            tp=self._tp,
+            user_rules=self.user_rules,
+            contiguous=self.contiguous,
+            probed=True,
         )
 
     def __iter__(self):
@@ -178,7 +197,8 @@ class Plan:
             if any(g == rule or fnmatch.fnmatchcase(fqn, g) for g in self.contiguous):
                 _per_group(entries[fqn], mod, tp)
         _segment_packed(model, entries, tp)
-        _check_direct_use(model, entries)
+        if not self.probed:
+            _check_direct_use(model, entries)
         _check_partners(model, entries)
         _split_head_tables(model, entries, tp)
         _check_ties(model, entries)
@@ -493,11 +513,13 @@ def _param_split(e: Entry | None, pname: str):
 
 
 def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
-    """Per-rank head counts for attention modules that store them (not transformers configs)."""
+    """Per-rank head counts for attention modules that store them; for one that reads them from its
+    transformers config (Phi-3 slices q|k|v by config.num_attention_heads), the counts of a private
+    copy of that config ("config.num_attention_heads"; apply_tp copies the config per module)."""
     out: dict[str, dict[str, list[int]]] = {}
     for e in entries.values():
         h = e.heads
-        if e.split is None or h is None or h.from_config or e.style != Style.COLWISE:
+        if e.split is None or h is None or e.style != Style.COLWISE:
             continue
         mod = model.get_submodule(e.fqn)
         q = h.q_size
@@ -510,6 +532,13 @@ def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
         else:
             q_local = [sum(min(b, q) - a for a, b in e.split.ranges(r) if a < q) for r in range(tp)]
         ups = out.setdefault(h.owner, {})
+        if h.from_config:
+            cfg = getattr(owner, "config", None)
+            if isinstance(getattr(cfg, "num_attention_heads", None), int):
+                ups["config.num_attention_heads"] = [q // h.head_dim for q in q_local]
+            if isinstance(getattr(cfg, "num_key_value_heads", None), int):
+                g = h.heads // h.kv_heads
+                ups["config.num_key_value_heads"] = [q // h.head_dim // g for q in q_local]
         for a in Q_ATTRS:
             if isinstance(getattr(owner, a, None), int):
                 ups[a] = [q // h.head_dim for q in q_local]

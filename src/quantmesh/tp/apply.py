@@ -7,6 +7,8 @@ Modules left alone are materialized on their device (meta -> uninitialized, to b
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -114,7 +116,13 @@ def apply_tp(
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
         for a, per_rank in attrs.items():
-            setattr(mod, a, per_rank[mesh.tp_rank])
+            target = mod
+            if a.startswith("config."):  # this module's own copy: the model's config stays whole
+                if "config" not in vars(mod).get("_quantmesh_own", ()):
+                    mod.config = copy.copy(mod.config)
+                    mod.__dict__.setdefault("_quantmesh_own", set()).add("config")
+                target, a = mod.config, a.split(".", 1)[1]
+            setattr(target, a, per_rank[mesh.tp_rank])
     return model
 
 
