@@ -86,7 +86,10 @@ def _hf(config_cls: str, model_cls: str, **cfg) -> Callable[[int], nn.Module]:
     def build(seed: int = 0) -> nn.Module:
         tf = importlib.import_module("transformers")
         config = getattr(tf, config_cls)(**cfg)
-        config._attn_implementation = "eager"  # the same math on every rank and in the reference
+        # eager attention and experts: the same math on every rank, in the reference, and in fp64
+        # (transformers' grouped_mm experts have no fp64 kernel)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
         torch.manual_seed(seed)
         model = getattr(tf, model_cls)(config).float().eval()
         return randomize_(model, seed)
@@ -664,9 +667,10 @@ ZOO: dict[str, ZooCase] = {
         ),
         lm_inputs,
         "MLA (low-rank q / kv), 1 dense + 1 MoE layer",
-        # peft 0.21 maps MLP names (gate_proj, ...) of transformers 5 MoE models onto the fused
-        # routed experts and leaves the named linears without adapters: no reference for those
-        lora_skip=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        # peft 0.21 maps the MLP names (gate_proj, up_proj, down_proj) of transformers 5 MoE models
+        # onto the fused routed experts and leaves the named linears (dense MLP, shared experts)
+        # without adapters: no reference for those
+        lora_skip=("gate_proj", "up_proj", "down_proj"),
     ),
 }
 
