@@ -419,7 +419,10 @@ def zoo_rank(rank: int, tp: int, jobs: dict[str, list[str]], collective_s: float
             errs = [e for e, _ in everyone]
             res: dict = {"seconds": time.perf_counter() - t0}
             if any(e is not None for e in errs):
-                res["error"] = next(e for e in errs if e is not None)
+                # the cause, not a peer's timeout waiting for the rank that raised
+                res["error"] = min(
+                    (e for e in errs if e), key=lambda e: (_desync(e), errs.index(e))
+                )
                 res["error_ranks"] = [r for r, e in enumerate(errs) if e is not None]
                 if everyone[0][1]:
                     res["traceback"] = everyone[0][1].get("traceback")
