@@ -41,35 +41,10 @@ from tests.zoo import DECODERS, ZOO
 
 # ------------------------------------------------------------------------------------------------
 # Expected failures, measured on this version: (arch, check) for every tp size, or (arch, check, tp)
-# for one. strict: a fixed case fails as XPASS until its line is removed. Edit here.
-_RNG = "uneven split (heads, KV groups or the 128-row vocabulary over 3): generators part"
-_GEMMA = "the sharded embedding drops Gemma's sqrt(hidden) scale of the embeddings"
-_QKV = "fused query_key_value is laid out per head but split as q|k|v segments"
-_FALCON = "fused query_key_value is grouped per KV head but split as q|k|v segments"
-_QK_NORM = "per-head q_norm / k_norm gradients are per-rank partial sums, never reduced"
-_STABLELM = "per-head q / k LayerNorms (one per head) are not split with the heads"
-_MPT = "ALiBi bias holds every head, the scores only the local ones: shape error"
-_T5 = "relative position bias holds every head, the scores only the local ones: shape error"
-XFAIL: dict[tuple, str] = {
-    # RNG state after parallelize differs across ranks
-    **{(a, "rng"): _RNG for a in ("llama", "mistral", "qwen3", "gemma3_text", "phi3", "opt")},
-    **{(a, "rng"): _RNG for a in ("stablelm", "bert", "bart", "mixtral", "qwen2_moe")},
-    **{(a, "rng", 3): _RNG for a in ("qwen2", "gemma", "gemma2", "phi", "gpt2", "gpt_neox")},
-    **{(a, "rng", 3): _RNG for a in ("gptj", "falcon", "falcon_new", "codegen", "bloom")},
-    **{(a, "rng", 3): _RNG for a in ("olmo", "starcoder2", "roberta", "vit", "deepseek_v3")},
-    # wrong values, no error
-    **{(a, c): _GEMMA for a in ("gemma", "gemma2", "gemma3_text") for c in ("forward", "grads")},
-    **{(a, c): _GEMMA for a in ("gemma", "gemma2", "gemma3_text") for c in ("lora", "nf4")},
-    **{(a, c): _QKV for a in ("gpt_neox", "codegen") for c in ("forward", "grads", "lora", "nf4")},
-    # tp=3: 2 KV groups cannot be split over 3 ranks, the attention is replicated (exact)
-    **{("falcon_new", c, 2): _FALCON for c in ("forward", "grads", "lora", "nf4")},
-    ("qwen3", "grads"): _QK_NORM,
-    ("qwen3", "nf4"): _QK_NORM,
-    **{("stablelm", c): _STABLELM for c in ("forward", "grads", "rng", "lora", "nf4")},
-    # errors (rng counts as failed: the step never ran)
-    **{("mpt", c): _MPT for c in ("forward", "grads", "rng", "lora", "nf4")},
-    **{("t5", c): _T5 for c in ("forward", "grads", "rng", "lora")},
-}
+# for one. strict: a fixed case fails as XPASS until its line is removed. Edit here. Empty since
+# verify_plan: every architecture of the zoo comes back exact (split where the probe proves it,
+# replicated with the reason where it does not).
+XFAIL: dict[tuple, str] = {}
 
 CHECKS = ("forward", "grads", "rng", "lora", "nf4")
 TPS = (2, 3)
@@ -182,8 +157,8 @@ def test_xfail_entries_name_real_cases() -> None:
 def zoo_table(by_tp: dict[int, dict[str, dict]]) -> str:
     """arch | tp=2 | tp=3 | split fraction | verdict, from the facts (markdown)."""
     rows = [
-        "| arch | family | tp=2 | tp=3 | split fraction (tp=2 / tp=3) | verdict |",
-        "|---|---|---|---|---|---|",
+        "| arch | family | tp=2 | tp=3 | split fraction (tp=2 / tp=3) | verdict | kept whole at tp=2, and why |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arch, case in ZOO.items():
         cells, failed = [], set()
@@ -210,8 +185,24 @@ def zoo_table(by_tp: dict[int, dict[str, dict]]) -> str:
             verdict = "exact values, RNG state differs"
         else:
             verdict = "WRONG (" + ", ".join(c for c in CHECKS if c in failed) + ")"
-        rows.append(f"| {arch} | {case.family} | {cells[0]} | {cells[1]} | {split} | {verdict} |")
+        whole = _whole(by_tp[TPS[0]][arch])
+        rows.append(
+            f"| {arch} | {case.family} | {cells[0]} | {cells[1]} | {split} | {verdict} | {whole} |"
+        )
     return "\n".join(rows)
+
+
+def _whole(f: dict) -> str:
+    """The planner's reasons for the large modules it kept whole (norms and small tables aside),
+    one per distinct (module name, reason), shortest first."""
+    seen: dict[str, None] = {}
+    for fqn, why in f["main"].get("replicated", {}).items():
+        if any(k in why for k in ("Norm", "small embedding", "RMSNorm")) or "norm" in fqn.lower():
+            continue
+        name = fqn.rsplit(".", 1)[-1]
+        why = why.removeprefix("replicated: ").split(" (")[0]
+        seen.setdefault(f"{name}: {why}", None)
+    return "; ".join(sorted(seen, key=len)[:3]) or "-"
 
 
 def _doc_table() -> str:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..tp.kinds import kind_of
 from .plan import Plan
-from .styles import Style
+from .styles import HF_STYLE_ALIASES, Style
 
 __all__ = ["auto_plan"]
 
@@ -108,11 +108,23 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
     notes: dict[str, str] = {}
     embs, head = _embedding_and_head(model)
     hf = _hf_rules(model)
+    r, n = _structural_rules(model, skip={head})
     if hf:
         rules.update(hf)
-        notes.update({k: "model's own tp plan" for k in hf})
+        for k, v in hf.items():
+            if HF_STYLE_ALIASES.get(v, v) == "replicate" and v not in _HF_REPLICATE:
+                notes[k] = f"replicated: the model's plan asks for {v!r}, not implemented here"
+            else:
+                notes[k] = "model's own tp plan"
+        # what the model's plan leaves out (a shared expert, a low-rank projection): structure,
+        # for modules none of whose siblings the model's plan names (verify_plan checks the result)
+        named = [n for n, _ in model.named_modules() if n and _matches(n, hf)]
+        parents = {x.rsplit(".", 1)[0] if "." in x else "" for x in named}
+        for k, v in r.items():
+            parent = k.rsplit(".", 1)[0] if "." in k else ""
+            if not _matches(k, hf) and parent not in parents:
+                rules[k], notes[k] = v, n[k]
     else:
-        r, n = _structural_rules(model, skip={head})
         rules.update(r)
         notes.update(n)
     for emb in embs:
@@ -124,6 +136,15 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
     _replicate_notes(model, rules, notes)
     contiguous = tuple(k for k, v in hf.items() if v in ("colwise", "local_colwise"))
     return Plan(rules, notes=notes, model=model, tp=tp, user_rules=(), contiguous=contiguous)
+
+
+_HF_REPLICATE = (
+    "replicate",
+    "replicated_with_grad_allreduce",
+    "local",
+    "gather",
+    "sequence_parallel",
+)
 
 
 def _hf_rules(model: nn.Module) -> dict[str, str]:
