@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -834,7 +835,7 @@ def check_case(name: str, mesh, plan=None, floors: bool = False) -> dict:
 
     res = parallel_state(model).plan
     facts["attrs"] = {
-        owner: {a: getattr(model.get_submodule(owner), a) for a in attrs}
+        owner: {a: operator.attrgetter(a)(model.get_submodule(owner)) for a in attrs}
         for owner, attrs in res.attr_updates.items()
     }
     return facts
