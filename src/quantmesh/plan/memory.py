@@ -81,8 +81,7 @@ rank 0 more), in bytes:
                (micro_batch, seq_len, vocab) fp32 each and live together: 12 bytes per logit, on top
                of every saved activation. (The forward's bf16 logits + fp32 copy + log-softmax, 10
                bytes per logit, are gone by then: nothing keeps the logits themselves.) The
-               vocabulary is whole: the auto plan's head is colwise_gather. At tp > 1 add the head's
-               input, b * s * h * a: copy_to_tp_once's one-slot cache holds it until the next forward
+               vocabulary is whole: the auto plan's head is colwise_gather.
   transient    the largest linear's weight dequantized for a matmul (quantized formats)
 
 The total is the sum of the parts. Two small parts are not live at the training peak itself and are
@@ -496,14 +495,9 @@ def _activations(
         act += 2 * seq * hd * a  # RoPE's cos and sin, one (seq, head_dim) each, shared by layers
     # Cross-entropy's backward: the fp32 log-softmax kept for it, the gradient nll_loss hands it and
     # the gradient it returns, all (b, s, vocab) fp32 and all live at once: 12 bytes per logit.
+    # (A split head's input is not held past its forward: copy shares are emptied by their
+    # parent's forward hook, and the head has no colwise sibling to share with.)
     logits = tokens * dims.vocab * 12
-    if any(
-        e.split is not None and e.style.is_colwise and e.split.full == dims.vocab
-        for e in resolved.entries.values()
-    ):
-        # A split head: copy_to_tp_once's one-slot cache holds the last colwise input it saw, the
-        # head's (the final norm's output), until the next forward: through the whole backward.
-        logits += tokens * h * a
     return int(act), int(logits)
 
 
