@@ -10,47 +10,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .plan.auto import blocks_of
 from .plan.styles import balanced_counts
 
 __all__ = ["layer_placement", "split_layers", "device_of"]
 
 
-def _block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return None
-    return max(lists, key=lambda x: sum(p.numel() for p in x[1].parameters()))
-
-
 def layer_placement(model: nn.Module, devices: list[torch.device]) -> dict[str, torch.device]:
-    """{module FQN prefix: device}: blocks split evenly in order; before -> first, after -> last.
+    """{module FQN prefix: device}: the repeated blocks (`blocks_of`, the same ones the planner and
+    compile_blocks see; an encoder's and a decoder's in model order) split evenly in order; what
+    comes before the first block -> the first device, anything else -> the device of the block
+    before it (so the final norm and head land on the last).
 
     Example:
         >>> layer_placement(model, [torch.device("cuda", 0), torch.device("cuda", 1)])  # doctest: +SKIP
         {'model.embed_tokens': cuda:0, 'model.layers.0': cuda:0, ..., 'lm_head': cuda:1}
     """
     devices = [torch.device(d) for d in devices]
-    found = _block_list(model)
-    if found is None or len(devices) == 1:
+    blocks = [n for n, _ in blocks_of(model)]
+    if not blocks or len(devices) == 1:
         return {"": devices[0]}
-    lname, blocks = found
-    counts = balanced_counts(len(blocks), len(devices))
     out: dict[str, torch.device] = {"": devices[0]}
-    i = 0
-    for dev, c in zip(devices, counts):
+    names = iter(blocks)
+    for dev, c in zip(devices, balanced_counts(len(blocks), len(devices))):
         for _ in range(c):
-            out[f"{lname}.{i}"] = dev
-            i += 1
+            out[next(names)] = dev
     order = [n for n, _ in model.named_modules()]
-    first_block = order.index(f"{lname}.0")
+    pos = {n: i for i, n in enumerate(order)}
+    lists = {b.rsplit(".", 1)[0] for b in blocks}
     for n in order:
-        if not n or n.startswith(lname) or lname.startswith(n + ".") or n == lname:
+        if not n or n in out or any(n.startswith(k + ".") for k in out if k):
             continue
-        if any(n.startswith(k + ".") for k in out if k):
-            continue
-        if "." in n and n.rsplit(".", 1)[0] in out:
-            continue
-        out[n] = devices[0] if order.index(n) < first_block else devices[-1]
+        if any(n == lst or lst.startswith(n + ".") for lst in lists):
+            continue  # a block list or one of its ancestors: a container
+        before = [b for b in blocks if pos[b] < pos[n]]
+        out[n] = out[before[-1]] if before else devices[0]
     return out
 
 
