@@ -9,6 +9,9 @@ gradient sync over dp.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -24,12 +27,15 @@ from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
 
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
 __all__ = ["parallelize"]
 
 
 def parallelize(
     model: nn.Module,
-    mesh,
+    mesh: Mesh,
     *,
     plan: Plan | dict[str, str] | None = None,
     quant: str | QuantConfig | None = None,
@@ -137,7 +143,7 @@ def parallelize(
     return model
 
 
-def _named_tensors(model: nn.Module):
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
 

@@ -151,6 +151,7 @@ def run_ranks(
     if errors or timed_out:
         for r, p in enumerate(procs):
             if p.is_alive() and r not in errors and r not in results:
+                assert p.pid is not None  # started
                 os.kill(p.pid, signal.SIGUSR1)  # dump its stack into its log
         time.sleep(0.5)
         for p in procs:

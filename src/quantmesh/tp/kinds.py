@@ -7,6 +7,7 @@ module of the same kind with fewer features. Quantization applies to linear-like
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ class Kind:
     linear_like: bool  # y = x W^T + b, possibly with a transposed weight; quantizable
 
     def in_out(self, module: nn.Module) -> tuple[int, int]:
-        w = module.weight
+        w = cast(torch.Tensor, module.weight)  # every Kind's module has a weight
         return int(w.shape[self.w_in_dim]), int(w.shape[self.w_out_dim])
 
 
@@ -79,16 +80,17 @@ def new_local(
     if kind is EMBEDDING:
         return nn.Embedding(in_f, out_f, device=device, dtype=dtype)
     if kind is CONV2D:
+        conv: Any = orig  # an nn.Conv2d; its attributes are typed wider than its arguments
         return nn.Conv2d(
             in_f,
             out_f,
-            orig.kernel_size,
-            orig.stride,
-            orig.padding,
-            orig.dilation,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
             1,
             bias,
-            orig.padding_mode,
+            conv.padding_mode,
             device=device,
             dtype=dtype,
         )
