@@ -17,6 +17,8 @@ import torch
 
 from quantmesh.testing import run_ranks
 
+pytestmark = pytest.mark.slow  # make test-fast leaves this module out
+
 
 def _llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM

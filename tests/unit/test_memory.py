@@ -297,6 +297,7 @@ def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float)
     return {"saved": sum(saved.values())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2])
 def test_compiled_activations_match_what_the_compiled_blocks_save(dp: int, monkeypatch) -> None:
     """compiled=True: the norms keep their bf16 inputs (not fp32 upcasts), SiLU(gate) is
