@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.quantmesh-installed
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test test-fast lint format venv clean
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(PY) -m mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks examples
@@ -34,5 +35,10 @@ format: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m "not cuda" tests
 
+# The inner loop: lint, then every test but the slow ones (the CLI end-to-end runs, the demo, the
+# benchmark smokes, the compiled-code spawns). `make test` stays the full suite.
+test-fast: lint
+	$(PY) -m pytest -q -m "not cuda and not slow" tests
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -16,6 +16,7 @@ picks the same token. Greedy only (argmax); for sampling use `model.generate`.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,9 @@ class _Decoder:
     """The static cache and the compiled step of one model, reused while the shapes stay the same
     (a new cache object would fail the compiled step's guards and compile it again)."""
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int, compile: bool, mode) -> None:
+    def __init__(
+        self, model: nn.Module, batch: int, max_len: int, compile: bool, mode: str | None
+    ) -> None:
         from transformers import StaticCache
 
         params = inspect.signature(model.forward).parameters
@@ -40,7 +43,8 @@ class _Decoder:
                 "greedy_decode needs a transformers causal LM"
             )
         self.key = (batch, max_len, compile, mode)
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        config: Any = model.config  # a transformers PreTrainedConfig
+        self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.kw = {names[0]: self.cache, "use_cache": True}
         self.prefill_kw = {
             **self.kw,
@@ -50,12 +54,12 @@ class _Decoder:
         self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, 1)
-        logits = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
+        logits: torch.Tensor = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # (batch, prompt) -> (batch, 1)
         self.cache.reset()  # in place: the tensors keep their addresses
-        logits = self.model(input_ids=input_ids, **self.prefill_kw).logits
+        logits: torch.Tensor = self.model(input_ids=input_ids, **self.prefill_kw).logits
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
 

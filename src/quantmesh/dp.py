@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .state import parallel_state
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
 
 __all__ = ["apply_dp", "no_sync"]
 
@@ -21,12 +26,12 @@ __all__ = ["apply_dp", "no_sync"]
 class _Frozen(nn.Module):
     """Holds the frozen parameters so that `replicate(ignored_modules=...)` skips them."""
 
-    def __init__(self, params):
+    def __init__(self, params: list[nn.Parameter]) -> None:
         super().__init__()
         self.params = nn.ParameterList(params)
 
 
-def apply_dp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Module:
+def apply_dp(model: nn.Module, mesh: Mesh, *, bucket_cap_mb: float = 25.0) -> nn.Module:
     """Sync gradients of the trainable parameters over mesh.dp_group (no-op when dp == 1).
 
     Example:
@@ -44,7 +49,7 @@ def apply_dp(model: nn.Module, mesh, *, bucket_cap_mb: float = 25.0) -> nn.Modul
         )
     frozen = [p for p in model.parameters() if not p.requires_grad]
     devices = {p.device for p in trainable}
-    kwargs = {}
+    kwargs: dict[str, list[torch.device] | None] = {}
     if len(devices) == 1 and next(iter(devices)).type == "cuda":
         kwargs["device_ids"] = [next(iter(devices))]
     else:
@@ -74,8 +79,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     if not hasattr(model, "set_requires_gradient_sync"):  # not under apply_dp (replicate)
         yield
         return
-    model.set_requires_gradient_sync(False)
+    replicated: Any = model  # replicate() added set_requires_gradient_sync to this instance
+    replicated.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        replicated.set_requires_gradient_sync(True)

@@ -31,7 +31,7 @@ def empty_model(device: str | torch.device = "meta") -> Iterator[None]:
     device = torch.device(device)
     original = nn.Module.register_parameter
 
-    def register_parameter(self, name, param):
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(self, name, param)
         if param is not None and param.device != device:
             cls = type(param)
@@ -45,8 +45,9 @@ def empty_model(device: str | torch.device = "meta") -> Iterator[None]:
             p.__dict__.update(kwargs)
             self._parameters[name] = p
 
-    nn.Module.register_parameter = register_parameter
+    # patched on the class for the duration of the block: that is what this context manager does
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]

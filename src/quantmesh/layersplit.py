@@ -7,6 +7,8 @@ module moves its tensor inputs to its device, so activations follow the layers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -57,7 +59,7 @@ def device_of(placement: dict[str, torch.device], fqn: str) -> torch.device:
     return placement[best]
 
 
-def _to(obj, device):
+def _to(obj: object, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, tuple):
@@ -76,7 +78,9 @@ def install_moves(model: nn.Module, placement: dict[str, torch.device]) -> None:
             continue
         mod = model.get_submodule(name)
 
-        def hook(module, args, kwargs, _dev=dev):
+        def hook(
+            module: nn.Module, args: tuple, kwargs: dict, _dev: torch.device = dev
+        ) -> tuple[Any, Any]:
             return _to(args, _dev), _to(kwargs, _dev)
 
         mod.register_forward_pre_hook(hook, with_kwargs=True)

@@ -16,11 +16,15 @@ import fnmatch
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .plan.styles import Style, slice_dim
+
+if TYPE_CHECKING:
+    from .tp.layers import ShardedModule
 
 __all__ = ["LoraConfig", "LoraError", "attach_lora", "lora_targets", "trainable_parameters"]
 
@@ -112,7 +116,13 @@ def _init_A(fqn: str, r: int, in_full: int, seed: int) -> torch.Tensor:
     return a
 
 
-def attach_lora(module: nn.Module, config: LoraConfig, *, device, dtype=torch.float32) -> None:
+def attach_lora(
+    module: ShardedModule,
+    config: LoraConfig,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Give a ShardedModule `lora_A`, `lora_B` and `lora_dropout`, sharded to follow its style.
 
     Example:
@@ -126,6 +136,7 @@ def attach_lora(module: nn.Module, config: LoraConfig, *, device, dtype=torch.fl
     r = config.r
     a_full = _init_A(module.fqn, r, module.in_full, config.seed)  # (r, in)
     if module.style == Style.ROWWISE:
+        assert module.split is not None  # rowwise splits its input
         a = slice_dim(a_full, 1, module.split.ranges(module.tp_rank))  # (r, in_local)
         out_b = module.out_full
     else:

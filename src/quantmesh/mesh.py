@@ -13,9 +13,13 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Mesh", "MeshError", "init_mesh", "resolve_sizes"]
 
@@ -46,7 +50,7 @@ class Mesh:
     tp_rank: int
     devices: list[torch.device]
     backend: str
-    device_mesh: object = field(repr=False)  # torch.distributed.device_mesh.DeviceMesh
+    device_mesh: DeviceMesh = field(repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +136,7 @@ def _env_int(name: str, default: int) -> int:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _local_devices(
@@ -230,8 +234,13 @@ def init_mesh(
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         else:
-            kw = {"device_id": devices[0]} if is_cuda else {}
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=devices[0] if is_cuda else None,
+            )
 
     # The first collective: who owns what, and where.
     host = socket.gethostname()

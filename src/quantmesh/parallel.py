@@ -10,7 +10,8 @@ gradient sync over dp.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,12 +29,15 @@ from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
 
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
 __all__ = ["parallelize"]
 
 
 def parallelize(
     model: nn.Module,
-    mesh,
+    mesh: Mesh,
     *,
     plan: Plan | dict[str, str] | None = None,
     quant: str | QuantConfig | None = None,
@@ -169,7 +173,7 @@ def _parallelize(
     return model
 
 
-def _named_tensors(model: nn.Module):
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
 

@@ -37,7 +37,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from torch import nn
 from .plan.auto import auto_plan, blocks_of
 from .plan.plan import Plan, _globify
 from .plan.styles import Style
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
 
 __all__ = ["VerifyReport", "GroupVerdict", "verify_plan", "probe_inputs"]
 
@@ -243,10 +246,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
 class _ProbeMesh:
     """The parts of a Mesh that parallelize uses, over a probe group of this rank's tp ranks."""
 
-    def __init__(self, mesh: Any, group: Any) -> None:
+    def __init__(self, mesh: Mesh, group: Any) -> None:
         self.tp, self.tp_rank, self.tp_group = mesh.tp, mesh.tp_rank, group
         self.dp, self.dp_rank, self.pp, self.pp_rank = 1, 0, 1, 0
-        self.rank, self.devices = mesh.rank, [mesh.device]
+        self.rank = mesh.rank
+        self.devices: list[torch.device] = [mesh.device]
 
     @property
     def device(self) -> torch.device:
@@ -313,7 +317,8 @@ def _probe(
     try:
         m = copy.deepcopy(probe)
         m.zero_grad(set_to_none=True)
-        parallelize(m, _ProbeMesh(mesh, group), plan=plan, data_parallel=False, verify=False)
+        probe_mesh = cast("Mesh", _ProbeMesh(mesh, group))  # the parts of a Mesh parallelize reads
+        parallelize(m, probe_mesh, plan=plan, data_parallel=False, verify=False)
         outs, _ = _run(m, inputs, seed=0)
         err = max((_rel(a, b) for a, b in zip(outs, ref_out)), default=0.0)
         if len(outs) != len(ref_out):

@@ -1,8 +1,16 @@
-"""Rank functions for the LoRA / quantization / data-parallel tests (spawned by run_ranks)."""
+"""Rank functions for the LoRA / quantization / data-parallel tests (spawned by run_ranks).
+
+test_lora_dp.py, test_lora_peft.py and test_lora_errors.py share their spawns: `spawned(world)`
+runs every job of one world size (JOBS) in one launch, once per pytest session, and each test
+reads its job's result. A job is a tuple (function name in this module, *arguments).
+"""
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch import nn
 
 import quantmesh as qm
 from quantmesh.io.full import gather_param, tp_sharded
@@ -192,3 +200,85 @@ def param_bytes(rank: int, tp: int, quant) -> dict:
             if qs is not None:  # 4-bit statistics live on the quant state
                 base += qs.absmax.numel() * qs.absmax.element_size()
     return {"base": base, "lora": lora}
+
+
+class TinyCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def parallelize_errors(rank: int) -> dict:
+    """parallelize's LoRA / quantization errors on a model with a conv (tp=1)."""
+    mesh = qm.init_mesh(tp=1)
+    out = {}
+    try:
+        qm.parallelize(TinyCNN(), mesh, lora=qm.LoraConfig(targets=["conv"]))
+    except qm.LoraError as e:
+        out["lora_conv"] = str(e)
+    try:
+        qm.parallelize(TinyCNN(), mesh, quant=qm.QuantConfig(format="nf4", targets=["conv"]))
+    except qm.QuantError as e:
+        out["quant_conv"] = str(e)
+    m = TinyCNN()
+    qm.parallelize(m, mesh, quant="nf4")  # default targets: every linear; the conv stays float
+    out["conv_dtype"] = str(m.conv.weight.dtype)
+    out["head_quant"] = type(m.head).__name__
+    try:
+        qm.parallelize(TinyCNN(), mesh, lora={"r": 4})
+    except qm.LoraError as e:
+        out["lora_dict"] = str(e)
+    return out
+
+
+# Training layouts (dp, tp, quant[, steps, devices_per_rank, accum]) per world size.
+LAYOUTS = {
+    1: [(1, 1, None), (1, 1, "nf4"), (1, 1, "int8"), (1, 1, "nf4_no_double_quant")],
+    2: [
+        (1, 2, None),
+        (2, 1, None),
+        (1, 2, "nf4"),
+        (1, 2, "int8"),
+        (1, 2, "nf4_no_double_quant"),
+        (2, 1, None, 5, 1, 2),  # dp=2, two micro-steps each, the first under no_sync
+        (2, 1, None, 5, 2),  # the seed layout: each dp replica split over 2 CPU "devices"
+    ],
+    4: [(2, 2, None), (1, 4, None), (2, 2, "nf4")],
+}
+QUANTS = (None, "nf4", "int8")
+JOBS: dict[int, list[tuple]] = {
+    1: [("train", *c) for c in LAYOUTS[1]]
+    + [("param_bytes", 1, q) for q in QUANTS]
+    + [("parallelize_errors",)],
+    2: [("train", *c) for c in LAYOUTS[2]]
+    + [("param_bytes", 2, q) for q in QUANTS]
+    + [("peft_compare", None)],
+    4: [("train", *c) for c in LAYOUTS[4]],
+}
+
+
+def run_jobs(rank: int, jobs: list[tuple]) -> list:
+    """Every job of one spawn, in order, on this rank."""
+    return [globals()[name](rank, *args) for name, *args in jobs]
+
+
+@functools.cache
+def spawned(world: int) -> dict[tuple, list]:
+    """{job: [result of rank 0, rank 1, ...]} for every job of `world` ranks; one launch per world
+    size and pytest session."""
+    from quantmesh.testing import run_ranks
+
+    res = run_ranks(run_jobs, world, JOBS[world], timeout=400)
+    return {job: [r[i] for r in res] for i, job in enumerate(JOBS[world])}
+
+
+def result(job: tuple) -> list:
+    """The per-rank results of `job`, from the spawn of its world size."""
+    for world, jobs in JOBS.items():
+        if job in jobs:
+            return spawned(world)[job]
+    raise KeyError(f"{job} is in no spawn; add it to JOBS")

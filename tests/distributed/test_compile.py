@@ -2,14 +2,22 @@
 
 fullgraph=True: a graph break anywhere in a block (the sharded layers, their collectives, the
 quantized matmul, the adapters) fails the test instead of silently running part of it eagerly.
+
+Compiling dominates the cost, then spawning: every case runs in one spawn of 2 ranks (`_spawn`,
+cached for the module), each case after `_fresh()` (no compiled graph, counter or patched
+all-reduce of an earlier case is left).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 from quantmesh.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # make test-fast leaves this module out
 
 
 def _llama(layers: int = 2):
@@ -61,8 +69,7 @@ def _both(rank: int, quant: str | None) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("quant", [None, "nf4"])
 def test_compiled_blocks_train_like_eager(quant):
-    res = run_ranks(_both, 2, quant, timeout=400)
-    for eager, comp in res:
+    for eager, comp in _results("train", quant):
         assert comp["breaks"] == {}
         for a, b in zip(comp["losses"], eager["losses"]):
             assert abs(a - b) / abs(b) < 1e-5, (comp["losses"], eager["losses"])
@@ -145,7 +152,7 @@ def test_compiled_backward_all_reduces_like_eager():
     """q, k, v (gate, up) share one copy of their input under compile too: one backward all-reduce
     per block input, as eagerly, not one per colwise layer."""
     big, small, fw = (2, 32, 128), (2, 32, 4), (2, 32, 128 + 4)  # block input, LoRA A out, o/down
-    for eager, comp in run_ranks(_collectives_both, 2, timeout=400):
+    for eager, comp in _results("collectives"):
         assert comp["breaks"] == {} and comp["unique_graphs"] == 2
         # the same step, eager or compiled: every all-reduce inside a block is in its graphs
         g = comp["graphs"]
@@ -225,7 +232,7 @@ def _mixed_both(rank: int) -> tuple[dict, dict]:
 def test_compiled_share_only_merges_colwise_readers_of_one_tensor():
     """Only colwise layers given the very same tensor share its copy: v (another tensor) keeps its
     own all-reduce, and r (replicated, whole gradient on every rank) none."""
-    for eager, comp in run_ranks(_mixed_both, 2, timeout=300):
+    for eager, comp in _results("mixed"):
         assert comp["r"] is None
         ge, gc = eager["grads"], comp["grads"]
         assert ge.keys() == gc.keys() and len(ge) == 2 * 5 * 2 + 1  # blocks x adapters x (A, B), x
@@ -256,7 +263,7 @@ def _decode(rank: int) -> dict:
 
 
 def test_compiled_static_cache_decoding_matches_eager():
-    for r in run_ranks(_decode, 2, timeout=300):
+    for r in _results("decode"):
         assert r == {"same": True, "compiled": True}
 
 
@@ -268,6 +275,7 @@ def test_compile_blocks_needs_blocks():
 
 
 def _greedy(rank: int, tp: int) -> dict:
+    """tp=1 runs on the same 2 ranks as dp=2: an unsharded model, as on one process."""
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=tp)
@@ -304,7 +312,7 @@ def _greedy(rank: int, tp: int) -> dict:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decode_matches_generate(tp):
-    for r in run_ranks(_greedy, tp, tp, timeout=300):
+    for r in _results("greedy", tp):
         # eager loop, compiled, compiled again (reused), a shorter prompt (reused)
         assert r["same"] == [True, True, True, True]
         assert r["frames"]["unique_graphs"] == 1  # later calls reused the compiled step
@@ -338,5 +346,52 @@ def _dropout_warning(rank: int) -> list[str]:
 
 
 def test_compile_blocks_warns_when_dropout_breaks_the_graphs():
-    for messages in run_ranks(_dropout_warning, 2, timeout=120):
+    for messages in _results("dropout"):
         assert any("dropout is active" in m for m in messages), messages
+
+
+# --------------------------------------------------------------------------- the one spawn
+CASES = {  # name -> (rank function, its arguments after rank)
+    ("train", None): (_both, (None,)),
+    ("train", "nf4"): (_both, ("nf4",)),
+    ("collectives",): (_collectives_both, ()),
+    ("mixed",): (_mixed_both, ()),
+    ("decode",): (_decode, ()),
+    ("greedy", 1): (_greedy, (1,)),
+    ("greedy", 2): (_greedy, (2,)),
+    ("dropout",): (_dropout_warning, ()),
+}
+
+
+def _fresh(all_reduce) -> None:
+    """Forget what an earlier case left in this process: compiled graphs, dynamo's counters (the
+    tests read graph breaks and graph counts) and a counting all-reduce (_all_reduce_counter)."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    dist.all_reduce = all_reduce
+
+
+def _every_case(rank: int) -> dict:
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    out = {}
+    for key, (fn, args) in CASES.items():
+        _fresh(original)
+        out[key] = fn(rank, *args)
+    _fresh(original)
+    return out
+
+
+@functools.cache
+def _spawn() -> list[dict]:
+    return run_ranks(_every_case, 2, timeout=1200)
+
+
+def _results(*key) -> list:
+    """The per-rank results of one case of the shared spawn."""
+    return [r[key] for r in _spawn()]

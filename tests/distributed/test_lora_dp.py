@@ -3,6 +3,8 @@
 Same seed, same global batch, 5 SGD-momentum steps of LoRA training on a small Llama (GQA: 4 heads, 2 KV
 heads). Exact formats must agree within 1e-5 relative (fp32; sharded matmuls and all-reduces only
 reorder sums). Quantized runs are compared with the same quantization on one rank.
+
+The layouts run in the spawns shared with test_lora_peft.py and test_lora_errors.py (_lora_cases).
 """
 
 from __future__ import annotations
@@ -10,30 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantmesh.testing import run_ranks
-
-from ._lora_cases import many
+from ._lora_cases import LAYOUTS, result
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """All layouts, grouped by world size so each size spawns once."""
-    w1 = [(1, 1, None), (1, 1, "nf4"), (1, 1, "int8"), (1, 1, "nf4_no_double_quant")]
-    w2 = [
-        (1, 2, None),
-        (2, 1, None),
-        (1, 2, "nf4"),
-        (1, 2, "int8"),
-        (1, 2, "nf4_no_double_quant"),
-        (2, 1, None, 5, 1, 2),
-    ]
-    w4 = [(2, 2, None), (1, 4, None), (2, 2, "nf4")]
-    out = {}
-    for world, cases in ((1, w1), (2, w2), (4, w4)):
-        res = run_ranks(many, world, cases, timeout=300)
-        for i, c in enumerate(cases):
-            out[c] = [r[i] for r in res]
-    return out, w1, w2, w4
+def _run(*case) -> list[dict]:
+    """One training layout's per-rank results (from the shared spawn of its world size)."""
+    return result(("train", *case))
 
 
 def _rel(a: float, b: float) -> float:
@@ -41,10 +25,9 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("layout", [(1, 2), (2, 1), (2, 2), (1, 4)])
-def test_fp32_layouts_match_single_rank(runs, layout):
-    out, w1, *_ = runs
-    ref = out[w1[0]][0]
-    got = out[(*layout, None)][0]
+def test_fp32_layouts_match_single_rank(layout):
+    ref = _run(1, 1, None)[0]
+    got = _run(*layout, None)[0]
     # fp32: only the order of summation differs (split matmuls, all-reduce), ~1e-7 relative here
     for a, b in zip(got["losses"], ref["losses"]):
         assert _rel(a, b) < 1e-5, (layout, got["losses"], ref["losses"])
@@ -58,40 +41,36 @@ def test_fp32_layouts_match_single_rank(runs, layout):
         assert _rel(a, b) < 1e-5  # clip_grad_norm_ sees the true global norm
 
 
-def test_replicated_trainables_never_drift(runs):
-    out, _, w2, w4 = runs
-    for case in w2 + w4:
-        for rank_result in out[case]:
+def test_replicated_trainables_never_drift():
+    for case in LAYOUTS[2] + LAYOUTS[4]:
+        for rank_result in _run(*case):
             assert rank_result["replicas"], case
 
 
-def test_grad_accumulation_with_no_sync_matches(runs):
-    out, w1, *_ = runs
-    ref = out[w1[0]][0]
-    got = out[(2, 1, None, 5, 1, 2)][0]  # dp=2, two micro-steps each, the first under no_sync
+def test_grad_accumulation_with_no_sync_matches():
+    ref = _run(1, 1, None)[0]
+    got = _run(2, 1, None, 5, 1, 2)[0]  # dp=2, two micro-steps each, the first under no_sync
     for a, b in zip(got["losses"], ref["losses"]):
         assert _rel(a, b) < 1e-5
 
 
-def test_nf4_block_aligned_shards_are_exact(runs):
+def test_nf4_block_aligned_shards_are_exact():
     """Without double quantization, block-aligned shards quantize to the very same codes and
     absmax as the whole weight (every local row / column block is a multiple of 64), so tp=2
     trains exactly like tp=1 with the same format (fp32 tolerance)."""
-    out, w1, w2, _ = runs
-    ref, got = out[w1[3]][0], out[w2[4]][0]
+    ref, got = _run(1, 1, "nf4_no_double_quant")[0], _run(1, 2, "nf4_no_double_quant")[0]
     for a, b in zip(got["losses"], ref["losses"]):
         assert _rel(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("fmt,layout", [("nf4", (1, 2)), ("int8", (1, 2)), ("nf4", (2, 2))])
-def test_quantized_layouts_within_format_error(runs, fmt, layout):
+def test_quantized_layouts_within_format_error(fmt, layout):
     """Double quantization (nf4) and per-row scales (int8) see different statistics per shard, so
     sharded runs differ from the one-rank quantized run by a fraction of the format's own error.
     Bound: the one-rank quantized model's distance from fp32, plus 1e-4 relative."""
-    out, w1, *_ = runs
-    fp32 = out[w1[0]][0]["losses"]
-    ref = out[(1, 1, fmt)][0]["losses"]
-    got = out[(*layout, fmt)][0]["losses"]
+    fp32 = _run(1, 1, None)[0]["losses"]
+    ref = _run(1, 1, fmt)[0]["losses"]
+    got = _run(*layout, fmt)[0]["losses"]
     own_error = max(_rel(a, b) for a, b in zip(ref, fp32))
     assert own_error > 0  # the format really quantized something
     for a, b in zip(got, ref):

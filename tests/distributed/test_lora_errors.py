@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import quantmesh as qm
-from quantmesh.testing import run_ranks
 
-
-class TinyCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3)
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.head(self.conv(x).mean((2, 3)))
+from ._lora_cases import TinyCNN, result
 
 
 def test_lora_rank_must_be_positive():
@@ -43,30 +33,9 @@ def test_lora_target_matching_nothing_names_the_linears():
         lora_targets(TinyCNN(), qm.LoraConfig(targets=["q_proj"]))
 
 
-def _errors(rank):
-    mesh = qm.init_mesh(tp=1)
-    out = {}
-    try:
-        qm.parallelize(TinyCNN(), mesh, lora=qm.LoraConfig(targets=["conv"]))
-    except qm.LoraError as e:
-        out["lora_conv"] = str(e)
-    try:
-        qm.parallelize(TinyCNN(), mesh, quant=qm.QuantConfig(format="nf4", targets=["conv"]))
-    except qm.QuantError as e:
-        out["quant_conv"] = str(e)
-    m = TinyCNN()
-    qm.parallelize(m, mesh, quant="nf4")  # default targets: every linear; the conv stays float
-    out["conv_dtype"] = str(m.conv.weight.dtype)
-    out["head_quant"] = type(m.head).__name__
-    try:
-        qm.parallelize(TinyCNN(), mesh, lora={"r": 4})
-    except qm.LoraError as e:
-        out["lora_dict"] = str(e)
-    return out
-
-
 def test_parallelize_errors():
-    out = run_ranks(_errors, 1, timeout=120)[0]
+    # one rank, in the spawn shared with test_lora_dp.py (_lora_cases.parallelize_errors)
+    out = result(("parallelize_errors",))[0]
     assert "LoRA target conv is a Conv2d; LoRA applies to linear layers only" in out["lora_conv"]
     assert "conv is a Conv2d; bitsandbytes quantizes only linear layers" in out["quant_conv"]
     assert out["conv_dtype"] == str(torch.float32)

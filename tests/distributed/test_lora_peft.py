@@ -1,16 +1,16 @@
-"""LoRA under tensor parallelism against peft's LoRA, per-rank bytes, and the layer-split path."""
+"""LoRA under tensor parallelism against peft's LoRA, per-rank bytes, and the layer-split path.
+
+Every case runs in the spawns shared with test_lora_dp.py (see _lora_cases.JOBS)."""
 
 from __future__ import annotations
 
 import pytest
 
-from quantmesh.testing import run_ranks
-
-from ._lora_cases import many, param_bytes, peft_compare
+from ._lora_cases import result
 
 
 def test_tp_lora_matches_peft():
-    res = run_ranks(peft_compare, 2, None, timeout=180)
+    res = result(("peft_compare", None))
     for r in res:
         # fp32, same weights and adapters: only summation order differs
         assert r["logits"] < 1e-5, r["logits"]
@@ -21,8 +21,8 @@ def test_tp_lora_matches_peft():
 
 @pytest.mark.parametrize("quant", [None, "nf4", "int8"])
 def test_per_rank_bytes_are_a_tp_share(quant):
-    whole = run_ranks(param_bytes, 1, 1, quant, timeout=120)[0]
-    parts = run_ranks(param_bytes, 2, 2, quant, timeout=120)
+    whole = result(("param_bytes", 1, quant))[0]
+    parts = result(("param_bytes", 2, quant))
     # the sharded base splits evenly here (every split dim is a multiple of 2 x block size);
     # 4-bit statistics are one absmax per 64 weights, so they split evenly too
     for p in parts:
@@ -35,8 +35,8 @@ def test_per_rank_bytes_are_a_tp_share(quant):
 def test_layer_split_ddp_matches_single_rank():
     """The seed layout: dp=2 replicas, each split over its own two devices (CPU 'devices' here),
     DDP with device_ids=None. Losses equal the plain one-rank run."""
-    ref = run_ranks(many, 1, [(1, 1, None)], timeout=120)[0][0]
-    got = run_ranks(many, 2, [(2, 1, None, 5, 2)], timeout=180)
+    ref = result(("train", 1, 1, None))[0]
+    got = result(("train", 2, 1, None, 5, 2))
     for r in got:
-        for a, b in zip(r[0]["losses"], ref["losses"]):
+        for a, b in zip(r["losses"], ref["losses"]):
             assert abs(a - b) / abs(b) < 1e-5

@@ -21,6 +21,8 @@ from quantmesh.testing import RanksFailed, run_ranks
 
 from ._io_cases import gpt2_dir, llama_dir, logits, token_ids
 
+pytestmark = pytest.mark.slow  # make test-fast leaves this module out
+
 # summation-order differences of fp32 logits, relative to the largest logit: see test_load.py
 REL_TOL = 2e-6
 LLAMA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]  # colwise and rowwise bases

@@ -20,12 +20,10 @@ order 1.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from quantmesh.testing import run_ranks
+from ._tp_cases import facts
 
 CASES = ("mlp", "nmt", "nmt_tied", "cnn", "tiny_gpt")
 EMPTY_CASES = ("nmt_tied", "tiny_gpt", "cnn")
@@ -50,9 +48,9 @@ def _rank(rank: int, tp: int) -> dict:
     return out
 
 
-@functools.cache
 def _facts(tp: int) -> list[dict]:
-    return run_ranks(_rank, tp, tp, timeout=300)
+    """This module's part of the spawn shared with test_tp_models.py (_tp_cases)."""
+    return facts(tp, "exact")
 
 
 def _tol(facts0: dict, key: str) -> float:

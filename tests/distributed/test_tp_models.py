@@ -15,12 +15,10 @@ tolerance is the one of test_tp_exact.py: 4x the reference's own fp32 error agai
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from quantmesh.testing import run_ranks
+from ._tp_cases import facts
 
 CASES = {
     2: ("llama", "llama_9h_3kv", "gpt2", "opt", "opt_proj", "bert"),
@@ -42,9 +40,9 @@ def _rank(rank: int, tp: int) -> dict:
     return out
 
 
-@functools.cache
 def _facts(tp: int) -> list[dict]:
-    return run_ranks(_rank, tp, tp, timeout=400)
+    """This module's part of the spawn shared with test_tp_exact.py (_tp_cases)."""
+    return facts(tp, "models")
 
 
 def _tol(f0: dict, key: str) -> float:

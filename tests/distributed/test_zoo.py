@@ -46,6 +46,8 @@ from tests.zoo import DECODERS, ZOO
 # replicated with the reason where it does not).
 XFAIL: dict[tuple, str] = {}
 
+pytestmark = pytest.mark.slow  # two launches of every model: left out by make test-fast
+
 CHECKS = ("forward", "grads", "rng", "lora", "nf4")
 TPS = (2, 3)
 HERE = pathlib.Path(__file__).resolve()

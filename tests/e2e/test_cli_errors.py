@@ -130,6 +130,7 @@ def test_exit_code_and_message_as_a_user_sees_them(tiny: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_a_failing_worker_gives_one_line_naming_its_rank(tiny: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from .test_cli_common import cli, make_tiny_llama
+
+pytestmark = pytest.mark.slow  # make test-fast leaves this module out
 
 WORDS = "the sea of troubles and the winter of our discontent made glorious summer".split()
 

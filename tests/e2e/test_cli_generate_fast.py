@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from .test_cli_common import cli, make_tiny_llama
 
 
+@pytest.mark.slow
 def test_fast_decoding_prints_the_greedy_reply(tmp_path: Path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     argv = ["generate", str(model), "--tp", "2", "--prompt", "whether tis nobler",

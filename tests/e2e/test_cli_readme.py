@@ -17,6 +17,8 @@ import pytest
 
 from .test_cli_common import CORPUS, REPO, cli, make_tiny_llama
 
+pytestmark = pytest.mark.slow  # make test-fast leaves this module out
+
 README = REPO / "README.md"
 SMOLLM2 = "~/.cache/quantmesh/SmolLM2-135M-Instruct"
 

@@ -27,6 +27,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_run_nproc4_prints_every_ranks_mesh_coordinates() -> None:
     proc = _cli(*CLI, "run", "--nproc", "4", "examples/mesh_coords.py")
     assert proc.returncode == 0, proc.stderr
@@ -51,6 +52,7 @@ time.sleep(300)  # the others would sit here far past the test's timeout unless 
 """
 
 
+@pytest.mark.slow
 def test_a_failing_worker_stops_all_workers_and_shows_its_traceback(tmp_path: Path) -> None:
     script = tmp_path / "fail_on_rank1.py"
     script.write_text(_FAILING_WORKER)

@@ -11,6 +11,7 @@ written; the tests allow 1%. The logits term is held against the profiled CPU pe
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def _real_rank(rank: int, cfg: dict, quant, r: int) -> dict:
 def test_weights_and_adapters_match_a_parallelized_model_on_each_rank() -> None:
     import quantmesh as qm
 
-    real = run_ranks(_real_rank, 2, TINY, None, 4, timeout=180)
+    real = _tp2()["real"]
     meta = _model(True, **TINY)
     lora = qm.LoraConfig(r=4)
     for rank, got in enumerate(real):
@@ -133,6 +134,24 @@ def test_weights_and_adapters_match_a_parallelized_model_on_each_rank() -> None:
         assert est.lora_params == got["lora"], (rank, est.lora_params, got)
     assert real[0]["weights"] > real[1]["weights"]  # 6 heads on rank 0, 3 on rank 1
     assert estimate_memory(meta, tp=2, lora=lora, seq_len=8).rank == 0
+
+
+SAVED_ARGS = (64, 2, [0.0, 0.1])  # seq, micro-batch, LoRA dropouts
+
+
+def _tp2_facts(rank: int) -> dict:
+    """Both tp=2 measurements in one spawn (spawning dominates their cost)."""
+    seq, mb, dropouts = SAVED_ARGS
+    return {
+        "real": _real_rank(rank, TINY, None, 4),
+        "saved": _saved_bytes(rank, SMOL_LAYER, dropouts, seq, mb),
+    }
+
+
+@functools.cache
+def _tp2() -> dict[str, list]:
+    res = run_ranks(_tp2_facts, 2, timeout=300)
+    return {k: [r[k] for r in res] for k in ("real", "saved")}
 
 
 def _saved_bytes(rank: int, cfg: dict, dropouts: list[float], seq: int, mb: int) -> list[int]:
@@ -157,8 +176,8 @@ def _saved_bytes(rank: int, cfg: dict, dropouts: list[float], seq: int, mb: int)
 def test_activations_match_what_autograd_saves() -> None:
     import quantmesh as qm
 
-    seq, mb, dropouts = 64, 2, [0.0, 0.1]
-    measured = run_ranks(_saved_bytes, 2, SMOL_LAYER, dropouts, seq, mb, timeout=180)
+    seq, mb, dropouts = SAVED_ARGS
+    measured = _tp2()["saved"]
     meta = _model(True, **SMOL_LAYER)
     for i, dropout in enumerate(dropouts):
         lora = qm.LoraConfig(r=16, dropout=dropout)
@@ -297,6 +316,7 @@ def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float)
     return {"saved": sum(saved.values())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2])
 def test_compiled_activations_match_what_the_compiled_blocks_save(dp: int, monkeypatch) -> None:
     """compiled=True: the norms keep their bf16 inputs (not fp32 upcasts), SiLU(gate) is

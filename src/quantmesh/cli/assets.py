@@ -33,6 +33,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "AssetError",
@@ -254,7 +255,9 @@ def _archive_files(archive: Path, want: Callable[[str], bool]) -> Iterator[tuple
     with tf:
         for m in tf:
             if m.isfile() and want(m.name):
-                yield m.name, tf.extractfile(m).read()
+                f = tf.extractfile(m)
+                assert f is not None  # a regular file
+                yield m.name, f.read()
 
 
 def _decode_latin(data: bytes) -> str:
@@ -379,7 +382,7 @@ def _hub_offline() -> Iterator[None]:
     constant is set too when it is already imported."""
     old = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    constants = sys.modules.get("huggingface_hub.constants")
+    constants: Any = sys.modules.get("huggingface_hub.constants")  # its flags: module globals
     old_const = constants.HF_HUB_OFFLINE if constants is not None else None
     if constants is not None:
         constants.HF_HUB_OFFLINE = True

@@ -163,6 +163,7 @@ class FinetuneConfig:
 
     @property
     def world_size(self) -> int:
+        assert self.nproc is not None  # set by _resolve_mesh
         return self.nproc * self.nnodes
 
     def lora_config(self):
@@ -201,9 +202,9 @@ def load_config(path: str | os.PathLike) -> dict:
         >>> load_config("examples/finetune.toml")["seq_len"]  # doctest: +SKIP
         256
     """
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10: the same parser, as a package
+    else:  # Python 3.10: the same parser, as a package
         try:
             import tomli as tomllib
         except ImportError:
@@ -339,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    assert cfg.nproc is not None  # set by _resolve_mesh
     return run_workers(
         cfg.nproc,
         ["quantmesh.cli.worker", "finetune", cfg.to_json()],
@@ -378,6 +380,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     from ..train.loop import resolve_resume
     from .plan_cmd import check_memory, load_skeleton
 
+    assert cfg.nproc is not None and cfg.dp is not None  # set by _resolve_mesh
     config, model = load_skeleton(cfg.model)
     _check_tokenizer(Path(cfg.model).expanduser())
     max_pos = getattr(config, "max_position_embeddings", None)

@@ -183,6 +183,7 @@ def check_adapter(model, adapter: str | Path) -> None:
         if kind is None or not kind.linear_like:
             problems.append(f"{fqn}: no such linear layer in {type(model).__name__}")
             continue
+        assert mod is not None  # kind_of(None) is None
         in_f, out_f = kind.in_out(mod)
         for name, want in (("lora_A", (lora.r, in_f)), ("lora_B", (out_f, lora.r))):
             got = shapes.get(f"{fqn}.{name}")
@@ -262,7 +263,12 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
     streamer = None
     if stream and mesh.rank == 0:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kw = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    kw: dict[str, bool | float | int | None] = {
+        "do_sample": False,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
     if not cfg.greedy:
         kw = {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

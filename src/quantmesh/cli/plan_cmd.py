@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from ..quant.names import FORMATS
 from .errors import CliError, user_errors
@@ -176,7 +177,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
     table = plan.table(model, args.tp)
     lora = None
     if args.lora_r:
-        kw = (
+        kw: dict[str, Any] = (
             {"targets": [t for x in args.lora_targets for t in x.split(",")]}
             if (args.lora_targets)
             else {}

@@ -28,7 +28,7 @@ from ..state import parallel_state
 from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
 from .full import tp_sharded
-from .reader import open_checkpoint
+from .reader import CheckpointReader, open_checkpoint
 from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, in_first_replica
 
 __all__ = ["save_adapter", "load_adapter", "adapter_lora_config"]
@@ -83,7 +83,9 @@ def _alpha(model: nn.Module, scale: float, r: int) -> float | int:
 def _adapter_config(model: nn.Module, mods: dict[str, ShardedModule], base: str | None) -> dict:
     first = next(iter(mods.values()))
     r = int(first.lora_A.weight.shape[0])
+    assert first.lora_scale is not None  # mods: the modules with adapters
     for f, m in mods.items():
+        assert m.lora_scale is not None
         if m.lora_A.weight.shape[0] != r or not math.isclose(m.lora_scale, first.lora_scale):
             raise LoraError(
                 f"LoRA of {f} has r={m.lora_A.weight.shape[0]}, scale={m.lora_scale}, but "
@@ -156,7 +158,7 @@ def save_adapter(
                 t = full_tensor(m, name)
                 if w:
                     tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = _owned(t)
-        w.run(saving._save_file, tensors, w.folder / ADAPTER_WEIGHTS if w else None)
+        w.run(saving._save_file, tensors, w.folder / ADAPTER_WEIGHTS if w.folder else None)
         w.json(ADAPTER_CONFIG, config)
 
     collective_save(path, produce, "save_adapter")
@@ -175,7 +177,7 @@ def _read_adapter_config(path: Path) -> dict:
             f"{path} has no {ADAPTER_CONFIG}; expected a PEFT adapter folder (adapter_config.json "
             "+ adapter_model.safetensors), as written by qm.save_adapter or PeftModel.save_pretrained"
         )
-    cfg = json.loads(cfg_path.read_text())
+    cfg: dict = json.loads(cfg_path.read_text())
     bad = []
     if cfg.get("peft_type") != "LORA":
         bad.append(f"peft_type={cfg.get('peft_type')!r} (expected 'LORA')")
@@ -221,7 +223,9 @@ def adapter_lora_config(path: str | os.PathLike) -> LoraConfig:
     )  # fmt: skip
 
 
-def _check_adapter(model: nn.Module, reader, cfg: dict, mods: dict[str, ShardedModule]) -> None:
+def _check_adapter(
+    model: nn.Module, reader: CheckpointReader, cfg: dict, mods: dict[str, ShardedModule]
+) -> None:
     keys = set(reader.keys())
     r = int(cfg["r"])
     in_file = {k.rsplit(".", 2)[0] for k in keys if re.search(r"\.lora_[AB]\.weight$", k)}

@@ -51,7 +51,7 @@ def _leftovers(path: Path) -> list[tuple[str, Path]]:
     pattern = re.compile(
         rf"\.{re.escape(path.name)}\.(tmp|new|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}"
     )
-    found = []
+    found: list[tuple[str, Path]] = []
     if not path.parent.is_dir():
         return found
     for entry in path.parent.iterdir():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +31,16 @@ from torch import nn
 from ..state import parallel_state
 from ..tp.layers import ShardedModule
 from .full import module_tensors
-from .load import _targets
-from .save import ShardWriter, agreed, collective_save, full_tensor, in_first_replica, parse_size
+from .load import _Target, _targets
+from .save import (
+    ShardWriter,
+    _Rank0Writer,
+    agreed,
+    collective_save,
+    full_tensor,
+    in_first_replica,
+    parse_size,
+)
 
 __all__ = ["export"]
 
@@ -53,7 +62,9 @@ def _is_hf(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "to_json_string")
 
 
-def _tensors(model: nn.Module, merge: bool, dtype) -> Iterator[tuple[list[str], torch.Tensor, Any]]:
+def _tensors(
+    model: nn.Module, merge: bool, dtype: torch.dtype | None
+) -> Iterator[tuple[list[str], torch.Tensor, Any]]:
     """(names, full tensor, target) in model order; every rank of the first replica runs it (it
     gathers). `names` are all the keys that share the tensor (tied weights), first one first."""
     done: dict[int, dict[str, torch.Tensor]] = {}  # dequantized locals, per module
@@ -63,6 +74,7 @@ def _tensors(model: nn.Module, merge: bool, dtype) -> Iterator[tuple[list[str], 
             continue  # merged into its base weight (or left out: base only)
         if kind == "sharded":
             m = t.module
+            assert m is not None  # set for every "sharded" target
             if id(m) not in done:
                 done.clear()  # one module's dequantized tensors at a time
                 done[id(m)] = module_tensors(m)
@@ -78,7 +90,7 @@ def _tensors(model: nn.Module, merge: bool, dtype) -> Iterator[tuple[list[str], 
         yield list(t.keys), value, t
 
 
-def _tie_views(model: nn.Module, t, merge: bool) -> bool:
+def _tie_views(model: nn.Module, t: _Target, merge: bool) -> bool:
     """True when every name of a tied target shows the same values (no LoRA merged into any)."""
     if not merge:
         return True
@@ -88,8 +100,8 @@ def _tie_views(model: nn.Module, t, merge: bool) -> bool:
     )
 
 
-def _save_configs(model: nn.Module, folder, dtype, untied: bool) -> None:
-    cfg = copy.deepcopy(model.config)
+def _save_configs(model: nn.Module, folder: Path, dtype: torch.dtype | None, untied: bool) -> None:
+    cfg: Any = copy.deepcopy(model.config)  # a transformers PreTrainedConfig
     cfg.architectures = [type(model).__name__]
     cfg.__dict__.pop("quantization_config", None)  # the folder holds float weights
     if dtype is not None:
@@ -135,10 +147,10 @@ def export(
     st = parallel_state(model, required=False)
     tied_groups = [set(g) for g in (st.tied if st is not None else [])]
 
-    def produce(w) -> None:
+    def produce(w: _Rank0Writer) -> None:
         untied = False
         if in_first_replica(model):
-            writer = ShardWriter(w.folder, "model", max_bytes) if w else None
+            writer = ShardWriter(w.folder, "model", max_bytes) if w.folder is not None else None
             written: set[str] = set()
             for names, value, t in _tensors(model, merge_lora, dtype):
                 if hf and _tie_views(model, t, merge_lora):

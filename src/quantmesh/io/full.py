@@ -42,7 +42,9 @@ def _assemble(parts: list[torch.Tensor], dim: int, split: FeatureSplit) -> torch
     return full
 
 
-def gather_param(t: torch.Tensor, dim: int, split: FeatureSplit, group) -> torch.Tensor:
+def gather_param(
+    t: torch.Tensor, dim: int, split: FeatureSplit, group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """All-gather a tp-sharded tensor and reassemble the full one (every rank gets it)."""
     sizes = split.sizes()
     joined = all_gather_uneven(
@@ -59,7 +61,9 @@ def module_tensors(m: ShardedModule, *, dequantize: bool = True) -> dict[str, to
             w = m.fmt.dequantize(m.local)  # (out, in)
             out[name] = w.t() if m.kind.name == "Conv1D" else w
         else:
-            out[name] = m._parameters[name].detach()
+            p = m._parameters[name]
+            assert p is not None, f"{m.fqn}.{name} is None"
+            out[name] = p.detach()
     if m.lora_scale is not None:
         out["lora_A.weight"] = m.lora_A.weight.detach()
         out["lora_B.weight"] = m.lora_B.weight.detach()

@@ -25,6 +25,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from ..parallel import parallelize
 from ..plan.plan import Plan
 from ..quant.base import QuantConfig
 from .load import expected_keys, load_checkpoint
+
+if TYPE_CHECKING:
+    from ..mesh import Mesh
 
 __all__ = ["from_pretrained", "hf_key_map"]
 
@@ -47,7 +51,7 @@ def _transformers_renames(model: nn.Module) -> tuple[list, list]:
     except ImportError:  # an older transformers without the conversion registry
         return [], []
     try:
-        transforms = get_model_conversion_mapping(model)
+        transforms = get_model_conversion_mapping(cast(Any, model))  # a PreTrainedModel
     except Exception:  # an internal API: never let its drift break loading plain checkpoints
         return [], []
     renames = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -99,7 +103,7 @@ def hf_key_map(model: nn.Module) -> Callable[[str], str | None]:
     return rename
 
 
-def _config_dtype(config) -> torch.dtype | None:
+def _config_dtype(config: Any) -> torch.dtype | None:
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
@@ -108,7 +112,7 @@ def _config_dtype(config) -> torch.dtype | None:
 
 def from_pretrained(
     path: str | os.PathLike,
-    mesh,
+    mesh: Mesh,
     *,
     quant: str | QuantConfig | None = None,
     lora: LoraConfig | None = None,
@@ -157,4 +161,5 @@ def from_pretrained(
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
-    return model.eval()
+    loaded: nn.Module = model.eval()
+    return loaded

@@ -26,6 +26,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,6 +83,7 @@ class _Target:
     def nbytes(self, itemsize: int) -> int:
         n = math.prod(self.shape)
         if self.dim is not None and self.shape[self.dim]:
+            assert self.ranges is not None  # a slice dim comes with its ranges
             n = n // self.shape[self.dim] * sum(b - a for a, b in self.ranges)
         return n * itemsize
 
@@ -133,7 +135,7 @@ def _full_shape(m: ShardedModule, name: str) -> tuple[int, ...]:
     shape[m.kind.w_out_dim] = m.out_full
     shape[m.kind.w_in_dim] = m.in_full
     if m.kind.name == "Conv2d":
-        shape += list(m.local.kernel_size)
+        shape += list(cast(nn.Conv2d, m.local).kernel_size)
     return tuple(shape)
 
 
@@ -160,6 +162,7 @@ def _targets(model: nn.Module) -> list[_Target]:
     for fqn, m in sharded.items():
         for name, sl in m.param_slices().items():
             p = m._parameters[name]
+            assert p is not None, f"{fqn}.{name} is None"
             dim, ranges = sl if sl is not None else (None, None)
             if name == "weight" and m.fmt is not None:
                 # load_param quantizes from fp32 on CPU, from the compute dtype on accelerators
@@ -280,6 +283,7 @@ def _plan_sources(
 def _put(t: _Target, value: torch.Tensor) -> None:
     owner, attr, kind = t.owners[0]
     if kind == "sharded":
+        assert t.module is not None  # set for every "sharded" target
         t.module.load_param(t.name, value)
         return
     table = "_buffers" if kind == "buffer" else "_parameters"
@@ -305,7 +309,13 @@ def _leftovers(model: nn.Module, written: set[str]) -> list[str]:
     return sorted(set(left), key=left.index)
 
 
-def _load(model, source, strict: bool, key_map, progress: bool) -> LoadResult:
+def _load(
+    model: nn.Module,
+    source: str | os.PathLike | Mapping[str, torch.Tensor] | CheckpointReader,
+    strict: bool,
+    key_map: KeyMap | None,
+    progress: bool,
+) -> LoadResult:
     own = not isinstance(source, CheckpointReader)
     if not own and key_map is not None:
         raise ValueError(
@@ -313,7 +323,9 @@ def _load(model, source, strict: bool, key_map, progress: bool) -> LoadResult:
             "pass key_map to open_checkpoint instead, or pass the path here"
         )
     targets = _targets(model)
-    reader = open_checkpoint(source, key_map=key_map) if own else source
+    reader = (
+        source if isinstance(source, CheckpointReader) else open_checkpoint(source, key_map=key_map)
+    )
     try:
         sources, result = _plan_sources(model, reader, targets, strict)
         total = sum(targets[i].nbytes(reader.dtype(k).itemsize) for i, k in sources.items())
@@ -357,7 +369,7 @@ def _load(model, source, strict: bool, key_map, progress: bool) -> LoadResult:
     return result
 
 
-def _bar(total: int, show: bool, what: str):
+def _bar(total: int, show: bool, what: str) -> Any:
     if not show:
         return None
     try:
@@ -404,4 +416,5 @@ def load_checkpoint(
     except Exception as e:  # reported on every rank by all_ranks_ok
         err = e
     all_ranks_ok(err, "load_checkpoint")
+    assert result is not None  # all_ranks_ok raised otherwise
     return result

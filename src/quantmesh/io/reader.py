@@ -108,6 +108,7 @@ class _TensorShard:
 
     def _open(self) -> Mapping[str, torch.Tensor]:
         if self._t is None:
+            assert self.path is not None  # a file shard (a dict shard has _t)
             self._t = _load_torch_file(self.path)
         return self._t
 
@@ -293,6 +294,7 @@ def _read_chunked(
         return torch.empty((), dtype=dtype, device=device).copy_(block(()))
     if dim is None:
         dim, ranges = 0, ((0, shape[0]),)
+    assert ranges is not None  # a slice dim comes with its ranges (_check_request)
     out_shape = list(shape)
     out_shape[dim] = sum(b - a for a, b in ranges)
     out = torch.empty(out_shape, dtype=dtype, device=device)  # allocated once, at the target
@@ -316,7 +318,8 @@ def _read_chunked(
         rows = slice(r0, min(shape[0], r0 + step))
         off = 0
         for a, b in ranges:
-            out[(rows, *lead, slice(off, off + b - a))].copy_(block((rows, *lead, slice(a, b))))
+            dst = (rows, *lead, slice(off, off + b - a))
+            out[dst].copy_(block((rows, *lead, slice(a, b))))
             off += b - a
     return out
 
@@ -454,11 +457,10 @@ class CheckpointReader:
             dev = torch.device(device) if device is not None else t.device
             same_dev = dev.type == t.device.type and dev.index in (None, t.device.index)
             if dtype == t.dtype and same_dev and (ranges is None or len(ranges) == 1):
-                return (
-                    t
-                    if ranges is None
-                    else t.narrow(dim, ranges[0][0], ranges[0][1] - ranges[0][0])
-                )
+                if ranges is None:
+                    return t
+                assert dim is not None  # ranges come with their dim (_check_request)
+                return t.narrow(dim, ranges[0][0], ranges[0][1] - ranges[0][0])
         else:
             dev = torch.device(device) if device is not None else torch.device("cpu")
         return _read_chunked(

@@ -27,6 +27,7 @@ import json
 import os
 import random
 import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,15 @@ from ..tp.layers import sharded_modules
 from .full import tp_sharded
 from .load import _coll_device, _rank
 from .reader import open_checkpoint
-from .save import ShardWriter, agreed, collective_save, full_tensor, in_first_replica, parse_size
+from .save import (
+    ShardWriter,
+    _Rank0Writer,
+    agreed,
+    collective_save,
+    full_tensor,
+    in_first_replica,
+    parse_size,
+)
 
 __all__ = ["save_state", "load_state"]
 
@@ -62,7 +71,11 @@ def _splits(model: nn.Module) -> dict[str, tuple[Any, str]]:
     return out
 
 
-def _full_shape(p: torch.Tensor, split) -> list[int]:
+# (ShardedModule, local parameter name) of a tensor split over tp, or None for a whole one
+Split = tuple[Any, str] | None
+
+
+def _full_shape(p: torch.Tensor, split: Split) -> list[int]:
     shape = list(p.shape)
     if split is not None:
         m, name = split
@@ -71,11 +84,11 @@ def _full_shape(p: torch.Tensor, split) -> list[int]:
     return shape
 
 
-def _full(t: torch.Tensor, split) -> torch.Tensor:
+def _full(t: torch.Tensor, split: Split) -> torch.Tensor:
     return t.detach() if split is None else full_tensor(split[0], split[1], t)
 
 
-def _slice_of(split) -> tuple[int | None, Any]:
+def _slice_of(split: Split) -> tuple[int | None, Any]:
     if split is None:
         return None, None
     m, name = split
@@ -105,11 +118,13 @@ def _dec(v: Any) -> Any:
     return v
 
 
-def _optimizer_layout(optimizer, trainable: dict[str, nn.Parameter]) -> dict:
+def _optimizer_layout(optimizer: torch.optim.Optimizer, trainable: dict[str, nn.Parameter]) -> dict:
     """Groups (settings + parameter names) and each parameter's state split into tensors
     (param-shaped or 0-d) and JSON scalars. Raises for what cannot be resharded."""
     name_of = {id(p): n for n, p in trainable.items()}
-    groups, tensors, scalars = [], {}, {}
+    groups: list[dict] = []
+    tensors: dict[str, dict[str, str]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
     for gi, group in enumerate(optimizer.param_groups):
         names = []
         for p in group["params"]:
@@ -153,7 +168,7 @@ def _rng_state() -> dict:
         import numpy as np
 
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        st["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+        st["numpy"] = [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
     return st
@@ -193,7 +208,9 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _optimizer_tensors(optimizer, trainable: dict, layout: dict, splits: dict):
+def _optimizer_tensors(
+    optimizer: torch.optim.Optimizer, trainable: dict, layout: dict, splits: dict
+) -> Iterator[tuple[str, torch.Tensor]]:
     """("<fqn>:<key>", full tensor) of every optimizer state tensor, gathered one at a time."""
     for n, kinds in layout["tensors"].items():
         st = optimizer.state[trainable[n]]
@@ -201,9 +218,14 @@ def _optimizer_tensors(optimizer, trainable: dict, layout: dict, splits: dict):
             yield f"{n}:{k}", (_full(st[k], splits.get(n)) if kind == "param" else st[k].detach())
 
 
-def _write_tensors(w, stem: str, max_bytes: int, items) -> None:
+def _write_tensors(
+    w: _Rank0Writer,
+    stem: str,
+    max_bytes: int,
+    items: Iterable[tuple[str, torch.Tensor]],
+) -> None:
     """Consume `items` on every rank (they may gather); rank 0 streams them into files."""
-    writer = ShardWriter(w.folder, stem, max_bytes) if w else None
+    writer = ShardWriter(w.folder, stem, max_bytes) if w.folder is not None else None
     for key, t in items:
         if writer is not None:
             w.run(writer.add, key, t)
@@ -247,7 +269,7 @@ def save_state(
     st = parallel_state(model, required=False)
     mesh = st.mesh if st is not None else None
 
-    def produce(w) -> None:
+    def produce(w: _Rank0Writer) -> None:
         if in_first_replica(model):
             _write_tensors(w, "trainable", max_bytes,
                            ((n, _full(p, splits.get(n))) for n, p in trainable.items()))  # fmt: skip
@@ -369,6 +391,8 @@ def load_state(
                 "shuffles differ from an uninterrupted run)",
                 stacklevel=3,
             )
-        return manifest["step"]
+        step: int | None = manifest["step"]
+        return step
 
-    return agreed(run, "load_state")
+    step: int | None = agreed(run, "load_state")
+    return step

@@ -170,7 +170,9 @@ class _Rank0Writer:
 
     def json(self, name: str, obj: Any) -> None:
         text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-        self.run(lambda: (self.folder / name).write_text(text))
+        folder = self.folder
+        if folder is not None:  # run() does nothing without a folder either
+            self.run(lambda: (folder / name).write_text(text))
 
 
 def collective_save(

@@ -17,7 +17,7 @@ import fnmatch
 
 from torch import nn
 
-from ..tp.kinds import kind_of
+from ..tp.kinds import Kind, kind_of
 from .plan import Plan
 from .styles import HF_STYLE_ALIASES, Style
 
@@ -181,7 +181,7 @@ def blocks_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in lists}
     top = max(sizes.values())
-    out = []
+    out: list[tuple[str, nn.Module]] = []
     for n, m in lists:
         if sizes[n] >= top * 0.2 and not any(n.startswith(o + ".") for o, _ in out):
             out += [(f"{n}.{i}", b) for i, b in enumerate(m)]
@@ -202,21 +202,28 @@ def _structural_rules(
     return rules, notes
 
 
+def _kind(module: nn.Module) -> Kind:
+    """kind_of for a module already known to be shardable (filtered by kind_of before)."""
+    k = kind_of(module)
+    assert k is not None, f"{type(module).__name__} has no Kind"
+    return k
+
+
 def _pair_block(bname: str, block: nn.Module, rules: dict, notes: dict) -> None:
     lins = [
         (f"{bname}.{n}", m)
         for n, m in block.named_modules()
-        if n and kind_of(m) is not None and kind_of(m).linear_like
+        if n and (k := kind_of(m)) is not None and k.linear_like
     ]
     if not lins:
         return
-    width = kind_of(lins[0][1]).in_out(lins[0][1])[0]
+    width = _kind(lins[0][1]).in_out(lins[0][1])[0]
     siblings: dict[str, list[str]] = {}
     for n, _ in lins:
         siblings.setdefault(n.rsplit(".", 1)[0], []).append(n)
     group: list[tuple[str, int]] = []  # open column group: (fqn, out features)
     for fqn, m in lins:
-        fin, fout = kind_of(m).in_out(m)
+        fin, fout = _kind(m).in_out(m)
         name = fqn.rsplit(".", 1)[-1]
         closes = (
             group
@@ -268,7 +275,7 @@ def _pair_sequential(
             i += 1
             continue
         (a, ma), (b, mb) = items[i], items[j]
-        ka, kb = kind_of(ma), kind_of(mb)
+        ka, kb = _kind(ma), _kind(mb)
         if (ka.name == "Conv2d") == (kb.name == "Conv2d") and kb.in_out(mb)[0] == ka.in_out(ma)[1]:
             what = "conv, output channels split" if ka.name == "Conv2d" else "output features split"
             rules[a], notes[a] = Style.COLWISE, f"structure: {what}"
@@ -300,7 +307,7 @@ def _embedding_and_head(model: nn.Module) -> tuple[list[str], str | None]:
         e = h = None
     if isinstance(e, nn.Embedding) and id(e) in names:
         embs.append(names[id(e)])
-    if h is not None and kind_of(h) is not None and kind_of(h).linear_like:
+    if h is not None and (kh := kind_of(h)) is not None and kh.linear_like:
         head = names.get(id(h))
     all_embs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     if not embs and all_embs:  # a custom model
@@ -311,9 +318,7 @@ def _embedding_and_head(model: nn.Module) -> tuple[list[str], str | None]:
         lins = [
             n
             for n, m in model.named_modules()
-            if kind_of(m) is not None
-            and kind_of(m).linear_like
-            and kind_of(m).in_out(m)[1] in vocabs
+            if (k := kind_of(m)) is not None and k.linear_like and k.in_out(m)[1] in vocabs
         ]
         head = lins[-1] if lins else None
     if head is not None:

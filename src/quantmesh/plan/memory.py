@@ -116,11 +116,17 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .styles import Style
+
+if TYPE_CHECKING:
+    from ..lora import LoraConfig
+    from ..quant.base import QuantConfig, QuantFormat
+    from .plan import Entry, Plan, Resolved
 
 __all__ = ["MemoryEstimate", "estimate_memory", "format_bytes"]
 
@@ -253,9 +259,9 @@ def estimate_memory(
     *,
     tp: int = 1,
     dp: int = 1,
-    plan=None,
-    quant=None,
-    lora=None,
+    plan: Plan | dict[str, str] | None = None,
+    quant: str | QuantConfig | None = None,
+    lora: LoraConfig | None = None,
     seq_len: int = 2048,
     micro_batch: int = 1,
     dtype: torch.dtype = torch.float32,
@@ -300,7 +306,7 @@ def estimate_memory(
     return best
 
 
-def _local(n: int, entry, rank: int) -> int:
+def _local(n: int, entry: Entry | None, rank: int) -> int:
     """This rank's share of a dimension of size n split by `entry` (n when not split)."""
     if entry is None or entry.split is None:
         return n
@@ -308,7 +314,18 @@ def _local(n: int, entry, rank: int) -> int:
 
 
 def _for_rank(
-    model, resolved, rank, qcfg, fmt, lora, dtype, a, seq, mb, dp, compiled=False
+    model: nn.Module,
+    resolved: Resolved,
+    rank: int,
+    qcfg: QuantConfig | None,
+    fmt: QuantFormat | None,
+    lora: LoraConfig | None,
+    dtype: torch.dtype,
+    a: int,
+    seq: int,
+    mb: int,
+    dp: int,
+    compiled: bool = False,
 ) -> MemoryEstimate:
     from ..lora import lora_targets
     from ..tp.kinds import kind_of
@@ -317,7 +334,8 @@ def _for_rank(
     dt_bytes = torch.empty((), dtype=dtype).element_size()
     seen: set[int] = set()
     largest_dq = 0
-    widths: dict[str, tuple[int, int]] = {}  # fqn -> (local in, local out) of linear-like modules
+    # fqn -> (in, out, local in, local out) of linear-like modules
+    widths: dict[str, tuple[int, int, int, int]] = {}
     for fqn, mod in model.named_modules():
         own = list(mod.named_parameters(recurse=False))
         if not own:
@@ -326,6 +344,7 @@ def _for_rank(
         kind = kind_of(mod)
         quantized = (
             fmt is not None
+            and qcfg is not None  # fmt is its format
             and kind is not None
             and kind.linear_like
             and qcfg.selects(fqn)
@@ -350,6 +369,7 @@ def _for_rank(
             if pname == "weight":
                 n = in_l * out_l * (p.numel() // max(1, in_f * out_f))  # conv kernels
                 if quantized:
+                    assert fmt is not None
                     est.weights += int(n * fmt.bytes_per_param(in_l))
                     largest_dq = max(largest_dq, n * (2 if a == 2 else 4))
                 else:
@@ -361,6 +381,7 @@ def _for_rank(
 
     targets = lora_targets(model, lora) if lora is not None else []
     for fqn in targets:
+        assert lora is not None  # targets come from it
         mod = model.get_submodule(fqn)
         _, _, in_l, out_l = widths[fqn]
         est.lora_params += lora.r * (in_l + out_l)  # A (r x in_l), B (out_l x r)
@@ -383,18 +404,18 @@ def _for_rank(
 
 def _activations(
     dims: _Dims,
-    resolved,
-    rank,
-    widths,
-    targets,
-    lora,
-    fmt,
-    a,
-    seq,
-    mb,
-    dp=1,
-    compiled=False,
-    notes=None,
+    resolved: Resolved,
+    rank: int,
+    widths: dict[str, tuple[int, int, int, int]],
+    targets: list[str],
+    lora: LoraConfig | None,
+    fmt: QuantFormat | None,
+    a: int,
+    seq: int,
+    mb: int,
+    dp: int = 1,
+    compiled: bool = False,
+    notes: list[str] | None = None,
 ) -> tuple[int, int]:
     """(activation bytes, logits bytes) from the per-layer formula in the module docstring."""
     h, hd = dims.hidden, dims.head_dim
@@ -424,7 +445,7 @@ def _activations(
         unmeasured = [
             what
             for what, cond in (
-                ("LoRA dropout", lora.dropout > 0),
+                ("LoRA dropout", lora is not None and lora.dropout > 0),
                 ("int8", fmt is not None and fmt.name == "int8"),
                 ("a non-gated MLP", not gated),
             )
@@ -501,7 +522,13 @@ def _activations(
     return int(act), int(logits)
 
 
-def _ddp_split_at(block, mine, widths, lora, roles_of) -> str | None:
+def _ddp_split_at(
+    block: list[str],
+    mine: list[str],
+    widths: dict[str, tuple[int, int, int, int]],
+    lora: LoraConfig,
+    roles_of: dict[str, str],
+) -> str | None:
     """Where dynamo's DDPOptimizer splits a compiled block: at the adapter whose gradients fill
     DDP's first bucket, counted from the block's end ("down", "up", "gate" for a gated MLP's
     linears, else the FQN; None when the block's adapters never fill it)."""

@@ -10,13 +10,22 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..tp.kinds import Kind, kind_of
 from .heads import KV_ATTRS, Q_ATTRS, SIZE_ATTRS, HeadInfo, find_heads, split_features
-from .styles import HF_STYLE_ALIASES, STYLES, FeatureSplit, Style, balanced_counts, unit_split
+from .styles import (
+    HF_STYLE_ALIASES,
+    STYLES,
+    FeatureSplit,
+    Ranges,
+    Style,
+    balanced_counts,
+    unit_split,
+)
 
 __all__ = ["Plan", "PlanError", "Entry", "Resolved"]
 
@@ -83,7 +92,7 @@ class Plan:
 
     def __init__(
         self,
-        rules: dict[str, str] | None = None,
+        rules: Mapping[str, str] | None = None,
         *,
         notes: dict[str, str] | None = None,
         model: nn.Module | None = None,
@@ -118,7 +127,7 @@ class Plan:
                 any(c in pat for c in "*?[") and fnmatch.fnmatchcase(k, pat) for pat in rules
             )
 
-        merged = {k: v for k, v in self.rules.items() if not replaced(k)}
+        merged: dict[str, str] = {k: v for k, v in self.rules.items() if not replaced(k)}
         merged.update(rules)
         why = notes
         notes = {k: v for k, v in self.notes.items() if not replaced(k)}
@@ -159,13 +168,13 @@ class Plan:
             probed=True,
         )
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[str, Style]]:
         return iter(self.rules.items())
 
     def __len__(self) -> int:
         return len(self.rules)
 
-    def style_for(self, fqn: str) -> tuple[str, str] | None:
+    def style_for(self, fqn: str) -> tuple[Style, str] | None:
         """(style, rule) of the last rule that matches `fqn`; an exact name beats a glob."""
         if fqn in self.rules:
             return self.rules[fqn], fqn
@@ -204,7 +213,9 @@ class Plan:
         _check_ties(model, entries)
         return Resolved(tp, entries, _attr_updates(model, entries, tp))
 
-    def _resolve_one(self, model, fqn, mod, style, rule, tp) -> Entry:
+    def _resolve_one(
+        self, model: nn.Module, fqn: str, mod: nn.Module, style: Style, rule: str, tp: int
+    ) -> Entry:
         kind = kind_of(mod)
         note = self.notes.get(rule, self.notes.get(fqn, ""))
         tname = type(mod).__name__
@@ -245,7 +256,7 @@ class Plan:
         if model is None or tp is None:
             return "\n".join(f"{k}: {v}" for k, v in self.rules.items())
         res = self.resolve(model, tp)
-        rows = [("module", "type", "style", "local weight per rank", "why")]
+        rows: list[tuple[str, ...]] = [("module", "type", "style", "local weight per rank", "why")]
         for e in _collapse(res, model):
             rows.append(e)
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -292,7 +303,7 @@ def _collapse(res: Resolved, model: nn.Module) -> list[tuple[str, ...]]:
             continue
         seen[key] = len(rows)
         rows.append([*key, 1])
-    out = []
+    out: list[tuple[str, ...]] = []
     for g, t, s, sh, why, count in rows:
         out.append((g + (f" (x{count})" if count > 1 else ""), t, s, sh, why))
     return out
@@ -322,6 +333,7 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
             continue
         parent = e.fqn.rsplit(".", 1)[0] if "." in e.fqn else ""
         mod = model.get_submodule(e.fqn)
+        assert e.kind is not None  # a split module has a Kind
         out_f = e.kind.in_out(mod)[1]
         for o in entries.values():
             if (
@@ -329,6 +341,7 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
                 or (o.fqn.rsplit(".", 1)[0] if "." in o.fqn else "") != parent
             ):
                 continue
+            assert o.kind is not None  # planned rowwise: a Kind
             in_r = o.kind.in_out(model.get_submodule(o.fqn))[0]
             h = e.heads
             segs = None
@@ -360,7 +373,7 @@ def _segment_packed(model: nn.Module, entries: dict[str, Entry], tp: int) -> Non
 _SRC_CACHE: dict[type, str] = {}
 
 
-def _forward_src(cls: type) -> str:
+def _forward_src(cls: type[nn.Module]) -> str:
     if cls not in _SRC_CACHE:
         try:
             _SRC_CACHE[cls] = inspect.getsource(cls.forward)
@@ -407,7 +420,7 @@ def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
     writer's output win, then a multiple either way (KV heads into o_proj), then a smaller one (one
     segment of a packed q|k|v). A writer with no reader in scope is left alone.
     """
-    layers = {n: kind_of(m) for n, m in model.named_modules() if kind_of(m) is not None}
+    layers = {n: k for n, m in model.named_modules() if (k := kind_of(m)) is not None}
     in_size = {n: k.in_out(model.get_submodule(n))[0] for n, k in layers.items()}
     writers = {
         n for n, e in entries.items() if e.requested is not None and e.requested.is_colwise
@@ -415,6 +428,7 @@ def _check_partners(model: nn.Module, entries: dict[str, Entry]) -> None:
     for e in entries.values():
         if e.style != Style.COLWISE or e.split is None:
             continue
+        assert e.kind is not None  # a split module has a Kind
         out_f = e.kind.in_out(model.get_submodule(e.fqn))[1]
         conv = e.kind.name == "Conv2d"
         parts = e.fqn.split(".")
@@ -502,7 +516,7 @@ def _check_ties(model: nn.Module, entries: dict[str, Entry]) -> None:
             )
 
 
-def _param_split(e: Entry | None, pname: str):
+def _param_split(e: Entry | None, pname: str) -> tuple[Ranges, ...] | None:
     """Per-rank ranges of parameter `pname` of a planned module; None when it stays whole (a
     rowwise or colwise_gather bias is whole on every rank: see tp/layers.py)."""
     if e is None or e.split is None:
@@ -522,6 +536,7 @@ def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
         if e.split is None or h is None or e.style != Style.COLWISE:
             continue
         mod = model.get_submodule(e.fqn)
+        assert e.kind is not None  # a split module has a Kind
         q = h.q_size
         out_f = e.kind.in_out(mod)[1]
         if out_f not in (q, q + 2 * h.kv_size):  # q, or packed q|k|v

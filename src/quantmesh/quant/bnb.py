@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ def _bnb() -> Any:
 def _classes() -> dict[str, type]:
     bnb = _bnb()
 
-    class QuantLinear4bit(bnb.nn.Linear4bit):
+    class QuantLinear4bit(bnb.nn.Linear4bit):  # type: ignore[name-defined]  # bnb: a module
         """bitsandbytes Linear4bit, filled by `Bnb4bitFormat.quantize_into`; weight frozen."""
 
         def reset_parameters(self) -> None:  # the weight comes from quantize_into
@@ -93,7 +93,7 @@ def _classes() -> dict[str, type]:
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
             return y.to(x.dtype)
 
-    class QuantLinear8bit(bnb.nn.Linear8bitLt):
+    class QuantLinear8bit(bnb.nn.Linear8bitLt):  # type: ignore[name-defined]  # bnb: a module
         """bitsandbytes Linear8bitLt (LLM.int8), filled by `Bnb8bitFormat.quantize_into`."""
 
         def reset_parameters(self) -> None:
@@ -112,7 +112,7 @@ def _classes() -> dict[str, type]:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return bnb.matmul(x, w, bias=bias, state=self.state)
 
-    out = {"QuantLinear4bit": QuantLinear4bit, "QuantLinear8bit": QuantLinear8bit}
+    out: dict[str, type] = {"QuantLinear4bit": QuantLinear4bit, "QuantLinear8bit": QuantLinear8bit}
     for cls in out.values():
         cls.__module__, cls.__qualname__ = __name__, cls.__name__
     return out
@@ -132,7 +132,8 @@ def _not_quantized(m: nn.Module) -> str:
 
 
 def _check_shard(module: nn.Module, weight: torch.Tensor) -> None:
-    want = (module.out_features, module.in_features)
+    lin = cast(nn.Linear, module)  # a bitsandbytes linear: a subclass of nn.Linear
+    want = (lin.out_features, lin.in_features)
     if tuple(weight.shape) != want:
         raise ValueError(
             f"quantize_into got a weight of shape {tuple(weight.shape)}, expected (out, in) = "
@@ -265,7 +266,7 @@ class Bnb4bitFormat(QuantFormat):
                 f"{(module.out_features, module.in_features)}; pass the rank's dim/start/stop"
             )
         if device is None:
-            device = module.weight.device
+            device = cast(nn.Linear, module).weight.device
         device = torch.device(device)
         if device.type == "meta":
             raise ValueError("the module is on meta; pass load_quantized(..., device=...)")
@@ -305,15 +306,16 @@ class Bnb4bitFormat(QuantFormat):
 
 def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:
     Params4bit = _bnb().nn.Params4bit
-    module.weight = Params4bit(
+    layer: Any = module  # a bitsandbytes Linear4bit (untyped)
+    layer.weight = Params4bit(
         packed, requires_grad=False, quant_state=qs, blocksize=qs.blocksize,
         compress_statistics=qs.nested, quant_type=qs.quant_type, quant_storage=packed.dtype,
         module=module, bnb_quantized=True,
     )  # fmt: skip
-    module.quant_state = qs
-    module.quant_storage = packed.dtype
-    module.compute_dtype, module.compute_type_is_set = cd, True
-    module.support_avx512bf16_for_cpu = False
+    layer.quant_state = qs
+    layer.quant_storage = packed.dtype
+    layer.compute_dtype, layer.compute_type_is_set = cd, True
+    layer.support_avx512bf16_for_cpu = False
     _materialize_bias(module, packed.device)
 
 
@@ -381,9 +383,10 @@ class Bnb8bitFormat(QuantFormat):
             )
         # CB (out, in) int8, SCB (out,) fp32 row absmax; bitsandbytes quantizes from fp16
         cb, scb, _ = F.int8_vectorwise_quant(weight.detach().to(torch.float16).contiguous())
-        module.weight = Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
-        module.state.reset_grads()  # drop a previous quantization's CB / SCB
-        module.orig_dtype = weight.dtype
+        layer: Any = module  # a bitsandbytes Linear8bitLt (untyped)
+        layer.weight = Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+        layer.state.reset_grads()  # drop a previous quantization's CB / SCB
+        layer.orig_dtype = weight.dtype
         _materialize_bias(module, weight.device)
 
     def dequantize(self, module: nn.Module) -> torch.Tensor:

@@ -24,7 +24,7 @@ import functools
 import logging
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -158,9 +158,11 @@ class AoNF4Linear(_AoLinear):
 
 
 def _clone_nf4(t: torch.Tensor) -> torch.Tensor:
-    names, meta = t.__tensor_flatten__()  # the tensor-subclass protocol, stable across versions
+    sub: Any = t  # an NF4Tensor: torch's stubs do not declare the tensor-subclass protocol
+    names, meta = sub.__tensor_flatten__()  # the tensor-subclass protocol, stable across versions
     inner = {n: getattr(t, n).clone() for n in names}
-    return type(t).__tensor_unflatten__(inner, meta, t.size(), t.stride())
+    result: torch.Tensor = type(sub).__tensor_unflatten__(inner, meta, t.size(), t.stride())
+    return result
 
 
 class AoInt8Linear(_AoLinear):
@@ -180,6 +182,7 @@ class AoInt8Linear(_AoLinear):
         self.weight = nn.Parameter(
             torch.zeros(shape, dtype=torch.int8, device=device), requires_grad=False
         )
+        self.weight_scale: torch.Tensor  # (out,) fp32, registered as a buffer
         self.register_buffer("weight_scale", torch.zeros(shape[0], device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +228,7 @@ class _AoFormat(QuantFormat):
         pass
 
     def _check_shard(self, module: nn.Module, weight: torch.Tensor) -> None:
-        want = (module.out_features, module.in_features)
+        want = (cast(nn.Linear, module).out_features, cast(nn.Linear, module).in_features)
         if tuple(weight.shape) != want or not weight.is_floating_point():
             raise ValueError(
                 f"quantize_into got a {weight.dtype} weight of shape {tuple(weight.shape)}, "
@@ -265,8 +268,9 @@ class AoNF4Format(_AoFormat):
         # NF4Tensor needs n_blocks % scaler_block_size == 0: the largest such power of two <= 256
         sbs = math.gcd(n_blocks, SCALER_BLOCK)
         nf4 = _ao()["to_nf4"](weight.detach().contiguous(), self.config.blocksize, sbs)
-        module.weight = nn.Parameter(nf4, requires_grad=False)
-        module._finish(weight.device, compute_dtype_for(self.config, weight.device), weight.dtype)
+        layer = cast(AoNF4Linear, module)  # built by new_linear
+        layer.weight = nn.Parameter(nf4, requires_grad=False)
+        layer._finish(weight.device, compute_dtype_for(self.config, weight.device), weight.dtype)
 
     def dequantize(self, module: nn.Module) -> torch.Tensor:
         """The float weight (out, in) in the shard's dtype.
@@ -275,8 +279,11 @@ class AoNF4Format(_AoFormat):
             >>> fmt.dequantize(m).shape  # doctest: +SKIP
             torch.Size([32, 64])
         """
-        module._ready()
-        return module.weight.get_original_weight()
+        layer = cast(AoNF4Linear, module)  # built by new_linear
+        layer._ready()
+        nf4: Any = layer.weight  # an NF4Tensor (torchao, untyped)
+        w: torch.Tensor = nf4.get_original_weight()
+        return w
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes + 1/blocksize (int8 scales) + 4 per 256 blocks (fp32 factors).
@@ -315,9 +322,10 @@ class AoInt8Format(_AoFormat):
             zero_point_dtype=torch.int8,
         )  # fmt: skip
         q = ao["quantize_affine"](w, block, scale, zero, torch.int8, quant_min=-128, quant_max=127)
-        module.weight = nn.Parameter(q, requires_grad=False)  # (out, in) int8
-        module.weight_scale = scale.reshape(-1).to(torch.float32)  # (out,) buffer
-        module._finish(weight.device, compute_dtype_for(self.config, weight.device), weight.dtype)
+        layer = cast(AoInt8Linear, module)  # built by new_linear
+        layer.weight = nn.Parameter(q, requires_grad=False)  # (out, in) int8
+        layer.weight_scale = scale.reshape(-1).to(torch.float32)  # (out,) buffer
+        layer._finish(weight.device, compute_dtype_for(self.config, weight.device), weight.dtype)
 
     def dequantize(self, module: nn.Module) -> torch.Tensor:
         """int8 * scale as (out, in), in the shard's dtype.
@@ -326,9 +334,10 @@ class AoInt8Format(_AoFormat):
             >>> fmt.dequantize(m).shape  # doctest: +SKIP
             torch.Size([32, 64])
         """
-        module._ready()
-        w = module.weight.to(torch.float32) * module.weight_scale[:, None]
-        return w.to(module.orig_dtype)
+        layer = cast(AoInt8Linear, module)  # built by new_linear
+        layer._ready()
+        w = layer.weight.to(torch.float32) * layer.weight_scale[:, None]
+        return w.to(layer.orig_dtype)
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """1 byte per weight plus an fp32 scale per row, amortized over `in_features`.

@@ -8,6 +8,7 @@ Modules left alone are materialized on their device (meta -> uninitialized, to b
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,9 @@ def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) 
             if fqn in built or inside_sharded(fqn, built):
                 continue
             mod = model.get_submodule(fqn)
-            if mod._parameters[pname].shape == src.shape:  # not a split or quantized tensor
+            p = mod._parameters[pname]
+            assert p is not None  # listed by named_parameters
+            if p.shape == src.shape:  # not a split or quantized tensor
                 mod._parameters[pname] = src
 
 
@@ -76,10 +79,12 @@ def apply_tp(
         split = entry.split if entry is not None else None
         style = entry.style if split is not None else Style.REPLICATE
         device = device_of(placement, fqn)
+        kind = kind_of(orig)
+        assert kind is not None, f"{fqn}: {type(orig).__name__} has no Kind"  # wrap: shardable
         m = ShardedModule.build(
             orig,
             fqn,
-            kind_of(orig),
+            kind,
             style,
             split,
             rank=mesh.tp_rank,
@@ -102,6 +107,8 @@ def apply_tp(
         built[fqn] = m
     for names in tied:  # re-tie shared weights (their splits were checked equal by the plan)
         first = next((built[n] for n in names if n in built), None)
+        if first is None:
+            continue  # none of them was wrapped
         for n in names:
             if n in built and built[n] is not first and first.fmt is None and built[n].fmt is None:
                 built[n].local._parameters["weight"] = first.local._parameters["weight"]
@@ -116,7 +123,7 @@ def apply_tp(
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
         for a, per_rank in attrs.items():
-            target = mod
+            target: Any = mod  # the module, or its own copy of its config
             if a.startswith("config."):  # this module's own copy: the model's config stays whole
                 if "config" not in vars(mod).get("_quantmesh_own", ()):
                     mod.config = copy.copy(mod.config)

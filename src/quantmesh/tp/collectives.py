@@ -127,6 +127,7 @@ class CopyShare:
 
     def copy(self, x: torch.Tensor, group) -> torch.Tensor:
         if self.x is x:
+            assert self.y is not None  # set with x
             return self.y
         y = copy_to_tp(x, group)
         self.x, self.y = x, y

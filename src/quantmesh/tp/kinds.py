@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ class Kind:
     linear_like: bool  # y = x W^T + b, possibly with a transposed weight; quantizable
 
     def in_out(self, module: nn.Module) -> tuple[int, int]:
-        w = module.weight
+        w = cast(torch.Tensor, module.weight)  # every Kind's module has a weight
         return int(w.shape[self.w_in_dim]), int(w.shape[self.w_out_dim])
 
 
@@ -75,7 +75,7 @@ def new_local(
     output by sqrt(hidden)) keeps its class and its forward: the local module is a copy of `orig`
     holding the local shard, so the model's own code runs on it.
     """
-    base = {LINEAR: nn.Linear, EMBEDDING: nn.Embedding}.get(kind)
+    base: type[nn.Module] | None = {LINEAR: nn.Linear, EMBEDDING: nn.Embedding}.get(kind)
     if base is not None and type(orig) is not base and type(orig).forward is not base.forward:
         return _own_class_copy(orig, in_f, out_f, bias, device, dtype)
     if kind is LINEAR:
@@ -89,16 +89,17 @@ def new_local(
     if kind is EMBEDDING:
         return nn.Embedding(in_f, out_f, device=device, dtype=dtype)
     if kind is CONV2D:
+        conv: Any = orig  # an nn.Conv2d; its attributes are typed wider than its arguments
         return nn.Conv2d(
             in_f,
             out_f,
-            orig.kernel_size,
-            orig.stride,
-            orig.padding,
-            orig.dilation,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
             1,
             bias,
-            orig.padding_mode,
+            conv.padding_mode,
             device=device,
             dtype=dtype,
         )
@@ -109,7 +110,7 @@ def _own_class_copy(
     orig: nn.Module, in_f: int, out_f: int, bias: bool, device: Any, dtype: torch.dtype
 ) -> nn.Module:
     """A shallow copy of `orig` with fresh (uninitialized) weight and bias of the local shape."""
-    local = copy.copy(orig)
+    local: Any = copy.copy(orig)  # the original's class, attributes set below
     local._parameters = dict(orig._parameters)
     local._buffers = {k: (None if b is None else b.to(device)) for k, b in orig._buffers.items()}
     local._modules = dict(orig._modules)

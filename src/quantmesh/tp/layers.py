@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,6 +47,34 @@ class ShardedModule(nn.Module):
         ...                         split, rank=0, group=g, device="cpu")  # doctest: +SKIP
     """
 
+    # Set by build() (and lora.attach_lora for the adapters); declared here for type checkers,
+    # which otherwise read every attribute of an nn.Module as `Tensor | Module`.
+    fqn: str
+    kind: Kind
+    style: Style
+    split: FeatureSplit | None  # None: replicated (quant / LoRA only)
+    tp_rank: int
+    tp: int
+    group: Any  # the tp ProcessGroup
+    fmt: Any  # a QuantFormat, or None
+    in_full: int
+    out_full: int
+    in_local: int
+    out_local: int
+    float_dtype: torch.dtype
+    padding_idx: int | None
+    local: nn.Module
+    device_hint: torch.device
+    track_rng: bool
+    rng: RngRegions
+    lora_scale: float | None
+    lora_r: int
+    loaded: bool  # set by load_checkpoint once every base parameter was written
+    copy_share: CopyShare | None
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+
     def __init__(self) -> None:
         super().__init__()
 
@@ -72,25 +101,27 @@ class ShardedModule(nn.Module):
         in_full, out_full = kind.in_out(orig)
         self.in_full, self.out_full = in_full, out_full
         in_l, out_l = in_full, out_full
-        if style.is_colwise:
-            out_l = split.size(rank)
-        elif style.splits_input:
-            in_l = split.size(rank)
+        if style.is_colwise or style.splits_input:
+            assert split is not None, f"{fqn}: style {style} needs a split"
+            if style.is_colwise:
+                out_l = split.size(rank)
+            else:
+                in_l = split.size(rank)
         self.in_local, self.out_local = in_l, out_l
         has_bias = getattr(orig, "bias", None) is not None
         # rowwise / colwise_gather: the wrapper holds the whole bias (same name) and adds it to the
         # complete output (see WRAPPER_BIAS_STYLES); the local module has none.
         local_bias = has_bias and style not in WRAPPER_BIAS_STYLES
-        dt = dtype or orig.weight.dtype
+        dt: torch.dtype = dtype or cast(torch.Tensor, orig.weight).dtype
         self.float_dtype = dt
         if fmt is not None:
             local = fmt.new_linear(in_l, out_l, bias=local_bias, device=device, dtype=dt)
         else:
             local = new_local(kind, orig, in_l, out_l, local_bias, device, dt)
         if kind.name == "Embedding":
-            self.padding_idx = orig.padding_idx
+            self.padding_idx = cast(nn.Embedding, orig).padding_idx
             # the padding row gets no gradient: where it lives, in this rank's row numbering
-            pad = orig.padding_idx
+            pad = cast(nn.Embedding, orig).padding_idx
             if pad is not None and style == Style.VOCAB and split is not None:
                 ((start, stop),) = split.ranges(rank)
                 pad = pad - start if start <= pad < stop else None
@@ -105,13 +136,13 @@ class ShardedModule(nn.Module):
         if has_bias and style in WRAPPER_BIAS_STYLES:
             self.bias = nn.Parameter(
                 torch.empty(out_full, device=device, dtype=dt),
-                requires_grad=orig.bias.requires_grad,
+                requires_grad=cast(nn.Parameter, orig.bias).requires_grad,
             )
         self.device_hint = torch.device(device)
         self.track_rng = True  # apply_tp turns it off when the model has no active dropout
         self.rng = RngRegions()  # apply_tp gives every layer of a model the model's one instance
-        self.lora_scale: float | None = None  # set by lora.attach_lora, with lora_A / lora_B
-        self.copy_share: CopyShare | None = None  # set by share_colwise_copies
+        self.lora_scale = None  # set by lora.attach_lora, with lora_A / lora_B
+        self.copy_share = None  # set by share_colwise_copies
         return self
 
     # ---- parameters shared with the hidden local module --------------------------------------
@@ -146,10 +177,12 @@ class ShardedModule(nn.Module):
         if self.has_bias:
             out["bias"] = None
         if st.is_colwise:
+            assert self.split is not None, f"{self.fqn}: style {st} needs a split"
             out["weight"] = (k.w_out_dim, self.split.ranges(r))
             if self.has_bias and st == Style.COLWISE:
                 out["bias"] = (0, self.split.ranges(r))
         elif st.splits_input:
+            assert self.split is not None, f"{self.fqn}: style {st} needs a split"
             out["weight"] = (k.w_in_dim, self.split.ranges(r))
         return out
 
@@ -165,7 +198,7 @@ class ShardedModule(nn.Module):
         shape[self.kind.w_out_dim] = self.out_local
         shape[self.kind.w_in_dim] = self.in_local
         if self.kind.name == "Conv2d":
-            shape += list(self.local.kernel_size)
+            shape += list(cast(nn.Conv2d, self.local).kernel_size)
         return tuple(shape)
 
     @torch.no_grad()
@@ -188,6 +221,7 @@ class ShardedModule(nn.Module):
             return
         owner = self if (name == "bias" and self.style in WRAPPER_BIAS_STYLES) else self.local
         p = owner._parameters[name]
+        assert p is not None, f"{self.fqn}.{name} is None"
         if p.device.type == "meta":
             new = nn.Parameter(
                 value.to(device=device, dtype=self.float_dtype).clone(),
@@ -232,6 +266,7 @@ class ShardedModule(nn.Module):
                 a = copy_to_tp(a, g)
             y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
         if st == Style.COLWISE_GATHER and tp > 1:
+            assert self.split is not None  # tp > 1
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
             if rng:
                 self.rng.exit(dev)  # whole again
@@ -245,6 +280,7 @@ class ShardedModule(nn.Module):
     def _rowwise_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         g, tp, fd = self.group, self.tp, self.kind.feat_dim
         if x.shape[fd] != self.in_local:  # a replicated input: keep our part (grads gathered)
+            assert self.split is not None  # in_local != in_full
             if not self.split.contiguous() or x.shape[fd] != self.in_full:
                 raise ValueError(
                     f"{self.fqn}: rowwise input has {x.shape[fd]} features; expected this rank's "
@@ -278,6 +314,7 @@ class ShardedModule(nn.Module):
         return y
 
     def _vocab_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.split is not None  # the vocab style always splits
         ((start, stop),) = self.split.ranges(self.tp_rank)
         outside = (ids < start) | (ids >= stop)
         local_ids = (ids - start).masked_fill(outside, 0)

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -255,8 +255,9 @@ def _encode_instructions(docs: list[Document], tokenizer: Any) -> list[tuple[lis
             out.append((f, [IGNORE_INDEX] * k + f[k:]))
         return out
     eos = _eos_id(tokenizer)
-    p_ids = _encode(tokenizer, [d.prompt for d in docs])
-    r_ids = _encode(tokenizer, [d.response for d in docs])
+    # instruction documents: prompt and response are set (the parser checked them)
+    p_ids = _encode(tokenizer, cast(list[str], [d.prompt for d in docs]))
+    r_ids = _encode(tokenizer, cast(list[str], [d.response for d in docs]))
     # No template: prompt and response are concatenated as they are (put any separator you want at
     # the end of the prompt); EOS ends the response and is a target, so the model learns to stop.
     return [(p + r + [eos], [IGNORE_INDEX] * len(p) + r + [eos]) for p, r in zip(p_ids, r_ids)]
@@ -348,7 +349,7 @@ def build_dataset(
 
 def _token_stream(docs: list[Document], tokenizer: Any) -> tuple[list[int], list[int]]:
     """All documents as one stream of (input id, label), in file order."""
-    texts = [d.text for d in docs if not d.is_instruction]
+    texts = cast(list[str], [d.text for d in docs if not d.is_instruction])  # text documents
     instr = [d for d in docs if d.is_instruction]
     text_ids = iter(_tokenize_texts(texts, tokenizer)) if texts else iter(())
     instr_pairs = iter(_encode_instructions(instr, tokenizer)) if instr else iter(())
@@ -361,6 +362,7 @@ def _token_stream(docs: list[Document], tokenizer: Any) -> tuple[list[int], list
             ids += x
             labels += y
         else:
+            assert eos is not None  # set when there are texts
             x = next(text_ids) + [eos]  # EOS ends every text and is a target
             ids += x
             labels += x

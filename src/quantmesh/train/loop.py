@@ -182,9 +182,11 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
         batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
         s, n = loss_sum(model, batch)
         total, count = total + float(s), count + n
-    total, count = _all_sum([total, count], st.mesh if st is not None else None, _device(model))
+    total_all, count_all = _all_sum(
+        [total, count], st.mesh if st is not None else None, _device(model)
+    )
     model.train(was_training)
-    return total / max(count, 1.0)
+    return total_all / max(count_all, 1.0)
 
 
 def _micro_batches(examples, cfg: TrainConfig, mesh, start_micro: int) -> Iterator[dict]:
