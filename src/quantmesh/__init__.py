@@ -35,6 +35,8 @@ _EXPORTS = {
     "trainable_parameters": "lora",
     "apply_dp": "dp",
     "compile_blocks": "compile",
+    "checkpoint_blocks": "recompute",
+    "chunked_loss_sum": "train.loss",
     "greedy_decode": "decode",
     "no_sync": "dp",
     "split_layers": "layersplit",

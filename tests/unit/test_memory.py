@@ -342,3 +342,22 @@ def test_compiled_activations_match_what_the_compiled_blocks_save(dp: int, monke
     eager = estimate_memory(meta, **kw)
     fewer = tokens * (layers * (4 * h + (2 * i if dp == 1 else 0)) - 2 * h)
     assert eager.activations - est.activations == fewer
+
+
+def test_checkpointing_and_chunked_loss_terms() -> None:
+    import quantmesh as qm
+
+    m = _model(True, **TINY)
+    layers, h, v, tokens = 2, 72, 64, 16 * 3
+    kw = {"tp": 1, "lora": qm.LoraConfig(r=4), "seq_len": 16, "micro_batch": 3}
+    base = estimate_memory(m, **kw)
+    # checkpointing: one block's activations at a time, plus every block's input (h wide, fp32)
+    ckpt = estimate_memory(m, checkpointing=True, **kw)
+    assert ckpt.activations == base.activations // layers + layers * tokens * h * 4
+    assert ckpt.activations < base.activations
+    off = estimate_memory(m, checkpointing=True, offload_activations=True, **kw)
+    assert off.activations == base.activations // layers
+    # chunked loss: one chunk's 12 bytes per logit, plus the labelled tokens' hidden states
+    chunked = estimate_memory(m, loss_chunk_tokens=8, **kw)
+    assert chunked.logits == 8 * v * 12 + tokens * h * 4
+    assert estimate_memory(m, loss_chunk_tokens=4096, **kw).logits == base.logits  # one chunk

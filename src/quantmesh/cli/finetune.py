@@ -101,6 +101,12 @@ class FinetuneConfig:
     """Clip the adapters' global gradient norm to this; 0 = no clipping."""
     compile: bool = False
     """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile."""
+    checkpointing: bool = False
+    """Recompute each decoder layer in backward (qm.checkpoint_blocks): far less activation memory."""
+    offload_activations: bool = False
+    """With checkpointing: keep the layers' saved inputs in host memory."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the loss (never the whole logits at once); 0 = the plain loss."""
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):
@@ -111,6 +117,14 @@ class FinetuneConfig:
             raise CliError(f"quant={self.quant!r}; use one of {', '.join(QUANTS)}")
         if self.schedule not in SCHEDULES:
             raise CliError(f"schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.loss_chunk_tokens < 0:
+            raise CliError(
+                f"--loss-chunk-tokens {self.loss_chunk_tokens}; expected >= 1 (or 0: plain loss)"
+            )
+        if self.offload_activations and not self.checkpointing:
+            raise CliError(
+                "--offload-activations needs --checkpointing (it offloads what it keeps)"
+            )
         for name in ("tp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -181,6 +195,7 @@ class FinetuneConfig:
 
         names = ("micro_batch", "grad_accum", "lr", "weight_decay", "warmup_steps", "schedule")
         names += ("steps", "epochs", "eval_every", "save_every", "seed", "max_grad_norm")
+        names += ("loss_chunk_tokens",)
         return TrainConfig(**{n: getattr(self, n) for n in names})
 
     def to_json(self) -> str:
@@ -288,6 +303,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="torch.compile each decoder layer (a one-off compile, then faster steps)",
+    )
+    g.add_argument(
+        "--checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each decoder layer in backward: long sequences in little memory",
+    )
+    g.add_argument(
+        "--offload-activations",
+        action="store_true",
+        default=None,
+        help="with --checkpointing: keep the layers' saved inputs in host memory",
+    )
+    g.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        help="tokens per chunk of the loss; 0 = the plain loss on the whole logits (default 1024)",
     )
     p.set_defaults(func=run)
 
@@ -422,6 +454,9 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         micro_batch=cfg.micro_batch,
         dtype=torch.bfloat16 if cuda else torch.float32,
         compiled=cfg.compile,
+        checkpointing=cfg.checkpointing,
+        offload_activations=cfg.offload_activations,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
     )
     check_memory(est, cfg.nproc, what="training")
 

@@ -120,7 +120,8 @@ def check_memory(est, nproc_local: int, *, what: str) -> None:
         f"estimated out of memory: {what} needs about {format_bytes(est.total)} per rank (tp rank "
         f"{est.rank}), but a rank has {format_bytes(max(budget, 0))} ({source}).\n"
         f"{est.table()}\n"
-        "Fix: a smaller --micro-batch or --seq-len, a larger --tp, or --quant nf4; "
+        "Fix: --checkpointing (recompute the layers in backward), a smaller --micro-batch or "
+        "--seq-len, a larger --tp, or --quant nf4; "
         "`quantmesh plan` shows the estimate for any choice"
     )
 
@@ -143,6 +144,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=2048, help="tokens/example")
     p.add_argument("--micro-batch", type=int, default=1, help="examples per forward (default 1)")
     p.add_argument("--compile", action="store_true", help="blocks compiled (qm.compile_blocks)")
+    p.add_argument(
+        "--checkpointing", action="store_true", help="blocks recomputed (qm.checkpoint_blocks)"
+    )
+    p.add_argument(
+        "--offload-activations", action="store_true", help="checkpointed inputs in host memory"
+    )
+    p.add_argument(
+        "--loss-chunk-tokens", type=int, default=0, help="chunked loss (default 0: plain loss)"
+    )
     p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -197,6 +207,9 @@ def plan_report(model, args: argparse.Namespace) -> str:
         micro_batch=args.micro_batch,
         dtype=torch.bfloat16 if gpu else torch.float32,
         compiled=getattr(args, "compile", False),
+        checkpointing=getattr(args, "checkpointing", False),
+        offload_activations=getattr(args, "offload_activations", False),
+        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
     )
     mode = (
         f"training LoRA r={args.lora_r} with AdamW"
@@ -213,8 +226,10 @@ def plan_report(model, args: argparse.Namespace) -> str:
         f"Estimated memory per {unit} (tp rank {est.rank} of {args.tp}, dp={args.dp}; "
         f"quant={args.quant}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
         est.table(),
-        "Assumes: activation checkpointing off, SDPA attention, frozen base; excludes the CUDA "
-        "context, allocator fragmentation and workspaces. Formula: quantmesh.memory.",
+        "Assumes: activation checkpointing "
+        + ("on" if getattr(args, "checkpointing", False) else "off")
+        + ", SDPA attention, frozen base; excludes the CUDA "
+        "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
     ]
     lines += [f"Note: {n}" for n in est.notes]
     return "\n".join(lines)

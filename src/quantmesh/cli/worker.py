@@ -81,6 +81,8 @@ def finetune(payload: str) -> int:
         dtype=dtype,
         progress=rank0,
     )
+    if cfg.checkpointing:
+        qm.checkpoint_blocks(model, offload=cfg.offload_activations)
     if cfg.compile:
         n = qm.compile_blocks(model)
         if rank0:

@@ -267,6 +267,9 @@ def estimate_memory(
     dtype: torch.dtype = torch.float32,
     act_bytes: int | None = None,
     compiled: bool = False,
+    checkpointing: bool = False,
+    offload_activations: bool = False,
+    loss_chunk_tokens: int = 0,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train (with `lora`) or run (without) `model` under the plan.
 
@@ -274,6 +277,10 @@ def estimate_memory(
     unquantized weights; `act_bytes` the activation size (default: 2 for bf16/fp16 `dtype`, else 4).
     `compiled`: the blocks are compiled (`qm.compile_blocks`), so their activations are what the
     compiled graphs save (module docstring, "compiled"), less than eager autograd keeps.
+    `checkpointing` (`qm.checkpoint_blocks`): each block keeps only its input, one block's
+    activations live at a time (recomputed in backward); `offload_activations`: those inputs are in
+    host memory. `loss_chunk_tokens` > 0: the chunked loss (train/loss.py), one chunk of logits at a
+    time plus the labelled tokens' final hidden states.
 
     Example:
         >>> est = estimate_memory(model, tp=2, quant="nf4", lora=qm.LoraConfig(r=16),
@@ -298,8 +305,9 @@ def estimate_memory(
     best: MemoryEstimate | None = None
     for r in range(tp):
         est = _for_rank(
-            model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled
-        )
+            model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled,
+            (checkpointing, offload_activations, loss_chunk_tokens),
+        )  # fmt: skip
         if best is None or est.total > best.total:
             best = est
     assert best is not None
@@ -326,6 +334,7 @@ def _for_rank(
     mb: int,
     dp: int,
     compiled: bool = False,
+    memory_modes: tuple[bool, bool, int] = (False, False, 0),
 ) -> MemoryEstimate:
     from ..lora import lora_targets
     from ..tp.kinds import kind_of
@@ -398,6 +407,21 @@ def _for_rank(
     act, logits = _activations(
         dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb, dp, compiled, est.notes
     )
+    ckpt, offload, chunk = memory_modes
+    tokens = seq * mb
+    if ckpt and lora is not None:
+        # Each block keeps its input (the residual stream, h wide) unless offloaded; the one block
+        # being recomputed holds its own activations (one layer's share of `act`).
+        act = act // dims.layers + (0 if offload else dims.layers * tokens * dims.hidden * a)
+        est.notes.append(
+            "checkpointing: block inputs"
+            + (" in host memory" if offload else "")
+            + " + one block's activations (not yet measured on a GPU)"
+        )
+    if chunk > 0 and lora is not None and tokens > chunk:
+        # One chunk's logits at a time (12 bytes per logit at its backward), plus the labelled
+        # tokens' final hidden states kept for the chunks' recompute.
+        logits = chunk * dims.vocab * 12 + tokens * dims.hidden * a
     est.activations, est.logits = act, logits
     return est
 

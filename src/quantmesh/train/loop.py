@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..state import parallel_state
+from .loss import IGNORE_INDEX, chunked_loss_sum, plain_loss_sum
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "lr_at", "train"]
-
-IGNORE_INDEX = -100
 
 
 @dataclass(kw_only=True)
@@ -73,6 +71,9 @@ class TrainConfig:
     """Gradient clipping by global norm; 0 = off."""
     progress: bool = True
     """A tqdm bar on global rank 0."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
+    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
@@ -85,6 +86,8 @@ class TrainConfig:
             raise ValueError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}; expected > 0")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
 
 
 @dataclass
@@ -134,8 +137,11 @@ def _autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
-def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """(summed next-token cross-entropy over labelled tokens, their count) of one micro-batch.
+def loss_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0
+) -> tuple[torch.Tensor, int]:
+    """(summed next-token cross-entropy over labelled tokens, their count) of one micro-batch;
+    `chunk_tokens` > 0: the chunked loss (train/loss.py), never the whole logits at once.
 
     Example:
         >>> total, n = loss_sum(model, {"input_ids": ids, "labels": ids})  # doctest: +SKIP
@@ -143,16 +149,10 @@ def loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
     device = _device(model)
     ids = batch["input_ids"].to(device)  # (B, T)
     labels = batch["labels"].to(device)  # (B, T); the model predicts position t+1 at t
-    target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # shift without copying logits
     with _autocast(device):
-        logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V), gathered over tp
-    total = F.cross_entropy(
-        logits.float().view(-1, logits.shape[-1]),
-        target.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return total, int((target != IGNORE_INDEX).sum())
+        if chunk_tokens > 0:
+            return chunked_loss_sum(model, ids, labels, chunk_tokens=chunk_tokens)
+        return plain_loss_sum(model, ids, labels)
 
 
 def _all_sum(values: list[float], mesh, device: torch.device) -> list[float]:
@@ -348,7 +348,7 @@ def train(
         for i, batch in enumerate(micro):
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else qm.no_sync(model):
-                s, _ = loss_sum(model, batch)
+                s, _ = loss_sum(model, batch, cfg.loss_chunk_tokens)
                 (s * scale).backward()
             summed += float(s.detach())
             del s

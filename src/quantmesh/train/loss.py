@@ -1,0 +1,133 @@
+"""Causal-LM loss without the whole logits: the head and cross-entropy run one chunk of tokens at a
+time, each chunk recomputed in backward, so at most `chunk_tokens` rows of fp32 logits exist at once.
+
+The model's own forward runs with its output head swapped for a pass-through (its root forward and
+every hook stay in place: DDP's, the tp RNG regions'), which hands back the final hidden states; the
+head is then applied chunk by chunk. A model whose forward does more to the logits after its head
+(Gemma 2's final soft-capping, a logit scale) would come out wrong that way, so the first call on a
+model compares the chunked loss with the plain one on the same batch and, when they differ, falls
+back to the plain loss for good and warns once: never a silently different loss.
+
+Example:
+    >>> total, n = chunked_loss_sum(model, ids, labels, chunk_tokens=1024)  # doctest: +SKIP
+    >>> (total / n).backward()                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .data import IGNORE_INDEX
+
+__all__ = ["chunked_loss_sum", "plain_loss_sum", "IGNORE_INDEX"]
+
+_CHECKED = "_quantmesh_chunked_loss"  # model.__dict__: True (exact), False (fell back)
+TOLERANCE = 1e-4
+
+
+class _PassThrough(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@contextlib.contextmanager
+def _headless(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with its output head replaced by a pass-through; yields the head."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    owner, name = next((m, n) for m in model.modules() for n, c in m.named_children() if c is head)
+    owner._modules[name] = _PassThrough()
+    try:
+        yield head
+    finally:
+        owner._modules[name] = head
+
+
+def _targets(labels: torch.Tensor) -> torch.Tensor:
+    """The next-token targets: position t predicts labels[t + 1]; the last position predicts none."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
+
+
+def plain_loss_sum(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """(summed next-token cross-entropy over labelled tokens, their count), from the whole logits.
+
+    Example:
+        >>> total, n = plain_loss_sum(model, ids, ids)  # doctest: +SKIP
+    """
+    target = _targets(labels)
+    logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
+    total = F.cross_entropy(
+        logits.float().view(-1, logits.shape[-1]),
+        target.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return total, int((target != IGNORE_INDEX).sum())
+
+
+def _chunk_ce(head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(h).float(), t, reduction="sum")  # (n, V) lives only here
+
+
+def _chunked(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+) -> tuple[torch.Tensor, int]:
+    target = _targets(labels).reshape(-1)  # (B*T,)
+    with _headless(model) as head:
+        hidden = model(input_ids=input_ids, use_cache=False).logits  # (B, T, H): hidden states
+    keep = (target != IGNORE_INDEX).nonzero().squeeze(1)  # labelled positions only
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (n, H)
+    t = target.index_select(0, keep)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, h.shape[0], chunk_tokens):
+        total = total + checkpoint(
+            _chunk_ce, head, h[s : s + chunk_tokens], t[s : s + chunk_tokens], use_reentrant=False
+        )
+    return total, int(keep.numel())
+
+
+def chunked_loss_sum(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, chunk_tokens: int = 1024
+) -> tuple[torch.Tensor, int]:
+    """Like `plain_loss_sum`, holding at most `chunk_tokens` rows of logits at any time.
+
+    The first call on a model checks it against `plain_loss_sum` on the same batch (two extra
+    forwards in eval mode, no backward, the random streams untouched); a model whose logits are more than its head's output falls back to the
+    plain loss, with a warning.
+
+    Example:
+        >>> total, n = chunked_loss_sum(model, ids, labels, chunk_tokens=512)  # doctest: +SKIP
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens}; expected >= 1")
+    ok = model.__dict__.get(_CHECKED)
+    if ok is None:  # dropout off, nothing drawn from the random streams, no gradient
+        was_training = model.training
+        devices = [input_ids.device.index or 0] if input_ids.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            model.eval()
+            try:
+                want, _ = plain_loss_sum(model, input_ids, labels)
+                got, _ = _chunked(model, input_ids, labels, chunk_tokens)
+            finally:
+                model.train(was_training)
+        ok = bool(((got - want).abs() <= TOLERANCE * want.abs().clamp_min(1.0)).item())
+        model.__dict__[_CHECKED] = ok
+        if not ok:
+            warnings.warn(
+                f"quantmesh: {type(model).__name__}'s logits are more than its output head's "
+                f"output (chunked loss {got.item():.6g} vs {want.item():.6g}); using the plain "
+                "loss, which holds the whole logits",
+                stacklevel=2,
+            )
+    if not ok:
+        return plain_loss_sum(model, input_ids, labels)
+    return _chunked(model, input_ids, labels, chunk_tokens)
