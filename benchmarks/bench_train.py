@@ -69,13 +69,22 @@ def parse(argv=None) -> argparse.Namespace:
         default=None,
         help="torch.compile mode for --compile (e.g. reduce-overhead: CUDA graphs of the blocks)",
     )
+    p.add_argument(
+        "--checkpointing", action="store_true", help="qm.checkpoint_blocks(model) before training"
+    )
+    p.add_argument("--offload", action="store_true", help="with --checkpointing: offload=True")
+    p.add_argument(
+        "--loss-chunk", type=int, default=0, help="qm.chunked_loss_sum with N tokens per chunk"
+    )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
     return qb.finish_args(p.parse_args(argv))
 
 
 def layout_name(a, dp: int) -> str:
     q = a.quant if a.quant != "none" else "bf16"
-    return f"tp{a.tp}_dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
+    name = f"tp{a.tp}_dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
+    name += ("_ckpt" if a.checkpointing else "") + ("_offload" if a.offload else "")
+    return name + (f"_chunk{a.loss_chunk}" if a.loss_chunk else "")
 
 
 def build(a, mesh, cfg, *, dtype, gen_device=None):
@@ -106,6 +115,8 @@ def memory_estimate(a, mesh, cfg) -> dict:
         est = estimate_memory(
             qb.skeleton(cfg), tp=mesh.tp, dp=mesh.dp, quant=None if a.quant == "none" else a.quant,
             lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
+            checkpointing=a.checkpointing, offload_activations=a.offload,
+            loss_chunk_tokens=a.loss_chunk,
         )  # fmt: skip
         R["total_GiB"] = round(est.total / 2**30, 3)
         R["parts_GiB"] = {
@@ -400,12 +411,22 @@ def main(argv=None) -> int:
         opt = torch.optim.AdamW(params, lr=a.lr)
         ids = batch(a, a.vocab, a.seq, a.mb, mesh.dp_rank * a.mb, dev)
         R["compiled"] = a.compile
+        loss_fn = hf_loss
+        if a.checkpointing:
+            R["checkpointed_blocks"] = qm.checkpoint_blocks(model, offload=a.offload)
+        if a.loss_chunk:
+
+            def loss_fn(m, ids, _n=a.loss_chunk):
+                total, count = qm.chunked_loss_sum(m, ids, ids, chunk_tokens=_n)
+                return total / count
+
         if a.compile:
             R["compile_mode"] = a.compile_mode
             R["compiled_blocks"] = qm.compile_blocks(model, mode=a.compile_mode)
         dt, losses = train(
-            model, opt, ids, warmup=a.warmup, steps=a.steps, device=dev, autocast=autocast
-        )
+            model, opt, ids, warmup=a.warmup, steps=a.steps, device=dev, autocast=autocast,
+            loss_fn=loss_fn,
+        )  # fmt: skip
         R["warmup_s"] = round(train.warmup_s, 2)
         if a.compile:
             from torch._dynamo.utils import counters
