@@ -73,7 +73,8 @@ def parallelize(
         ...                        lora=qm.LoraConfig(r=16, targets=["q_proj", "v_proj"]))  # doctest: +SKIP
     """
     # nothing below may move any rank's random streams (uneven shards would move them apart)
-    cuda = [mesh.device.index or 0] if mesh.device.type == "cuda" else []
+    dev = mesh.devices[0]
+    cuda = [dev.index or 0] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         return _parallelize(
             model, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs
