@@ -18,9 +18,10 @@ scales its output). So every plan is checked by running it:
    gradient all-reduced over tp ("reduce_grads"). That is a rule, not a model-specific fix: a
    replicated parameter that sees sharded activations needs its gradient reduced.
 
-Every probe runs on a process group of its own with a timeout, and the ranks agree on its outcome
-over another group: a rank that raises (a shape error on one rank of an uneven split) never leaves
-its peers waiting.
+The probes run on a process group of their own with a timeout (a fresh one after a probe raised
+anywhere), and the ranks agree on each outcome over another group: a rank that raises (a shape
+error on one rank of an uneven split) never leaves its peers waiting. On NCCL a peer left inside a
+collective is ended by NCCL's watchdog at the timeout rather than by an exception.
 
 Example:
     >>> report = qm.verify_plan(model, mesh)   # doctest: +SKIP
@@ -272,11 +273,31 @@ def _new_group(mesh: Any, timeout_s: float) -> Any:
     return mine
 
 
-def _agree(flag: bool, group: Any, device: torch.device) -> bool:
-    """True when `flag` is True on every rank of `group`."""
-    t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=device)
+def _agree(ok: bool, raised: bool, group: Any, device: torch.device) -> tuple[bool, bool]:
+    """(ok on every rank, raised on some rank) over `group`."""
+    t = torch.tensor([int(not ok), int(raised)], dtype=torch.int32, device=device)
     dist.all_reduce(t, group=group)
-    return int(t.item()) == 0
+    return int(t[0].item()) == 0, int(t[1].item()) > 0
+
+
+class _ProbeGroups:
+    """The probe's tp group, reused while every probe ends without an exception; a probe that
+    raised on any rank may have left a collective half done, so the next one gets a fresh group
+    (a process group is never reused after a collective raised)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh, self.group = mesh, None
+
+    def get(self) -> Any:
+        if self.group is None:
+            self.group = _new_group(self.mesh, PROBE_TIMEOUT_S)
+        return self.group
+
+    def drop(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None
 
 
 @contextlib.contextmanager
@@ -304,14 +325,16 @@ def _probe(
     ref_grads: dict[str, torch.Tensor],
     agree_group: Any,
     tol: float,
+    groups: _ProbeGroups,
 ) -> _Outcome:
-    """Run `probe` sharded by `plan` on a fresh tp group; compare with the reference."""
+    """Run `probe` sharded by `plan` on the probe's tp group; compare with the reference."""
     from .io.full import gather_param, tp_sharded
     from .parallel import parallelize
     from .tp.layers import sharded_modules
 
-    group = _new_group(mesh, PROBE_TIMEOUT_S)
+    group = groups.get()
     dev = mesh.device
+    raised = False
     outcome: _Outcome
     local_ok = True
     try:
@@ -377,14 +400,15 @@ def _probe(
         else:
             outcome = _Outcome(True, f"max rel. error {worst:.1g}", partial)
     except Exception as e:  # noqa: BLE001 - any failure of the sharded run is a verdict
-        local_ok = False
+        local_ok, raised = False, True
         line = (str(e).strip().splitlines() or [""])[0][:160]
         outcome = _Outcome(False, f"{type(e).__name__}: {line}")
-    if not _agree(local_ok, agree_group, torch.device("cpu") if _is_gloo(agree_group) else dev):
-        if outcome.ok:
-            outcome = _Outcome(False, "failed on another rank of the tp group")
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group(group)
+    cdev = torch.device("cpu") if _is_gloo(agree_group) else dev
+    all_ok, any_raised = _agree(local_ok, raised, agree_group, cdev)
+    if not all_ok and outcome.ok:
+        outcome = _Outcome(False, "failed on another rank of the tp group")
+    if any_raised:
+        groups.drop()
     return outcome
 
 
@@ -487,8 +511,9 @@ def verify_plan(
         agree_group = _new_group(mesh, PROBE_TIMEOUT_S * 3)
         report.verified = True
         groups = _groups_of(plan, probe, mesh.tp)
+        pgroups = _ProbeGroups(mesh)
         run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
-            probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol
+            probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol, pgroups
         )
         whole = run(plan)
         report.reduce_grads = sorted({_param_glob(n, probe) for n in whole.partial})
@@ -525,6 +550,7 @@ def verify_plan(
                     report.replicated.setdefault(
                         m, f"replicated: verify: the split plan is not exact ({final.detail})"
                     )
+        pgroups.drop()
         dist.destroy_process_group(agree_group)
     return report
 
