@@ -53,6 +53,12 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
             "and LoraConfig) for the fastest compiled steps.",
             stacklevel=2,
         )
+    from .recompute import COMPILE_KWARGS, install, is_checkpointed
+
     for _, block in blocks:
-        block.compile(**compile_kwargs)
+        block.__dict__[COMPILE_KWARGS] = dict(compile_kwargs)
+        if is_checkpointed(block):  # compile inside the checkpoint, which stays eager
+            install(block)
+        else:
+            block.compile(**compile_kwargs)
     return len(blocks)
