@@ -416,13 +416,8 @@ def _for_rank(
         est.notes.append(
             "checkpointing: block inputs"
             + (" in host memory" if offload else "")
-            + " + one block's activations (eager blocks: within 5% of H200 peaks)"
+            + " + one block's activations (within 10% of H200 peaks, eager and compiled)"
         )
-        if compiled:
-            est.notes.append(
-                "checkpointing with compiled blocks measured far above this (26.6 vs 7.7 GiB, 7B "
-                "at 8192 tokens, docs/benchmarks.md): use eager blocks to save memory"
-            )
     if chunk > 0 and lora is not None and tokens > chunk:
         # One chunk's logits at a time (12 bytes per logit at its backward), plus the labelled
         # tokens' final hidden states kept for the chunks' recompute.
