@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .plan.auto import auto_plan, blocks_of
-from .plan.plan import Plan, _globify
+from .plan.plan import Plan, Resolved, _globify
 from .plan.styles import Style
 
 if TYPE_CHECKING:
@@ -416,10 +416,9 @@ def _is_gloo(group: Any) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
 
-def _groups_of(plan: Plan, probe: nn.Module, tp: int) -> dict[str, list[str]]:
+def _groups_of(res: Resolved, probe: nn.Module) -> dict[str, list[str]]:
     """Sharded modules of the probe, grouped by parent module (as globs over blocks); modules that
     share a parameter (an embedding tied to its head) are one group, since they split alike."""
-    res = plan.resolve(probe, tp)
     key_of: dict[str, str] = {}
     for e in res.sharded():
         parent = e.fqn.rsplit(".", 1)[0] if "." in e.fqn else ""
@@ -510,7 +509,8 @@ def verify_plan(
             return report
         agree_group = _new_group(mesh, PROBE_TIMEOUT_S * 3)
         report.verified = True
-        groups = _groups_of(plan, probe, mesh.tp)
+        resolved = plan.resolve(probe, mesh.tp)  # the plan as the probe sees it
+        groups = _groups_of(resolved, probe)
         pgroups = _ProbeGroups(mesh)
         run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
             probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol, pgroups
@@ -522,7 +522,7 @@ def verify_plan(
         else:
             report.exact = False
             everything = [m for ms in groups.values() for m in ms]
-            packed = _packed_of(plan, probe, mesh.tp)
+            packed = _packed_of(resolved, probe)
             for glob, members in groups.items():
                 others = {m: Style.REPLICATE.value for m in everything if m not in members}
                 alone = plan.override(others) if others else plan
@@ -555,9 +555,8 @@ def verify_plan(
     return report
 
 
-def _packed_of(plan: Plan, probe: nn.Module, tp: int) -> set[str]:
+def _packed_of(res: Resolved, probe: nn.Module) -> set[str]:
     """Globs of the modules whose fused output the plan splits as q|k|v (or gate|up) segments."""
-    res = plan.resolve(probe, tp)
     return {
         _globify(e.fqn, probe)
         for e in res.sharded()

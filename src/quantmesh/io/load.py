@@ -26,7 +26,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,18 +127,6 @@ def _rank() -> int:
 
 
 # ---- what the model expects ---------------------------------------------------------------------
-def _full_shape(m: ShardedModule, name: str) -> tuple[int, ...]:
-    """Full (unsharded) shape of base parameter `name` of `m`, checkpoint layout."""
-    if name == "bias":
-        return (m.out_full,)
-    shape = [0, 0]
-    shape[m.kind.w_out_dim] = m.out_full
-    shape[m.kind.w_in_dim] = m.in_full
-    if m.kind.name == "Conv2d":
-        shape += list(cast(nn.Conv2d, m.local).kernel_size)
-    return tuple(shape)
-
-
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -169,7 +157,7 @@ def _targets(model: nn.Module) -> list[_Target]:
                 dtype = torch.float32 if m.device_hint.type == "cpu" else m.float_dtype
             else:
                 dtype = p.dtype if p.is_floating_point() else m.float_dtype
-            t = _Target(_join(fqn, name), _full_shape(m, name), dim, ranges, [(m, name, "sharded")],
+            t = _Target(_join(fqn, name), m.full_shape(name), dim, ranges, [(m, name, "sharded")],
                         dtype, m.device_hint, module=m, name=name)  # fmt: skip
             add(t, p)
         if m.lora_scale is not None:

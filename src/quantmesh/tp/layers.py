@@ -194,9 +194,18 @@ class ShardedModule(nn.Module):
         """Shape of this rank's slice of base parameter `name`, in checkpoint layout."""
         if name == "bias":
             return (self.out_full if self.style in WRAPPER_BIAS_STYLES else self.out_local,)
+        return self._weight_shape(self.in_local, self.out_local)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """Full (unsharded) shape of base parameter `name`, in checkpoint layout."""
+        if name == "bias":
+            return (self.out_full,)
+        return self._weight_shape(self.in_full, self.out_full)
+
+    def _weight_shape(self, in_f: int, out_f: int) -> tuple[int, ...]:
         shape = [0, 0]
-        shape[self.kind.w_out_dim] = self.out_local
-        shape[self.kind.w_in_dim] = self.in_local
+        shape[self.kind.w_out_dim] = out_f
+        shape[self.kind.w_in_dim] = in_f
         if self.kind.name == "Conv2d":
             shape += list(cast(nn.Conv2d, self.local).kernel_size)
         return tuple(shape)
