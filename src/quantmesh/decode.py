@@ -53,9 +53,13 @@ class _Decoder:
         self.model = model
         self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
 
+    def logits(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, vocab)
+        """One step's next-token logits (the cache advances by one position)."""
+        out: torch.Tensor = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
+        return out[:, -1]
+
     def step(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, 1)
-        logits: torch.Tensor = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
-        return logits[:, -1].argmax(dim=-1, keepdim=True)
+        return self.logits(tok).argmax(dim=-1, keepdim=True)
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # (batch, prompt) -> (batch, 1)
         self.cache.reset()  # in place: the tensors keep their addresses
