@@ -14,8 +14,9 @@ It composes with the rest because it is torch's own non-reentrant `torch.utils.c
   stays eager (as does the offload) around the compiled graph. (Compiled around the checkpoint,
   the graph saved far more than the inputs: 26.6 GiB against 7.9 eager for 7B nf4 + LoRA at 8192
   tokens on an H200, and the offload broke the graph; docs/benchmarks.md.)
-- `offload=True`: the saved block inputs go to pinned host memory and come back one block ahead
-  of the backward that needs them, both copies on a side stream beside the compute (offload.py).
+- `offload=True`: the saved block inputs go to (pinned, on CUDA) host memory through
+  `torch.autograd.graph.save_on_cpu` and come back when backward needs them. torch copies them back
+  synchronously when the block's backward starts; there is no prefetch ahead of need yet.
 
 Example:
     >>> qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16))  # doctest: +SKIP
@@ -34,13 +35,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .offload import Offloader
 from .plan.auto import blocks_of
 
 __all__ = ["checkpoint_blocks"]
 
 _MARK = "_quantmesh_checkpointed"  # block.__dict__: the block's own forward
-_OFFLOAD = "_quantmesh_offload"  # block.__dict__: the model's Offloader, or None
+_OFFLOAD = "_quantmesh_offload"
 COMPILE_KWARGS = "_quantmesh_compile_kwargs"  # set by compile_blocks
 
 
@@ -64,10 +64,9 @@ def checkpoint_blocks(model: nn.Module, *, offload: bool = False) -> int:
             f"{type(model).__name__} has no repeated blocks (no nn.ModuleList with children) to "
             "checkpoint; wrap the parts you want recomputed in torch.utils.checkpoint yourself"
         )
-    offloader = Offloader() if offload else None  # one per model: the blocks form one chain
     for _, block in blocks:
         block.__dict__.setdefault(_MARK, block.forward)
-        block.__dict__[_OFFLOAD] = offloader
+        block.__dict__[_OFFLOAD] = offload
         install(block)
     return len(blocks)
 
@@ -80,8 +79,8 @@ def install(block: nn.Module) -> None:
     if kwargs is not None:
         block._compiled_call_impl = None  # a compile around the checkpoint moves inside it
         inner = torch.compile(inner, **kwargs)
-    offloader = block.__dict__.get(_OFFLOAD)
-    block.forward = functools.partial(_checkpointed, block, inner, offloader)
+    offload = block.__dict__.get(_OFFLOAD, False)
+    block.forward = functools.partial(_checkpointed, block, inner, offload)
 
 
 def is_checkpointed(block: nn.Module) -> bool:
@@ -90,16 +89,14 @@ def is_checkpointed(block: nn.Module) -> bool:
 
 
 def _checkpointed(
-    block: nn.Module,
-    inner: Callable[..., Any],
-    offloader: Offloader | None,
-    *args: Any,
-    **kwargs: Any,
+    block: nn.Module, inner: Callable[..., Any], offload: bool, *args: Any, **kwargs: Any
 ) -> Any:
     if not (block.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     ctx: contextlib.AbstractContextManager[Any] = (
-        offloader.block() if offloader is not None else contextlib.nullcontext()
+        torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        if offload
+        else contextlib.nullcontext()
     )
     with ctx:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
