@@ -74,6 +74,12 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--offload", action="store_true", help="with --checkpointing: offload=True")
     p.add_argument(
+        "--tile-tokens",
+        type=int,
+        default=None,
+        help="with --checkpointing: the MLP N tokens at a time",
+    )
+    p.add_argument(
         "--loss-chunk", type=int, default=0, help="qm.chunked_loss_sum with N tokens per chunk"
     )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
@@ -84,6 +90,7 @@ def layout_name(a, dp: int) -> str:
     q = a.quant if a.quant != "none" else "bf16"
     name = f"tp{a.tp}_dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
     name += ("_ckpt" if a.checkpointing else "") + ("_offload" if a.offload else "")
+    name += f"_tile{a.tile_tokens}" if a.tile_tokens else ""
     return name + (f"_chunk{a.loss_chunk}" if a.loss_chunk else "")
 
 
@@ -116,7 +123,7 @@ def memory_estimate(a, mesh, cfg) -> dict:
             qb.skeleton(cfg), tp=mesh.tp, dp=mesh.dp, quant=None if a.quant == "none" else a.quant,
             lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
             checkpointing=a.checkpointing, offload_activations=a.offload,
-            loss_chunk_tokens=a.loss_chunk,
+            loss_chunk_tokens=a.loss_chunk, tile_tokens=a.tile_tokens,
         )  # fmt: skip
         R["total_GiB"] = round(est.total / 2**30, 3)
         R["parts_GiB"] = {
@@ -413,7 +420,9 @@ def main(argv=None) -> int:
         R["compiled"] = a.compile
         loss_fn = hf_loss
         if a.checkpointing:
-            R["checkpointed_blocks"] = qm.checkpoint_blocks(model, offload=a.offload)
+            R["checkpointed_blocks"] = qm.checkpoint_blocks(
+                model, offload=a.offload, tile_tokens=a.tile_tokens
+            )
         if a.loss_chunk:
 
             def loss_fn(m, ids, _n=a.loss_chunk):
@@ -434,6 +443,8 @@ def main(argv=None) -> int:
             R["graph_breaks"] = {k: int(v) for k, v in counters["graph_break"].items()}
         dts = gather(dt)
         mems = gather(qb.gpu_mem(dev) or {"host_rss_anon_GiB": qb.rss_anon_bytes() / 2**30})
+        if a.tile_tokens:  # which block children were proven position-wise and tiled
+            R["tiled_children"] = model.get_decoder().layers[0].__dict__.get("_quantmesh_tiled")
         tok = R["tokens_per_step"] * a.steps / max(dts)
         R.update(
             tokens_per_s=round(tok, 1),
