@@ -105,6 +105,8 @@ class FinetuneConfig:
     """Recompute each decoder layer in backward (qm.checkpoint_blocks): far less activation memory."""
     offload_activations: bool = False
     """With checkpointing: keep the layers' saved inputs in host memory."""
+    tile_tokens: int = 0
+    """With checkpointing: run each layer's MLP this many tokens at a time (long sequences); 0 = off."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (never the whole logits at once); 0 = the plain loss."""
 
@@ -125,6 +127,10 @@ class FinetuneConfig:
             raise CliError(
                 "--offload-activations needs --checkpointing (it offloads what it keeps)"
             )
+        if self.tile_tokens < 0:
+            raise CliError(f"--tile-tokens {self.tile_tokens}; expected >= 1 (or 0: no tiling)")
+        if self.tile_tokens and not self.checkpointing:
+            raise CliError("--tile-tokens needs --checkpointing (the tiles are recomputed too)")
         for name in ("tp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -317,6 +323,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --checkpointing: keep the layers' saved inputs in host memory",
     )
     g.add_argument(
+        "--tile-tokens",
+        type=int,
+        help="with --checkpointing: each layer's MLP N tokens at a time (for 32k+ sequences)",
+    )
+    g.add_argument(
         "--loss-chunk-tokens",
         type=int,
         help="tokens per chunk of the loss; 0 = the plain loss on the whole logits (default 1024)",
@@ -457,6 +468,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         checkpointing=cfg.checkpointing,
         offload_activations=cfg.offload_activations,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
+        tile_tokens=cfg.tile_tokens or None,
     )
     check_memory(est, cfg.nproc, what="training")
 

@@ -151,6 +151,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--offload-activations", action="store_true", help="checkpointed inputs in host memory"
     )
     p.add_argument(
+        "--tile-tokens",
+        type=int,
+        default=0,
+        help="with --checkpointing: the MLP N tokens at a time",
+    )
+    p.add_argument(
         "--loss-chunk-tokens", type=int, default=0, help="chunked loss (default 0: plain loss)"
     )
     p.add_argument(
@@ -210,6 +216,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         checkpointing=getattr(args, "checkpointing", False),
         offload_activations=getattr(args, "offload_activations", False),
         loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
+        tile_tokens=getattr(args, "tile_tokens", 0) or None,
     )
     mode = (
         f"training LoRA r={args.lora_r} with AdamW"

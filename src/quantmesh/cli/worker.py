@@ -82,7 +82,9 @@ def finetune(payload: str) -> int:
         progress=rank0,
     )
     if cfg.checkpointing:
-        qm.checkpoint_blocks(model, offload=cfg.offload_activations)
+        qm.checkpoint_blocks(
+            model, offload=cfg.offload_activations, tile_tokens=cfg.tile_tokens or None
+        )
     if cfg.compile:
         n = qm.compile_blocks(model)
         if rank0:
