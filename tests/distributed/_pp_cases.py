@@ -1,0 +1,99 @@
+"""Rank functions for the pipeline tests (spawned by run_ranks): `pp_train` trains a small model
+for a few steps at one (dp, pp, tp) layout through `qm.train_step`; (1, 1, 1) is the reference.
+
+A rank reports its losses, its stage's gradients (gathered over tp, by name) from the replica's
+first tp rank and dp rank, and the parameter names it holds; the test merges the stages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import quantmesh as qm
+from quantmesh.io.full import gather_param, tp_sharded
+from quantmesh.tp.layers import ShardedModule
+
+from ..models import llama, tiny_gpt
+
+GLOBAL_BATCH, SEQ, VOCAB = 8, 8, 100
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(name: str):
+    if name == "llama":  # GQA: 8 heads, 4 KV heads; untied head (trained in fp32 runs)
+        return llama(layers=4, tie=False, vocab=VOCAB)
+    if name == "llama_tied":
+        return llama(layers=4, tie=True, vocab=VOCAB)
+    if name == "gpt":  # a custom (non-transformers) model: learned positions, fused q|k|v
+        return tiny_gpt(layers=4, vocab=VOCAB)
+    raise ValueError(name)
+
+
+def batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps)]
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every trainable gradient this rank holds, whole (gathered over tp where split)."""
+    sharded = {n: m for n, m in model.named_modules() if isinstance(m, ShardedModule)}
+    out = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad or p.grad is None:
+            continue
+        g = p.grad
+        owner = max((n for n in sharded if name.startswith(n + ".")), key=len, default=None)
+        if owner is not None:
+            m = sharded[owner]
+            split = tp_sharded(m)
+            pname = name[len(owner) + 1 :]
+            if pname in split:
+                dim, s = split[pname]
+                g = gather_param(g, dim, s, m.group)
+        out[name] = g.detach().cpu().clone()
+    return out
+
+
+def pp_train(
+    rank: int,
+    dp: int,
+    pp: int,
+    tp: int,
+    *,
+    model: str = "llama",
+    quant=None,
+    lora: bool = False,
+    steps: int = 3,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    stages: list[int] | None = None,
+) -> dict:
+    """`steps` SGD-momentum steps; returns losses, gradients by name and the names held."""
+    mesh = qm.init_mesh(dp=dp, pp=pp, tp=tp)
+    net = build(model)
+    cfg = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7) if lora else None
+    if lora and model == "gpt":
+        cfg = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=["qkv", "proj"], seed=7)
+    pipe = qm.PipelineConfig(stages=stages) if stages else None
+    qm.parallelize(net, mesh, quant=quant, lora=cfg, pipeline=pipe, verify=model != "gpt")
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    per = GLOBAL_BATCH // dp
+    losses, grads = [], []
+    for ids in batches(steps):
+        local = ids[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
+        loss = qm.train_step(
+            net, {"input_ids": local, "labels": local}, microbatches=microbatches, schedule=schedule
+        )
+        grads.append(full_grads(net))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    lead = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    return {
+        "stage": mesh.pp_rank,
+        "losses": losses,
+        "grads": grads if lead else None,
+        "names": sorted(net.state_dict().keys()),
+        "params": sorted(n for n, _ in net.named_parameters()),
+    }
