@@ -95,5 +95,68 @@ def pp_train(
         "losses": losses,
         "grads": grads if lead else None,
         "names": sorted(net.state_dict().keys()),
-        "params": sorted(n for n, _ in net.named_parameters()),
+        "params": sorted(n for n, _ in net.named_parameters(remove_duplicate=False)),
     }
+
+
+def many(rank: int, cases: list[tuple[tuple[int, int, int], dict]]) -> list[dict]:
+    """Several layouts in one spawn (a mesh each, over the same world)."""
+    return [pp_train(rank, *layout, **kw) for layout, kw in cases]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def failing_stage(rank: int) -> dict:
+    """pp=2 where stage 1's block raises on the second step. Each rank catches what ended it and
+    reports it, so the test sees that stage 0 was not left waiting (the mesh timeout is short)."""
+    import time
+
+    mesh = qm.init_mesh(pp=2, timeout=20)
+    net = build("gpt")
+    qm.parallelize(net, mesh, verify=False)
+    calls = {"n": 0}
+
+    def hook(module, args):
+        calls["n"] += 1
+        if calls["n"] > 8:  # shape inference + 4 micro-batches of step 1, then fail in step 2
+            raise Boom(f"stage {mesh.pp_rank} failed on purpose")
+
+    if mesh.pp_rank == 1:
+        net.blocks[3].register_forward_pre_hook(hook)
+    t0 = time.monotonic()
+    ids = batches(1)[0]
+    try:
+        for _ in range(3):
+            qm.train_step(net, {"input_ids": ids}, microbatches=4, schedule="gpipe")
+    except Exception as e:  # what ended this rank, with its causes
+        chain, cur = [], e
+        while cur is not None:
+            chain.append(f"{type(cur).__name__}: {cur}")
+            cur = cur.__cause__
+        return {"error": " <- ".join(chain), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def misuse(rank: int) -> dict[str, str]:
+    """pp=2: what each misuse raises (every rank raises the same, before any collective)."""
+    mesh = qm.init_mesh(pp=2)
+    out = {}
+    try:
+        qm.parallelize(build("llama_tied"), mesh)  # a trainable tie spanning stages 0 and 1
+    except qm.PipelineError as e:
+        out["tie"] = str(e)
+    net = build("gpt")
+    qm.parallelize(net, mesh, verify=False)
+    ids = batches(1)[0]
+    try:
+        net(ids)
+    except qm.PipelineError as e:
+        out["direct"] = str(e)
+    for key, m, sched in (("1f1b", 1, "1f1b"), ("split", 3, "gpipe")):
+        try:
+            qm.train_step(net, {"input_ids": ids}, microbatches=m, schedule=sched)
+        except ValueError as e:
+            out[key] = str(e)
+    return out

@@ -217,7 +217,12 @@ class StandIn(nn.Module):
         self.fqn = fqn
         self.stage = stage
         self.device = device
-        object.__setattr__(self, "original", original)  # not a child: no names, no parameters
+        object.__setattr__(self, "_original", original)  # not a child: no names, no parameters
+
+    @property
+    def original(self) -> nn.Module:
+        """The module this stands in for (its parameters on meta)."""
+        return self.__dict__["_original"]
 
     def extra_repr(self) -> str:
         return f"{self.fqn} on pipeline stage {self.stage}"
@@ -277,7 +282,7 @@ def stage_plan(
 ) -> tuple[Resolved, dict]:
     """The whole model's resolved plan and wrap list, kept to the modules this stage still holds
     (decisions are the whole model's: a tie split alike on both stages stays alike)."""
-    present = {n for n, _ in model.named_modules()}
+    present = {n for n, m in model.named_modules() if not isinstance(m, StandIn)}
     entries = {k: e for k, e in resolved.entries.items() if k in present}
     attrs = {k: v for k, v in resolved.attr_updates.items() if k in present}
     return Resolved(resolved.tp, entries, attrs), {k: v for k, v in wrap.items() if k in present}
