@@ -147,6 +147,10 @@ def _parallelize(
                 stacklevel=3,
             )
 
+    # for load_checkpoint: names sharing one tensor (tied weights; a checkpoint may hold only one
+    # of them, and quantizing one side unties them), over the whole model (a tie may span stages)
+    tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
+
     # 3. keep only this rank's pipeline stage (the plan was resolved and verified on the whole model)
     if cut is not None:
         drop_others(model, cut, mesh.pp_rank, mesh.device)
@@ -156,10 +160,7 @@ def _parallelize(
     placement = layer_placement(model, mesh.devices)
     if lora is not None:
         model.requires_grad_(False)
-    # for load_checkpoint: names that hold no values yet (meta), and names sharing one tensor
-    # (tied weights; a checkpoint may hold only one of them, and quantizing one side unties them)
-    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
-    tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
+    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]  # no values yet
     rng = RngRegions()
     apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, rng=rng, dtype=dtype, lora=lora)
     # a forward that stops inside a split region (an exception) must not leave this rank on its

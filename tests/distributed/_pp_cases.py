@@ -160,3 +160,32 @@ def misuse(rank: int) -> dict[str, str]:
         except ValueError as e:
             out[key] = str(e)
     return out
+
+
+def pp_io(rank: int, root: str, pp: int, load_from: str | None = None) -> dict:
+    """Load a saved (tied) Llama at `pp` stages with qm.from_pretrained (each stage reads its own
+    layers), train two LoRA steps, save the adapter to ROOT/adapter-pp{pp}, report the trained
+    model's loss and gradient norm; then a fresh copy loads `load_from` (an adapter saved by
+    another layout) and reports its loss."""
+    from pathlib import Path
+
+    mesh = qm.init_mesh(pp=pp)
+    lora = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7)
+    net = qm.from_pretrained(Path(root) / "base", mesh, lora=lora, progress=False)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.5)
+    ids = batches(1)[0]
+    losses = []
+    for _ in range(2):
+        losses.append(float(qm.train_step(net, {"input_ids": ids}, microbatches=2)))
+        qm.clip_grad_norm_(net, 1e9)
+        opt.step()
+        opt.zero_grad()
+    qm.save_adapter(net, Path(root) / f"adapter-pp{pp}")
+    final = float(qm.train_step(net, {"input_ids": ids}, microbatches=2))  # the trained adapter
+    norm = float(qm.clip_grad_norm_(net, 1e9))  # over every stage's gradients
+    loaded = None
+    if load_from is not None:
+        fresh = qm.from_pretrained(Path(root) / "base", mesh, lora=lora, progress=False)
+        qm.load_adapter(fresh, Path(root) / load_from)
+        loaded = float(qm.train_step(fresh, {"input_ids": ids}, microbatches=2))
+    return {"losses": losses, "final": final, "norm": norm, "loaded": loaded}

@@ -168,3 +168,28 @@ def test_misuse_is_refused_with_the_fix():
     assert "run the model through qm.train_step" in errors["direct"]
     assert "microbatches >= pp" in errors["1f1b"]
     assert "equal parts" in errors["split"]
+
+
+def test_load_save_adapter_across_layouts(tmp_path):
+    """A saved Llama loads at pp=2 (each stage reads its own layers; the tied head loads from the
+    embedding's key); the adapter trained at pp=2 is written as one PEFT file equal to the
+    one-rank adapter, and loads back at pp=2 from the one-rank file."""
+    from safetensors.torch import load_file
+
+    from tests.distributed._pp_cases import build, pp_io
+
+    build("llama_tied").save_pretrained(tmp_path / "base", safe_serialization=True)
+    one = run_ranks(pp_io, 1, str(tmp_path), 1, timeout=120)[0]
+    two = run_ranks(pp_io, 2, str(tmp_path), 2, load_from="adapter-pp1", timeout=120)
+    for r in two:
+        assert r["losses"] == one["losses"] and r["final"] == one["final"]
+        assert abs(r["norm"] - one["norm"]) <= 1e-6 * one["norm"]  # clip sums the stages
+        assert r["loaded"] == one["final"]  # the one-rank adapter, loaded stage by stage
+    a = load_file(tmp_path / "adapter-pp1" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "adapter-pp2" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) == 4 * 7 * 2
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    cfg1 = (tmp_path / "adapter-pp1" / "adapter_config.json").read_text()
+    cfg2 = (tmp_path / "adapter-pp2" / "adapter_config.json").read_text()
+    assert cfg1 == cfg2

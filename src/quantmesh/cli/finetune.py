@@ -99,6 +99,10 @@ class FinetuneConfig:
     """Seed of the data order, LoRA initialization and dropout."""
     max_grad_norm: float = 1.0
     """Clip the adapters' global gradient norm to this; 0 = no clipping."""
+    pp: int = 1
+    """Pipeline-parallel stages (whole decoder layers per stage); tp x pp x dp processes."""
+    pp_schedule: str = "1f1b"
+    """At pp > 1: the schedule of each step's grad_accum micro-batches, 1f1b or gpipe."""
     compile: bool = False
     """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile."""
     checkpointing: bool = False
@@ -125,7 +129,9 @@ class FinetuneConfig:
             raise CliError(
                 "--offload-activations needs --checkpointing (it offloads what it keeps)"
             )
-        for name in ("tp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise CliError(f"pp_schedule={self.pp_schedule!r}; use 1f1b or gpipe")
+        for name in ("tp", "pp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CliError(f"{name}={v!r}; expected an integer >= 1")
@@ -147,11 +153,23 @@ class FinetuneConfig:
             raise CliError(f"lora_dropout={self.lora_dropout}; expected a value in [0, 1)")
         if self.max_grad_norm < 0 or self.weight_decay < 0:
             raise CliError("max_grad_norm and weight_decay must be >= 0 (0 turns clipping off)")
+        if self.pp > 1:
+            if self.pp_schedule == "1f1b" and self.grad_accum < self.pp:
+                raise CliError(
+                    f"--pp-schedule 1f1b needs --microbatches (grad_accum) >= --pp: "
+                    f"{self.grad_accum} < {self.pp}; use --microbatches {self.pp} or more, or "
+                    f"--pp-schedule gpipe"
+                )
+            if self.eval_fraction > 0 or self.resume:
+                raise CliError(
+                    f"--pp {self.pp}: evaluation and --resume are not implemented for pipelined "
+                    f"training yet; drop --eval-fraction and --resume, or use --pp 1"
+                )
         self._resolve_mesh()
 
     def _resolve_mesh(self) -> None:
-        """Fill in nproc / dp from each other so that nproc * nnodes == tp * dp."""
-        n, tp = self.nnodes, self.tp
+        """Fill in nproc / dp from each other so that nproc * nnodes == tp * pp * dp."""
+        n, tp = self.nnodes, self.tp * self.pp  # the processes of one replica
         if self.nproc is None:
             dp = self.dp or 1
             if (tp * dp) % n:
@@ -195,7 +213,7 @@ class FinetuneConfig:
 
         names = ("micro_batch", "grad_accum", "lr", "weight_decay", "warmup_steps", "schedule")
         names += ("steps", "epochs", "eval_every", "save_every", "seed", "max_grad_norm")
-        names += ("loss_chunk_tokens",)
+        names += ("loss_chunk_tokens", "pp_schedule")
         return TrainConfig(**{n: getattr(self, n) for n in names})
 
     def to_json(self) -> str:
@@ -270,7 +288,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", help="where results go (default quantmesh-out)")
     g = p.add_argument_group("mesh")
     g.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
-    g.add_argument("--dp", type=int, help="data-parallel size (default nproc*nnodes/tp)")
+    g.add_argument("--dp", type=int, help="data-parallel size (default nproc*nnodes/(tp*pp))")
+    g.add_argument("--pp", type=int, help="pipeline stages of whole layers (default 1)")
     g.add_argument("--nproc", type=int, help="workers on this node (default tp*dp)")
     g.add_argument("--nnodes", type=int, help="nodes (multi-node launch)")
     g.add_argument("--node-rank", type=int, help="this node's rank (multi-node launch)")
@@ -284,7 +303,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=int, help="tokens per packed example (default 512)")
     g.add_argument("--micro-batch", type=int, help="examples per forward per dp rank (default 1)")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument(
+        "--grad-accum",
+        "--microbatches",
+        dest="grad_accum",
+        type=int,
+        help="micro-batches per optimizer step; at --pp > 1 the pipeline's micro-batches (default 1)",
+    )
+    g.add_argument(
+        "--pp-schedule",
+        choices=("1f1b", "gpipe"),
+        help="pipeline schedule at --pp > 1 (default 1f1b; --schedule is the lr schedule)",
+    )
     g.add_argument("--lr", type=float, help="peak learning rate (default 2e-4)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0)")
     g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 0)")
@@ -367,7 +397,8 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun:
         return worker.run_in_place("finetune", cfg.to_json())
     print(
-        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x dp={cfg.dp}), "
+        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x pp={cfg.pp} x "
+        f"dp={cfg.dp}), "
         f"output in {cfg.output_dir}",
         file=sys.stderr,
         flush=True,

@@ -234,6 +234,16 @@ def _write_tensors(
 
 
 # ---- save ---------------------------------------------------------------------------------------
+def _refuse_pp(model: nn.Module, what: str) -> None:
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:
+        raise NotImplementedError(
+            f"{what} at pp={st.mesh.pp}: the resumable state of a pipelined model is not "
+            f"implemented yet (each stage holds part of the optimizer state); save the adapter "
+            f"with qm.save_adapter (it works at any pp), or train with pp=1 to resume"
+        )
+
+
 def save_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -252,6 +262,7 @@ def save_state(
     """
 
     def check() -> tuple[dict, dict, dict, int]:
+        _refuse_pp(model, "save_state")
         if step is not None and not isinstance(step, int):
             raise TypeError(f"step={step!r}; pass an int (the number of optimizer steps) or None")
         trainable = _trainable(model)
@@ -353,6 +364,7 @@ def load_state(
     folder = Path(path)
 
     def run() -> int | None:
+        _refuse_pp(model, "load_state")
         if not (folder / "state.json").is_file():
             raise FileNotFoundError(f"{folder} has no state.json; expected a qm.save_state folder")
         manifest = json.loads((folder / "state.json").read_text())

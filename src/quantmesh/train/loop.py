@@ -71,6 +71,9 @@ class TrainConfig:
     """Gradient clipping by global norm; 0 = off."""
     progress: bool = True
     """A tqdm bar on global rank 0."""
+    pp_schedule: str = "1f1b"
+    """At pp > 1: the pipeline schedule of each step's grad_accum micro-batches, "1f1b" (needs
+    grad_accum >= pp) or "gpipe"."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
     backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits."""
@@ -86,6 +89,8 @@ class TrainConfig:
             raise ValueError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}; expected > 0")
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}; use 1f1b or gpipe")
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
 
@@ -261,7 +266,8 @@ def _save_checkpoint(model, opt, out: Path, step: int) -> Path:
 
     ckpt = out / "checkpoints" / f"step-{step:06d}"
     qm.save_adapter(model, ckpt / "adapter")
-    qm.save_state(model, opt, ckpt / "state", step=step)
+    if parallel_state(model).mesh.pp == 1:  # pp > 1: no resumable state yet (io/resume.py)
+        qm.save_state(model, opt, ckpt / "state", step=step)
     return ckpt
 
 
@@ -305,6 +311,11 @@ def train(
             f"{len(dataset.train)} training examples are fewer than one global batch of "
             f"micro_batch={cfg.micro_batch} x dp={mesh.dp}; lower those or seq_len, or add data"
         )
+    if mesh.pp > 1 and (dataset.eval or resume):
+        raise ValueError(
+            f"pp={mesh.pp}: evaluation and --resume are not implemented for pipelined training "
+            f"yet; drop the eval split (--eval-fraction 0) and --resume, or use pp=1"
+        )
     total = total_steps(len(dataset.train), cfg, mesh.dp)
     start = qm.load_state(model, opt, resolve_resume(resume) / "state") if resume else 0
     if start > total:
@@ -344,20 +355,26 @@ def train(
         n_local = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro)
         (n_global,) = _all_sum([n_local], mesh, device)
         scale = mesh.dp / max(n_global, 1.0)  # DDP averages over dp: undo it, then token-mean
-        summed = 0.0
-        for i, batch in enumerate(micro):
-            last = i == len(micro) - 1
-            with contextlib.nullcontext() if last else qm.no_sync(model):
-                s, _ = loss_sum(model, batch, cfg.loss_chunk_tokens)
-                (s * scale).backward()
-            summed += float(s.detach())
-            del s
+        if mesh.pp > 1:  # the micro-batches run through the pipeline schedule
+            whole = {k: torch.cat([b[k] for b in micro]) for k in ("input_ids", "labels")}
+            loss = float(
+                qm.train_step(model, whole, microbatches=len(micro), schedule=cfg.pp_schedule)
+            )
+        else:
+            summed = 0.0
+            for i, batch in enumerate(micro):
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else qm.no_sync(model):
+                    s, _ = loss_sum(model, batch, cfg.loss_chunk_tokens)
+                    (s * scale).backward()
+                summed += float(s.detach())
+                del s
+            (summed,) = _all_sum([summed], mesh, device)
+            loss = summed / max(n_global, 1.0)
         if cfg.max_grad_norm > 0:
             qm.clip_grad_norm_(model, cfg.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        (summed,) = _all_sum([summed], mesh, device)
-        loss = summed / max(n_global, 1.0)
         dt = time.perf_counter() - t0
         train_time += dt
         tokens += step_tokens
