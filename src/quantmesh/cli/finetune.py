@@ -170,11 +170,12 @@ class FinetuneConfig:
     def _resolve_mesh(self) -> None:
         """Fill in nproc / dp from each other so that nproc * nnodes == tp * pp * dp."""
         n, tp = self.nnodes, self.tp * self.pp  # the processes of one replica
+        what = f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp {self.pp} = {tp}"
         if self.nproc is None:
             dp = self.dp or 1
             if (tp * dp) % n:
                 raise CliError(
-                    f"tp={tp} x dp={dp} = {tp * dp} processes cannot be spread evenly over "
+                    f"{what} x dp={dp} = {tp * dp} processes cannot be spread evenly over "
                     f"nnodes={n}; give --nproc (workers per node)"
                 )
             self.dp, self.nproc = dp, tp * dp // n
@@ -182,13 +183,18 @@ class FinetuneConfig:
         world = self.nproc * n
         if world % tp:
             fits = [t for t in range(1, world + 1) if world % t == 0]
+            fix = (
+                f"use --tp {' or '.join(map(str, fits))}"
+                if self.pp == 1
+                else (f"make tp x pp one of {', '.join(map(str, fits))}")
+            )
             raise CliError(
-                f"--tp {tp} does not divide the {world} processes (--nproc {self.nproc} x "
-                f"--nnodes {n}); use --tp {' or '.join(map(str, fits))}, or change --nproc"
+                f"{what} does not divide the {world} processes (--nproc {self.nproc} x "
+                f"--nnodes {n}); {fix}, or change --nproc"
             )
         if self.dp is not None and self.dp * tp != world:
             raise CliError(
-                f"--tp {tp} x --dp {self.dp} = {tp * self.dp} processes, but --nproc {self.nproc}"
+                f"{what} x --dp {self.dp} = {tp * self.dp} processes, but --nproc {self.nproc}"
                 f" x --nnodes {n} = {world}; drop --dp (it is then {world // tp}) or fix one"
             )
         self.dp = world // tp
