@@ -403,8 +403,8 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun:
         return worker.run_in_place("finetune", cfg.to_json())
     print(
-        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x pp={cfg.pp} x "
-        f"dp={cfg.dp}), "
+        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x "
+        f"{f'pp={cfg.pp} x ' if cfg.pp > 1 else ''}dp={cfg.dp}), "
         f"output in {cfg.output_dir}",
         file=sys.stderr,
         flush=True,
