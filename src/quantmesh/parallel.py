@@ -152,8 +152,9 @@ def _parallelize(
     tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
 
     # 3. keep only this rank's pipeline stage (the plan was resolved and verified on the whole model)
+    swaps: dict = {}
     if cut is not None:
-        drop_others(model, cut, mesh.pp_rank, mesh.device)
+        swaps = drop_others(model, cut, cut.local(mesh.pp_rank), mesh.device)
         resolved, wrap = stage_plan(model, resolved, wrap)
 
     # 4. build shards on their devices (quantized there), attach adapters, materialize the rest
@@ -179,7 +180,7 @@ def _parallelize(
             tied=tied,
             uninitialized=set(meta),
             verify=report,
-            pipeline=None if cut is None else build_runtime(model, cut, mesh),
+            pipeline=None if cut is None else build_runtime(model, cut, mesh, swaps),
         ),
     )
 

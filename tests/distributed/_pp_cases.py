@@ -67,6 +67,7 @@ def pp_train(
     microbatches: int = 4,
     schedule: str = "1f1b",
     stages: list[int] | None = None,
+    virtual: int = 1,
 ) -> dict:
     """`steps` SGD-momentum steps; returns losses, gradients by name and the names held."""
     mesh = qm.init_mesh(dp=dp, pp=pp, tp=tp)
@@ -74,7 +75,7 @@ def pp_train(
     cfg = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7) if lora else None
     if lora and model == "gpt":
         cfg = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=["qkv", "proj"], seed=7)
-    pipe = qm.PipelineConfig(stages=stages) if stages else None
+    pipe = qm.PipelineConfig(stages=stages, virtual=virtual) if stages or virtual > 1 else None
     qm.parallelize(net, mesh, quant=quant, lora=cfg, pipeline=pipe, verify=model != "gpt")
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)

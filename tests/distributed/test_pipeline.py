@@ -30,6 +30,7 @@ CASES2 = [  # world size 2 (slow)
     ((1, 2, 1), {"model": "gpt", "lora": True}),
     ((1, 2, 1), {"model": "llama_tied", "lora": True}),
     ((1, 2, 1), {"lora": True, "quant": "nf4"}),
+    ((1, 2, 1), {"virtual": 2, "schedule": "interleaved1f1b"}),  # 4 stages on 2 ranks
     ((1, 1, 2), {}),  # pp=1 layouts through train_step: the twins of the 4-rank pp layouts
     ((2, 1, 1), {"microbatches": 2}),
 ]
@@ -37,6 +38,7 @@ CASES4 = [  # world size 4 (slow)
     ((1, 2, 2), {}),
     ((2, 2, 1), {"microbatches": 2}),
     ((1, 4, 1), {}),
+    ((2, 2, 1), {"virtual": 2, "schedule": "interleaved1f1b", "microbatches": 2}),
 ]
 GROUPS = {"fast": FAST, "two": CASES2, "four": CASES4}
 
@@ -125,8 +127,9 @@ def test_pp2_matches_single_rank(idx):
 @pytest.mark.slow
 @pytest.mark.parametrize("idx", range(len(CASES2)), ids=[str(c) for c in CASES2])
 def test_two_ranks_match_single_rank(idx):
-    """An uneven split, a custom model, a tied (frozen) embedding/head, nf4 + LoRA: pp=2 equal to
-    one rank to the last bit (nf4 too: each stage quantizes the same whole weights)."""
+    """An uneven split, a custom model, a tied (frozen) embedding/head, nf4 + LoRA, Interleaved
+    1F1B over 2 stages per rank: pp=2 equal to one rank to the last bit (nf4 too: each stage
+    quantizes the same whole weights)."""
     (dp, _, tp), kw = CASES2[idx]
     if dp == tp == 1:
         _check("two", idx, 0.0)
@@ -166,7 +169,7 @@ def test_misuse_is_refused_with_the_fix():
     errors = run_ranks(misuse, 2, timeout=120)[0]
     assert "spans pipeline stages" in errors["tie"] and "tie_word_embeddings=False" in errors["tie"]
     assert "run the model through qm.train_step" in errors["direct"]
-    assert "microbatches >= pp" in errors["1f1b"]
+    assert "microbatches >= pp ranks" in errors["1f1b"]
     assert "equal parts" in errors["split"]
 
 

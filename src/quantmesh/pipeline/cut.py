@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ __all__ = [
     "stage_plan",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 class PipelineError(ValueError):
@@ -68,17 +69,33 @@ class PipelineConfig:
     stages: list[int] | None = None
     """Blocks per stage, in order (sums to the model's block count); None = balanced (equal
     block counts, the extra blocks on the first stages: the last one also runs the head and loss)."""
+    virtual: int = 1
+    """Stages per rank: pp x virtual stages, stage s on pp rank s % pp (for
+    schedule="interleaved1f1b", which needs virtual >= 2)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.virtual, int) or self.virtual < 1:
+            raise PipelineError(f"PipelineConfig(virtual={self.virtual!r}); use an int >= 1")
 
 
 @dataclass
 class StageCut:
     """Where every part of a model goes: `blocks[s]` are stage s's block names, `owner` maps the
     name of each placed module (a block, or a module with parameters outside the blocks) to its
-    stage."""
+    stage. `pp` is the number of stages, `ranks` the pp ranks they live on (stage s on rank
+    s % ranks)."""
 
     pp: int
     blocks: list[list[str]]
     owner: dict[str, int] = field(default_factory=dict)
+    ranks: int = 0
+
+    def __post_init__(self) -> None:
+        self.ranks = self.ranks or self.pp
+
+    def local(self, rank: int) -> list[int]:
+        """The stages pp rank `rank` holds, in order."""
+        return [s for s in range(self.pp) if s % self.ranks == rank]
 
     def stage_of(self, fqn: str) -> int | None:
         """The stage of module `fqn` (or of the placed module it is inside); None if unplaced."""
@@ -99,6 +116,8 @@ def plan_stages(model: nn.Module, pp: int, config: PipelineConfig | None = None)
     Example:
         >>> cut = plan_stages(model, pp=2, config=PipelineConfig(stages=[3, 1]))  # doctest: +SKIP
     """
+    ranks = pp
+    pp = pp * (config.virtual if config is not None else 1)  # the number of stages
     blocks = [n for n, _ in blocks_of(model)]
     if not blocks:
         raise PipelineError(
@@ -154,7 +173,7 @@ def plan_stages(model: nn.Module, pp: int, config: PipelineConfig | None = None)
             f"pp={pp}: the root module holds parameter {pname!r} directly, so no stage can own it; "
             f"move it into a submodule, or use pp=1"
         )
-    return StageCut(pp=pp, blocks=per_stage, owner=owner)
+    return StageCut(pp=pp, blocks=per_stage, owner=owner, ranks=ranks)
 
 
 def check_ties(model: nn.Module, cut: StageCut, trainable: bool) -> None:
@@ -253,12 +272,24 @@ class StandIn(nn.Module):
         return tree_map(real, out)
 
 
-def drop_others(model: nn.Module, cut: StageCut, stage: int, device: torch.device) -> list[str]:
-    """Replace every placed module not of `stage` by a StandIn (its parameters and buffers on meta;
-    a parameter also held by a kept module stays with it). Returns the replaced names."""
-    dropped = []
+def drop_others(
+    model: nn.Module, cut: StageCut, stages: int | list[int], device: torch.device
+) -> dict[int, dict[str, StandIn]]:
+    """Replace every placed module not of `stages` (this rank's) by a StandIn (its parameters and
+    buffers on meta; a parameter also held by a kept module stays with it). With several local
+    stages, returns for each the StandIns of the other local stages' modules, which its
+    StageModule swaps in while it runs (made now, while the modules are plain: meta copies)."""
+    keep = {stages} if isinstance(stages, int) else set(stages)
+    swaps: dict[int, dict[str, StandIn]] = {s: {} for s in keep}
+    if len(keep) > 1:
+        for fqn, s in cut.owner.items():
+            if s in keep:
+                for other in keep - {s}:
+                    swaps[other][fqn] = StandIn(
+                        fqn, _meta_copy(model.get_submodule(fqn)), s, device
+                    )
     for fqn, s in list(cut.owner.items()):
-        if s == stage:
+        if s in keep:
             continue
         mod = model.get_submodule(fqn)
         for sub in mod.modules():
@@ -273,8 +304,17 @@ def drop_others(model: nn.Module, cut: StageCut, stage: int, device: torch.devic
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         parent._modules[child] = StandIn(fqn, mod, s, device)
-        dropped.append(fqn)
-    return dropped
+    return swaps
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose parameters and buffers are on meta (nothing real is copied)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def stage_plan(

@@ -1,8 +1,8 @@
 """This rank's pipeline stage and its schedules, built on torch.distributed.pipelining.
 
-`build_runtime(model, cut, mesh)` wraps the rank's stage in a `StageModule`; a schedule (GPipe or
-1F1B over M micro-batches) is built on first use with a `PipelineStage` of its own over the pp
-group. The loss the last stage computes is the summed next-token cross-entropy divided by the
+`build_runtime(model, cut, mesh, swaps)` wraps each of the rank's stages in a `StageModule`; a
+schedule (GPipe or 1F1B over M micro-batches with one stage per rank, Interleaved 1F1B with
+several) is built on first use with `PipelineStage`s of its own over the pp group. The loss the last stage computes is the summed next-token cross-entropy divided by the
 step's global label count, so gradients need no 1/M scaling (scale_grads=False).
 
 Example:
@@ -47,36 +47,69 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PipelineRuntime:
-    """This rank's pipeline: its stage module, the cut, and schedules built on first use."""
+    """This rank's pipeline: its stage modules (one per local stage), the cut, and schedules
+    built on first use."""
 
     cut: StageCut
-    stage: int
-    runner: StageModule
+    stages: list[int]
+    runners: list[StageModule]
     device: torch.device
     group: Any
     count: torch.Tensor | None = None  # the step's global label count (the loss divisor)
     checked: bool = False  # the first step's loss was finite (no stand-in NaN leaked)
     _schedules: dict[tuple[str, int], Any] = field(default_factory=dict)
 
+    @property
+    def first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def last(self) -> bool:
+        return self.cut.pp - 1 in self.stages
+
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         assert self.count is not None  # set by train_step before the schedule runs
         return ce_sum(logits, labels) / self.count
 
     def schedule(self, name: str, microbatches: int) -> Any:
-        """The schedule `name` over `microbatches`, built once (a PipelineStage of its own)."""
+        """The schedule `name` over `microbatches`, built once (PipelineStages of its own)."""
         key = (name, microbatches)
-        if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        if key in self._schedules:
+            return self._schedules[key]
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
+        several = len(self.stages) > 1
+        if several != (name == "interleaved1f1b"):
+            raise ValueError(
+                f"schedule={name!r} with {len(self.stages)} stage(s) per rank: "
+                + (
+                    "use schedule='interleaved1f1b' (PipelineConfig(virtual=...) > 1)"
+                    if several
+                    else "interleaved1f1b needs stages on every rank: "
+                    "parallelize with pipeline=qm.PipelineConfig(virtual=2)"
+                )
+            )
+        stages = [
+            PipelineStage(r, s, self.cut.pp, self.device, group=self.group)
+            for r, s in zip(self.runners, self.stages)
+        ]
+        # the loss is already divided by the global label count: no 1/M scaling of gradients
+        kw: dict[str, Any] = dict(
+            n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False
+        )
+        sched: Any
+        if several:
+            sched = ScheduleInterleaved1F1B(list[Any](stages), **kw)
+        else:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-            stage = PipelineStage(
-                self.runner, self.stage, self.cut.pp, self.device, group=self.group
-            )
-            # the loss is already divided by the global label count: no 1/M scaling of gradients
-            self._schedules[key] = cls(
-                stage, n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False
-            )
-        return self._schedules[key]
+            sched = cls(stages[0], **kw)
+        self._schedules[key] = sched
+        return sched
 
 
 def leak_error(stage: int, first_block: str) -> str:
@@ -88,7 +121,11 @@ def leak_error(stage: int, first_block: str) -> str:
     )
 
 
-def build_runtime(model: nn.Module, cut: StageCut, mesh: Mesh) -> PipelineRuntime:
-    """This rank's stage of `model` (already cut by drop_others) over mesh.pp_group."""
-    runner = StageModule(model, cut, mesh.pp_rank)
-    return PipelineRuntime(cut, mesh.pp_rank, runner, mesh.device, mesh.pp_group)
+def build_runtime(
+    model: nn.Module, cut: StageCut, mesh: Mesh, swaps: dict[int, dict[str, Any]]
+) -> PipelineRuntime:
+    """This rank's stages of `model` (already cut by drop_others, which made `swaps`) over
+    mesh.pp_group."""
+    stages = cut.local(mesh.pp_rank)
+    runners = [StageModule(model, cut, s, swaps.get(s)) for s in stages]
+    return PipelineRuntime(cut, stages, runners, mesh.device, mesh.pp_group)

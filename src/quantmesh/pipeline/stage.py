@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cut import PipelineError, StageCut, active, current
+from .cut import PipelineError, StageCut, StandIn, active, current
 
 __all__ = ["StageModule", "call_model", "logits_of"]
 
@@ -86,10 +86,18 @@ def _hidden_of(fqn: str, out: Any) -> torch.Tensor:
 class StageModule(nn.Module):
     """The part of `model` that pipeline stage `stage` runs; its parameters are this stage's."""
 
-    def __init__(self, model: nn.Module, cut: StageCut, stage: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cut: StageCut,
+        stage: int,
+        swaps: dict[str, StandIn] | None = None,
+    ) -> None:
         super().__init__()
-        self.model = model  # a child: parameters() are the stage's (the rest are StandIns)
+        self.model = model  # a child: parameters() are this rank's (the rest are StandIns)
         self.stage, self.pp = stage, cut.pp
+        # other local stages' modules (several stages per rank): stand-ins while this one runs
+        self._swaps = dict(swaps or {})
         self.first_name, self.last_name = cut.blocks[stage][0], cut.blocks[stage][-1]
         self._incoming: torch.Tensor | None = None
         if stage > 0:
@@ -134,6 +142,7 @@ class StageModule(nn.Module):
         D) output. `input_ids` (B, T) reach every stage. Returns (B, T, D), or the last stage's
         logits (B, T, V)."""
         self._incoming = received[0] if self.stage > 0 else None
+        real = {fqn: self._swap(fqn, s) for fqn, s in self._swaps.items()}
         try:
             with active(self):
                 out = logits_of(call_model(self.model, input_ids))
@@ -141,4 +150,15 @@ class StageModule(nn.Module):
             out = end.hidden
         finally:
             self._incoming = None
+            for fqn, m in real.items():
+                self._swap(fqn, m)
         return out
+
+    def _swap(self, fqn: str, module: nn.Module) -> nn.Module:
+        """Put `module` at `fqn`; returns what was there."""
+        parent_name, _, child = fqn.rpartition(".")
+        parent = self.model.get_submodule(parent_name)
+        old = parent._modules[child]
+        parent._modules[child] = module
+        assert old is not None
+        return old

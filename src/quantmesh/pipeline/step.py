@@ -54,9 +54,9 @@ def _check(batch: Any, microbatches: int, schedule: str, pp: int) -> None:
         )
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if pp > 1 and schedule == "1f1b" and microbatches < pp:
+    if pp > 1 and schedule in ("1f1b", "interleaved1f1b") and microbatches < pp:
         raise ValueError(
-            f"schedule='1f1b' needs microbatches >= pp stages ({microbatches} < {pp}); use "
+            f"schedule={schedule!r} needs microbatches >= pp ranks ({microbatches} < {pp}); use "
             f"microbatches={pp} or more, or schedule='gpipe'"
         )
 
@@ -76,7 +76,8 @@ def train_step(
         batch: {"input_ids": (B, T), "labels": (B, T)} (labels default to the ids; -100 = ignored).
             Every rank of one dp replica passes the same batch; dp replicas pass their own.
         microbatches: M; B must be a multiple of M.
-        schedule: at pp > 1, "1f1b" (M >= pp) or "gpipe"; ignored at pp = 1.
+        schedule: at pp > 1, "1f1b" (M >= pp) or "gpipe" with one stage per rank,
+            "interleaved1f1b" with several (PipelineConfig(virtual=...)); ignored at pp = 1.
         loss_fn: pp = 1 only: (logits, labels) -> summed loss; default next-token cross-entropy.
 
     Example:
@@ -140,7 +141,7 @@ def _pipelined(
 ) -> torch.Tensor:
     sched = pipe.schedule(schedule, microbatches)
     pipe.count = count
-    first, last = pipe.stage == 0, pipe.stage == pipe.cut.pp - 1
+    first, last = pipe.first, pipe.last
     losses: list[torch.Tensor] = []
     args = (ids,) if first else ()
     sched.step(
@@ -155,14 +156,14 @@ def _pipelined(
         loss = torch.stack([x.detach().float() for x in losses]).sum()
     else:
         loss = torch.zeros((), dtype=torch.float32, device=ids.device)
-    src = mesh.ranks_of("pp")[-1]
+    src = mesh.ranks_of("pp")[(pipe.cut.pp - 1) % mesh.pp]  # the rank of the last stage
     dist.broadcast(loss, src=src, group=mesh.pp_group)
     if not pipe.checked:  # every pp rank sees the same loss: all raise together, none hangs
         if not bool(torch.isfinite(loss)):
-            raise PipelineError(leak_error(pipe.stage, pipe.runner.first_name))
+            raise PipelineError(leak_error(pipe.stages[0], pipe.runners[0].first_name))
         pipe.checked = True
     if mesh.dp > 1:
-        _sum_grads(pipe.runner, mesh.dp_group)
+        _sum_grads(pipe.runners[0].model, mesh.dp_group)  # every local stage's parameters
     return loss
 
 
