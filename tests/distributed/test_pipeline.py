@@ -173,6 +173,7 @@ def test_misuse_is_refused_with_the_fix():
     assert "equal parts" in errors["split"]
 
 
+@pytest.mark.slow
 def test_load_save_adapter_across_layouts(tmp_path):
     """A saved Llama loads at pp=2 (each stage reads its own layers; the tied head loads from the
     embedding's key); the adapter trained at pp=2 is written as one PEFT file equal to the

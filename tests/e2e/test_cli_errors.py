@@ -163,3 +163,6 @@ def test_pipeline_settings_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
     err = _fails(["generate", str(tiny / "tiny"), "--prompt", "hi", "--pp", "2"], capsys,
                  monkeypatch)  # fmt: skip
     assert "--pp 2: generation does not run over pipeline stages" in err and "--tp 2" in err
+    err = _fails([*base, "--microbatches", "2", "--pp-virtual", "2", "--pp-schedule",
+                  "interleaved1f1b"], capsys, monkeypatch)  # fmt: skip
+    assert "4 stages (pp=2 x virtual=2) but LlamaForCausalLM has 2 blocks" in err

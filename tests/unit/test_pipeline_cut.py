@@ -139,3 +139,19 @@ def test_train_step_without_a_mesh_accumulates_exactly():
         qm.train_step(model, {"input_ids": ids}, microbatches=3)
     with pytest.raises(ValueError, match="schedule='zb'; use one of gpipe, 1f1b"):
         qm.train_step(model, {"input_ids": ids}, schedule="zb")
+
+
+def test_a_stand_in_runs_the_meta_forward_once_per_input_signature():
+    from quantmesh.pipeline.cut import StandIn, active
+
+    calls = []
+    lin = nn.Linear(8, 3, device="meta")
+    lin.register_forward_hook(lambda m, a, o: calls.append(a[0].shape))
+    s = StandIn("x", lin, 0, torch.device("cpu"))
+    with active(object()):
+        a = s(torch.zeros(2, 8))
+        b = s(torch.zeros(2, 8))
+        c = s(torch.zeros(5, 8))
+    assert calls == [(2, 8), (5, 8)]
+    assert a.shape == b.shape == (2, 3) and c.shape == (5, 3)
+    assert torch.isnan(a).all() and a is not b  # fresh tensors every call

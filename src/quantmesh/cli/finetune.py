@@ -102,7 +102,10 @@ class FinetuneConfig:
     pp: int = 1
     """Pipeline-parallel stages (whole decoder layers per stage); tp x pp x dp processes."""
     pp_schedule: str = "1f1b"
-    """At pp > 1: the schedule of each step's grad_accum micro-batches, 1f1b or gpipe."""
+    """At pp > 1: the schedule of each step's grad_accum micro-batches: 1f1b or gpipe (one stage
+    per rank), interleaved1f1b (pp_virtual stages per rank)."""
+    pp_virtual: int = 1
+    """Pipeline stages per rank (interleaved1f1b needs 2 or more)."""
     compile: bool = False
     """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile."""
     checkpointing: bool = False
@@ -129,9 +132,15 @@ class FinetuneConfig:
             raise CliError(
                 "--offload-activations needs --checkpointing (it offloads what it keeps)"
             )
-        if self.pp_schedule not in ("1f1b", "gpipe"):
-            raise CliError(f"pp_schedule={self.pp_schedule!r}; use 1f1b or gpipe")
-        for name in ("tp", "pp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
+        if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
+            raise CliError(f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b")
+        if (self.pp_virtual > 1) != (self.pp_schedule == "interleaved1f1b"):
+            raise CliError(
+                "--pp-schedule interleaved1f1b goes with --pp-virtual 2 or more (stages per "
+                "rank), and --pp-virtual > 1 with --pp-schedule interleaved1f1b"
+            )
+        for name in ("tp", "pp", "pp_virtual", "nnodes", "lora_r", "seq_len", "micro_batch",
+                     "grad_accum"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CliError(f"{name}={v!r}; expected an integer >= 1")
@@ -154,9 +163,9 @@ class FinetuneConfig:
         if self.max_grad_norm < 0 or self.weight_decay < 0:
             raise CliError("max_grad_norm and weight_decay must be >= 0 (0 turns clipping off)")
         if self.pp > 1:
-            if self.pp_schedule == "1f1b" and self.grad_accum < self.pp:
+            if self.pp_schedule != "gpipe" and self.grad_accum < self.pp:
                 raise CliError(
-                    f"--pp-schedule 1f1b needs --microbatches (grad_accum) >= --pp: "
+                    f"--pp-schedule {self.pp_schedule} needs --microbatches (grad_accum) >= --pp: "
                     f"{self.grad_accum} < {self.pp}; use --microbatches {self.pp} or more, or "
                     f"--pp-schedule gpipe"
                 )
@@ -318,8 +327,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--pp-schedule",
-        choices=("1f1b", "gpipe"),
+        choices=("1f1b", "gpipe", "interleaved1f1b"),
         help="pipeline schedule at --pp > 1 (default 1f1b; --schedule is the lr schedule)",
+    )
+    g.add_argument(
+        "--pp-virtual", type=int, help="stages per rank for --pp-schedule interleaved1f1b"
     )
     g.add_argument("--lr", type=float, help="peak learning rate (default 2e-4)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0)")
@@ -470,6 +482,10 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     lora_targets(model, lora)  # names that match nothing: LoraError listing the linear layers
     plan = auto_plan(model, cfg.tp)
     plan.resolve(model, cfg.tp)  # PlanError: a split the model cannot take
+    if cfg.pp > 1:  # PipelineError: a model that cannot be cut into these stages
+        from ..pipeline.cut import PipelineConfig, plan_stages
+
+        plan_stages(model, cfg.pp, PipelineConfig(virtual=cfg.pp_virtual))
     if cfg.resume:
         resolve_resume(cfg.resume)
     out = Path(cfg.output_dir).expanduser()

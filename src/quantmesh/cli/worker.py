@@ -80,6 +80,7 @@ def finetune(payload: str) -> int:
         lora=cfg.lora_config(),
         dtype=dtype,
         progress=rank0,
+        pipeline=qm.PipelineConfig(virtual=cfg.pp_virtual) if cfg.pp > 1 else None,
     )
     if cfg.checkpointing:
         qm.checkpoint_blocks(model, offload=cfg.offload_activations)

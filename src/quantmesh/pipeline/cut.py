@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..plan.auto import blocks_of
 from ..plan.plan import Resolved
@@ -134,8 +134,10 @@ def plan_stages(model: nn.Module, pp: int, config: PipelineConfig | None = None)
     if counts is None:
         if len(blocks) < pp:
             raise PipelineError(
-                f"pp={pp} stages but {type(model).__name__} has {len(blocks)} blocks; every stage "
-                f"needs at least one: use pp <= {len(blocks)}"
+                f"{pp} stages (pp={ranks}"
+                + (f" x virtual={pp // ranks}" if pp != ranks else "")
+                + f") but {type(model).__name__} has {len(blocks)} blocks; every stage needs at "
+                f"least one: use pp{' x virtual' if pp != ranks else ''} <= {len(blocks)}"
             )
         counts = balanced_counts(len(blocks), pp)
     else:
@@ -229,7 +231,9 @@ def _to_meta(x: Any) -> Any:
 
 
 class StandIn(nn.Module):
-    """Another stage's module, by shape only: outputs NaN (floats) or zeros of the right shapes."""
+    """Another stage's module, by shape only: outputs NaN (floats) or zeros of the right shapes.
+    The shapes come from running the original on meta tensors once per input signature (shapes,
+    dtypes, plain values), then from a cache."""
 
     def __init__(self, fqn: str, original: nn.Module, stage: int, device: torch.device) -> None:
         super().__init__()
@@ -237,6 +241,7 @@ class StandIn(nn.Module):
         self.stage = stage
         self.device = device
         object.__setattr__(self, "_original", original)  # not a child: no names, no parameters
+        self._outputs: dict[tuple, tuple[list, Any]] = {}  # input signature -> output leaves, spec
 
     @property
     def original(self) -> nn.Module:
@@ -252,16 +257,14 @@ class StandIn(nn.Module):
                 f"{self.fqn} lives on pipeline stage {self.stage}, not on this rank; at pp > 1 run "
                 f"the model through qm.train_step (each rank runs its own stage)"
             )
-        margs, mkwargs = tree_map(_to_meta, (args, kwargs))
-        try:
-            with torch.no_grad():
-                out = self.original(*margs, **mkwargs)
-        except Exception as e:  # the shapes are all we need; a module that cannot give them
-            raise PipelineError(
-                f"{self.fqn} (pipeline stage {self.stage}) must run on meta tensors on the other "
-                f"stages to give its output shapes, and it raised {type(e).__name__}: {e}; this "
-                f"model cannot be cut there (try other PipelineConfig(stages=...), or pp=1)"
-            ) from e
+        leaves, spec = tree_flatten((args, kwargs))
+        key = _signature(leaves, spec)
+        hit = self._outputs.get(key) if key is not None else None
+        if hit is None:
+            hit = tree_flatten(self._shapes(args, kwargs))
+            if key is not None:  # the same input shapes give the same output shapes
+                self._outputs[key] = hit
+        out_leaves, out_spec = hit
 
         def real(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -269,7 +272,37 @@ class StandIn(nn.Module):
             fill = float("nan") if t.dtype.is_floating_point else 0
             return torch.full(t.shape, fill, dtype=t.dtype, device=self.device)
 
-        return tree_map(real, out)
+        return tree_unflatten([real(t) for t in out_leaves], out_spec)
+
+    def _shapes(self, args: tuple, kwargs: dict) -> Any:
+        """The original's output on meta tensors (shapes and dtypes only)."""
+        margs, mkwargs = tree_map(_to_meta, (args, kwargs))
+        try:
+            with torch.no_grad():
+                return self.original(*margs, **mkwargs)
+        except Exception as e:  # the shapes are all we need; a module that cannot give them
+            raise PipelineError(
+                f"{self.fqn} (pipeline stage {self.stage}) must run on meta tensors on the other "
+                f"stages to give its output shapes, and it raised {type(e).__name__}: {e}; this "
+                f"model cannot be cut there (try other PipelineConfig(stages=...), or pp=1)"
+            ) from e
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def _signature(leaves: list, spec: Any) -> tuple | None:
+    """A hashable key of a call's input structure, shapes and plain values; None when an input is
+    neither a tensor nor a plain value (a cache object): such calls are not cached."""
+    key: list = [str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.device))
+        elif isinstance(x, _PLAIN):
+            key.append((type(x), x))
+        else:
+            return None
+    return tuple(key)
 
 
 def drop_others(

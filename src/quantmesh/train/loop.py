@@ -73,7 +73,7 @@ class TrainConfig:
     """A tqdm bar on global rank 0."""
     pp_schedule: str = "1f1b"
     """At pp > 1: the pipeline schedule of each step's grad_accum micro-batches, "1f1b" (needs
-    grad_accum >= pp) or "gpipe"."""
+    grad_accum >= pp) or "gpipe", or "interleaved1f1b" (several stages per rank)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
     backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits."""
@@ -89,8 +89,10 @@ class TrainConfig:
             raise ValueError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}; expected > 0")
-        if self.pp_schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"pp_schedule={self.pp_schedule!r}; use 1f1b or gpipe")
+        if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b"
+            )
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
 
