@@ -511,6 +511,21 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         offload_activations=cfg.offload_activations,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
     )
+    if cfg.pp > 1:  # each rank holds one pipeline stage: the fullest rank must fit
+        import argparse
+
+        from .plan_cmd import stage_estimates
+
+        args = argparse.Namespace(
+            pp=cfg.pp, microbatches=cfg.grad_accum, pp_schedule=cfg.pp_schedule,
+            pp_virtual=cfg.pp_virtual, tp=cfg.tp, dp=cfg.dp, seq=cfg.seq_len,
+            micro_batch=cfg.micro_batch, device="cuda" if cuda else "cpu", compile=cfg.compile,
+            checkpointing=cfg.checkpointing, offload_activations=cfg.offload_activations,
+            loss_chunk_tokens=0,  # the pipelined step's loss is plain (train_step)
+        )  # fmt: skip
+        quant = None if cfg.quant == "none" else cfg.quant
+        stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
+        est = max((r.estimate for r in stages), key=lambda e: e.total)
     check_memory(est, cfg.nproc, what="training")
 
 
