@@ -190,3 +190,36 @@ def pp_io(rank: int, root: str, pp: int, load_from: str | None = None) -> dict:
         qm.load_adapter(fresh, Path(root) / load_from)
         loaded = float(qm.train_step(fresh, {"input_ids": ids}, microbatches=2))
     return {"losses": losses, "final": final, "norm": norm, "loaded": loaded}
+
+
+def pp_resume(rank: int, root: str, pp: int, load_from: str | None = None) -> dict:
+    """Two SGD-momentum LoRA steps at `pp` stages, save_state to ROOT/state-pp{pp}, then one more
+    step: its loss is `cont`. With `load_from` (a state saved at another layout): a fresh model and
+    optimizer load it and take that same step: its loss is `resumed`."""
+    from pathlib import Path
+
+    mesh = qm.init_mesh(pp=pp)
+    lora = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7)
+    ids = batches(1)[0]
+
+    def fresh():
+        net = qm.from_pretrained(Path(root) / "base", mesh, lora=lora, progress=False)
+        return net, torch.optim.SGD(qm.trainable_parameters(net), lr=0.5, momentum=0.9)
+
+    def step(net, opt) -> float:
+        loss = float(qm.train_step(net, {"input_ids": ids}, microbatches=2))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    net, opt = fresh()
+    step(net, opt), step(net, opt)
+    qm.save_state(net, opt, Path(root) / f"state-pp{pp}", step=2)
+    step(net, opt)
+    out = {"cont": step(net, opt), "resumed": None, "step": None}
+    if load_from is not None:
+        net2, opt2 = fresh()
+        out["step"] = qm.load_state(net2, opt2, Path(root) / load_from)
+        step(net2, opt2)
+        out["resumed"] = step(net2, opt2)
+    return out

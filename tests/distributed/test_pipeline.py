@@ -197,3 +197,18 @@ def test_load_save_adapter_across_layouts(tmp_path):
     cfg1 = (tmp_path / "adapter-pp1" / "adapter_config.json").read_text()
     cfg2 = (tmp_path / "adapter-pp2" / "adapter_config.json").read_text()
     assert cfg1 == cfg2
+
+
+@pytest.mark.slow
+def test_resumable_state_across_layouts(tmp_path):
+    """save_state at pp=2 writes one folder from both stages (parameters, momentum, RNG); it
+    resumes at pp=1, and a one-rank state resumes at pp=2, each continuing exactly."""
+    from tests.distributed._pp_cases import build, pp_resume
+
+    build("llama_tied").save_pretrained(tmp_path / "base", safe_serialization=True)
+    one = run_ranks(pp_resume, 1, str(tmp_path), 1, timeout=120)[0]
+    two = run_ranks(pp_resume, 2, str(tmp_path), 2, load_from="state-pp1", timeout=120)
+    back = run_ranks(pp_resume, 1, str(tmp_path), 1, load_from="state-pp2", timeout=120)[0]
+    assert all(r["cont"] == one["cont"] for r in two)  # pp=2 trains like one rank
+    assert all(r["resumed"] == one["cont"] and r["step"] == 2 for r in two)
+    assert back["resumed"] == one["cont"] and back["step"] == 2

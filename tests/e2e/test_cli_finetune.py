@@ -105,7 +105,8 @@ def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: 
 
 def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
     """--pp 2: each worker holds one decoder layer; 1F1B over 2 micro-batches; the first step's
-    loss is the same masked token-mean; the adapter is saved as one PEFT folder."""
+    loss is the same masked token-mean; the adapter is saved as one PEFT folder, the resumable
+    state as one folder."""
     model_dir = make_tiny_llama(tmp_path / "tiny")
     data = tmp_path / "instructions.jsonl"
     _instructions(data)
@@ -126,4 +127,4 @@ def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
     weights = load_file(tmp_path / "out/adapter/adapter_model.safetensors")
     assert {k.split(".layers.")[1].split(".")[0] for k in weights} == {"0", "1"}  # both stages
     assert cfg["peft_type"] == "LORA"
-    assert not (tmp_path / "out/checkpoints/step-000002/state").exists()  # pp > 1: adapter only
+    assert (tmp_path / "out/checkpoints/step-000002/state/state.json").is_file()  # resumable

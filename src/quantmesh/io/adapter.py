@@ -180,7 +180,7 @@ def save_adapter(
         if pp_mesh is not None and pp_mesh.tp_rank == 0:
             from ..pipeline.parts import gather_stages
 
-            tensors = gather_stages(tensors, pp_mesh)
+            tensors = {k: v for part in gather_stages(tensors, pp_mesh) for k, v in part.items()}
         w.run(saving._save_file, tensors, w.folder / ADAPTER_WEIGHTS if w.folder else None)
         w.json(ADAPTER_CONFIG, config)
 

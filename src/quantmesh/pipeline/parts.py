@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -51,17 +50,14 @@ def module_names(model: nn.Module) -> list[str]:
     return out
 
 
-def gather_stages(tensors: dict[str, torch.Tensor], mesh: Mesh) -> dict[str, torch.Tensor]:
-    """Every stage's {key: CPU tensor} merged on global rank 0 (others get {}). Called by the
-    first tp rank of each stage of replica 0 (the pp group of rank 0). Adapters are small, so
-    one object gather carries them."""
+def gather_stages(obj: Any, mesh: Mesh) -> list[Any]:
+    """Every stage's `obj`, in stage order, on global rank 0 (others get []). Called by the first
+    tp rank of each stage of replica 0 (the pp group of rank 0). Adapters and their optimizer
+    state are small, so one object gather carries them."""
     group_ranks = mesh.ranks_of("pp")
     parts: list[Any] | None = [None] * mesh.pp if mesh.rank == group_ranks[0] else None
-    dist.gather_object(tensors, parts, dst=group_ranks[0], group=mesh.pp_group)
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts or []:
-        merged.update(part)
-    return merged
+    dist.gather_object(obj, parts, dst=group_ranks[0], group=mesh.pp_group)
+    return list(parts or [])
 
 
 def stage_lora_config(

@@ -268,8 +268,7 @@ def _save_checkpoint(model, opt, out: Path, step: int) -> Path:
 
     ckpt = out / "checkpoints" / f"step-{step:06d}"
     qm.save_adapter(model, ckpt / "adapter")
-    if parallel_state(model).mesh.pp == 1:  # pp > 1: no resumable state yet (io/resume.py)
-        qm.save_state(model, opt, ckpt / "state", step=step)
+    qm.save_state(model, opt, ckpt / "state", step=step)
     return ckpt
 
 
@@ -313,10 +312,10 @@ def train(
             f"{len(dataset.train)} training examples are fewer than one global batch of "
             f"micro_batch={cfg.micro_batch} x dp={mesh.dp}; lower those or seq_len, or add data"
         )
-    if mesh.pp > 1 and (dataset.eval or resume):
+    if mesh.pp > 1 and dataset.eval:
         raise ValueError(
-            f"pp={mesh.pp}: evaluation and --resume are not implemented for pipelined training "
-            f"yet; drop the eval split (--eval-fraction 0) and --resume, or use pp=1"
+            f"pp={mesh.pp}: evaluation is not implemented for pipelined training yet; drop the "
+            f"eval split (--eval-fraction 0), or use pp=1"
         )
     total = total_steps(len(dataset.train), cfg, mesh.dp)
     start = qm.load_state(model, opt, resolve_resume(resume) / "state") if resume else 0
