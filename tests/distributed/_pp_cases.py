@@ -223,3 +223,18 @@ def pp_resume(rank: int, root: str, pp: int, load_from: str | None = None) -> di
         step(net2, opt2)
         out["resumed"] = step(net2, opt2)
     return out
+
+
+def pp_eval(rank: int, pp: int, virtual: int = 1) -> tuple:
+    """Forward-only summed losses (two batch shapes) then a training step's loss, at `pp` stages."""
+    from quantmesh.pipeline.step import eval_loss_sum
+
+    mesh = qm.init_mesh(pp=pp)
+    net = build("llama")
+    qm.parallelize(net, mesh, pipeline=qm.PipelineConfig(virtual=virtual) if pp > 1 else None)
+    ids = batches(1)[0]
+    a, n = eval_loss_sum(net, {"input_ids": ids})
+    b, _ = eval_loss_sum(net, {"input_ids": ids[:3]})  # another shape: another schedule
+    sched = "interleaved1f1b" if virtual > 1 else "1f1b"
+    c = qm.train_step(net, {"input_ids": ids}, microbatches=4, schedule=sched)
+    return float(a), n, float(b), float(c)

@@ -212,3 +212,14 @@ def test_resumable_state_across_layouts(tmp_path):
     assert all(r["cont"] == one["cont"] for r in two)  # pp=2 trains like one rank
     assert all(r["resumed"] == one["cont"] and r["step"] == 2 for r in two)
     assert back["resumed"] == one["cont"] and back["step"] == 2
+
+
+@pytest.mark.slow
+def test_forward_only_evaluation_through_the_stages():
+    """eval_loss_sum (what the training loop's evaluation calls) at pp=2, one and two stages per
+    rank, equals one rank's, for two batch shapes, and training continues after it."""
+    from tests.distributed._pp_cases import pp_eval
+
+    (ref,) = run_ranks(pp_eval, 1, 1, timeout=120)
+    for virtual in (1, 2):
+        assert run_ranks(pp_eval, 2, 2, virtual, timeout=120) == [ref, ref], virtual

@@ -155,8 +155,6 @@ def test_pipeline_settings_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
             "--seq-len", "64", "--nproc", "2", "--pp", "2"]  # fmt: skip
     err = _fails([*base, "--microbatches", "1"], capsys, monkeypatch)
     assert "--pp-schedule 1f1b needs --microbatches (grad_accum) >= --pp: 1 < 2" in err
-    err = _fails([*base, "--microbatches", "2", "--eval-fraction", "0.1"], capsys, monkeypatch)
-    assert "evaluation is not implemented for pipelined training yet" in err
     err = _fails([*base[:-4], "--nproc", "3", "--pp", "2", "--microbatches", "2"], capsys,
                  monkeypatch)  # fmt: skip
     assert "--tp 1 x --pp 2 = 2 does not divide the 3 processes" in err

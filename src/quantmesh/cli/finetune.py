@@ -169,11 +169,6 @@ class FinetuneConfig:
                     f"{self.grad_accum} < {self.pp}; use --microbatches {self.pp} or more, or "
                     f"--pp-schedule gpipe"
                 )
-            if self.eval_fraction > 0:
-                raise CliError(
-                    f"--pp {self.pp}: evaluation is not implemented for pipelined training yet; "
-                    f"drop --eval-fraction, or use --pp 1"
-                )
         self._resolve_mesh()
 
     def _resolve_mesh(self) -> None:

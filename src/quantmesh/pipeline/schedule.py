@@ -57,7 +57,7 @@ class PipelineRuntime:
     group: Any
     count: torch.Tensor | None = None  # the step's global label count (the loss divisor)
     checked: bool = False  # the first step's loss was finite (no stand-in NaN leaked)
-    _schedules: dict[tuple[str, int], Any] = field(default_factory=dict)
+    _schedules: dict[tuple[str, int, tuple[int, ...]], Any] = field(default_factory=dict)
 
     @property
     def first(self) -> bool:
@@ -71,9 +71,11 @@ class PipelineRuntime:
         assert self.count is not None  # set by train_step before the schedule runs
         return ce_sum(logits, labels) / self.count
 
-    def schedule(self, name: str, microbatches: int) -> Any:
-        """The schedule `name` over `microbatches`, built once (PipelineStages of its own)."""
-        key = (name, microbatches)
+    def schedule(self, name: str, microbatches: int, shape: tuple[int, ...] = ()) -> Any:
+        """The schedule `name` over `microbatches` for batches of `shape`, built once
+        (PipelineStages of its own: a stage learns its activation shapes on its first step, so
+        another batch shape gets another schedule)."""
+        key = (name, microbatches, shape)
         if key in self._schedules:
             return self._schedules[key]
         from torch.distributed.pipelining import (

@@ -35,7 +35,7 @@ from .cut import SCHEDULES, PipelineError
 from .schedule import PipelineRuntime, causal_lm_targets, ce_sum, leak_error
 from .stage import call_model, logits_of
 
-__all__ = ["train_step"]
+__all__ = ["eval_loss_sum", "train_step"]
 
 
 def _check(batch: Any, microbatches: int, schedule: str, pp: int) -> None:
@@ -139,7 +139,7 @@ def _pipelined(
     microbatches: int,
     schedule: str,
 ) -> torch.Tensor:
-    sched = pipe.schedule(schedule, microbatches)
+    sched = pipe.schedule(schedule, microbatches, tuple(ids.shape))
     pipe.count = count
     first, last = pipe.first, pipe.last
     losses: list[torch.Tensor] = []
@@ -182,3 +182,41 @@ def _sum_grads(module: nn.Module, group: Any) -> None:
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+
+
+@torch.no_grad()
+def eval_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """(summed next-token cross-entropy over the batch's labelled tokens, their count), forward
+    only, on every rank of this replica (not summed over dp). At pp > 1 the batch runs through the
+    stages as one micro-batch (GPipe, forward only) and the last stage's sum is broadcast.
+
+    Example:
+        >>> total, n = eval_loss_sum(model, {"input_ids": ids, "labels": ids})  # doctest: +SKIP
+    """
+    st = parallel_state(model, required=False)
+    mesh = st.mesh if st is not None else None
+    device = mesh.device if mesh is not None else next(model.parameters()).device
+    ids = batch["input_ids"].to(device)  # (B, T)
+    labels = batch.get("labels", batch["input_ids"]).to(device)  # (B, T)
+    count = int((causal_lm_targets(labels) != IGNORE_INDEX).sum())
+    if mesh is None or mesh.pp == 1:
+        return ce_sum(logits_of(call_model(model, ids)), labels), count
+    assert st is not None and st.pipeline is not None
+    pipe = st.pipeline
+    name = "interleaved1f1b" if len(pipe.stages) > 1 else "gpipe"
+    sched = pipe.schedule(name, 1, tuple(ids.shape))
+    pipe.count = torch.ones((), device=device)  # the loss function then returns the sum
+    losses: list[torch.Tensor] = []
+    try:
+        sched.eval(
+            *((ids,) if pipe.first else ()),
+            target=labels if pipe.last else None,
+            losses=losses if pipe.last else None,
+            input_ids=ids,
+        )
+    finally:
+        pipe.count = None
+    total = torch.stack([x.float() for x in losses]).sum() if pipe.last else None
+    total = total if total is not None else torch.zeros((), dtype=torch.float32, device=device)
+    dist.broadcast(total, src=mesh.ranks_of("pp")[(pipe.cut.pp - 1) % mesh.pp], group=mesh.pp_group)
+    return total, count

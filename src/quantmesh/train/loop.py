@@ -187,7 +187,12 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
     for i in range(0, len(mine), micro_batch):
         rows = mine[i : i + micro_batch]
         batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
-        s, n = loss_sum(model, batch)
+        if st is not None and st.mesh.pp > 1:  # through the pipeline stages, forward only
+            from ..pipeline.step import eval_loss_sum
+
+            s, n = eval_loss_sum(model, batch)
+        else:
+            s, n = loss_sum(model, batch)
         total, count = total + float(s), count + n
     total_all, count_all = _all_sum(
         [total, count], st.mesh if st is not None else None, _device(model)
@@ -311,11 +316,6 @@ def train(
         raise ValueError(
             f"{len(dataset.train)} training examples are fewer than one global batch of "
             f"micro_batch={cfg.micro_batch} x dp={mesh.dp}; lower those or seq_len, or add data"
-        )
-    if mesh.pp > 1 and dataset.eval:
-        raise ValueError(
-            f"pp={mesh.pp}: evaluation is not implemented for pipelined training yet; drop the "
-            f"eval split (--eval-fraction 0), or use pp=1"
         )
     total = total_steps(len(dataset.train), cfg, mesh.dp)
     start = qm.load_state(model, opt, resolve_resume(resume) / "state") if resume else 0
