@@ -21,7 +21,7 @@ import torch
 from quantmesh.testing import run_ranks
 from tests.distributed._pp_cases import failing_stage, many, misuse
 
-FAST = [  # in `make test`: pp=2 under both schedules
+FAST = [  # pp=2 under both schedules, one launch
     ((1, 2, 1), {}),
     ((1, 2, 1), {"schedule": "gpipe"}),
 ]
@@ -118,6 +118,7 @@ def _check(group: str, idx: int, rel: float, ref: dict | None = None, first: flo
     assert set().union(*stages) == set(ref["params"])
 
 
+@pytest.mark.slow  # ~18 s with the spawns; test-fast keeps the in-process stage tests (unit/)
 @pytest.mark.parametrize("idx", range(len(FAST)), ids=[str(c) for c in FAST])
 def test_pp2_matches_single_rank(idx):
     """pp alone reorders nothing: equal to the last bit."""
