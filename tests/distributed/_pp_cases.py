@@ -155,6 +155,14 @@ def misuse(rank: int) -> dict[str, str]:
         net(ids)
     except qm.PipelineError as e:
         out["direct"] = str(e)
+    try:
+        qm.export(net, "unused-export-folder")  # refused in its check, before any file
+    except NotImplementedError as e:
+        out["export"] = str(e)
+    try:
+        qm.full_state_dict(net)
+    except NotImplementedError as e:
+        out["full"] = str(e)
     for key, m, sched in (("1f1b", 1, "1f1b"), ("split", 3, "gpipe")):
         try:
             qm.train_step(net, {"input_ids": ids}, microbatches=m, schedule=sched)

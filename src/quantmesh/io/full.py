@@ -85,6 +85,13 @@ def full_state_dict(
         >>> sorted(sd)[:2]                   # doctest: +SKIP
         ['lm_head.weight', 'model.embed_tokens.weight']
     """
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:  # this rank holds one stage: the dict would be partial
+        raise NotImplementedError(
+            f"full_state_dict at pp={st.mesh.pp}: each rank holds only its pipeline stage, and "
+            f"gathering the stages is not implemented; save the adapters (qm.save_adapter) or "
+            f"the training state (qm.save_state), which work at any pp, or use pp=1"
+        )
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded = sharded_modules(model)
