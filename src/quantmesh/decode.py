@@ -101,6 +101,15 @@ def greedy_decode(
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
     if check_every < 1:
         raise ValueError(f"check_every={check_every}; expected >= 1")
+    from .state import parallel_state
+
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:
+        raise NotImplementedError(
+            f"greedy_decode at pp={st.mesh.pp}: each rank holds one pipeline stage, and decoding "
+            f"through the stages (one token crossing every stage per step) is not implemented; "
+            f"decode with tp instead: qm.init_mesh(tp={st.mesh.tp * st.mesh.pp}) (or pp=1)"
+        )
     batch, prompt = input_ids.shape
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.

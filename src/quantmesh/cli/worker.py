@@ -62,7 +62,7 @@ def finetune(payload: str) -> int:
     from .finetune import FinetuneConfig
 
     cfg = FinetuneConfig.from_json(payload)
-    mesh = qm.init_mesh(tp=cfg.tp, dp=-1)
+    mesh = qm.init_mesh(tp=cfg.tp, pp=cfg.pp, dp=-1)
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     dataset = _dataset(cfg, tok)
@@ -80,6 +80,7 @@ def finetune(payload: str) -> int:
         lora=cfg.lora_config(),
         dtype=dtype,
         progress=rank0,
+        pipeline=qm.PipelineConfig(virtual=cfg.pp_virtual) if cfg.pp > 1 else None,
     )
     if cfg.checkpointing:
         qm.checkpoint_blocks(

@@ -33,6 +33,7 @@ from torch import nn
 from ..empty import empty_model
 from ..lora import LoraConfig
 from ..parallel import parallelize
+from ..pipeline.cut import PipelineConfig
 from ..plan.plan import Plan
 from ..quant.base import QuantConfig
 from .load import expected_keys, load_checkpoint
@@ -119,6 +120,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     plan: Plan | dict[str, str] | None = None,
     progress: bool = True,
+    pipeline: PipelineConfig | None = None,
 ) -> nn.Module:
     """A transformers causal LM from a local folder, parallelized over `mesh` and loaded by slices.
 
@@ -132,6 +134,7 @@ def from_pretrained(
         quant, lora, plan: as in `qm.parallelize`; plan None = `qm.auto_plan`.
         dtype: the float dtype of the weights; None = the config's `dtype` (float32 if unset).
         progress: a tqdm bar of bytes read, on global rank 0.
+        pipeline: at pp > 1, the stage cut (`qm.PipelineConfig`); each stage reads only its keys.
 
     Example:
         >>> model = qm.from_pretrained("llama_dir", mesh, quant="nf4")  # doctest: +SKIP
@@ -157,7 +160,7 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype)
+    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype, pipeline=pipeline)
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
