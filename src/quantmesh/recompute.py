@@ -87,6 +87,14 @@ def checkpoint_blocks(
         block.__dict__.setdefault(_MARK, block.forward)
         block.__dict__[_OFFLOAD] = offload
         block.__dict__[_TILE] = tile_tokens
+        for name in block.__dict__.get(_TILED, []):  # tiled by an earlier call: the new size
+            child = block.get_submodule(name)
+            if tile_tokens is None:
+                child.__class__ = _untiled_class(type(child))
+            else:
+                child.__dict__[_TILE_OF] = (tile_tokens, child.__dict__[_TILE_OF][1])
+        if tile_tokens is None:
+            block.__dict__.pop(_TILED, None)
         install(block)
     return len(blocks)
 
@@ -165,7 +173,7 @@ def _tile_positionwise(block: nn.Module, x: torch.Tensor, tile: int) -> None:
     half = PROBE_TOKENS // 2
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
     for name, child in _candidates(block):
-        forward = child.__dict__.get("_quantmesh_untiled", child.forward)
+        forward = functools.partial(_untiled_class(type(child)).forward, child)
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 start = _rng_states(x.device)
@@ -202,10 +210,46 @@ def _tile_positionwise(block: nn.Module, x: torch.Tensor, tile: int) -> None:
                 stacklevel=3,
             )
             continue
-        child.__dict__["_quantmesh_untiled"] = forward
-        child.forward = functools.partial(_tiled, child, forward, tile, moves)
+        child.__dict__[_TILE_OF] = (tile, moves)
+        child.__class__ = _tiled_class(type(child))
         tiled.append(name)
     block.__dict__[_TILED] = tiled
+
+
+_TILE_OF = "_quantmesh_tile_of"  # child.__dict__: (tokens per tile, whether a call moves the RNG)
+_TILED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _tiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` with a forward that runs the original over token tiles (one subclass per class, the
+    same name: a class swap, so dynamo traces the tiles inside a compiled block and no module or
+    parameter name changes)."""
+    if getattr(cls, "_quantmesh_untiled_class", None) is not None:
+        return cls
+    made = _TILED_CLASSES.get(cls)
+    if made is None:
+
+        def forward(self: nn.Module, x: torch.Tensor) -> Any:
+            tile, moves = self.__dict__[_TILE_OF]
+            return _tiled(self, functools.partial(cls.forward, self), tile, moves, x)
+
+        made = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                "_quantmesh_untiled_class": cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
+        _TILED_CLASSES[cls] = made
+    return made
+
+
+def _untiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    base: type[nn.Module] | None = getattr(cls, "_quantmesh_untiled_class", None)
+    return base if base is not None else cls
 
 
 def _tiled(
