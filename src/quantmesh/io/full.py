@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..plan.styles import FeatureSplit, Style
+from ..state import parallel_state
 from ..tp.collectives import all_gather_uneven
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
 
@@ -125,15 +127,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     grads = [(p.grad, id(p) in sharded_ids) for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    dev = grads[0][0].device
+    dev = _device_of(model, grads[0][0])
     local = torch.zeros((), device=dev, dtype=torch.float32)
     repl = torch.zeros((), device=dev, dtype=torch.float32)
+    dp_group = None  # FSDP: each gradient is a DTensor split over dp; its squares summed over dp
     for g, is_sharded in grads:
+        if isinstance(g, DTensor):
+            dp_group = g.device_mesh.get_group()
+            g = g.to_local()
         sq = g.detach().float().pow(2).sum().to(dev)
         if is_sharded:
             local += sq
         else:
             repl += sq
+    if dp_group is not None:
+        both = torch.stack([local, repl])
+        dist.all_reduce(both, group=dp_group)
+        local, repl = both[0], both[1]
     if group is not None:
         dist.all_reduce(local, group=group)
     total = (local + repl).sqrt()
@@ -142,3 +152,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         for g, _ in grads:
             g.mul_(coef.to(g.device))
     return total
+
+
+def _device_of(model: nn.Module, g: torch.Tensor) -> torch.device:
+    """Where the norm is summed: the mesh's device (FSDP may keep gradients in host memory)."""
+    st = parallel_state(model, required=False)
+    return st.mesh.device if st is not None else g.device

@@ -1,0 +1,244 @@
+"""Fully sharded data parallel over the mesh's dp axis, through torch's FSDP2 (`fully_shard`).
+
+Each repeated block (`blocks_of`) is one FSDP group, then the root holds what is left (embeddings,
+norms, head). Every parameter, the frozen base and the adapters alike, is split on dim 0 over this
+rank's dp group and all-gathered one block at a time for forward and again for backward (the next
+block's gather is prefetched). Adapter gradients are reduce-scattered (averaged over dp) as FSDP2
+does. Composed with tp: a tp shard is a plain tensor, so each tp rank shards *its* shard over the
+dp group of its tp coordinate (the "dp" sub-mesh of the DeviceMesh).
+
+What survives sharding bit for bit: plain tensors (fp32/bf16 bases, torchao int8 weight and
+scale) and torchao's NF4Tensor, which implements FSDP2's all-gather extension (its codes, block
+scales and factors are sharded and gathered as they are). bitsandbytes' Params4bit / Int8Params
+carry their statistics beside the tensor (quant_state, SCB), which FSDP2 would drop: refused.
+
+`offload=True` (offload_base): each block's frozen base lives in host memory (pinned on CUDA)
+through FSDP2's CPUOffloadPolicy and is copied to the device for its gather; the block's adapters
+form a group of their own that stays on the device (so their optimizer step stays there).
+
+Example:
+    >>> qm.parallelize(model, mesh, quant=qm.QuantConfig(backend="torchao"), lora=cfg,
+    ...                fsdp=True, offload_base=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .plan.auto import blocks_of
+from .quant.base import QuantConfig
+from .state import parallel_state
+from .tp.layers import ShardedModule
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+__all__ = ["FsdpConfig", "FsdpError", "apply_fsdp", "check_fsdp", "fsdp_groups"]
+
+
+class FsdpError(ValueError):
+    """An fsdp request that cannot be honoured exactly; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """How the model was sharded over dp (recorded in ParallelState.fsdp).
+
+    blocks: FQNs of the repeated blocks, one FSDP group each (the root holds the rest).
+    offload: the frozen base of each block lives in host memory (CPUOffloadPolicy).
+    reshard_after_forward: free each gathered block after its forward (gather again in backward).
+    """
+
+    blocks: tuple[str, ...]
+    offload: bool = False
+    reshard_after_forward: bool = True
+
+
+def check_fsdp(qcfg: QuantConfig | None, data_parallel: bool, mesh: Mesh) -> None:
+    """Raise FsdpError when fsdp cannot be applied exactly (before any allocation or collective).
+
+    Example:
+        >>> check_fsdp(QuantConfig(format="nf4"), True, mesh)  # doctest: +SKIP
+        FsdpError: ... backend='torchao' ...
+    """
+    if not data_parallel:
+        raise FsdpError("fsdp=True shards over dp; it needs data_parallel=True")
+    if len(mesh.devices) > 1:
+        raise FsdpError(
+            f"fsdp=True with devices_per_rank={len(mesh.devices)}: a layer-split replica cannot "
+            "also be sharded by FSDP; use one device per rank (tp and dp instead)"
+        )
+    if qcfg is not None and qcfg.backend == "bitsandbytes":
+        raise FsdpError(
+            f"fsdp=True cannot shard bitsandbytes {qcfg.format}: its weights keep their "
+            "statistics beside the tensor (Params4bit.quant_state / Int8Params.SCB), which FSDP2's "
+            "all-gather drops. Use torchao, whose tensors shard exactly: "
+            f"quant=qm.QuantConfig(format={qcfg.format if qcfg.format != 'fp4' else 'nf4'!r}, "
+            "backend='torchao') (CLI: --quant-backend torchao)"
+        )
+
+
+def _adapters(block: nn.Module) -> list[nn.Module]:
+    """The LoRA A/B linears inside `block`, in module order."""
+    out: list[nn.Module] = []
+    for m in block.modules():
+        if isinstance(m, ShardedModule) and m.lora_scale is not None:
+            out += [m.lora_A, m.lora_B]
+    return out
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: Mesh, *, offload: bool = False, reshard_after_forward: bool = True
+) -> FsdpConfig:
+    """fully_shard each repeated block and then the root over this rank's dp group.
+
+    Run by `qm.parallelize(..., fsdp=True)` once every parameter holds its values (after
+    `load_checkpoint` for a model built under `qm.empty_model()`). Returns what it did.
+
+    Example:
+        >>> apply_fsdp(model, mesh, offload=True).blocks[:1]  # doctest: +SKIP
+        ('model.layers.0',)
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    dp_mesh = mesh.device_mesh["dp"]  # this tp coordinate's dp group
+    blocks = blocks_of(model)
+    if not blocks:
+        raise FsdpError(
+            f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of layers), so "
+            "FSDP would gather the whole model at once; use fsdp=False (plain dp)"
+        )
+    for m in model.modules():  # before any fully_shard: every rank raises alike
+        why = None
+        if isinstance(m, ShardedModule) and hasattr(m.fmt, "fsdp_problem"):
+            why = m.fmt.fsdp_problem(m.local.weight)
+        if why is not None:
+            raise FsdpError(
+                f"{m.fqn}: its nf4 weight cannot be sharded over dp={mesh.dp} exactly ({why}); "
+                f"skip it (QuantConfig(skip=[...'{m.fqn}'])) or use a dp that divides it"
+            )
+    dev_cuda = mesh.device.type == "cuda"
+    policy = CPUOffloadPolicy(pin_memory=dev_cuda) if offload else OffloadPolicy()
+    kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    for _, block in blocks:
+        if offload:
+            adapters = _adapters(block)
+            if adapters:  # trainable: stay on the device, a group of their own
+                fully_shard(adapters, **kw)
+        fully_shard(block, offload_policy=policy, **kw)
+    fully_shard(model, **kw)  # the root: embeddings, norms, head; never offloaded
+    _link_blocks(model, [b for _, b in blocks])
+    cfg = FsdpConfig(tuple(n for n, _ in blocks), offload, reshard_after_forward)
+    st = parallel_state(model, required=False)
+    if st is not None:
+        st.sharded, st.dp = cfg, True
+    return cfg
+
+
+def _link_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Prefetch the next block's gather in forward and the previous one's in backward (one ahead)."""
+    fsdp: list[Any] = blocks  # FSDPModule after fully_shard (a dynamic subclass)
+    for i, b in enumerate(fsdp):
+        if i + 1 < len(fsdp):
+            b.set_modules_to_forward_prefetch([fsdp[i + 1]])
+        if i > 0:
+            b.set_modules_to_backward_prefetch([fsdp[i - 1]])
+
+
+def fsdp_groups(model: nn.Module) -> list[nn.Module]:
+    """The modules fully_shard was applied to (blocks, adapter groups' first module, root).
+
+    Example:
+        >>> len(fsdp_groups(model))  # doctest: +SKIP
+        3
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: the local shard of a DTensor (FSDP), else `t` itself.
+
+    Example:
+        >>> local_of(model.lm_head.weight).shape  # doctest: +SKIP
+        torch.Size([64, 128])
+    """
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole over dp: a DTensor is all-gathered (a collective: every dp rank calls it in the
+    same order), a plain tensor is returned as it is.
+
+    Example:
+        >>> whole(q_proj.lora_A.weight).shape  # doctest: +SKIP
+        torch.Size([4, 128])
+    """
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def dp_chunk(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The rows of the whole tensor `t` that the DTensor `like` holds on this rank (FSDP2's
+    dim-0 chunks); `t` itself when `like` is a plain tensor.
+
+    Example:
+        >>> dp_chunk(torch.arange(5), sharded_param_of_5_rows_on_dp_rank_1)  # doctest: +SKIP
+        tensor([3, 4])
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return t
+    dm = like.device_mesh
+    n, r = dm.size(), dm.get_local_rank()
+    chunks = torch.chunk(t, n, dim=0)
+    if r < len(chunks):
+        return chunks[r]
+    return t.new_empty((0, *t.shape[1:]))
+
+
+def fill_from_whole(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's part of `value` (whole over dp) into parameter `p` (FSDP shard or plain).
+
+    Example:
+        >>> fill_from_whole(q_proj.lora_A.weight, torch.zeros(4, 128))  # doctest: +SKIP
+    """
+    local_of(p).copy_(dp_chunk(value, p).to(dtype=p.dtype))
+
+
+def like_param(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`value` (whole over dp) laid out like parameter `p`: a DTensor of this rank's rows when `p`
+    is one (an optimizer state for an FSDP parameter), else `value` itself.
+
+    Example:
+        >>> like_param(torch.zeros(4, 128), q_proj.lora_A.weight).to_local().shape  # doctest: +SKIP
+        torch.Size([2, 128])
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return value
+    local = dp_chunk(value, p).to(device=p.device).contiguous()
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True once apply_fsdp sharded `model` (then every dp rank takes part in gathers).
+
+    Example:
+        >>> is_sharded(model)  # doctest: +SKIP
+        True
+    """
+    st = parallel_state(model, required=False)
+    return st is not None and st.sharded is not None
