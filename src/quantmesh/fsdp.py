@@ -1,7 +1,8 @@
 """Fully sharded data parallel over the mesh's dp axis, through torch's FSDP2 (`fully_shard`).
 
-Each repeated block (`blocks_of`) is one FSDP group, then the root holds what is left (embeddings,
-norms, head). Every parameter, the frozen base and the adapters alike, is split on dim 0 over this
+Each repeated block (`blocks_of`) is one FSDP group, the output head another (the chunked loss
+calls it outside the model's forward; tied to the input embedding, both), then the root holds
+what is left (embeddings, norms). Every parameter, the frozen base and the adapters alike, is split on dim 0 over this
 rank's dp group and all-gathered one block at a time for forward and again for backward (the next
 block's gather is prefetched). Adapter gradients are reduce-scattered (averaged over dp) as FSDP2
 does. Composed with tp: a tp shard is a plain tensor, so each tp rank shards *its* shard over the
@@ -130,13 +131,33 @@ def apply_fsdp(
             if adapters:  # trainable: stay on the device, a group of their own
                 fully_shard(adapters, **kw)
         fully_shard(block, offload_policy=policy, **kw)
-    fully_shard(model, **kw)  # the root: embeddings, norms, head; never offloaded
+    head = _head_group(model)
+    if head:  # called on its own by the chunked loss: gathered by its own hooks, kept to backward
+        fully_shard(head, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(model, **kw)  # the root: embeddings, norms; never offloaded
     _link_blocks(model, [b for _, b in blocks])
     cfg = FsdpConfig(tuple(n for n, _ in blocks), offload, reshard_after_forward)
     st = parallel_state(model, required=False)
     if st is not None:
         st.sharded, st.dp = cfg, True
     return cfg
+
+
+def _head_group(model: nn.Module) -> list[nn.Module]:
+    """The output head (and the input embedding when the two share a weight) of a transformers
+    model: the chunked loss (train/loss.py) calls the head outside the model's forward, so it
+    is an FSDP group of its own. Empty for other models."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if not isinstance(head, nn.Module) or not list(head.parameters()):
+        return []
+    get_in = getattr(model, "get_input_embeddings", None)
+    emb = get_in() if callable(get_in) else None
+    if isinstance(emb, nn.Module) and emb is not head:
+        ids = {id(p) for p in head.parameters()}
+        if any(id(p) in ids for p in emb.parameters()):  # tied: one tensor, one group
+            return [head, emb]
+    return [head]
 
 
 def _link_blocks(model: nn.Module, blocks: list[nn.Module]) -> None:

@@ -155,7 +155,7 @@ def offload_policies(rank: int) -> dict:
 
     mesh = qm.init_mesh(dp=2)
     model, _ = _build(mesh, None, True, offload=True)
-    out: dict[str, list] = {"block": [], "adapters": [], "root": []}
+    out: dict[str, list] = {"block": [], "adapters": [], "head": [], "root": []}
     blocks = {id(b) for _, b in blocks_of(model)}
     for m in model.modules():
         get = getattr(m, "_get_fsdp_state", None)
@@ -168,9 +168,45 @@ def offload_policies(rank: int) -> dict:
             if hasattr(group, "fsdp_params_as_params")
             else {fp.sharded_param.requires_grad for fp in group.fsdp_params}
         )
-        kind = "root" if m is model else "block" if id(m) in blocks else "adapters"
+        kind = (
+            "root" if m is model else "block" if id(m) in blocks
+            else "head" if m is model.lm_head else "adapters"
+        )  # fmt: skip
         out[kind].append((offloaded, sorted(trainable)))
     return out
+
+
+def loaded(rank: int, dp: int, tp: int) -> dict:
+    """A skeleton on meta, parallelize(fsdp=True), load_checkpoint: sharded once filled, then it
+    trains like the one-rank reference; evaluate over 3 examples at dp=2 (uneven) agrees with
+    plain dp; a second load_checkpoint is refused."""
+    from quantmesh.io.load import LoadError
+    from quantmesh.train.loop import evaluate
+
+    mesh = qm.init_mesh(dp=dp, tp=tp)
+    sd = tiny_llama().state_dict()
+    with qm.empty_model():
+        model = tiny_llama()
+    lora = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7)
+    qm.parallelize(model, mesh, lora=lora, fsdp=True)
+    before = parallel_state(model).sharded is not None
+    qm.load_checkpoint(model, sd, progress=False)
+    after = parallel_state(model).sharded is not None
+    ids = batches(1)[0]
+    examples = [{"input_ids": ids[i], "labels": ids[i]} for i in range(3)]
+    ev = evaluate(model, examples, micro_batch=1)
+    plain = tiny_llama()
+    qm.parallelize(plain, mesh, lora=lora)
+    ev_plain = evaluate(plain, examples, micro_batch=1)
+    opt = torch.optim.SGD(qm.trainable_parameters(model), lr=0.5, momentum=0.9)
+    losses = [_step(model, opt, mesh, b)[0] for b in batches(4)]
+    try:
+        qm.load_checkpoint(model, sd, progress=False)
+        refused = ""
+    except LoadError as e:
+        refused = str(e)
+    return {"before": before, "after": after, "losses": losses, "eval": (ev, ev_plain),
+            "refused": refused}  # fmt: skip
 
 
 def base_bytes(rank: int, dp: int, tp: int, quant, fsdp: bool) -> dict:
@@ -239,6 +275,7 @@ JOBS: dict[int, list[tuple]] = {
         ("resume", 2, 1, NF4_AO),
         ("nf4_survives", 2),
         ("offload_policies",),
+        ("loaded", 2, 1),
     ],
     4: [("train", 2, 2, None, True), ("train", 2, 2, NF4_AO, True)],
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._fsdp_cases import NF4_AO, result
+from ._fsdp_cases import NF4_AO, TARGETS, result
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,8 @@ def test_offload_base_policy_on_blocks_only():
     for r in result(("offload_policies",)):
         assert r["block"] == [(True, [False])] * 2  # each block's frozen base: CPUOffloadPolicy
         assert r["adapters"] and all(a == (False, [True]) for a in r["adapters"])
-        assert r["root"] == [(False, [False])]  # embeddings, norm, head: on the device
+        assert r["head"] == [(False, [False])]  # the head (its own group) and the root
+        assert r["root"] == [(False, [False])]  # (embeddings, norm): on the device
 
 
 @pytest.mark.parametrize("quant", [None, NF4_AO])
@@ -107,3 +108,31 @@ def test_refusals_name_the_fix():
     assert "backend='torchao'" in r["nf4"] and "bitsandbytes nf4" in r["nf4"]
     assert "format='int8', backend='torchao'" in r["int8"]
     assert "fsdp=True" in r["offload_alone"]
+
+
+def test_load_checkpoint_fills_then_shards():
+    ref = result(("train", 1, 1, None, False))[0]
+    for r in result(("loaded", 2, 1)):
+        assert (r["before"], r["after"]) == (False, True)  # sharded once every tensor was filled
+        for a, b in zip(r["losses"], ref["losses"], strict=True):
+            assert _rel(a, b) < 1e-5
+        ev, ev_plain = r["eval"]  # 3 examples on 2 dp ranks: FSDP's rank 1 runs an extra forward
+        assert _rel(ev, ev_plain) < 1e-6
+        assert "already sharded" in r["refused"] and "qm.empty_model()" in r["refused"]
+
+
+@pytest.mark.parametrize("quant", [None, NF4_AO])
+def test_estimate_matches_the_shards_a_rank_holds(quant):
+    """estimate_memory(fsdp=True)'s weights + adapters against the bytes a dp=2 rank holds."""
+    import quantmesh as qm
+
+    from ._fsdp_cases import _quant, tiny_llama
+
+    with qm.empty_model():
+        model = tiny_llama()
+    lora = qm.LoraConfig(r=4, alpha=8, targets=TARGETS)
+    est = qm.estimate_memory(model, dp=2, quant=_quant(quant), lora=lora, fsdp=True, seq_len=16)
+    held = result(("base_bytes", 2, 1, quant, True))[0]
+    assert abs(est.weights - held["base"]) <= 0.01 * held["base"], (est.weights, held)
+    assert est.lora == held["adapters"]
+    assert est.ddp == 0 and est.gathered > 0

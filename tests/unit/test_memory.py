@@ -362,3 +362,30 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     chunked = estimate_memory(m, loss_chunk_tokens=8, **kw)
     assert chunked.logits == 8 * v * 12 + tokens * h * 4
     assert estimate_memory(m, loss_chunk_tokens=4096, **kw).logits == base.logits  # one chunk
+
+
+def test_fsdp_splits_the_replica_over_dp_and_offload_moves_blocks_to_host() -> None:
+    import quantmesh as qm
+
+    model = _model(True, **TINY)
+    q = qm.QuantConfig(format="nf4", backend="torchao")
+    kw = dict(quant=q, lora=qm.LoraConfig(r=4), seq_len=32, dtype=torch.bfloat16)
+    plain = estimate_memory(model, dp=4, **kw)
+    sharded = estimate_memory(model, dp=4, fsdp=True, **kw)
+    off = estimate_memory(model, dp=4, fsdp=True, offload_base=True, **kw)
+    assert plain.ddp > 0 and sharded.ddp == 0  # no DDP buckets under FSDP
+    assert abs(sharded.weights * 4 - plain.weights) <= 8  # / dp (rounded up per group)
+    assert sharded.optimizer * 4 >= plain.optimizer >= (sharded.optimizer - 1) * 4
+    # root (embeddings + head, bf16) whole, two blocks (+ adapters) in flight
+    root = 2 * 64 * 72 * 2 + 72 * 2  # embed_tokens, lm_head (skipped by quant), final norm
+    block_w, block_lora = (plain.weights - root) / 2, plain.lora / 2  # 2 layers
+    # + one block's unsharded adapter gradients before their reduce-scatter
+    assert abs(sharded.gathered - (root + 2 * (block_w + block_lora) + block_lora)) <= 2
+    assert off.host > 0 and off.weights < sharded.weights
+    assert (
+        off.weights + off.host == sharded.weights
+        or abs(off.weights + off.host - sharded.weights) <= 2
+    )
+    assert "fsdp over dp=4" in " ".join(sharded.notes)
+    with pytest.raises(ValueError, match="pass fsdp=True"):
+        estimate_memory(model, offload_base=True, **kw)

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..state import parallel_state
 from ..tp.layers import ShardedModule
-from .full import module_tensors
+from .full import _refuse_fsdp, module_tensors
 from .load import _Target, _targets
 from .save import (
     ShardWriter,
@@ -138,6 +138,7 @@ def export(
     """
 
     def check() -> int:
+        _refuse_fsdp(model, "export")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype={dtype!r}; pass a float torch dtype such as torch.bfloat16")
         return parse_size(max_shard_size)

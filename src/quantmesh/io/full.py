@@ -72,6 +72,17 @@ def module_tensors(m: ShardedModule, *, dequantize: bool = True) -> dict[str, to
     return out
 
 
+def _refuse_fsdp(model: nn.Module, what: str) -> None:
+    """Raise before any collective when FSDP shards `model` (not supported by `what` yet)."""
+    st = parallel_state(model, required=False)
+    if st is not None and st.sharded is not None:
+        raise ValueError(
+            f"{what} of a model sharded with fsdp=True is not supported yet; save the adapter "
+            "(qm.save_adapter) and load it into the model parallelized without fsdp, then "
+            f"call {what} there"
+        )
+
+
 @torch.no_grad()
 def full_state_dict(
     model: nn.Module, *, rank0_only: bool = True, cpu: bool = True
@@ -86,6 +97,7 @@ def full_state_dict(
         >>> sorted(sd)[:2]                   # doctest: +SKIP
         ['lm_head.weight', 'model.embed_tokens.weight']
     """
+    _refuse_fsdp(model, "full_state_dict")
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded = sharded_modules(model)

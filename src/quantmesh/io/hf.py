@@ -119,6 +119,8 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     plan: Plan | dict[str, str] | None = None,
     progress: bool = True,
+    fsdp: bool = False,
+    offload_base: bool = False,
 ) -> nn.Module:
     """A transformers causal LM from a local folder, parallelized over `mesh` and loaded by slices.
 
@@ -132,6 +134,7 @@ def from_pretrained(
         quant, lora, plan: as in `qm.parallelize`; plan None = `qm.auto_plan`.
         dtype: the float dtype of the weights; None = the config's `dtype` (float32 if unset).
         progress: a tqdm bar of bytes read, on global rank 0.
+        fsdp, offload_base: as in `qm.parallelize`; the model is sharded once loaded.
 
     Example:
         >>> model = qm.from_pretrained("llama_dir", mesh, quant="nf4")  # doctest: +SKIP
@@ -157,7 +160,8 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype)
+    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype, fsdp=fsdp,
+                offload_base=offload_base)  # fmt: skip
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)

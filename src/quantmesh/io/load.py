@@ -310,6 +310,13 @@ def _load(
             "key_map= was given with an open CheckpointReader, which already maps its keys; "
             "pass key_map to open_checkpoint instead, or pass the path here"
         )
+    st0 = parallel_state(model, required=False)
+    if st0 is not None and st0.sharded is not None:
+        raise LoadError(
+            "this model is already sharded over dp by FSDP (parallelize(fsdp=True) of a model "
+            "with real weights); build it under qm.empty_model() so that load_checkpoint fills "
+            "it before sharding, or load the weights before parallelize"
+        )
     targets = _targets(model)
     reader = (
         source if isinstance(source, CheckpointReader) else open_checkpoint(source, key_map=key_map)
@@ -405,4 +412,26 @@ def load_checkpoint(
         err = e
     all_ranks_ok(err, "load_checkpoint")
     assert result is not None  # all_ranks_ok raised otherwise
+    _shard_when_filled(model)
     return result
+
+
+def _shard_when_filled(model: nn.Module) -> None:
+    """parallelize(fsdp=True) of a model on meta: FSDP2 shards it once every rank's tensors hold
+    values (the ranks agree first). Each rank held its whole tp shard until here."""
+    st = parallel_state(model, required=False)
+    if st is None or not st.fsdp or st.sharded is not None:
+        return
+    ready = torch.tensor([int(not _leftovers(model, set()))], device=_coll_device())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+    if not int(ready):
+        return  # a later load_checkpoint fills the rest, then shards
+    from ..fsdp import apply_fsdp
+
+    err = None
+    try:
+        apply_fsdp(model, st.mesh, offload=st.offload_base)
+    except Exception as e:  # the same on every rank (checked before any collective); reported
+        err = e
+    all_ranks_ok(err, "load_checkpoint (sharding with FSDP)")
