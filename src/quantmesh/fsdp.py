@@ -122,9 +122,20 @@ def apply_fsdp(
                 f"{m.fqn}: its nf4 weight cannot be sharded over dp={mesh.dp} exactly ({why}); "
                 f"skip it (QuantConfig(skip=[...'{m.fqn}'])) or use a dp that divides it"
             )
+    # torch 2.13's FSDP2 copies only the first all-gather input on a 1-rank group, which breaks
+    # tensor subclasses gathered as several tensors (NF4Tensor): at dp=1 such weights are left
+    # out of FSDP. Nothing is lost: a 1-rank shard is the whole weight anyway.
+    subclass = _multi_input_params(model) if mesh.dp == 1 else set()
+    if subclass and offload:
+        raise FsdpError(
+            "offload_base=True at dp=1 with a torchao nf4 base: torch's FSDP2 cannot gather an "
+            "NF4Tensor on a one-rank group; use dp >= 2, or an unquantized / int8 base"
+        )
     dev_cuda = mesh.device.type == "cuda"
     policy = CPUOffloadPolicy(pin_memory=dev_cuda) if offload else OffloadPolicy()
     kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if subclass:
+        kw["ignored_params"] = subclass
     for _, block in blocks:
         if offload:
             adapters = _adapters(block)
@@ -133,7 +144,7 @@ def apply_fsdp(
         fully_shard(block, offload_policy=policy, **kw)
     head = _head_group(model)
     if head:  # called on its own by the chunked loss: gathered by its own hooks, kept to backward
-        fully_shard(head, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(head, **{**kw, "reshard_after_forward": False})
     fully_shard(model, **kw)  # the root: embeddings, norms; never offloaded
     _link_blocks(model, [b for _, b in blocks])
     cfg = FsdpConfig(tuple(n for n, _ in blocks), offload, reshard_after_forward)
@@ -141,6 +152,15 @@ def apply_fsdp(
     if st is not None:
         st.sharded, st.dp = cfg, True
     return cfg
+
+
+def _multi_input_params(model: nn.Module) -> set[nn.Parameter]:
+    """Parameters whose tensor subclass all-gathers several inner tensors (fsdp_pre_all_gather)."""
+    out = set()
+    for p in model.parameters():
+        if type(p.data) is not torch.Tensor and hasattr(p.data, "fsdp_pre_all_gather"):
+            out.add(p)
+    return out
 
 
 def _head_group(model: nn.Module) -> list[nn.Module]:

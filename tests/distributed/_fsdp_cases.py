@@ -75,10 +75,16 @@ def _step(model, opt, mesh, ids: torch.Tensor, grads: list | None = None) -> tup
     return float(total), norm
 
 
-def train(rank: int, dp: int, tp: int, quant, fsdp: bool, offload: bool = False, steps: int = 4):
-    """`steps` SGD-momentum steps of LoRA training on a fixed global batch (as _lora_cases.train)."""
+def train(
+    rank: int, dp: int, tp: int, quant, fsdp: bool, offload: bool = False, steps: int = 4,
+    ckpt: bool = False,
+):  # fmt: skip
+    """`steps` SGD-momentum steps of LoRA training on a fixed global batch (as _lora_cases.train);
+    `ckpt`: the blocks checkpointed (qm.checkpoint_blocks) after FSDP wrapped them."""
     mesh = qm.init_mesh(dp=dp, tp=tp)
     model, opt = _build(mesh, quant, fsdp, offload)
+    if ckpt:
+        qm.checkpoint_blocks(model)
     losses, grads, norms = [], [], []
     for ids in batches(steps):
         loss, norm = _step(model, opt, mesh, ids, grads)
@@ -163,11 +169,7 @@ def offload_policies(rank: int) -> dict:
             continue
         group = get()._fsdp_param_group  # torch's FSDP2 internals: test-only introspection
         offloaded = isinstance(group.offload_policy, CPUOffloadPolicy)
-        trainable = (
-            {p.requires_grad for p in group.fsdp_params_as_params()}
-            if hasattr(group, "fsdp_params_as_params")
-            else {fp.sharded_param.requires_grad for fp in group.fsdp_params}
-        )
+        trainable = {fp.sharded_param.requires_grad for fp in group.fsdp_params}
         kind = (
             "root" if m is model else "block" if id(m) in blocks
             else "head" if m is model.lm_head else "adapters"
@@ -261,6 +263,7 @@ JOBS: dict[int, list[tuple]] = {
         ("train", 1, 1, None, False),
         ("train", 1, 1, None, True),
         ("train", 1, 1, NF4_AO, False),
+        ("train", 1, 1, NF4_AO, True),
         ("base_bytes", 1, 1, None, False),
         ("base_bytes", 1, 1, NF4_AO, False),
         ("refusals",),
@@ -268,6 +271,7 @@ JOBS: dict[int, list[tuple]] = {
     2: [
         ("train", 2, 1, None, True),
         ("train", 2, 1, None, True, True),
+        ("train", 2, 1, None, True, False, 4, True),
         ("train", 2, 1, NF4_AO, True),
         ("base_bytes", 2, 1, None, True),
         ("base_bytes", 2, 1, NF4_AO, True),

@@ -36,8 +36,14 @@ def _close(got: dict, ref: dict, tol: float = 1e-5) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    [(1, 1, None, True), (2, 1, None, True), (2, 1, None, True, True), (2, 2, None, True)],
-    ids=["dp1", "dp2", "dp2-offload", "dp2xtp2"],
+    [
+        (1, 1, None, True),
+        (2, 1, None, True),
+        (2, 1, None, True, True),
+        (2, 1, None, True, False, 4, True),
+        (2, 2, None, True),
+    ],
+    ids=["dp1", "dp2", "dp2-offload", "dp2-checkpointed", "dp2xtp2"],
 )
 def test_fp32_fsdp_trains_like_one_rank(case):
     ref = result(("train", 1, 1, None, False))[0]
@@ -136,3 +142,12 @@ def test_estimate_matches_the_shards_a_rank_holds(quant):
     assert abs(est.weights - held["base"]) <= 0.01 * held["base"], (est.weights, held)
     assert est.lora == held["adapters"]
     assert est.ddp == 0 and est.gathered > 0
+
+
+def test_nf4_fsdp_on_one_rank_is_the_plain_run():
+    """dp=1: the NF4 weights stay out of FSDP (torch 2.13 gathers only one inner tensor on a
+    one-rank group); everything else is FSDP's, and the run is the plain one."""
+    ref = result(("train", 1, 1, NF4_AO, False))[0]
+    got = result(("train", 1, 1, NF4_AO, True))[0]
+    assert got["sharded"]
+    _close(got, ref, tol=1e-6)
