@@ -2,9 +2,9 @@
 
 Each repeated block (`blocks_of`) is one FSDP group, the output head another (the chunked loss
 calls it outside the model's forward; tied to the input embedding, both), then the root holds
-what is left (embeddings, norms). Every parameter, the frozen base and the adapters alike, is split on dim 0 over this
-rank's dp group and all-gathered one block at a time for forward and again for backward (the next
-block's gather is prefetched). Adapter gradients are reduce-scattered (averaged over dp) as FSDP2
+what is left (embeddings, norms). Every parameter, the frozen base and the adapters alike, is
+split on dim 0 over this rank's dp group and all-gathered one block at a time for forward and
+again for backward (the next block's gather is prefetched). Adapter gradients are reduce-scattered (averaged over dp) as FSDP2
 does. Composed with tp: a tp shard is a plain tensor, so each tp rank shards *its* shard over the
 dp group of its tp coordinate (the "dp" sub-mesh of the DeviceMesh).
 
@@ -47,7 +47,7 @@ class FsdpError(ValueError):
 
 @dataclass(frozen=True)
 class FsdpConfig:
-    """How the model was sharded over dp (recorded in ParallelState.fsdp).
+    """How the model was sharded over dp (recorded in ParallelState.sharded).
 
     blocks: FQNs of the repeated blocks, one FSDP group each (the root holds the rest).
     offload: the frozen base of each block lives in host memory (CPUOffloadPolicy).
@@ -95,7 +95,8 @@ def _adapters(block: nn.Module) -> list[nn.Module]:
 def apply_fsdp(
     model: nn.Module, mesh: Mesh, *, offload: bool = False, reshard_after_forward: bool = True
 ) -> FsdpConfig:
-    """fully_shard each repeated block and then the root over this rank's dp group.
+    """fully_shard each repeated block, the output head and then the root over this rank's dp
+    group (nf4 layers that cannot split evenly are refused first, by name).
 
     Run by `qm.parallelize(..., fsdp=True)` once every parameter holds its values (after
     `load_checkpoint` for a model built under `qm.empty_model()`). Returns what it did.

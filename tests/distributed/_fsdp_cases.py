@@ -23,11 +23,14 @@ from quantmesh.tp.layers import ShardedModule
 from ._lora_cases import GLOBAL_BATCH, TARGETS, batches, tiny_llama
 
 NF4_AO = "nf4_torchao"
+INT8_AO = "int8_torchao"
 
 
 def _quant(q):
     if q == NF4_AO:
         return qm.QuantConfig(format="nf4", backend="torchao")
+    if q == INT8_AO:
+        return qm.QuantConfig(format="int8", backend="torchao")
     return q
 
 
@@ -264,6 +267,7 @@ JOBS: dict[int, list[tuple]] = {
         ("train", 1, 1, None, True),
         ("train", 1, 1, NF4_AO, False),
         ("train", 1, 1, NF4_AO, True),
+        ("train", 1, 1, INT8_AO, False),
         ("base_bytes", 1, 1, None, False),
         ("base_bytes", 1, 1, NF4_AO, False),
         ("refusals",),
@@ -273,6 +277,7 @@ JOBS: dict[int, list[tuple]] = {
         ("train", 2, 1, None, True, True),
         ("train", 2, 1, None, True, False, 4, True),
         ("train", 2, 1, NF4_AO, True),
+        ("train", 2, 1, INT8_AO, True),
         ("base_bytes", 2, 1, None, True),
         ("base_bytes", 2, 1, NF4_AO, True),
         ("resume", 2, 1, None),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._fsdp_cases import NF4_AO, TARGETS, result
+from ._fsdp_cases import INT8_AO, NF4_AO, TARGETS, result
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +151,12 @@ def test_nf4_fsdp_on_one_rank_is_the_plain_run():
     got = result(("train", 1, 1, NF4_AO, True))[0]
     assert got["sharded"]
     _close(got, ref, tol=1e-6)
+
+
+def test_int8_fsdp_is_the_one_rank_int8_run():
+    """torchao int8 (int8 rows + fp32 row scales, quantized before sharding) splits by rows:
+    FSDP at dp=2 trains like the same format on one rank, to fp32 tolerance."""
+    ref = result(("train", 1, 1, INT8_AO, False))[0]
+    fp32 = result(("train", 1, 1, None, False))[0]
+    assert ref["losses"] != fp32["losses"]  # the format really quantized something
+    _close(result(("train", 2, 1, INT8_AO, True))[0], ref)

@@ -389,3 +389,20 @@ def test_fsdp_splits_the_replica_over_dp_and_offload_moves_blocks_to_host() -> N
     assert "fsdp over dp=4" in " ".join(sharded.notes)
     with pytest.raises(ValueError, match="pass fsdp=True"):
         estimate_memory(model, offload_base=True, **kw)
+
+
+def test_out_of_memory_proposes_the_fsdp_layout_that_fits(monkeypatch) -> None:
+    from quantmesh.cli import plan_cmd
+    from quantmesh.cli.errors import CliError
+
+    monkeypatch.setattr(plan_cmd, "device_budget", lambda n: ("cuda", 20 * 2**30, "test budget"))
+    est = MemoryEstimate(weights=40 * 2**30)
+    hints = [("--fsdp", 24 * 2**30), ("--fsdp --offload-base", 8 * 2**30)]
+    with pytest.raises(CliError) as e:
+        plan_cmd.check_memory(est, 2, what="training", fsdp_hints=hints)
+    msg = str(e.value)
+    assert "Fix: --fsdp --offload-base (about 8.00 GiB per rank" in msg  # the first that fits
+    assert "--quant-backend torchao" in msg and "--checkpointing" in msg
+    with pytest.raises(CliError) as e:  # none fits: the usual fixes only
+        plan_cmd.check_memory(est, 2, what="training", fsdp_hints=[("--fsdp", 30 * 2**30)])
+    assert "Fix: --checkpointing" in str(e.value)
