@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -38,7 +38,15 @@ from .tp.layers import ShardedModule
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-__all__ = ["FsdpConfig", "FsdpError", "apply_fsdp", "check_fsdp", "fsdp_groups"]
+__all__ = [
+    "BlockSharder",
+    "FsdpConfig",
+    "FsdpError",
+    "apply_fsdp",
+    "check_fsdp",
+    "fsdp_groups",
+    "shard_block",
+]
 
 
 class FsdpError(ValueError):
@@ -95,54 +103,31 @@ def _adapters(block: nn.Module) -> list[nn.Module]:
 def apply_fsdp(
     model: nn.Module, mesh: Mesh, *, offload: bool = False, reshard_after_forward: bool = True
 ) -> FsdpConfig:
-    """fully_shard each repeated block, the output head and then the root over this rank's dp
-    group (nf4 layers that cannot split evenly are refused first, by name).
+    """fully_shard each repeated block (those `shard_block` did not yet), the output head and
+    then the root over this rank's dp group (nf4 layers that cannot split evenly are refused
+    first, by name).
 
-    Run by `qm.parallelize(..., fsdp=True)` once every parameter holds its values (after
-    `load_checkpoint` for a model built under `qm.empty_model()`). Returns what it did.
+    Run by `qm.parallelize(..., fsdp=True)` once every parameter holds its values (for a model
+    built under `qm.empty_model()`, `load_checkpoint` shards each block as soon as it is filled
+    and calls this at its end). Returns what it did.
 
     Example:
         >>> apply_fsdp(model, mesh, offload=True).blocks[:1]  # doctest: +SKIP
         ('model.layers.0',)
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    dp_mesh = mesh.device_mesh["dp"]  # this tp coordinate's dp group
     blocks = blocks_of(model)
     if not blocks:
         raise FsdpError(
             f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of layers), so "
             "FSDP would gather the whole model at once; use fsdp=False (plain dp)"
         )
-    for m in model.modules():  # before any fully_shard: every rank raises alike
-        why = None
-        if isinstance(m, ShardedModule) and hasattr(m.fmt, "fsdp_problem"):
-            why = m.fmt.fsdp_problem(m.local.weight)
-        if why is not None:
-            raise FsdpError(
-                f"{m.fqn}: its nf4 weight cannot be sharded over dp={mesh.dp} exactly ({why}); "
-                f"skip it (QuantConfig(skip=[...'{m.fqn}'])) or use a dp that divides it"
-            )
-    # torch 2.13's FSDP2 copies only the first all-gather input on a 1-rank group, which breaks
-    # tensor subclasses gathered as several tensors (NF4Tensor): at dp=1 such weights are left
-    # out of FSDP. Nothing is lost: a 1-rank shard is the whole weight anyway.
-    subclass = _multi_input_params(model) if mesh.dp == 1 else set()
-    if subclass and offload:
-        raise FsdpError(
-            "offload_base=True at dp=1 with a torchao nf4 base: torch's FSDP2 cannot gather an "
-            "NF4Tensor on a one-rank group; use dp >= 2, or an unquantized / int8 base"
-        )
-    dev_cuda = mesh.device.type == "cuda"
-    policy = CPUOffloadPolicy(pin_memory=dev_cuda) if offload else OffloadPolicy()
-    kw: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
-    if subclass:
-        kw["ignored_params"] = subclass
+    _check_splits(model, mesh)  # before any fully_shard: every rank raises alike
     for _, block in blocks:
-        if offload:
-            adapters = _adapters(block)
-            if adapters:  # trainable: stay on the device, a group of their own
-                fully_shard(adapters, **kw)
-        fully_shard(block, offload_policy=policy, **kw)
+        if not isinstance(block, FSDPModule):
+            shard_block(block, mesh, offload=offload, reshard_after_forward=reshard_after_forward)
+    kw = _kwargs(model, mesh, reshard_after_forward)
     head = _head_group(model)
     if head:  # called on its own by the chunked loss: gathered by its own hooks, kept to backward
         fully_shard(head, **{**kw, "reshard_after_forward": False})
@@ -153,6 +138,98 @@ def apply_fsdp(
     if st is not None:
         st.sharded, st.dp = cfg, True
     return cfg
+
+
+def shard_block(
+    block: nn.Module, mesh: Mesh, *, offload: bool = False, reshard_after_forward: bool = True
+) -> None:
+    """fully_shard one repeated block over this rank's dp group (with offload: its base in host
+    memory, its adapters a group of their own on the device). Local: no collective.
+
+    Example:
+        >>> shard_block(model.model.layers[0], mesh)  # doctest: +SKIP
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    _check_splits(block, mesh)
+    kw = _kwargs(block, mesh, reshard_after_forward)
+    if offload and "ignored_params" in kw:
+        raise FsdpError(
+            "offload_base=True at dp=1 with a torchao nf4 base: torch's FSDP2 cannot gather an "
+            "NF4Tensor on a one-rank group; use dp >= 2, or an unquantized / int8 base"
+        )
+    policy = CPUOffloadPolicy(pin_memory=mesh.device.type == "cuda") if offload else OffloadPolicy()
+    if offload:
+        adapters = _adapters(block)
+        if adapters:  # trainable: stay on the device, a group of their own
+            fully_shard(adapters, **kw)
+    fully_shard(block, offload_policy=policy, **kw)
+
+
+def _kwargs(module: nn.Module, mesh: Mesh, reshard_after_forward: bool) -> dict[str, Any]:
+    """fully_shard's mesh (this tp coordinate's dp group), resharding and ignored parameters."""
+    kw: dict[str, Any] = {
+        "mesh": mesh.device_mesh["dp"],
+        "reshard_after_forward": reshard_after_forward,
+    }
+    # torch 2.13's FSDP2 copies only the first all-gather input on a 1-rank group, which breaks
+    # tensor subclasses gathered as several tensors (NF4Tensor): at dp=1 such weights are left
+    # out of FSDP. Nothing is lost: a 1-rank shard is the whole weight anyway.
+    subclass = _multi_input_params(module) if mesh.dp == 1 else set()
+    if subclass:
+        kw["ignored_params"] = subclass
+    return kw
+
+
+def _check_splits(module: nn.Module, mesh: Mesh) -> None:
+    """Raise FsdpError naming the first nf4 layer whose weight does not split over dp evenly."""
+    for m in module.modules():
+        why = None
+        if isinstance(m, ShardedModule) and hasattr(m.fmt, "fsdp_problem"):
+            w = cast(torch.Tensor, m.local.weight)
+            if not w.is_meta and not _is_dtensor(w):  # not yet filled / sharded already
+                why = m.fmt.fsdp_problem(w)
+        if why is not None:
+            raise FsdpError(
+                f"{m.fqn}: its nf4 weight cannot be sharded over dp={mesh.dp} exactly ({why}); "
+                f"skip it (QuantConfig(skip=[...'{m.fqn}'])) or use a dp that divides it"
+            )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class BlockSharder:
+    """Shards each repeated block as soon as `load_checkpoint` has written every tensor of it, so
+    a rank holds one block whole at a time, not its whole tp shard.
+
+    Example:
+        >>> sharder = BlockSharder(model, pending={"model.layers.0": {"model.layers.0.w"}})  # doctest: +SKIP
+        >>> sharder.filled(["model.layers.0.w"])  # doctest: +SKIP  (layer 0 is sharded now)
+    """
+
+    def __init__(self, model: nn.Module, pending: dict[str, set[str]]):
+        st = parallel_state(model)
+        self.mesh, self.offload = st.mesh, st.offload_base
+        self.blocks = dict(blocks_of(model))
+        self.pending = {b: set(keys) for b, keys in pending.items() if b in self.blocks}
+        self.owner = {k: b for b, keys in self.pending.items() for k in keys}
+        self.sharded: list[str] = []
+
+    def filled(self, keys: list[str]) -> None:
+        """`keys` hold their values now; shard the blocks that are complete."""
+        for k in keys:
+            b = self.owner.pop(k, None)
+            if b is None:
+                continue
+            left = self.pending[b]
+            left.discard(k)
+            if not left:
+                shard_block(self.blocks[b], self.mesh, offload=self.offload)
+                self.sharded.append(b)
 
 
 def _multi_input_params(model: nn.Module) -> set[nn.Parameter]:

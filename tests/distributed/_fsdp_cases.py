@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import quantmesh as qm
+import quantmesh.fsdp as qm_fsdp
 from quantmesh.fsdp import local_of, whole
 from quantmesh.io.full import gather_param, tp_sharded
 from quantmesh.plan.auto import blocks_of
@@ -181,10 +182,11 @@ def offload_policies(rank: int) -> dict:
     return out
 
 
-def loaded(rank: int, dp: int, tp: int) -> dict:
-    """A skeleton on meta, parallelize(fsdp=True), load_checkpoint: sharded once filled, then it
-    trains like the one-rank reference; evaluate over 3 examples at dp=2 (uneven) agrees with
-    plain dp; a second load_checkpoint is refused."""
+def loaded(rank: int, dp: int, tp: int, quant=None) -> dict:
+    """A skeleton on meta, parallelize(fsdp=True), load_checkpoint: each block sharded as soon as
+    it is filled, then it trains like the one-rank reference; evaluate over 3 examples at dp=2
+    (uneven) agrees with plain dp; a second load_checkpoint is refused."""
+    from quantmesh.io import load as qm_load
     from quantmesh.io.load import LoadError
     from quantmesh.train.loop import evaluate
 
@@ -193,16 +195,36 @@ def loaded(rank: int, dp: int, tp: int) -> dict:
     with qm.empty_model():
         model = tiny_llama()
     lora = qm.LoraConfig(r=4, alpha=8, dropout=0.0, targets=TARGETS, seed=7)
-    qm.parallelize(model, mesh, lora=lora, fsdp=True)
+    qm.parallelize(model, mesh, quant=_quant(quant), lora=lora, fsdp=True)
     before = parallel_state(model).sharded is not None
-    qm.load_checkpoint(model, sd, progress=False)
+    plain = tiny_llama()  # the same layout without fsdp: a whole replica per rank
+    qm.parallelize(plain, mesh, quant=_quant(quant), lora=lora)
+    replica = sum(_nbytes(p) for p in plain.parameters())
+    puts, seen = [0], []  # tensors written so far; (written, bytes held) at each block's sharding
+    put, shard = qm_load._put, qm_fsdp.shard_block
+
+    def count(*a, **k):
+        puts[0] += 1
+        put(*a, **k)
+
+    def spy(block, *a, **k):
+        seen.append(
+            (puts[0], sum(_nbytes(local_of(p)) for p in model.parameters() if not p.is_meta))
+        )
+        shard(block, *a, **k)
+
+    qm_load._put, qm_fsdp.shard_block = count, spy
+    try:
+        qm.load_checkpoint(model, sd, progress=False)
+    finally:
+        qm_load._put, qm_fsdp.shard_block = put, shard
     after = parallel_state(model).sharded is not None
     ids = batches(1)[0]
     examples = [{"input_ids": ids[i], "labels": ids[i]} for i in range(3)]
-    ev = evaluate(model, examples, micro_batch=1)
-    plain = tiny_llama()
-    qm.parallelize(plain, mesh, lora=lora)
-    ev_plain = evaluate(plain, examples, micro_batch=1)
+    ev, ev_plain = (
+        evaluate(model, examples, micro_batch=1),
+        evaluate(plain, examples, micro_batch=1),
+    )
     opt = torch.optim.SGD(qm.trainable_parameters(model), lr=0.5, momentum=0.9)
     losses = [_step(model, opt, mesh, b)[0] for b in batches(4)]
     try:
@@ -211,7 +233,7 @@ def loaded(rank: int, dp: int, tp: int) -> dict:
     except LoadError as e:
         refused = str(e)
     return {"before": before, "after": after, "losses": losses, "eval": (ev, ev_plain),
-            "refused": refused}  # fmt: skip
+            "refused": refused, "streamed": seen, "puts": puts[0], "replica": replica}  # fmt: skip
 
 
 def base_bytes(rank: int, dp: int, tp: int, quant, fsdp: bool) -> dict:
@@ -285,6 +307,7 @@ JOBS: dict[int, list[tuple]] = {
         ("nf4_survives", 2),
         ("offload_policies",),
         ("loaded", 2, 1),
+        ("loaded", 2, 1, NF4_AO),
     ],
     4: [("train", 2, 2, None, True), ("train", 2, 2, NF4_AO, True)],
 }

@@ -125,6 +125,24 @@ def test_load_checkpoint_fills_then_shards():
         ev, ev_plain = r["eval"]  # 3 examples on 2 dp ranks: FSDP's rank 1 runs an extra forward
         assert _rel(ev, ev_plain) < 1e-6
         assert "already sharded" in r["refused"] and "qm.empty_model()" in r["refused"]
+        # streamed: layer 0 was sharded before layer 1 was read
+        (w0, _), (w1, _) = r["streamed"]
+        assert w0 < w1 <= r["puts"]
+
+
+def test_load_streams_an_nf4_base_block_by_block():
+    """nf4 shards hold nothing until loaded (built on meta), so a rank never holds its whole
+    replica while loading: the tensors outside the layers first, then one whole layer at a time."""
+    ref = result(("train", 1, 1, NF4_AO, False))[0]["losses"]
+    fp32 = result(("train", 1, 1, None, False))[0]["losses"]
+    own = max(_rel(a, b) for a, b in zip(ref, fp32))
+    for r in result(("loaded", 2, 1, NF4_AO)):
+        assert r["after"]
+        (w0, held0), (w1, held1) = r["streamed"]
+        assert w0 < w1 <= r["puts"]
+        assert max(held0, held1) < r["replica"], (held0, held1, r["replica"])
+        for a, b in zip(r["losses"], ref, strict=True):
+            assert _rel(a, b) <= own + 1e-4
 
 
 @pytest.mark.parametrize("quant", [None, NF4_AO])
