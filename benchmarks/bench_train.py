@@ -20,6 +20,8 @@ Usage:
         --mb 8 --out DIR   (2 pipeline stages, 1F1B over 8 micro-batches of 1 row: qm.train_step)
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --smoke --tp 2 --check --out DIR
         (tiny shapes on 2 CPU ranks)
+    torchrun --nproc-per-node 1 benchmarks/bench_train.py --quant nf4 --quant-backend torchao \
+        --fsdp --mb 2 --out DIR   (FSDP2 on a 1-rank mesh; without --fsdp: the plain baseline)
 Writes DIR/result_qm_<layout><tag>.json (rank 0); a failure is recorded there, not raised.
 """
 
@@ -90,6 +92,14 @@ def parse(argv=None) -> argparse.Namespace:
         "--loss-chunk", type=int, default=0, help="qm.chunked_loss_sum with N tokens per chunk"
     )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
+    p.add_argument(
+        "--quant-backend", default="bitsandbytes", choices=["bitsandbytes", "torchao"],
+        help="library of the quantized base (torchao: the nf4 that --fsdp shards)",
+    )  # fmt: skip
+    p.add_argument("--fsdp", action="store_true", help="parallelize(fsdp=True): FSDP2 over dp")
+    p.add_argument(
+        "--offload-base", action="store_true", help="with --fsdp: the base's shards on the host"
+    )
     return qb.finish_args(p.parse_args(argv))
 
 
@@ -97,7 +107,9 @@ def layout_name(a, dp: int) -> str:
     q = a.quant if a.quant != "none" else "bf16"
     pp = f"pp{a.pp}_{a.pp_schedule}_" if a.pp > 1 else ""
     m = f"m{a.microbatches}_" if a.microbatches > 1 else ""
+    q += "_ao" if a.quant != "none" and a.quant_backend == "torchao" else ""
     name = f"tp{a.tp}_{pp}{m}dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
+    name += ("_fsdp" if a.fsdp else "") + ("_offbase" if a.offload_base else "")
     name += ("_ckpt" if a.checkpointing else "") + ("_offload" if a.offload else "")
     name += f"_tile{a.tile_tokens}" if a.tile_tokens else ""
     return name + (f"_chunk{a.loss_chunk}" if a.loss_chunk else "")
@@ -110,14 +122,26 @@ def build(a, mesh, cfg, *, dtype, gen_device=None):
     t0 = time.perf_counter()
     model = qb.skeleton(cfg)
     lora = qm.LoraConfig(r=a.lora_r, alpha=a.lora_alpha, dropout=0.0, targets=qb.TARGETS, seed=0)
-    quant = None if a.quant == "none" else a.quant
-    qm.parallelize(model, mesh, quant=quant, lora=lora, dtype=dtype)
+    quant = quant_config(a)
+    qm.parallelize(model, mesh, quant=quant, lora=lora, dtype=dtype, fsdp=a.fsdp,
+                   offload_base=a.offload_base)  # fmt: skip
     t1 = time.perf_counter()
     info = qb.fill_random(model, seed=a.seed, gen_device=gen_device)
+    if a.fsdp:  # filled outside load_checkpoint (which would shard it): shard it here
+        from quantmesh.fsdp import apply_fsdp
+
+        apply_fsdp(model, mesh, offload=a.offload_base)
     qb.sync(mesh.device)
     info["parallelize_s"] = round(t1 - t0, 2)
     model.train()
     return model, info
+
+
+def quant_config(a):
+    """The QuantConfig of --quant / --quant-backend (None for --quant none)."""
+    import quantmesh as qm
+
+    return None if a.quant == "none" else qm.QuantConfig(format=a.quant, backend=a.quant_backend)
 
 
 def memory_estimate(a, mesh, cfg) -> dict:
@@ -129,16 +153,17 @@ def memory_estimate(a, mesh, cfg) -> dict:
 
         lora = qm.LoraConfig(r=a.lora_r, alpha=a.lora_alpha, targets=qb.TARGETS)
         est = estimate_memory(
-            qb.skeleton(cfg), tp=mesh.tp, dp=mesh.dp, quant=None if a.quant == "none" else a.quant,
+            qb.skeleton(cfg), tp=mesh.tp, dp=mesh.dp, quant=quant_config(a),
             lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
             checkpointing=a.checkpointing, offload_activations=a.offload,
-            loss_chunk_tokens=a.loss_chunk, tile_tokens=a.tile_tokens,
+            loss_chunk_tokens=a.loss_chunk, tile_tokens=a.tile_tokens, fsdp=a.fsdp,
+            offload_base=a.offload_base,
         )  # fmt: skip
         R["total_GiB"] = round(est.total / 2**30, 3)
         R["parts_GiB"] = {
             k: round(getattr(est, k) / 2**30, 3)
             for k in ("weights", "lora", "grads", "optimizer", "ddp", "activations", "logits",
-                      "transient")
+                      "transient", "gathered", "host")
         }  # fmt: skip
     return R
 

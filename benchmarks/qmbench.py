@@ -36,6 +36,7 @@ def shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--inter", type=int, default=11008)
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default --heads: MHA)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mb", type=int, default=1, help="micro-batch per data-parallel rank")
@@ -64,7 +65,7 @@ def llama_config(a, *, use_cache: bool = False):
         hidden_size=a.hidden,
         intermediate_size=a.inter,
         num_attention_heads=a.heads,
-        num_key_value_heads=a.heads,
+        num_key_value_heads=getattr(a, "kv_heads", None) or a.heads,
         num_hidden_layers=a.layers,
         vocab_size=a.vocab,
         max_position_embeddings=max(4096, a.seq),

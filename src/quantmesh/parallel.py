@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .dp import apply_dp
+from .fsdp import apply_fsdp, check_fsdp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
 from .pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
@@ -26,7 +27,7 @@ from .plan.plan import Plan, Resolved
 from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
 from .quant.kinds import check_quantizable, quantizable
-from .state import ParallelState, attach_state
+from .state import ParallelState, attach_state, parallel_state
 from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
@@ -49,6 +50,8 @@ def parallelize(
     verify: bool = True,
     example_inputs: Any = None,
     pipeline: PipelineConfig | None = None,
+    fsdp: bool = False,
+    offload_base: bool = False,
 ) -> nn.Module:
     """Tensor-parallelize, quantize and LoRA-adapt `model` in place over `mesh`; returns it.
 
@@ -72,6 +75,12 @@ def parallelize(
             (`qm.PipelineConfig(stages=[...])`); None = equal block counts. Each rank keeps only
             its stage's modules (the others become parameterless stand-ins); train with
             `qm.train_step`.
+        fsdp: shard every parameter (frozen base and adapters) over mesh.dp with torch's FSDP2,
+            one repeated block at a time (fsdp.py), instead of a whole replica per dp rank.
+            Quantized bases need backend="torchao". A model built under `qm.empty_model()` is
+            sharded when `load_checkpoint` has filled it.
+        offload_base: with fsdp, keep each block's frozen base in host memory (FSDP2's
+            CPUOffloadPolicy), copied to the device for its gather.
 
     The global random state of every rank is left as it was found.
 
@@ -84,8 +93,9 @@ def parallelize(
     cuda = [dev.index or 0] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         return _parallelize(
-            model, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs, pipeline
-        )
+            model, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs,
+            pipeline, fsdp, offload_base,
+        )  # fmt: skip
 
 
 def _parallelize(
@@ -99,6 +109,8 @@ def _parallelize(
     verify: bool,
     example_inputs: Any,
     pipeline: PipelineConfig | None = None,
+    fsdp: bool = False,
+    offload_base: bool = False,
 ) -> nn.Module:
     if isinstance(plan, dict):
         plan = Plan(plan)
@@ -124,9 +136,16 @@ def _parallelize(
             f"replica's layers over its own devices or joins a tp group, not both; use tp=1"
         )
 
+    if offload_base and not fsdp:
+        raise ValueError("offload_base=True offloads FSDP's shards of the base; pass fsdp=True too")
+    if fsdp:
+        check_fsdp(qcfg, data_parallel, mesh)
+
     # 1. validate everything before allocating anything (or any collective)
     resolved = plan.resolve(model, mesh.tp)
     fmt = get_format(qcfg) if qcfg is not None else None
+    if fsdp and hasattr(fmt, "shards"):  # torchao nf4: block-scale groups within dp shards
+        setattr(fmt, "shards", mesh.dp)  # noqa: B010 - only that format has the attribute
     wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
 
     # 2. prove the split exact on the tp group; replicate what is not (the reasons go in the plan)
@@ -189,8 +208,14 @@ def _parallelize(
 
         reduce_partial_grads(model, report.reduce_grads, mesh.tp_group)
 
-    # 5. data parallel over the trainable parameters (at pp > 1, train_step sums them over dp)
-    if data_parallel and mesh.dp > 1 and mesh.pp == 1:
+    # 5. data parallel: FSDP2 over every parameter (once all hold values), or DDP over the
+    # trainable ones (at pp > 1, train_step sums them over dp)
+    if fsdp:
+        st = parallel_state(model)
+        st.fsdp, st.offload_base = True, offload_base
+        if not meta:  # else load_checkpoint shards it once every tensor holds its values
+            apply_fsdp(model, mesh, offload=offload_base)
+    elif data_parallel and mesh.dp > 1 and mesh.pp == 1:
         apply_dp(model, mesh)
     return model
 

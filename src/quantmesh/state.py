@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal, overload
 if TYPE_CHECKING:
     from torch import nn
 
+    from .fsdp import FsdpConfig
     from .lora import LoraConfig
     from .mesh import Mesh
     from .pipeline.step import PipelineRuntime
@@ -47,7 +48,10 @@ class ParallelState:
     tied: groups of tensor names that share one tensor (a checkpoint may hold one of each group).
     uninitialized: tensor names that hold no values yet (built on meta; load_checkpoint fills them).
     rng: the dropout RNG regions of this model's tp layers.
-    dp: True once the trainable gradients are synced over mesh.dp (apply_dp).
+    dp: True once the trainable gradients are synced over mesh.dp (apply_dp or apply_fsdp).
+    fsdp, offload_base: FSDP2 over dp was asked for (parallelize(fsdp=True, offload_base=...)).
+    sharded: what apply_fsdp did (None until it ran: a model built on meta is sharded by
+        load_checkpoint once every tensor holds its values).
     verify: what verify_plan found (None when not run: tp=1 or verify=False).
     pipeline: this rank's pipeline stage and schedules (None at pp = 1).
     """
@@ -62,6 +66,9 @@ class ParallelState:
     dp: bool = False
     verify: VerifyReport | None = None
     pipeline: PipelineRuntime | None = None
+    fsdp: bool = False
+    offload_base: bool = False
+    sharded: FsdpConfig | None = None
 
 
 def attach_state(model: nn.Module, state: ParallelState) -> None:

@@ -112,3 +112,32 @@ def test_bench_train_smoke_pp2_1f1b_on_two_cpu_ranks(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "| quantmesh, pipeline | pp=2 1f1b M=2 nf4 + LoRA" in out.stdout
+
+
+def test_bench_train_smoke_fsdp_on_one_cpu_rank(tmp_path: Path) -> None:
+    """The one-GPU FSDP cost run's code path (torchao nf4, --fsdp on a 1-rank mesh), tiny."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        str(BENCH / "bench_train.py"), "--smoke", "--quant", "nf4", "--quant-backend", "torchao",
+        "--fsdp", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "result_qm_tp1_dp1_nf4_ao_lora_fsdp.json").read_text())
+    assert res["ok"], res.get("traceback")
+    assert res["tokens_per_s"] > 0
+    assert res["memory_estimate"]["parts_GiB"]["gathered"] > 0  # the FSDP terms are estimated
+
+
+def test_fsdp_table_prints_every_layout() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "fsdp_table.py"), "--layers", "16"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert len(rows) == 6  # tp {1, 2} x dp {2, 4, 8}
+    for row in rows:  # 16 layers: enough blocks that sharding them pays for the gathered ones
+        plain, fsdp, off = (c.strip() for c in row.strip("|").split("|")[2:])
+        assert float(off.split()[0]) < float(fsdp) < float(plain)
+        assert float(off.split()[1].strip("()")) > 0  # the base's host share

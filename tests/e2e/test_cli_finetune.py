@@ -130,3 +130,21 @@ def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
     assert {k.split(".layers.")[1].split(".")[0] for k in weights} == {"0", "1"}  # both stages
     assert cfg["peft_type"] == "LORA"
     assert (tmp_path / "out/checkpoints/step-000002/state/state.json").is_file()  # resumable
+
+
+@pytest.mark.slow
+def test_fsdp_finetune_matches_the_masked_reference(tmp_path: Path) -> None:
+    """--fsdp through the whole CLI: from_pretrained on meta, sharded once loaded, grad
+    accumulation under no_sync, a checkpoint; the first loss is the eager reference's."""
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    data = tmp_path / "instructions.jsonl"
+    _instructions(data)
+    proc = cli("finetune", "--model", str(model_dir), "--data", str(data), "--nproc", "2",
+               "--micro-batch", "1", "--grad-accum", "2", "--seq-len", "32", "--steps", "2",
+               "--lr", "1e-2", "--output-dir", str(tmp_path / "out"), "--fsdp")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    masked, _ = _reference(model_dir, data, 32)
+    assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked)
+    assert any((tmp_path / "out").rglob("adapter_model.safetensors"))

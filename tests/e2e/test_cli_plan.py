@@ -93,3 +93,19 @@ def test_plan_as_a_user_runs_it_reads_only_config_json(config_only: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Plan for tp=2:")
     assert json.loads((config_only / "config.json").read_text())["num_attention_heads"] == 9
+
+
+def test_plan_shows_the_fsdp_layouts(config_only: Path, capsys) -> None:
+    argv = ["plan", str(config_only), "--dp", "2", "--quant", "nf4", "--lora-r", "8",
+            "--seq", "64"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "If this does not fit: --fsdp:" in out and "--fsdp --offload-base:" in out
+    argv += ["--fsdp", "--offload-base", "--quant-backend", "torchao"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "FSDP: gathered" in out and "(host: offloaded base)" in out
+    assert "fsdp over dp=2" in out
+    with pytest.raises(SystemExit):  # --offload-base needs --fsdp
+        main(["plan", str(config_only), "--offload-base"])
+    assert "--offload-base needs --fsdp" in capsys.readouterr().err

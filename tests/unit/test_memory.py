@@ -362,3 +362,47 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     chunked = estimate_memory(m, loss_chunk_tokens=8, **kw)
     assert chunked.logits == 8 * v * 12 + tokens * h * 4
     assert estimate_memory(m, loss_chunk_tokens=4096, **kw).logits == base.logits  # one chunk
+
+
+def test_fsdp_splits_the_replica_over_dp_and_offload_moves_blocks_to_host() -> None:
+    import quantmesh as qm
+
+    model = _model(True, **TINY)
+    q = qm.QuantConfig(format="nf4", backend="torchao")
+    kw = dict(quant=q, lora=qm.LoraConfig(r=4), seq_len=32, dtype=torch.bfloat16)
+    plain = estimate_memory(model, dp=4, **kw)
+    sharded = estimate_memory(model, dp=4, fsdp=True, **kw)
+    off = estimate_memory(model, dp=4, fsdp=True, offload_base=True, **kw)
+    assert plain.ddp > 0 and sharded.ddp == 0  # no DDP buckets under FSDP
+    assert abs(sharded.weights * 4 - plain.weights) <= 8  # / dp (rounded up per group)
+    assert sharded.optimizer * 4 >= plain.optimizer >= (sharded.optimizer - 1) * 4
+    # root (embeddings + head, bf16) whole, two blocks (+ adapters) in flight
+    root = 2 * 64 * 72 * 2 + 72 * 2  # embed_tokens, lm_head (skipped by quant), final norm
+    block_w, block_lora = (plain.weights - root) / 2, plain.lora / 2  # 2 layers
+    # + one block's unsharded adapter gradients before their reduce-scatter
+    assert abs(sharded.gathered - (root + 2 * (block_w + block_lora) + block_lora)) <= 2
+    assert off.host > 0 and off.weights < sharded.weights
+    assert (
+        off.weights + off.host == sharded.weights
+        or abs(off.weights + off.host - sharded.weights) <= 2
+    )
+    assert "fsdp over dp=4" in " ".join(sharded.notes)
+    with pytest.raises(ValueError, match="pass fsdp=True"):
+        estimate_memory(model, offload_base=True, **kw)
+
+
+def test_out_of_memory_proposes_the_fsdp_layout_that_fits(monkeypatch) -> None:
+    from quantmesh.cli import plan_cmd
+    from quantmesh.cli.errors import CliError
+
+    monkeypatch.setattr(plan_cmd, "device_budget", lambda n: ("cuda", 20 * 2**30, "test budget"))
+    est = MemoryEstimate(weights=40 * 2**30)
+    hints = [("--fsdp", 24 * 2**30), ("--fsdp --offload-base", 8 * 2**30)]
+    with pytest.raises(CliError) as e:
+        plan_cmd.check_memory(est, 2, what="training", fsdp_hints=hints)
+    msg = str(e.value)
+    assert "Fix: --fsdp --offload-base (about 8.00 GiB per rank" in msg  # the first that fits
+    assert "--quant-backend torchao" in msg and "--checkpointing" in msg
+    with pytest.raises(CliError) as e:  # none fits: the usual fixes only
+        plan_cmd.check_memory(est, 2, what="training", fsdp_hints=[("--fsdp", 30 * 2**30)])
+    assert "Fix: --checkpointing" in str(e.value)

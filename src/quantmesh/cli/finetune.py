@@ -27,6 +27,7 @@ from .errors import CliError, user_errors
 __all__ = ["FinetuneConfig", "add_parser", "load_config", "run"]
 
 QUANTS = ("none", *FORMATS)  # the choices of --quant
+BACKENDS = ("bitsandbytes", "torchao")  # the choices of --quant-backend
 SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -58,7 +59,7 @@ class FinetuneConfig:
     rdzv_endpoint: str | None = None
     """host:port of the rendezvous for a multi-node run."""
     quant: str = "none"
-    """Quantization of the frozen base: none, nf4, fp4 or int8 (bitsandbytes)."""
+    """Quantization of the frozen base: none, nf4, fp4 or int8 (library: quant_backend)."""
     lora_r: int = 16
     """LoRA rank."""
     lora_alpha: float = 32.0
@@ -116,6 +117,12 @@ class FinetuneConfig:
     """With checkpointing: run each layer's MLP this many tokens at a time (long sequences); 0 = off."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (never the whole logits at once); 0 = the plain loss."""
+    quant_backend: str = "bitsandbytes"
+    """Library of the quantized base: bitsandbytes, or torchao (NF4Tensor; the one --fsdp shards)."""
+    fsdp: bool = False
+    """Shard the frozen base and the adapters over dp with torch's FSDP2, one layer at a time."""
+    offload_base: bool = False
+    """With fsdp: keep the layers' shards of the base in host memory."""
 
     def __post_init__(self) -> None:
         if isinstance(self.data, str):
@@ -130,6 +137,25 @@ class FinetuneConfig:
             raise CliError(
                 f"--loss-chunk-tokens {self.loss_chunk_tokens}; expected >= 1 (or 0: plain loss)"
             )
+        if self.quant_backend not in BACKENDS:
+            raise CliError(
+                f"quant_backend={self.quant_backend!r}; use one of {', '.join(BACKENDS)}"
+            )
+        if self.offload_base and not self.fsdp:
+            raise CliError("--offload-base needs --fsdp (it offloads FSDP's shards of the base)")
+        if self.fsdp and self.pp > 1:
+            raise CliError(
+                f"--fsdp with --pp {self.pp}: sharding pipeline stages over dp is not implemented; "
+                "use --fsdp with --pp 1, or --pp without --fsdp"
+            )
+        if self.fsdp and self.quant != "none" and self.quant_backend != "torchao":
+            raise CliError(
+                f"--fsdp cannot shard bitsandbytes {self.quant} exactly (its statistics live "
+                "beside the weight); add --quant-backend torchao"
+                + (" and use --quant nf4 (torchao has no fp4)" if self.quant == "fp4" else "")
+            )
+        if self.quant_backend == "torchao" and self.quant == "fp4":
+            raise CliError("--quant-backend torchao has nf4 and int8; use --quant nf4")
         if self.offload_activations and not self.checkpointing:
             raise CliError(
                 "--offload-activations needs --checkpointing (it offloads what it keeps)"
@@ -213,6 +239,14 @@ class FinetuneConfig:
     def world_size(self) -> int:
         assert self.nproc is not None  # set by _resolve_mesh
         return self.nproc * self.nnodes
+
+    def quant_config(self):
+        """The QuantConfig of --quant / --quant-backend (None for --quant none)."""
+        from ..quant.base import QuantConfig
+
+        if self.quant == "none":
+            return None
+        return QuantConfig(format=self.quant, backend=self.quant_backend)
 
     def lora_config(self):
         """The qm.LoraConfig of this run (LoRA A initialized from `seed`)."""
@@ -312,6 +346,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--rdzv-endpoint", help="host:port of the rendezvous (multi-node launch)")
     g = p.add_argument_group("model")
     g.add_argument("--quant", choices=QUANTS, help="quantize the frozen base (default none)")
+    g.add_argument(
+        "--quant-backend", choices=BACKENDS, help="bitsandbytes (default) or torchao (for --fsdp)"
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        default=None,
+        help="shard the base and adapters over dp (torch FSDP2), gathered one layer at a time",
+    )
+    g.add_argument(
+        "--offload-base",
+        action="store_true",
+        default=None,
+        help="with --fsdp: the layers' shards of the base in host memory",
+    )
     g.add_argument("--lora-r", type=int, help="LoRA rank (default 16)")
     g.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 32)")
     g.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
@@ -502,12 +551,12 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
             f"--output-dir {str(out)!r} already holds a run (metrics.jsonl); pass --resume "
             f"{out} to continue it, --overwrite to replace it, or another --output-dir"
         )
-    est = estimate_memory(
-        model,
+    mem = dict(
+        model=model,
         tp=cfg.tp,
         dp=cfg.dp,
         plan=plan,
-        quant=None if cfg.quant == "none" else cfg.quant,
+        quant=cfg.quant_config(),
         lora=lora,
         seq_len=cfg.seq_len,
         micro_batch=cfg.micro_batch,
@@ -518,6 +567,11 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         tile_tokens=cfg.tile_tokens or None,
     )
+    est = estimate_memory(**mem, fsdp=cfg.fsdp, offload_base=cfg.offload_base)
+    hints = []
+    if not cfg.fsdp and lora is not None:  # what FSDP would need, named in the error
+        for flags, off in (("--fsdp", False), ("--fsdp --offload-base", True)):
+            hints.append((flags, estimate_memory(**mem, fsdp=True, offload_base=off).total))
     if cfg.pp > 1:  # each rank holds one pipeline stage: the fullest rank must fit
         import argparse
 
@@ -533,7 +587,8 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         quant = None if cfg.quant == "none" else cfg.quant
         stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
         est = max((r.estimate for r in stages), key=lambda e: e.total)
-    check_memory(est, cfg.nproc, what="training")
+        hints = []
+    check_memory(est, cfg.nproc, what="training", fsdp_hints=hints)
 
 
 def _check_tokenizer(path: Path) -> None:

@@ -105,8 +105,11 @@ def device_budget(nproc_local: int) -> tuple[str, int, str]:
     )
 
 
-def check_memory(est, nproc_local: int, *, what: str) -> None:
+def check_memory(
+    est, nproc_local: int, *, what: str, fsdp_hints: list[tuple[str, int]] | None = None
+) -> None:
     """Raise CliError when the estimate does not fit one rank's share of this machine.
+    `fsdp_hints`: [(flags, estimated total)] of the FSDP layouts, proposed when one fits.
 
     Example:
         >>> check_memory(estimate_memory(model, tp=2, ...), 2, what="training")  # doctest: +SKIP
@@ -116,11 +119,18 @@ def check_memory(est, nproc_local: int, *, what: str) -> None:
     kind, budget, source = device_budget(nproc_local)
     if est.total <= budget:
         return
+    fits = [(f, t) for f, t in (fsdp_hints or []) if t <= budget]
+    fsdp = (
+        f"Fix: {fits[0][0]} (about {format_bytes(fits[0][1])} per rank: the base sharded over "
+        "dp, gathered one layer at a time; --quant-backend torchao for a quantized base); or "
+        if fits
+        else "Fix: "
+    )
     raise CliError(
         f"estimated out of memory: {what} needs about {format_bytes(est.total)} per rank (tp rank "
         f"{est.rank}), but a rank has {format_bytes(max(budget, 0))} ({source}).\n"
         f"{est.table()}\n"
-        "Fix: --checkpointing (recompute the layers in backward), a smaller --micro-batch or "
+        f"{fsdp}--checkpointing (recompute the layers in backward), a smaller --micro-batch or "
         "--seq-len, a larger --tp, or --quant nf4; "
         "`quantmesh plan` shows the estimate for any choice"
     )
@@ -164,6 +174,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--loss-chunk-tokens", type=int, default=0, help="chunked loss (default 0: plain loss)"
     )
     p.add_argument(
+        "--quant-backend",
+        choices=("bitsandbytes", "torchao"),
+        default="bitsandbytes",
+        help="library of the quantized base (torchao: the one --fsdp shards)",
+    )
+    p.add_argument("--fsdp", action="store_true", help="base and adapters sharded over dp (FSDP2)")
+    p.add_argument("--offload-base", action="store_true", help="with --fsdp: base shards on host")
+    p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
@@ -191,7 +209,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
 
     from ..lora import LoraConfig, lora_targets
     from ..plan.auto import auto_plan
-    from ..plan.memory import estimate_memory
+    from ..plan.memory import estimate_memory, format_bytes
 
     plan = auto_plan(model, args.tp)
     table = plan.table(model, args.tp)
@@ -204,10 +222,16 @@ def plan_report(model, args: argparse.Namespace) -> str:
         )
         lora = LoraConfig(r=args.lora_r, dropout=args.lora_dropout, **kw)
         lora_targets(model, lora)  # names that match nothing are an error, with the valid names
-    quant = None if args.quant == "none" else args.quant
+    from ..quant.base import QuantConfig
+
+    backend = getattr(args, "quant_backend", "bitsandbytes")
+    quant = None if args.quant == "none" else QuantConfig(format=args.quant, backend=backend)
     gpu = args.device == "cuda"
-    est = estimate_memory(
-        model,
+    fsdp, offload = getattr(args, "fsdp", False), getattr(args, "offload_base", False)
+    if offload and not fsdp:
+        raise CliError("--offload-base needs --fsdp (it offloads FSDP's shards of the base)")
+    mem = dict(
+        model=model,
         tp=args.tp,
         dp=args.dp,
         plan=plan,
@@ -222,6 +246,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
         tile_tokens=getattr(args, "tile_tokens", 0) or None,
     )
+    est = estimate_memory(**mem, fsdp=fsdp, offload_base=offload)
     mode = (
         f"training LoRA r={args.lora_r} with AdamW"
         if lora
@@ -245,6 +270,15 @@ def plan_report(model, args: argparse.Namespace) -> str:
     lines += [f"Note: {n}" for n in est.notes]
     if getattr(args, "pp", 1) > 1:
         lines += ["", stage_report(model, args, plan=plan, quant=quant, lora=lora)]
+    if lora and not fsdp:  # the FSDP layouts side by side: the way out when this does not fit
+        alt = [
+            f"{flags}: {format_bytes(estimate_memory(**mem, fsdp=True, offload_base=o).total)}"
+            for flags, o in (("--fsdp", False), ("--fsdp --offload-base", True))
+        ]
+        lines.append(
+            f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}; a quantized "
+            "base needs --quant-backend torchao)"
+        )
     return "\n".join(lines)
 
 

@@ -76,11 +76,13 @@ def finetune(payload: str) -> int:
     model = qm.from_pretrained(
         cfg.model,
         mesh,
-        quant=None if cfg.quant == "none" else cfg.quant,
+        quant=cfg.quant_config(),
         lora=cfg.lora_config(),
         dtype=dtype,
         progress=rank0,
         pipeline=qm.PipelineConfig(virtual=cfg.pp_virtual) if cfg.pp > 1 else None,
+        fsdp=cfg.fsdp,
+        offload_base=cfg.offload_base,
     )
     if cfg.checkpointing:
         qm.checkpoint_blocks(

@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..fsdp import fill_from_whole
 from ..lora import LoraConfig, LoraError
 from ..state import parallel_state
 from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
 from .full import tp_sharded
 from .reader import CheckpointReader, open_checkpoint
-from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, in_first_replica
+from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, gathers_here
 
 __all__ = ["save_adapter", "load_adapter", "adapter_lora_config"]
 
@@ -167,7 +168,7 @@ def save_adapter(
         mods, config = agreed(check, "save_adapter")
 
     def produce(w: _Rank0Writer) -> None:
-        if not in_first_replica(model):
+        if not gathers_here(model):
             return
         tensors = {}
         # at pp > 1 the first tp rank of each stage keeps its part and sends it to global rank 0
@@ -319,8 +320,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                         dest = m.get_parameter(name)
                         dim, fs = split.get(name, (None, None))
                         ranges = fs.ranges(m.tp_rank) if fs is not None else None
-                        dest.copy_(reader.read(f"{fqn}.{name}", dim, ranges, dtype=dest.dtype,
-                                               device=dest.device))  # fmt: skip
+                        fill_from_whole(dest, reader.read(f"{fqn}.{name}", dim, ranges,
+                                                          dtype=dest.dtype, device=dest.device))  # fmt: skip
                     m.lora_scale = alpha / r
                     m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
         st = parallel_state(model, required=False)

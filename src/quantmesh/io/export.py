@@ -30,7 +30,7 @@ from torch import nn
 
 from ..state import parallel_state
 from ..tp.layers import ShardedModule
-from .full import module_tensors
+from .full import _refuse_fsdp, module_tensors
 from .load import _Target, _targets
 from .save import (
     ShardWriter,
@@ -145,6 +145,7 @@ def export(
                 f"writing the stages into one model folder is not implemented; save the adapter "
                 f"(qm.save_adapter works at any pp) and export it at pp=1"
             )
+        _refuse_fsdp(model, "export")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype={dtype!r}; pass a float torch dtype such as torch.bfloat16")
         return parse_size(max_shard_size)

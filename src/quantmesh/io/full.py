@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..plan.styles import FeatureSplit, Style
 from ..state import parallel_state
@@ -71,6 +72,17 @@ def module_tensors(m: ShardedModule, *, dequantize: bool = True) -> dict[str, to
     return out
 
 
+def _refuse_fsdp(model: nn.Module, what: str) -> None:
+    """Raise before any collective when FSDP shards `model` (not supported by `what` yet)."""
+    st = parallel_state(model, required=False)
+    if st is not None and st.sharded is not None:
+        raise ValueError(
+            f"{what} of a model sharded with fsdp=True is not supported yet; save the adapter "
+            "(qm.save_adapter) and load it into the model parallelized without fsdp, then "
+            f"call {what} there"
+        )
+
+
 @torch.no_grad()
 def full_state_dict(
     model: nn.Module, *, rank0_only: bool = True, cpu: bool = True
@@ -92,6 +104,7 @@ def full_state_dict(
             f"gathering the stages is not implemented; save the adapters (qm.save_adapter) or "
             f"the training state (qm.save_state), which work at any pp, or use pp=1"
         )
+    _refuse_fsdp(model, "full_state_dict")
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded = sharded_modules(model)
@@ -136,15 +149,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     pp_group = st.mesh.pp_group if st is not None and st.mesh.pp > 1 else None
     if not grads and pp_group is None:
         return torch.tensor(0.0)
-    dev = grads[0][0].device if grads else st.mesh.device  # type: ignore[union-attr]
+    dev = _device_of(model, grads[0][0]) if grads else st.mesh.device  # type: ignore[union-attr]
     local = torch.zeros((), device=dev, dtype=torch.float32)
     repl = torch.zeros((), device=dev, dtype=torch.float32)
+    dp_group = None  # FSDP: each gradient is a DTensor split over dp; its squares summed over dp
     for g, is_sharded in grads:
+        if isinstance(g, DTensor):
+            dp_group = g.device_mesh.get_group()
+            g = g.to_local()
         sq = g.detach().float().pow(2).sum().to(dev)
         if is_sharded:
             local += sq
         else:
             repl += sq
+    if dp_group is not None:
+        both = torch.stack([local, repl])
+        dist.all_reduce(both, group=dp_group)
+        local, repl = both[0], both[1]
     if group is not None:
         dist.all_reduce(local, group=group)
     squares = local + repl
@@ -156,3 +177,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         for g, _ in grads:
             g.mul_(coef.to(g.device))
     return total
+
+
+def _device_of(model: nn.Module, g: torch.Tensor) -> torch.device:
+    """Where the norm is summed: the mesh's device (FSDP may keep gradients in host memory)."""
+    st = parallel_state(model, required=False)
+    return st.mesh.device if st is not None else g.device

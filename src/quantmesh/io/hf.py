@@ -121,6 +121,8 @@ def from_pretrained(
     plan: Plan | dict[str, str] | None = None,
     progress: bool = True,
     pipeline: PipelineConfig | None = None,
+    fsdp: bool = False,
+    offload_base: bool = False,
 ) -> nn.Module:
     """A transformers causal LM from a local folder, parallelized over `mesh` and loaded by slices.
 
@@ -135,6 +137,7 @@ def from_pretrained(
         dtype: the float dtype of the weights; None = the config's `dtype` (float32 if unset).
         progress: a tqdm bar of bytes read, on global rank 0.
         pipeline: at pp > 1, the stage cut (`qm.PipelineConfig`); each stage reads only its keys.
+        fsdp, offload_base: as in `qm.parallelize`; the model is sharded once loaded.
 
     Example:
         >>> model = qm.from_pretrained("llama_dir", mesh, quant="nf4")  # doctest: +SKIP
@@ -160,7 +163,8 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype, pipeline=pipeline)
+    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype, pipeline=pipeline,
+                fsdp=fsdp, offload_base=offload_base)  # fmt: skip
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)

@@ -289,6 +289,46 @@ def _put(t: _Target, value: torch.Tensor) -> None:
         getattr(mod, "_buffers" if k == "buffer" else "_parameters")[a] = new
 
 
+def _fsdp_stream(
+    model: nn.Module, targets: list[_Target], sources: dict[int, str], strict: bool
+) -> tuple[list[tuple[int, str]], Any]:
+    """The (target, source) pairs in the order to read them, and the BlockSharder that shards
+    each block once filled (parallelize(fsdp=True) of a model on meta, strict loads only): the
+    tensors outside the blocks first, then block after block, so a rank holds one block of its
+    tp shard whole at a time. Without fsdp: checkpoint-plan order, no sharder."""
+    st = parallel_state(model, required=False)
+    items = list(sources.items())
+    if st is None or not st.fsdp or st.sharded is not None or not strict:
+        return items, None
+    from ..fsdp import BlockSharder
+    from ..plan.auto import blocks_of
+
+    names = [n for n, _ in blocks_of(model)]
+    index = {n: i for i, n in enumerate(names)}
+
+    def block_of(key: str) -> str | None:
+        parts = key.split(".")
+        for j in range(len(parts) - 1, 0, -1):
+            b = ".".join(parts[:j])
+            if b in index:
+                return b
+        return None
+
+    pending: dict[str, set[str]] = {}
+    unfilled: set[str] = set()  # blocks with a tensor this checkpoint does not hold: left whole
+    for i, t in enumerate(targets):
+        for b in {block_of(k) for k in t.keys}:
+            if b is None:
+                continue
+            if i in sources:
+                pending.setdefault(b, set()).update(t.keys)
+            elif not t.optional:
+                unfilled.add(b)
+    pending = {b: keys for b, keys in pending.items() if b not in unfilled}
+    items.sort(key=lambda it: index.get(block_of(targets[it[0]].key) or "", -1))  # stable
+    return items, BlockSharder(model, pending)
+
+
 def _leftovers(model: nn.Module, written: set[str]) -> list[str]:
     """Names still uninitialized: never-loaded shards, meta tensors, empty materialized ones."""
     st = parallel_state(model, required=False)
@@ -315,6 +355,13 @@ def _load(
             "key_map= was given with an open CheckpointReader, which already maps its keys; "
             "pass key_map to open_checkpoint instead, or pass the path here"
         )
+    st0 = parallel_state(model, required=False)
+    if st0 is not None and st0.sharded is not None:
+        raise LoadError(
+            "this model is already sharded over dp by FSDP (parallelize(fsdp=True) of a model "
+            "with real weights); build it under qm.empty_model() so that load_checkpoint fills "
+            "it before sharding, or load the weights before parallelize"
+        )
     targets = _targets(model)
     reader = (
         source if isinstance(source, CheckpointReader) else open_checkpoint(source, key_map=key_map)
@@ -324,12 +371,15 @@ def _load(
         total = sum(targets[i].nbytes(reader.dtype(k).itemsize) for i, k in sources.items())
         bar = _bar(total, progress and _rank() == 0, str(reader.source))
         written: set[str] = set()
-        for i, src in sources.items():
+        items, sharder = _fsdp_stream(model, targets, sources, strict)
+        for i, src in items:
             t = targets[i]
             value = reader.read(src, t.dim, t.ranges, dtype=t.dtype, device=t.device)
             _put(t, value)
             del value
             written.update(t.keys)
+            if sharder is not None:  # fsdp: a block whose tensors are all written is sharded
+                sharder.filled(t.keys)
             n = t.nbytes(reader.dtype(src).itemsize)
             result.bytes_read += n
             if bar is not None:
@@ -410,4 +460,26 @@ def load_checkpoint(
         err = e
     all_ranks_ok(err, "load_checkpoint")
     assert result is not None  # all_ranks_ok raised otherwise
+    _shard_when_filled(model)
     return result
+
+
+def _shard_when_filled(model: nn.Module) -> None:
+    """parallelize(fsdp=True) of a model on meta: FSDP2 shards it once every rank's tensors hold
+    values (the ranks agree first). Each rank held its whole tp shard until here."""
+    st = parallel_state(model, required=False)
+    if st is None or not st.fsdp or st.sharded is not None:
+        return
+    ready = torch.tensor([int(not _leftovers(model, set()))], device=_coll_device())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(ready, op=dist.ReduceOp.MIN)
+    if not int(ready):
+        return  # a later load_checkpoint fills the rest, then shards
+    from ..fsdp import apply_fsdp
+
+    err = None
+    try:
+        apply_fsdp(model, st.mesh, offload=st.offload_base)
+    except Exception as e:  # the same on every rank (checked before any collective); reported
+        err = e
+    all_ranks_ok(err, "load_checkpoint (sharding with FSDP)")

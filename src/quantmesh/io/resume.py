@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..fsdp import fill_from_whole, like_param, whole
 from ..state import parallel_state
 from ..tp.layers import sharded_modules
 from .full import tp_sharded
@@ -48,7 +49,7 @@ from .save import (
     agreed,
     collective_save,
     full_tensor,
-    in_first_replica,
+    gathers_here,
     parse_size,
 )
 
@@ -87,7 +88,7 @@ def _full_shape(p: torch.Tensor, split: Split) -> list[int]:
 
 
 def _full(t: torch.Tensor, split: Split) -> torch.Tensor:
-    return t.detach() if split is None else full_tensor(split[0], split[1], t)
+    return whole(t).detach() if split is None else full_tensor(split[0], split[1], t)
 
 
 def _slice_of(split: Split) -> tuple[int | None, Any]:
@@ -333,7 +334,7 @@ def save_state(
         params, layout = _merge_stages(_gather_json([mesh.pp_rank, params, layout]))
 
     def produce(w: _Rank0Writer) -> None:
-        if in_first_replica(model):
+        if gathers_here(model):
             t_items: Iterable = ((n, _full(p, splits.get(n))) for n, p in trainable.items())
             o_items: Iterable = _optimizer_tensors(optimizer, trainable, local_layout, splits)
             if pp:  # the first tp rank of each stage sends its part to global rank 0
@@ -429,7 +430,7 @@ def load_state(
         with open_checkpoint(_files(folder, "trainable")) as reader:
             for n, p in trainable.items():
                 dim, ranges = _slice_of(splits.get(n))
-                p.copy_(reader.read(n, dim, ranges, dtype=p.dtype, device=p.device))
+                fill_from_whole(p, reader.read(n, dim, ranges, dtype=p.dtype, device=p.device))
         opt = manifest["optimizer"]
         sd: dict[str, Any] = {"state": {}, "param_groups": []}
         index = 0
@@ -441,6 +442,8 @@ def load_state(
                     for k, kind in opt["tensors"].get(n, {}).items():
                         dim, ranges = _slice_of(splits.get(n)) if kind == "param" else (None, None)
                         st[k] = reader.read(f"{n}:{k}", dim, ranges)
+                        if kind == "param":  # laid out like its parameter (an FSDP shard)
+                            st[k] = like_param(st[k], trainable[n])
                     if st:
                         sd["state"][index] = st
                     ids.append(index)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fsdp import is_sharded, whole
 from ..state import parallel_state
 from ..tp.layers import ShardedModule
 from .atomic import atomic_dir
@@ -37,6 +38,7 @@ from .full import gather_param, tp_sharded
 from .load import _rank, all_ranks_ok
 
 __all__ = [
+    "gathers_here",
     "collective_save",
     "agreed",
     "ShardWriter",
@@ -222,6 +224,17 @@ def in_first_replica(model: nn.Module) -> bool:
     return st is None or st.mesh.dp_rank == 0
 
 
+def gathers_here(model: nn.Module) -> bool:
+    """True on the ranks that take part in gathering tensors to save: replica 0's, or every rank
+    when FSDP splits each tensor over dp too.
+
+    Example:
+        >>> gathers_here(model)  # doctest: +SKIP
+        True
+    """
+    return in_first_replica(model) or is_sharded(model)
+
+
 def full_tensor(m: ShardedModule, name: str, local: torch.Tensor | None = None) -> torch.Tensor:
     """The whole tensor `name` of `m` (all-gathered over tp when split; collective then).
 
@@ -229,6 +242,6 @@ def full_tensor(m: ShardedModule, name: str, local: torch.Tensor | None = None) 
         >>> full_tensor(q_proj, "lora_B.weight").shape  # doctest: +SKIP
         torch.Size([576, 16])
     """
-    t = (local if local is not None else m.get_parameter(name)).detach()
+    t = whole(local if local is not None else m.get_parameter(name)).detach()  # over dp (FSDP)
     spec = tp_sharded(m).get(name)
     return t if spec is None else gather_param(t, spec[0], spec[1], m.group)

@@ -83,6 +83,17 @@ rank 0 more), in bytes:
                bytes per logit, are gone by then: nothing keeps the logits themselves.) The
                vocabulary is whole: the auto plan's head is colwise_gather.
   transient    the largest linear's weight dequantized for a matmul (quantized formats)
+  fsdp         with `fsdp=True` (FSDP2 over dp, fsdp.py) the parts above change so: weights,
+               adapters, their gradients and AdamW states are split over dp (each / dp); no DDP
+               buckets; `gathered` adds what FSDP holds whole at the peak (the start of backward):
+               the root group (embeddings, final norm, head: FSDP2 keeps the root gathered
+               between forward and backward) and two of the largest blocks (the one running and
+               the one prefetched), each with its adapters, plus one block's unsharded fp32
+               adapter gradients before their reduce-scatter. `offload_base=True` moves the
+               blocks' shards to host memory (`host`, not in the total) and adds the two blocks'
+               shards copied in for their gathers to `transient`. FSDP2's all-gather output is a
+               buffer of its own, so the gathered blocks count also at dp = 1. Not yet held
+               against measured peaks (docs/benchmarks.md gives the command)
 
 The total is the sum of the parts. Two small parts are not live at the training peak itself and are
 kept as a named margin: `grads` (the adapters' gradients exist from their backward until
@@ -158,7 +169,12 @@ class MemoryEstimate:
     """Cross-entropy's backward over the logits: fp32 log-softmax and two gradients (+ the head's
     input held at tp > 1)."""
     transient: int = 0
-    """The largest dequantized weight during a quantized matmul."""
+    """The largest dequantized weight during a quantized matmul (+ FSDP offload's copied-in
+    shards)."""
+    gathered: int = 0
+    """FSDP: parameters gathered whole at the peak (the root group, two blocks in flight)."""
+    host: int = 0
+    """FSDP offload: the blocks' shards in host memory (not part of `total`, a device figure)."""
     rank: int = 0
     """The tp rank this estimate is for (the one with the most)."""
     lora_params: int = 0
@@ -183,6 +199,7 @@ class MemoryEstimate:
             + self.activations
             + self.logits
             + self.transient
+            + self.gathered
         )
 
     def table(self) -> str:
@@ -196,10 +213,13 @@ class MemoryEstimate:
             ("activations", self.activations),
             ("logits + loss", self.logits),
             ("dequantized weight (transient)", self.transient),
+            ("FSDP: gathered (root + 2 blocks)", self.gathered),
         ]
         w = max(len(r[0]) for r in rows)
         lines = [f"  {name.ljust(w)}  {format_bytes(v):>10}" for name, v in rows if v]
         lines.append(f"  {'total'.ljust(w)}  {format_bytes(self.total):>10}")
+        if self.host:
+            lines.append(f"  {'(host: offloaded base)'.ljust(w)}  {format_bytes(self.host):>10}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -271,6 +291,8 @@ def estimate_memory(
     offload_activations: bool = False,
     loss_chunk_tokens: int = 0,
     tile_tokens: int | None = None,
+    fsdp: bool = False,
+    offload_base: bool = False,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train (with `lora`) or run (without) `model` under the plan.
 
@@ -283,7 +305,8 @@ def estimate_memory(
     host memory. `loss_chunk_tokens` > 0: the chunked loss (train/loss.py), one chunk of logits at a
     time plus the labelled tokens' final hidden states. `tile_tokens` (with `checkpointing`): the
     MLP runs that many tokens at a time (`checkpoint_blocks(tile_tokens=...)`), so its
-    intermediates and its backward's gradients are one tile's.
+    intermediates and its backward's gradients are one tile's. `fsdp` / `offload_base`: as
+    `qm.parallelize(fsdp=..., offload_base=...)` (module docstring, "fsdp").
 
     Example:
         >>> est = estimate_memory(model, tp=2, quant="nf4", lora=qm.LoraConfig(r=16),
@@ -299,6 +322,8 @@ def estimate_memory(
         raise ValueError(f"seq_len={seq_len}, micro_batch={micro_batch}; both must be >= 1")
     if dp < 1 or tp < 1:
         raise ValueError(f"tp={tp}, dp={dp}; both must be >= 1")
+    if offload_base and not fsdp:
+        raise ValueError("offload_base=True offloads FSDP's shards of the base; pass fsdp=True")
     if isinstance(plan, dict):
         plan = Plan(plan)
     resolved = (plan or auto_plan(model, tp)).resolve(model, tp)
@@ -311,10 +336,105 @@ def estimate_memory(
             model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled,
             (checkpointing, offload_activations, loss_chunk_tokens, tile_tokens),
         )  # fmt: skip
+        if fsdp:
+            _shard_over_dp(est, model, resolved, r, qcfg, fmt, lora, dtype, dp, offload_base)
         if best is None or est.total > best.total:
             best = est
     assert best is not None
     return best
+
+
+def _shard_over_dp(
+    est: MemoryEstimate,
+    model: nn.Module,
+    resolved: Resolved,
+    rank: int,
+    qcfg: QuantConfig | None,
+    fmt: QuantFormat | None,
+    lora: LoraConfig | None,
+    dtype: torch.dtype,
+    dp: int,
+    offload: bool,
+) -> None:
+    """Turn a replica's estimate into FSDP's (module docstring, "fsdp"), in place."""
+    from .auto import blocks_of
+
+    def ceil(n: float) -> int:
+        return -(-int(n) // dp)
+
+    blocks = blocks_of(model)
+    if not blocks:
+        est.notes.append("fsdp: no repeated blocks found; the estimate is a plain replica's")
+        return
+    # one block's weights and adapters, measured by estimating a one-block model's parts: the
+    # blocks of a model are alike, so per block = (whole - root) / n_blocks
+    root = _root_bytes(model, resolved, rank, qcfg, fmt, dtype, {n for n, _ in blocks})
+    block_w = (est.weights - root) / len(blocks)
+    block_lora = est.lora / len(blocks)
+    blocks_total = est.weights - root
+    est.weights = ceil(root) + (0 if offload else ceil(blocks_total))
+    est.host = ceil(blocks_total) if offload else 0
+    if offload:
+        est.transient += 2 * ceil(block_w)
+    est.gathered = int(root + 2 * (block_w + block_lora) + (block_lora if lora else 0))
+    est.lora, est.grads, est.optimizer, est.ddp = (
+        ceil(est.lora),
+        ceil(est.grads),
+        ceil(est.optimizer),
+        0,
+    )
+    est.notes.append(
+        f"fsdp over dp={dp}: parameters, adapter gradients and AdamW states split over dp; "
+        "the root group and two blocks gathered at the peak"
+        + ("; the blocks' shards in host memory (CPUOffloadPolicy)" if offload else "")
+        + " (a model, not yet held against measured peaks)"
+    )
+
+
+def _root_bytes(
+    model: nn.Module,
+    resolved: Resolved,
+    rank: int,
+    qcfg: QuantConfig | None,
+    fmt: QuantFormat | None,
+    dtype: torch.dtype,
+    block_names: set[str],
+) -> int:
+    """Bytes of the parameters outside the repeated blocks (FSDP's root group) on tp rank `rank`,
+    counted as `_for_rank` counts weights (quantized where the format applies)."""
+    from ..tp.kinds import kind_of
+
+    dt_bytes = torch.empty((), dtype=dtype).element_size()
+    seen: set[int] = set()
+    total = 0.0
+    for fqn, mod in model.named_modules():
+        if any(fqn == b or fqn.startswith(b + ".") for b in block_names):
+            continue
+        entry = resolved.entries.get(fqn)
+        kind = kind_of(mod)
+        quantized = (
+            fmt is not None and qcfg is not None and kind is not None and kind.linear_like
+            and qcfg.selects(fqn) and not qcfg.skips(fqn)
+        )  # fmt: skip
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen and not quantized:
+                continue
+            seen.add(id(p))
+            if kind is None:
+                total += p.numel() * (dt_bytes if p.is_floating_point() else p.element_size())
+                continue
+            in_f, out_f = kind.in_out(mod)
+            style = (
+                entry.style if entry is not None and entry.split is not None else Style.REPLICATE
+            )
+            in_l = _local(in_f, entry, rank) if style.splits_input else in_f
+            out_l = _local(out_f, entry, rank) if style.is_colwise else out_f
+            if pname == "weight":
+                n = in_l * out_l * (p.numel() // max(1, in_f * out_f))
+                total += n * fmt.bytes_per_param(in_l) if quantized and fmt else n * dt_bytes
+            else:
+                total += (out_l if style.is_colwise else p.numel()) * dt_bytes
+    return int(total)
 
 
 def _local(n: int, entry: Entry | None, rank: int) -> int:

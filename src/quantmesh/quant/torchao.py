@@ -246,6 +246,20 @@ class AoNF4Format(_AoFormat):
     """nf4 through torchao's NF4Tensor (blocks of `blocksize`, int8 block scales)."""
 
     module_cls = AoNF4Linear
+    shards = 1
+    """FSDP's dp size (set by parallelize(fsdp=True)): block-scale groups never straddle a
+    dp shard, so FSDP2 splits and gathers the NF4Tensor's inner tensors as they are."""
+
+    def fsdp_problem(self, weight: torch.Tensor) -> str | None:
+        """Why `weight` (an NF4Tensor) cannot be split in `shards` dim-0 chunks exactly, or None."""
+        nf4: Any = weight
+        n = self.shards
+        if weight.shape[0] % n:
+            return f"{weight.shape[0]} rows do not split in {n} equal dp shards"
+        for attr in ("quantized_data", "quantized_scalers", "quantization_factor"):
+            if getattr(nf4, attr).numel() % n:
+                return f"its {getattr(nf4, attr).numel()} {attr} do not split in {n}"
+        return None
 
     def _check_shape(self, in_features: int, out_features: int) -> None:
         n, bs = in_features * out_features, self.config.blocksize
@@ -266,8 +280,13 @@ class AoNF4Format(_AoFormat):
         self._check_shard(module, weight)
         n_blocks = weight.numel() // self.config.blocksize
         # NF4Tensor needs n_blocks % scaler_block_size == 0: the largest such power of two <= 256
-        sbs = math.gcd(n_blocks, SCALER_BLOCK)
-        nf4 = _ao()["to_nf4"](weight.detach().contiguous(), self.config.blocksize, sbs)
+        # (dividing each FSDP shard's blocks too, when the shards divide them)
+        per_shard = n_blocks // self.shards if n_blocks % self.shards == 0 else n_blocks
+        sbs = math.gcd(per_shard, SCALER_BLOCK)
+        w = weight.detach().contiguous()
+        if w.storage_offset():  # a row slice: NF4Tensor would keep its offset, which FSDP2's
+            w = w.clone()  # gathered (offset 0) tensor then could not take
+        nf4 = _ao()["to_nf4"](w, self.config.blocksize, sbs)
         layer = cast(AoNF4Linear, module)  # built by new_linear
         layer.weight = nn.Parameter(nf4, requires_grad=False)
         layer._finish(weight.device, compute_dtype_for(self.config, weight.device), weight.dtype)

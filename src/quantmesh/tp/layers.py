@@ -155,6 +155,20 @@ class ShardedModule(nn.Module):
         for name, b in self.local._buffers.items():
             self._buffers[name] = b
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set as nn.Module does; a Parameter under a name the local module shares is set there
+        too. FSDP2 swaps sharded and gathered parameters through setattr (this override makes it
+        take that path), and the local module's forward must see the one it set."""
+        super().__setattr__(name, value)
+        local = self.__dict__.get("local")
+        if (
+            local is not None
+            and isinstance(value, nn.Parameter)
+            and name in local._parameters
+            and not (name == "bias" and self.style in WRAPPER_BIAS_STYLES)
+        ):
+            local._parameters[name] = value
+
     def _apply(self, fn, recurse=True):
         shared = [n for n in self._parameters if n in self.local._parameters]
         for n in shared:

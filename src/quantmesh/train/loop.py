@@ -184,16 +184,21 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
     model.eval()
     mine = examples[dp_rank::dp]
     total, count = 0.0, 0
-    for i in range(0, len(mine), micro_batch):
+    # FSDP: each forward gathers over dp, so every dp rank runs as many as the one with the most
+    most = len(examples[0::dp]) if st is not None and st.sharded is not None else len(mine)
+    for i in range(0, most, micro_batch):
         rows = mine[i : i + micro_batch]
-        batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+        batch = {
+            k: torch.stack([r[k] for r in rows or examples[:1]]) for k in ("input_ids", "labels")
+        }
         if st is not None and st.mesh.pp > 1:  # through the pipeline stages, forward only
             from ..pipeline.step import eval_loss_sum
 
             s, n = eval_loss_sum(model, batch)
         else:
             s, n = loss_sum(model, batch)
-        total, count = total + float(s), count + n
+        if rows:  # else a forward for the gathers only; its loss is not counted
+            total, count = total + float(s), count + n
     total_all, count_all = _all_sum(
         [total, count], st.mesh if st is not None else None, _device(model)
     )
