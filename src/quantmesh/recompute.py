@@ -148,6 +148,15 @@ def _candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def _close(whole: torch.Tensor, parts: torch.Tensor) -> bool:
+    """Equal up to rounding, as a whole: fewer rows can take other matmul kernels, which round
+    differently (bf16: ~1e-2 of the norm; elementwise bounds fail near zero), while a token-mixing
+    child differs by the order of the output itself."""
+    tol = 1e-4 if whole.dtype == torch.float32 else 3e-2
+    err = (whole.float() - parts.float()).norm() / whole.float().norm().clamp_min(1e-12)
+    return bool(err <= tol)
+
+
 def _rng_states(device: torch.device) -> list[torch.Tensor]:
     states = [torch.get_rng_state()]
     if device.type == "cuda":
@@ -192,7 +201,7 @@ def _tile_positionwise(block: nn.Module, x: torch.Tensor, tile: int) -> None:
                 not draws
                 and isinstance(whole, torch.Tensor)
                 and whole.shape == parts.shape
-                and bool(torch.allclose(whole.float(), parts.float(), rtol=1e-2, atol=1e-3))
+                and _close(whole, parts)
             )
         except Exception as e:  # noqa: BLE001 - a child that cannot take the block's input
             same, why = False, f"{type(e).__name__}: {e}"
