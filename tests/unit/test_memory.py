@@ -358,6 +358,14 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     assert ckpt.activations == base.activations // layers + workspace + layers * tokens * h * 4
     off = estimate_memory(m, checkpointing=True, offload_activations=True, **kw)
     assert off.activations == base.activations // layers + workspace
+    # MLP tiles (eager): one tile's MLP intermediates and gradients instead of every token's;
+    # compiled blocks are estimated untiled (their backward was measured to keep far more)
+    tiled = estimate_memory(m, checkpointing=True, tile_tokens=4, **kw)
+    assert tiled.activations < ckpt.activations
+    compiled = estimate_memory(m, checkpointing=True, compiled=True, **kw)
+    assert estimate_memory(
+        m, checkpointing=True, compiled=True, tile_tokens=4, **kw
+    ).activations == (compiled.activations)
     # chunked loss: one chunk's 12 bytes per logit, plus the labelled tokens' hidden states
     chunked = estimate_memory(m, loss_chunk_tokens=8, **kw)
     assert chunked.logits == 8 * v * 12 + tokens * h * 4

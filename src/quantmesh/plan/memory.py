@@ -540,12 +540,22 @@ def _for_rank(
         # (measured on one H200, 7B nf4 + LoRA, ckpt + offload: 17.5 GiB estimated without it
         # against >= 22.8 GiB needed at 98,304 tokens).
         one_block = act // dims.layers
-        if tile is not None and tokens > tile * mb:
+        if tile is not None and tokens > tile * mb and compiled:
+            # Measured on one H200 (7B nf4 + LoRA, compiled, offload, 131,072 tokens, tiles of
+            # 8192): the compiled block's backward still needed > 23.4 GiB against 15.7 from the
+            # tiled terms below, so a compiled block is estimated as if untiled.
+            est.notes.append(
+                f"tile_tokens={tile} with compiled blocks: estimated as untiled (a compiled "
+                "block's backward was measured to keep far more than one tile)"
+            )
+        elif tile is not None and tokens > tile * mb:
             # Tiled MLP: its intermediates and gradients are one tile's (tile x mb tokens); the
             # tiles' inputs (h wide) are what the inner checkpoints keep.
             one_block -= (tokens - tile * mb) * mlp_tok - tokens * dims.hidden * a
             workspace = workspace * tile * mb // tokens
-            est.notes.append(f"tile_tokens={tile}: the MLP one tile at a time")
+            est.notes.append(
+                f"tile_tokens={tile}: the MLP one tile at a time (eager; not yet measured on a GPU)"
+            )
         act = one_block + workspace
         act += 0 if offload else dims.layers * tokens * dims.hidden * a
         est.notes.append(
