@@ -11,10 +11,9 @@ bitsandbytes is imported lazily: `bnb_format(cfg).bytes_per_param()` costs no im
 module classes are built on first use (`QuantLinear4bit` / `QuantLinear8bit` resolve through the
 module's __getattr__, so pickling them works).
 
-Pre-quantized 4-bit checkpoints (transformers' layout: packed `weight` + `weight.absmax`,
-`weight.quant_map`, nested stats, `weight.quant_state.bitsandbytes__nf4`) load through
-`Bnb4bitFormat.load_quantized`, optionally sliced by `split_4bit` along rows or columns when the
-slice boundaries fall on quantization blocks; see `split_4bit` for what is exact.
+Weights stored already quantized (transformers' layout) are put into a local module as they are
+by `load_state` (4-bit: packed codes + QuantState; int8: CB + SCB); quant/prequant.py cuts them
+per rank.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from torch import nn
 from .base import QuantConfig, QuantError, QuantFormat
 from .kinds import compute_dtype_for
 
-__all__ = ["bnb_format", "Bnb4bitFormat", "Bnb8bitFormat", "split_4bit", "quant_state_from_tensors"]
+__all__ = ["bnb_format", "Bnb4bitFormat", "Bnb8bitFormat", "quant_state_from_tensors"]
 
 NESTED_BLOCK = 256  # bitsandbytes quantizes the per-block absmax in blocks of 256 (double quant)
 INT8_REF_IN = 1024  # in_features assumed by int8 bytes_per_param when none is given (upper bound)
@@ -239,37 +238,57 @@ class Bnb4bitFormat(QuantFormat):
         start: int = 0,
         stop: int | None = None,
     ) -> None:
-        """Fill `module` from a pre-quantized 4-bit checkpoint entry, optionally one slice of it.
+        """Fill `module` from one stored 4-bit entry (all in memory), optionally rows or columns.
 
         `tensors` holds the entry's keys without the module prefix ("weight", "weight.absmax",
         "weight.quant_map", ["weight.nested_absmax", "weight.nested_quant_map"],
-        "weight.quant_state.bitsandbytes__nf4"). `dim`/`start`/`stop` select rows (dim 0, colwise)
-        or columns (dim 1, rowwise) of the logical (out, in) weight; see `split_4bit`.
+        "weight.quant_state.bitsandbytes__nf4"). `dim`/`start`/`stop` select rows (dim 0) or
+        columns (dim 1) of the logical (out, in) weight, on block boundaries (quant/prequant.py
+        `slice_4bit`); `load_checkpoint` streams the same cut from a file instead.
 
         Example:
             >>> fmt.load_quantized(m, {"weight": w, "weight.absmax": a, ...},  # doctest: +SKIP
             ...                    device="cuda:0", dim=0, start=0, stop=2048)
         """
+        from .prequant import slice_4bit
+
         packed, qs = quant_state_from_tensors(tensors)
-        cfg = self.config
-        if (qs.quant_type, qs.blocksize) != (cfg.format, cfg.blocksize):
-            raise QuantError(
-                f"the checkpoint holds {qs.quant_type} with blocksize {qs.blocksize}, but the "
-                f"QuantConfig says {cfg.format} with blocksize {cfg.blocksize}; use "
-                f"QuantConfig(format={qs.quant_type!r}, blocksize={qs.blocksize})"
-            )
         if dim is not None:
-            packed, qs = split_4bit(packed, qs, dim, start, qs.shape[dim] if stop is None else stop)
+            flat = packed.reshape(-1).view(torch.uint8)
+            stop = int(qs.shape[dim]) if stop is None else stop
+            packed, qs = slice_4bit(qs, dim, ((start, stop),), lambda a, b: flat[a:b])
+        self.load_state(module, packed, qs, device=device)
+
+    def load_state(
+        self,
+        module: nn.Module,
+        packed: torch.Tensor,
+        qs: Any,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Put stored codes `packed` ((n, 1) uint8) and their QuantState into `module`, moved to
+        `device` (default: where the module's weight is). Nothing is requantized.
+
+        Example:
+            >>> fmt.load_state(m, packed, qs, device="cpu")  # doctest: +SKIP
+        """
+        cfg = self.config
+        if qs.quant_type != cfg.format:
+            raise QuantError(
+                f"the stored weight is {qs.quant_type}, but the QuantConfig says {cfg.format}; "
+                f"use QuantConfig(format={qs.quant_type!r})"
+            )
         if tuple(qs.shape) != (module.out_features, module.in_features):
             raise ValueError(
                 f"the pre-quantized weight is {tuple(qs.shape)}, the module expects "
-                f"{(module.out_features, module.in_features)}; pass the rank's dim/start/stop"
+                f"{(module.out_features, module.in_features)}; cut it to this rank's rows/columns"
             )
         if device is None:
             device = cast(nn.Linear, module).weight.device
         device = torch.device(device)
         if device.type == "meta":
-            raise ValueError("the module is on meta; pass load_quantized(..., device=...)")
+            raise ValueError("the module is on meta; pass load_state(..., device=...)")
         qs.to(device)
         _set_4bit(module, packed.to(device), qs, compute_dtype_for(cfg, device))
 
@@ -389,6 +408,39 @@ class Bnb8bitFormat(QuantFormat):
         layer.orig_dtype = weight.dtype
         _materialize_bias(module, weight.device)
 
+    @torch.no_grad()
+    def load_state(
+        self,
+        module: nn.Module,
+        cb: torch.Tensor,
+        scb: torch.Tensor,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Put a stored int8 weight `cb` (out, in) and its row scales `scb` (out,) into `module`,
+        moved to `device`; `dtype` is what `dequantize` returns. Nothing is requantized.
+
+        Example:
+            >>> fmt.load_state(m, cb, scb, device="cpu")  # doctest: +SKIP
+        """
+        Int8Params = _bnb().nn.Int8Params
+        lin = cast(nn.Linear, module)
+        if tuple(cb.shape) != (lin.out_features, lin.in_features) or cb.dtype != torch.int8:
+            raise ValueError(
+                f"the stored int8 weight is {cb.dtype} {tuple(cb.shape)}, the module expects "
+                f"int8 {(lin.out_features, lin.in_features)}; cut it to this rank's rows/columns"
+            )
+        device = torch.device(device) if device is not None else lin.weight.device
+        if device.type == "meta":
+            raise ValueError("the module is on meta; pass load_state(..., device=...)")
+        cb, scb = cb.to(device), scb.to(device=device, dtype=torch.float32)
+        layer: Any = module  # a bitsandbytes Linear8bitLt (untyped)
+        layer.weight = Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+        layer.state.reset_grads()
+        layer.orig_dtype = dtype
+        _materialize_bias(module, device)
+
     def dequantize(self, module: nn.Module) -> torch.Tensor:
         """CB * SCB / 127 as (out, in), in the dtype the shard had.
 
@@ -433,81 +485,6 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[torch
             "entry; this is not a bitsandbytes 4-bit checkpoint"
         )
     return tensors["weight"], QuantState.from_dict(dict(stats), device=torch.device("cpu"))
-
-
-def split_4bit(
-    packed: torch.Tensor, qs: Any, dim: int, start: int, stop: int
-) -> tuple[torch.Tensor, Any]:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of a quantized (out, in) 4-bit weight.
-
-    Exact: the slice dequantizes to exactly the same values as the full weight's slice. Needs
-    block alignment: rows when start*in and stop*in are multiples of blocksize (or stop is the last
-    row); columns when in, start and stop are multiples of blocksize. Double-quant statistics stay
-    nested when a row slice starts on a 256-block boundary of the absmax; otherwise they are
-    dequantized to fp32 (exact, 4/blocksize bytes per param instead of ~1/blocksize). The CPU
-    avx512 repacked layout is not supported (checkpoints never hold it).
-
-    Example:
-        >>> packed, qs = F.quantize_4bit(w, quant_type="nf4")       # doctest: +SKIP
-        >>> top, qs_top = split_4bit(packed, qs, 0, 0, w.shape[0] // 2)  # doctest: +SKIP
-    """
-    F = _bnb().functional
-    QuantState = F.QuantState
-    out_f, in_f = (int(s) for s in qs.shape)
-    bs, n = qs.blocksize, out_f * in_f
-    if getattr(qs, "packing_format_for_cpu", False):
-        raise QuantError("this 4-bit weight uses the CPU repacked layout; slice it before use")
-    if dim not in (0, 1) or not 0 <= start < stop <= (out_f, in_f)[dim]:
-        raise ValueError(
-            f"split_4bit: dim={dim}, [{start}, {stop}) is not a slice of {(out_f, in_f)}"
-        )
-    data = packed.reshape(-1).view(torch.uint8)  # bytes, two codes each, element 2k first
-    if data.numel() != (n + 1) // 2:
-        raise ValueError(
-            f"packed weight has {data.numel()} bytes, expected {(n + 1) // 2} for {(out_f, in_f)}"
-        )
-    nested = qs.nested
-    absmax = qs.absmax
-    what = "rows" if dim == 0 else "columns"
-    where = f"{what} [{start}, {stop}) of a {qs.quant_type} {(out_f, in_f)}"
-    if dim == 0:
-        e0, e1 = start * in_f, stop * in_f
-        if e0 % bs or (e1 % bs and stop != out_f):
-            raise QuantError(
-                f"{where} weight start at element {e0} and end at {e1}, not both multiples of "
-                f"blocksize {bs}; slice pre-quantized weights on block boundaries (pick a tp that "
-                "aligns them) or load the float checkpoint and quantize after slicing"
-            )
-        b0, b1 = e0 // bs, -(-e1 // bs)
-        data = data[e0 // 2 : (e1 + 1) // 2]
-        if nested and b0 % NESTED_BLOCK == 0:  # whole nested blocks: keep the compact stats
-            n0, n1 = b0 // NESTED_BLOCK, -(-b1 // NESTED_BLOCK)
-            s2 = qs.state2
-            state2 = QuantState(
-                absmax=s2.absmax[n0:n1].clone(),
-                code=s2.code,
-                blocksize=s2.blocksize,
-                dtype=s2.dtype,
-            )
-            new = QuantState(absmax=absmax[b0:b1].clone(), shape=torch.Size((stop - start, in_f)),
-                             code=qs.code, blocksize=bs, quant_type=qs.quant_type, dtype=qs.dtype,
-                             offset=qs.offset, state2=state2)  # fmt: skip
-            return data.clone().view(packed.dtype).reshape(-1, 1), new
-        amax = _float_absmax(F, qs)[b0:b1]
-        shape = (stop - start, in_f)
-    else:
-        if in_f % bs or start % bs or stop % bs:
-            raise QuantError(
-                f"{where} weight: in={in_f}, start={start} and stop={stop} must all be multiples "
-                f"of blocksize {bs} to slice columns; load the float checkpoint instead"
-            )
-        rows = data.view(out_f, in_f // 2)  # (out, in/2) bytes, whole blocks per row
-        data = rows[:, start // 2 : stop // 2].reshape(-1)
-        amax = _float_absmax(F, qs).view(out_f, in_f // bs)[:, start // bs : stop // bs].reshape(-1)
-        shape = (out_f, stop - start)
-    new = QuantState(absmax=amax.contiguous(), shape=torch.Size(shape), code=qs.code, blocksize=bs,
-                     quant_type=qs.quant_type, dtype=qs.dtype)  # fmt: skip
-    return data.contiguous().view(packed.dtype).reshape(-1, 1), new
 
 
 def _float_absmax(F: Any, qs: Any) -> torch.Tensor:
