@@ -32,7 +32,8 @@ def _cut(full: torch.Tensor, dim: int, ranges) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dq, qtype, shape", list(itertools.product([False, True], ["nf4", "fp4"], [(512, 64), (96, 40), (33, 128)]))
+    "dq, qtype, shape",
+    list(itertools.product([False, True], ["nf4", "fp4"], [(512, 64), (96, 40), (33, 128)])),
 )
 def test_4bit_cuts_are_exact(dq, qtype, shape):
     import bitsandbytes.functional as F
@@ -52,7 +53,12 @@ def test_4bit_cuts_are_exact(dq, qtype, shape):
     n_aligned = 0
     for dim in (0, 1):
         n = shape[dim]
-        for ranges in [((0, n // 2),), ((n // 2, n),), ((0, n // 4), (n // 2, 3 * n // 4)), ((3, n - 1),)]:
+        for ranges in [
+            ((0, n // 2),),
+            ((n // 2, n),),
+            ((0, n // 4), (n // 2, 3 * n // 4)),
+            ((3, n - 1),),
+        ]:
             want = _cut(full, dim, ranges)
             assert torch.equal(dequantize_4bit_slice(qs, dim, ranges, read), want), (dim, ranges)
             if aligned_4bit(shape, 64, dim, ranges):

@@ -405,6 +405,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     """
     import torch
 
+    from ..io.prequant import folder_quant
     from ..lora import lora_targets
     from ..plan.auto import auto_plan
     from ..plan.memory import estimate_memory
@@ -448,7 +449,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         tp=cfg.tp,
         dp=cfg.dp,
         plan=plan,
-        quant=None if cfg.quant == "none" else cfg.quant,
+        quant=folder_quant(cfg.model, None if cfg.quant == "none" else cfg.quant),
         lora=lora,
         seq_len=cfg.seq_len,
         micro_batch=cfg.micro_batch,

@@ -55,6 +55,9 @@ def load_skeleton(model_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..empty import empty_model
+    from ..io.prequant import folder_quant
+
+    folder_quant(path, None)  # a quantization method quantmesh cannot read: QuantError, the fix
 
     try:
         config = AutoConfig.from_pretrained(path)

@@ -34,7 +34,7 @@ from ..empty import empty_model
 from ..lora import LoraConfig
 from ..parallel import parallelize
 from ..plan.plan import Plan
-from ..quant.base import QuantConfig
+from ..quant.base import QuantConfig, QuantError
 from .load import expected_keys, load_checkpoint
 from .prequant import folder_quant, stored_weights
 from .reader import open_checkpoint
@@ -160,6 +160,13 @@ def from_pretrained(
     if quant is None and qcfg is not None:  # as stored: exactly the layers saved quantized
         with open_checkpoint(path, key_map=hf_key_map(model)) as ckpt:
             qcfg.targets = sorted(sw.module for sw in stored_weights(ckpt).values())
+        if not qcfg.targets:
+            raise QuantError(
+                f"{path}/config.json has a bitsandbytes quantization_config, but the checkpoint "
+                "holds no quantized weights; remove quantization_config from config.json and "
+                f"pass quant={qcfg.format!r} to quantize the float weights after slicing"
+            )
+        qcfg.skip = []
     parallelize(model, mesh, plan=plan, quant=qcfg, lora=lora, dtype=dtype)
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():

@@ -260,9 +260,9 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
     """The QuantConfig that loads the folder `path` as it is stored, given the user's `quant=`.
 
     A folder without `quantization_config` in config.json returns `quant` unchanged. A
-    bitsandbytes folder gives its format (nf4/fp4/int8), double quant and int8 threshold; the
-    layers actually stored quantized are its targets (`targets` is filled by the caller from the
-    checkpoint). A `quant=` that names another format is an error. Other methods are refused.
+    bitsandbytes folder gives its format (nf4/fp4/int8), double quant and int8 threshold (from_pretrained
+    then targets exactly the layers stored quantized). A `quant=` that names another format is an
+    error. Other methods are refused.
 
     Example:
         >>> folder_quant("llama-nf4", None).format  # doctest: +SKIP
@@ -286,7 +286,6 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
         stored = QuantConfig(
             format=str(qc.get("bnb_4bit_quant_type", "fp4")),
             double_quant=bool(qc.get("bnb_4bit_use_double_quant", False)),
-            skip=[],
         )
     elif qc.get("load_in_8bit"):
         if qc.get("llm_int8_has_fp16_weight"):
@@ -295,8 +294,7 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
                 "training); load it as a float folder: remove quantization_config from "
                 "config.json and pass quant='int8'"
             )
-        stored = QuantConfig(format="int8", int8_threshold=float(qc.get("llm_int8_threshold", 6.0)),
-                             skip=[])  # fmt: skip
+        stored = QuantConfig(format="int8", int8_threshold=float(qc.get("llm_int8_threshold", 6.0)))
     else:
         raise QuantError(
             f"{path}: a bitsandbytes quantization_config with neither load_in_4bit nor "

@@ -88,6 +88,9 @@ def _classes() -> dict[str, type]:
                 raise RuntimeError(_not_quantized(self))
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
+            if _rows_cut_blocks_on_cpu(self.weight.data, qs):  # see dequantize_4bit_flat
+                w = dequantize_4bit_flat(self.weight.data, qs).to(cd)
+                return nn.functional.linear(x.to(cd), w, bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
             return y.to(x.dtype)
@@ -299,11 +302,11 @@ class Bnb4bitFormat(QuantFormat):
             >>> fmt.dequantize(m).shape  # doctest: +SKIP
             torch.Size([8, 64])
         """
-        F = _bnb().functional
-        qs = getattr(module.weight, "quant_state", None)
+        w = cast(torch.Tensor, module.weight)
+        qs = getattr(w, "quant_state", None)
         if qs is None:
             raise RuntimeError(_not_quantized(module))
-        return F.dequantize_4bit(module.weight.data, qs)
+        return dequantize_4bit_flat(w.data, qs)
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and
@@ -321,6 +324,29 @@ class Bnb4bitFormat(QuantFormat):
     def block_elems(self) -> int:
         """Elements per quantization block of the flattened (out, in) weight (= blocksize)."""
         return self.config.blocksize
+
+
+def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
+    return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
+
+
+def dequantize_4bit_flat(packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """The (out, in) weight of 4-bit codes, with blocks over the flattened weight as quantize_4bit
+    made them. bitsandbytes' CPU dequantize kernel (0.50) indexes the statistics per row when
+    given a 2-D shape, which is wrong when `in` is not a multiple of the blocksize (its own
+    quantizer blocks the flattened weight); there the weight is dequantized as one row.
+
+    Example:
+        >>> dequantize_4bit_flat(m.weight.data, m.weight.quant_state).shape  # doctest: +SKIP
+        torch.Size([256, 48])
+    """
+    F = _bnb().functional
+    if not _rows_cut_blocks_on_cpu(packed, qs):
+        return F.dequantize_4bit(packed, qs)
+    flat = F.QuantState(absmax=qs.absmax, shape=torch.Size((1, qs.shape.numel())), code=qs.code,
+                        blocksize=qs.blocksize, quant_type=qs.quant_type, dtype=qs.dtype,
+                        offset=qs.offset, state2=qs.state2)  # fmt: skip
+    return F.dequantize_4bit(packed, flat).view(qs.shape)
 
 
 def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:

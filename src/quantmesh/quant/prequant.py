@@ -122,7 +122,12 @@ def slice_4bit(
             f"{ranges} along dim {dim} of a {qs.quant_type} {(out_f, in_f)} weight cut "
             f"quantization blocks of {bs}; use dequantize_4bit_slice and requantize"
         )
-    if dim == 0 and len(ranges) == 1 and qs.nested and (ranges[0][0] * in_f // bs) % NESTED_BLOCK == 0:
+    if (
+        dim == 0
+        and len(ranges) == 1
+        and qs.nested
+        and (ranges[0][0] * in_f // bs) % NESTED_BLOCK == 0
+    ):
         (a, b) = ranges[0]
         e0, e1 = a * in_f, b * in_f
         b0, b1 = e0 // bs, -(-e1 // bs)
@@ -161,7 +166,9 @@ def slice_4bit(
 
 
 @torch.no_grad()
-def _dequantize_rows(qs: Any, amax: torch.Tensor, r0: int, r1: int, read: ByteReader) -> torch.Tensor:
+def _dequantize_rows(
+    qs: Any, amax: torch.Tensor, r0: int, r1: int, read: ByteReader
+) -> torch.Tensor:
     """Rows [r0, r1) of the stored weight as the floats it dequantizes to: (r1 - r0, in)."""
     F = _bnb().functional
     QuantState = F.QuantState
