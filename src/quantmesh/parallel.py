@@ -23,7 +23,8 @@ from .plan.auto import auto_plan
 from .plan.plan import Plan, Resolved
 from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
-from .quant.kinds import check_quantizable, quantizable
+from .quant.bnb import format_of
+from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from .state import ParallelState, attach_state
 from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
@@ -193,9 +194,28 @@ def _wrap_plan(
     """{fqn: {"fmt": QuantFormat, "lora": True}} of every module that becomes a ShardedModule
     (split, quantized or adapted); raises on a quant or LoRA target that cannot be."""
     wrap: dict[str, dict] = {e.fqn: {} for e in resolved.sharded()}
+    for fqn, m in model.named_modules():  # linears quantized already keep their format
+        if fqn and is_quantized_linear(m):
+            try:
+                own = format_of(m)
+            except QuantError as err:
+                raise QuantError(f"{fqn}: {err}") from None
+            if own is None:
+                raise QuantError(
+                    f"{fqn} is a {type(m).__name__}, quantized by a library quantmesh cannot "
+                    "re-shard; parallelize takes bitsandbytes Linear4bit / Linear8bitLt, or the "
+                    "float model with quant='nf4' / 'int8'"
+                )
+            if qcfg is not None and (qcfg.backend, qcfg.format) != ("bitsandbytes", own.name):
+                raise QuantError(
+                    f"{fqn} is quantized already as bitsandbytes {own.name}, but quant= asks for "
+                    f"{qcfg.backend} {qcfg.format}; pass quant=None to keep the model's own "
+                    "formats (its float linears stay float), or quant with the same format"
+                )
+            wrap.setdefault(fqn, {})["fmt"] = own
     if qcfg is not None:
         for fqn, m in model.named_modules():
-            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn):
+            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn) or "fmt" in wrap.get(fqn, {}):
                 continue
             k = kind_of(m)
             if k is not None and k.linear_like:

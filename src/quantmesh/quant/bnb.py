@@ -29,7 +29,14 @@ from torch import nn
 from .base import QuantConfig, QuantError, QuantFormat
 from .kinds import compute_dtype_for
 
-__all__ = ["bnb_format", "Bnb4bitFormat", "Bnb8bitFormat", "quant_state_from_tensors"]
+__all__ = [
+    "bnb_format",
+    "Bnb4bitFormat",
+    "Bnb8bitFormat",
+    "dequantize_4bit_flat",
+    "format_of",
+    "quant_state_from_tensors",
+]
 
 NESTED_BLOCK = 256  # bitsandbytes quantizes the per-block absmax in blocks of 256 (double quant)
 INT8_REF_IN = 1024  # in_features assumed by int8 bytes_per_param when none is given (upper bound)
@@ -48,6 +55,59 @@ def bnb_format(config: QuantConfig) -> QuantFormat:
     if config.format == "int8":
         return Bnb8bitFormat(config)
     raise QuantError(f"bitsandbytes has no format {config.format!r}; use 'nf4', 'fp4' or 'int8'")
+
+
+def int8_scales(module: nn.Module) -> torch.Tensor | None:
+    """The (out,) row scales of a bitsandbytes Linear8bitLt: on its weight until its first
+    forward, which moves them to `module.state.SCB`."""
+    scb = getattr(module.weight, "SCB", None)
+    if scb is None:
+        scb = getattr(getattr(module, "state", None), "SCB", None)
+    return scb
+
+
+def format_of(module: nn.Module) -> QuantFormat | None:
+    """The QuantFormat of a bitsandbytes Linear4bit / Linear8bitLt that holds quantized weights
+    (None for any other module); QuantError, with the fix, when its weights are not usable.
+
+    Example:
+        >>> format_of(nn.Linear(4, 4)) is None
+        True
+    """
+    if not any(c.__name__ in ("Linear4bit", "Linear8bitLt") for c in type(module).__mro__):
+        return None
+    bnb = _bnb()
+    kind = type(module).__name__
+    w: Any = module.weight
+    if isinstance(module, bnb.nn.Linear4bit):
+        qs = getattr(w, "quant_state", None)
+        if qs is None or w.device.type == "meta":
+            raise QuantError(
+                f"this {kind} holds no quantized weight yet (bitsandbytes quantizes a Params4bit "
+                "when it is moved to a device); move the model first (model.to('cpu') or "
+                "'cuda'), or build it float and pass quant='nf4' to parallelize"
+            )
+        if getattr(qs, "packing_format_for_cpu", False):
+            raise QuantError(
+                f"this {kind}'s weight was repacked for bitsandbytes' CPU inference kernel (an "
+                "eval-mode forward on a CPU with avx512-bf16); set support_avx512bf16_for_cpu = "
+                "False on every Linear4bit before running it, or hand the model over unrun"
+            )
+        cd = getattr(module, "compute_dtype", None)
+        cfg = QuantConfig(format=qs.quant_type, double_quant=bool(qs.nested),
+                          blocksize=int(qs.blocksize), compute_dtype=cd, skip=[])  # fmt: skip
+        return Bnb4bitFormat(cfg)
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        if w.dtype != torch.int8 or int8_scales(module) is None:
+            raise QuantError(
+                f"this {kind} holds no int8 weight (has_fp16_weights=True, or not moved to a "
+                "device yet); build it with has_fp16_weights=False and move it, or build the "
+                "model float and pass quant='int8' to parallelize"
+            )
+        state: Any = getattr(module, "state", None)
+        threshold = float(getattr(state, "threshold", 0.0) or 0.0)
+        return Bnb8bitFormat(QuantConfig(format="int8", int8_threshold=threshold, skip=[]))
+    return None
 
 
 # ---- the local module classes, built on first use -----------------------------------------------
@@ -325,6 +385,24 @@ class Bnb4bitFormat(QuantFormat):
         """Elements per quantization block of the flattened (out, in) weight (= blocksize)."""
         return self.config.blocksize
 
+    def cut_from(
+        self,
+        module: nn.Module,
+        source: nn.Module,
+        dim: int | None,
+        ranges: tuple[tuple[int, int], ...] | None,
+        device: torch.device,
+    ) -> str:
+        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
+
+        Example:
+            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
+            'codes cut on block boundaries'
+        """
+        from .prequant import cut_module
+
+        return cut_module(self, module, source, dim, ranges, device)
+
 
 def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
@@ -491,6 +569,24 @@ class Bnb8bitFormat(QuantFormat):
             1.0009765625
         """
         return 1.0 + 4 / (in_features or INT8_REF_IN)
+
+    def cut_from(
+        self,
+        module: nn.Module,
+        source: nn.Module,
+        dim: int | None,
+        ranges: tuple[tuple[int, int], ...] | None,
+        device: torch.device,
+    ) -> str:
+        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
+
+        Example:
+            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
+            'codes cut on block boundaries'
+        """
+        from .prequant import cut_module
+
+        return cut_module(self, module, source, dim, ranges, device)
 
 
 # ---- pre-quantized 4-bit tensors ----------------------------------------------------------------

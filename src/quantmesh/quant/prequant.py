@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from .base import QuantError
-from .bnb import NESTED_BLOCK, _bnb, _float_absmax
+from .bnb import NESTED_BLOCK, _bnb, _float_absmax, int8_scales
 
 __all__ = [
     "ByteReader",
     "aligned_4bit",
+    "cut_module",
     "dequantize_4bit_slice",
     "slice_4bit",
     "slice_int8",
@@ -228,3 +229,62 @@ def slice_int8(
     if scb.shape[0] != cb.shape[0]:
         raise ValueError(f"int8 weight has {cb.shape[0]} rows but {scb.shape[0]} row scales")
     return cb.contiguous(), scb.to(torch.float32).contiguous()
+
+
+@torch.no_grad()
+def cut_module(
+    fmt: Any,
+    module: torch.nn.Module,
+    source: torch.nn.Module,
+    dim: int | None,
+    ranges: Ranges | None,
+    device: torch.device,
+) -> str:
+    """Fill the local quantized `module` of format `fmt` with the rows (dim 0) / columns (dim 1)
+    `ranges` of `source`, a bitsandbytes Linear4bit / Linear8bitLt holding quantized weights.
+
+    Codes and statistics are cut as stored where the cut falls on blocks (int8: always); otherwise
+    the exact float values of the part are quantized again in `fmt` (not exact). Returns how.
+
+    Example:
+        >>> cut_module(fmt, shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
+        'codes cut on block boundaries'
+    """
+    w: Any = source.weight
+    if fmt.name == "int8":
+        cb, scb = w.data, int8_scales(source)
+        assert scb is not None  # format_of checked it
+        cb = (
+            cb
+            if dim is None or ranges is None
+            else torch.cat([cb.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+        )
+        cb, scb = slice_int8(cb, scb, dim, ranges)
+        fmt.load_state(module, cb, scb, device=device,
+                       dtype=getattr(source, "orig_dtype", None) or torch.float32)  # fmt: skip
+        return "int8 rows and scales as stored"
+    qs = w.quant_state
+    flat = w.data.reshape(-1).view(torch.uint8)
+    read: ByteReader = lambda a, b: flat[a:b]  # noqa: E731
+    if aligned_4bit(tuple(qs.shape), qs.blocksize, dim, ranges or ()):
+        packed, part = slice_4bit(qs, dim, ranges, read)
+        if part is qs:  # the whole weight: the module gets its own copy of the statistics
+            packed, part = packed.clone(), _copy_state(qs)
+        fmt.load_state(module, packed, part, device=device)
+        return "codes as stored" if dim is None else "codes cut on block boundaries"
+    part_w = dequantize_4bit_slice(qs, dim, ranges, read)
+    fmt.quantize_into(
+        module,
+        part_w.to(device=device, dtype=torch.float32 if device.type == "cpu" else part_w.dtype),
+    )
+    return f"requantized: {list(ranges or ())} along dim {dim} cut {qs.blocksize}-element blocks"
+
+
+def _copy_state(qs: Any) -> Any:
+    QuantState = _bnb().functional.QuantState
+    s2 = qs.state2
+    state2 = None if s2 is None else QuantState(absmax=s2.absmax.clone(), code=s2.code.clone(),
+                                                blocksize=s2.blocksize, dtype=s2.dtype)  # fmt: skip
+    return QuantState(absmax=qs.absmax.clone(), shape=qs.shape, code=qs.code.clone(),
+                      blocksize=qs.blocksize, quant_type=qs.quant_type, dtype=qs.dtype,
+                      offset=None if qs.offset is None else qs.offset.clone(), state2=state2)  # fmt: skip
