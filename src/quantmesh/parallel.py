@@ -19,13 +19,14 @@ from torch import nn
 from .dp import apply_dp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
+from .peftmodel import inner_model, restore_adapters, unwrap_peft
 from .plan.auto import auto_plan
 from .plan.plan import Plan, Resolved
 from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
 from .quant.bnb import format_of
 from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
-from .state import ParallelState, attach_state
+from .state import ParallelState, attach_state, parallel_state
 from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
@@ -67,6 +68,11 @@ def parallelize(
             device)); None works for transformers models. Without them a custom model's plan is
             not verified (a warning says so).
 
+    A model whose linears are bitsandbytes Linear4bit / Linear8bitLt already keeps their format:
+    their codes are re-sharded as they are where the tp cuts fall on quantization blocks (and
+    requantized from their exact values where not). A model wrapped by peft (`get_peft_model`,
+    LoRA only) keeps its adapters' values and names: pass lora=None.
+
     The global random state of every rank is left as it was found.
 
     Example:
@@ -77,9 +83,21 @@ def parallelize(
     dev = mesh.devices[0]
     cuda = [dev.index or 0] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
-        return _parallelize(
-            model, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs
-        )
+        adapters = unwrap_peft(model, lora)  # peft's LoRA layers -> base layers + one LoraConfig
+        inner = inner_model(model)  # a PeftModel's own model; its names keep peft's prefix
+        if adapters is None:
+            _parallelize(
+                inner, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs
+            )
+        else:
+            _parallelize(inner, mesh, plan, quant, adapters.config, dtype, False, verify,
+                         example_inputs)  # fmt: skip
+            restore_adapters(inner, adapters)  # peft's values, each rank its slice
+            if data_parallel and mesh.dp > 1:
+                apply_dp(inner, mesh)
+        if inner is not model:  # save_adapter, load_checkpoint, train read it from the root
+            attach_state(model, parallel_state(inner))
+        return model
 
 
 def _parallelize(
