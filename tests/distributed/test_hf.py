@@ -171,5 +171,5 @@ def test_refuses_missing_folders_and_false_quantization_configs(tmp_path, dirs):
         qm.from_pretrained(q, mesh=None)
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (q / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(qm.QuantError, match="holds a awq-quantized checkpoint"):
+    with pytest.raises(qm.QuantError, match="holds a checkpoint quantized by awq"):
         qm.from_pretrained(q, mesh=None)

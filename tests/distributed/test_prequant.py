@@ -96,6 +96,12 @@ def _facts(rank: int, dirs: dict) -> dict:
         f[f"logits_{name}"] = logits(m, ids)
         if name == "unaligned":
             f["unaligned_weights"] = qm.full_state_dict(m)  # collective; rank 0 gets them
+    # a model without quantization takes the stored weights' exact float values
+    with qm.empty_model():
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(dirs["nf4_dq"]))
+    qm.parallelize(m, mesh)
+    f["how_float"] = qm.load_checkpoint(m, dirs["nf4_dq"], progress=False).prequantized
+    f["logits_float"] = logits(m, ids)
     return f
 
 
@@ -138,6 +144,15 @@ def test_prequantized_folder_matches_one_process_bnb(facts, dirs, kind):
                 assert _err(f[kind][tp], want) <= own, (tp, own)
             for tp in (1, 2, 4):
                 assert _err(f["int8_train"][tp], train) <= REL_TOL, tp
+
+
+@pytest.mark.slow
+def test_a_float_model_takes_the_exact_dequantized_values(facts, dirs):
+    f = facts[0]
+    assert set(f["how_float"].values()) == {"dequantized (nf4 -> float, exact)"}
+    assert len(f["how_float"]) == 14
+    want = logits(reference(dirs["nf4_dq"]), token_ids())  # bitsandbytes dequantizes to fp32 too
+    assert _err(f["logits_float"], want) <= REL_TOL
 
 
 @pytest.mark.slow

@@ -52,4 +52,4 @@ def test_generate_and_finetune_take_a_prequantized_folder(tmp_path: Path) -> Non
     (model / "config.json").write_text(json.dumps(cfg))
     gptq = cli("generate", str(model), "--prompt", "hi")
     assert gptq.returncode == 2
-    assert "holds a gptq-quantized checkpoint" in gptq.stderr
+    assert "holds a checkpoint quantized by gptq" in gptq.stderr

@@ -131,3 +131,51 @@ def test_int8_cuts_are_exact():
                               dtype=torch.float32)  # fmt: skip
         fmt.load_state(part, c2, s2, device="cpu")
         assert torch.equal(fmt.dequantize(part), _cut(ref, dim, ranges)), (dim, ranges)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "torchao", "hqq"])
+def test_folders_of_other_methods_are_refused(tmp_path, method):
+    import json
+
+    from quantmesh.io.prequant import folder_quant
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": method}})
+    )
+    with pytest.raises(
+        QuantError, match=f"holds a checkpoint quantized by {method} .*load the float model"
+    ):
+        folder_quant(tmp_path, None)
+
+
+def test_bitsandbytes_folder_config_is_read(tmp_path):
+    import json
+
+    from quantmesh.io.prequant import folder_quant
+
+    def write(qc: dict) -> None:
+        qc = {"quant_method": "bitsandbytes", **qc}
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+
+    write({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": True})
+    got = folder_quant(tmp_path, None)
+    assert got is not None and (got.format, got.double_quant) == ("fp4", True)
+    write({"load_in_8bit": True, "llm_int8_threshold": 4.0})
+    got = folder_quant(tmp_path, "int8")
+    assert got is not None and got.format == "int8"
+    assert folder_quant(tmp_path, None).int8_threshold == 4.0  # type: ignore[union-attr]
+    with pytest.raises(
+        QuantError, match="stored as bitsandbytes int8, but quant= asks for bitsandbytes nf4"
+    ):
+        folder_quant(tmp_path, "nf4")
+    (tmp_path / "config.json").write_text("{}")
+    assert folder_quant(tmp_path, "nf4").format == "nf4"  # type: ignore[union-attr]  # a float folder
+
+
+def test_gptq_keys_are_refused_by_the_loader():
+    from quantmesh.io.prequant import stored_weights
+    from quantmesh.io.reader import open_checkpoint
+
+    ckpt = open_checkpoint({"m.q_proj.qweight": torch.zeros(2, dtype=torch.int32)})
+    with pytest.raises(QuantError, match="holds GPTQ/AWQ-packed weights"):
+        stored_weights(ckpt)

@@ -63,8 +63,8 @@ _OTHER_METHODS = {
 }
 _FLOAT_FIX = (
     "load the float model it was made from instead (its model card names it) and let quantmesh "
-    "quantize after slicing: quant='nf4' (or QuantConfig(backend='torchao') for torchao), or a "
-    "bitsandbytes-quantized folder (transformers BitsAndBytesConfig + save_pretrained)"
+    "quantize after slicing (quant='nf4' or 'int8'), or load a folder saved quantized by "
+    "bitsandbytes (transformers BitsAndBytesConfig + save_pretrained)"
 )
 
 
@@ -279,8 +279,8 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
     if method != "bitsandbytes":
         what = _OTHER_METHODS.get(method, "is a quantization method quantmesh does not read")
         raise QuantError(
-            f"{path} holds a {method}-quantized checkpoint (quantization_config in config.json); "
-            f"{method} {what}; {_FLOAT_FIX}"
+            f"{path} holds a checkpoint quantized by {method} (quantization_config in "
+            f"config.json); {method} {what}; {_FLOAT_FIX}"
         )
     if qc.get("load_in_4bit"):
         stored = QuantConfig(
