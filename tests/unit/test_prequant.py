@@ -179,3 +179,22 @@ def test_gptq_keys_are_refused_by_the_loader():
     ckpt = open_checkpoint({"m.q_proj.qweight": torch.zeros(2, dtype=torch.int32)})
     with pytest.raises(QuantError, match="holds GPTQ/AWQ-packed weights"):
         stored_weights(ckpt)
+
+
+def test_4bit_rows_that_cut_blocks_compute_with_the_flat_blocks_on_cpu():
+    """in=96 is not a multiple of 64: bitsandbytes 0.50's CPU kernel would read the statistics per
+    row; the layer's forward, input gradient and dequantize use the flattened blocks."""
+    from quantmesh.quant.bnb import dequantize_4bit_flat
+
+    fmt = get_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(96, 32, bias=True, device="cpu", dtype=torch.float32)
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(4))
+    fmt.quantize_into(m, w)
+    flat = dequantize_4bit_flat(m.weight.data, m.weight.quant_state)
+    assert torch.equal(fmt.dequantize(m), flat)
+    assert (flat - w).abs().max() < 0.2 * w.abs().max()  # close to w: the right blocks
+    x = torch.randn(5, 96, requires_grad=True)
+    y = m(x)
+    torch.testing.assert_close(y, x @ flat.t() + m.bias, rtol=0, atol=1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(5, 32) @ flat, rtol=0, atol=1e-5)

@@ -149,8 +149,8 @@ def _classes() -> dict[str, type]:
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
             if _rows_cut_blocks_on_cpu(self.weight.data, qs):  # see dequantize_4bit_flat
-                w = dequantize_4bit_flat(self.weight.data, qs).to(cd)
-                return nn.functional.linear(x.to(cd), w, bias).to(x.dtype)
+                y = _FlatMatmul4bit.apply(x.to(cd), self.weight.data, qs)
+                return (y if bias is None else y + bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
             return y.to(x.dtype)
@@ -425,6 +425,22 @@ def dequantize_4bit_flat(packed: torch.Tensor, qs: Any) -> torch.Tensor:
                         blocksize=qs.blocksize, quant_type=qs.quant_type, dtype=qs.dtype,
                         offset=qs.offset, state2=qs.state2)  # fmt: skip
     return F.dequantize_4bit(packed, flat).view(qs.shape)
+
+
+class _FlatMatmul4bit(torch.autograd.Function):
+    """x @ W^T with W dequantized by `dequantize_4bit_flat` in forward and again in backward; like
+    bitsandbytes' MatMul4Bit it keeps only the packed weight (no input, no float weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+        ctx.packed, ctx.qs = packed, qs  # a frozen parameter and its state, as MatMul4Bit keeps B
+        return x @ dequantize_4bit_flat(packed, qs).to(x.dtype).t()  # (..., out)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return g @ dequantize_4bit_flat(ctx.packed, ctx.qs).to(g.dtype), None, None  # (..., in)
 
 
 def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:
