@@ -148,8 +148,10 @@ def _classes() -> dict[str, type]:
                 raise RuntimeError(_not_quantized(self))
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
-            if _rows_cut_blocks_on_cpu(self.weight.data, qs):  # see dequantize_4bit_flat
-                y = _FlatMatmul4bit.apply(x.to(cd), self.weight.data, qs)
+            if _rows_cut_blocks_on_cpu(self.weight, qs) and not torch.compiler.is_compiling():
+                # see dequantize_4bit_flat; compiled blocks keep bitsandbytes' kernel (a known
+                # limit, CPU only: docs/loading-and-saving.md)
+                y = _FlatMatmul4bit.apply(x.to(cd), self.weight, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
@@ -418,29 +420,52 @@ def dequantize_4bit_flat(packed: torch.Tensor, qs: Any) -> torch.Tensor:
         >>> dequantize_4bit_flat(m.weight.data, m.weight.quant_state).shape  # doctest: +SKIP
         torch.Size([256, 48])
     """
-    F = _bnb().functional
     if not _rows_cut_blocks_on_cpu(packed, qs):
-        return F.dequantize_4bit(packed, qs)
-    flat = F.QuantState(absmax=qs.absmax, shape=torch.Size((1, qs.shape.numel())), code=qs.code,
-                        blocksize=qs.blocksize, quant_type=qs.quant_type, dtype=qs.dtype,
-                        offset=qs.offset, state2=qs.state2)  # fmt: skip
-    return F.dequantize_4bit(packed, flat).view(qs.shape)
+        return _bnb().functional.dequantize_4bit(packed, qs)
+    return _flat_weight(packed, *_flat_args(qs))
+
+
+def _flat_args(qs: Any) -> tuple:
+    # tensors and plain values only (torch.compile traces them): the fp32 absmax, per block
+    if qs.nested:
+        s2 = qs.state2
+        absmax = (
+            torch.ops.bitsandbytes.dequantize_blockwise(
+                qs.absmax, s2.absmax, s2.code, s2.blocksize, torch.float32
+            )
+            + qs.offset
+        )
+    else:
+        absmax = qs.absmax
+    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
+    return absmax, int(qs.blocksize), str(qs.quant_type), out_f, in_f, qs.dtype
+
+
+def _flat_weight(packed: torch.Tensor, absmax: torch.Tensor, bs: int, qt: str, out_f: int,
+                 in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    # (out, in): the codes dequantized as one row of out*in elements (blocks of the flat weight)
+    flat = torch.ops.bitsandbytes.dequantize_4bit(packed, absmax, bs, qt, [1, out_f * in_f], dtype)
+    return flat.view(out_f, in_f)
 
 
 class _FlatMatmul4bit(torch.autograd.Function):
-    """x @ W^T with W dequantized by `dequantize_4bit_flat` in forward and again in backward; like
+    """x @ W^T with W dequantized over flat blocks in forward and again in backward; like
     bitsandbytes' MatMul4Bit it keeps only the packed weight (no input, no float weight)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
-        ctx.packed, ctx.qs = packed, qs  # a frozen parameter and its state, as MatMul4Bit keeps B
-        return x @ dequantize_4bit_flat(packed, qs).to(x.dtype).t()  # (..., out)
+    def forward(
+        ctx: Any, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, *meta: Any
+    ) -> torch.Tensor:
+        ctx.packed, ctx.absmax, ctx.meta = packed, absmax, meta  # as MatMul4Bit keeps B
+        return x @ _flat_weight(packed, absmax, *meta).to(x.dtype).t()  # (..., out)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        none = (None,) * (2 + len(ctx.meta))
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return g @ dequantize_4bit_flat(ctx.packed, ctx.qs).to(g.dtype), None, None  # (..., in)
+            return (None, *none)
+        w = _flat_weight(ctx.packed, ctx.absmax, *ctx.meta).to(g.dtype)
+        return (g @ w, *none)  # (..., in)
 
 
 def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:
