@@ -40,7 +40,7 @@ __all__ = [
 
 ByteReader = Callable[[int, int], torch.Tensor]  # (first byte, stop byte) -> (n,) uint8
 Ranges = tuple[tuple[int, int], ...]
-CHUNK_BYTES = 16 << 20  # packed bytes per step when a column slice walks the rows
+CHUNK_BYTES = 4 << 20  # packed bytes per step when a column slice walks the rows
 
 
 def stored_4bit_state(tensors: Mapping[str, torch.Tensor]) -> Any:
