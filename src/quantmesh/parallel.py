@@ -19,7 +19,7 @@ from torch import nn
 from .dp import apply_dp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
-from .peftmodel import inner_model, restore_adapters, unwrap_peft
+from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
 from .plan.auto import auto_plan
 from .plan.plan import Plan, Resolved
 from .plan.styles import Style
@@ -90,8 +90,12 @@ def parallelize(
                 inner, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs
             )
         else:
-            _parallelize(inner, mesh, plan, quant, adapters.config, dtype, False, verify,
-                         example_inputs)  # fmt: skip
+            try:
+                _parallelize(inner, mesh, plan, quant, adapters.config, dtype, False, verify,
+                             example_inputs)  # fmt: skip
+            except Exception:
+                rewrap(model, adapters)  # a refusal leaves the user's peft model as it was
+                raise
             restore_adapters(inner, adapters)  # peft's values, each rank its slice
             if data_parallel and mesh.dp > 1:
                 apply_dp(inner, mesh)

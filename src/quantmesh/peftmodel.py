@@ -25,7 +25,14 @@ from torch import nn
 
 from .lora import LoraConfig, LoraError
 
-__all__ = ["PeftAdapters", "inner_model", "is_peft_model", "restore_adapters", "unwrap_peft"]
+__all__ = [
+    "PeftAdapters",
+    "inner_model",
+    "is_peft_model",
+    "restore_adapters",
+    "rewrap",
+    "unwrap_peft",
+]
 
 
 @dataclass
@@ -35,6 +42,8 @@ class PeftAdapters:
     config: LoraConfig
     weights: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """{module fqn (in the inner model): {"lora_A.weight": (r, in), "lora_B.weight": (out, r)}}."""
+    layers: dict[str, nn.Module] = field(default_factory=dict)
+    """{module fqn: peft's layer}, to put back when parallelize fails (`rewrap`)."""
 
 
 def _mro(module: nn.Module) -> set[str]:
@@ -133,9 +142,22 @@ def unwrap_peft(model: nn.Module, lora: LoraConfig | None) -> PeftAdapters | Non
             "lora_A.weight": m.lora_A[ad].weight.detach().clone(),
             "lora_B.weight": m.lora_B[ad].weight.detach().clone(),
         }
+        out.layers[fqn] = m
         parent, _, child = fqn.rpartition(".")
         setattr(inner.get_submodule(parent), child, m.get_base_layer())
     return out
+
+
+def rewrap(model: nn.Module, adapters: PeftAdapters) -> None:
+    """Put peft's layers back where `unwrap_peft` took them (parallelize failed before using them).
+
+    Example:
+        >>> rewrap(peft_model, adapters)  # doctest: +SKIP
+    """
+    inner = inner_model(model)
+    for fqn, layer in adapters.layers.items():
+        parent, _, child = fqn.rpartition(".")
+        setattr(inner.get_submodule(parent), child, layer)
 
 
 @torch.no_grad()

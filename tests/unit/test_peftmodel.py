@@ -61,3 +61,16 @@ def test_lora_argument_with_peft_adapters_is_refused():
     pm = peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["up"]))
     with pytest.raises(LoraError, match="carries peft LoRA adapters already"):
         unwrap_peft(pm, LoraConfig(r=2, targets=["up"]))
+
+
+def test_rewrap_puts_peft_layers_back():
+    import peft
+
+    from quantmesh.peftmodel import rewrap
+
+    pm = peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["up", "down"]))
+    before = dict(inner_model(pm).named_children())
+    got = unwrap_peft(pm, None)
+    assert got is not None and type(inner_model(pm).up) is nn.Linear
+    rewrap(pm, got)  # what parallelize does when a later check refuses the model
+    assert dict(inner_model(pm).named_children()) == before
