@@ -197,7 +197,11 @@ def plan_report(model, args: argparse.Namespace) -> str:
         )
         lora = LoraConfig(r=args.lora_r, dropout=args.lora_dropout, **kw)
         lora_targets(model, lora)  # names that match nothing are an error, with the valid names
-    quant = None if args.quant == "none" else args.quant
+    from ..io.prequant import folder_quant
+
+    # a folder saved quantized by bitsandbytes: its stored format unless --quant names it
+    quant = folder_quant(args.model, None if args.quant == "none" else args.quant)
+    shown = "none" if quant is None else quant.format
     gpu = args.device == "cuda"
     est = estimate_memory(
         model,
@@ -227,7 +231,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         table,
         "",
         f"Estimated memory per {unit} (tp rank {est.rank} of {args.tp}, dp={args.dp}; "
-        f"quant={args.quant}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
+        f"quant={shown}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
         est.table(),
         "Assumes: activation checkpointing "
         + ("on" if getattr(args, "checkpointing", False) else "off")
