@@ -16,6 +16,8 @@ Usage:
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --tp 2 --quant nf4 --mb 2 --out DIR
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --tp 1 --quant nf4 --mb 2 --out DIR
         (dp=2: dp is the world size over tp)
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --pp 2 --microbatches 8 --quant nf4 \
+        --mb 8 --out DIR   (2 pipeline stages, 1F1B over 8 micro-batches of 1 row: qm.train_step)
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --smoke --tp 2 --check --out DIR
         (tiny shapes on 2 CPU ranks)
 Writes DIR/result_qm_<layout><tag>.json (rank 0); a failure is recorded there, not raised.
@@ -45,6 +47,11 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     qb.shape_args(p)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (qm.train_step schedules)")
+    p.add_argument(
+        "--microbatches", type=int, default=1, help="micro-batches per step (qm.train_step)"
+    )
+    p.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--quant", default="nf4", choices=["nf4", "fp4", "int8", "none"])
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32)
@@ -74,6 +81,12 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--offload", action="store_true", help="with --checkpointing: offload=True")
     p.add_argument(
+        "--tile-tokens",
+        type=int,
+        default=None,
+        help="with --checkpointing: the MLP N tokens at a time",
+    )
+    p.add_argument(
         "--loss-chunk", type=int, default=0, help="qm.chunked_loss_sum with N tokens per chunk"
     )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
@@ -82,8 +95,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 def layout_name(a, dp: int) -> str:
     q = a.quant if a.quant != "none" else "bf16"
-    name = f"tp{a.tp}_dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
+    pp = f"pp{a.pp}_{a.pp_schedule}_" if a.pp > 1 else ""
+    m = f"m{a.microbatches}_" if a.microbatches > 1 else ""
+    name = f"tp{a.tp}_{pp}{m}dp{dp}_{q}_lora" + ("_compiled" if a.compile else "")
     name += ("_ckpt" if a.checkpointing else "") + ("_offload" if a.offload else "")
+    name += f"_tile{a.tile_tokens}" if a.tile_tokens else ""
     return name + (f"_chunk{a.loss_chunk}" if a.loss_chunk else "")
 
 
@@ -116,7 +132,7 @@ def memory_estimate(a, mesh, cfg) -> dict:
             qb.skeleton(cfg), tp=mesh.tp, dp=mesh.dp, quant=None if a.quant == "none" else a.quant,
             lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
             checkpointing=a.checkpointing, offload_activations=a.offload,
-            loss_chunk_tokens=a.loss_chunk,
+            loss_chunk_tokens=a.loss_chunk, tile_tokens=a.tile_tokens,
         )  # fmt: skip
         R["total_GiB"] = round(est.total / 2**30, 3)
         R["parts_GiB"] = {
@@ -154,10 +170,25 @@ def make_vp_loss(model, mesh):
     return loss_fn
 
 
+def pipelined(microbatches: int, schedule: str):
+    """A step through qm.train_step (pipelined at pp > 1): forward and backward of `ids` in
+    `microbatches` parts; returns the loss, already backpropagated (train() then skips backward)."""
+    import quantmesh as qm
+
+    def step(model, ids):
+        return qm.train_step(
+            model, {"input_ids": ids}, microbatches=microbatches, schedule=schedule
+        )
+
+    step.backpropagated = True
+    return step
+
+
 def train(model, opt, ids, *, warmup, steps, device, autocast, loss_fn=hf_loss):
     """Run warmup + steps optimizer steps; returns (timed seconds, losses as floats).
 
     `train.warmup_s` holds the last call's warm-up wall time (it includes any compile)."""
+    done = getattr(loss_fn, "backpropagated", False)  # qm.train_step ran backward already
     qb.reset_peaks(device)
     losses = []
     t0 = None
@@ -170,7 +201,8 @@ def train(model, opt, ids, *, warmup, steps, device, autocast, loss_fn=hf_loss):
             train.warmup_s = t0 - tw
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, ids)
-        loss.backward()
+        if not done:
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())  # no sync here: read at the end
@@ -387,13 +419,18 @@ def main(argv=None) -> int:
         "ok": False,
     }
     t_start = time.time()
-    mesh = qm.init_mesh(tp=a.tp, backend="gloo" if a.cpu else None)
+    mesh = qm.init_mesh(tp=a.tp, pp=a.pp, backend="gloo" if a.cpu else None)
     dev = mesh.device
     R.update(layout=layout_name(a, mesh.dp), tp=mesh.tp, dp=mesh.dp, gpus=mesh.world_size)
+    R.update(pp=mesh.pp, microbatches=a.microbatches, pp_schedule=a.pp_schedule)
+    if mesh.pp > 1:  # the theoretical bubble of one-stage-per-rank GPipe / 1F1B
+        R["bubble_theory"] = round((mesh.pp - 1) / (a.microbatches + mesh.pp - 1), 4)
     R["tokens_per_step"] = mesh.dp * a.mb * a.seq
     out_path = os.path.join(a.out, f"result_qm_{R['layout']}{a.tag}.json")
     autocast = not a.no_autocast
     try:
+        if a.check and (a.pp > 1 or a.microbatches > 1):
+            raise ValueError("--check compares plain steps; run it without --pp/--microbatches")
         if a.check:
             R["check"] = {}
             with qb.record_errors(R["check"]):
@@ -403,7 +440,11 @@ def main(argv=None) -> int:
         cfg = qb.llama_config(a)
         model, R["build"] = build(a, mesh, cfg, dtype=torch.bfloat16)
         R["build"]["mem_after_build"] = qb.gpu_mem(dev)
-        R["memory_estimate"] = memory_estimate(a, mesh, cfg)
+        R["memory_estimate"] = (
+            memory_estimate(a, mesh, cfg)
+            if a.pp == 1
+            else {"skipped": "estimate_memory knows nothing of pipeline stages yet"}
+        )
         qb.log(f"built {R['layout']}: {R['build']}")
         params = qm.trainable_parameters(model)
         R["trainable_params_per_rank"] = sum(p.numel() for p in params)
@@ -413,13 +454,19 @@ def main(argv=None) -> int:
         R["compiled"] = a.compile
         loss_fn = hf_loss
         if a.checkpointing:
-            R["checkpointed_blocks"] = qm.checkpoint_blocks(model, offload=a.offload)
+            R["checkpointed_blocks"] = qm.checkpoint_blocks(
+                model, offload=a.offload, tile_tokens=a.tile_tokens
+            )
         if a.loss_chunk:
 
             def loss_fn(m, ids, _n=a.loss_chunk):
                 total, count = qm.chunked_loss_sum(m, ids, ids, chunk_tokens=_n)
                 return total / count
 
+        if a.pp > 1 or a.microbatches > 1:
+            if a.loss_chunk or a.variants or a.profile:
+                raise ValueError("--pp/--microbatches use qm.train_step's plain loss only")
+            loss_fn = pipelined(a.microbatches, a.pp_schedule)
         if a.compile:
             R["compile_mode"] = a.compile_mode
             R["compiled_blocks"] = qm.compile_blocks(model, mode=a.compile_mode)
@@ -434,6 +481,8 @@ def main(argv=None) -> int:
             R["graph_breaks"] = {k: int(v) for k, v in counters["graph_break"].items()}
         dts = gather(dt)
         mems = gather(qb.gpu_mem(dev) or {"host_rss_anon_GiB": qb.rss_anon_bytes() / 2**30})
+        if a.tile_tokens:  # which block children were proven position-wise and tiled
+            R["tiled_children"] = model.get_decoder().layers[0].__dict__.get("_quantmesh_tiled")
         tok = R["tokens_per_step"] * a.steps / max(dts)
         R.update(
             tokens_per_s=round(tok, 1),
@@ -462,6 +511,8 @@ def main(argv=None) -> int:
         R["tp_collectives_per_step"] = {}
         if a.compile:  # compiled blocks call functional collectives: nothing to count here
             R["tp_collectives_per_step"] = {"skipped": "compiled blocks (functional collectives)"}
+        elif a.pp > 1:
+            R["tp_collectives_per_step"] = {"skipped": "pp > 1 (the stages run through train_step)"}
         else:
             with qb.record_errors(R["tp_collectives_per_step"]):
                 R["tp_collectives_per_step"] = collectives_per_step(model, opt, ids, dev, autocast)

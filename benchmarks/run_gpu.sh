@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session of quantmesh's benchmarks against its peers, on one machine, inside a time budget.
 #
-#   bash benchmarks/run_gpu.sh [--cpu] [STAGE...]     STAGE: train tpc tp2 decode load (default:
+#   bash benchmarks/run_gpu.sh [--cpu] [STAGE...]     STAGE: train tpc pp2 decode load (default:
 #                                                     train decode load)
 #
 #   train   env, bf16 matmul peak, then at the same micro-batch: peer D (accelerate layer split,
@@ -9,6 +9,8 @@
 #           peft + bnb NF4) / quantmesh dp=2 nf4 eager, then compiled (+ profile); every quantmesh
 #           run also checks its losses against a CPU reference
 #   tpc     peer D and quantmesh tp=2 compiled only (a second micro-batch: MB=4)
+#   pp2     at one global batch of MB rows (run it with MB=8): peer D, quantmesh tp=2, and
+#           quantmesh pp=2 1F1B over 4 and over 8 micro-batches (qm.train_step)
 #   decode  one GPU transformers (dynamic cache, static cache + compile), quantmesh tp=2
 #   load    a 7B-shaped sharded safetensors checkpoint: disk read rate vs qm.load_checkpoint
 #           into tp=2 nf4 (host RssAnon per rank)
@@ -30,7 +32,7 @@ STAGES=()
 for arg in "$@"; do
   case "$arg" in
     --cpu) CPU=1 ;;
-    train | tpc | tp2 | decode | load) STAGES+=("$arg") ;;
+    train | tpc | tp2 | pp2 | decode | load) STAGES+=("$arg") ;;
     *) echo "unknown argument: $arg (stages: train decode load; flag: --cpu)" >&2; exit 2 ;;
   esac
 done
@@ -151,6 +153,20 @@ for stage in "${STAGES[@]}"; do
       ${OURS[@]+"${OURS[@]}"}
     step qm_dp2_compiled 240 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 1 --quant nf4 \
       "${TRAIN[@]}" --compile --profile ${OURS[@]+"${OURS[@]}"}
+    ;;
+  pp2)
+    if [ -f $PEER ]; then
+      step peer_D 180 "$PY" $PEER D --out "$WORK" --mb "$MB" --tag "_mb$MB" \
+        ${SHAPE[@]+"${SHAPE[@]}"}
+    else
+      skip peer_D "no $PEER"
+    fi
+    step qm_tp2 150 "${TORCHRUN[@]}" benchmarks/bench_train.py --tp 2 --quant nf4 --mb "$MB" \
+      --out "$WORK" ${OURS[@]+"${OURS[@]}"}
+    for M in 4 8; do
+      step "qm_pp2_m$M" 200 "${TORCHRUN[@]}" benchmarks/bench_train.py --pp 2 --microbatches "$M" \
+        --pp-schedule 1f1b --quant nf4 --mb "$MB" --out "$WORK" ${OURS[@]+"${OURS[@]}"}
+    done
     ;;
   decode)
     step decode_single ${DECODE_SINGLE_S:-200} "$PY" benchmarks/bench_decode.py --mode single --greedy --out "$WORK" \

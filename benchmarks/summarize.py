@@ -121,8 +121,19 @@ def qm_train(files: dict, tp: int, dp: int, compiled: bool = False) -> dict | No
             and r.get("tp") == tp
             and r.get("dp") == dp
             and bool(r.get("compiled")) == compiled
+            and r.get("pp", 1) == 1
         ),
     )
+
+
+def qm_pipelines(files: dict) -> list[dict]:
+    """bench_train.py records at pp > 1 (qm.train_step schedules), by schedule and micro-batches."""
+    recs = [
+        v
+        for v in files.values()
+        if isinstance(v, dict) and v.get("bench") == "train" and v.get("pp", 1) > 1
+    ]
+    return sorted(recs, key=lambda r: (r.get("pp_schedule", ""), r.get("microbatches", 1)))
 
 
 # ---- tables --------------------------------------------------------------------------------------
@@ -172,9 +183,19 @@ def tables(b: dict) -> str:
         "peak alloc GiB/GPU | peak reserved GiB/GPU | MFU (burst) | MFU (sustained) |"
     )
     L.append("|---|---|---|---|---|---|---|---|---|---|")
+    PP = qm_pipelines(files)
     rows = [
         ("peer D: accelerate layer split, NF4 + peft LoRA", "2-GPU layer split", D),
         ("quantmesh", "tp=2 nf4 + LoRA", T2),
+        *[
+            (
+                "quantmesh, pipeline",
+                f"pp={r['pp']} {r.get('pp_schedule')} M={r.get('microbatches')} nf4 + LoRA"
+                f" (bubble {pct(r.get('bubble_theory'))} in theory)",
+                r,
+            )
+            for r in PP
+        ],
         ("quantmesh, compiled blocks", "tp=2 nf4 + LoRA", T2c),
         ("peer E: DDP of peft + bnb NF4", "dp=2 (torchrun)", E),
         ("quantmesh", "dp=2 nf4 + LoRA", P2),
@@ -216,6 +237,14 @@ def tables(b: dict) -> str:
     L.append("|---|---|---|")
     L.append(f"| tp=2 nf4+LoRA >= 1.8x peer D | {t2d_s} | {verdict(t2d, 1.8)} |")
     L.append(f"| dp=2 nf4+LoRA >= 1.1x peer E | {p2e_s} | {verdict(p2e, 1.1)} |")
+    for r in PP:
+        if r.get("pp") == 2 and r.get("pp_schedule") == "1f1b" and r.get("microbatches") == 8:
+            x = ratio(r.get("tokens_per_s"), (D or {}).get("tokens_per_s"))
+            L.append(
+                f"| pp=2 1F1B M=8 nf4+LoRA >= 1.7x peer D (same global batch: mb "
+                f"{(r.get('args') or {}).get('mb')} vs {(D or {}).get('mb', '–')}) | "
+                f"{num(x, '{:.2f}x')} | {verdict(x, 1.7)} |"
+            )
     L.append(
         f"| MFU of the best 2-GPU layout >= 45% (vs burst peak) | {pct(best)} | "
         f"{verdict(best, 0.45)} |"

@@ -53,9 +53,13 @@ class _Decoder:
         self.model = model
         self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
 
+    def logits(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, vocab)
+        """One step's next-token logits (the cache advances by one position)."""
+        out: torch.Tensor = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
+        return out[:, -1]
+
     def step(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, 1)
-        logits: torch.Tensor = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
-        return logits[:, -1].argmax(dim=-1, keepdim=True)
+        return self.logits(tok).argmax(dim=-1, keepdim=True)
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # (batch, prompt) -> (batch, 1)
         self.cache.reset()  # in place: the tensors keep their addresses
@@ -97,6 +101,15 @@ def greedy_decode(
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
     if check_every < 1:
         raise ValueError(f"check_every={check_every}; expected >= 1")
+    from .state import parallel_state
+
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:
+        raise NotImplementedError(
+            f"greedy_decode at pp={st.mesh.pp}: each rank holds one pipeline stage, and decoding "
+            f"through the stages (one token crossing every stage per step) is not implemented; "
+            f"decode with tp instead: qm.init_mesh(tp={st.mesh.tp * st.mesh.pp}) (or pp=1)"
+        )
     batch, prompt = input_ids.shape
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.

@@ -20,6 +20,8 @@ from .dp import apply_dp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
 from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
+from .pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
+from .pipeline.schedule import build_runtime
 from .plan.auto import auto_plan
 from .plan.plan import Plan, Resolved
 from .plan.styles import Style
@@ -48,6 +50,7 @@ def parallelize(
     data_parallel: bool = True,
     verify: bool = True,
     example_inputs: Any = None,
+    pipeline: PipelineConfig | None = None,
 ) -> nn.Module:
     """Tensor-parallelize, quantize and LoRA-adapt `model` in place over `mesh`; returns it.
 
@@ -67,6 +70,10 @@ def parallelize(
         example_inputs: the probe's inputs (kwargs dict, args tuple, or callable(model,
             device)); None works for transformers models. Without them a custom model's plan is
             not verified (a warning says so).
+        pipeline: at pp > 1, how to cut the model into stages of whole blocks
+            (`qm.PipelineConfig(stages=[...])`); None = equal block counts. Each rank keeps only
+            its stage's modules (the others become parameterless stand-ins); train with
+            `qm.train_step`.
 
     A model whose linears are bitsandbytes Linear4bit / Linear8bitLt already keeps their format:
     their codes are re-sharded as they are where the tp cuts fall on quantization blocks (and
@@ -85,14 +92,22 @@ def parallelize(
     with torch.random.fork_rng(devices=cuda):
         adapters = unwrap_peft(model, lora)  # peft's LoRA layers -> base layers + one LoraConfig
         inner = inner_model(model)  # a PeftModel's own model; its names keep peft's prefix
+        if adapters is not None and getattr(mesh, "pp", 1) > 1:
+            rewrap(model, adapters)
+            raise LoraError(
+                f"a peft model at pp={mesh.pp}: pipeline stages of peft models are not supported "
+                "yet; use pp=1 (tp and dp), or merge the adapter (merge_and_unload()) and pass "
+                "lora=qm.LoraConfig(...)"
+            )
         if adapters is None:
             _parallelize(
-                inner, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs
-            )
+                inner, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs,
+                pipeline,
+            )  # fmt: skip
         else:
             try:
                 _parallelize(inner, mesh, plan, quant, adapters.config, dtype, False, verify,
-                             example_inputs)  # fmt: skip
+                             example_inputs, pipeline)  # fmt: skip
             except Exception:
                 rewrap(model, adapters)  # a refusal leaves the user's peft model as it was
                 raise
@@ -114,6 +129,7 @@ def _parallelize(
     data_parallel: bool,
     verify: bool,
     example_inputs: Any,
+    pipeline: PipelineConfig | None = None,
 ) -> nn.Module:
     if isinstance(plan, dict):
         plan = Plan(plan)
@@ -122,12 +138,17 @@ def _parallelize(
     qcfg = resolve_quant(quant)
     if lora is not None and not isinstance(lora, LoraConfig):
         raise LoraError(f"lora={lora!r}; pass qm.LoraConfig(r=..., targets=[...]) or None")
-    if mesh.pp > 1:
-        raise ValueError(
-            f"mesh pp={mesh.pp}: pipeline schedules are not implemented yet, so parallelize would "
-            f"leave {mesh.pp - 1} of every {mesh.pp} ranks idle; build the mesh with pp=1 and use "
-            f"tp (and dp) for these ranks, e.g. qm.init_mesh(tp={mesh.tp * mesh.pp}, dp={mesh.dp})"
-        )
+    cut = None
+    if mesh.pp > 1:  # the stage cut is checked before anything else (no collective yet)
+        if len(mesh.devices) > 1:
+            raise ValueError(
+                f"devices_per_rank={len(mesh.devices)} with pp={mesh.pp}: a rank holds one "
+                f"pipeline stage on one device; use devices_per_rank=1"
+            )
+        cut = plan_stages(model, mesh.pp, pipeline)
+        check_ties(model, cut, trainable=lora is None)
+    elif pipeline is not None and pipeline.stages not in (None, [1]):
+        raise ValueError(f"pipeline={pipeline!r} needs a mesh with pp > 1; this one has pp=1")
     if len(mesh.devices) > 1 and mesh.tp > 1:
         raise ValueError(
             f"devices_per_rank={len(mesh.devices)} with tp={mesh.tp}: a rank either splits its "
@@ -157,14 +178,21 @@ def _parallelize(
                 stacklevel=3,
             )
 
-    # 3. build shards on their devices (quantized there), attach adapters, materialize the rest
+    # for load_checkpoint: names sharing one tensor (tied weights; a checkpoint may hold only one
+    # of them, and quantizing one side unties them), over the whole model (a tie may span stages)
+    tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
+
+    # 3. keep only this rank's pipeline stage (the plan was resolved and verified on the whole model)
+    swaps: dict = {}
+    if cut is not None:
+        swaps = drop_others(model, cut, cut.local(mesh.pp_rank), mesh.device)
+        resolved, wrap = stage_plan(model, resolved, wrap)
+
+    # 4. build shards on their devices (quantized there), attach adapters, materialize the rest
     placement = layer_placement(model, mesh.devices)
     if lora is not None:
         model.requires_grad_(False)
-    # for load_checkpoint: names that hold no values yet (meta), and names sharing one tensor
-    # (tied weights; a checkpoint may hold only one of them, and quantizing one side unties them)
-    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
-    tied = [[f"{m}.{p}" if m else p for m, p in g] for g in shared_params(model)]
+    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]  # no values yet
     rng = RngRegions()
     apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, rng=rng, dtype=dtype, lora=lora)
     # a forward that stops inside a split region (an exception) must not leave this rank on its
@@ -183,6 +211,7 @@ def _parallelize(
             tied=tied,
             uninitialized=set(meta),
             verify=report,
+            pipeline=None if cut is None else build_runtime(model, cut, mesh, swaps),
         ),
     )
 
@@ -191,8 +220,8 @@ def _parallelize(
 
         reduce_partial_grads(model, report.reduce_grads, mesh.tp_group)
 
-    # 4. data parallel over the trainable parameters
-    if data_parallel and mesh.dp > 1:
+    # 5. data parallel over the trainable parameters (at pp > 1, train_step sums them over dp)
+    if data_parallel and mesh.dp > 1 and mesh.pp == 1:
         apply_dp(model, mesh)
     return model
 

@@ -14,6 +14,13 @@ It composes with the rest because it is torch's own non-reentrant `torch.utils.c
   stays eager (as does the offload) around the compiled graph. (Compiled around the checkpoint,
   the graph saved far more than the inputs: 26.6 GiB against 7.9 eager for 7B nf4 + LoRA at 8192
   tokens on an H200, and the offload broke the graph; docs/benchmarks.md.)
+- `tile_tokens=N`: the block's position-wise parts (a child with weights and one input, whose
+  output for a token depends on that token alone, such as the MLP) run N tokens at a time, each
+  tile checkpointed again: at long sequences the MLP's (tokens x intermediate) tensors, saved and
+  in its backward, were most of a block's memory. Position-wise is proven, not assumed: on the
+  first training call each candidate runs on an 8-token prefix of the block's input whole and in
+  two halves; a child whose halves differ, that draws random numbers (dropout: tiles would draw
+  other masks than the whole), or that cannot take the input is kept whole, with a warning. The cost is one more forward of the tiled parts per step.
 - `offload=True`: the saved block inputs go to (pinned, on CUDA) host memory through
   `torch.autograd.graph.save_on_cpu` and come back when backward needs them. torch copies them back
   synchronously when the block's backward starts; there is no prefetch ahead of need yet.
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,22 +51,32 @@ __all__ = ["checkpoint_blocks"]
 _MARK = "_quantmesh_checkpointed"  # block.__dict__: the block's own forward
 _OFFLOAD = "_quantmesh_offload"
 COMPILE_KWARGS = "_quantmesh_compile_kwargs"  # set by compile_blocks
+_TILE = "_quantmesh_tile_tokens"  # block.__dict__: tokens per tile of its position-wise children
+_TILED = "_quantmesh_tiled"  # block.__dict__: names of the children proven position-wise
+PROBE_TOKENS = 8
 
 
-def checkpoint_blocks(model: nn.Module, *, offload: bool = False) -> int:
+def checkpoint_blocks(
+    model: nn.Module, *, offload: bool = False, tile_tokens: int | None = None
+) -> int:
     """Recompute every repeated block of `model` in backward instead of keeping its activations.
 
     The blocks are the ones `compile_blocks` and the planner find (the elements of the largest
     ModuleLists). Only training forwards with gradients enabled are checkpointed; evaluation and
-    generation run the block as it is. Calling it again changes `offload` and nothing else. With
-    `compile_blocks` (before or after), the block's own forward is compiled inside the checkpoint:
-    the checkpoint and the offload stay eager around the compiled graph. Returns the number of
-    blocks.
+    generation run the block as it is. Calling it again changes `offload` and `tile_tokens` and
+    nothing else. With `compile_blocks` (before or after), the block's own forward is compiled
+    inside the checkpoint: the checkpoint and the offload stay eager around the compiled graph.
+    `tile_tokens`: run the blocks' position-wise parts (the MLP) that many tokens at a time, for
+    long sequences (module docstring). Returns the number of blocks.
 
     Example:
         >>> qm.checkpoint_blocks(model, offload=True)  # doctest: +SKIP
         32
+        >>> qm.checkpoint_blocks(model, tile_tokens=8192)  # 64k+ tokens  # doctest: +SKIP
+        32
     """
+    if tile_tokens is not None and tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens}; expected >= 1 (or None: no tiling)")
     blocks = blocks_of(model)
     if not blocks:
         raise ValueError(
@@ -67,6 +86,15 @@ def checkpoint_blocks(model: nn.Module, *, offload: bool = False) -> int:
     for _, block in blocks:
         block.__dict__.setdefault(_MARK, block.forward)
         block.__dict__[_OFFLOAD] = offload
+        block.__dict__[_TILE] = tile_tokens
+        for name in block.__dict__.get(_TILED, []):  # tiled by an earlier call: the new size
+            child = block.get_submodule(name)
+            if tile_tokens is None:
+                child.__class__ = _untiled_class(type(child))
+            else:
+                child.__dict__[_TILE_OF] = (tile_tokens, child.__dict__[_TILE_OF][1])
+        if tile_tokens is None:
+            block.__dict__.pop(_TILED, None)
         install(block)
     return len(blocks)
 
@@ -93,6 +121,11 @@ def _checkpointed(
 ) -> Any:
     if not (block.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
+    tile = block.__dict__.get(_TILE)
+    if tile is not None and _TILED not in block.__dict__:
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] >= PROBE_TOKENS:
+            _tile_positionwise(block, x[:1, :PROBE_TOKENS].detach(), tile)
     ctx: contextlib.AbstractContextManager[Any] = (
         torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
         if offload
@@ -100,3 +133,137 @@ def _checkpointed(
     )
     with ctx:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
+def _candidates(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Direct children with matrix weights whose forward takes exactly one input."""
+    out = []
+    for name, child in block.named_children():
+        if not any(p.dim() >= 2 for p in child.parameters()):
+            continue
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = inspect.signature(child.forward).parameters.values()
+        if sum(p.kind in kinds for p in params) == 1:
+            out.append((name, child))
+    return out
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _tile_positionwise(block: nn.Module, x: torch.Tensor, tile: int) -> None:
+    """Prove which candidates are position-wise on `x` (1, PROBE_TOKENS, h) and tile those.
+
+    Position-wise: the two halves' outputs are the whole's. Random-neutral: the random state after
+    the tiled run (the first tile as it is, the others from a forked state, as `_tiled` runs them)
+    is the one after the whole run. Dropout draws per element, so a child with dropout fails it;
+    the tp RNG regions' one draw per entry passes (every tile enters once, the first one counts).
+    """
+    tiled = []
+    half = PROBE_TOKENS // 2
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    for name, child in _candidates(block):
+        forward = functools.partial(_untiled_class(type(child)).forward, child)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                start = _rng_states(x.device)
+                whole = forward(x)
+                after_whole = _rng_states(x.device)
+                _set_rng_states(x.device, start)
+                first = forward(x[:, :half])
+                after_tiles = _rng_states(x.device)
+                with torch.random.fork_rng(devices=devices):
+                    parts = torch.cat([first, forward(x[:, half:])], dim=1)
+            draws = not all(
+                torch.equal(a, b) for a, b in zip(after_whole, after_tiles, strict=True)
+            )
+            moves = not all(torch.equal(a, b) for a, b in zip(start, after_whole, strict=True))
+            same = (
+                not draws
+                and isinstance(whole, torch.Tensor)
+                and whole.shape == parts.shape
+                and bool(torch.allclose(whole.float(), parts.float(), rtol=1e-2, atol=1e-3))
+            )
+        except Exception as e:  # noqa: BLE001 - a child that cannot take the block's input
+            same, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = (
+                "it draws random numbers per element in training (dropout), and tiles would "
+                "draw other masks"
+                if draws
+                else "its output for a token depends on other tokens"
+            )
+        if not same:
+            warnings.warn(
+                f"quantmesh: checkpoint_blocks(tile_tokens=...) keeps "
+                f"{type(block).__name__}.{name} ({type(child).__name__}) whole: {why}",
+                stacklevel=3,
+            )
+            continue
+        child.__dict__[_TILE_OF] = (tile, moves)
+        child.__class__ = _tiled_class(type(child))
+        tiled.append(name)
+    block.__dict__[_TILED] = tiled
+
+
+_TILE_OF = "_quantmesh_tile_of"  # child.__dict__: (tokens per tile, whether a call moves the RNG)
+_TILED_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _tiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` with a forward that runs the original over token tiles (one subclass per class, the
+    same name: a class swap, so dynamo traces the tiles inside a compiled block and no module or
+    parameter name changes)."""
+    if getattr(cls, "_quantmesh_untiled_class", None) is not None:
+        return cls
+    made = _TILED_CLASSES.get(cls)
+    if made is None:
+
+        def forward(self: nn.Module, x: torch.Tensor) -> Any:
+            tile, moves = self.__dict__[_TILE_OF]
+            return _tiled(self, functools.partial(cls.forward, self), tile, moves, x)
+
+        made = type(
+            cls.__name__,
+            (cls,),
+            {
+                "forward": forward,
+                "_quantmesh_untiled_class": cls,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+            },
+        )
+        _TILED_CLASSES[cls] = made
+    return made
+
+
+def _untiled_class(cls: type[nn.Module]) -> type[nn.Module]:
+    base: type[nn.Module] | None = getattr(cls, "_quantmesh_untiled_class", None)
+    return base if base is not None else cls
+
+
+def _tiled(
+    child: nn.Module, forward: Callable[..., Any], tile: int, moves: bool, x: torch.Tensor
+) -> Any:
+    """`forward` over `tile` tokens at a time (dim 1), each tile checkpointed. When a call moves
+    the random state (the tp RNG regions' one draw), the tiles after the first run from a forked
+    state, so it moves on as after one whole call (a graph break under compile, so only then)."""
+    if x.dim() != 3 or x.shape[1] <= tile or not (child.training and torch.is_grad_enabled()):
+        return forward(x)
+    outs = [checkpoint(forward, x[:, :tile], use_reentrant=False)]
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    fork = torch.random.fork_rng(devices=devices) if moves else contextlib.nullcontext()
+    with fork:
+        for s in range(tile, x.shape[1], tile):
+            outs.append(checkpoint(forward, x[:, s : s + tile], use_reentrant=False))
+    return torch.cat(outs, dim=1)

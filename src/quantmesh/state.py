@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from .lora import LoraConfig
     from .mesh import Mesh
+    from .pipeline.step import PipelineRuntime
     from .plan.plan import Resolved
     from .quant.base import QuantConfig
     from .tp.rng import RngRegions
@@ -48,6 +49,7 @@ class ParallelState:
     rng: the dropout RNG regions of this model's tp layers.
     dp: True once the trainable gradients are synced over mesh.dp (apply_dp).
     verify: what verify_plan found (None when not run: tp=1 or verify=False).
+    pipeline: this rank's pipeline stage and schedules (None at pp = 1).
     """
 
     mesh: Mesh
@@ -59,6 +61,7 @@ class ParallelState:
     uninitialized: set[str] = field(default_factory=set)
     dp: bool = False
     verify: VerifyReport | None = None
+    pipeline: PipelineRuntime | None = None
 
 
 def attach_state(model: nn.Module, state: ParallelState) -> None:

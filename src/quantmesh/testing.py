@@ -46,9 +46,13 @@ PRELOAD = ["torch", "torch.distributed", "quantmesh", "transformers.modeling_uti
 
 
 def _context() -> Any:
-    """Fork server (torch preloaded) where the platform has one, else spawn. Both start each rank
-    from a process that has initialized nothing (no threads, no process group, no CUDA)."""
-    if "forkserver" in mp.get_all_start_methods():
+    """Fork server (torch preloaded) where the platform has one and no GPU is visible, else spawn.
+    Both start each rank from a process that has initialized nothing (no threads, no process group,
+    no CUDA). With a GPU, the preload itself initializes CUDA (bitsandbytes queries the device at
+    import), and a rank forked from it cannot use CUDA at all, so GPU machines spawn."""
+    import torch
+
+    if "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)  # used when the server starts (the first call)
         return ctx

@@ -91,3 +91,24 @@ def test_vocab_parallel_cross_entropy_matches_the_plain_one() -> None:
     for r in run_ranks(_vocab_parallel_ce, 2, timeout=120, env={"CUDA_VISIBLE_DEVICES": ""}):
         # fp64 throughout: only the summation order differs
         assert r["ce"] < 1e-12 and r["ce_grad"] < 1e-12, r
+
+
+@pytest.mark.slow
+def test_bench_train_smoke_pp2_1f1b_on_two_cpu_ranks(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(BENCH / "bench_train.py"), "--smoke", "--pp", "2", "--microbatches", "2",
+        "--quant", "nf4", "--mb", "2", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "result_qm_tp1_pp2_1f1b_m2_dp1_nf4_lora.json").read_text())
+    assert res["ok"], res.get("traceback")
+    assert (res["pp"], res["microbatches"], res["bubble_theory"]) == (2, 2, round(1 / 3, 4))
+    assert res["tokens_per_s"] > 0 and all(x == x for x in res["losses_first"])
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "summarize.py"), "--bundle", str(tmp_path)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "| quantmesh, pipeline | pp=2 1f1b M=2 nf4 + LoRA" in out.stdout

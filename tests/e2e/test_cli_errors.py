@@ -148,3 +148,19 @@ def test_a_failing_worker_gives_one_line_naming_its_rank(tiny: Path, tmp_path: P
     assert "Traceback" not in proc.stderr
     assert Path(m.group(3)) == out / "logs" / f"rank-{m.group(1)}.log"
     assert "Traceback (most recent call last)" in Path(m.group(3)).read_text()
+
+
+def test_pipeline_settings_that_cannot_run(tiny: Path, capsys, monkeypatch) -> None:
+    base = ["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
+            "--seq-len", "64", "--nproc", "2", "--pp", "2"]  # fmt: skip
+    err = _fails([*base, "--microbatches", "1"], capsys, monkeypatch)
+    assert "--pp-schedule 1f1b needs --microbatches (grad_accum) >= --pp: 1 < 2" in err
+    err = _fails([*base[:-4], "--nproc", "3", "--pp", "2", "--microbatches", "2"], capsys,
+                 monkeypatch)  # fmt: skip
+    assert "--tp 1 x --pp 2 = 2 does not divide the 3 processes" in err
+    err = _fails(["generate", str(tiny / "tiny"), "--prompt", "hi", "--pp", "2"], capsys,
+                 monkeypatch)  # fmt: skip
+    assert "--pp 2: generation does not run over pipeline stages" in err and "--tp 2" in err
+    err = _fails([*base, "--microbatches", "2", "--pp-virtual", "2", "--pp-schedule",
+                  "interleaved1f1b"], capsys, monkeypatch)  # fmt: skip
+    assert "4 stages (pp=2 x virtual=2) but LlamaForCausalLM has 2 blocks" in err

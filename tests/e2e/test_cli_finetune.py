@@ -33,8 +33,8 @@ def _instructions(path: Path, n: int = 48) -> None:
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
 
 
-def _reference(model_dir: Path, data: Path, seq_len: int) -> tuple[float, float]:
-    """(masked loss, unmasked loss) of step 1 of a dp=2, micro_batch=1, grad_accum=2 run."""
+def _reference(model_dir: Path, data: Path, seq_len: int, dp: int = 2) -> tuple[float, float]:
+    """(masked loss, unmasked loss) of step 1 of a `dp`-replica, micro_batch=1, grad_accum=2 run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quantmesh.train.data import build_dataset, iterate_batches
@@ -44,8 +44,8 @@ def _reference(model_dir: Path, data: Path, seq_len: int) -> tuple[float, float]
     ds = build_dataset([data], tok, seq_len, seed=0)
     assert 0 < ds.num_labelled < len(ds.train) * seq_len  # prompts really are masked
     micro = []
-    for rank in range(2):  # the first 2 micro-batches (grad_accum=2) of each dp rank
-        it = iterate_batches(ds.train, 1, dp_rank=rank, dp_size=2, seed=0, epoch=0)
+    for rank in range(dp):  # the first 2 micro-batches (grad_accum=2) of each dp rank
+        it = iterate_batches(ds.train, 1, dp_rank=rank, dp_size=dp, seed=0, epoch=0)
         micro += [next(it), next(it)]
     sums, counts, all_sum, all_count = 0.0, 0, 0.0, 0
     with torch.no_grad():
@@ -88,9 +88,11 @@ def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: 
         str(tmp_path / "out"),
         "--compile",
         "--checkpointing",
+        "--tile-tokens",
+        "10",
         "--loss-chunk-tokens",
         "7",
-    )  # fmt: skip (compiled, recomputed blocks and a chunked loss give the eager reference's loss)
+    )  # fmt: skip (compiled, recomputed blocks, MLP tiles, a chunked loss: the eager reference's loss)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp=1 x dp=2" in proc.stderr
     assert "compile: 2 blocks" in proc.stdout + proc.stderr
@@ -101,3 +103,30 @@ def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: 
     assert abs(masked - unmasked) > 0.05  # the two readings are far apart: the test can tell
     # fp32 on both sides; the sharded run sums in another order: 1e-4 is loose for 1e-6 noise.
     assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked, unmasked)
+
+
+def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
+    """--pp 2: each worker holds one decoder layer; 1F1B over 2 micro-batches; the first step's
+    loss is the same masked token-mean; the adapter is saved as one PEFT folder, the resumable
+    state as one folder."""
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    data = tmp_path / "instructions.jsonl"
+    _instructions(data)
+    proc = cli(
+        "finetune", "--model", str(model_dir), "--data", str(data), "--nproc", "2", "--pp", "2",
+        "--micro-batch", "1", "--microbatches", "2", "--pp-schedule", "1f1b", "--seq-len", "32",
+        "--steps", "2", "--lr", "1e-2", "--output-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tp=1 x pp=2 x dp=1" in proc.stderr
+    rows = [json.loads(ln) for ln in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    masked, _ = _reference(model_dir, data, 32, dp=1)
+    assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked)
+    cfg = json.loads((tmp_path / "out/adapter/adapter_config.json").read_text())
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "out/adapter/adapter_model.safetensors")
+    assert {k.split(".layers.")[1].split(".")[0] for k in weights} == {"0", "1"}  # both stages
+    assert cfg["peft_type"] == "LORA"
+    assert (tmp_path / "out/checkpoints/step-000002/state/state.json").is_file()  # resumable

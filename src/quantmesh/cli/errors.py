@@ -42,6 +42,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from ..io.reader import CheckpointKeyError
     from ..lora import LoraError
     from ..mesh import MeshError
+    from ..pipeline.cut import PipelineError
     from ..plan.plan import PlanError
     from ..quant.base import QuantError
     from ..train.data import DataError
@@ -50,6 +51,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         CliError,
         MeshError,
         PlanError,
+        PipelineError,
         QuantError,
         LoraError,
         DataError,

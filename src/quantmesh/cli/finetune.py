@@ -99,12 +99,21 @@ class FinetuneConfig:
     """Seed of the data order, LoRA initialization and dropout."""
     max_grad_norm: float = 1.0
     """Clip the adapters' global gradient norm to this; 0 = no clipping."""
+    pp: int = 1
+    """Pipeline-parallel stages (whole decoder layers per stage); tp x pp x dp processes."""
+    pp_schedule: str = "1f1b"
+    """At pp > 1: the schedule of each step's grad_accum micro-batches: 1f1b or gpipe (one stage
+    per rank), interleaved1f1b (pp_virtual stages per rank)."""
+    pp_virtual: int = 1
+    """Pipeline stages per rank (interleaved1f1b needs 2 or more)."""
     compile: bool = False
     """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile."""
     checkpointing: bool = False
     """Recompute each decoder layer in backward (qm.checkpoint_blocks): far less activation memory."""
     offload_activations: bool = False
     """With checkpointing: keep the layers' saved inputs in host memory."""
+    tile_tokens: int = 0
+    """With checkpointing: run each layer's MLP this many tokens at a time (long sequences); 0 = off."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (never the whole logits at once); 0 = the plain loss."""
 
@@ -125,7 +134,19 @@ class FinetuneConfig:
             raise CliError(
                 "--offload-activations needs --checkpointing (it offloads what it keeps)"
             )
-        for name in ("tp", "nnodes", "lora_r", "seq_len", "micro_batch", "grad_accum"):
+        if self.tile_tokens < 0:
+            raise CliError(f"--tile-tokens {self.tile_tokens}; expected >= 1 (or 0: no tiling)")
+        if self.tile_tokens and not self.checkpointing:
+            raise CliError("--tile-tokens needs --checkpointing (the tiles are recomputed too)")
+        if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
+            raise CliError(f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b")
+        if (self.pp_virtual > 1) != (self.pp_schedule == "interleaved1f1b"):
+            raise CliError(
+                "--pp-schedule interleaved1f1b goes with --pp-virtual 2 or more (stages per "
+                "rank), and --pp-virtual > 1 with --pp-schedule interleaved1f1b"
+            )
+        for name in ("tp", "pp", "pp_virtual", "nnodes", "lora_r", "seq_len", "micro_batch",
+                     "grad_accum"):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CliError(f"{name}={v!r}; expected an integer >= 1")
@@ -147,16 +168,24 @@ class FinetuneConfig:
             raise CliError(f"lora_dropout={self.lora_dropout}; expected a value in [0, 1)")
         if self.max_grad_norm < 0 or self.weight_decay < 0:
             raise CliError("max_grad_norm and weight_decay must be >= 0 (0 turns clipping off)")
+        if self.pp > 1:
+            if self.pp_schedule != "gpipe" and self.grad_accum < self.pp:
+                raise CliError(
+                    f"--pp-schedule {self.pp_schedule} needs --microbatches (grad_accum) >= --pp: "
+                    f"{self.grad_accum} < {self.pp}; use --microbatches {self.pp} or more, or "
+                    f"--pp-schedule gpipe"
+                )
         self._resolve_mesh()
 
     def _resolve_mesh(self) -> None:
-        """Fill in nproc / dp from each other so that nproc * nnodes == tp * dp."""
-        n, tp = self.nnodes, self.tp
+        """Fill in nproc / dp from each other so that nproc * nnodes == tp * pp * dp."""
+        n, tp = self.nnodes, self.tp * self.pp  # the processes of one replica
+        what = f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp {self.pp} = {tp}"
         if self.nproc is None:
             dp = self.dp or 1
             if (tp * dp) % n:
                 raise CliError(
-                    f"tp={tp} x dp={dp} = {tp * dp} processes cannot be spread evenly over "
+                    f"{what} x dp={dp} = {tp * dp} processes cannot be spread evenly over "
                     f"nnodes={n}; give --nproc (workers per node)"
                 )
             self.dp, self.nproc = dp, tp * dp // n
@@ -164,13 +193,18 @@ class FinetuneConfig:
         world = self.nproc * n
         if world % tp:
             fits = [t for t in range(1, world + 1) if world % t == 0]
+            fix = (
+                f"use --tp {' or '.join(map(str, fits))}"
+                if self.pp == 1
+                else (f"make tp x pp one of {', '.join(map(str, fits))}")
+            )
             raise CliError(
-                f"--tp {tp} does not divide the {world} processes (--nproc {self.nproc} x "
-                f"--nnodes {n}); use --tp {' or '.join(map(str, fits))}, or change --nproc"
+                f"{what} does not divide the {world} processes (--nproc {self.nproc} x "
+                f"--nnodes {n}); {fix}, or change --nproc"
             )
         if self.dp is not None and self.dp * tp != world:
             raise CliError(
-                f"--tp {tp} x --dp {self.dp} = {tp * self.dp} processes, but --nproc {self.nproc}"
+                f"{what} x --dp {self.dp} = {tp * self.dp} processes, but --nproc {self.nproc}"
                 f" x --nnodes {n} = {world}; drop --dp (it is then {world // tp}) or fix one"
             )
         self.dp = world // tp
@@ -195,7 +229,7 @@ class FinetuneConfig:
 
         names = ("micro_batch", "grad_accum", "lr", "weight_decay", "warmup_steps", "schedule")
         names += ("steps", "epochs", "eval_every", "save_every", "seed", "max_grad_norm")
-        names += ("loss_chunk_tokens",)
+        names += ("loss_chunk_tokens", "pp_schedule")
         return TrainConfig(**{n: getattr(self, n) for n in names})
 
     def to_json(self) -> str:
@@ -270,7 +304,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", help="where results go (default quantmesh-out)")
     g = p.add_argument_group("mesh")
     g.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
-    g.add_argument("--dp", type=int, help="data-parallel size (default nproc*nnodes/tp)")
+    g.add_argument("--dp", type=int, help="data-parallel size (default nproc*nnodes/(tp*pp))")
+    g.add_argument("--pp", type=int, help="pipeline stages of whole layers (default 1)")
     g.add_argument("--nproc", type=int, help="workers on this node (default tp*dp)")
     g.add_argument("--nnodes", type=int, help="nodes (multi-node launch)")
     g.add_argument("--node-rank", type=int, help="this node's rank (multi-node launch)")
@@ -284,7 +319,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=int, help="tokens per packed example (default 512)")
     g.add_argument("--micro-batch", type=int, help="examples per forward per dp rank (default 1)")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument(
+        "--grad-accum",
+        "--microbatches",
+        dest="grad_accum",
+        type=int,
+        help="micro-batches per optimizer step; at --pp > 1 the pipeline's micro-batches (default 1)",
+    )
+    g.add_argument(
+        "--pp-schedule",
+        choices=("1f1b", "gpipe", "interleaved1f1b"),
+        help="pipeline schedule at --pp > 1 (default 1f1b; --schedule is the lr schedule)",
+    )
+    g.add_argument(
+        "--pp-virtual", type=int, help="stages per rank for --pp-schedule interleaved1f1b"
+    )
     g.add_argument("--lr", type=float, help="peak learning rate (default 2e-4)")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0)")
     g.add_argument("--warmup-steps", type=int, help="linear warm-up steps (default 0)")
@@ -315,6 +364,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="with --checkpointing: keep the layers' saved inputs in host memory",
+    )
+    g.add_argument(
+        "--tile-tokens",
+        type=int,
+        help="with --checkpointing: each layer's MLP N tokens at a time (for 32k+ sequences)",
     )
     g.add_argument(
         "--loss-chunk-tokens",
@@ -367,7 +421,8 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun:
         return worker.run_in_place("finetune", cfg.to_json())
     print(
-        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x dp={cfg.dp}), "
+        f"quantmesh finetune: {cfg.world_size} processes (tp={cfg.tp} x "
+        f"{f'pp={cfg.pp} x ' if cfg.pp > 1 else ''}dp={cfg.dp}), "
         f"output in {cfg.output_dir}",
         file=sys.stderr,
         flush=True,
@@ -434,6 +489,10 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     lora_targets(model, lora)  # names that match nothing: LoraError listing the linear layers
     plan = auto_plan(model, cfg.tp)
     plan.resolve(model, cfg.tp)  # PlanError: a split the model cannot take
+    if cfg.pp > 1:  # PipelineError: a model that cannot be cut into these stages
+        from ..pipeline.cut import PipelineConfig, plan_stages
+
+        plan_stages(model, cfg.pp, PipelineConfig(virtual=cfg.pp_virtual))
     if cfg.resume:
         resolve_resume(cfg.resume)
     out = Path(cfg.output_dir).expanduser()
@@ -458,7 +517,23 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         checkpointing=cfg.checkpointing,
         offload_activations=cfg.offload_activations,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
+        tile_tokens=cfg.tile_tokens or None,
     )
+    if cfg.pp > 1:  # each rank holds one pipeline stage: the fullest rank must fit
+        import argparse
+
+        from .plan_cmd import stage_estimates
+
+        args = argparse.Namespace(
+            pp=cfg.pp, microbatches=cfg.grad_accum, pp_schedule=cfg.pp_schedule,
+            pp_virtual=cfg.pp_virtual, tp=cfg.tp, dp=cfg.dp, seq=cfg.seq_len,
+            micro_batch=cfg.micro_batch, device="cuda" if cuda else "cpu", compile=cfg.compile,
+            checkpointing=cfg.checkpointing, offload_activations=cfg.offload_activations,
+            loss_chunk_tokens=0,  # the pipelined step's loss is plain (train_step)
+        )  # fmt: skip
+        quant = None if cfg.quant == "none" else cfg.quant
+        stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
+        est = max((r.estimate for r in stages), key=lambda e: e.total)
     check_memory(est, cfg.nproc, what="training")
 
 

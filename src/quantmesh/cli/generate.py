@@ -99,6 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
     p.add_argument("--adapter", help="PEFT LoRA adapter folder")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages: only 1 (generation is not pipelined)"
+    )
     p.add_argument("--quant", choices=QUANTS, default="none")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -123,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
     from .runner import run_workers
 
     with user_errors():
+        if args.pp != 1:
+            raise CliError(
+                f"--pp {args.pp}: generation does not run over pipeline stages (each token would "
+                f"cross every stage in turn, leaving all but one GPU idle); use --tp "
+                f"{args.tp * args.pp} to spread the model over {args.tp * args.pp} GPUs instead"
+            )
         cfg = GenerateConfig(
             model=args.model,
             prompts=args.prompt,

@@ -140,6 +140,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="transformers model folder (only config.json is read)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: memory per pp rank")
+    p.add_argument("--microbatches", type=int, default=1, help="at --pp > 1 (default 1)")
+    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe", "interleaved1f1b"), default="1f1b")
+    p.add_argument("--pp-virtual", type=int, default=1, help="stages per rank (interleaved)")
     p.add_argument("--quant", choices=QUANTS, default="none")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = no training (default)")
     p.add_argument("--lora-targets", nargs="+", help="module names (default all projections)")
@@ -152,6 +156,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--offload-activations", action="store_true", help="checkpointed inputs in host memory"
+    )
+    p.add_argument(
+        "--tile-tokens",
+        type=int,
+        default=0,
+        help="with --checkpointing: the MLP N tokens at a time",
     )
     p.add_argument(
         "--loss-chunk-tokens", type=int, default=0, help="chunked loss (default 0: plain loss)"
@@ -168,7 +178,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """The `plan` command: one process, no workers."""
     with user_errors():
-        for name in ("tp", "dp", "seq", "micro_batch"):
+        for name in ("tp", "dp", "pp", "microbatches", "pp_virtual", "seq", "micro_batch"):
             if getattr(args, name) < 1:
                 raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)}; expected >= 1")
         if args.lora_r < 0:
@@ -217,6 +227,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         checkpointing=getattr(args, "checkpointing", False),
         offload_activations=getattr(args, "offload_activations", False),
         loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
+        tile_tokens=getattr(args, "tile_tokens", 0) or None,
     )
     mode = (
         f"training LoRA r={args.lora_r} with AdamW"
@@ -239,4 +250,69 @@ def plan_report(model, args: argparse.Namespace) -> str:
         "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
     ]
     lines += [f"Note: {n}" for n in est.notes]
+    if getattr(args, "pp", 1) > 1:
+        lines += ["", stage_report(model, args, plan=plan, quant=quant, lora=lora)]
     return "\n".join(lines)
+
+
+def stage_estimates(model, args: argparse.Namespace, **kw: Any) -> list:
+    """quantmesh.pipeline.memory.estimate_stages for the run `args` describe."""
+    import torch
+
+    from ..pipeline.cut import PipelineConfig
+    from ..pipeline.memory import estimate_stages
+
+    gpu = getattr(args, "device", "cuda") == "cuda"
+    return estimate_stages(
+        model,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        schedule=args.pp_schedule,
+        pipeline=PipelineConfig(virtual=args.pp_virtual),
+        tp=args.tp,
+        dp=args.dp,
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        dtype=torch.bfloat16 if gpu else torch.float32,
+        compiled=getattr(args, "compile", False),
+        checkpointing=getattr(args, "checkpointing", False),
+        offload_activations=getattr(args, "offload_activations", False),
+        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
+        **kw,
+    )
+
+
+def stage_report(model, args: argparse.Namespace, **kw: Any) -> str:
+    """One row per pp rank: its stages, blocks, micro-batches in flight, and memory by part."""
+    from ..plan.memory import format_bytes
+
+    rows = stage_estimates(model, args, **kw)
+    head = ("pp rank", "stages", "blocks", "in flight", "weights", "activations", "logits", "total")
+    body = [
+        (
+            str(r.rank),
+            ",".join(map(str, r.stages)),
+            str(r.blocks),
+            str(r.in_flight),
+            format_bytes(r.estimate.weights),
+            format_bytes(r.estimate.activations),
+            format_bytes(r.estimate.logits),
+            format_bytes(r.estimate.total),
+        )
+        for r in rows
+    ]
+    w = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(n) for c, n in zip(cells, w)).rstrip()
+
+    return "\n".join(
+        [
+            f"Pipeline: pp={args.pp} ({args.pp_schedule}, {args.microbatches} micro-batches of "
+            f"{args.micro_batch}); per pp rank (the estimate above is for the whole model):",
+            line(head),
+            *[line(b) for b in body],
+            "Activations: the per-layer figure x the rank's layers x the stage forwards the "
+            "schedule keeps in flight (quantmesh.pipeline.memory); not yet checked on a GPU.",
+        ]
+    )

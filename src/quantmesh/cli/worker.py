@@ -62,7 +62,7 @@ def finetune(payload: str) -> int:
     from .finetune import FinetuneConfig
 
     cfg = FinetuneConfig.from_json(payload)
-    mesh = qm.init_mesh(tp=cfg.tp, dp=-1)
+    mesh = qm.init_mesh(tp=cfg.tp, pp=cfg.pp, dp=-1)
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     dataset = _dataset(cfg, tok)
@@ -80,9 +80,12 @@ def finetune(payload: str) -> int:
         lora=cfg.lora_config(),
         dtype=dtype,
         progress=rank0,
+        pipeline=qm.PipelineConfig(virtual=cfg.pp_virtual) if cfg.pp > 1 else None,
     )
     if cfg.checkpointing:
-        qm.checkpoint_blocks(model, offload=cfg.offload_activations)
+        qm.checkpoint_blocks(
+            model, offload=cfg.offload_activations, tile_tokens=cfg.tile_tokens or None
+        )
     if cfg.compile:
         n = qm.compile_blocks(model)
         if rank0:

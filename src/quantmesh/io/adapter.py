@@ -48,9 +48,11 @@ def _peft_targets(model: nn.Module, targets: set[str]) -> list[str] | str:
     """Bare module names when they select exactly `targets` in the plain model, else a regex."""
     leaves = sorted({f.rsplit(".", 1)[-1] for f in targets})
     lora_children = {f"{f}.{c}" for f in targets for c in ("lora_A", "lora_B", "lora_dropout")}
+    from ..pipeline.parts import module_names  # other pipeline stages' modules count too
+
     covered = {
         n
-        for n, _ in model.named_modules()
+        for n in module_names(model)
         if n and n.rsplit(".", 1)[-1] in leaves and n not in lora_children
     }
     if covered == targets:
@@ -149,17 +151,38 @@ def save_adapter(
             )
         return mods, _adapter_config(model, mods, base_model_name_or_path)
 
-    mods, config = agreed(check, "save_adapter")
+    st = parallel_state(model, required=False)
+    pp_mesh = st.mesh if st is not None and st.mesh.pp > 1 else None
+    if pp_mesh is not None:  # the file and its config cover every pipeline stage's adapters
+        from ..pipeline.parts import stage_lora_config
+
+        mods, config = agreed(
+            lambda: stage_lora_config(
+                model,
+                _lora_modules(model),
+                lambda m, mods: _adapter_config(m, mods, base_model_name_or_path),
+                _peft_targets,
+            ),
+            "save_adapter",
+        )
+    else:
+        mods, config = agreed(check, "save_adapter")
 
     def produce(w: _Rank0Writer) -> None:
         if not in_first_replica(model):
             return
         tensors = {}
+        # at pp > 1 the first tp rank of each stage keeps its part and sends it to global rank 0
+        keep = bool(w) or (pp_mesh is not None and pp_mesh.tp_rank == 0)
         for fqn, m in mods.items():  # gathered one module at a time; adapters are small
             for name in ("lora_A.weight", "lora_B.weight"):
                 t = full_tensor(m, name)
-                if w:
+                if keep:
                     tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = _owned(t)
+        if pp_mesh is not None and pp_mesh.tp_rank == 0:
+            from ..pipeline.parts import gather_stages
+
+            tensors = {k: v for part in gather_stages(tensors, pp_mesh) for k, v in part.items()}
         w.run(saving._save_file, tensors, w.folder / ADAPTER_WEIGHTS if w.folder else None)
         w.json(ADAPTER_CONFIG, config)
 
@@ -235,6 +258,12 @@ def _check_adapter(
     problems = []
     if other:
         problems.append(f"tensors other than lora_A/lora_B: {other[:10]}")
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:  # adapters of other pipeline stages: theirs to load
+        from ..pipeline.parts import elsewhere_keys
+
+        elsewhere = {k.rsplit(".", 1)[0] for k in elsewhere_keys(model)}  # module names
+        in_file = {f for f in in_file if f not in elsewhere}
     if missing := sorted(in_file - set(mods)):
         problems.append(f"adapter modules without LoRA in the model: {missing[:10]}")
     if extra := sorted(set(mods) - in_file):

@@ -138,6 +138,13 @@ def export(
     """
 
     def check() -> int:
+        pst = parallel_state(model, required=False)
+        if pst is not None and pst.mesh.pp > 1:  # one stage per rank: the export would be partial
+            raise NotImplementedError(
+                f"export at pp={pst.mesh.pp}: each rank holds only its pipeline stage, and "
+                f"writing the stages into one model folder is not implemented; save the adapter "
+                f"(qm.save_adapter works at any pp) and export it at pp=1"
+            )
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype={dtype!r}; pass a float torch dtype such as torch.bfloat16")
         return parse_size(max_shard_size)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..plan.styles import FeatureSplit, Style
+from ..state import parallel_state
 from ..tp.collectives import all_gather_uneven
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
 
@@ -84,6 +85,13 @@ def full_state_dict(
         >>> sorted(sd)[:2]                   # doctest: +SKIP
         ['lm_head.weight', 'model.embed_tokens.weight']
     """
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:  # this rank holds one stage: the dict would be partial
+        raise NotImplementedError(
+            f"full_state_dict at pp={st.mesh.pp}: each rank holds only its pipeline stage, and "
+            f"gathering the stages is not implemented; save the adapters (qm.save_adapter) or "
+            f"the training state (qm.save_state), which work at any pp, or use pp=1"
+        )
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     sharded = sharded_modules(model)
@@ -105,12 +113,13 @@ def full_state_dict(
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by the true global 2-norm over tp shards (replicated parameters counted once).
+    """Clip gradients by the true global 2-norm over tp shards (replicated parameters counted once)
+    and pipeline stages.
 
-    Call after backward (and after the dp sync, which averages gradients: dp replicas then agree).
+        Call after backward (and after the dp sync, which averages gradients: dp replicas then agree).
 
-    Example:
-        >>> norm = qm.clip_grad_norm_(model, 1.0)  # doctest: +SKIP
+        Example:
+            >>> norm = qm.clip_grad_norm_(model, 1.0)  # doctest: +SKIP
     """
     if norm_type != 2.0:
         raise ValueError(f"norm_type={norm_type}; only the 2-norm is supported")
@@ -123,9 +132,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
                 p = m.get_parameter(pname) if "." in pname else m._parameters[pname]
                 sharded_ids.add(id(p))
     grads = [(p.grad, id(p) in sharded_ids) for p in model.parameters() if p.grad is not None]
-    if not grads:
+    st = parallel_state(model, required=False)
+    pp_group = st.mesh.pp_group if st is not None and st.mesh.pp > 1 else None
+    if not grads and pp_group is None:
         return torch.tensor(0.0)
-    dev = grads[0][0].device
+    dev = grads[0][0].device if grads else st.mesh.device  # type: ignore[union-attr]
     local = torch.zeros((), device=dev, dtype=torch.float32)
     repl = torch.zeros((), device=dev, dtype=torch.float32)
     for g, is_sharded in grads:
@@ -136,7 +147,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             repl += sq
     if group is not None:
         dist.all_reduce(local, group=group)
-    total = (local + repl).sqrt()
+    squares = local + repl
+    if pp_group is not None:  # each pipeline stage holds its own parameters: sum the stages
+        dist.all_reduce(squares, group=pp_group)
+    total = squares.sqrt()
     coef = max_norm / (total + 1e-6)
     if coef < 1:
         for g, _ in grads:

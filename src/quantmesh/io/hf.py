@@ -33,6 +33,7 @@ from torch import nn
 from ..empty import empty_model
 from ..lora import LoraConfig
 from ..parallel import parallelize
+from ..pipeline.cut import PipelineConfig
 from ..plan.plan import Plan
 from ..quant.base import QuantConfig, QuantError
 from .load import expected_keys, load_checkpoint
@@ -121,6 +122,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     plan: Plan | dict[str, str] | None = None,
     progress: bool = True,
+    pipeline: PipelineConfig | None = None,
 ) -> nn.Module:
     """A transformers causal LM from a local folder, parallelized over `mesh` and loaded by slices.
 
@@ -138,6 +140,7 @@ def from_pretrained(
             format is an error.
         dtype: the float dtype of the weights; None = the config's `dtype` (float32 if unset).
         progress: a tqdm bar of bytes read, on global rank 0.
+        pipeline: at pp > 1, the stage cut (`qm.PipelineConfig`); each stage reads only its keys.
 
     Example:
         >>> model = qm.from_pretrained("llama_dir", mesh, quant="nf4")  # doctest: +SKIP
@@ -167,7 +170,7 @@ def from_pretrained(
                 f"pass quant={qcfg.format!r} to quantize the float weights after slicing"
             )
         qcfg.skip = []
-    parallelize(model, mesh, plan=plan, quant=qcfg, lora=lora, dtype=dtype)
+    parallelize(model, mesh, plan=plan, quant=qcfg, lora=lora, dtype=dtype, pipeline=pipeline)
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)

@@ -275,6 +275,11 @@ def _plan_sources(
             bad_shape.append(f"{src}: checkpoint {tuple(reader.shape(src))}, model {t.shape}")
             continue
         sources[i] = src
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:  # other pipeline stages' keys are theirs to load
+        from ..pipeline.parts import elsewhere_keys
+
+        expected |= elsewhere_keys(model)
     unexpected = [k for k in reader.keys() if k not in expected]
     if bad_shape or (strict and (missing or unexpected)):
         parts = [_listing("missing", missing)] if strict and missing else []

@@ -1,8 +1,9 @@
 """Resume: save_state / load_state of trainable parameters, optimizer state, RNG states and step.
 
 Tensors are stored UNSHARDED (gathered over tp, one replica's copy), so a state saved at one layout
-resumes at any other layout the plan allows (dp x tp): each rank reads back the slice its own
-parameters hold. Only safetensors and JSON are written and read; nothing is unpickled (which is
+resumes at any other layout the plan allows (dp x tp x pp): each rank reads back the slice its own
+parameters hold. At pp > 1 the first tp rank of each stage sends its part to global rank 0, which
+writes one folder; on load each rank reads its stages' names only. Only safetensors and JSON are written and read; nothing is unpickled (which is
 why torch.distributed.checkpoint, whose metadata file is a pickle, is not used).
 
 Folder layout:
@@ -42,6 +43,7 @@ from .load import _coll_device, _rank
 from .reader import open_checkpoint
 from .save import (
     ShardWriter,
+    _owned,
     _Rank0Writer,
     agreed,
     collective_save,
@@ -233,6 +235,59 @@ def _write_tensors(
         w.run(writer.close)
 
 
+# ---- pipeline stages: each holds part of the trainable parameters --------------------------------
+def _merge_stages(infos: list) -> tuple[dict, dict]:
+    """(params, optimizer layout) of the whole model from every rank's [pp rank, params, layout]
+    (one per stage kept; stage order, so names stay in model order)."""
+    by_stage: dict[int, tuple[dict, dict]] = {}
+    for stage, stage_params, stage_layout in infos:
+        by_stage.setdefault(stage, (stage_params, stage_layout))
+    params: dict = {}
+    merged: dict = {"class": None, "groups": [], "tensors": {}, "scalars": {}}
+    for stage in sorted(by_stage):
+        p, lay = by_stage[stage]
+        params.update(p)
+        merged["class"] = merged["class"] or lay["class"]
+        if lay["class"] != merged["class"] or (
+            merged["groups"] and len(lay["groups"]) != len(merged["groups"])
+        ):
+            raise ValueError(
+                "pipeline stages hold different optimizers (classes or group counts); build "
+                "the optimizer the same way on every rank from qm.trainable_parameters(model)"
+            )
+        for gi, g in enumerate(lay["groups"]):
+            if gi == len(merged["groups"]):
+                merged["groups"].append({"settings": g["settings"], "params": []})
+            merged["groups"][gi]["params"] += g["params"]
+        merged["tensors"].update(lay["tensors"])
+        merged["scalars"].update(lay["scalars"])
+    return params, merged
+
+
+def _stage_items(mesh: Any, t_items: list, o_items: list) -> tuple[list, list]:
+    """Every stage's (key, tensor) items on global rank 0, in stage order (others: empty).
+    Called by the ranks of the first replica; the first tp rank of each stage takes part."""
+    if mesh.tp_rank != 0:
+        return [], []
+    from ..pipeline.parts import gather_stages
+
+    mine = {"t": [(k, _owned(v)) for k, v in t_items], "o": [(k, _owned(v)) for k, v in o_items]}
+    parts = gather_stages(mine, mesh)  # [stage 0's, stage 1's, ...] on rank 0
+    return [x for p in parts for x in p["t"]], [x for p in parts for x in p["o"]]
+
+
+def _stage_part(manifest: dict, pipe: Any) -> dict:
+    """The manifest kept to this rank's stages' parameters (the others are other ranks' to load)."""
+    keep = [n for n in manifest["params"] if pipe.cut.stage_of(n) in pipe.stages]
+    opt = manifest["optimizer"]
+    groups = [{**g, "params": [n for n in g["params"] if n in keep]} for g in opt["groups"]]
+    return {
+        **manifest,
+        "params": {n: manifest["params"][n] for n in keep},
+        "optimizer": {**opt, "groups": groups},
+    }
+
+
 # ---- save ---------------------------------------------------------------------------------------
 def save_state(
     model: nn.Module,
@@ -268,23 +323,32 @@ def save_state(
     rngs = _gather_json(_rng_state())  # (world,) one state per global rank
     st = parallel_state(model, required=False)
     mesh = st.mesh if st is not None else None
+    params = {
+        n: {"shape": _full_shape(p, splits.get(n)), "dtype": str(p.dtype)}
+        for n, p in trainable.items()
+    }
+    pp = mesh is not None and mesh.pp > 1
+    local_layout = layout
+    if mesh is not None and pp:  # every stage's names and optimizer layout, in stage order
+        params, layout = _merge_stages(_gather_json([mesh.pp_rank, params, layout]))
 
     def produce(w: _Rank0Writer) -> None:
         if in_first_replica(model):
-            _write_tensors(w, "trainable", max_bytes,
-                           ((n, _full(p, splits.get(n))) for n, p in trainable.items()))  # fmt: skip
-            _write_tensors(w, "optimizer", max_bytes, _optimizer_tensors(optimizer, trainable,
-                                                                         layout, splits))  # fmt: skip
+            t_items: Iterable = ((n, _full(p, splits.get(n))) for n, p in trainable.items())
+            o_items: Iterable = _optimizer_tensors(optimizer, trainable, local_layout, splits)
+            if pp:  # the first tp rank of each stage sends its part to global rank 0
+                t_items, o_items = _stage_items(mesh, list(t_items), list(o_items))
+            _write_tensors(w, "trainable", max_bytes, t_items)
+            _write_tensors(w, "optimizer", max_bytes, o_items)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
             "step": step,
             "world_size": _world(),
-            "mesh": {"dp": mesh.dp, "tp": mesh.tp} if mesh is not None else None,
-            "params": {
-                n: {"shape": _full_shape(p, splits.get(n)), "dtype": str(p.dtype)}
-                for n, p in trainable.items()
-            },  # fmt: skip
+            "mesh": None
+            if mesh is None
+            else {"dp": mesh.dp, "tp": mesh.tp, **({"pp": mesh.pp} if pp else {})},
+            "params": params,
             "optimizer": layout,
             "torch": torch.__version__,
         }
@@ -358,6 +422,9 @@ def load_state(
         manifest = json.loads((folder / "state.json").read_text())
         trainable, splits = _trainable(model), _splits(model)
         layout = _optimizer_layout(optimizer, trainable)
+        pst = parallel_state(model, required=False)
+        if pst is not None and pst.pipeline is not None:  # this rank's stages: their part
+            manifest = _stage_part(manifest, pst.pipeline)
         _check(manifest, trainable, splits, layout, folder)
         with open_checkpoint(_files(folder, "trainable")) as reader:
             for n, p in trainable.items():

@@ -71,6 +71,9 @@ class TrainConfig:
     """Gradient clipping by global norm; 0 = off."""
     progress: bool = True
     """A tqdm bar on global rank 0."""
+    pp_schedule: str = "1f1b"
+    """At pp > 1: the pipeline schedule of each step's grad_accum micro-batches, "1f1b" (needs
+    grad_accum >= pp) or "gpipe", or "interleaved1f1b" (several stages per rank)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
     backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits."""
@@ -86,6 +89,10 @@ class TrainConfig:
             raise ValueError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr}; expected > 0")
+        if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b"
+            )
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
 
@@ -180,7 +187,12 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
     for i in range(0, len(mine), micro_batch):
         rows = mine[i : i + micro_batch]
         batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
-        s, n = loss_sum(model, batch)
+        if st is not None and st.mesh.pp > 1:  # through the pipeline stages, forward only
+            from ..pipeline.step import eval_loss_sum
+
+            s, n = eval_loss_sum(model, batch)
+        else:
+            s, n = loss_sum(model, batch)
         total, count = total + float(s), count + n
     total_all, count_all = _all_sum(
         [total, count], st.mesh if st is not None else None, _device(model)
@@ -344,20 +356,26 @@ def train(
         n_local = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro)
         (n_global,) = _all_sum([n_local], mesh, device)
         scale = mesh.dp / max(n_global, 1.0)  # DDP averages over dp: undo it, then token-mean
-        summed = 0.0
-        for i, batch in enumerate(micro):
-            last = i == len(micro) - 1
-            with contextlib.nullcontext() if last else qm.no_sync(model):
-                s, _ = loss_sum(model, batch, cfg.loss_chunk_tokens)
-                (s * scale).backward()
-            summed += float(s.detach())
-            del s
+        if mesh.pp > 1:  # the micro-batches run through the pipeline schedule
+            whole = {k: torch.cat([b[k] for b in micro]) for k in ("input_ids", "labels")}
+            loss = float(
+                qm.train_step(model, whole, microbatches=len(micro), schedule=cfg.pp_schedule)
+            )
+        else:
+            summed = 0.0
+            for i, batch in enumerate(micro):
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else qm.no_sync(model):
+                    s, _ = loss_sum(model, batch, cfg.loss_chunk_tokens)
+                    (s * scale).backward()
+                summed += float(s.detach())
+                del s
+            (summed,) = _all_sum([summed], mesh, device)
+            loss = summed / max(n_global, 1.0)
         if cfg.max_grad_norm > 0:
             qm.clip_grad_norm_(model, cfg.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        (summed,) = _all_sum([summed], mesh, device)
-        loss = summed / max(n_global, 1.0)
         dt = time.perf_counter() - t0
         train_time += dt
         tokens += step_tokens

@@ -1,0 +1,66 @@
+"""checkpoint_blocks(tile_tokens=...): position-wise children are proven so before they are tiled,
+and tiling changes no value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import quantmesh as qm
+
+
+class _Mix(nn.Module):
+    """Not position-wise: each token sees the running sum of the tokens before it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.cumsum(dim=1))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.mix = _Mix(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x) + self.mix(x)
+
+
+class _Net(nn.Module):
+    def __init__(self, d: int = 8, n: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _grads(net: _Net, x: torch.Tensor) -> list[torch.Tensor]:
+    net(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_only_position_wise_children_are_tiled_and_values_do_not_change() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 21, 8)
+    net = _Net()
+    want = _grads(net, x)
+    net.zero_grad()
+    qm.checkpoint_blocks(net, tile_tokens=4)
+    with pytest.warns(UserWarning, match=r"keeps _Block\.mix \(_Mix\) whole"):
+        got = _grads(net, x)
+    assert [b.__dict__["_quantmesh_tiled"] for b in net.blocks] == [["mlp"]] * 3
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_tile_tokens_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="tile_tokens=0"):
+        qm.checkpoint_blocks(_Net(), tile_tokens=0)
