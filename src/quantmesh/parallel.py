@@ -20,13 +20,15 @@ from .dp import apply_dp
 from .fsdp import apply_fsdp, check_fsdp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
+from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
 from .pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
 from .pipeline.schedule import build_runtime
 from .plan.auto import auto_plan
 from .plan.plan import Plan, Resolved
 from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
-from .quant.kinds import check_quantizable, quantizable
+from .quant.bnb import format_of
+from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from .state import ParallelState, attach_state, parallel_state
 from .tp.apply import apply_tp, shared_params
 from .tp.kinds import kind_of
@@ -82,6 +84,11 @@ def parallelize(
         offload_base: with fsdp, keep each block's frozen base in host memory (FSDP2's
             CPUOffloadPolicy), copied to the device for its gather.
 
+    A model whose linears are bitsandbytes Linear4bit / Linear8bitLt already keeps their format:
+    their codes are re-sharded as they are where the tp cuts fall on quantization blocks (and
+    requantized from their exact values where not). A model wrapped by peft (`get_peft_model`,
+    LoRA only) keeps its adapters' values and names: pass lora=None.
+
     The global random state of every rank is left as it was found.
 
     Example:
@@ -92,10 +99,34 @@ def parallelize(
     dev = mesh.devices[0]
     cuda = [dev.index or 0] if dev.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
-        return _parallelize(
-            model, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs,
-            pipeline, fsdp, offload_base,
-        )  # fmt: skip
+        adapters = unwrap_peft(model, lora)  # peft's LoRA layers -> base layers + one LoraConfig
+        inner = inner_model(model)  # a PeftModel's own model; its names keep peft's prefix
+        if adapters is not None and (getattr(mesh, "pp", 1) > 1 or fsdp):
+            rewrap(model, adapters)
+            what = f"pp={mesh.pp}" if mesh.pp > 1 else "fsdp=True"
+            raise LoraError(
+                f"a peft model at {what}: {'pipeline stages' if mesh.pp > 1 else 'FSDP'} of peft "
+                "models are not supported yet; use pp=1 and plain dp (tp and dp), or merge the "
+                "adapter (merge_and_unload()) and pass lora=qm.LoraConfig(...)"
+            )
+        if adapters is None:
+            _parallelize(
+                inner, mesh, plan, quant, lora, dtype, data_parallel, verify, example_inputs,
+                pipeline, fsdp, offload_base,
+            )  # fmt: skip
+        else:
+            try:
+                _parallelize(inner, mesh, plan, quant, adapters.config, dtype, False, verify,
+                             example_inputs, pipeline)  # fmt: skip
+            except Exception:
+                rewrap(model, adapters)  # a refusal leaves the user's peft model as it was
+                raise
+            restore_adapters(inner, adapters)  # peft's values, each rank its slice
+            if data_parallel and mesh.dp > 1:
+                apply_dp(inner, mesh)
+        if inner is not model:  # save_adapter, load_checkpoint, train read it from the root
+            attach_state(model, parallel_state(inner))
+        return model
 
 
 def _parallelize(
@@ -239,9 +270,28 @@ def _wrap_plan(
     """{fqn: {"fmt": QuantFormat, "lora": True}} of every module that becomes a ShardedModule
     (split, quantized or adapted); raises on a quant or LoRA target that cannot be."""
     wrap: dict[str, dict] = {e.fqn: {} for e in resolved.sharded()}
+    for fqn, m in model.named_modules():  # linears quantized already keep their format
+        if fqn and is_quantized_linear(m):
+            try:
+                own = format_of(m)
+            except QuantError as err:
+                raise QuantError(f"{fqn}: {err}") from None
+            if own is None:
+                raise QuantError(
+                    f"{fqn} is a {type(m).__name__}, quantized by a library quantmesh cannot "
+                    "re-shard; parallelize takes bitsandbytes Linear4bit / Linear8bitLt, or the "
+                    "float model with quant='nf4' / 'int8'"
+                )
+            if qcfg is not None and (qcfg.backend, qcfg.format) != ("bitsandbytes", own.name):
+                raise QuantError(
+                    f"{fqn} is quantized already as bitsandbytes {own.name}, but quant= asks for "
+                    f"{qcfg.backend} {qcfg.format}; pass quant=None to keep the model's own "
+                    "formats (its float linears stay float), or quant with the same format"
+                )
+            wrap.setdefault(fqn, {})["fmt"] = own
     if qcfg is not None:
         for fqn, m in model.named_modules():
-            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn):
+            if not fqn or qcfg.skips(fqn) or not qcfg.selects(fqn) or "fmt" in wrap.get(fqn, {}):
                 continue
             k = kind_of(m)
             if k is not None and k.linear_like:

@@ -137,7 +137,21 @@ def _reduced_copy(model: nn.Module, keep: int | None = 1) -> nn.Module:
     finally:
         for name, mods in saved.items():
             model.get_submodule(name)._modules = mods
+    _float_linears(probe)
     return probe
+
+
+def _float_linears(probe: nn.Module) -> None:
+    """Quantized linears of the probe (a model quantized already) become float nn.Linear on meta:
+    the probe checks the split, which does not depend on the weight's storage."""
+    from .quant.kinds import is_quantized_linear
+
+    for fqn, mod in list(probe.named_modules()):
+        if fqn and is_quantized_linear(mod):
+            m = cast(Any, mod)
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            parent, _, child = fqn.rpartition(".")
+            setattr(probe.get_submodule(parent), child, lin)
 
 
 @torch.no_grad()

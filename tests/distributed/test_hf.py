@@ -152,7 +152,7 @@ def test_nf4_weights_within_the_nf4_bound(facts, dirs, name, slack):
     assert n == 14
 
 
-def test_refuses_prequantized_and_missing_folders(tmp_path, dirs):
+def test_refuses_missing_folders_and_false_quantization_configs(tmp_path, dirs):
     import json
     import shutil
 
@@ -165,5 +165,11 @@ def test_refuses_prequantized_and_missing_folders(tmp_path, dirs):
     cfg = json.loads((q / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (q / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="pre-quantized checkpoint"):
+    with pytest.raises(
+        qm.QuantError, match="holds no quantized weights; remove quantization_config"
+    ):
+        qm.from_pretrained(q, mesh=None)
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (q / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(qm.QuantError, match="holds a checkpoint quantized by awq"):
         qm.from_pretrained(q, mesh=None)

@@ -219,49 +219,6 @@ def test_int8_row_shard_is_exact():
     assert torch.equal(fmt.dequantize(part), fmt.dequantize(m)[8:32])
 
 
-# ---- pre-quantized 4-bit checkpoints -------------------------------------------------------------
-@pytest.mark.parametrize("dq", [True, False])
-def test_split_prequantized_4bit(dq):
-    import bitsandbytes.functional as F
-
-    from quantmesh.quant.bnb import quant_state_from_tensors, split_4bit
-
-    fmt = get_format(QuantConfig(format="nf4", double_quant=dq))
-    w = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))  # 512 absmax blocks
-    full = fmt.new_linear(64, 512, bias=False, device="cpu", dtype=torch.float32)
-    fmt.quantize_into(full, w)
-    sd = full.state_dict()  # transformers' layout: weight + weight.absmax + ... + quant_state
-    ref = fmt.dequantize(full)
-    packed, qs = quant_state_from_tensors(sd)
-    cases = [(0, 256, 512), (0, 4, 260), (1, 0, 64)]  # nested kept / fp32 stats / all columns
-    for dim, a, b in cases:
-        p2, q2 = split_4bit(packed, qs, dim, a, b)
-        want = ref[a:b] if dim == 0 else ref[:, a:b]
-        assert torch.equal(F.dequantize_4bit(p2, q2), want), (dim, a, b)  # exact by design
-    assert split_4bit(packed, qs, 0, 256, 512)[1].nested == dq  # 256 blocks = one nested block
-    shard = fmt.new_linear(64, 256, bias=False, device="meta", dtype=torch.float32)
-    fmt.load_quantized(shard, sd, device="cpu", dim=0, start=256, stop=512)
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(shard(x), full(x)[:, 256:], rtol=0, atol=0)
-
-    w2 = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
-    p2, q2 = _q4(w2, dq=dq)
-    with pytest.raises(QuantError, match=r"rows \[0, 3\) .* not both multiples of blocksize 64"):
-        split_4bit(p2, q2, 0, 0, 3)  # ends at element 3 x 96 = 288, inside a block
-    with pytest.raises(QuantError, match="multiples of blocksize 64 to slice columns"):
-        split_4bit(p2, q2, 1, 0, 32)
-
-
-def test_load_quantized_refuses_other_format():
-    fmt = get_format(QuantConfig(format="nf4"))
-    src = get_format(QuantConfig(format="fp4"))
-    m = src.new_linear(64, 8, bias=False, device="cpu", dtype=torch.float32)
-    src.quantize_into(m, torch.randn(8, 64))
-    with pytest.raises(QuantError, match=r"holds fp4 with blocksize 64.*format='fp4'"):
-        fmt.load_quantized(fmt.new_linear(64, 8, bias=False, device="meta", dtype=torch.float32),
-                           m.state_dict(), device="cpu")  # fmt: skip
-
-
 # ---- memory, meta, errors ------------------------------------------------------------------------
 def _stat_bytes(key: str, m: nn.Module) -> int:
     """Bytes of the weight and its per-block / per-row statistics (not per-tensor constants)."""

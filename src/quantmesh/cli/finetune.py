@@ -509,6 +509,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     """
     import torch
 
+    from ..io.prequant import folder_quant
     from ..lora import lora_targets
     from ..plan.auto import auto_plan
     from ..plan.memory import estimate_memory
@@ -556,7 +557,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         tp=cfg.tp,
         dp=cfg.dp,
         plan=plan,
-        quant=cfg.quant_config(),
+        quant=folder_quant(cfg.model, cfg.quant_config()),
         lora=lora,
         seq_len=cfg.seq_len,
         micro_batch=cfg.micro_batch,

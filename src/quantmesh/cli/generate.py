@@ -120,6 +120,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The `generate` command: check, then launch tp workers (or run in place under torchrun)."""
+    from ..io.prequant import folder_quant
     from . import worker
     from .plan_cmd import load_skeleton
     from .runner import run_workers
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             fast=args.fast,
         )
         _, model = load_skeleton(cfg.model)
+        folder_quant(cfg.model, None if cfg.quant == "none" else cfg.quant)  # --quant vs folder
         if cfg.adapter:
             check_adapter(model, cfg.adapter)
         from ..plan.auto import auto_plan

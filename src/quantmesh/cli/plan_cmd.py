@@ -55,6 +55,9 @@ def load_skeleton(model_dir: str | Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..empty import empty_model
+    from ..io.prequant import folder_quant
+
+    folder_quant(path, None)  # a quantization method quantmesh cannot read: QuantError, the fix
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -222,10 +225,14 @@ def plan_report(model, args: argparse.Namespace) -> str:
         )
         lora = LoraConfig(r=args.lora_r, dropout=args.lora_dropout, **kw)
         lora_targets(model, lora)  # names that match nothing are an error, with the valid names
+    from ..io.prequant import folder_quant
     from ..quant.base import QuantConfig
 
     backend = getattr(args, "quant_backend", "bitsandbytes")
-    quant = None if args.quant == "none" else QuantConfig(format=args.quant, backend=backend)
+    asked = None if args.quant == "none" else QuantConfig(format=args.quant, backend=backend)
+    # a folder saved quantized by bitsandbytes: its stored format unless --quant names it
+    quant = folder_quant(args.model, asked)
+    shown = "none" if quant is None else quant.format
     gpu = args.device == "cuda"
     fsdp, offload = getattr(args, "fsdp", False), getattr(args, "offload_base", False)
     if offload and not fsdp:
@@ -260,7 +267,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         table,
         "",
         f"Estimated memory per {unit} (tp rank {est.rank} of {args.tp}, dp={args.dp}; "
-        f"quant={args.quant}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
+        f"quant={shown}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
         est.table(),
         "Assumes: activation checkpointing "
         + ("on" if getattr(args, "checkpointing", False) else "off")

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..fsdp import fill_from_whole
 from ..lora import LoraConfig, LoraError
+from ..peftmodel import inner_model
 from ..state import parallel_state
 from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
@@ -140,6 +141,7 @@ def save_adapter(
         >>> qm.save_adapter(model, "out/adapter")                     # doctest: +SKIP
         >>> peft.PeftModel.from_pretrained(plain_model, "out/adapter")  # doctest: +SKIP
     """
+    model = inner_model(model)  # a PeftModel root: names as peft writes them (no double prefix)
 
     def check() -> tuple[dict, dict]:
         mods = _lora_modules(model)
@@ -300,6 +302,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         >>> qm.load_adapter(model, "out/adapter")                                # doctest: +SKIP
     """
     path = Path(path)
+    model = inner_model(model)
 
     def run() -> None:
         cfg = _read_adapter_config(path)

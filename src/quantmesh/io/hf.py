@@ -35,8 +35,10 @@ from ..lora import LoraConfig
 from ..parallel import parallelize
 from ..pipeline.cut import PipelineConfig
 from ..plan.plan import Plan
-from ..quant.base import QuantConfig
+from ..quant.base import QuantConfig, QuantError
 from .load import expected_keys, load_checkpoint
+from .prequant import folder_quant, stored_weights
+from .reader import open_checkpoint
 
 if TYPE_CHECKING:
     from ..mesh import Mesh
@@ -131,9 +133,13 @@ def from_pretrained(
     `generation_config.json` as `model.generation_config` when there is one.
 
     Args:
-        path: a folder written by `save_pretrained` (config.json + safetensors or .bin weights);
-            pre-quantized checkpoints (a `quantization_config` in config.json) are refused.
-        quant, lora, plan: as in `qm.parallelize`; plan None = `qm.auto_plan`.
+        path: a folder written by `save_pretrained` (config.json + safetensors or .bin weights),
+            float or saved quantized by bitsandbytes (nf4 / fp4 / int8: a `quantization_config`
+            in config.json; other quantization methods are refused with the fix).
+        quant, lora, plan: as in `qm.parallelize`; plan None = `qm.auto_plan`. For a
+            bitsandbytes folder quant None means "as stored" (the layers stored quantized stay
+            so, with their stored codes where the tp cuts fall on blocks); a quant naming another
+            format is an error.
         dtype: the float dtype of the weights; None = the config's `dtype` (float32 if unset).
         progress: a tqdm bar of bytes read, on global rank 0.
         pipeline: at pp > 1, the stage cut (`qm.PipelineConfig`); each stage reads only its keys.
@@ -152,18 +158,22 @@ def from_pretrained(
             "save_pretrained (download a hub model first, e.g. huggingface_hub.snapshot_download)"
         )
     config = AutoConfig.from_pretrained(path)
-    if getattr(config, "quantization_config", None):
-        raise ValueError(
-            f"{path} holds a pre-quantized checkpoint (quantization_config "
-            f"{config.quantization_config.get('quant_method', '?')!r} in config.json); "
-            "from_pretrained expects float weights and quantizes after slicing: point it at the "
-            "float checkpoint and pass quant='nf4' / 'int8'"
-        )
+    qcfg = folder_quant(path, quant)  # refuses quantization methods it cannot read
     dtype = dtype or _config_dtype(config) or torch.float32
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    parallelize(model, mesh, plan=plan, quant=quant, lora=lora, dtype=dtype, pipeline=pipeline,
+    if quant is None and qcfg is not None:  # as stored: exactly the layers saved quantized
+        with open_checkpoint(path, key_map=hf_key_map(model)) as ckpt:
+            qcfg.targets = sorted(sw.module for sw in stored_weights(ckpt).values())
+        if not qcfg.targets:
+            raise QuantError(
+                f"{path}/config.json has a bitsandbytes quantization_config, but the checkpoint "
+                "holds no quantized weights; remove quantization_config from config.json and "
+                f"pass quant={qcfg.format!r} to quantize the float weights after slicing"
+            )
+        qcfg.skip = []
+    parallelize(model, mesh, plan=plan, quant=qcfg, lora=lora, dtype=dtype, pipeline=pipeline,
                 fsdp=fsdp, offload_base=offload_base)  # fmt: skip
     load_checkpoint(model, path, key_map=hf_key_map(model), progress=progress)
     if (path / "generation_config.json").is_file():

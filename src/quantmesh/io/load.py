@@ -12,6 +12,11 @@ weights are one tensor: a checkpoint may hold any one of their names (HF drops `
 when embeddings are tied). LoRA adapters are optional: loaded when present (a `full_state_dict`
 round trip), never "missing" from a base checkpoint.
 
+Weights stored already quantized by bitsandbytes (a folder saved by transformers with
+`BitsAndBytesConfig`) fill quantized layers with their stored codes, cut per rank on block
+boundaries, or fill float layers with their exact dequantized values (io/prequant.py); what was done
+for each is in `LoadResult.prequantized`.
+
 Example:
     >>> with qm.empty_model():                                 # doctest: +SKIP
     ...     model = MyModel(cfg)
@@ -35,6 +40,7 @@ from torch import nn
 from ..state import parallel_state
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
 from .full import tp_sharded
+from .prequant import StoredWeight, check_target, fill_stored, stored_weights
 from .reader import CheckpointReader, KeyMap, Ranges, open_checkpoint
 
 __all__ = [
@@ -62,6 +68,10 @@ class LoadResult:
     """Checkpoint keys the model has no place for (always empty with strict=True)."""
     bytes_read: int = 0
     """Bytes of checkpoint data this rank read (its slices, at the stored dtype)."""
+    prequantized: dict[str, str] = field(default_factory=dict)
+    """{module: how} for weights stored quantized: "codes as stored", "codes cut on block
+    boundaries", "int8 rows and scales as stored" (all exact), "requantized: ..." (this rank's
+    part cut quantization blocks; not exact) or "dequantized (...)" (a float layer; exact)."""
 
 
 @dataclass
@@ -230,8 +240,16 @@ def _listing(title: str, items: list[str]) -> str:
     return f"  {title} ({len(items)}): {', '.join(items[:_SHOW])}{more}"
 
 
+def _owner(t: _Target) -> nn.Module:
+    return t.module if t.module is not None else t.owners[0][0]
+
+
 def _plan_sources(
-    model: nn.Module, reader: CheckpointReader, targets: list[_Target], strict: bool
+    model: nn.Module,
+    reader: CheckpointReader,
+    targets: list[_Target],
+    strict: bool,
+    stored: Mapping[str, StoredWeight],
 ) -> tuple[dict[int, str], LoadResult]:
     """{target index: checkpoint key to read}; raises LoadError listing every problem at once."""
     present = set(reader.keys())
@@ -247,7 +265,13 @@ def _plan_sources(
             if not t.optional:
                 missing.append(t.key)
             continue
-        if tuple(reader.shape(src)) != t.shape:
+        if src in stored:  # a quantized weight: its logical shape and format must fit
+            expected.update(stored[src].extra)
+            problem = check_target(stored[src], _owner(t), t.shape)
+            if problem is not None:
+                bad_shape.append(problem)
+                continue
+        elif tuple(reader.shape(src)) != t.shape:
             bad_shape.append(f"{src}: checkpoint {tuple(reader.shape(src))}, model {t.shape}")
             continue
         sources[i] = src
@@ -367,13 +391,23 @@ def _load(
         source if isinstance(source, CheckpointReader) else open_checkpoint(source, key_map=key_map)
     )
     try:
-        sources, result = _plan_sources(model, reader, targets, strict)
-        total = sum(targets[i].nbytes(reader.dtype(k).itemsize) for i, k in sources.items())
+        stored = stored_weights(reader)
+        sources, result = _plan_sources(model, reader, targets, strict, stored)
+        total = sum(_nbytes(targets[i], k, reader, stored) for i, k in sources.items())
         bar = _bar(total, progress and _rank() == 0, str(reader.source))
         written: set[str] = set()
         items, sharder = _fsdp_stream(model, targets, sources, strict)
         for i, src in items:
             t = targets[i]
+            if src in stored:
+                put = lambda v, t=t: _put(t, v.to(dtype=t.dtype, device=t.device))  # noqa: E731
+                n, how = fill_stored(stored[src], reader, _owner(t), t.dim, t.ranges, put)
+                result.prequantized[t.key.rsplit(".", 1)[0]] = how
+                written.update(t.keys)
+                result.bytes_read += n
+                if bar is not None:
+                    bar.update(_nbytes(t, src, reader, stored))
+                continue
             value = reader.read(src, t.dim, t.ranges, dtype=t.dtype, device=t.device)
             _put(t, value)
             del value
@@ -389,6 +423,7 @@ def _load(
     finally:
         if own:
             reader.close()
+    _report_requantized(result)
     for m in sharded_modules(model).values():
         names = [_join(m.fqn, n) for n in m.param_slices()]
         if all(n in written for n in names):
@@ -410,6 +445,27 @@ def _load(
         if _rank() == 0:
             warnings.warn(msg, stacklevel=3)
     return result
+
+
+def _nbytes(t: _Target, src: str, reader: CheckpointReader, stored: Mapping[str, Any]) -> int:
+    """Stored bytes of this rank's part of `src` (the progress bar's unit)."""
+    sw = stored.get(src)
+    if sw is None:
+        return t.nbytes(reader.dtype(src).itemsize)
+    return t.nbytes(1) // (2 if sw.format in ("nf4", "fp4") else 1)
+
+
+def _report_requantized(result: LoadResult) -> None:
+    redo = [m for m, how in result.prequantized.items() if how.startswith("requantized")]
+    if redo:
+        warnings.warn(
+            f"load_checkpoint: {len(redo)} pre-quantized weight(s) were requantized on tp rank "
+            f"{_rank()} because this rank's part cuts quantization blocks (e.g. {redo[0]}: "
+            f"{result.prequantized[redo[0]]}); their values differ from the stored ones by up to "
+            "the format's rounding error. Pick a tp whose cuts fall on blocks to load them "
+            "exactly (LoadResult.prequantized says what was done per module)",
+            stacklevel=4,
+        )
 
 
 def _bar(total: int, show: bool, what: str) -> Any:

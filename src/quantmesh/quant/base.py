@@ -135,6 +135,21 @@ class QuantFormat(abc.ABC):
         """Elements per quantization block of the flattened weight (1 for per-row formats)."""
         return 1
 
+    def cut_from(
+        self,
+        module: nn.Module,
+        source: nn.Module,
+        dim: int | None,
+        ranges: tuple[tuple[int, int], ...] | None,
+        device: torch.device,
+    ) -> str:
+        """Fill `module` with rows (dim 0) / columns (dim 1) `ranges` of `source`, a linear already
+        quantized in this format, on `device`; returns how (see quant/prequant.py)."""
+        raise QuantError(
+            f"{type(self).__name__} cannot take weights from a module quantized already; "
+            "build the model in float and pass quant= to parallelize"
+        )
+
 
 def get_format(config: QuantConfig) -> QuantFormat:
     """The QuantFormat for a config (imports the backend lazily)."""

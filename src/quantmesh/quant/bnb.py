@@ -11,10 +11,9 @@ bitsandbytes is imported lazily: `bnb_format(cfg).bytes_per_param()` costs no im
 module classes are built on first use (`QuantLinear4bit` / `QuantLinear8bit` resolve through the
 module's __getattr__, so pickling them works).
 
-Pre-quantized 4-bit checkpoints (transformers' layout: packed `weight` + `weight.absmax`,
-`weight.quant_map`, nested stats, `weight.quant_state.bitsandbytes__nf4`) load through
-`Bnb4bitFormat.load_quantized`, optionally sliced by `split_4bit` along rows or columns when the
-slice boundaries fall on quantization blocks; see `split_4bit` for what is exact.
+Weights stored already quantized (transformers' layout) are put into a local module as they are
+by `load_state` (4-bit: packed codes + QuantState; int8: CB + SCB); quant/prequant.py cuts them
+per rank.
 """
 
 from __future__ import annotations
@@ -30,7 +29,14 @@ from torch import nn
 from .base import QuantConfig, QuantError, QuantFormat
 from .kinds import compute_dtype_for
 
-__all__ = ["bnb_format", "Bnb4bitFormat", "Bnb8bitFormat", "split_4bit", "quant_state_from_tensors"]
+__all__ = [
+    "bnb_format",
+    "Bnb4bitFormat",
+    "Bnb8bitFormat",
+    "dequantize_4bit_flat",
+    "format_of",
+    "quant_state_from_tensors",
+]
 
 NESTED_BLOCK = 256  # bitsandbytes quantizes the per-block absmax in blocks of 256 (double quant)
 INT8_REF_IN = 1024  # in_features assumed by int8 bytes_per_param when none is given (upper bound)
@@ -49,6 +55,59 @@ def bnb_format(config: QuantConfig) -> QuantFormat:
     if config.format == "int8":
         return Bnb8bitFormat(config)
     raise QuantError(f"bitsandbytes has no format {config.format!r}; use 'nf4', 'fp4' or 'int8'")
+
+
+def int8_scales(module: nn.Module) -> torch.Tensor | None:
+    """The (out,) row scales of a bitsandbytes Linear8bitLt: on its weight until its first
+    forward, which moves them to `module.state.SCB`."""
+    scb = getattr(module.weight, "SCB", None)
+    if scb is None:
+        scb = getattr(getattr(module, "state", None), "SCB", None)
+    return scb
+
+
+def format_of(module: nn.Module) -> QuantFormat | None:
+    """The QuantFormat of a bitsandbytes Linear4bit / Linear8bitLt that holds quantized weights
+    (None for any other module); QuantError, with the fix, when its weights are not usable.
+
+    Example:
+        >>> format_of(nn.Linear(4, 4)) is None
+        True
+    """
+    if not any(c.__name__ in ("Linear4bit", "Linear8bitLt") for c in type(module).__mro__):
+        return None
+    bnb = _bnb()
+    kind = type(module).__name__
+    w: Any = module.weight
+    if isinstance(module, bnb.nn.Linear4bit):
+        qs = getattr(w, "quant_state", None)
+        if qs is None or w.device.type == "meta":
+            raise QuantError(
+                f"this {kind} holds no quantized weight yet (bitsandbytes quantizes a Params4bit "
+                "when it is moved to a device); move the model first (model.to('cpu') or "
+                "'cuda'), or build it float and pass quant='nf4' to parallelize"
+            )
+        if getattr(qs, "packing_format_for_cpu", False):
+            raise QuantError(
+                f"this {kind}'s weight was repacked for bitsandbytes' CPU inference kernel (an "
+                "eval-mode forward on a CPU with avx512-bf16); set support_avx512bf16_for_cpu = "
+                "False on every Linear4bit before running it, or hand the model over unrun"
+            )
+        cd = getattr(module, "compute_dtype", None)
+        cfg = QuantConfig(format=qs.quant_type, double_quant=bool(qs.nested),
+                          blocksize=int(qs.blocksize), compute_dtype=cd, skip=[])  # fmt: skip
+        return Bnb4bitFormat(cfg)
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        if w.dtype != torch.int8 or int8_scales(module) is None:
+            raise QuantError(
+                f"this {kind} holds no int8 weight (has_fp16_weights=True, or not moved to a "
+                "device yet); build it with has_fp16_weights=False and move it, or build the "
+                "model float and pass quant='int8' to parallelize"
+            )
+        state: Any = getattr(module, "state", None)
+        threshold = float(getattr(state, "threshold", 0.0) or 0.0)
+        return Bnb8bitFormat(QuantConfig(format="int8", int8_threshold=threshold, skip=[]))
+    return None
 
 
 # ---- the local module classes, built on first use -----------------------------------------------
@@ -89,6 +148,11 @@ def _classes() -> dict[str, type]:
                 raise RuntimeError(_not_quantized(self))
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
+            if _rows_cut_blocks_on_cpu(self.weight, qs) and not torch.compiler.is_compiling():
+                # see dequantize_4bit_flat; compiled blocks keep bitsandbytes' kernel (a known
+                # limit, CPU only: docs/loading-and-saving.md)
+                y = _FlatMatmul4bit.apply(x.to(cd), self.weight, *_flat_args(qs))
+                return (y if bias is None else y + bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
             return y.to(x.dtype)
@@ -239,37 +303,57 @@ class Bnb4bitFormat(QuantFormat):
         start: int = 0,
         stop: int | None = None,
     ) -> None:
-        """Fill `module` from a pre-quantized 4-bit checkpoint entry, optionally one slice of it.
+        """Fill `module` from one stored 4-bit entry (all in memory), optionally rows or columns.
 
         `tensors` holds the entry's keys without the module prefix ("weight", "weight.absmax",
         "weight.quant_map", ["weight.nested_absmax", "weight.nested_quant_map"],
-        "weight.quant_state.bitsandbytes__nf4"). `dim`/`start`/`stop` select rows (dim 0, colwise)
-        or columns (dim 1, rowwise) of the logical (out, in) weight; see `split_4bit`.
+        "weight.quant_state.bitsandbytes__nf4"). `dim`/`start`/`stop` select rows (dim 0) or
+        columns (dim 1) of the logical (out, in) weight, on block boundaries (quant/prequant.py
+        `slice_4bit`); `load_checkpoint` streams the same cut from a file instead.
 
         Example:
             >>> fmt.load_quantized(m, {"weight": w, "weight.absmax": a, ...},  # doctest: +SKIP
             ...                    device="cuda:0", dim=0, start=0, stop=2048)
         """
+        from .prequant import slice_4bit
+
         packed, qs = quant_state_from_tensors(tensors)
-        cfg = self.config
-        if (qs.quant_type, qs.blocksize) != (cfg.format, cfg.blocksize):
-            raise QuantError(
-                f"the checkpoint holds {qs.quant_type} with blocksize {qs.blocksize}, but the "
-                f"QuantConfig says {cfg.format} with blocksize {cfg.blocksize}; use "
-                f"QuantConfig(format={qs.quant_type!r}, blocksize={qs.blocksize})"
-            )
         if dim is not None:
-            packed, qs = split_4bit(packed, qs, dim, start, qs.shape[dim] if stop is None else stop)
+            flat = packed.reshape(-1).view(torch.uint8)
+            stop = int(qs.shape[dim]) if stop is None else stop
+            packed, qs = slice_4bit(qs, dim, ((start, stop),), lambda a, b: flat[a:b])
+        self.load_state(module, packed, qs, device=device)
+
+    def load_state(
+        self,
+        module: nn.Module,
+        packed: torch.Tensor,
+        qs: Any,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Put stored codes `packed` ((n, 1) uint8) and their QuantState into `module`, moved to
+        `device` (default: where the module's weight is). Nothing is requantized.
+
+        Example:
+            >>> fmt.load_state(m, packed, qs, device="cpu")  # doctest: +SKIP
+        """
+        cfg = self.config
+        if qs.quant_type != cfg.format:
+            raise QuantError(
+                f"the stored weight is {qs.quant_type}, but the QuantConfig says {cfg.format}; "
+                f"use QuantConfig(format={qs.quant_type!r})"
+            )
         if tuple(qs.shape) != (module.out_features, module.in_features):
             raise ValueError(
                 f"the pre-quantized weight is {tuple(qs.shape)}, the module expects "
-                f"{(module.out_features, module.in_features)}; pass the rank's dim/start/stop"
+                f"{(module.out_features, module.in_features)}; cut it to this rank's rows/columns"
             )
         if device is None:
             device = cast(nn.Linear, module).weight.device
         device = torch.device(device)
         if device.type == "meta":
-            raise ValueError("the module is on meta; pass load_quantized(..., device=...)")
+            raise ValueError("the module is on meta; pass load_state(..., device=...)")
         qs.to(device)
         _set_4bit(module, packed.to(device), qs, compute_dtype_for(cfg, device))
 
@@ -280,11 +364,11 @@ class Bnb4bitFormat(QuantFormat):
             >>> fmt.dequantize(m).shape  # doctest: +SKIP
             torch.Size([8, 64])
         """
-        F = _bnb().functional
-        qs = getattr(module.weight, "quant_state", None)
+        w = cast(torch.Tensor, module.weight)
+        qs = getattr(w, "quant_state", None)
         if qs is None:
             raise RuntimeError(_not_quantized(module))
-        return F.dequantize_4bit(module.weight.data, qs)
+        return dequantize_4bit_flat(w.data, qs)
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and
@@ -302,6 +386,86 @@ class Bnb4bitFormat(QuantFormat):
     def block_elems(self) -> int:
         """Elements per quantization block of the flattened (out, in) weight (= blocksize)."""
         return self.config.blocksize
+
+    def cut_from(
+        self,
+        module: nn.Module,
+        source: nn.Module,
+        dim: int | None,
+        ranges: tuple[tuple[int, int], ...] | None,
+        device: torch.device,
+    ) -> str:
+        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
+
+        Example:
+            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
+            'codes cut on block boundaries'
+        """
+        from .prequant import cut_module
+
+        return cut_module(self, module, source, dim, ranges, device)
+
+
+def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
+    return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
+
+
+def dequantize_4bit_flat(packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """The (out, in) weight of 4-bit codes, with blocks over the flattened weight as quantize_4bit
+    made them. bitsandbytes' CPU dequantize kernel (0.50) indexes the statistics per row when
+    given a 2-D shape, which is wrong when `in` is not a multiple of the blocksize (its own
+    quantizer blocks the flattened weight); there the weight is dequantized as one row.
+
+    Example:
+        >>> dequantize_4bit_flat(m.weight.data, m.weight.quant_state).shape  # doctest: +SKIP
+        torch.Size([256, 48])
+    """
+    if not _rows_cut_blocks_on_cpu(packed, qs):
+        return _bnb().functional.dequantize_4bit(packed, qs)
+    return _flat_weight(packed, *_flat_args(qs))
+
+
+def _flat_args(qs: Any) -> tuple:
+    # tensors and plain values only (torch.compile traces them): the fp32 absmax, per block
+    if qs.nested:
+        s2 = qs.state2
+        absmax = (
+            torch.ops.bitsandbytes.dequantize_blockwise(
+                qs.absmax, s2.absmax, s2.code, s2.blocksize, torch.float32
+            )
+            + qs.offset
+        )
+    else:
+        absmax = qs.absmax
+    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
+    return absmax, int(qs.blocksize), str(qs.quant_type), out_f, in_f, qs.dtype
+
+
+def _flat_weight(packed: torch.Tensor, absmax: torch.Tensor, bs: int, qt: str, out_f: int,
+                 in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    # (out, in): the codes dequantized as one row of out*in elements (blocks of the flat weight)
+    flat = torch.ops.bitsandbytes.dequantize_4bit(packed, absmax, bs, qt, [1, out_f * in_f], dtype)
+    return flat.view(out_f, in_f)
+
+
+class _FlatMatmul4bit(torch.autograd.Function):
+    """x @ W^T with W dequantized over flat blocks in forward and again in backward; like
+    bitsandbytes' MatMul4Bit it keeps only the packed weight (no input, no float weight)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, *meta: Any
+    ) -> torch.Tensor:
+        ctx.packed, ctx.absmax, ctx.meta = packed, absmax, meta  # as MatMul4Bit keeps B
+        return x @ _flat_weight(packed, absmax, *meta).to(x.dtype).t()  # (..., out)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        none = (None,) * (2 + len(ctx.meta))
+        if not ctx.needs_input_grad[0]:
+            return (None, *none)
+        w = _flat_weight(ctx.packed, ctx.absmax, *ctx.meta).to(g.dtype)
+        return (g @ w, *none)  # (..., in)
 
 
 def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:
@@ -389,6 +553,39 @@ class Bnb8bitFormat(QuantFormat):
         layer.orig_dtype = weight.dtype
         _materialize_bias(module, weight.device)
 
+    @torch.no_grad()
+    def load_state(
+        self,
+        module: nn.Module,
+        cb: torch.Tensor,
+        scb: torch.Tensor,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Put a stored int8 weight `cb` (out, in) and its row scales `scb` (out,) into `module`,
+        moved to `device`; `dtype` is what `dequantize` returns. Nothing is requantized.
+
+        Example:
+            >>> fmt.load_state(m, cb, scb, device="cpu")  # doctest: +SKIP
+        """
+        Int8Params = _bnb().nn.Int8Params
+        lin = cast(nn.Linear, module)
+        if tuple(cb.shape) != (lin.out_features, lin.in_features) or cb.dtype != torch.int8:
+            raise ValueError(
+                f"the stored int8 weight is {cb.dtype} {tuple(cb.shape)}, the module expects "
+                f"int8 {(lin.out_features, lin.in_features)}; cut it to this rank's rows/columns"
+            )
+        device = torch.device(device) if device is not None else lin.weight.device
+        if device.type == "meta":
+            raise ValueError("the module is on meta; pass load_state(..., device=...)")
+        cb, scb = cb.to(device), scb.to(device=device, dtype=torch.float32)
+        layer: Any = module  # a bitsandbytes Linear8bitLt (untyped)
+        layer.weight = Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+        layer.state.reset_grads()
+        layer.orig_dtype = dtype
+        _materialize_bias(module, device)
+
     def dequantize(self, module: nn.Module) -> torch.Tensor:
         """CB * SCB / 127 as (out, in), in the dtype the shard had.
 
@@ -414,6 +611,24 @@ class Bnb8bitFormat(QuantFormat):
         """
         return 1.0 + 4 / (in_features or INT8_REF_IN)
 
+    def cut_from(
+        self,
+        module: nn.Module,
+        source: nn.Module,
+        dim: int | None,
+        ranges: tuple[tuple[int, int], ...] | None,
+        device: torch.device,
+    ) -> str:
+        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
+
+        Example:
+            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
+            'codes cut on block boundaries'
+        """
+        from .prequant import cut_module
+
+        return cut_module(self, module, source, dim, ranges, device)
+
 
 # ---- pre-quantized 4-bit tensors ----------------------------------------------------------------
 def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
@@ -433,81 +648,6 @@ def quant_state_from_tensors(tensors: Mapping[str, torch.Tensor]) -> tuple[torch
             "entry; this is not a bitsandbytes 4-bit checkpoint"
         )
     return tensors["weight"], QuantState.from_dict(dict(stats), device=torch.device("cpu"))
-
-
-def split_4bit(
-    packed: torch.Tensor, qs: Any, dim: int, start: int, stop: int
-) -> tuple[torch.Tensor, Any]:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of a quantized (out, in) 4-bit weight.
-
-    Exact: the slice dequantizes to exactly the same values as the full weight's slice. Needs
-    block alignment: rows when start*in and stop*in are multiples of blocksize (or stop is the last
-    row); columns when in, start and stop are multiples of blocksize. Double-quant statistics stay
-    nested when a row slice starts on a 256-block boundary of the absmax; otherwise they are
-    dequantized to fp32 (exact, 4/blocksize bytes per param instead of ~1/blocksize). The CPU
-    avx512 repacked layout is not supported (checkpoints never hold it).
-
-    Example:
-        >>> packed, qs = F.quantize_4bit(w, quant_type="nf4")       # doctest: +SKIP
-        >>> top, qs_top = split_4bit(packed, qs, 0, 0, w.shape[0] // 2)  # doctest: +SKIP
-    """
-    F = _bnb().functional
-    QuantState = F.QuantState
-    out_f, in_f = (int(s) for s in qs.shape)
-    bs, n = qs.blocksize, out_f * in_f
-    if getattr(qs, "packing_format_for_cpu", False):
-        raise QuantError("this 4-bit weight uses the CPU repacked layout; slice it before use")
-    if dim not in (0, 1) or not 0 <= start < stop <= (out_f, in_f)[dim]:
-        raise ValueError(
-            f"split_4bit: dim={dim}, [{start}, {stop}) is not a slice of {(out_f, in_f)}"
-        )
-    data = packed.reshape(-1).view(torch.uint8)  # bytes, two codes each, element 2k first
-    if data.numel() != (n + 1) // 2:
-        raise ValueError(
-            f"packed weight has {data.numel()} bytes, expected {(n + 1) // 2} for {(out_f, in_f)}"
-        )
-    nested = qs.nested
-    absmax = qs.absmax
-    what = "rows" if dim == 0 else "columns"
-    where = f"{what} [{start}, {stop}) of a {qs.quant_type} {(out_f, in_f)}"
-    if dim == 0:
-        e0, e1 = start * in_f, stop * in_f
-        if e0 % bs or (e1 % bs and stop != out_f):
-            raise QuantError(
-                f"{where} weight start at element {e0} and end at {e1}, not both multiples of "
-                f"blocksize {bs}; slice pre-quantized weights on block boundaries (pick a tp that "
-                "aligns them) or load the float checkpoint and quantize after slicing"
-            )
-        b0, b1 = e0 // bs, -(-e1 // bs)
-        data = data[e0 // 2 : (e1 + 1) // 2]
-        if nested and b0 % NESTED_BLOCK == 0:  # whole nested blocks: keep the compact stats
-            n0, n1 = b0 // NESTED_BLOCK, -(-b1 // NESTED_BLOCK)
-            s2 = qs.state2
-            state2 = QuantState(
-                absmax=s2.absmax[n0:n1].clone(),
-                code=s2.code,
-                blocksize=s2.blocksize,
-                dtype=s2.dtype,
-            )
-            new = QuantState(absmax=absmax[b0:b1].clone(), shape=torch.Size((stop - start, in_f)),
-                             code=qs.code, blocksize=bs, quant_type=qs.quant_type, dtype=qs.dtype,
-                             offset=qs.offset, state2=state2)  # fmt: skip
-            return data.clone().view(packed.dtype).reshape(-1, 1), new
-        amax = _float_absmax(F, qs)[b0:b1]
-        shape = (stop - start, in_f)
-    else:
-        if in_f % bs or start % bs or stop % bs:
-            raise QuantError(
-                f"{where} weight: in={in_f}, start={start} and stop={stop} must all be multiples "
-                f"of blocksize {bs} to slice columns; load the float checkpoint instead"
-            )
-        rows = data.view(out_f, in_f // 2)  # (out, in/2) bytes, whole blocks per row
-        data = rows[:, start // 2 : stop // 2].reshape(-1)
-        amax = _float_absmax(F, qs).view(out_f, in_f // bs)[:, start // bs : stop // bs].reshape(-1)
-        shape = (out_f, stop - start)
-    new = QuantState(absmax=amax.contiguous(), shape=torch.Size(shape), code=qs.code, blocksize=bs,
-                     quant_type=qs.quant_type, dtype=qs.dtype)  # fmt: skip
-    return data.contiguous().view(packed.dtype).reshape(-1, 1), new
 
 
 def _float_absmax(F: Any, qs: Any) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..layersplit import device_of
 from ..plan.styles import Style, slice_dim
+from ..quant.kinds import is_quantized_linear
 from .kinds import kind_of
 from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
 from .rng import RngRegions
@@ -96,6 +97,11 @@ def apply_tp(
         if orig.weight.device.type != "meta":
             for name, sl in m.param_slices().items():
                 t = getattr(orig, name)
+                if name == "weight" and is_quantized_linear(orig):  # cut as stored where it can
+                    dim, ranges = sl if sl is not None else (None, None)
+                    m.fmt.cut_from(m.local, orig, dim, ranges, device)
+                    m._sync_from_local()
+                    continue
                 m.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
             m.loaded = True
         else:

@@ -27,6 +27,8 @@ class Kind:
     linear_like: bool  # y = x W^T + b, possibly with a transposed weight; quantizable
 
     def in_out(self, module: nn.Module) -> tuple[int, int]:
+        if self.linear_like and is_quantized_linear(module):  # a packed weight: not (out, in)
+            return int(cast(Any, module).in_features), int(cast(Any, module).out_features)
         w = cast(torch.Tensor, module.weight)  # every Kind's module has a weight
         return int(w.shape[self.w_in_dim]), int(w.shape[self.w_out_dim])
 

@@ -112,7 +112,12 @@ class ShardedModule(nn.Module):
         # rowwise / colwise_gather: the wrapper holds the whole bias (same name) and adds it to the
         # complete output (see WRAPPER_BIAS_STYLES); the local module has none.
         local_bias = has_bias and style not in WRAPPER_BIAS_STYLES
-        dt: torch.dtype = dtype or cast(torch.Tensor, orig.weight).dtype
+        w = cast(torch.Tensor, orig.weight)
+        b = getattr(orig, "bias", None)
+        # a linear quantized already stores integer codes: its float dtype is its bias's (or fp32)
+        dt: torch.dtype = dtype or (
+            w.dtype if w.is_floating_point() else (b.dtype if b is not None else torch.float32)
+        )
         self.float_dtype = dt
         if fmt is not None:
             local = fmt.new_linear(in_l, out_l, bias=local_bias, device=device, dtype=dt)
