@@ -208,7 +208,7 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
             return ApiError(
                 503, f"the decoding loop failed: {sched.error}", type="server_error"
             ).response()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **sched.load()})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

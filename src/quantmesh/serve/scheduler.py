@@ -100,12 +100,19 @@ class Scheduler:
         self.reserved: set[int] = set()  # slots with a load in flight
         self.loading: set[str] = set()  # names of those loads
         self.stopping = False
+        self.peak = 0
         self.error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] = lambda e: None
         self._ids = itertools.count(1)
         self._seed = torch.Generator().manual_seed(torch.seed())  # seeds of unseeded requests
 
     # ---- called from the HTTP side --------------------------------------------------------------
+    def load(self) -> dict[str, int]:
+        """{"running": rows in the batch, "waiting": requests not yet admitted, "peak_batch": the
+        most rows one step has decoded since the start}."""
+        with self.cv:
+            return {"running": len(self.order), "waiting": len(self.waiting), "peak_batch": self.peak}
+
     def adapter_names(self) -> list[str]:
         with self.cv:
             return sorted(self.names)
@@ -260,6 +267,7 @@ class Scheduler:
             self._emit_token(job, tok)
         with self.cv:
             self.order = rows
+            self.peak = max(self.peak, len(plan.order))
 
     def _emit_token(self, job: Job, tok: int) -> None:
         if job.finish is not None or job.cancelled:
