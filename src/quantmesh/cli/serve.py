@@ -298,5 +298,8 @@ def _serve(
     sched.stop()
     loop.join(timeout=60)
     if sched.error is not None:
-        raise RuntimeError(f"the decoding loop failed: {sched.error}") from sched.error
+        raise RuntimeError(
+            f"the decoding loop failed (when another tp rank died, its error is above): "
+            f"{type(sched.error).__name__}: {sched.error}"
+        ) from sched.error
     return 0

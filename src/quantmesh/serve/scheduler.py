@@ -100,7 +100,7 @@ class Scheduler:
         self.reserved: set[int] = set()  # slots with a load in flight
         self.loading: set[str] = set()  # names of those loads
         self.stopping = False
-        self.peak = 0
+        self.peak = self.steps = self.rows = 0
         self.error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] = lambda e: None
         self._ids = itertools.count(1)
@@ -108,10 +108,12 @@ class Scheduler:
 
     # ---- called from the HTTP side --------------------------------------------------------------
     def load(self) -> dict[str, int]:
-        """{"running": rows in the batch, "waiting": requests not yet admitted, "peak_batch": the
-        most rows one step has decoded since the start}."""
+        """{"running": rows in the batch, "waiting": requests not yet admitted, and since the
+        start: "peak_batch" (the most rows one decode step ran), "decode_steps", "decoded_rows"}."""
         with self.cv:
-            return {"running": len(self.order), "waiting": len(self.waiting), "peak_batch": self.peak}
+            return {"running": len(self.order), "waiting": len(self.waiting),
+                    "peak_batch": self.peak, "decode_steps": self.steps,
+                    "decoded_rows": self.rows}  # fmt: skip
 
     def adapter_names(self) -> list[str]:
         with self.cv:
@@ -198,7 +200,8 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
-        """The loop (rank 0's serving thread). Returns after a stop; on error, see on_fatal."""
+        """The loop (rank 0's serving thread). Returns after a stop, or after an error: then
+        `self.error` holds it, every open request got it, and `on_fatal` was called."""
         try:
             while True:
                 plan, loads = self._next_plan()
@@ -216,7 +219,6 @@ class Scheduler:
             for j in jobs:
                 j.emit({"type": "error", "message": f"the server failed: {type(e).__name__}: {e}"})
             self.on_fatal(e)
-            raise
 
     def _next_plan(self) -> tuple[Plan, list[tuple[int, str, Callable[[str], None]]]]:
         with self.cv:
@@ -268,6 +270,9 @@ class Scheduler:
         with self.cv:
             self.order = rows
             self.peak = max(self.peak, len(plan.order))
+            if plan.order:
+                self.steps += 1
+                self.rows += len(plan.order)
 
     def _emit_token(self, job: Job, tok: int) -> None:
         if job.finish is not None or job.cancelled:
