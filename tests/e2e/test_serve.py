@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli_common import CLI, REPO, cli, make_tiny_llama
+from .test_cli_common import CLI, REPO, cli, make_adapter, make_tiny_llama
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -38,25 +38,6 @@ PROMPTS = [
     "made glorious summer by this sun",
     "and all the men and women",
 ]
-
-
-def make_adapter(model: Path, out: Path, *, r: int, targets: list[str], seed: int) -> Path:
-    """A PEFT LoRA adapter of `model` with random A and B (so it changes the replies)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model)
-    peft_model = get_peft_model(
-        base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
-    )
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    peft_model.save_pretrained(out)
-    return out
 
 
 class Server:
