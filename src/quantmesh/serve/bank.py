@@ -59,6 +59,8 @@ class _BankedA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, in) -> (b, t, r)
         bank = self.bank[0]
+        if bank.uniform == 0:  # the base everywhere: no adapter work (y + 0 is y)
+            return x.new_zeros(*x.shape[:-1], self.weight.shape[1])
         if bank.uniform is not None:
             return F.linear(x, self.weight[bank.uniform])
         w = self.weight.index_select(0, bank.ids)  # (b, r, in)
@@ -79,6 +81,8 @@ class _BankedB(nn.Module):
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:  # (b, t, r) -> (b, t, out)
         bank = self.bank[0]
+        if bank.uniform == 0:
+            return a.new_zeros(*a.shape[:-1], self.weight.shape[1])
         if bank.uniform is not None:
             return F.linear(a, self.weight[bank.uniform]) * bank.scales[bank.uniform]
         w = self.weight.index_select(0, bank.ids)  # (b, out, r)
