@@ -107,7 +107,7 @@ def build_model(a: argparse.Namespace, root: Path) -> tuple[Path, list[Path]]:
                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
                       max_position_embeddings=4096, tie_word_embeddings=tied,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None, torch_dtype="bfloat16")  # fmt: skip
+                      bos_token_id=None, dtype="bfloat16")  # fmt: skip
     log(f"building {folder} (random weights, seed {a.seed})")
     with qm.empty_model():
         model = LlamaForCausalLM(cfg)

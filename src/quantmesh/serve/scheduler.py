@@ -202,6 +202,8 @@ class Scheduler:
     def run(self) -> None:
         """The loop (rank 0's serving thread). Returns after a stop, or after an error: then
         `self.error` holds it, every open request got it, and `on_fatal` was called."""
+        if self.batch.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.batch.device)
         try:
             while True:
                 plan, loads = self._next_plan()
