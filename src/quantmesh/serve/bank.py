@@ -5,8 +5,11 @@ Every ShardedModule that carries LoRA gets, instead of its one `lora_A` / `lora_
 (colwise base: A whole, B split on its rows; rowwise base: A split on its columns, B whole; see
 lora.py). Slot 0 is the base model: zeros. The rows of a batch read the slot ids set with
 `set_rows`; a batch whose rows all use one slot runs the same `F.linear` calls as a model with that
-one adapter loaded (`quantmesh generate --adapter`), a mixed batch gathers each row's A and B and
-runs one batched matmul.
+one adapter loaded (`quantmesh generate --adapter`). A mixed batch runs one matmul per factor over
+the span of slots it uses, whatever the number of rows: A of every slot in the span at once (each
+row then keeps its own r outputs), and B of the span on a vector that holds each row's r values in
+its slot's block and zeros elsewhere. The adapter weights are read once per step, not once per
+row.
 
 Adapters of lower rank than the bank's are zero-padded (exact: the padded products are zeros);
 adapters may target any subset of the bank's modules (the others get zeros in that slot). Each
@@ -63,16 +66,19 @@ class _BankedA(nn.Module):
             return x.new_zeros(*x.shape[:-1], self.weight.shape[1])
         if bank.uniform is not None:
             return F.linear(x, self.weight[bank.uniform])
-        w = self.weight.index_select(0, bank.ids)  # (b, r, in)
-        return torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), w.transpose(1, 2)).view(
-            *x.shape[:-1], w.shape[1]
-        )
+        # every slot in use at once: (b, t, in) @ (w * r, in)^T, then each row keeps its own block
+        lo, hi = bank.span
+        r = self.weight.shape[1]
+        both = F.linear(x, self.weight[lo:hi].reshape(-1, self.weight.shape[2]))  # (b, t, w * r)
+        both = both.view(*x.shape[:-1], hi - lo, r)  # (b, t, w, r)
+        pick = bank.rel.view(-1, *([1] * (x.dim() - 1)), 1).expand(*x.shape[:-1], 1, r)
+        return both.gather(-2, pick).squeeze(-2)  # (b, t, r)
 
 
 class _BankedB(nn.Module):
     """Stands in for `lora_B`: (..., r) -> (..., out) with each row's own B, times its scale."""
 
-    weight: torch.Tensor  # (slots, out, r)
+    weight: torch.Tensor  # (out, slots, r): a span of slots is one (out, w * r) matrix
 
     def __init__(self, bank: AdapterBank, weight: torch.Tensor) -> None:
         super().__init__()
@@ -81,14 +87,20 @@ class _BankedB(nn.Module):
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:  # (b, t, r) -> (b, t, out)
         bank = self.bank[0]
+        out_f, _, r = self.weight.shape
         if bank.uniform == 0:
-            return a.new_zeros(*a.shape[:-1], self.weight.shape[1])
+            return a.new_zeros(*a.shape[:-1], out_f)
         if bank.uniform is not None:
-            return F.linear(a, self.weight[bank.uniform]) * bank.scales[bank.uniform]
-        w = self.weight.index_select(0, bank.ids)  # (b, out, r)
-        y = torch.bmm(a.reshape(a.shape[0], -1, a.shape[-1]), w.transpose(1, 2))  # (b, t', out)
-        y = y * bank.scale_t.index_select(0, bank.ids).view(-1, 1, 1).to(y.dtype)
-        return y.view(*a.shape[:-1], w.shape[1])
+            return F.linear(a, self.weight[:, bank.uniform]) * bank.scales[bank.uniform]
+        # each row's a in its slot's block of a (b, t, w * r) vector, zeros elsewhere: one matmul
+        # with the span's B (the zero blocks add exact zeros)
+        lo, hi = bank.span
+        z = a.new_zeros(*a.shape[:-1], hi - lo, r)  # (b, t, w, r)
+        pick = bank.rel.view(-1, *([1] * (a.dim() - 1)), 1).expand(*a.shape[:-1], 1, r)
+        z.scatter_(-2, pick, a.unsqueeze(-2))
+        y = F.linear(z.flatten(-2), self.weight[:, lo:hi].reshape(out_f, -1))  # (b, t, out)
+        scale = bank.scale_t.index_select(0, bank.ids).to(y.dtype)  # (b,)
+        return y * scale.view(-1, *([1] * (y.dim() - 1)))
 
 
 class AdapterBank:
@@ -115,12 +127,16 @@ class AdapterBank:
         dev = next((m.lora_A.weight.device for m in self.mods.values()), torch.device("cpu"))
         self.scale_t = torch.zeros(slots, device=dev)  # (slots,)
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)  # (batch,) slot of each row
+        self.span = (0, 1)  # the slots [lo, hi) a mixed batch uses
+        self.rel = self.ids  # (batch,) each row's slot - lo
         self.uniform: int | None = 0
         self.device = dev
         for m in self.mods.values():
             a, b = m.lora_A.weight, m.lora_B.weight  # (r, in_x), (out_x, r)
             bank_a = a.new_zeros(slots, *a.shape).requires_grad_(False)  # (slots, r, in_x)
-            bank_b = b.new_zeros(slots, *b.shape).requires_grad_(False)  # (slots, out_x, r)
+            bank_b = b.new_zeros(b.shape[0], slots, b.shape[1]).requires_grad_(
+                False
+            )  # (out_x, slots, r)
             m.lora_A = _BankedA(self, bank_a)  # type: ignore[assignment]
             m.lora_B = _BankedB(self, bank_b)  # type: ignore[assignment]
             m.lora_dropout = nn.Identity()
@@ -132,7 +148,11 @@ class AdapterBank:
         first = slots[0] if slots else 0
         self.uniform = first if all(s == first for s in slots) else None
         if self.uniform is None:
-            self.ids = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+            lo, hi = min(slots), max(slots) + 1
+            ids = torch.tensor(slots, dtype=torch.long)
+            self.span = (lo, hi)
+            self.ids = ids.to(self.device, non_blocking=True)
+            self.rel = (ids - lo).to(self.device, non_blocking=True)
 
     # ---- adapters -----------------------------------------------------------------------------
     def inspect(self, path: str | os.PathLike) -> AdapterInfo:
@@ -211,12 +231,12 @@ class AdapterBank:
             for fqn, m in self.mods.items():
                 a_bank, b_bank = m.lora_A.weight, m.lora_B.weight
                 a_bank[slot].zero_()
-                b_bank[slot].zero_()
+                b_bank[:, slot].zero_()
                 if fqn not in info.modules:
                     continue
                 split = tp_sharded(m)  # the layout of the module's own (replaced) adapter
                 for name, dest in (("lora_A.weight", a_bank[slot, :r, :]),
-                                   ("lora_B.weight", b_bank[slot, :, :r])):  # fmt: skip
+                                   ("lora_B.weight", b_bank[:, slot, :r])):  # fmt: skip
                     dim, fs = split.get(name, (None, None))
                     ranges = fs.ranges(m.tp_rank) if fs is not None else None
                     dest.copy_(reader.read(f"{fqn}.{name}", dim, ranges, dtype=dest.dtype,

@@ -260,8 +260,13 @@ class Scheduler:
             return
         all_logits = torch.cat(logits)  # (rows, vocab)
         greedy = all_logits.argmax(dim=-1).tolist()  # one read-back per step
-        with self.cv:
+        with self.cv:  # the batch's rows first: a client that heard of its row finds it running
             jobs = [self.jobs[r] for r in rows]
+            self.order = rows
+            self.peak = max(self.peak, len(plan.order))
+            if plan.order:
+                self.steps += 1
+                self.rows += len(plan.order)
         for i, job in enumerate(jobs):
             if job.generator is not None:
                 tok = sample_token(all_logits[i], job.sampling.temperature, job.sampling.top_p,
@@ -269,12 +274,6 @@ class Scheduler:
             else:
                 tok = greedy[i]
             self._emit_token(job, tok)
-        with self.cv:
-            self.order = rows
-            self.peak = max(self.peak, len(plan.order))
-            if plan.order:
-                self.steps += 1
-                self.rows += len(plan.order)
 
     def _emit_token(self, job: Job, tok: int) -> None:
         if job.finish is not None or job.cancelled:
