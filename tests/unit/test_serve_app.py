@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ class _NextTokenBatch:
     def execute(self, plan: Plan):
         if plan.order or plan.admit or plan.drop:
             self.plans.append(plan)
+            time.sleep(0.02)  # a step takes time: requests sent together overlap
         self.rows = [r for r in self.rows if r not in plan.drop]
         assert self.rows == plan.order
         step = torch.stack([self._onehot(t) for t in plan.feed]) if plan.order else None
@@ -123,8 +125,10 @@ def test_streaming_and_stop_strings(served, tok) -> None:
 def test_requests_share_steps_and_leave(served, tok) -> None:
     client, _, batch = served
     results = []
+    start = threading.Barrier(6)
 
     def ask(n: int) -> None:
+        start.wait()
         results.append(client.post("/v1/completions", json={
             "model": "tiny", "prompt": "the", "max_tokens": n, "temperature": 0}).json())  # fmt: skip
 
