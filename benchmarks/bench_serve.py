@@ -9,7 +9,8 @@ concurrency C, runs C client threads that each send --requests completions back 
   mixed    request i names adapter i % N (every batch mixes the N adapters)
 
 Reported per (mix, concurrency): generated tokens / wall time (aggregate tokens/s, the server's
-usage counts, so an early EOS is not counted as generated), p50 / p99 request latency, the mean
+usage counts, so an early EOS is not counted as generated), p50 / p99 request latency and time to
+the first text (requests are streamed), the mean
 rows per decode step (from the server's /health counters), and the ratios of the issue's targets:
 tokens/s at the highest concurrency over concurrency 1 (target >= 10x) and mixed over single at the
 highest concurrency (target >= 0.85). The client is the standard library only (urllib, threads).
@@ -187,21 +188,42 @@ def complete(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def complete_streamed(url: str, body: dict) -> tuple[float, float, int]:
+    """(seconds to the first text, seconds to the end, generated tokens) of one streamed request."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if first is None and event["choices"] and event["choices"][0]["text"]:
+                first = time.perf_counter() - t0
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    total = time.perf_counter() - t0
+    return (total if first is None else first), total, tokens
+
+
 # ---- phases -------------------------------------------------------------------------------------
 def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: bool) -> dict:
     rng = random.Random(a.seed + conc)
     vocab = SHAPES[a.shape][5] - 8
 
-    def client(c: int) -> list[tuple[float, int]]:
+    def client(c: int) -> list[tuple[float, float, int]]:
         out = []
         for k in range(a.requests):
             i = c * a.requests + k
             prompt = " ".join(f"w{rng.randrange(vocab)}" for _ in range(a.prompt_tokens))
             body = {"model": names[i % len(names)] if mixed else names[0], "prompt": prompt,
                     "max_tokens": a.max_tokens, "temperature": 0}  # fmt: skip
-            t0 = time.perf_counter()
-            r = complete(url, body)
-            out.append((time.perf_counter() - t0, int(r["usage"]["completion_tokens"])))
+            out.append(complete_streamed(url, body))
         return out
 
     before = get(url, "/health")
@@ -212,12 +234,18 @@ def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: b
     after = get(url, "/health")
     steps = after["decode_steps"] - before["decode_steps"]
     mean_batch = (after["decoded_rows"] - before["decoded_rows"]) / max(steps, 1)
-    lat = sorted(x for x, _ in results)
-    tokens = sum(n for _, n in results)
-    q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
+    lat = sorted(x for _, x, _ in results)
+    ttft = sorted(x for x, _, _ in results)
+    tokens = sum(n for _, _, n in results)
+
+    def pct(xs: list[float]) -> list[float]:
+        return statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else xs * 99
+
+    q, qf = pct(lat), pct(ttft)
     return {"concurrency": conc, "mix": "mixed" if mixed else "single", "requests": len(lat),
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "p50_s": q[49], "p99_s": q[98], "decode_steps": steps,
+            "p50_s": q[49], "p99_s": q[98], "ttft_p50_s": qf[49], "ttft_p99_s": qf[98],
+            "decode_steps": steps,
             "mean_batch": mean_batch}  # fmt: skip
 
 

@@ -105,6 +105,7 @@ def test_bench_serve_smoke_tp2_on_cpu_ranks(tmp_path: Path) -> None:
     ]  # fmt: skip
     for p in res["phases"]:
         assert p["tokens"] > 0 and p["tokens_per_s"] > 0 and p["p99_s"] >= p["p50_s"] > 0
+        assert 0 < p["ttft_p50_s"] <= p["p50_s"]
     conc1, conc4 = res["phases"][0], res["phases"][1]
     assert conc1["mean_batch"] == 1.0 and conc4["mean_batch"] > 1.0  # requests shared steps
     assert res["scaling_hi_over_lo"] > 0 and res["mixed_over_single_at_hi"] > 0
