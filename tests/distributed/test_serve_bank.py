@@ -4,7 +4,8 @@ the logits of a model that holds only that row's adapter (loaded by qm.load_adap
 
 Covers the bank's slices on colwise and rowwise layers, an adapter of lower rank than the bank
 (zero-padded), an adapter on a subset of the bank's modules, left-padded rows of different
-lengths, rows joining a running batch and rows leaving it.
+lengths, two rows with different adapters prefilled together, rows joining a running batch and
+rows leaving it (the span of slots in use then starts at 1).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from quantmesh.testing import run_ranks
 from tests.e2e.test_cli_common import make_adapter, make_tiny_llama
 
 EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = [[5, 9, 11, 30, 2], [7, 8], [12, 40, 41, 13, 14, 15, 16, 3]]
+PROMPTS = [[5, 9, 11, 30, 2], [7, 8], [12, 40, 41, 13, 14, 15, 16, 3], [6, 21, 22, 23, 24]]
 
 
 def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
@@ -40,7 +41,7 @@ def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
         refs.append(m.eval())
     batch = Batch(served, bank)
     seqs = {rid: list(p) for rid, p in enumerate(PROMPTS)}
-    slots = {0: 1, 1: 0, 2: 2}  # row -> adapter slot (1: the base)
+    slots = {0: 1, 1: 0, 2: 2, 3: 2}  # row -> adapter slot (0: the base)
     worst, agree = 0.0, True
 
     def check(rid: int, logits: torch.Tensor) -> int:
@@ -53,10 +54,12 @@ def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
         seqs[rid].append(tok)
         return tok
 
-    # rows 0 and 1 start; row 2 joins after two steps; row 1 leaves after three
-    _, pre, _ = batch.execute(Plan(admit=[Admit(0, PROMPTS[0], 1), Admit(1, PROMPTS[1], 0)]))
-    last = {0: check(0, pre[0]), 1: check(1, pre[1])}
-    order = [0, 1]
+    # rows 0, 3 (prefilled together: one prompt length) and 1 start; row 2 joins after two
+    # steps; row 1 leaves after three
+    first = [Admit(0, PROMPTS[0], 1), Admit(3, PROMPTS[3], 2), Admit(1, PROMPTS[1], 0)]
+    _, pre, _ = batch.execute(Plan(admit=first))
+    last = {a.rid: check(a.rid, row) for a, row in zip(first, pre)}
+    order = [0, 3, 1]
     for step in range(5):
         admit = [Admit(2, PROMPTS[2], 2)] if step == 2 else []
         drop = [1] if step == 3 else []

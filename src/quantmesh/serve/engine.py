@@ -7,12 +7,13 @@ of every remaining row, and new rows to admit. `Batch.execute` runs it:
 1. adapters are loaded (each rank its own slices; the ranks agree on success);
 2. leaving rows are dropped from the KV cache;
 3. one decode step over the remaining rows (each row at its own position, with its own adapter);
-4. each new row is prefilled alone and its cache joins the batch's.
+4. the new rows are prefilled (consecutive ones with prompts of one length together, without
+   padding) and their caches join the batch's.
 
 The batch's KV cache is a transformers `DynamicCache` whose rows are left-padded to one length;
 the attention mask hides the padding, `position_ids` give each row its own positions, so a row
-attends to exactly the keys it would attend to alone. A new row's prompt is prefilled by itself,
-exactly as a batch of one would be, then padded into the batch. Leading columns that no row needs
+attends to exactly the keys it would attend to alone. New rows' prompts are prefilled without
+padding (alone, or with rows of the same prompt length), then padded into the batch. Leading columns that no row needs
 any more are trimmed when rows leave.
 
 Example:
@@ -133,7 +134,9 @@ class Batch:
             )
         with self._autocast():
             step = self._step(plan.feed) if self.rids else None
-            pre = [self._prefill(a) for a in plan.admit]
+            pre = []
+            for group in _same_length_runs(plan.admit):
+                pre += list(self._prefill(group))
         return step, pre, errors
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -174,17 +177,18 @@ class Batch:
         self.lens = [n + 1 for n in self.lens]
         return out.logits[:, -1]
 
-    def _prefill(self, a: Admit) -> torch.Tensor:  # -> (vocab,)
+    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab)
+        """Prefill k new rows whose prompts have one length (no padding), then join the batch."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
-        ids = torch.tensor(a.prompt, dtype=torch.long).view(1, -1).to(self.device)
-        self.bank.set_rows([a.slot])
+        k, p = len(group), len(group[0].prompt)
+        ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)
+        self.bank.set_rows([a.slot for a in group])
         out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)
-        p = len(a.prompt)
         if self.cache is None:
             self.cache = cache
-            self.mask = torch.ones(1, p, dtype=torch.long, device=self.device)
+            self.mask = torch.ones(k, p, dtype=torch.long, device=self.device)
         else:
             t = self.mask.shape[1]
             n = max(t, p)
@@ -194,12 +198,23 @@ class Batch:
                                       F.pad(new.keys, (0, 0, n - p, 0))])  # fmt: skip
                 old.values = torch.cat([F.pad(old.values, (0, 0, n - t, 0)),
                                         F.pad(new.values, (0, 0, n - p, 0))])  # fmt: skip
-            row = F.pad(self.mask.new_ones(1, p), (n - p, 0))
-            self.mask = torch.cat([F.pad(self.mask, (n - t, 0)), row])  # (B + 1, n)
-        self.rids.append(a.rid)
-        self.slots.append(a.slot)
-        self.lens.append(p)
-        return out.logits[0, -1]
+            rows = F.pad(self.mask.new_ones(k, p), (n - p, 0))
+            self.mask = torch.cat([F.pad(self.mask, (n - t, 0)), rows])  # (B + k, n)
+        self.rids += [a.rid for a in group]
+        self.slots += [a.slot for a in group]
+        self.lens += [p] * k
+        return out.logits[:, -1]
+
+
+def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:
+    """Consecutive admissions with prompts of one length, prefilled together (order kept)."""
+    runs: list[list[Admit]] = []
+    for a in admit:
+        if runs and len(runs[-1][0].prompt) == len(a.prompt):
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    return runs
 
 
 def sample_token(
