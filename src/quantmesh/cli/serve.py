@@ -123,7 +123,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="the base's name (default: the folder's name)")
     p.add_argument("--max-batch", type=int, default=32, help="rows decoded together (default 32)")
     p.add_argument("--max-adapters", type=int, default=8, help="adapter slots (default 8)")
-    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default: see docs)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        help="largest adapter rank (default: the largest --adapter rank, else 16)",
+    )
     p.add_argument("--lora-targets", help="comma-separated modules adapters may target")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--grace", type=float, default=10.0,
