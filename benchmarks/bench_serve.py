@@ -18,7 +18,7 @@ highest concurrency (target >= 0.85). The client is the standard library only (u
 Usage (one GPU; the lead's session):
     python benchmarks/bench_serve.py --shape smollm2 --out .bench/serve
     python benchmarks/bench_serve.py --shape 7b --quant nf4 --out .bench/serve
-    python benchmarks/bench_serve.py --smoke --out /tmp/x       # tiny, CPU, tp=2: checks the script
+    python benchmarks/bench_serve.py --smoke --out .bench/smoke  # tiny, CPU, tp=2: checks the script
 Writes OUT/result_serve_<shape>_<quant>_tp<N>.json.
 """
 
