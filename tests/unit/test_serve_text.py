@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,3 +60,25 @@ def test_sample_token_top_p_and_seed() -> None:
     assert set(draws) >= {1, 2}  # both likely tokens come up
     again = [sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(s)) for s in range(40)]
     assert again == draws
+
+
+SMOLLM2 = Path("~/.cache/quantmesh/SmolLM2-135M-Instruct").expanduser()
+
+
+@pytest.mark.skipif(
+    not (SMOLLM2 / "tokenizer.json").is_file(), reason="needs `quantmesh demo`'s model"
+)
+def test_byte_level_pieces_add_up_even_for_random_ids() -> None:
+    """A byte-level BPE (SmolLM2's): multi-byte characters split over tokens, random id runs."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    bpe = AutoTokenizer.from_pretrained(SMOLLM2)
+    text = "Ça va? 🌊 日本語のテキスト  two  spaces.\n\nNext: don't stop."
+    runs = [bpe(text)["input_ids"] + [bpe.eos_token_id]]
+    rng = random.Random(0)
+    runs += [[rng.randrange(len(bpe)) for _ in range(30)] for _ in range(50)]
+    for ids in runs:
+        pieces, _ = _feed(TextStream(bpe), ids)
+        assert "".join(pieces) == bpe.decode(ids, skip_special_tokens=True)

@@ -1,10 +1,12 @@
 """TextStream: generated token ids -> the text a client may be sent so far, with stop strings.
 
-Text is decoded from all the ids of a reply at once (a token may be part of a character, or change
-how its neighbours decode), and only the part that can no longer change is released: never a
-trailing replacement character (half of a multi-byte character), never a tail that could still
-grow into a stop string. When a stop string appears, the text ends just before it (the stop string
-is not part of the reply, as in OpenAI's API).
+Text is decoded incrementally: each new token's text is what decoding the last few tokens gives
+beyond what decoding them without it gave (a token may be part of a character, or change how its
+neighbour decodes: both decodes start at the same token, so a leading space is treated alike), so
+a step costs the same however long the reply already is. A token that ends in half a character
+(a replacement character) waits for the next. Only the part that can no longer change is
+released: never a tail that could still grow into a stop string. When a stop string appears, the
+text ends just before it (the stop string is not part of the reply, as in OpenAI's API).
 
 Example:
     >>> s = TextStream(tok, stop=["\\n\\n"])   # doctest: +SKIP
@@ -27,12 +29,24 @@ class TextStream:
         self.stop = [s for s in (stop or []) if s]
         self.ids: list[int] = []
         self.sent = 0  # characters released
-        self.text = ""
+        self.text = ""  # the reply's text so far
+        self.prefix = 0  # ids[prefix:read] were decoded into the end of `text`
+        self.read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _advance(self, final: bool = False) -> None:
+        new = self._decode(self.ids[self.prefix :])
+        old = self._decode(self.ids[self.prefix : self.read])
+        if len(new) > len(old) and (final or not new.endswith("\ufffd")):
+            self.text += new[len(old) :]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def add(self, token: int) -> tuple[str, bool]:
         """Add one generated token; returns (newly released text, whether a stop string ended it)."""
         self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._advance()
         if self.stop:
             window = max(len(s) for s in self.stop)
             start = max(0, self.sent - window + 1)
@@ -44,8 +58,6 @@ class TextStream:
                 self.text = self.text[:cut]
                 return out, True
         safe = len(self.text)
-        while safe > self.sent and self.text[safe - 1] == "\ufffd":
-            safe -= 1
         for s in self.stop:  # a tail that may still become a stop string is held back
             for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
                 if self.text[safe - k : safe] == s[:k]:
@@ -57,6 +69,7 @@ class TextStream:
 
     def flush(self) -> str:
         """The rest of the text, at the end of the reply (length or EOS)."""
+        self._advance(final=True)
         out = self.text[self.sent :]
         self.sent = len(self.text)
         return out
