@@ -231,6 +231,9 @@ class Scheduler:
                     if j.finish is None:
                         j.finish = "cancelled"
                         j.emit({"type": "error", "message": "the server is shutting down"})
+                for _, _, done in self.loads:
+                    done("the server is shutting down")
+                self.loads = []
                 return Plan(stop=True), []
             drop = [r for r in self.order if self.jobs[r].finish or self.jobs[r].cancelled]
             for r in drop:
