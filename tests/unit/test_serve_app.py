@@ -181,3 +181,29 @@ def test_adapters_at_run_time(served, tmp_path: Path) -> None:
     assert client.post("/v1/completions", json={"model": "x", "prompt": "the"}).status_code == 404
     r = client.post("/v1/adapters", json={"name": "z", "path": str(tmp_path)})
     assert r.status_code == 201 and sched.names["z"] == 1  # x's slot, free again
+
+
+class _BrokenBatch(_NextTokenBatch):
+    def execute(self, plan: Plan):
+        if plan.admit:
+            raise RuntimeError("a rank went away")
+        return super().execute(plan)
+
+
+def test_a_failing_loop_answers_everyone_and_says_so(tok) -> None:
+    sched = Scheduler(_BrokenBatch(len(tok)), Lockstep(None, torch.device("cpu")), tok,  # type: ignore[arg-type]
+                      eos_ids=[tok.eos_token_id], max_batch=4, heartbeat_s=0.05)  # fmt: skip
+    fatal = []
+    sched.on_fatal = fatal.append
+    loop = threading.Thread(target=sched.run, daemon=True)
+    loop.start()
+    with TestClient(build_app(sched, tok, ServeInfo(base="tiny", max_model_len=24))) as client:
+        r = client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "the", "temperature": 0}
+        )
+        assert r.status_code == 503 and "a rank went away" in r.json()["error"]["message"]
+        loop.join(10)
+        assert not loop.is_alive() and len(fatal) == 1
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "the"})
+        assert r.status_code == 503  # refused at once, not queued forever

@@ -204,6 +204,7 @@ class Scheduler:
         `self.error` holds it, every open request got it, and `on_fatal` was called."""
         if self.batch.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(self.batch.device)
+        loads: list[tuple[int, str, Callable[[str], None]]] = []
         try:
             while True:
                 plan, loads = self._next_plan()
@@ -213,13 +214,18 @@ class Scheduler:
                 step, pre, errors = self.batch.execute(plan)
                 for (_, _, done), err in zip(loads, errors):
                     done(err)
+                loads = []
                 self._after(plan, step, pre)
         except BaseException as e:
             with self.cv:
                 self.error = e
                 jobs = [j for j in self.jobs.values() if j.finish is None]
+                loads, self.loads = loads + self.loads, []
+            msg = f"the server failed: {type(e).__name__}: {e}"
             for j in jobs:
-                j.emit({"type": "error", "message": f"the server failed: {type(e).__name__}: {e}"})
+                j.emit({"type": "error", "message": msg})
+            for _, _, done in loads:
+                done(msg)
             self.on_fatal(e)
 
     def _next_plan(self) -> tuple[Plan, list[tuple[int, str, Callable[[str], None]]]]:
