@@ -49,7 +49,7 @@ class Server:
             env.pop(k, None)
         self.proc = subprocess.Popen(
             [*CLI, "serve", *args, "--port", "0"], cwd=REPO, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
         line = self._first_line(timeout)
         self.url = line.split(" on ", 1)[1].split()[0]
@@ -90,9 +90,18 @@ class Server:
             return e.code, json.loads(e.read())
 
     def stop(self) -> None:
+        """SIGTERM (the ranks stop with the launcher), then SIGKILL to the whole session."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of this server still alive
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")

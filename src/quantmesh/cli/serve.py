@@ -281,6 +281,16 @@ def _serve(
     sched.on_fatal = fatal
     loop = threading.Thread(target=sched.run, name="quantmesh-serve-loop", daemon=True)
     loop.start()
+    parent = os.getppid()
+
+    def watch_launcher() -> None:  # a launcher killed outright cannot stop us: stop ourselves
+        while not server.should_exit:
+            if os.getppid() != parent:
+                print("quantmesh serve: the launcher is gone; stopping", flush=True)
+                server.should_exit = True
+            time.sleep(1.0)
+
+    threading.Thread(target=watch_launcher, name="quantmesh-serve-watch", daemon=True).start()
     fam = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
     sock = socket.socket(fam, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
