@@ -95,6 +95,25 @@ def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
     return path
 
 
+def make_adapter(model: Path, out: Path, *, r: int, targets: list[str], seed: int) -> Path:
+    """A PEFT LoRA adapter of `model` with random A and B (so it changes the replies)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model)
+    peft_model = get_peft_model(
+        base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+    )
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    peft_model.save_pretrained(out)
+    return out
+
+
 def test_tiny_llama_round_trips(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""What launched workers run: `python -m quantmesh.cli.worker {finetune,generate,demo,verify} JSON`.
+"""What launched workers run: `python -m quantmesh.cli.worker {finetune,generate,demo,verify,serve} JSON`.
 
 The launching command has already validated everything it could; the JSON holds its resolved
 settings, so every rank runs exactly the same thing. A failure becomes one line naming the rank
@@ -161,7 +161,13 @@ def verify(payload: str) -> int:
     return verify_worker(payload)
 
 
-KINDS = {"finetune": finetune, "generate": generate, "demo": demo, "verify": verify}
+def serve(payload: str) -> int:
+    from .serve import serve_worker
+
+    return serve_worker(payload)
+
+
+KINDS = {"finetune": finetune, "generate": generate, "demo": demo, "verify": verify, "serve": serve}
 
 
 def run_in_place(kind: str, payload: str) -> int:

@@ -1,0 +1,319 @@
+"""`quantmesh serve MODEL`: an OpenAI-compatible HTTP server over tp ranks, many LoRA adapters.
+
+Rank 0 serves HTTP (uvicorn + FastAPI, serve/app.py) and schedules (serve/scheduler.py); every
+rank of the tp group decodes the same batch in lock step (serve/ranks.py, serve/engine.py). One
+base model (quantized or not) is in memory once; each request's `model` picks an adapter from a
+bank of slots (serve/bank.py), so one batch mixes adapters.
+
+Example:
+    $ quantmesh serve ~/.cache/quantmesh/SmolLM2-135M-Instruct --tp 2 --quant nf4 \\
+        --adapter shakespeare=quantmesh-demo/adapter --port 8000
+    $ curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "shakespeare", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CliError, user_errors
+from .generate import QUANTS
+
+__all__ = ["ServeConfig", "add_parser", "run", "serve_worker"]
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """One `serve` run.
+
+    Example:
+        >>> ServeConfig(model="m", adapters={"a": "out/adapter"}).slots
+        9
+    """
+
+    model: str
+    """transformers model folder."""
+    tp: int = 1
+    """Tensor-parallel ranks (one process each)."""
+    quant: str = "none"
+    """none, nf4, fp4 or int8."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapters served from the start: name -> PEFT adapter folder."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0 = any free port (the line printed at start-up names it)."""
+    served_model_name: str | None = None
+    """The base model's name in requests (default: the model folder's name)."""
+    max_batch: int = 32
+    """Rows decoded together at most; more requests wait."""
+    max_adapters: int = 8
+    """Adapter slots (loaded at start or at run time)."""
+    max_lora_rank: int | None = None
+    """The largest adapter rank the bank holds (default: the largest of --adapter, else 16)."""
+    lora_targets: list[str] | None = None
+    """Modules the bank covers (default: those of the --adapter adapters, else the attention and
+    MLP projections). Adapters added at run time may target any subset of them."""
+    max_model_len: int | None = None
+    """Prompt plus generated tokens, at most (default: the model's max_position_embeddings)."""
+    grace_s: float = 10.0
+    """On SIGTERM, how long running requests may go on before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise CliError(f"--tp {self.tp}; expected >= 1")
+        if not 0 <= self.port < 65536:
+            raise CliError(f"--port {self.port}; expected 0..65535 (0 = any free port)")
+        if self.max_batch < 1:
+            raise CliError(f"--max-batch {self.max_batch}; expected >= 1")
+        if self.max_adapters < len(self.adapters):
+            raise CliError(
+                f"--max-adapters {self.max_adapters} is fewer than the {len(self.adapters)} "
+                f"--adapter given; pass --max-adapters {len(self.adapters)} or more"
+            )
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise CliError(f"--max-lora-rank {self.max_lora_rank}; expected >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise CliError(f"--max-model-len {self.max_model_len}; expected >= 2")
+        if self.grace_s < 0:
+            raise CliError(f"--grace {self.grace_s}; expected >= 0 seconds")
+        for name in self.adapters:
+            if not NAME.match(name):
+                raise CliError(
+                    f"adapter name {name!r}: use letters, digits and . _ : / - (a letter or "
+                    "digit first)"
+                )
+
+    @property
+    def slots(self) -> int:
+        return self.max_adapters + 1  # slot 0: the base
+
+    @property
+    def base_name(self) -> str:
+        return self.served_model_name or Path(self.model).expanduser().resolve().name
+
+
+def _adapter_arg(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR")
+    return name, path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `serve`."""
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible server on tp ranks; the request's model picks a LoRA adapter",
+    )
+    p.add_argument("model", help="transformers model folder")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--quant", choices=QUANTS, default="none")
+    p.add_argument("--adapter", action="append", type=_adapter_arg, default=[],
+                   metavar="NAME=DIR", help="serve a PEFT adapter under NAME (repeatable)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="default 8000; 0 = any free port")
+    p.add_argument("--served-model-name", help="the base's name (default: the folder's name)")
+    p.add_argument("--max-batch", type=int, default=32, help="rows decoded together (default 32)")
+    p.add_argument("--max-adapters", type=int, default=8, help="adapter slots (default 8)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        help="largest adapter rank (default: the largest --adapter rank, else 16)",
+    )
+    p.add_argument("--lora-targets", help="comma-separated modules adapters may target")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds running requests get on SIGTERM (default 10)")  # fmt: skip
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `serve` command: check, then launch tp workers (rank 0 serves HTTP)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from .runner import run_workers
+
+    with user_errors():
+        names = [n for n, _ in args.adapter]
+        if len(set(names)) != len(names):
+            raise CliError(f"--adapter names repeat: {names}; give each adapter its own name")
+        targets = [t.strip() for t in args.lora_targets.split(",")] if args.lora_targets else None
+        cfg = ServeConfig(
+            model=args.model, tp=args.tp, quant=args.quant, adapters=dict(args.adapter),
+            host=args.host, port=args.port, served_model_name=args.served_model_name,
+            max_batch=args.max_batch, max_adapters=args.max_adapters,
+            max_lora_rank=args.max_lora_rank, lora_targets=targets,
+            max_model_len=args.max_model_len, grace_s=args.grace,
+        )  # fmt: skip
+        check(cfg)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            raise CliError("serve launches its own tp ranks; run it without torchrun")
+    try:
+        return run_workers(cfg.tp, ["quantmesh.cli.worker", "serve", json.dumps(asdict(cfg))])
+    except SignalException as e:  # SIGTERM/SIGINT to this process: the ranks stopped gracefully
+        print(f"quantmesh serve: stopped ({e.sigval.name})", flush=True)
+        return 0
+
+
+def check(cfg: ServeConfig) -> None:
+    """Everything checkable before a worker starts: the model, the tp plan, each adapter."""
+    from ..io.adapter import adapter_lora_config
+    from ..plan.auto import auto_plan
+    from .generate import check_adapter
+    from .plan_cmd import load_skeleton
+
+    config, model = load_skeleton(cfg.model)
+    for name, path in cfg.adapters.items():
+        try:
+            check_adapter(model, path)
+        except (CliError, ValueError) as e:
+            raise CliError(f"--adapter {name}={path}: {e}") from None
+        r = adapter_lora_config(path).r
+        if cfg.max_lora_rank is not None and r > cfg.max_lora_rank:
+            raise CliError(
+                f"--adapter {name}={path} has r={r} > --max-lora-rank {cfg.max_lora_rank}; "
+                f"raise --max-lora-rank to {r}"
+            )
+    if cfg.lora_targets:
+        from ..lora import LoraConfig, lora_targets
+
+        lora_targets(model, LoraConfig(targets=cfg.lora_targets))  # raises when one matches nothing
+    auto_plan(model, cfg.tp).resolve(model, cfg.tp)
+    limit = getattr(config, "max_position_embeddings", None)
+    if cfg.max_model_len is None and limit is None:
+        raise CliError("the model's config has no max_position_embeddings; pass --max-model-len")
+
+
+def _lora(cfg: ServeConfig, model) -> tuple[Any, dict[str, int]]:
+    """The LoraConfig of the bank (union of targets, largest rank) and the slots of --adapter."""
+    from ..io.adapter import adapter_lora_config
+    from ..lora import LoraConfig
+
+    found = {n: adapter_lora_config(p) for n, p in cfg.adapters.items()}
+    targets = cfg.lora_targets
+    if not targets:
+        targets = sorted({t for c in found.values() for t in c.targets})
+    if not targets:  # no adapter at start: the usual projections this model has
+        leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        targets = [t for t in LoraConfig().targets if t in leaves]
+    r = cfg.max_lora_rank or max([c.r for c in found.values()], default=16)
+    if not targets:
+        return None, {}
+    return LoraConfig(r=r, targets=targets), {n: i + 1 for i, n in enumerate(cfg.adapters)}
+
+
+def serve_worker(payload: str) -> int:
+    """One rank of `serve`: load, bank the adapters, then serve (rank 0) or follow (the others)."""
+    import signal
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import quantmesh as qm
+
+    from ..serve.bank import AdapterBank
+    from ..serve.engine import Batch
+    from ..serve.ranks import Lockstep, follow
+
+    cfg = ServeConfig(**json.loads(payload))
+    mesh = qm.init_mesh(tp=cfg.tp, dp=1)
+    dtype = torch.bfloat16 if mesh.device.type == "cuda" else torch.float32
+    from .plan_cmd import load_skeleton
+
+    config, skeleton = load_skeleton(cfg.model)
+    lora, slots = _lora(cfg, skeleton)
+    del skeleton
+    quant = None if cfg.quant == "none" else cfg.quant
+    model = qm.from_pretrained(cfg.model, mesh, quant=quant, lora=lora, dtype=dtype, progress=False)
+    model.eval()
+    bank = AdapterBank(model, slots=cfg.slots)
+    for name, slot in slots.items():
+        bank.load(slot, cfg.adapters[name])
+    lockstep = Lockstep(mesh.tp_group, mesh.device)
+    batch = Batch(model, bank, agree=lockstep.agree)
+    if mesh.tp_rank != 0:
+        # rank 0 decides when to stop (after its graceful shutdown); a follower that left on the
+        # launcher's SIGTERM would break the in-flight steps
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        follow(batch, lockstep)
+        return 0
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    max_len = cfg.max_model_len or int(config.max_position_embeddings)
+    return _serve(cfg, batch, lockstep, tok, model, slots, max_len)
+
+
+def _serve(
+    cfg: ServeConfig, batch, lockstep, tok, model, slots: dict[str, int], max_len: int
+) -> int:
+    import math
+    import signal
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from ..serve.app import ServeInfo, build_app
+    from ..serve.scheduler import Scheduler
+
+    eos = model.generation_config.eos_token_id
+    eos = tok.eos_token_id if eos is None else eos
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    sched = Scheduler(batch, lockstep, tok, eos_ids=eos_ids, max_batch=cfg.max_batch,
+                      adapters=slots)  # fmt: skip
+    info = ServeInfo(base=cfg.base_name, max_model_len=max_len, created=int(time.time()),
+                     grace_s=cfg.grace_s)  # fmt: skip
+    app = build_app(sched, tok, info)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s))))  # fmt: skip
+
+    def fatal(e: BaseException) -> None:
+        server.should_exit = True
+
+    sched.on_fatal = fatal
+    loop = threading.Thread(target=sched.run, name="quantmesh-serve-loop", daemon=True)
+    loop.start()
+    parent = os.getppid()
+
+    def watch_launcher() -> None:  # a launcher killed outright cannot stop us: stop ourselves
+        while not server.should_exit:
+            if os.getppid() != parent:
+                print("quantmesh serve: the launcher is gone; stopping", flush=True)
+                server.should_exit = True
+            time.sleep(1.0)
+
+    threading.Thread(target=watch_launcher, name="quantmesh-serve-watch", daemon=True).start()
+    fam = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))
+    except OSError as e:
+        sched.stop()
+        loop.join()
+        raise CliError(
+            f"cannot listen on {cfg.host}:{cfg.port}: {e}; pick another --port"
+        ) from None
+    host, port = sock.getsockname()[:2]
+    names = ", ".join([cfg.base_name, *slots]) if slots else cfg.base_name
+    print(f"quantmesh serve: {names} on http://{host}:{port} (tp {cfg.tp})", flush=True)
+    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown and afterwards re-raises the signal
+    # with the handler found before it started: this one, so that the re-raise is harmless
+    signal.signal(signal.SIGTERM, lambda *a: None)
+    server.run(sockets=[sock])
+    sched.stop()
+    loop.join(timeout=60)
+    if sched.error is not None:
+        raise RuntimeError(
+            f"the decoding loop failed (when another tp rank died, its error is above): "
+            f"{type(sched.error).__name__}: {sched.error}"
+        ) from sched.error
+    return 0

@@ -1,0 +1,235 @@
+"""The batch every tp rank decodes in lock step: rows join, decode together and leave.
+
+A `Plan` is one step's work, decided by rank 0 and executed identically on every rank of the tp
+group (serve/ranks.py sends it): adapters to load into bank slots, rows that leave, the next token
+of every remaining row, and new rows to admit. `Batch.execute` runs it:
+
+1. adapters are loaded (each rank its own slices; the ranks agree on success);
+2. leaving rows are dropped from the KV cache;
+3. one decode step over the remaining rows (each row at its own position, with its own adapter);
+4. the new rows are prefilled (consecutive ones with prompts of one length together, without
+   padding) and their caches join the batch's.
+
+The batch's KV cache is a transformers `DynamicCache` whose rows are left-padded to one length;
+the attention mask hides the padding, `position_ids` give each row its own positions, so a row
+attends to exactly the keys it would attend to alone. New rows' prompts are prefilled without
+padding (alone, or with rows of the same prompt length), then padded into the batch. Leading columns that no row needs
+any more are trimmed when rows leave.
+
+Example:
+    >>> batch = Batch(model, bank)                                      # doctest: +SKIP
+    >>> step, pre, errors = batch.execute(Plan(admit=[Admit(7, ids, 0)]))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .bank import AdapterBank
+
+__all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
+
+
+class ServeError(RuntimeError):
+    """The model cannot be served this way; the message names the fix."""
+
+
+@dataclass
+class Admit:
+    """A new row: its request id, prompt token ids and adapter slot."""
+
+    rid: int
+    prompt: list[int]
+    slot: int
+
+
+@dataclass
+class Plan:
+    """One step of work for every tp rank (picklable: rank 0 broadcasts it)."""
+
+    drop: list[int] = field(default_factory=list)
+    """Rows (request ids) that leave before the step."""
+    order: list[int] = field(default_factory=list)
+    """The rows that stay, in batch order (every rank checks that it holds these)."""
+    feed: list[int] = field(default_factory=list)
+    """The next input token of each row of `order`."""
+    admit: list[Admit] = field(default_factory=list)
+    """New rows, prefilled after the step, in this order."""
+    loads: list[tuple[int, str]] = field(default_factory=list)
+    """(slot, adapter folder) to load before anything else."""
+    stop: bool = False
+    """Leave the loop (shutdown)."""
+
+
+class Batch:
+    """The rows decoding together on this rank: KV cache, attention mask, positions, adapters.
+
+    Example:
+        >>> batch = Batch(model, AdapterBank(model, slots=4))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        bank: AdapterBank,
+        *,
+        agree: Callable[[list[bool]], list[bool]] | None = None,
+    ) -> None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        config = getattr(model, "config", None)
+        params = inspect.signature(model.forward).parameters
+        names = [n for n in ("past_key_values", "cache") if n in params]  # by transformers version
+        if config is None or not names:
+            raise ServeError(
+                f"{type(model).__name__} is not a transformers causal LM with a KV cache "
+                "(its forward takes neither past_key_values nor cache); serve needs one"
+            )
+        self.cache_arg = names[0]
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+        if kinds - {DynamicLayer.__name__}:
+            raise ServeError(
+                f"{type(model).__name__} uses KV cache layers {sorted(kinds)}; serve batches "
+                "full-attention caches only (no sliding-window or recurrent layers)"
+            )
+        self.model, self.bank, self.config = model, bank, config
+        self.agree = agree or (lambda ok: ok)
+        self.keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.device = next(model.parameters()).device
+        self.rids: list[int] = []
+        self.slots: list[int] = []
+        self.lens: list[int] = []  # real tokens in the cache, per row
+        self.cache: Any = None  # a transformers DynamicCache, or None while empty
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, T)
+
+    # ---- the plan -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, plan: Plan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[str]]:
+        """Run one plan. Returns (the step's logits (B, vocab) for `plan.order`, or None; each
+        admitted row's prefill logits (vocab,); an error message per load, "" when it worked)."""
+        errors = []
+        for slot, path in plan.loads:
+            try:
+                self.bank.load(slot, path)
+                errors.append("")
+            except Exception as e:  # reported to the client that asked; the slot stays free
+                errors.append(f"{type(e).__name__}: {e}")
+        if plan.loads:
+            ok = self.agree([not e for e in errors])
+            errors = [e or ("" if k else "failed on another rank") for e, k in zip(errors, ok)]
+        if plan.drop:
+            self._drop(set(plan.drop))
+        if self.rids != plan.order:
+            raise ServeError(
+                f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned {plan.order}"
+            )
+        with self._autocast():
+            step = self._step(plan.feed) if self.rids else None
+            pre = []
+            for group in _same_length_runs(plan.admit):
+                pre += list(self._prefill(group))
+        return step, pre, errors
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        # as `quantmesh generate`: bf16 on GPUs (the fp32 adapters cast in the matmuls)
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ---- rows ---------------------------------------------------------------------------------
+    def _layers(self) -> list:
+        assert self.cache is not None
+        return list(self.cache.layers)
+
+    def _drop(self, drop: set[int]) -> None:
+        keep = [i for i, r in enumerate(self.rids) if r not in drop]
+        if not keep:
+            self.rids, self.slots, self.lens, self.cache = [], [], [], None
+            self.mask = self.mask[:0, :0]
+            return
+        self.rids = [self.rids[i] for i in keep]
+        self.slots = [self.slots[i] for i in keep]
+        self.lens = [self.lens[i] for i in keep]
+        cut = self.mask.shape[1] - max(self.lens)  # leading columns no kept row uses
+        idx = torch.tensor(keep, device=self.device)
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(0, idx)[:, :, cut:]
+            layer.values = layer.values.index_select(0, idx)[:, :, cut:]
+        self.mask = self.mask.index_select(0, idx)[:, cut:]
+
+    def _step(self, feed: list[int]) -> torch.Tensor:  # -> (B, vocab)
+        b = len(self.rids)
+        ids = torch.tensor(feed, dtype=torch.long).view(b, 1).to(self.device)
+        pos = torch.tensor(self.lens, dtype=torch.long).view(b, 1).to(self.device)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(b, 1)], dim=1)  # (B, T + 1)
+        self.bank.set_rows(self.slots)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
+                         use_cache=True, **{self.cache_arg: self.cache})  # fmt: skip
+        self.lens = [n + 1 for n in self.lens]
+        return out.logits[:, -1]
+
+    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab)
+        """Prefill k new rows whose prompts have one length (no padding), then join the batch."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        k, p = len(group), len(group[0].prompt)
+        ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)
+        self.bank.set_rows([a.slot for a in group])
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)
+        if self.cache is None:
+            self.cache = cache
+            self.mask = torch.ones(k, p, dtype=torch.long, device=self.device)
+        else:
+            t = self.mask.shape[1]
+            n = max(t, p)
+            new_layers: list[Any] = list(cache.layers)
+            for old, new in zip(self._layers(), new_layers):
+                old.keys = torch.cat([F.pad(old.keys, (0, 0, n - t, 0)),
+                                      F.pad(new.keys, (0, 0, n - p, 0))])  # fmt: skip
+                old.values = torch.cat([F.pad(old.values, (0, 0, n - t, 0)),
+                                        F.pad(new.values, (0, 0, n - p, 0))])  # fmt: skip
+            rows = F.pad(self.mask.new_ones(k, p), (n - p, 0))
+            self.mask = torch.cat([F.pad(self.mask, (n - t, 0)), rows])  # (B + k, n)
+        self.rids += [a.rid for a in group]
+        self.slots += [a.slot for a in group]
+        self.lens += [p] * k
+        return out.logits[:, -1]
+
+
+def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:
+    """Consecutive admissions with prompts of one length, prefilled together (order kept)."""
+    runs: list[list[Admit]] = []
+    for a in admit:
+        if runs and len(runs[-1][0].prompt) == len(a.prompt):
+            runs[-1].append(a)
+        else:
+            runs.append([a])
+    return runs
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> int:
+    """One token drawn from `logits` (vocab,) with temperature and nucleus (top-p) filtering.
+
+    Example:
+        >>> sample_token(torch.tensor([0.0, 9.0]), 1.0, 1.0, torch.Generator().manual_seed(0))
+        1
+    """
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        before = sorted_p.cumsum(0) - sorted_p  # mass of the tokens ranked above each one
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the first token always stays
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
