@@ -231,7 +231,8 @@ def plan_report(model, args: argparse.Namespace) -> str:
     backend = getattr(args, "quant_backend", "bitsandbytes")
     asked = None if args.quant == "none" else QuantConfig(format=args.quant, backend=backend)
     # a folder saved quantized by bitsandbytes: its stored format unless --quant names it
-    quant = folder_quant(args.model, asked)
+    folder = getattr(args, "model", None)  # a preset name or a folder; absent in some callers
+    quant = folder_quant(folder, asked) if folder else asked
     shown = "none" if quant is None else quant.format
     gpu = args.device == "cuda"
     fsdp, offload = getattr(args, "fsdp", False), getattr(args, "offload_base", False)
