@@ -208,7 +208,6 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_report(model, args: argparse.Namespace) -> str:
     """The table and the estimate as printed by `quantmesh plan`."""
-    import torch
 
     from ..lora import LoraConfig, lora_targets
     from ..plan.auto import auto_plan
@@ -245,14 +244,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         plan=plan,
         quant=quant,
         lora=lora,
-        seq_len=args.seq,
-        micro_batch=args.micro_batch,
-        dtype=torch.bfloat16 if gpu else torch.float32,
-        compiled=getattr(args, "compile", False),
-        checkpointing=getattr(args, "checkpointing", False),
-        offload_activations=getattr(args, "offload_activations", False),
-        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
-        tile_tokens=getattr(args, "tile_tokens", 0) or None,
+        **run_options(args, gpu),
     )
     est = estimate_memory(**mem, fsdp=fsdp, offload_base=offload)
     mode = (
@@ -290,9 +282,25 @@ def plan_report(model, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
+    """The estimate's keywords for what a run does per step (sequence, micro-batch, activation
+    dtype, compiled blocks, checkpointing, offload, loss chunks, MLP tiles), from the CLI's args."""
+    import torch
+
+    return dict(
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        dtype=torch.bfloat16 if gpu else torch.float32,
+        compiled=getattr(args, "compile", False),
+        checkpointing=getattr(args, "checkpointing", False),
+        offload_activations=getattr(args, "offload_activations", False),
+        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
+        tile_tokens=getattr(args, "tile_tokens", 0) or None,
+    )
+
+
 def stage_estimates(model, args: argparse.Namespace, **kw: Any) -> list:
     """quantmesh.pipeline.memory.estimate_stages for the run `args` describe."""
-    import torch
 
     from ..pipeline.cut import PipelineConfig
     from ..pipeline.memory import estimate_stages
@@ -306,13 +314,7 @@ def stage_estimates(model, args: argparse.Namespace, **kw: Any) -> list:
         pipeline=PipelineConfig(virtual=args.pp_virtual),
         tp=args.tp,
         dp=args.dp,
-        seq_len=args.seq,
-        micro_batch=args.micro_batch,
-        dtype=torch.bfloat16 if gpu else torch.float32,
-        compiled=getattr(args, "compile", False),
-        checkpointing=getattr(args, "checkpointing", False),
-        offload_activations=getattr(args, "offload_activations", False),
-        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
+        **run_options(args, gpu),
         **kw,
     )
 

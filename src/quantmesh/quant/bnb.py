@@ -221,7 +221,29 @@ def _materialize_bias(module: nn.Module, device: torch.device) -> None:
         module.bias = nn.Parameter(real, requires_grad=b.requires_grad)
 
 
-class Bnb4bitFormat(QuantFormat):
+class _BnbFormat(QuantFormat):
+    """What the bitsandbytes formats share: cutting a layer bitsandbytes quantized already."""
+
+    def cut_from(
+        self,
+        module: nn.Module,
+        source: nn.Module,
+        dim: int | None,
+        ranges: tuple[tuple[int, int], ...] | None,
+        device: torch.device,
+    ) -> str:
+        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
+
+        Example:
+            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
+            'codes cut on block boundaries'
+        """
+        from .prequant import cut_module
+
+        return cut_module(self, module, source, dim, ranges, device)
+
+
+class Bnb4bitFormat(_BnbFormat):
     """nf4 / fp4 blockwise 4-bit (bitsandbytes Linear4bit, Params4bit + QuantState).
 
     Example:
@@ -387,24 +409,6 @@ class Bnb4bitFormat(QuantFormat):
         """Elements per quantization block of the flattened (out, in) weight (= blocksize)."""
         return self.config.blocksize
 
-    def cut_from(
-        self,
-        module: nn.Module,
-        source: nn.Module,
-        dim: int | None,
-        ranges: tuple[tuple[int, int], ...] | None,
-        device: torch.device,
-    ) -> str:
-        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
-
-        Example:
-            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
-            'codes cut on block boundaries'
-        """
-        from .prequant import cut_module
-
-        return cut_module(self, module, source, dim, ranges, device)
-
 
 def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
@@ -483,7 +487,7 @@ def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype)
     _materialize_bias(module, packed.device)
 
 
-class Bnb8bitFormat(QuantFormat):
+class Bnb8bitFormat(_BnbFormat):
     """LLM.int8: int8 weight with one absmax scale per output row (bitsandbytes Linear8bitLt).
 
     On CPU in train mode bitsandbytes dequantizes the weight and ignores the outlier threshold; in
@@ -610,24 +614,6 @@ class Bnb8bitFormat(QuantFormat):
             1.0009765625
         """
         return 1.0 + 4 / (in_features or INT8_REF_IN)
-
-    def cut_from(
-        self,
-        module: nn.Module,
-        source: nn.Module,
-        dim: int | None,
-        ranges: tuple[tuple[int, int], ...] | None,
-        device: torch.device,
-    ) -> str:
-        """Rows / columns of a bitsandbytes layer quantized already, into `module` (prequant.py).
-
-        Example:
-            >>> fmt.cut_from(shard.local, user_layer, 0, ((0, 128),), torch.device("cpu"))  # doctest: +SKIP
-            'codes cut on block boundaries'
-        """
-        from .prequant import cut_module
-
-        return cut_module(self, module, source, dim, ranges, device)
 
 
 # ---- pre-quantized 4-bit tensors ----------------------------------------------------------------
