@@ -74,7 +74,7 @@ def parallelize(
             device)); None works for transformers models. Without them a custom model's plan is
             not verified (a warning says so).
         pipeline: at pp > 1, how to cut the model into stages of whole blocks
-            (`qm.PipelineConfig(stages=[...])`); None = equal block counts. Each rank keeps only
+            (`qm.PipelineConfig(stages=[...])`); None = balanced by compute. Each rank keeps only
             its stage's modules (the others become parameterless stand-ins); train with
             `qm.train_step`.
         fsdp: shard every parameter (frozen base and adapters) over mesh.dp with torch's FSDP2,

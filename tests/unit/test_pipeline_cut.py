@@ -155,3 +155,29 @@ def test_a_stand_in_runs_the_meta_forward_once_per_input_signature():
     assert calls == [(2, 8), (5, 8)]
     assert a.shape == b.shape == (2, 3) and c.shape == (5, 3)
     assert torch.isnan(a).all() and a is not b  # fresh tensors every call
+
+
+class _HeavyHead(nn.Module):
+    """Four equal blocks and an output head as costly as two of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_the_default_cut_balances_compute_with_the_head_on_the_last_stage():
+    # equal counts would give the last stage 2 blocks + the head (4 units) against 2: 3 + 1 gives 3
+    cut = plan_stages(_HeavyHead(), 2)
+    assert [len(b) for b in cut.blocks] == [3, 1]
+    assert cut.stage_of("head") == 1
+    # a small head changes nothing: equal counts, extras on the first stages
+    assert [len(b) for b in plan_stages(M.llama(layers=7), 3).blocks] == [3, 2, 2]

@@ -67,8 +67,11 @@ class PipelineConfig:
     """
 
     stages: list[int] | None = None
-    """Blocks per stage, in order (sums to the model's block count); None = balanced (equal
-    block counts, the extra blocks on the first stages: the last one also runs the head and loss)."""
+    """Blocks per stage, in order (sums to the model's block count); None = balanced by compute:
+    consecutive runs of blocks whose largest stage cost is least, a block's cost being its matmul
+    weights (the FLOPs per token of a frozen base are proportional to them) and the last stage's
+    also the output head's (equal blocks and a small head: equal counts, extras on the first
+    stages)."""
     virtual: int = 1
     """Stages per rank: pp x virtual stages, stage s on pp rank s % pp (for
     schedule="interleaved1f1b", which needs virtual >= 2)."""
@@ -110,6 +113,54 @@ class StageCut:
         return [k for k, s in self.owner.items() if s == stage]
 
 
+def _matmul_elems(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters() if p.dim() >= 2)
+
+
+def _compute_balanced(model: nn.Module, blocks: list[str], pp: int) -> list[int]:
+    """Blocks per stage minimizing the most expensive stage (module docstring of PipelineConfig).
+
+    Example:
+        >>> _compute_balanced(model, [f"layers.{i}" for i in range(4)], 2)  # doctest: +SKIP
+        [2, 2]
+    """
+    cost = [_matmul_elems(model.get_submodule(b)) for b in blocks]
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    tail = _matmul_elems(head) if isinstance(head, nn.Module) else 0
+    n = len(cost)
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the least largest stage cost of blocks[:i] cut into k stages (the last of them
+    # ending at i); choice[k][i]: where that last stage starts
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    choice = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for k in range(1, pp + 1):
+        for i in range(k, n - (pp - k) + 1):
+            extra = tail if k == pp else 0
+            for j in range(k - 1, i):  # the k-th stage holds blocks[j:i]
+                worst = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
+                if worst < best[k][i]:
+                    best[k][i], choice[k][i] = worst, j
+    counts, i = [], n
+    for k in range(pp, 0, -1):
+        j = choice[k][i]
+        counts.append(i - j)
+        i = j
+    counts.reverse()
+
+    def largest(cs: list[int]) -> float:
+        ends = [sum(cs[: k + 1]) for k in range(pp)]
+        starts = [0, *ends[:-1]]
+        return max(prefix[e] - prefix[b] + (tail if k == pp - 1 else 0)
+                   for k, (b, e) in enumerate(zip(starts, ends)))  # fmt: skip
+
+    even = balanced_counts(n, pp)  # equal counts, extras first: kept whenever it is as good
+    return even if largest(even) <= largest(counts) else counts
+
+
 def plan_stages(model: nn.Module, pp: int, config: PipelineConfig | None = None) -> StageCut:
     """Cut `model` into `pp` stages of whole repeated blocks; raises PipelineError when it cannot.
 
@@ -139,7 +190,7 @@ def plan_stages(model: nn.Module, pp: int, config: PipelineConfig | None = None)
                 + f") but {type(model).__name__} has {len(blocks)} blocks; every stage needs at "
                 f"least one: use pp{' x virtual' if pp != ranks else ''} <= {len(blocks)}"
             )
-        counts = balanced_counts(len(blocks), pp)
+        counts = _compute_balanced(model, blocks, pp)
     else:
         counts = list(counts)
         if len(counts) != pp or sum(counts) != len(blocks) or min(counts) < 1:
