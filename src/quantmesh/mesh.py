@@ -8,6 +8,8 @@ host may resolve to the same device.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import socket
 import warnings
@@ -176,6 +178,17 @@ def _device_ids(devices: list[torch.device]) -> list[str]:
     return out
 
 
+def _destroy_at_exit() -> None:
+    """Destroy the default process group while the interpreter is still whole. A script that
+    ends without `dist.destroy_process_group()` leaves gloo's worker threads to die with the
+    interpreter, which can abort the process ("terminate called without an active exception",
+    SIGABRT); the launcher then stops the other ranks, maybe mid-write. A no-op when the script
+    destroyed the group itself."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def init_mesh(
     dp: int = -1,
     tp: int = 1,
@@ -230,6 +243,7 @@ def init_mesh(
         torch.cuda.set_device(devices[0])
 
     if not initialized:
+        atexit.register(_destroy_at_exit)  # registered first: runs after the group exists
         if "MASTER_ADDR" not in os.environ and world == 1:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
