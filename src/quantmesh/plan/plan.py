@@ -12,6 +12,7 @@ import inspect
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -132,41 +133,31 @@ class Plan:
         why = notes
         notes = {k: v for k, v in self.notes.items() if not replaced(k)}
         notes.update({k: (why or {}).get(k, "override") for k in rules})
-        return Plan(
-            merged,
-            notes=notes,
-            model=self._model,
-            tp=self._tp,
-            user_rules=self.user_rules + tuple(rules),
-            contiguous=self.contiguous,
-            probed=self.probed,
-        )
+        return self._with(rules=merged, notes=notes, user_rules=self.user_rules + tuple(rules))
 
     def with_contiguous(self, globs: list[str] | tuple[str, ...]) -> Plan:
         """The same plan, with the fused outputs of modules matching `globs` split in contiguous
         blocks (laid out per head or per KV group) instead of as q|k|v segments."""
-        return Plan(
-            self.rules,
-            notes=self.notes,
-            model=self._model,
-            tp=self._tp,
-            user_rules=self.user_rules,
-            contiguous=self.contiguous + tuple(globs),
-            probed=self.probed,
-        )
+        return self._with(contiguous=self.contiguous + tuple(globs))
 
     def to_probe(self) -> Plan:
         """The same plan, resolved for verify_plan's probe: direct weight reads found in source
         are left to the probe instead of replicated on suspicion."""
-        return Plan(
-            self.rules,
+        return self._with(probed=True)
+
+    def _with(self, **changes: Any) -> Plan:
+        """A copy of this plan with `changes` (the constructor's keywords) applied."""
+        kw: dict[str, Any] = dict(
+            rules=self.rules,
             notes=self.notes,
             model=self._model,
             tp=self._tp,
             user_rules=self.user_rules,
             contiguous=self.contiguous,
-            probed=True,
+            probed=self.probed,
         )
+        kw.update(changes)
+        return Plan(kw.pop("rules"), **kw)
 
     def __iter__(self) -> Iterator[tuple[str, Style]]:
         return iter(self.rules.items())
