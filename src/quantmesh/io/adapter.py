@@ -19,6 +19,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +42,23 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 # ---- the adapter config ------------------------------------------------------------------------------
+
+
+def _shape_problems(
+    fqn: str, r: int, in_full: int, out_full: int, keys: Any, reader: Any
+) -> list[str]:
+    """What is missing or mis-shaped among `fqn`'s lora_A (r x in) and lora_B (out x r) in an
+    adapter file (`keys`: its tensor names; `reader`: gives their shapes)."""
+    problems = []
+    for name, want in (("lora_A.weight", (r, in_full)), ("lora_B.weight", (out_full, r))):
+        key = f"{fqn}.{name}"
+        if key not in keys:
+            problems.append(f"{key} missing")
+        elif tuple(reader.shape(key)) != want:
+            problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+    return problems
+
+
 def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
     return {f: m for f, m in sharded_modules(model).items() if m.lora_scale is not None}
 
@@ -274,12 +292,7 @@ def _check_adapter(
         if m.lora_A.weight.shape[0] != r:
             problems.append(f"{fqn}: model r={m.lora_A.weight.shape[0]}, adapter r={r}")
             continue
-        for name, want in (("lora_A.weight", (r, m.in_full)), ("lora_B.weight", (m.out_full, r))):
-            key = f"{fqn}.{name}"
-            if key not in keys:
-                problems.append(f"{key} missing")
-            elif tuple(reader.shape(key)) != want:
-                problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+        problems += _shape_problems(fqn, r, m.in_full, m.out_full, keys, reader)
     if problems:
         raise LoraError(
             f"the adapter at {reader.source} does not fit {type(model).__name__}:\n  "

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..io.adapter import _adapter_weights, _peft_key, _read_adapter_config
+from ..io.adapter import _adapter_weights, _peft_key, _read_adapter_config, _shape_problems
 from ..io.full import tp_sharded
 from ..io.reader import open_checkpoint
 from ..lora import LoraError
@@ -199,13 +199,7 @@ class AdapterBank:
                 m = self.mods.get(f)
                 if m is None:
                     continue
-                for name, want in (("lora_A.weight", (r, m.in_full)),
-                                   ("lora_B.weight", (m.out_full, r))):  # fmt: skip
-                    key = f"{f}.{name}"
-                    if key not in keys:
-                        problems.append(f"{key} missing")
-                    elif tuple(reader.shape(key)) != want:
-                        problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+                problems += _shape_problems(f, r, m.in_full, m.out_full, keys, reader)
         if problems:
             base = cfg.get("base_model_name_or_path")
             raise LoraError(
