@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -178,15 +179,70 @@ def _device_ids(devices: list[torch.device]) -> list[str]:
     return out
 
 
+def _comm_thread_states() -> dict[str, tuple[str, int]] | None:
+    """{thread id: (state, CPU ticks used)} of this process's gloo threads, from /proc; None where
+    /proc is not there to tell."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out = {}
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        # "tid (comm) state ... utime stime ...": comm may hold spaces, so split at the last ")"
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        if "gloo" not in name:
+            continue
+        rest = stat[stat.rfind(")") + 2 :].split()
+        out[tid] = (rest[0], int(rest[11]) + int(rest[12]))  # fields 3, 14, 15 of proc(5)
+    return out
+
+
+def _quiesce_comm_threads(limit_s: float = 3.0, settle: int = 20, tick_s: float = 0.005) -> None:
+    """Let gloo's worker threads finish before the interpreter finalizes.
+
+    A worker that completed a collective drops its last reference to the work (and its tensors)
+    a moment later; if such a tensor still has a Python object, dropping it takes the GIL. Once
+    the interpreter is finalizing, taking the GIL ends the thread (pthread_exit) inside a C++
+    destructor and the whole process aborts ("terminate called without an active exception",
+    SIGABRT, exit code -6) after the script itself succeeded; the launcher then stops the other
+    ranks. `destroy_process_group` does not join those threads while the model, DDP or the mesh
+    still hold the group. So: sleep in short ticks, the GIL free, until no gloo thread has run or
+    used CPU time for `settle` ticks in a row, at most `limit_s`. (Work queued with
+    `async_op=True` and never waited may still be in flight after that: wait on it.)"""
+    deadline = time.monotonic() + limit_s
+    quiet = 0
+    before = _comm_thread_states()
+    if before is None:  # no /proc: one fixed pause instead
+        time.sleep(0.05)
+        return
+    while quiet < settle and time.monotonic() < deadline:
+        time.sleep(tick_s)
+        now = _comm_thread_states() or {}
+        busy = any(
+            st == "R" or before.get(tid, (st, cpu))[1] != cpu for tid, (st, cpu) in now.items()
+        )
+        quiet = 0 if busy else quiet + 1
+        before = now
+
+
+_AT_EXIT: list = []  # exit handlers registered for a group this module did not create
+
+
 def _destroy_at_exit() -> None:
-    """Destroy the default process group while the interpreter is still whole. A script that
-    ends without `dist.destroy_process_group()` leaves gloo's worker threads to die with the
-    interpreter, which can abort the process ("terminate called without an active exception",
-    SIGABRT); the launcher then stops the other ranks, maybe mid-write. A no-op when the script
-    destroyed the group itself."""
+    """Destroy the default process group while the interpreter is still whole, then let gloo's
+    worker threads go idle (see `_quiesce_comm_threads`). A script that ends without
+    `dist.destroy_process_group()`, or ends right after a collective, could otherwise abort at
+    exit ("terminate called without an active exception", SIGABRT); the launcher then stops the
+    other ranks, maybe mid-write. Runs also when the script destroyed the group itself."""
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    _quiesce_comm_threads()
 
 
 def init_mesh(
@@ -242,7 +298,11 @@ def init_mesh(
     if is_cuda:
         torch.cuda.set_device(devices[0])
 
-    if not initialized:
+    if initialized:
+        if _quiesce_comm_threads not in _AT_EXIT:  # the caller's group: only wait for its threads
+            _AT_EXIT.append(_quiesce_comm_threads)
+            atexit.register(_quiesce_comm_threads)
+    else:
         atexit.register(_destroy_at_exit)  # registered first: runs after the group exists
         if "MASTER_ADDR" not in os.environ and world == 1:
             store = dist.HashStore()
