@@ -38,6 +38,7 @@ _EXPORTS = {
     "checkpoint_blocks": "recompute",
     "chunked_loss_sum": "train.loss",
     "greedy_decode": "decode",
+    "fast_decode": "decode",
     "no_sync": "dp",
     "train_step": "pipeline.step",
     "PipelineConfig": "pipeline.cut",

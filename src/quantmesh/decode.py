@@ -1,4 +1,4 @@
-"""greedy_decode: a lean greedy decoding loop for transformers causal LMs, sharded or not.
+"""fast_decode / greedy_decode: a lean decoding loop for transformers causal LMs, sharded or not.
 
 Batch-1 decoding is bound by the host, not the GPU: a 7B bf16 model reads its weights in ~3 ms per
 token on one H200 (~1.6 ms per rank at tp=2), while transformers' `generate` spends a few
@@ -10,18 +10,24 @@ device. The host reads the tokens back only every `check_every` steps (to stop a
 end, so it runs ahead of the GPU.
 
 On tp ranks every rank runs the same loop in lock step: the LM head gathers the logits, so each rank
-picks the same token. Greedy only (argmax); for sampling use `model.generate`.
+picks the same token. Sampling (temperature, top-p) runs inside the compiled step too: the uniform
+noise of each step is drawn outside it from a generator seeded alike on every rank and handed in,
+and `quantmesh.sampling.pick_tokens` turns it into an exact draw (Gumbel-max), so ranks agree
+without a collective and the eager and compiled steps pick the same token from the same noise.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["greedy_decode"]
+from .sampling import pick_tokens, uniform_noise
+
+__all__ = ["fast_decode", "greedy_decode"]
 
 CACHE_STEP = 256  # the static cache's length is a multiple of this
 
@@ -31,7 +37,13 @@ class _Decoder:
     (a new cache object would fail the compiled step's guards and compile it again)."""
 
     def __init__(
-        self, model: nn.Module, batch: int, max_len: int, compile: bool, mode: str | None
+        self,
+        model: nn.Module,
+        batch: int,
+        max_len: int,
+        compile: bool,
+        mode: str | None,
+        sampled: bool = False,
     ) -> None:
         from transformers import StaticCache
 
@@ -42,7 +54,7 @@ class _Decoder:
                 f"{type(model).__name__}.forward takes neither `past_key_values` nor `cache`; "
                 "greedy_decode needs a transformers causal LM"
             )
-        self.key = (batch, max_len, compile, mode)
+        self.key = (batch, max_len, compile, mode, sampled)
         config: Any = model.config  # a transformers PreTrainedConfig
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.kw = {names[0]: self.cache, "use_cache": True}
@@ -51,7 +63,8 @@ class _Decoder:
             **({"logits_to_keep": 1} if "logits_to_keep" in params else {}),
         }
         self.model = model
-        self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
+        step: Callable[..., torch.Tensor] = self.sample_step if sampled else self.step
+        self.run = torch.compile(step, mode=mode, fullgraph=True) if compile else step
 
     def logits(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, vocab)
         """One step's next-token logits (the cache advances by one position)."""
@@ -61,36 +74,49 @@ class _Decoder:
     def step(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, 1)
         return self.logits(tok).argmax(dim=-1, keepdim=True)
 
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # (batch, prompt) -> (batch, 1)
+    def sample_step(
+        self, tok: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+    ) -> torch.Tensor:  # (batch, 1), (batch, vocab), (batch,), (batch,) -> (batch, 1)
+        return pick_tokens(self.logits(tok), noise, temperature, top_p).unsqueeze(-1)
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
+        """The last position's logits; the cache then holds the prompt."""
         self.cache.reset()  # in place: the tensors keep their addresses
         logits: torch.Tensor = self.model(input_ids=input_ids, **self.prefill_kw).logits
-        return logits[:, -1].argmax(dim=-1, keepdim=True)
+        return logits[:, -1]
 
 
 @torch.no_grad()
-def greedy_decode(
+def fast_decode(
     model: nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     *,
+    temperature: float | list[float] = 0.0,
+    top_p: float | list[float] = 1.0,
+    seed: int = 0,
     eos_token_id: int | list[int] | None = None,
     compile: bool = True,
     mode: str | None = "reduce-overhead",
     check_every: int = 32,
 ) -> torch.Tensor:
-    """Greedy continuation of `input_ids` (batch, prompt); returns (batch, <= max_new_tokens) ids.
+    """Continue `input_ids` (batch, prompt); returns (batch, <= max_new_tokens) new ids.
 
-    The model must be a transformers causal LM (plain, quantized, or parallelized by quantmesh);
-    its config gives the static cache's layout. `compile=False` runs the same loop eagerly. The
-    first call compiles the step (tens of seconds for a 7B model); later calls reuse it while the
-    batch size and the cache length (prompt + new tokens, rounded up to a multiple of 256) stay.
+    Greedy when `temperature` is 0 (the default), else sampled with `temperature` and nucleus
+    `top_p`, either one value for every row or one per row (a row with temperature 0 is greedy).
+    Draws come from `seed` alone: the same seed and batch size give the same tokens on every rank,
+    eager or compiled (up to near-ties that rounding may flip). The model must be a transformers
+    causal LM (plain, quantized, or parallelized by quantmesh); its config gives the static
+    cache's layout. `compile=False` runs the same loop eagerly. The first call compiles the step
+    (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
+    (prompt + new tokens, rounded up to a multiple of 256) and greedy-or-sampled stay.
     `eos_token_id` may be one id or several (any of them ends a row); a row that reaches one is
     filled with it after its first EOS, and decoding stops once every row has one (checked every
     `check_every` tokens).
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
-        >>> new = qm.greedy_decode(model, ids, 256)                                        # doctest: +SKIP
+        >>> new = qm.fast_decode(model, ids, 256, temperature=0.8, top_p=0.95, seed=1)          # doctest: +SKIP
         >>> print(tok.decode(new[0]))                                                      # doctest: +SKIP
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
@@ -101,28 +127,46 @@ def greedy_decode(
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected >= 1")
     if check_every < 1:
         raise ValueError(f"check_every={check_every}; expected >= 1")
+    batch, prompt = input_ids.shape
+    temps = _rows("temperature", temperature, batch)
+    tops = _rows("top_p", top_p, batch)
+    if any(t < 0 or t != t for t in temps) or not all(0 < p <= 1 for p in tops):
+        raise ValueError(
+            f"temperature={temperature}, top_p={top_p}; expected temperature >= 0 (0 = greedy) "
+            "and 0 < top_p <= 1"
+        )
     from .state import parallel_state
 
     st = parallel_state(model, required=False)
     if st is not None and st.mesh.pp > 1:
         raise NotImplementedError(
-            f"greedy_decode at pp={st.mesh.pp}: each rank holds one pipeline stage, and decoding "
+            f"decoding at pp={st.mesh.pp}: each rank holds one pipeline stage, and decoding "
             f"through the stages (one token crossing every stage per step) is not implemented; "
             f"decode with tp instead: qm.init_mesh(tp={st.mesh.tp * st.mesh.pp}) (or pp=1)"
         )
-    batch, prompt = input_ids.shape
+    sampled = any(t > 0 for t in temps)
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
-    key = (batch, max_len, compile, mode)
+    key = (batch, max_len, compile, mode, sampled)
     # the compiled step is cached on the model itself (a plain model works too), not in the
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")
     if dec is None or dec.key != key:
-        dec = _Decoder(model, batch, max_len, compile, mode)
+        dec = _Decoder(model, batch, max_len, compile, mode, sampled)
         model.__dict__["_quantmesh_decoder"] = dec
     # prefill, eager: it allocates the cache (transformers marks its tensors static for the graphs)
-    tok = dec.prefill(input_ids)  # (batch, 1)
+    logits = dec.prefill(input_ids)  # (batch, vocab)
+    device = logits.device
+    if sampled:
+        gen = torch.Generator(device=device).manual_seed(seed)  # alike on every rank
+        t_rows = torch.tensor(temps, dtype=torch.float32, device=device)  # (batch,)
+        p_rows = torch.tensor(tops, dtype=torch.float32, device=device)  # (batch,)
+        vocab = logits.shape[-1]
+        tok = pick_tokens(logits, uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
+        tok = tok.unsqueeze(-1)  # (batch, 1)
+    else:
+        tok = logits.argmax(dim=-1, keepdim=True)  # (batch, 1)
     eos = None
     if eos_token_id is not None:
         ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -131,9 +175,12 @@ def greedy_decode(
     out[:, :1] = tok
     done = 1
     for i in range(1, max_new_tokens):
-        tok = dec.run(
-            tok
-        ).clone()  # a copy: a CUDA graph's output buffer is rewritten by the next replay
+        if sampled:
+            noise = uniform_noise(batch, vocab, gen, device)  # (batch, vocab)
+            tok = dec.run(tok, noise, t_rows, p_rows)
+        else:
+            tok = dec.run(tok)
+        tok = tok.clone()  # a copy: a CUDA graph's output buffer is rewritten by the next replay
         out[:, i : i + 1] = tok
         done = i + 1
         if eos is not None and done % check_every == 0:
@@ -146,3 +193,43 @@ def greedy_decode(
         first = torch.where(hit, out, 0).gather(1, hit.int().argmax(dim=1, keepdim=True))
         out = torch.where(after, first, out)
     return out
+
+
+def _rows(name: str, v: float | list[float], batch: int) -> list[float]:
+    """One setting per row: a number for all, or a list of `batch` numbers."""
+    if isinstance(v, (int, float)):
+        return [float(v)] * batch
+    vals = [float(x) for x in v]
+    if len(vals) != batch:
+        raise ValueError(
+            f"{name} has {len(vals)} values for a batch of {batch}; give one or {batch}"
+        )
+    return vals
+
+
+def greedy_decode(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | list[int] | None = None,
+    compile: bool = True,
+    mode: str | None = "reduce-overhead",
+    check_every: int = 32,
+) -> torch.Tensor:
+    """Greedy continuation of `input_ids` (batch, prompt): `fast_decode` with temperature 0.
+
+    Example:
+        >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
+        >>> new = qm.greedy_decode(model, ids, 256)                                        # doctest: +SKIP
+        >>> print(tok.decode(new[0]))                                                      # doctest: +SKIP
+    """
+    return fast_decode(
+        model,
+        input_ids,
+        max_new_tokens,
+        eos_token_id=eos_token_id,
+        compile=compile,
+        mode=mode,
+        check_every=check_every,
+    )

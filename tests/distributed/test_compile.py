@@ -332,6 +332,50 @@ def test_greedy_decode_matches_generate(tp):
             assert (got[row, first:] == ref[row, first]).all()  # filled with the EOS it met
 
 
+def _sampled(rank: int, tp: int) -> dict:
+    """fast_decode with temperature and top-p: eager and (at tp=2) compiled steps, per-row
+    settings; tp=1 gives the reference draw only (each compile costs the suite seconds)."""
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=tp)
+    model = _llama()
+    if tp > 1:
+        qm.parallelize(model, mesh)
+    model.eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    kw = {"temperature": 0.9, "top_p": 0.9, "seed": 3}
+    eager = qm.fast_decode(model, ids, 20, compile=False, **kw)
+    compiled = [qm.fast_decode(model, ids, 20, mode=None, **kw) for _ in range(2 if tp > 1 else 0)]
+    other_seed = qm.fast_decode(model, ids, 20, compile=False, temperature=0.9, top_p=0.9, seed=4)
+    mixed = qm.fast_decode(model, ids, 20, compile=False, temperature=[0.0, 0.9], seed=3)
+    greedy = qm.greedy_decode(model, ids, 20, compile=False)
+    from torch._dynamo.utils import counters
+
+    return {
+        "eager": eager,
+        "compiled": compiled,
+        "other_seed": other_seed,
+        "mixed": mixed,
+        "greedy": greedy,
+        "frames": dict(counters["stats"]),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sampled_fast_decode_is_seeded_and_compiles_like_eager(tp):
+    r0, r1 = _results("sampled", tp)
+    assert torch.equal(r0["eager"], r1["eager"])  # ranks draw alike without a collective
+    if tp == 2:
+        assert len(r0["compiled"]) == 2
+        assert all(torch.equal(c, r0["eager"]) for c in r0["compiled"])  # same noise, same tokens
+        assert r0["frames"]["unique_graphs"] == 1  # the second call reused the compiled step
+    assert not torch.equal(r0["other_seed"], r0["eager"])
+    assert not torch.equal(r0["eager"], r0["greedy"])  # it does sample
+    assert torch.equal(r0["mixed"][0], r0["greedy"][0])  # a temperature-0 row is greedy
+    if tp == 2:  # the sharded model samples what the whole one samples from the same seed
+        assert torch.equal(r0["eager"], _results("sampled", 1)[0]["eager"])
+
+
 def _dropout_warning(rank: int) -> list[str]:
     import warnings
 
@@ -359,6 +403,8 @@ CASES = {  # name -> (rank function, its arguments after rank)
     ("decode",): (_decode, ()),
     ("greedy", 1): (_greedy, (1,)),
     ("greedy", 2): (_greedy, (2,)),
+    ("sampled", 1): (_sampled, (1,)),
+    ("sampled", 2): (_sampled, (2,)),
     ("dropout",): (_dropout_warning, ()),
 }
 

@@ -1,4 +1,4 @@
-"""`quantmesh generate --fast` (qm.greedy_decode) prints what the default greedy path prints, at tp=2."""
+"""`quantmesh generate --fast` (qm.fast_decode) prints what the default greedy path prints, at tp=2."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_fast_decoding_prints_the_greedy_reply(tmp_path: Path) -> None:
     assert fast.stdout == plain.stdout
 
 
-def test_fast_refuses_sampling(tmp_path: Path) -> None:
-    proc = cli("generate", str(tmp_path), "--prompt", "hi", "--fast", "--temperature", "0.7")
+def test_fast_refuses_a_repetition_penalty(tmp_path: Path) -> None:
+    proc = cli("generate", str(tmp_path), "--prompt", "hi", "--fast", "--repetition-penalty", "1.2")
     assert proc.returncode == 2
-    assert "--fast decodes greedily" in proc.stderr
+    assert "--fast decodes with a static KV cache and no repetition penalty" in proc.stderr

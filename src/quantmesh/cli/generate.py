@@ -61,8 +61,8 @@ class GenerateConfig:
     kv_cache: bool = True
     """Use transformers' KV cache (False recomputes the whole prefix per token)."""
     fast: bool = False
-    """Decode with qm.greedy_decode (static cache; on GPUs a compiled step replayed as a CUDA
-    graph): greedy only, the reply printed when it is complete."""
+    """Decode with qm.fast_decode (static cache; on GPUs a compiled step replayed as a CUDA
+    graph), greedy or sampled: the reply printed when it is complete."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -76,9 +76,9 @@ class GenerateConfig:
                 f"--temperature {self.temperature} --top-p {self.top_p}; expected temperature "
                 ">= 0 (0 = greedy) and 0 < top-p <= 1"
             )
-        if self.fast and (not self.greedy or self.repetition_penalty != 1.0 or not self.kv_cache):
+        if self.fast and (self.repetition_penalty != 1.0 or not self.kv_cache):
             raise CliError(
-                "--fast decodes greedily with a static KV cache; drop --temperature / --top-p, "
+                "--fast decodes with a static KV cache and no repetition penalty; drop "
                 "--repetition-penalty and --no-kv-cache, or drop --fast"
             )
         if not self.prompts or not all(p.strip() for p in self.prompts):
@@ -113,7 +113,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fast",
         action="store_true",
-        help="greedy decoding with a static cache and (on GPUs) a CUDA-graphed step; no streaming",
+        help="decoding with a static cache and (on GPUs) a CUDA-graphed step; no streaming",
     )
     p.set_defaults(func=run)
 
@@ -259,13 +259,14 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
         else torch.autocast("cpu", enabled=False)
     )
     if cfg.fast:
-        from ..decode import greedy_decode
+        from ..decode import fast_decode
 
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos
         with autocast:  # compiled on GPUs only: on CPU the compile would cost more than it saves
-            new = greedy_decode(model, ids, cfg.max_new_tokens, eos_token_id=eos,
-                                compile=device.type == "cuda")  # fmt: skip
+            new = fast_decode(model, ids, cfg.max_new_tokens, eos_token_id=eos,
+                              temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                              compile=device.type == "cuda")  # fmt: skip
         text = tokenizer.decode(new[0], skip_special_tokens=True)
         if stream and mesh.rank == 0:
             print(text, flush=True)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sampling import pick_tokens, uniform_noise
 from .bank import AdapterBank
 
 __all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
@@ -220,16 +221,13 @@ def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:
 def sample_token(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
 ) -> int:
-    """One token drawn from `logits` (vocab,) with temperature and nucleus (top-p) filtering.
+    """One token drawn from `logits` (vocab,) with temperature and nucleus (top-p) filtering
+    (`quantmesh.sampling`, as the fast decode loop draws).
 
     Example:
         >>> sample_token(torch.tensor([0.0, 9.0]), 1.0, 1.0, torch.Generator().manual_seed(0))
         1
     """
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        before = sorted_p.cumsum(0) - sorted_p  # mass of the tokens ranked above each one
-        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the first token always stays
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    row = logits.float().cpu().reshape(1, -1)  # (1, vocab)
+    noise = uniform_noise(1, row.shape[-1], generator)  # the request's own generator, on CPU
+    return int(pick_tokens(row, noise, temperature, top_p)[0])

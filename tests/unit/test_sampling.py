@@ -1,0 +1,69 @@
+"""quantmesh.sampling: Gumbel-max draws follow the tempered nucleus distribution exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmesh.sampling import nucleus_logits, pick_tokens, sample_tokens, uniform_noise
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+N = 60_000  # draws: one row each, so a single call
+
+
+def _freqs(temperature: float, top_p: float, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    toks = sample_tokens(LOGITS.expand(N, -1), temperature, top_p, gen)
+    return torch.bincount(toks, minlength=LOGITS.numel()).double() / N
+
+
+def _close(freq: torch.Tensor, p: torch.Tensor) -> None:
+    sigma = (p * (1 - p) / N).sqrt()
+    assert ((freq - p).abs() <= 5 * sigma + 1e-12).all(), (freq, p)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 1.7])
+def test_draws_follow_the_tempered_softmax(temperature: float) -> None:
+    _close(_freqs(temperature, 1.0), torch.softmax(LOGITS.double() / temperature, -1))
+
+
+def test_top_p_draws_only_from_the_renormalized_nucleus() -> None:
+    p = torch.softmax(LOGITS.double(), -1)  # 0.53, 0.20, 0.12, 0.07, ...
+    keep = torch.tensor([True, True, True, False, False, False])  # 0.53 + 0.20 < 0.8 <= + 0.12
+    nucleus = torch.where(keep, p, 0) / p[keep].sum()
+    freq = _freqs(1.0, 0.8)
+    assert (freq[~keep] == 0).all()
+    _close(freq, nucleus)
+    assert torch.isinf(nucleus_logits(LOGITS[None], 1.0, 0.8)[0, ~keep]).all()
+
+
+def test_top_p_one_keeps_every_token_and_tiny_top_p_keeps_the_argmax() -> None:
+    flat = torch.zeros(1, 50_000)  # cumsum rounding must not drop the tail at top_p = 1
+    assert torch.isfinite(nucleus_logits(flat, 1.0, 1.0)).all()
+    assert (_freqs(1.0, 1e-6) == torch.eye(6, dtype=torch.float64)[0]).all()
+
+
+def test_temperature_zero_rows_are_greedy_and_rows_have_their_own_settings() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
+    noise = uniform_noise(4, 30, torch.Generator().manual_seed(1))
+    got = pick_tokens(logits, noise, torch.tensor([0.0, 1.0, 0.0, 1.0]), 1.0)
+    sampled = pick_tokens(logits, noise, 1.0, 1.0)
+    assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+    assert got[1] == sampled[1] and got[3] == sampled[3]
+    assert (sample_tokens(logits, 0.0) == logits.argmax(-1)).all()
+
+
+def test_the_same_noise_gives_the_same_tokens_and_other_seeds_others() -> None:
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
+
+    def draw(seed: int) -> torch.Tensor:
+        return sample_tokens(logits, 1.0, 0.9, torch.Generator().manual_seed(seed))
+
+    assert torch.equal(draw(5), draw(5))
+    assert not torch.equal(draw(5), draw(6))
+
+
+def test_noise_stays_strictly_inside_zero_one() -> None:
+    u = uniform_noise(64, 4096, torch.Generator().manual_seed(0))
+    assert bool((u > 0).all() and (u < 1).all())
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
