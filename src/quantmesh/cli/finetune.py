@@ -107,8 +107,10 @@ class FinetuneConfig:
     per rank), interleaved1f1b (pp_virtual stages per rank)."""
     pp_virtual: int = 1
     """Pipeline stages per rank (interleaved1f1b needs 2 or more)."""
-    compile: bool = False
-    """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile."""
+    compile: bool | None = None
+    """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile.
+    None (the default): on with CUDA GPUs, off on CPU (where the compile costs more than it saves)."""
+
     checkpointing: bool = False
     """Recompute each decoder layer in backward (qm.checkpoint_blocks): far less activation memory."""
     offload_activations: bool = False
@@ -234,6 +236,10 @@ class FinetuneConfig:
                 f" x --nnodes {n} = {world}; drop --dp (it is then {world // tp}) or fix one"
             )
         self.dp = world // tp
+
+    def compile_on(self, cuda: bool) -> bool:
+        """Whether the blocks are compiled on this device (`compile` None decides by it)."""
+        return cuda if self.compile is None else self.compile
 
     @property
     def world_size(self) -> int:
@@ -400,7 +406,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--compile",
         action="store_true",
         default=None,
-        help="torch.compile each decoder layer (a one-off compile, then faster steps)",
+        help="torch.compile each decoder layer: a one-off compile, then faster steps "
+        "(default on GPUs)",
+    )
+    g.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="run the layers eagerly (the default on CPU)",
     )
     g.add_argument(
         "--checkpointing",
@@ -562,7 +575,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         seq_len=cfg.seq_len,
         micro_batch=cfg.micro_batch,
         dtype=torch.bfloat16 if cuda else torch.float32,
-        compiled=cfg.compile,
+        compiled=cfg.compile_on(cuda),
         checkpointing=cfg.checkpointing,
         offload_activations=cfg.offload_activations,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
@@ -581,7 +594,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         args = argparse.Namespace(
             pp=cfg.pp, microbatches=cfg.grad_accum, pp_schedule=cfg.pp_schedule,
             pp_virtual=cfg.pp_virtual, tp=cfg.tp, dp=cfg.dp, seq=cfg.seq_len,
-            micro_batch=cfg.micro_batch, device="cuda" if cuda else "cpu", compile=cfg.compile,
+            micro_batch=cfg.micro_batch, device="cuda" if cuda else "cpu", compile=cfg.compile_on(cuda),
             checkpointing=cfg.checkpointing, offload_activations=cfg.offload_activations,
             loss_chunk_tokens=0,  # the pipelined step's loss is plain (train_step)
         )  # fmt: skip

@@ -60,9 +60,10 @@ class GenerateConfig:
     """Wrap the prompt in the tokenizer's chat template when it has one."""
     kv_cache: bool = True
     """Use transformers' KV cache (False recomputes the whole prefix per token)."""
-    fast: bool = False
+    fast: bool | None = None
     """Decode with qm.fast_decode (static cache; on GPUs a compiled step replayed as a CUDA
-    graph), greedy or sampled: the reply printed when it is complete."""
+    graph), greedy or sampled: the reply printed when it is complete. None (the default): on
+    with CUDA GPUs unless --repetition-penalty or --no-kv-cache asks for transformers' path."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -87,6 +88,12 @@ class GenerateConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def use_fast(self, cuda: bool) -> bool:
+        """Whether to decode with qm.fast_decode on this device (`fast` None decides by it)."""
+        if self.fast is not None:
+            return self.fast
+        return cuda and self.repetition_penalty == 1.0 and self.kv_cache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -113,7 +120,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--fast",
         action="store_true",
-        help="decoding with a static cache and (on GPUs) a CUDA-graphed step; no streaming",
+        default=None,
+        help="decode with a static cache and (on GPUs) a CUDA-graphed step, the reply printed "
+        "whole (default on GPUs, unless --repetition-penalty / --no-kv-cache)",
+    )
+    p.add_argument(
+        "--no-fast",
+        dest="fast",
+        action="store_false",
+        help="decode with transformers' generate, streaming the reply (the default on CPU)",
     )
     p.set_defaults(func=run)
 
@@ -258,7 +273,7 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
         if device.type == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
-    if cfg.fast:
+    if cfg.use_fast(device.type == "cuda"):
         from ..decode import fast_decode
 
         eos = model.generation_config.eos_token_id

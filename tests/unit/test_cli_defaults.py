@@ -1,0 +1,50 @@
+"""Device-dependent CLI defaults: compiled blocks and the fast decode loop on GPUs, off on CPU,
+and the flags that turn each one on or off whatever the device."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantmesh.cli.finetune import FinetuneConfig
+from quantmesh.cli.generate import GenerateConfig
+from quantmesh.cli.main import build_parser
+
+
+def _flag(argv: list[str], name: str) -> bool | None:
+    return getattr(build_parser().parse_args(argv), name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"), [([], None), (["--compile"], True), (["--no-compile"], False)]
+)
+def test_finetune_compile_flags(extra: list[str], want: bool | None) -> None:
+    assert _flag(["finetune", "--model", "m", *extra], "compile") is want
+
+
+def test_finetune_compiles_on_gpus_unless_told() -> None:
+    def cfg(**kw) -> FinetuneConfig:
+        c = FinetuneConfig(model="m", data=["d.txt"], **kw)
+        return FinetuneConfig.from_json(c.to_json())  # as the workers receive it
+
+    assert cfg().compile_on(cuda=True) and not cfg().compile_on(cuda=False)
+    assert not cfg(compile=False).compile_on(cuda=True)
+    assert cfg(compile=True).compile_on(cuda=False)
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"), [([], None), (["--fast"], True), (["--no-fast"], False)]
+)
+def test_generate_fast_flags(extra: list[str], want: bool | None) -> None:
+    assert _flag(["generate", "m", "--prompt", "hi", *extra], "fast") is want
+
+
+def test_generate_decodes_fast_on_gpus_unless_a_setting_needs_generate() -> None:
+    def cfg(**kw) -> GenerateConfig:
+        return GenerateConfig(model="m", prompts=["hi"], **kw)
+
+    assert cfg().use_fast(cuda=True) and not cfg().use_fast(cuda=False)
+    assert cfg(temperature=0.7, top_p=0.9).use_fast(cuda=True)  # sampling runs in the fast loop
+    assert not cfg(repetition_penalty=1.2).use_fast(cuda=True)  # only generate() has it
+    assert not cfg(kv_cache=False).use_fast(cuda=True)
+    assert not cfg(fast=False).use_fast(cuda=True)
+    assert cfg(fast=True).use_fast(cuda=False)
