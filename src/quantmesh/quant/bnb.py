@@ -148,9 +148,9 @@ def _classes() -> dict[str, type]:
                 raise RuntimeError(_not_quantized(self))
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
-            if _rows_cut_blocks_on_cpu(self.weight, qs) and not torch.compiler.is_compiling():
-                # see dequantize_4bit_flat; compiled blocks keep bitsandbytes' kernel (a known
-                # limit, CPU only: docs/loading-and-saving.md)
+            if _rows_cut_blocks_on_cpu(self.weight, qs):
+                # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
+                # would compute with the wrong statistics)
                 y = _FlatMatmul4bit.apply(x.to(cd), self.weight, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
