@@ -9,6 +9,10 @@
   --greedy        (either mode) also quantmesh's own loop, qm.greedy_decode: static cache, the step
                   compiled with CUDA graphs, no per-token read-back. In single mode it is reported
                   for reference only: the peer is the best transformers setup.
+  --temperature T [--top-p P]
+                  also sampled decoding: qm.fast_decode with T and P (sampling inside the compiled
+                  step) and, in single mode, its peer transformers `generate(do_sample=True)` with
+                  the static cache (compiled by transformers; top_k off).
 
 Both fill the same seeded random weights (drawn on the device, so single and tp hold equal
 values); batch 1, a 32-token random prompt, 256 new tokens, no EOS (exactly 256 are generated).
@@ -50,6 +54,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--ref-json", default=None, help="tp: the single run's JSON, for token agreement"
     )
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: also sampled decoding")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled runs")
     a = qb.finish_args(p.parse_args(argv))
     if a.smoke:
         a.new, a.prompt = 16, 8
@@ -72,9 +78,10 @@ def prompt_ids(a, device) -> torch.Tensor:
 
 @torch.no_grad()
 def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, list[int]]:
+    kw.setdefault("do_sample", False)
     qb.sync(device)
     t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, do_sample=False, use_cache=True, **kw)
+    out = model.generate(ids, max_new_tokens=new, use_cache=True, **kw)
     qb.sync(device)
     dt = time.perf_counter() - t0
     got = out.shape[1] - ids.shape[1]
@@ -83,38 +90,42 @@ def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, list[int]
     return dt, out[0, ids.shape[1] :].tolist()
 
 
-def timed_greedy(model, ids, new: int, device) -> tuple[float, list[int]]:
-    """qm.greedy_decode (static cache, compiled step, no per-token read-back), timed until its
-    tokens are read back on the host, as generate's return is."""
+def timed_qm(
+    model, ids, new: int, device, temperature: float = 0.0, top_p: float = 1.0
+) -> tuple[float, list[int]]:
+    """qm.fast_decode (static cache, compiled step, no per-token read-back; greedy at temperature
+    0), timed until its tokens are read back on the host, as generate's return is."""
     import quantmesh as qm
 
     qb.sync(device)
     t0 = time.perf_counter()
-    out = qm.greedy_decode(
-        model, ids, new, mode=None if device.type == "cpu" else "reduce-overhead"
-    )
+    out = qm.fast_decode(
+        model, ids, new, temperature=temperature, top_p=top_p, seed=0,
+        mode=None if device.type == "cpu" else "reduce-overhead",
+    )  # fmt: skip
     tokens = out[0].tolist()
     dt = time.perf_counter() - t0
     if len(tokens) != new:
-        raise RuntimeError(f"greedy_decode returned {len(tokens)} new tokens, expected {new}")
+        raise RuntimeError(f"fast_decode returned {len(tokens)} new tokens, expected {new}")
     return dt, tokens
 
 
-def phase(model, a, ids, device, R: dict, name: str, *, greedy: bool = False, **kw) -> list[int]:
+def phase(model, a, ids, device, R: dict, name: str, *, qm: dict | None = None, **kw) -> list[int]:
     """One warm-up run (short, or full length when it compiles), then the timed one: transformers'
-    `generate` with `kw`, or qm.greedy_decode when `greedy`."""
-    compiles = greedy or bool(kw)
-    timed = timed_greedy if greedy else timed_generate
+    `generate` with `kw`, or qm.fast_decode with `qm` (temperature, top_p) when given."""
+    compiles = qm is not None or "cache_implementation" in kw
+    timed = timed_generate if qm is None else timed_qm
+    args = kw if qm is None else qm
     qb.reset_peaks(device)
     t0 = time.perf_counter()
-    timed(model, ids, a.new if compiles else min(16, a.new), device, **kw)
+    timed(model, ids, a.new if compiles else min(16, a.new), device, **args)
     warm = time.perf_counter() - t0
-    dt, tokens = timed(model, ids, a.new, device, **kw)
+    dt, tokens = timed(model, ids, a.new, device, **args)
     R[name] = {
         "new_tokens_per_s": round(a.new / dt, 2),
         "ms_per_token": round(dt / a.new * 1000, 3),
         "warmup_generate_s": round(warm, 2),
-        "compiled": greedy or getattr(model, "_compiled_call", None) is not None,
+        "compiled": qm is not None or getattr(model, "_compiled_call", None) is not None,
         "mem": qb.gpu_mem(device),
     }
     qb.log(f"{name}: {a.new / dt:.1f} new tokens/s (warm-up {warm:.1f} s)")
@@ -154,8 +165,17 @@ def run_single(a, R: dict, out_path: str) -> None:
     qb.write_json(out_path, R)
     if a.greedy:  # quantmesh's loop on the same single GPU, for reference (not the peer)
         with qb.record_errors(R, "qm_greedy_error"):
-            g = phase(model, a, ids, dev, R, "qm_greedy", greedy=True)
+            g = phase(model, a, ids, dev, R, "qm_greedy", qm={})
             R["qm_greedy"]["tokens_agree_with_generate"] = agree(g, R["tokens"])
+    if a.temperature > 0:  # sampled: transformers' best setup (the peer), then ours
+        sample = {"temperature": a.temperature, "top_p": a.top_p}
+        if not a.no_compile:
+            with qb.record_errors(R, "static_compile_sampled_error"):
+                phase(model, a, ids, dev, R, "static_compile_sampled",
+                      cache_implementation="static", do_sample=True, top_k=0, **sample)  # fmt: skip
+        with qb.record_errors(R, "qm_sampled_error"):
+            phase(model, a, ids, dev, R, "qm_sampled", qm=sample)
+        qb.write_json(out_path, R)
 
 
 def run_tp(a, R: dict, out_path: str) -> None:
@@ -190,7 +210,7 @@ def run_tp(a, R: dict, out_path: str) -> None:
             qb.write_json(out_path, R)
     if a.greedy:
         with qb.record_errors(R, "qm_greedy_error"):
-            g = phase(model, a, ids, dev, R, "qm_greedy", greedy=True)
+            g = phase(model, a, ids, dev, R, "qm_greedy", qm={})
             R["qm_greedy"]["tokens_agree_with_dynamic"] = agree(g, R["tokens"])
             if ref:
                 R["qm_greedy"]["tokens_agree_with_single"] = agree(g, ref)
@@ -200,6 +220,12 @@ def run_tp(a, R: dict, out_path: str) -> None:
         if k in R and "new_tokens_per_s" in R[k]
     ]
     R["best_new_tokens_per_s"] = max(runs)
+    if a.temperature > 0:
+        with qb.record_errors(R, "qm_sampled_error"):
+            phase(model, a, ids, dev, R, "qm_sampled",
+                  qm={"temperature": a.temperature, "top_p": a.top_p})  # fmt: skip
+        if mesh.rank == 0:
+            qb.write_json(out_path, R)
     dist.barrier()
 
 

@@ -169,10 +169,10 @@ for stage in "${STAGES[@]}"; do
     done
     ;;
   decode)
-    step decode_single ${DECODE_SINGLE_S:-200} "$PY" benchmarks/bench_decode.py --mode single --greedy --out "$WORK" \
-      ${OURS[@]+"${OURS[@]}"}
-    step decode_tp2 ${DECODE_TP_S:-220} "${TORCHRUN[@]}" benchmarks/bench_decode.py --mode tp \
-      ${DECODE_COMPILE---compile} --greedy \
+    step decode_single ${DECODE_SINGLE_S:-260} "$PY" benchmarks/bench_decode.py --mode single --greedy \
+      --temperature 0.8 --top-p 0.95 --out "$WORK" ${OURS[@]+"${OURS[@]}"}
+    step decode_tp2 ${DECODE_TP_S:-260} "${TORCHRUN[@]}" benchmarks/bench_decode.py --mode tp \
+      ${DECODE_COMPILE---compile} --greedy --temperature 0.8 --top-p 0.95 \
       --out "$WORK" --ref-json "$WORK/result_decode_single.json" ${OURS[@]+"${OURS[@]}"}
     ;;
   load)
