@@ -274,8 +274,9 @@ def test_compile_blocks_needs_blocks():
         qm.compile_blocks(torch.nn.Linear(2, 2))
 
 
-def _greedy(rank: int, tp: int) -> dict:
-    """tp=1 runs on the same 2 ranks as dp=2: an unsharded model, as on one process."""
+def _decoding_model(tp: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The small Llama in eval mode, sharded at tp > 1, and a (2, 8) prompt. tp=1 runs on the
+    same 2 ranks as dp=2: an unsharded model, as on one process."""
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=tp)
@@ -283,7 +284,13 @@ def _greedy(rank: int, tp: int) -> dict:
     if tp > 1:
         qm.parallelize(model, mesh)
     model.eval()
-    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    return model, torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _greedy(rank: int, tp: int) -> dict:
+    import quantmesh as qm
+
+    model, ids = _decoding_model(tp)
     ref = model.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = ref[:, 8:]
     got = [qm.greedy_decode(model, ids, 20, compile=c, mode=None) for c in (False, True, True)]
@@ -337,12 +344,7 @@ def _sampled(rank: int, tp: int) -> dict:
     settings; tp=1 gives the reference draw only (each compile costs the suite seconds)."""
     import quantmesh as qm
 
-    mesh = qm.init_mesh(tp=tp)
-    model = _llama()
-    if tp > 1:
-        qm.parallelize(model, mesh)
-    model.eval()
-    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    model, ids = _decoding_model(tp)
     kw = {"temperature": 0.9, "top_p": 0.9, "seed": 3}
     eager = qm.fast_decode(model, ids, 20, compile=False, **kw)
     compiled = [qm.fast_decode(model, ids, 20, mode=None, **kw) for _ in range(2 if tp > 1 else 0)]

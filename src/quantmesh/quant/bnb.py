@@ -151,7 +151,7 @@ def _classes() -> dict[str, type]:
             if _rows_cut_blocks_on_cpu(self.weight, qs):
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
                 # would compute with the wrong statistics)
-                y = _FlatMatmul4bit.apply(x.to(cd), self.weight, *_flat_args(qs))
+                y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
@@ -452,24 +452,44 @@ def _flat_weight(packed: torch.Tensor, absmax: torch.Tensor, bs: int, qt: str, o
     return flat.view(out_f, in_f)
 
 
-class _FlatMatmul4bit(torch.autograd.Function):
-    """x @ W^T with W dequantized over flat blocks in forward and again in backward; like
-    bitsandbytes' MatMul4Bit it keeps only the packed weight (no input, no float weight)."""
+# x @ W^T with W dequantized over flat blocks, as one opaque op in forward and another in backward:
+# like bitsandbytes' MatMul4Bit it keeps only the packed weight for backward (no input, no float
+# weight). Two ops rather than an autograd.Function, so that compiled blocks keep that property too:
+# traced, the Function's two dequantizations were merged into one whose float weight was saved.
+@torch.library.custom_op("quantmesh::flat_matmul_4bit", mutates_args=())
+def _flat_matmul_4bit(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, bs: int, qt: str,
+                      out_f: int, in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    return x @ _flat_weight(packed, absmax, bs, qt, out_f, in_f, dtype).to(x.dtype).t()
 
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, *meta: Any
-    ) -> torch.Tensor:
-        ctx.packed, ctx.absmax, ctx.meta = packed, absmax, meta  # as MatMul4Bit keeps B
-        return x @ _flat_weight(packed, absmax, *meta).to(x.dtype).t()  # (..., out)
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        none = (None,) * (2 + len(ctx.meta))
-        if not ctx.needs_input_grad[0]:
-            return (None, *none)
-        w = _flat_weight(ctx.packed, ctx.absmax, *ctx.meta).to(g.dtype)
-        return (g @ w, *none)  # (..., in)
+@torch.library.custom_op("quantmesh::flat_matmul_4bit_grad", mutates_args=())
+def _flat_matmul_4bit_grad(g: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, bs: int,
+                           qt: str, out_f: int, in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    return g @ _flat_weight(packed, absmax, bs, qt, out_f, in_f, dtype).to(g.dtype)
+
+
+@_flat_matmul_4bit.register_fake
+def _(x, packed, absmax, bs, qt, out_f, in_f, dtype):  # (..., in) -> (..., out)
+    return x.new_empty((*x.shape[:-1], out_f))
+
+
+@_flat_matmul_4bit_grad.register_fake
+def _(g, packed, absmax, bs, qt, out_f, in_f, dtype):  # (..., out) -> (..., in)
+    return g.new_empty((*g.shape[:-1], in_f))
+
+
+def _flat_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1], inputs[2])  # the packed codes and the absmax only
+    ctx.meta = inputs[3:]
+
+
+def _flat_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    packed, absmax = ctx.saved_tensors
+    gx = _flat_matmul_4bit_grad(g, packed, absmax, *ctx.meta) if ctx.needs_input_grad[0] else None
+    return (gx,) + (None,) * 7
+
+
+_flat_matmul_4bit.register_autograd(_flat_backward, setup_context=_flat_setup)
 
 
 def _set_4bit(module: nn.Module, packed: torch.Tensor, qs: Any, cd: torch.dtype) -> None:
