@@ -67,3 +67,19 @@ def test_noise_stays_strictly_inside_zero_one() -> None:
     u = uniform_noise(64, 4096, torch.Generator().manual_seed(0))
     assert bool((u > 0).all() and (u < 1).all())
     assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"temperature": -0.5}, "expected temperature >= 0"),
+        ({"temperature": 0.7, "top_p": 0.0}, "0 < top_p <= 1"),
+        ({"temperature": [0.5]}, "temperature has 1 values for a batch of 2"),
+        ({"top_p": [0.9, 0.9, 0.9]}, "top_p has 3 values for a batch of 2"),
+    ],
+)
+def test_fast_decode_refuses_bad_settings_before_touching_the_model(kw: dict, match: str) -> None:
+    from quantmesh.decode import fast_decode
+
+    with pytest.raises(ValueError, match=match):
+        fast_decode(torch.nn.Identity(), torch.zeros(2, 3, dtype=torch.long), 4, **kw)
