@@ -19,7 +19,6 @@ without a collective and the eager and compiled steps pick the same token from t
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ class _Decoder:
         compile: bool,
         mode: str | None,
         sampled: bool = False,
+        padded: bool = False,
     ) -> None:
         from transformers import StaticCache
 
@@ -54,7 +54,7 @@ class _Decoder:
                 f"{type(model).__name__}.forward takes neither `past_key_values` nor `cache`; "
                 "greedy_decode needs a transformers causal LM"
             )
-        self.key = (batch, max_len, compile, mode, sampled)
+        self.key = (batch, max_len, compile, mode, sampled, padded)
         config: Any = model.config  # a transformers PreTrainedConfig
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.kw = {names[0]: self.cache, "use_cache": True}
@@ -63,26 +63,42 @@ class _Decoder:
             **({"logits_to_keep": 1} if "logits_to_keep" in params else {}),
         }
         self.model = model
-        step: Callable[..., torch.Tensor] = self.sample_step if sampled else self.step
-        self.run = torch.compile(step, mode=mode, fullgraph=True) if compile else step
+        self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
 
-    def logits(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, vocab)
-        """One step's next-token logits (the cache advances by one position)."""
-        out: torch.Tensor = self.model(input_ids=tok, **self.kw).logits  # (batch, 1, vocab)
+    def logits(
+        self, tok: torch.Tensor, **extra: Any
+    ) -> torch.Tensor:  # (batch, 1) -> (batch, vocab)
+        """One step's next-token logits (the cache advances by one position); `extra`: the
+        attention mask and position ids of left-padded rows."""
+        out: torch.Tensor = self.model(input_ids=tok, **self.kw, **extra).logits  # (b, 1, vocab)
         return out[:, -1]
 
-    def step(self, tok: torch.Tensor) -> torch.Tensor:  # (batch, 1) -> (batch, 1)
-        return self.logits(tok).argmax(dim=-1, keepdim=True)
+    def step(
+        self,
+        tok: torch.Tensor,  # (batch, 1)
+        sample: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        padding: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # -> (batch, 1)
+        """The next tokens: argmax, or with `sample` = (noise (batch, vocab), temperature
+        (batch,), top_p (batch,)) a draw; `padding` = (attention mask (batch, cache length),
+        position ids (batch, 1)) for left-padded rows."""
+        extra = (
+            {} if padding is None else {"attention_mask": padding[0], "position_ids": padding[1]}
+        )
+        logits = self.logits(tok, **extra)
+        if sample is None:
+            return logits.argmax(dim=-1, keepdim=True)
+        return pick_tokens(logits, *sample).unsqueeze(-1)
 
-    def sample_step(
-        self, tok: torch.Tensor, noise: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
-    ) -> torch.Tensor:  # (batch, 1), (batch, vocab), (batch,), (batch,) -> (batch, 1)
-        return pick_tokens(self.logits(tok), noise, temperature, top_p).unsqueeze(-1)
-
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
+    def prefill(
+        self, input_ids: torch.Tensor, padding: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
         """The last position's logits; the cache then holds the prompt."""
         self.cache.reset()  # in place: the tensors keep their addresses
-        logits: torch.Tensor = self.model(input_ids=input_ids, **self.prefill_kw).logits
+        extra = (
+            {} if padding is None else {"attention_mask": padding[0], "position_ids": padding[1]}
+        )
+        logits: torch.Tensor = self.model(input_ids=input_ids, **self.prefill_kw, **extra).logits
         return logits[:, -1]
 
 
@@ -95,12 +111,17 @@ def fast_decode(
     temperature: float | list[float] = 0.0,
     top_p: float | list[float] = 1.0,
     seed: int = 0,
+    attention_mask: torch.Tensor | None = None,
     eos_token_id: int | list[int] | None = None,
     compile: bool = True,
     mode: str | None = "reduce-overhead",
     check_every: int = 32,
 ) -> torch.Tensor:
     """Continue `input_ids` (batch, prompt); returns (batch, <= max_new_tokens) new ids.
+
+    Rows of different lengths come left-padded, with their `attention_mask` (the tokenizer's, with
+    `padding_side="left"`): each row then decodes as it would alone. Without a mask every token of
+    every row is taken as part of its prompt.
 
     Greedy when `temperature` is 0 (the default), else sampled with `temperature` and nucleus
     `top_p`, either one value for every row or one per row (a row with temperature 0 is greedy).
@@ -144,20 +165,33 @@ def fast_decode(
             f"through the stages (one token crossing every stage per step) is not implemented; "
             f"decode with tp instead: qm.init_mesh(tp={st.mesh.tp * st.mesh.pp}) (or pp=1)"
         )
+    padded = _check_mask(attention_mask, input_ids)
     sampled = any(t > 0 for t in temps)
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
-    key = (batch, max_len, compile, mode, sampled)
+    key = (batch, max_len, compile, mode, sampled, padded)
     # the compiled step is cached on the model itself (a plain model works too), not in the
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")
     if dec is None or dec.key != key:
-        dec = _Decoder(model, batch, max_len, compile, mode, sampled)
+        dec = _Decoder(model, batch, max_len, compile, mode, sampled, padded)
         model.__dict__["_quantmesh_decoder"] = dec
+    padding = None
+    if padded:
+        assert attention_mask is not None  # padded
+        # the mask over the whole cache (the slots after the prompt are the new tokens', and the
+        # causal mask hides those not written yet); positions count each row's own tokens
+        mask = attention_mask.to(device=input_ids.device, dtype=torch.long)
+        full = torch.ones(batch, max_len, dtype=torch.long, device=input_ids.device)
+        full[:, :prompt] = mask
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (batch, prompt)
+        padding = (full, pos)
     # prefill, eager: it allocates the cache (transformers marks its tensors static for the graphs)
-    logits = dec.prefill(input_ids)  # (batch, vocab)
+    logits = dec.prefill(input_ids, padding)  # (batch, vocab)
     device = logits.device
+    if padding is not None:
+        step_pos = padding[1][:, -1:] + 1  # (batch, 1): the first new token's position per row
     if sampled:
         gen = torch.Generator(device=device).manual_seed(seed)  # alike on every rank
         t_rows = torch.tensor(temps, dtype=torch.float32, device=device)  # (batch,)
@@ -175,11 +209,14 @@ def fast_decode(
     out[:, :1] = tok
     done = 1
     for i in range(1, max_new_tokens):
+        sample = None
         if sampled:
-            noise = uniform_noise(batch, vocab, gen, device)  # (batch, vocab)
-            tok = dec.run(tok, noise, t_rows, p_rows)
+            sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
+        if padding is not None:
+            tok = dec.run(tok, sample, (padding[0], step_pos))
+            step_pos = step_pos + 1
         else:
-            tok = dec.run(tok)
+            tok = dec.run(tok, sample)
         tok = tok.clone()  # a copy: a CUDA graph's output buffer is rewritten by the next replay
         out[:, i : i + 1] = tok
         done = i + 1
@@ -193,6 +230,28 @@ def fast_decode(
         first = torch.where(hit, out, 0).gather(1, hit.int().argmax(dim=1, keepdim=True))
         out = torch.where(after, first, out)
     return out
+
+
+def _check_mask(mask: torch.Tensor | None, input_ids: torch.Tensor) -> bool:
+    """Whether `mask` pads any row (then it must be a left-padding mask); refuses others."""
+    if mask is None:
+        return False
+    if mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask of shape {tuple(mask.shape)} for input_ids of shape "
+            f"{tuple(input_ids.shape)}; expected the same shape"
+        )
+    m = mask.to(torch.long)
+    if bool(((m != 0) & (m != 1)).any()):
+        raise ValueError("attention_mask holds values other than 0 and 1")
+    if bool((m.sum(dim=1) == 0).any()):
+        raise ValueError("a row of attention_mask is all 0: every prompt needs a token")
+    if bool((m.cummax(dim=1).values != m).any()):  # a 0 after a 1: right padding
+        raise ValueError(
+            "attention_mask pads on the right; decoding appends after the last position, so pad "
+            "on the left (tokenizer.padding_side = 'left')"
+        )
+    return bool((m == 0).any())
 
 
 def _rows(name: str, v: float | list[float], batch: int) -> list[float]:

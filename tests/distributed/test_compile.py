@@ -378,6 +378,34 @@ def test_sampled_fast_decode_is_seeded_and_compiles_like_eager(tp):
         assert torch.equal(r0["eager"], _results("sampled", 1)[0]["eager"])
 
 
+def _padded(rank: int) -> dict:
+    """Rows of different lengths, left-padded with their attention mask, at tp=2: each row as it
+    decodes alone (eager and compiled)."""
+    import quantmesh as qm
+
+    model, ids = _decoding_model(2)
+    short = ids[1, 3:]  # 5 tokens
+    batch = torch.stack([ids[0], torch.cat([torch.zeros(3, dtype=ids.dtype), short])])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    alone = [
+        qm.fast_decode(model, ids[0:1], 12, compile=False),
+        qm.fast_decode(model, short[None], 12, compile=False),
+    ]
+    eager = qm.fast_decode(model, batch, 12, attention_mask=mask, compile=False)
+    compiled = qm.fast_decode(model, batch, 12, attention_mask=mask, mode=None)
+    unmasked = qm.fast_decode(model, batch, 12, compile=False)  # the pads read as prompt tokens
+    return {"alone": torch.cat(alone), "eager": eager, "compiled": compiled, "unmasked": unmasked}
+
+
+def test_left_padded_rows_decode_as_they_would_alone():
+    for r in _results("padded"):
+        assert torch.equal(r["eager"], r["alone"])
+        assert torch.equal(r["compiled"], r["alone"])
+        assert torch.equal(r["unmasked"][0], r["alone"][0])
+        assert not torch.equal(r["unmasked"][1], r["alone"][1])  # the mask is what made it right
+
+
 def _dropout_warning(rank: int) -> list[str]:
     import warnings
 
@@ -407,6 +435,7 @@ CASES = {  # name -> (rank function, its arguments after rank)
     ("greedy", 2): (_greedy, (2,)),
     ("sampled", 1): (_sampled, (1,)),
     ("sampled", 2): (_sampled, (2,)),
+    ("padded",): (_padded, ()),
     ("dropout",): (_dropout_warning, ()),
 }
 

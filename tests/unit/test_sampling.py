@@ -76,6 +76,10 @@ def test_noise_stays_strictly_inside_zero_one() -> None:
         ({"temperature": 0.7, "top_p": 0.0}, "0 < top_p <= 1"),
         ({"temperature": [0.5]}, "temperature has 1 values for a batch of 2"),
         ({"top_p": [0.9, 0.9, 0.9]}, "top_p has 3 values for a batch of 2"),
+        ({"attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}, "pad on the left"),
+        ({"attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])}, "every prompt needs a token"),
+        ({"attention_mask": torch.ones(2, 4)}, "expected the same shape"),
+        ({"attention_mask": torch.full((2, 3), 2)}, "other than 0 and 1"),
     ],
 )
 def test_fast_decode_refuses_bad_settings_before_touching_the_model(kw: dict, match: str) -> None:
