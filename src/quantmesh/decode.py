@@ -137,7 +137,7 @@ def fast_decode(
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
-        >>> new = qm.fast_decode(model, ids, 256, temperature=0.8, top_p=0.95, seed=1)          # doctest: +SKIP
+        >>> new = qm.fast_decode(model, ids, 256, temperature=0.8, top_p=0.95, seed=1)    # doctest: +SKIP
         >>> print(tok.decode(new[0]))                                                      # doctest: +SKIP
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:

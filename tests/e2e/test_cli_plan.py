@@ -60,21 +60,27 @@ def test_plan_prints_the_table_and_the_estimate(config_only: Path, capsys) -> No
         if shapes:
             assert shapes in line, line
     assert "GPU (tp rank 0 of 2, dp=1; quant=nf4; training LoRA r=8" in out
-    table = _expected(config_only, tp=2, quant="nf4", r=8, seq=64, mb=2, dtype=torch.bfloat16)
+    # on GPUs finetune compiles the blocks by default, and plan estimates what finetune runs
+    table = _expected(config_only, tp=2, quant="nf4", r=8, seq=64, mb=2, dtype=torch.bfloat16,
+                      compiled=True)  # fmt: skip
     assert table in out
     total = re.search(r"^  total\s+([\d.]+) (\w+)$", out, flags=re.M)
     assert total and float(total.group(1)) > 0
 
 
-def test_plan_compile_estimates_the_compiled_blocks(config_only: Path, capsys) -> None:
+def test_plan_no_compile_estimates_eager_blocks(config_only: Path, capsys) -> None:
     argv = ["plan", str(config_only), "--tp", "2", "--quant", "nf4", "--lora-r", "8",
-            "--seq", "64", "--micro-batch", "2", "--compile"]  # fmt: skip
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "bf16 autocast, compiled blocks" in out
+            "--seq", "64", "--micro-batch", "2"]  # fmt: skip
+    assert main([*argv, "--compile"]) == 0
+    compiled_out = capsys.readouterr().out
+    assert main([*argv, "--no-compile"]) == 0
+    eager_out = capsys.readouterr().out
+    assert "bf16 autocast, compiled blocks" in compiled_out
+    assert "compiled blocks" not in eager_out
     kw = dict(tp=2, quant="nf4", r=8, seq=64, mb=2, dtype=torch.bfloat16)
     compiled, eager = _expected(config_only, compiled=True, **kw), _expected(config_only, **kw)
-    assert compiled in out and compiled != eager  # compiled blocks keep less
+    assert compiled in compiled_out and eager in eager_out
+    assert compiled != eager  # compiled blocks keep less
 
 
 def test_plan_without_lora_is_a_forward_estimate(config_only: Path, capsys) -> None:

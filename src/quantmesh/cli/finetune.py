@@ -110,7 +110,6 @@ class FinetuneConfig:
     compile: bool | None = None
     """torch.compile each decoder layer (qm.compile_blocks): faster steps after a one-off compile.
     None (the default): on with CUDA GPUs, off on CPU (where the compile costs more than it saves)."""
-
     checkpointing: bool = False
     """Recompute each decoder layer in backward (qm.checkpoint_blocks): far less activation memory."""
     offload_activations: bool = False

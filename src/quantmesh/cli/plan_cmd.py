@@ -160,7 +160,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
     p.add_argument("--seq", "--seq-len", dest="seq", type=int, default=2048, help="tokens/example")
     p.add_argument("--micro-batch", type=int, default=1, help="examples per forward (default 1)")
-    p.add_argument("--compile", action="store_true", help="blocks compiled (qm.compile_blocks)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="blocks compiled (qm.compile_blocks; finetune's default on GPUs, and so here)",
+    )
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="blocks eager")
     p.add_argument(
         "--checkpointing", action="store_true", help="blocks recomputed (qm.checkpoint_blocks)"
     )
@@ -254,7 +260,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
     )
     unit = "GPU" if gpu else "CPU rank"
     dtypes = "bf16 weights, bf16 autocast" if gpu else "fp32 weights and activations"
-    if getattr(args, "compile", False):
+    if _compiled(args, gpu):
         dtypes += ", compiled blocks"
     lines = [
         table,
@@ -282,6 +288,12 @@ def plan_report(model, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _compiled(args: argparse.Namespace, gpu: bool) -> bool:
+    """Compiled blocks: as asked, else finetune's default (on GPUs, not on CPU)."""
+    c = getattr(args, "compile", None)
+    return gpu if c is None else bool(c)
+
+
 def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
     """The estimate's keywords for what a run does per step (sequence, micro-batch, activation
     dtype, compiled blocks, checkpointing, offload, loss chunks, MLP tiles), from the CLI's args."""
@@ -291,7 +303,7 @@ def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
         seq_len=args.seq,
         micro_batch=args.micro_batch,
         dtype=torch.bfloat16 if gpu else torch.float32,
-        compiled=getattr(args, "compile", False),
+        compiled=_compiled(args, gpu),
         checkpointing=getattr(args, "checkpointing", False),
         offload_activations=getattr(args, "offload_activations", False),
         loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
