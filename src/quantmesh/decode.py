@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sampling import pick_tokens, uniform_noise
+from .sampling import pick_tokens, sample_tokens, uniform_noise
 
 __all__ = ["fast_decode", "greedy_decode"]
 
@@ -82,10 +82,7 @@ class _Decoder:
         """The next tokens: argmax, or with `sample` = (noise (batch, vocab), temperature
         (batch,), top_p (batch,)) a draw; `padding` = (attention mask (batch, cache length),
         position ids (batch, 1)) for left-padded rows."""
-        extra = (
-            {} if padding is None else {"attention_mask": padding[0], "position_ids": padding[1]}
-        )
-        logits = self.logits(tok, **extra)
+        logits = self.logits(tok, **_padding_kw(padding))
         if sample is None:
             return logits.argmax(dim=-1, keepdim=True)
         return pick_tokens(logits, *sample).unsqueeze(-1)
@@ -95,11 +92,14 @@ class _Decoder:
     ) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
         """The last position's logits; the cache then holds the prompt."""
         self.cache.reset()  # in place: the tensors keep their addresses
-        extra = (
-            {} if padding is None else {"attention_mask": padding[0], "position_ids": padding[1]}
-        )
-        logits: torch.Tensor = self.model(input_ids=input_ids, **self.prefill_kw, **extra).logits
+        kw = {**self.prefill_kw, **_padding_kw(padding)}
+        logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
         return logits[:, -1]
+
+
+def _padding_kw(padding: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The forward's keywords for left-padded rows: (attention mask, position ids), or none."""
+    return {} if padding is None else {"attention_mask": padding[0], "position_ids": padding[1]}
 
 
 @torch.no_grad()
@@ -197,8 +197,7 @@ def fast_decode(
         t_rows = torch.tensor(temps, dtype=torch.float32, device=device)  # (batch,)
         p_rows = torch.tensor(tops, dtype=torch.float32, device=device)  # (batch,)
         vocab = logits.shape[-1]
-        tok = pick_tokens(logits, uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
-        tok = tok.unsqueeze(-1)  # (batch, 1)
+        tok = sample_tokens(logits, t_rows, p_rows, gen).unsqueeze(-1)  # (batch, 1)
     else:
         tok = logits.argmax(dim=-1, keepdim=True)  # (batch, 1)
     eos = None

@@ -230,9 +230,6 @@ def _quiesce_comm_threads(limit_s: float = 3.0, settle: int = 20, tick_s: float 
         before = now
 
 
-_AT_EXIT: list = []  # exit handlers registered for a group this module did not create
-
-
 def _destroy_at_exit() -> None:
     """Destroy the default process group while the interpreter is still whole, then let gloo's
     worker threads go idle (see `_quiesce_comm_threads`). A script that ends without
@@ -298,10 +295,9 @@ def init_mesh(
     if is_cuda:
         torch.cuda.set_device(devices[0])
 
-    if initialized:
-        if _quiesce_comm_threads not in _AT_EXIT:  # the caller's group: only wait for its threads
-            _AT_EXIT.append(_quiesce_comm_threads)
-            atexit.register(_quiesce_comm_threads)
+    if initialized:  # the caller's group: only wait for its threads (once, however many calls)
+        atexit.unregister(_quiesce_comm_threads)
+        atexit.register(_quiesce_comm_threads)
     else:
         atexit.register(_destroy_at_exit)  # registered first: runs after the group exists
         if "MASTER_ADDR" not in os.environ and world == 1:

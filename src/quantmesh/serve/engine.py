@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sampling import pick_tokens, uniform_noise
+from ..sampling import sample_tokens
 from .bank import AdapterBank
 
 __all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
@@ -228,6 +228,5 @@ def sample_token(
         >>> sample_token(torch.tensor([0.0, 9.0]), 1.0, 1.0, torch.Generator().manual_seed(0))
         1
     """
-    row = logits.float().cpu().reshape(1, -1)  # (1, vocab)
-    noise = uniform_noise(1, row.shape[-1], generator)  # the request's own generator, on CPU
-    return int(pick_tokens(row, noise, temperature, top_p)[0])
+    row = logits.float().cpu().reshape(1, -1)  # (1, vocab): the request's generator is on CPU
+    return int(sample_tokens(row, temperature, top_p, generator)[0])
