@@ -1,4 +1,4 @@
-"""Greedy decoding speed of a bf16 Llama-2-7B-shaped model: quantmesh tp vs one GPU.
+"""Decoding speed of a Llama-2-7B-shaped model: quantmesh against transformers (and peft + bnb).
 
   --mode single   plain transformers on one device: `generate` with the dynamic cache, then (unless
                   --no-compile) with cache_implementation="static", which transformers compiles
@@ -6,7 +6,13 @@
   --mode tp       under torchrun: the model built on meta, qm.parallelize(tp=world size, bf16), then
                   transformers' `generate` on the parallelized model (dynamic cache); with
                   --compile also the static cache (compiled by transformers as above).
-  --greedy        (either mode) also quantmesh's own loop, qm.greedy_decode: static cache, the step
+  --mode qlora    one device, nf4 base + LoRA r16 on the seven projections (A and B both random, so
+                  the adapters change every token): the peer is peft over bitsandbytes NF4 (double
+                  quant, bf16 compute) with `generate`, dynamic cache, then the static cache
+                  (compiled by transformers); ours is qm.parallelize(quant="nf4", lora=r16) with the
+                  same base and adapter values, decoded by qm.fast_decode (--greedy and/or
+                  --temperature). The peer's sampled run reuses its compiled forward.
+  --greedy        (any mode) also quantmesh's own loop, qm.greedy_decode: static cache, the step
                   compiled with CUDA graphs, no per-token read-back. In single mode it is reported
                   for reference only: the peer is the best transformers setup.
   --temperature T [--top-p P]
@@ -22,6 +28,7 @@ GPU's.
 
 Usage:
     python benchmarks/bench_decode.py --mode single --out DIR
+    python benchmarks/bench_decode.py --mode qlora --greedy --temperature 0.8 --top-p 0.95 --out DIR
     torchrun --nproc-per-node 2 benchmarks/bench_decode.py --mode tp --out DIR \
         --ref-json DIR/result_decode_single.json
 Writes DIR/result_decode_<mode>.json (rank 0), rewritten after each phase.
@@ -43,7 +50,7 @@ import qmbench as qb  # noqa: E402
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     qb.shape_args(p)
-    p.add_argument("--mode", required=True, choices=["single", "tp"])
+    p.add_argument("--mode", required=True, choices=["single", "tp", "qlora"])
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--no-compile", action="store_true", help="single: skip the static+compile run")
@@ -56,6 +63,9 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: also sampled decoding")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampled runs")
+    p.add_argument(
+        "--no-peer", action="store_true", help="qlora: quantmesh's runs only (the peer's are known)"
+    )
     a = qb.finish_args(p.parse_args(argv))
     if a.smoke:
         a.new, a.prompt = 16, 8
@@ -178,6 +188,133 @@ def run_single(a, R: dict, out_path: str) -> None:
         qb.write_json(out_path, R)
 
 
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@torch.no_grad()
+def fill_adapters(model, seed: int) -> int:
+    """Every LoRA A and B of `model` (peft's or quantmesh's) gets N(0, 0.02) values that are a
+    function of (seed, layer, projection, A/B) only, so the two libraries hold equal adapters."""
+    n = 0
+    for name, p in model.named_parameters():
+        if "lora_A" not in name and "lora_B" not in name:
+            continue
+        key = name.removeprefix("base_model.model.").replace(".default", "")
+        p.copy_(qb.full_value(key, p.shape, seed=seed, gen_device=p.device, dtype=torch.float32))
+        n += 1
+    return n
+
+
+def bnb_nf4_peft(model, r: int):
+    """The peer's model: each decoder nn.Linear replaced by bitsandbytes' Linear4bit (nf4, double
+    quant, bf16 compute) quantized from its own bf16 weight, then peft LoRA on the seven
+    projections."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is not torch.nn.Linear:
+                    continue
+                new = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=False, device="meta",
+                    compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                )  # fmt: skip
+                w = child.weight.data
+                new.weight = bnb.nn.Params4bit(
+                    w, requires_grad=False, quant_type="nf4", compress_statistics=True, module=new
+                ).to(w.device)
+                setattr(parent, name, new)
+    model.is_loaded_in_4bit = True
+    lcfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(TARGETS))
+    return get_peft_model(model, lcfg)
+
+
+def run_qlora_peer(a, R: dict, out_path: str, dev, ids, sample: dict) -> None:
+    """The peer of the qlora mode: peft + bnb NF4 with transformers' `generate`."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        peer = AutoModelForCausalLM.from_config(
+            qb.llama_config(a, use_cache=True), dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    qb.fill_random(peer, seed=a.seed)
+    peer = bnb_nf4_peft(peer, 16)
+    R["build_peer"] = {
+        "adapters": fill_adapters(peer, a.seed),
+        "s": round(time.perf_counter() - t0, 2),
+    }
+    prepare_generation(peer)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    R["tokens"] = phase(peer, a, ids, dev, R, "peft_dynamic_cache")
+    qb.write_json(out_path, R)
+    if not a.no_compile:
+        with qb.record_errors(R, "peft_static_compile_error"):
+            R["tokens_static"] = phase(
+                peer, a, ids, dev, R, "peft_static_compile", cache_implementation="static"
+            )
+        qb.write_json(out_path, R)
+    if a.temperature > 0 and not a.no_compile:
+        with qb.record_errors(R, "peft_static_compile_sampled_error"):
+            phase(peer, a, ids, dev, R, "peft_static_compile_sampled",
+                  cache_implementation="static", do_sample=True, top_k=0, **sample)  # fmt: skip
+    runs = [
+        R[k]["new_tokens_per_s"] for k in ("peft_dynamic_cache", "peft_static_compile") if k in R
+    ]
+    R["best_new_tokens_per_s"] = max(runs)  # the peer: peft's best greedy setup
+    qb.write_json(out_path, R)
+    del peer
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_qlora(a, R: dict, out_path: str) -> None:
+    """nf4 + LoRA on one device: peft + bnb with transformers' `generate` (the peer), then
+    qm.fast_decode on quantmesh's nf4 + LoRA model holding the same values."""
+
+    import quantmesh as qm
+
+    dev = torch.device("cpu" if a.cpu else "cuda:0")
+    ids = prompt_ids(a, dev)
+    sample = {"temperature": a.temperature, "top_p": a.top_p}
+    if not a.no_peer:
+        run_qlora_peer(a, R, out_path, dev, ids, sample)
+
+    t0 = time.perf_counter()
+    mesh = qm.init_mesh(backend="gloo" if a.cpu else None)
+    model = qb.skeleton(qb.llama_config(a, use_cache=True))
+    qm.parallelize(
+        model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
+    )
+    qb.fill_random(model, seed=a.seed)
+    R["build_qm"] = {
+        "adapters": fill_adapters(model, a.seed),
+        "s": round(time.perf_counter() - t0, 2),
+    }
+    prepare_generation(model)
+    if a.greedy:
+        with qb.record_errors(R, "qm_greedy_error"):
+            g = phase(model, a, ids, dev, R, "qm_greedy", qm={})
+            if not a.no_peer:
+                R["qm_greedy"]["tokens_agree_with_peft"] = agree(g, R["tokens"])
+                R["qm_greedy"]["over_peft_best"] = round(
+                    R["qm_greedy"]["new_tokens_per_s"] / R["best_new_tokens_per_s"], 3
+                )
+        qb.write_json(out_path, R)
+    if a.temperature > 0:
+        with qb.record_errors(R, "qm_sampled_error"):
+            phase(model, a, ids, dev, R, "qm_sampled", qm=sample)
+            peer_s = R.get("peft_static_compile_sampled", {}).get("new_tokens_per_s")
+            if peer_s:
+                R["qm_sampled"]["over_peft_sampled"] = round(
+                    R["qm_sampled"]["new_tokens_per_s"] / peer_s, 3
+                )
+        qb.write_json(out_path, R)
+
+
 def run_tp(a, R: dict, out_path: str) -> None:
     import torch.distributed as dist
 
@@ -242,7 +379,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.time()
     with qb.record_errors(R):
-        (run_single if a.mode == "single" else run_tp)(a, R, out_path)
+        {"single": run_single, "tp": run_tp, "qlora": run_qlora}[a.mode](a, R, out_path)
         R["ok"] = True
     R["wall_s"] = round(time.time() - t0, 1)
     if rank == 0:

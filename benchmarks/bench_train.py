@@ -361,12 +361,13 @@ def counting_collectives(out: dict):
             c["MB"] = round(c["MB"], 1)
 
 
-def collectives_per_step(model, opt, ids, device, autocast) -> dict:
-    """The tp collectives of one forward + backward (no optimizer step)."""
+def collectives_per_step(model, opt, ids, device, autocast, loss_fn=None) -> dict:
+    """The tp collectives of one forward + backward (no optimizer step) with the run's own loss
+    (`loss_fn`, default the plain one: the chunked loss keeps long runs inside their memory)."""
     out: dict = {}
     with counting_collectives(out):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = hf_loss(model, ids)
+            loss = (loss_fn or hf_loss)(model, ids)
         loss.backward()
     opt.zero_grad(set_to_none=True)
     qb.sync(device)
@@ -540,7 +541,9 @@ def main(argv=None) -> int:
             R["tp_collectives_per_step"] = {"skipped": "pp > 1 (the stages run through train_step)"}
         else:
             with qb.record_errors(R["tp_collectives_per_step"]):
-                R["tp_collectives_per_step"] = collectives_per_step(model, opt, ids, dev, autocast)
+                R["tp_collectives_per_step"] = collectives_per_step(
+                    model, opt, ids, dev, autocast, loss_fn
+                )
         if a.profile:
             R["profile"] = {}
             with qb.record_errors(R["profile"]):
