@@ -106,7 +106,8 @@ def test_plan_shows_the_fsdp_layouts(config_only: Path, capsys) -> None:
             "--seq", "64"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "If this does not fit: --fsdp:" in out and "--fsdp --offload-base:" in out
+    assert "If this does not fit: --checkpointing:" in out
+    assert "; --fsdp:" in out and "--fsdp --offload-base:" in out
     argv += ["--fsdp", "--offload-base", "--quant-backend", "torchao"]
     assert main(argv) == 0
     out = capsys.readouterr().out

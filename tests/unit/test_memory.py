@@ -415,12 +415,12 @@ def test_out_of_memory_proposes_the_fsdp_layout_that_fits(monkeypatch) -> None:
     est = MemoryEstimate(weights=40 * 2**30)
     hints = [("--fsdp", 24 * 2**30), ("--fsdp --offload-base", 8 * 2**30)]
     with pytest.raises(CliError) as e:
-        plan_cmd.check_memory(est, 2, what="training", fsdp_hints=hints)
+        plan_cmd.check_memory(est, 2, what="training", hints=hints)
     msg = str(e.value)
     assert "Fix: --fsdp --offload-base (about 8.00 GiB per rank" in msg  # the first that fits
     assert "--quant-backend torchao" in msg and "--checkpointing" in msg
     with pytest.raises(CliError) as e:  # none fits: the usual fixes only
-        plan_cmd.check_memory(est, 2, what="training", fsdp_hints=[("--fsdp", 30 * 2**30)])
+        plan_cmd.check_memory(est, 2, what="training", hints=[("--fsdp", 30 * 2**30)])
     assert "Fix: --checkpointing" in str(e.value)
 
 
@@ -440,3 +440,34 @@ def test_tiled_checkpointing_estimate_is_within_10_percent_of_the_h200_peaks() -
             tile_tokens=8192,
         )  # fmt: skip
         assert abs(est.total / 2**30 / peak_gib - 1) < 0.10, (seq, est.total / 2**30, peak_gib)
+
+
+def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tiles(
+    monkeypatch,
+) -> None:
+    """The 7B shape at 114,688 tokens on a 24 GiB card: only checkpointing with offloaded inputs
+    and MLP tiles in eager blocks fits (as measured on one H200), and the error says so."""
+    import quantmesh as qm
+    from quantmesh.cli import plan_cmd
+    from quantmesh.cli.errors import CliError
+
+    m = _model(True, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+               max_position_embeddings=131072)  # fmt: skip
+    mem = dict(model=m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=114688, micro_batch=1,
+               dtype=torch.bfloat16, compiled=True, checkpointing=False,
+               offload_activations=False, loss_chunk_tokens=1024, tile_tokens=None)  # fmt: skip
+    hints = plan_cmd.memory_alternatives(mem, fsdp=False, offload_base=False)
+    flags = [f for f, _ in hints]
+    tiles = "--checkpointing --offload-activations --tile-tokens 8192 --no-compile"
+    assert flags == ["--checkpointing", "--checkpointing --offload-activations", tiles,
+                     "--fsdp", "--fsdp --offload-base"]  # fmt: skip
+    totals = dict(hints)
+    assert totals["--checkpointing"] > totals["--checkpointing --offload-activations"]
+    assert totals[tiles] < 24 * 2**30 < totals["--checkpointing --offload-activations"]
+    monkeypatch.setattr(plan_cmd, "device_budget", lambda n: ("cuda", 24 * 2**30, "test budget"))
+    with pytest.raises(CliError) as e:
+        plan_cmd.check_memory(estimate_memory(**mem), 1, what="training", hints=hints)
+    assert f"Fix: {tiles} (about" in str(e.value)
+    # forward only: nothing to propose
+    assert plan_cmd.memory_alternatives({**mem, "lora": None}, fsdp=False, offload_base=False) == []

@@ -527,7 +527,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     from ..plan.memory import estimate_memory
     from ..train.data import read_documents
     from ..train.loop import resolve_resume
-    from .plan_cmd import check_memory, load_skeleton
+    from .plan_cmd import check_memory, load_skeleton, memory_alternatives
 
     assert cfg.nproc is not None and cfg.dp is not None  # set by _resolve_mesh
     config, model = load_skeleton(cfg.model)
@@ -581,10 +581,8 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         tile_tokens=cfg.tile_tokens or None,
     )
     est = estimate_memory(**mem, fsdp=cfg.fsdp, offload_base=cfg.offload_base)
-    hints = []
-    if not cfg.fsdp and lora is not None:  # what FSDP would need, named in the error
-        for flags, off in (("--fsdp", False), ("--fsdp --offload-base", True)):
-            hints.append((flags, estimate_memory(**mem, fsdp=True, offload_base=off).total))
+    # the layouts that need less (checkpointing, offload, tiles, FSDP), named in the error
+    hints = memory_alternatives(mem, fsdp=cfg.fsdp, offload_base=cfg.offload_base)
     if cfg.pp > 1:  # each rank holds one pipeline stage: the fullest rank must fit
         import argparse
 
@@ -601,7 +599,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
         est = max((r.estimate for r in stages), key=lambda e: e.total)
         hints = []
-    check_memory(est, cfg.nproc, what="training", fsdp_hints=hints)
+    check_memory(est, cfg.nproc, what="training", hints=hints)
 
 
 def _check_tokenizer(path: Path) -> None:

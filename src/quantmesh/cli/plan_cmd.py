@@ -20,7 +20,14 @@ from .errors import CliError, user_errors
 
 QUANTS = ("none", *FORMATS)  # the choices of --quant
 
-__all__ = ["add_parser", "check_memory", "device_budget", "load_skeleton", "run"]
+__all__ = [
+    "add_parser",
+    "check_memory",
+    "device_budget",
+    "load_skeleton",
+    "memory_alternatives",
+    "run",
+]
 
 CPU_RUNTIME_BYTES = 1 << 30  # a CPU worker's python, torch, transformers and bitsandbytes (~1 GiB)
 CUDA_RUNTIME_BYTES = 3 << 29  # CUDA context (~0.5 GiB), cuBLAS / NCCL workspaces, fragmentation
@@ -108,11 +115,67 @@ def device_budget(nproc_local: int) -> tuple[str, int, str]:
     )
 
 
+TILE_TOKENS = 8192
+"""The MLP tile proposed for long sequences (measured on one H200: docs/benchmarks.md)."""
+
+
+def memory_alternatives(
+    mem: dict[str, Any], *, fsdp: bool, offload_base: bool
+) -> list[tuple[str, int]]:
+    """[(flags, estimated bytes per rank)] of the layouts that need less memory than the training
+    run `mem` describes (estimate_memory's keywords), cheapest in speed first: checkpointing, its
+    saved inputs offloaded, MLP tiles in eager blocks (for sequences over two tiles), then FSDP and
+    FSDP with the base offloaded (each with the run's own activation settings). Forward-only runs
+    (no LoRA) get none.
+
+    Example:
+        >>> memory_alternatives(mem, fsdp=False, offload_base=False)[0]  # doctest: +SKIP
+        ('--checkpointing', 8589934592)
+    """
+    from ..plan.memory import estimate_memory
+
+    if mem.get("lora") is None:
+        return []
+    steps: list[tuple[str, dict[str, Any]]] = []
+    if not mem.get("checkpointing"):
+        steps.append(("--checkpointing", {"checkpointing": True}))
+    ckpt_off = {"checkpointing": True, "offload_activations": True}
+    if not mem.get("offload_activations"):
+        steps.append(("--checkpointing --offload-activations", ckpt_off))
+    if not mem.get("tile_tokens") and mem["seq_len"] * mem["micro_batch"] > 2 * TILE_TOKENS:
+        flags = f"--checkpointing --offload-activations --tile-tokens {TILE_TOKENS}"
+        flags += " --no-compile" if mem.get("compiled") else ""
+        steps.append((flags, {**ckpt_off, "tile_tokens": TILE_TOKENS, "compiled": False}))
+    out = [
+        (flags, estimate_memory(**{**mem, **kw}, fsdp=fsdp, offload_base=offload_base).total)
+        for flags, kw in steps
+    ]
+    if not fsdp:
+        for flags, off in (("--fsdp", False), ("--fsdp --offload-base", True)):
+            out.append((flags, estimate_memory(**mem, fsdp=True, offload_base=off).total))
+    return out
+
+
+def _why(flags: str) -> str:
+    """What the last mechanism `flags` turns on does, for an error message."""
+    if flags.startswith("--fsdp"):
+        return (
+            "the base sharded over dp, gathered one layer at a time; --quant-backend torchao "
+            "for a quantized base"
+        )
+    if "--tile-tokens" in flags:
+        return "the MLP a tile of tokens at a time; the longest sequences train in eager blocks"
+    if "--offload-activations" in flags:
+        return "the layers recomputed in backward, their saved inputs in host memory"
+    return "the layers recomputed in backward"
+
+
 def check_memory(
-    est, nproc_local: int, *, what: str, fsdp_hints: list[tuple[str, int]] | None = None
+    est, nproc_local: int, *, what: str, hints: list[tuple[str, int]] | None = None
 ) -> None:
     """Raise CliError when the estimate does not fit one rank's share of this machine.
-    `fsdp_hints`: [(flags, estimated total)] of the FSDP layouts, proposed when one fits.
+    `hints`: [(flags, estimated total)] of layouts that need less (`memory_alternatives`); the
+    first that fits is proposed.
 
     Example:
         >>> check_memory(estimate_memory(model, tp=2, ...), 2, what="training")  # doctest: +SKIP
@@ -122,10 +185,9 @@ def check_memory(
     kind, budget, source = device_budget(nproc_local)
     if est.total <= budget:
         return
-    fits = [(f, t) for f, t in (fsdp_hints or []) if t <= budget]
-    fsdp = (
-        f"Fix: {fits[0][0]} (about {format_bytes(fits[0][1])} per rank: the base sharded over "
-        "dp, gathered one layer at a time; --quant-backend torchao for a quantized base); or "
+    fits = [(f, t) for f, t in (hints or []) if t <= budget]
+    fix = (
+        f"Fix: {fits[0][0]} (about {format_bytes(fits[0][1])} per rank: {_why(fits[0][0])}); or "
         if fits
         else "Fix: "
     )
@@ -133,7 +195,7 @@ def check_memory(
         f"estimated out of memory: {what} needs about {format_bytes(est.total)} per rank (tp rank "
         f"{est.rank}), but a rank has {format_bytes(max(budget, 0))} ({source}).\n"
         f"{est.table()}\n"
-        f"{fsdp}--checkpointing (recompute the layers in backward), a smaller --micro-batch or "
+        f"{fix}--checkpointing (recompute the layers in backward), a smaller --micro-batch or "
         "--seq-len, a larger --tp, or --quant nf4; "
         "`quantmesh plan` shows the estimate for any choice"
     )
@@ -180,7 +242,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --checkpointing: the MLP N tokens at a time",
     )
     p.add_argument(
-        "--loss-chunk-tokens", type=int, default=0, help="chunked loss (default 0: plain loss)"
+        "--loss-chunk-tokens",
+        type=int,
+        default=1024,
+        help="tokens per chunk of the loss, as finetune computes it (default 1024; 0: the plain "
+        "loss on the whole logits)",
     )
     p.add_argument(
         "--quant-backend",
@@ -262,6 +328,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
     dtypes = "bf16 weights, bf16 autocast" if gpu else "fp32 weights and activations"
     if _compiled(args, gpu):
         dtypes += ", compiled blocks"
+    chunk = getattr(args, "loss_chunk_tokens", 0)
     lines = [
         table,
         "",
@@ -270,20 +337,19 @@ def plan_report(model, args: argparse.Namespace) -> str:
         est.table(),
         "Assumes: activation checkpointing "
         + ("on" if getattr(args, "checkpointing", False) else "off")
+        + (f", the loss in chunks of {chunk} tokens" if lora and chunk else "")
         + ", SDPA attention, frozen base; excludes the CUDA "
         "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
     ]
     lines += [f"Note: {n}" for n in est.notes]
     if getattr(args, "pp", 1) > 1:
         lines += ["", stage_report(model, args, plan=plan, quant=quant, lora=lora)]
-    if lora and not fsdp:  # the FSDP layouts side by side: the way out when this does not fit
-        alt = [
-            f"{flags}: {format_bytes(estimate_memory(**mem, fsdp=True, offload_base=o).total)}"
-            for flags, o in (("--fsdp", False), ("--fsdp --offload-base", True))
-        ]
+    alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload)
+    if alternatives:  # the ways out when this does not fit, side by side
+        alt = [f"{flags}: {format_bytes(total)}" for flags, total in alternatives]
         lines.append(
-            f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}; a quantized "
-            "base needs --quant-backend torchao)"
+            f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}"
+            + ("; with --fsdp a quantized base needs --quant-backend torchao)" if not fsdp else ")")
         )
     return "\n".join(lines)
 
