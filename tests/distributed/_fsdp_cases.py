@@ -6,22 +6,20 @@ world size in one spawn, once per pytest session.
 
 from __future__ import annotations
 
-import functools
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 import quantmesh as qm
 import quantmesh.fsdp as qm_fsdp
-from quantmesh.fsdp import local_of, whole
-from quantmesh.io.full import gather_param, tp_sharded
+from quantmesh.fsdp import local_of
 from quantmesh.plan.auto import blocks_of
 from quantmesh.state import parallel_state
 from quantmesh.tp.layers import ShardedModule
 
-from ._lora_cases import GLOBAL_BATCH, TARGETS, batches, tiny_llama
+from ._lora_cases import GLOBAL_BATCH, TARGETS, batches, tiny_llama, whole_lora
+from ._spawns import JobSpawns
 
 NF4_AO = "nf4_torchao"
 INT8_AO = "int8_torchao"
@@ -33,23 +31,6 @@ def _quant(q):
     if q == INT8_AO:
         return qm.QuantConfig(format="int8", backend="torchao")
     return q
-
-
-def _lora_tensors(model, what: str) -> dict[str, torch.Tensor]:
-    """Whole (over dp and tp) LoRA weights ("param") or gradients ("grad"). Collective."""
-    out = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, ShardedModule) or m.lora_scale is None:
-            continue
-        split = tp_sharded(m)
-        for pname in ("lora_A.weight", "lora_B.weight"):
-            p = m.get_parameter(pname)
-            t = whole(p.grad if what == "grad" else p.detach())
-            if pname in split:
-                dim, s = split[pname]
-                t = gather_param(t, dim, s, m.group)
-            out[f"{name}.{pname}"] = t.detach().cpu().clone()
-    return out
 
 
 def _build(mesh, quant, fsdp: bool, offload: bool = False):
@@ -72,7 +53,7 @@ def _step(model, opt, mesh, ids: torch.Tensor, grads: list | None = None) -> tup
         torch.distributed.all_reduce(total, group=mesh.dp_group)
         total /= mesh.dp
     if grads is not None:
-        grads.append(_lora_tensors(model, "grad"))
+        grads.append(whole_lora(model, "grad"))
     norm = float(qm.clip_grad_norm_(model, 1e9))
     opt.step()
     opt.zero_grad()
@@ -94,7 +75,7 @@ def train(
         loss, norm = _step(model, opt, mesh, ids, grads)
         losses.append(loss)
         norms.append(norm)
-    adapters = _lora_tensors(model, "param")  # collective: every rank
+    adapters = whole_lora(model, "param")  # collective: every rank
     return {
         "losses": losses,
         "grads": grads if mesh.rank == 0 else None,
@@ -115,20 +96,20 @@ def resume(rank: int, dp: int, tp: int, quant) -> dict:
         _step(model, opt, mesh, ids)
     qm.save_state(model, opt, root / "state", step=2)
     qm.save_adapter(model, root / "adapter")
-    saved = _lora_tensors(model, "param")
+    saved = whole_lora(model, "param")
     cont = [_step(model, opt, mesh, ids)[0] for ids in data[2:]]
-    end = _lora_tensors(model, "param")
+    end = whole_lora(model, "param")
     out: dict = {"cont": cont}
     for name, fsdp in (("fsdp", True), ("plain", False)):
         m2, o2 = _build(mesh, quant, fsdp)
         step = qm.load_state(m2, o2, root / "state")
         out[f"{name}_step"] = step
         out[f"{name}_cont"] = [_step(m2, o2, mesh, ids)[0] for ids in data[2:]]
-        got = _lora_tensors(m2, "param")
+        got = whole_lora(m2, "param")
         out[f"{name}_end"] = max(float((got[k] - end[k]).abs().max()) for k in end)
     m3, _ = _build(mesh, quant, True)
     qm.load_adapter(m3, root / "adapter")
-    got = _lora_tensors(m3, "param")
+    got = whole_lora(m3, "param")
     out["adapter_equal"] = all(torch.equal(got[k], saved[k]) for k in saved)
     return out
 
@@ -317,21 +298,5 @@ def run_jobs(rank: int, jobs: list[tuple]) -> list:
     return [globals()[name](rank, *args) for name, *args in jobs]
 
 
-@functools.cache
-def spawned(world: int) -> dict[tuple, list]:
-    from quantmesh.testing import run_ranks
-
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["QM_FSDP_TMP"] = tmp  # the ranks inherit the caller's environment
-        try:
-            res = run_ranks(run_jobs, world, JOBS[world], timeout=400)
-        finally:
-            del os.environ["QM_FSDP_TMP"]
-    return {job: [r[i] for r in res] for i, job in enumerate(JOBS[world])}
-
-
-def result(job: tuple) -> list:
-    for world, jobs in JOBS.items():
-        if job in jobs:
-            return spawned(world)[job]
-    raise KeyError(f"{job} is in no spawn; add it to JOBS")
+SPAWNS = JobSpawns(JOBS, run_jobs, tmp_env="QM_FSDP_TMP")
+result = SPAWNS.result

@@ -7,14 +7,14 @@ reads its job's result. A job is a tuple (function name in this module, *argumen
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 import quantmesh as qm
 from quantmesh.io.full import gather_param, tp_sharded
 from quantmesh.tp.layers import ShardedModule
+
+from ._spawns import JobSpawns
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 128
@@ -43,19 +43,29 @@ def batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps)]
 
 
-def full_lora_grads(model) -> dict[str, torch.Tensor]:
-    """Unsharded LoRA gradients (every rank gets them)."""
+def whole_lora(
+    model, what: str = "grad", *, missing_as_zero: bool = False
+) -> dict[str, torch.Tensor]:
+    """{module.lora_A.weight / lora_B.weight: the whole tensor} of every adapter: its gradient
+    (`what="grad"`; `missing_as_zero`: zeros where there is none) or its weight ("param"), gathered
+    over dp (an FSDP shard) and tp; on CPU, on every rank. Collective: every rank calls it."""
+    from quantmesh.fsdp import whole
+
     out = {}
     for name, m in model.named_modules():
         if not isinstance(m, ShardedModule) or m.lora_scale is None:
             continue
         split = tp_sharded(m)
         for pname in ("lora_A.weight", "lora_B.weight"):
-            g = m.get_parameter(pname).grad
+            p = m.get_parameter(pname)
+            t = p.detach() if what == "param" else p.grad
+            if t is None and missing_as_zero:
+                t = torch.zeros_like(p)
+            t = whole(t)
             if pname in split:
                 dim, s = split[pname]
-                g = gather_param(g, dim, s, m.group)
-            out[f"{name}.{pname}"] = g.detach().cpu().clone()
+                t = gather_param(t, dim, s, m.group)
+            out[f"{name}.{pname}"] = t.detach().cpu().clone()
     return out
 
 
@@ -88,7 +98,7 @@ def train(
         if dp > 1:  # the mean over the global batch: average the per-replica means
             torch.distributed.all_reduce(total, group=mesh.dp_group)
             total /= dp
-        grads.append(full_lora_grads(model))
+        grads.append(whole_lora(model))
         norms.append(float(qm.clip_grad_norm_(model, 1e9)))
         opt.step()
         opt.zero_grad()
@@ -169,7 +179,7 @@ def peft_compare(rank: int, quant) -> dict:
     out_ref = pm(ids, labels=ids)
     out_ours.loss.backward()
     out_ref.loss.backward()
-    ours_g = full_lora_grads(ours)
+    ours_g = whole_lora(ours)
     errs = {}
     for name in full_b:
         for p in ("lora_A", "lora_B"):
@@ -266,19 +276,5 @@ def run_jobs(rank: int, jobs: list[tuple]) -> list:
     return [globals()[name](rank, *args) for name, *args in jobs]
 
 
-@functools.cache
-def spawned(world: int) -> dict[tuple, list]:
-    """{job: [result of rank 0, rank 1, ...]} for every job of `world` ranks; one launch per world
-    size and pytest session."""
-    from quantmesh.testing import run_ranks
-
-    res = run_ranks(run_jobs, world, JOBS[world], timeout=400)
-    return {job: [r[i] for r in res] for i, job in enumerate(JOBS[world])}
-
-
-def result(job: tuple) -> list:
-    """The per-rank results of `job`, from the spawn of its world size."""
-    for world, jobs in JOBS.items():
-        if job in jobs:
-            return spawned(world)[job]
-    raise KeyError(f"{job} is in no spawn; add it to JOBS")
+SPAWNS = JobSpawns(JOBS, run_jobs)
+result = SPAWNS.result

@@ -221,26 +221,6 @@ def _set_b(model: nn.Module) -> None:
             m.lora_B.weight.copy_(b)
 
 
-def _lora_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{module.lora_A.weight / lora_B.weight: whole gradient} (split ones all-gathered)."""
-    from quantmesh.io.full import gather_param, tp_sharded
-    from quantmesh.tp.layers import ShardedModule
-
-    out = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, ShardedModule) or m.lora_scale is None:
-            continue
-        split = tp_sharded(m)
-        for pname in ("lora_A.weight", "lora_B.weight"):
-            p = m.get_parameter(pname)
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if pname in split:
-                dim, s = split[pname]
-                g = gather_param(g, dim, s, m.group)
-            out[f"{name}.{pname}"] = g.detach().clone()
-    return out
-
-
 def job_lora(name: str, mesh) -> dict:
     import peft
 
@@ -268,7 +248,9 @@ def job_lora(name: str, mesh) -> dict:
     y_ref = _step(pm, inputs)
     y = _step(model, inputs)
     pm64, floor = _ref64(pm, inputs)
-    ours = _lora_grads(model)
+    from tests.distributed._lora_cases import whole_lora
+
+    ours = whole_lora(model, missing_as_zero=True)
     got = {f"base_model.model.{k[: -len('.weight')]}.default.weight": g for k, g in ours.items()}
     return {
         "logits": _rel(y, y_ref),

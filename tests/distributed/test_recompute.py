@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from quantmesh.testing import run_ranks
-from tests.distributed._lora_cases import TARGETS, VOCAB, full_lora_grads
+from tests.distributed._lora_cases import TARGETS, VOCAB, whole_lora
 
 SEQ, MB = 16, 2
 
@@ -66,7 +66,7 @@ def _step(quant, *, ckpt=False, offload=False, chunk=0, tile=None, dropout=0.1) 
     tiled = [b.__dict__.get("_quantmesh_tiled") for b in model.model.layers]
     return {
         "loss": float(total),
-        "grads": full_lora_grads(model),
+        "grads": whole_lora(model),
         "rng": torch.get_rng_state(),
         "tiled": tiled,
     }
