@@ -237,8 +237,12 @@ class FinetuneConfig:
         self.dp = world // tp
 
     def compile_on(self, cuda: bool) -> bool:
-        """Whether the blocks are compiled on this device (`compile` None decides by it)."""
-        return cuda if self.compile is None else self.compile
+        """Whether the blocks are compiled on this device: as asked, else on CUDA unless MLP tiles
+        are asked for (a compiled block's backward was measured to keep far more than one tile,
+        so tiles need eager blocks to save memory)."""
+        if self.compile is not None:
+            return self.compile
+        return cuda and not self.tile_tokens
 
     @property
     def world_size(self) -> int:
@@ -406,7 +410,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="torch.compile each decoder layer: a one-off compile, then faster steps "
-        "(default on GPUs)",
+        "(default on GPUs, but for --tile-tokens, whose memory saving needs eager layers)",
     )
     g.add_argument(
         "--no-compile",

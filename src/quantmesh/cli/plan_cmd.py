@@ -355,9 +355,10 @@ def plan_report(model, args: argparse.Namespace) -> str:
 
 
 def _compiled(args: argparse.Namespace, gpu: bool) -> bool:
-    """Compiled blocks: as asked, else finetune's default (on GPUs, not on CPU)."""
+    """Compiled blocks: as asked, else finetune's default (on GPUs, not on CPU, and not with MLP
+    tiles: FinetuneConfig.compile_on)."""
     c = getattr(args, "compile", None)
-    return gpu if c is None else bool(c)
+    return (gpu and not getattr(args, "tile_tokens", 0)) if c is None else bool(c)
 
 
 def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:

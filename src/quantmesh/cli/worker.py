@@ -88,12 +88,15 @@ def finetune(payload: str) -> int:
         qm.checkpoint_blocks(
             model, offload=cfg.offload_activations, tile_tokens=cfg.tile_tokens or None
         )
-    if cfg.compile_on(mesh.device.type == "cuda"):
+    cuda = mesh.device.type == "cuda"
+    if cfg.compile_on(cuda):
         n = qm.compile_blocks(model)
         if rank0:
             print(
                 f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
             )
+    elif cuda and cfg.compile is None and rank0:
+        print("compile: off (--tile-tokens needs eager blocks to save memory; --compile to force)")
     try:
         result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir,
                        resume=cfg.resume)  # fmt: skip
