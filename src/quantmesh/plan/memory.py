@@ -305,7 +305,8 @@ def estimate_memory(
     host memory. `loss_chunk_tokens` > 0: the chunked loss (train/loss.py), one chunk of logits at a
     time plus the labelled tokens' final hidden states. `tile_tokens` (with `checkpointing`): the
     MLP runs that many tokens at a time (`checkpoint_blocks(tile_tokens=...)`), so its
-    intermediates and its backward's gradients are one tile's. `fsdp` / `offload_base`: as
+    intermediates and its backward's gradients are one tile's (the block's backward then peaks in
+    its attention, whose gradients are not tiled). `fsdp` / `offload_base`: as
     `qm.parallelize(fsdp=..., offload_base=...)` (module docstring, "fsdp").
 
     Example:
