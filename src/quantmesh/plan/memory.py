@@ -543,11 +543,13 @@ def _for_rank(
         one_block = act // dims.layers
         if tile is not None and tokens > tile * mb and compiled:
             # Measured on one H200 (7B nf4 + LoRA, compiled, offload, 131,072 tokens, tiles of
-            # 8192): the compiled block's backward still needed > 23.4 GiB against 15.7 from the
-            # tiled terms below, so a compiled block is estimated as if untiled.
+            # 8192) when the tiles were traced into the block's graph: its backward still needed
+            # > 23.4 GiB against 15.7 from the tiled terms below. The tiles now run outside the
+            # graph (on CPU: one tile's memory, as eager), not yet measured on a GPU: a compiled
+            # block stays estimated as if untiled, the bound that was measured.
             est.notes.append(
-                f"tile_tokens={tile} with compiled blocks: estimated as untiled (a compiled "
-                "block's backward was measured to keep far more than one tile)"
+                f"tile_tokens={tile} with compiled blocks: estimated as untiled (the measured "
+                "bound; compiled tiles keep one tile on CPU, not yet measured on a GPU)"
             )
         elif tile is not None and tokens > tile * mb:
             # Tiled MLP: its intermediates and gradients are one tile's (tile x mb tokens); the
