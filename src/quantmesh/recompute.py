@@ -19,6 +19,8 @@ It composes with the rest because it is torch's own non-reentrant `torch.utils.c
   tokens on an H200, and the offload broke the graph; docs/benchmarks.md.) With `tile_tokens`,
   the tiles run outside the block's graph (`_run_tiles`, a graph break), each tile compiled on
   its own: traced into the block's graph they were scheduled together and kept more than a tile.
+  With dropout at tp > 1 a checkpointed block is not compiled (warned): the RNG regions break
+  its graph into pieces, and the recompute could run another piece than the forward did.
 - `tile_tokens=N`: the block's position-wise parts (a child with weights and one input, whose
   output for a token depends on that token alone, such as the MLP) run N tokens at a time, each
   tile checkpointed again: at long sequences the MLP's (tokens x intermediate) tensors, saved and
@@ -111,6 +113,19 @@ def install(block: nn.Module) -> None:
     compiled when compile_blocks asked for it (then not around the checkpoint), and the offload."""
     inner = block.__dict__[_MARK]
     kwargs = block.__dict__.get(COMPILE_KWARGS)
+    if kwargs is not None and _tp_dropout(block):
+        # The tp RNG regions break the compiled graph into pieces, and the recompute in backward
+        # can then run another piece's graph than the forward did (torch raises CheckpointError:
+        # other saved tensors). Not provably the same computation: the block runs eagerly.
+        warnings.warn(
+            "quantmesh: a checkpointed block with dropout at tp > 1 runs eagerly, not compiled: "
+            "the dropout bookkeeping breaks its compiled graph, and the recompute in backward "
+            "could run another piece of it. Set dropout to 0 (model config and LoraConfig) to "
+            "compile checkpointed blocks.",
+            stacklevel=3,
+        )
+        block._compiled_call_impl = None
+        kwargs = None
     if kwargs is not None:
         block._compiled_call_impl = None  # a compile around the checkpoint moves inside it
         if block.__dict__.get(_TILE) is not None:
@@ -121,6 +136,14 @@ def install(block: nn.Module) -> None:
             block.get_submodule(name).__dict__[_TILE_COMPILE] = block.__dict__[COMPILE_KWARGS]
     offload = block.__dict__.get(_OFFLOAD, False)
     block.forward = functools.partial(_checkpointed, block, inner, offload)
+
+
+def _tp_dropout(block: nn.Module) -> bool:
+    """Whether `block` holds sharded layers at tp > 1 that keep dropout masks aligned (RNG
+    regions: eager bookkeeping that breaks a compiled graph)."""
+    from .tp.layers import ShardedModule
+
+    return any(isinstance(m, ShardedModule) and m.tp > 1 and m.track_rng for m in block.modules())
 
 
 def is_checkpointed(block: nn.Module) -> bool:

@@ -20,7 +20,7 @@ from quantmesh.testing import run_ranks
 pytestmark = pytest.mark.slow  # make test-fast leaves this module out
 
 
-def _llama(layers: int = 2):
+def _llama(layers: int = 2, dropout: float = 0.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -31,22 +31,27 @@ def _llama(layers: int = 2):
         num_hidden_layers=layers,
         vocab_size=256,
         max_position_embeddings=128,
+        attention_dropout=dropout,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
 
-def _train(rank: int, quant: str | None, compiled: bool) -> dict:
+def _train(
+    rank: int, quant: str | None, compiled: bool, ckpt: bool = False, dropout: float = 0.0
+) -> dict:
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=2)
-    model = _llama()
-    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=4, alpha=8))
+    model = _llama(dropout=dropout)
+    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=4, alpha=8, dropout=dropout))
     with torch.no_grad():  # nonzero B, so that every adapter's A gets a gradient too
         for i, p in enumerate(p for n, p in model.named_parameters() if "lora_B" in n):
             p.normal_(0, 0.05, generator=torch.Generator().manual_seed(i))
-    if compiled:
-        assert qm.compile_blocks(model, fullgraph=True) == 2
+    if ckpt:
+        assert qm.checkpoint_blocks(model) == 2
+    if compiled:  # with dropout the tp RNG regions break the graph (compile_blocks warns)
+        assert qm.compile_blocks(model, fullgraph=not dropout) == 2
     opt = torch.optim.SGD(qm.trainable_parameters(model), lr=0.5, momentum=0.9)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     ids = ids.to(mesh.device)  # NCCL ranks (test_cuda.py) run this too
@@ -78,6 +83,36 @@ def test_compiled_blocks_train_like_eager(quant):
             for k in ge:
                 err = (gc[k] - ge[k]).norm() / ge[k].norm().clamp_min(1e-12)
                 assert err < 1e-4, (quant, k, float(err))
+
+
+def _ckpt_both(rank: int) -> tuple[dict, dict]:
+    """nf4 blocks with LoRA and attention dropout at tp=2: eager and plain, then checkpointed and
+    compile_blocks'd (which then runs them eagerly: warned)."""
+    import warnings
+
+    import torch._dynamo
+
+    plain = _train(rank, "nf4", False, dropout=0.1)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ckpt = _train(rank, "nf4", True, ckpt=True, dropout=0.1)
+    ckpt["warned"] = any("runs eagerly, not compiled" in str(w.message) for w in seen)
+    return plain, ckpt
+
+
+def test_checkpointed_blocks_with_tp_dropout_run_eagerly_and_train_like_plain_ones():
+    """compile_blocks + checkpoint_blocks with dropout at tp=2: the RNG regions break the compiled
+    graph, and the recompute could run another piece of it than the forward (torch raised
+    CheckpointError), so such blocks run eagerly, warned, and train exactly like plain ones."""
+    for plain, ckpt in _results("ckpt"):
+        assert ckpt["warned"]
+        assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        for gp, gc in zip(plain["grads"], ckpt["grads"]):
+            assert gp.keys() == gc.keys() and len(gp) == 2 * 7 * 2
+            for k in gp:
+                err = (gc[k] - gp[k]).norm() / gp[k].norm().clamp_min(1e-12)
+                assert err < 1e-5, (k, float(err))
 
 
 def _all_reduce_counter(rank: int) -> tuple[object, dict, list]:
@@ -428,6 +463,7 @@ def test_compile_blocks_warns_when_dropout_breaks_the_graphs():
 CASES = {  # name -> (rank function, its arguments after rank)
     ("train", None): (_both, (None,)),
     ("train", "nf4"): (_both, ("nf4",)),
+    ("ckpt",): (_ckpt_both, ()),
     ("collectives",): (_collectives_both, ()),
     ("mixed",): (_mixed_both, ()),
     ("decode",): (_decode, ()),
