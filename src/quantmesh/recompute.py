@@ -113,7 +113,7 @@ def install(block: nn.Module) -> None:
     compiled when compile_blocks asked for it (then not around the checkpoint), and the offload."""
     inner = block.__dict__[_MARK]
     kwargs = block.__dict__.get(COMPILE_KWARGS)
-    if kwargs is not None and _tp_dropout(block):
+    if kwargs is not None and _tp_dropout(block):  # _compile_kwargs says None: warn once here
         # The tp RNG regions break the compiled graph into pieces, and the recompute in backward
         # can then run another piece's graph than the forward did (torch raises CheckpointError:
         # other saved tensors). Not provably the same computation: the block runs eagerly.
@@ -133,9 +133,16 @@ def install(block: nn.Module) -> None:
             kwargs = {**kwargs, "fullgraph": False}
         inner = torch.compile(inner, **kwargs)
         for name in block.__dict__.get(_TILED, ()):  # children tiled before compile_blocks
-            block.get_submodule(name).__dict__[_TILE_COMPILE] = block.__dict__[COMPILE_KWARGS]
+            block.get_submodule(name).__dict__[_TILE_COMPILE] = _compile_kwargs(block)
     offload = block.__dict__.get(_OFFLOAD, False)
     block.forward = functools.partial(_checkpointed, block, inner, offload)
+
+
+def _compile_kwargs(block: nn.Module) -> dict[str, Any] | None:
+    """The torch.compile keywords of a checkpointed block's code (its own forward, its tiles), or
+    None when it runs eagerly: not compiled, or dropout at tp > 1 (see install)."""
+    kwargs = block.__dict__.get(COMPILE_KWARGS)
+    return None if kwargs is None or _tp_dropout(block) else kwargs
 
 
 def _tp_dropout(block: nn.Module) -> bool:
@@ -289,7 +296,7 @@ def _tile_positionwise(block: nn.Module, x: torch.Tensor, tile: int) -> None:
             )
             continue
         child.__dict__[_TILE_OF] = (tile, moves)
-        child.__dict__[_TILE_COMPILE] = block.__dict__.get(COMPILE_KWARGS)
+        child.__dict__[_TILE_COMPILE] = _compile_kwargs(block)
         child.__class__ = _tiled_class(type(child))
         tiled.append(name)
     block.__dict__[_TILED] = tiled

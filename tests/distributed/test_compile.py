@@ -38,18 +38,25 @@ def _llama(layers: int = 2, dropout: float = 0.0):
 
 
 def _train(
-    rank: int, quant: str | None, compiled: bool, ckpt: bool = False, dropout: float = 0.0
+    rank: int,
+    quant: str | None,
+    compiled: bool,
+    ckpt: bool = False,
+    dropout: float = 0.0,
+    lora_dropout: float | None = None,
+    tile: int | None = None,
 ) -> dict:
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=2)
     model = _llama(dropout=dropout)
-    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=4, alpha=8, dropout=dropout))
+    lora_dropout = dropout if lora_dropout is None else lora_dropout
+    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=4, alpha=8, dropout=lora_dropout))
     with torch.no_grad():  # nonzero B, so that every adapter's A gets a gradient too
         for i, p in enumerate(p for n, p in model.named_parameters() if "lora_B" in n):
             p.normal_(0, 0.05, generator=torch.Generator().manual_seed(i))
     if ckpt:
-        assert qm.checkpoint_blocks(model) == 2
+        assert qm.checkpoint_blocks(model, tile_tokens=tile) == 2
     if compiled:  # with dropout the tp RNG regions break the graph (compile_blocks warns)
         assert qm.compile_blocks(model, fullgraph=not dropout) == 2
     opt = torch.optim.SGD(qm.trainable_parameters(model), lr=0.5, momentum=0.9)
@@ -65,7 +72,9 @@ def _train(
         opt.zero_grad()
     from torch._dynamo.utils import counters
 
-    return {"losses": losses, "grads": grads, "breaks": dict(counters["graph_break"])}
+    tiled = model.model.layers[0].__dict__.get("_quantmesh_tiled")
+    return {"losses": losses, "grads": grads, "breaks": dict(counters["graph_break"]),
+            "tiled": tiled}  # fmt: skip
 
 
 def _both(rank: int, quant: str | None) -> tuple[dict, dict]:
@@ -85,7 +94,7 @@ def test_compiled_blocks_train_like_eager(quant):
                 assert err < 1e-4, (quant, k, float(err))
 
 
-def _ckpt_both(rank: int) -> tuple[dict, dict]:
+def _ckpt_both(rank: int) -> tuple[dict, dict, dict, dict]:
     """nf4 blocks with LoRA and attention dropout at tp=2: eager and plain, then checkpointed and
     compile_blocks'd (which then runs them eagerly: warned)."""
     import warnings
@@ -98,21 +107,30 @@ def _ckpt_both(rank: int) -> tuple[dict, dict]:
         warnings.simplefilter("always")
         ckpt = _train(rank, "nf4", True, ckpt=True, dropout=0.1)
     ckpt["warned"] = any("runs eagerly, not compiled" in str(w.message) for w in seen)
-    return plain, ckpt
+    # attention dropout only: the MLP draws nothing and is tiled (2 tiles of 16), its tp RNG
+    # regions still enter and leave: the tiles must run eagerly too
+    torch._dynamo.reset()
+    plain_t = _train(rank, "nf4", False, dropout=0.1, lora_dropout=0.0)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tiled = _train(rank, "nf4", True, ckpt=True, dropout=0.1, lora_dropout=0.0, tile=16)
+    return plain, ckpt, plain_t, tiled
 
 
 def test_checkpointed_blocks_with_tp_dropout_run_eagerly_and_train_like_plain_ones():
     """compile_blocks + checkpoint_blocks with dropout at tp=2: the RNG regions break the compiled
     graph, and the recompute could run another piece of it than the forward (torch raised
     CheckpointError), so such blocks run eagerly, warned, and train exactly like plain ones."""
-    for plain, ckpt in _results("ckpt"):
-        assert ckpt["warned"]
-        assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
-        for gp, gc in zip(plain["grads"], ckpt["grads"]):
-            assert gp.keys() == gc.keys() and len(gp) == 2 * 7 * 2
-            for k in gp:
-                err = (gc[k] - gp[k]).norm() / gp[k].norm().clamp_min(1e-12)
-                assert err < 1e-5, (k, float(err))
+    for plain, ckpt, plain_t, tiled in _results("ckpt"):
+        assert ckpt["warned"] and tiled["tiled"] == ["mlp"]
+        for ref, got in ((plain, ckpt), (plain_t, tiled)):
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+            for gp, gc in zip(ref["grads"], got["grads"]):
+                assert gp.keys() == gc.keys() and len(gp) == 2 * 7 * 2
+                for k in gp:
+                    err = (gc[k] - gp[k]).norm() / gp[k].norm().clamp_min(1e-12)
+                    assert err < 1e-5, (k, float(err))
 
 
 def _all_reduce_counter(rank: int) -> tuple[object, dict, list]:
