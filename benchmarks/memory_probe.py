@@ -89,19 +89,6 @@ class SavedBytes:
         return sum(self.bytes.values())
 
 
-def cpu_peak(prof) -> int:
-    """Highest sum of CPU allocations minus frees, in event order, over the profiled region."""
-    events = []
-    for e in prof.profiler.kineto_results.events():
-        if e.name() == "[memory]" and e.device_type().name == "CPU":
-            events.append((e.start_ns(), e.nbytes()))
-    live = peak = 0
-    for _, n in sorted(events):
-        live += n
-        peak = max(peak, live)
-    return peak
-
-
 def record_partitions(graphs: list, ddp_bucket_scale: float) -> None:
     """Make inductor's partitioner append, per compiled graph, the saved activations it returns
     from the forward; divide the DDPOptimizer's bucket caps by `ddp_bucket_scale`."""
@@ -184,11 +171,13 @@ def probe(rank: int, args: dict) -> dict:
     if args["peak"]:
         from torch.profiler import ProfilerActivity, profile
 
+        from quantmesh.testing import cpu_peak_bytes
+
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loss = step(None, body_only=False)
             loss.backward()
             del loss
-        peak = cpu_peak(prof)
+        peak = cpu_peak_bytes(prof)
         model.zero_grad(set_to_none=True)
 
     meta = _meta(cfg)

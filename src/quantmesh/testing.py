@@ -1,4 +1,5 @@
 """Run a function on N spawned CPU ranks (gloo) with a hard timeout; every rank's traceback on failure.
+(Also `cpu_peak_bytes`: the peak of live CPU memory in a profiled region, for memory tests.)
 
 This is the one way quantmesh's multi-rank tests start processes. It never hangs: when any rank fails
 or the deadline passes, the others are asked for their stacks (faulthandler) and killed. Ranks are
@@ -26,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RanksFailed", "run_ranks"]
+__all__ = ["RanksFailed", "cpu_peak_bytes", "run_ranks"]
 
 
 class RanksFailed(RuntimeError):
@@ -203,3 +204,25 @@ def run_ranks(
             p.kill()
     shutil.rmtree(logdir, ignore_errors=True)
     return [results[r] for r in range(world_size)]
+
+
+def cpu_peak_bytes(prof: Any) -> int:
+    """The highest sum of CPU allocations minus frees, in event order, over a region profiled with
+    `torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True)`.
+
+    Example:
+        >>> with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # doctest: +SKIP
+        ...     model(ids).sum().backward()
+        >>> cpu_peak_bytes(prof)                                                           # doctest: +SKIP
+        6914048
+    """
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak

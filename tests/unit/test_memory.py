@@ -245,20 +245,14 @@ def _gpu_recipe_step(rank: int, cfg: dict, seq: int, mb: int) -> dict:
     try:
         from torch.profiler import ProfilerActivity, profile
 
+        from quantmesh.testing import cpu_peak_bytes
+
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             del loss
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type().name == "CPU"
-        )
-        live = peak = 0
-        for _, n in events:
-            live += n
-            peak = max(peak, live)
+        peak = cpu_peak_bytes(prof)
     except (AttributeError, RuntimeError):  # the profiler's event API moved: no peak, saved only
         peak = None
     return {"saved": sum(saved.values()), "peak": peak}

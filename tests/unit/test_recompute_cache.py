@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from quantmesh.testing import run_ranks
+from tests.models import nonzero_lora_b_
 
 
 def _llama(attn: str):
@@ -36,10 +37,7 @@ def _grads(mesh, attn: str, ckpt: bool, compiled: bool) -> tuple[dict, list[str]
 
     model = _llama(attn)
     qm.parallelize(model, mesh, lora=qm.LoraConfig(r=4))
-    with torch.no_grad():  # B nonzero, so every adapter gradient is nonzero
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    nonzero_lora_b_(model)  # so every adapter gradient is nonzero
     if ckpt:
         qm.checkpoint_blocks(model)
     if compiled:

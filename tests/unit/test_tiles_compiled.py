@@ -14,22 +14,10 @@ import warnings
 import pytest
 import torch
 
-from quantmesh.testing import run_ranks
+from quantmesh.testing import cpu_peak_bytes, run_ranks
+from tests.models import nonzero_lora_b_
 
 SEQ, TILE = 1024, 128
-
-
-def _peak(prof) -> int:
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type().name == "CPU"
-    )
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak
 
 
 def _run(mesh, tile: int | None, compiled: bool) -> tuple[dict, int]:
@@ -45,10 +33,7 @@ def _run(mesh, tile: int | None, compiled: bool) -> tuple[dict, int]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     qm.parallelize(model, mesh, lora=qm.LoraConfig(r=4))
-    with torch.no_grad():  # B nonzero, so every adapter gradient is nonzero
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    nonzero_lora_b_(model)  # so every adapter gradient is nonzero
     qm.checkpoint_blocks(model, tile_tokens=tile)
     if compiled:
         qm.compile_blocks(model)
@@ -61,7 +46,7 @@ def _run(mesh, tile: int | None, compiled: bool) -> tuple[dict, int]:
         loss.backward()
         del loss
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, _peak(prof)
+    return grads, cpu_peak_bytes(prof)
 
 
 def _cases(rank: int) -> dict:
