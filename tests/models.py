@@ -39,7 +39,6 @@ from torch import nn
 
 
 @torch.no_grad()
-@torch.no_grad()
 def nonzero_lora_b_(model: nn.Module, std: float = 0.05) -> nn.Module:
     """Give every LoRA B (zero at init) N(0, std) values, seeded by its name's length, so that every
     adapter's output and both its gradients are nonzero."""
@@ -49,6 +48,7 @@ def nonzero_lora_b_(model: nn.Module, std: float = 0.05) -> nn.Module:
     return model
 
 
+@torch.no_grad()
 def randomize_(model: nn.Module, seed: int = 0, std: float = 0.2) -> nn.Module:
     """Fill every parameter with N(0, std) noise (norm weights: 1 + noise); tied weights stay tied.
 
