@@ -66,6 +66,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--no-peer", action="store_true", help="qlora: quantmesh's runs only (the peer's are known)"
     )
+    p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="qlora: also greedy with fuse_adapters=False (each adapter its own two matmuls)",
+    )
     a = qb.finish_args(p.parse_args(argv))
     if a.smoke:
         a.new, a.prompt = 16, 8
@@ -101,7 +106,13 @@ def timed_generate(model, ids, new: int, device, **kw) -> tuple[float, list[int]
 
 
 def timed_qm(
-    model, ids, new: int, device, temperature: float = 0.0, top_p: float = 1.0
+    model,
+    ids,
+    new: int,
+    device,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    fuse_adapters: bool = True,
 ) -> tuple[float, list[int]]:
     """qm.fast_decode (static cache, compiled step, no per-token read-back; greedy at temperature
     0), timed until its tokens are read back on the host, as generate's return is."""
@@ -111,7 +122,7 @@ def timed_qm(
     t0 = time.perf_counter()
     out = qm.fast_decode(
         model, ids, new, temperature=temperature, top_p=top_p, seed=0,
-        mode=None if device.type == "cpu" else "reduce-overhead",
+        mode=None if device.type == "cpu" else "reduce-overhead", fuse_adapters=fuse_adapters,
     )  # fmt: skip
     tokens = out[0].tolist()
     dt = time.perf_counter() - t0
@@ -302,6 +313,17 @@ def run_qlora(a, R: dict, out_path: str) -> None:
                 R["qm_greedy"]["tokens_agree_with_peft"] = agree(g, R["tokens"])
                 R["qm_greedy"]["over_peft_best"] = round(
                     R["qm_greedy"]["new_tokens_per_s"] / R["best_new_tokens_per_s"], 3
+                )
+        qb.write_json(out_path, R)
+    if a.greedy and a.unfused:
+        with qb.record_errors(R, "qm_greedy_unfused_error"):
+            u = phase(model, a, ids, dev, R, "qm_greedy_unfused", qm={"fuse_adapters": False})
+            if "qm_greedy" in R:
+                R["qm_greedy_unfused"]["tokens_agree_with_fused"] = agree(u, g)
+                R["stacked_over_unfused"] = round(
+                    R["qm_greedy"]["new_tokens_per_s"]
+                    / R["qm_greedy_unfused"]["new_tokens_per_s"],
+                    3,
                 )
         qb.write_json(out_path, R)
     if a.temperature > 0:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .lora import AdapterStack, stack_sibling_adapters
 from .sampling import pick_tokens, sample_tokens, uniform_noise
 
 __all__ = ["fast_decode", "greedy_decode"]
@@ -44,6 +45,7 @@ class _Decoder:
         mode: str | None,
         sampled: bool = False,
         padded: bool = False,
+        fuse: bool = True,
     ) -> None:
         from transformers import StaticCache
 
@@ -54,7 +56,9 @@ class _Decoder:
                 f"{type(model).__name__}.forward takes neither `past_key_values` nor `cache`; "
                 "greedy_decode needs a transformers causal LM"
             )
-        self.key = (batch, max_len, compile, mode, sampled, padded)
+        self.key = (batch, max_len, compile, mode, sampled, padded, fuse)
+        self.fuse = fuse
+        self.stacks: list[AdapterStack] | None = None  # found in the first prefill (fuse)
         config: Any = model.config  # a transformers PreTrainedConfig
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.kw = {names[0]: self.cache, "use_cache": True}
@@ -90,11 +94,25 @@ class _Decoder:
     def prefill(
         self, input_ids: torch.Tensor, padding: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
-        """The last position's logits; the cache then holds the prompt."""
+        """The last position's logits; the cache then holds the prompt. The first prefill of a
+        fusing decoder also finds the adapters that read one tensor (`stack_sibling_adapters`);
+        every prefill copies their current weights into the stacks."""
         self.cache.reset()  # in place: the tensors keep their addresses
         kw = {**self.prefill_kw, **_padding_kw(padding)}
-        logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
+        if self.fuse and self.stacks is None:
+            with stack_sibling_adapters(self.model) as stacks:
+                logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
+            self.stacks = stacks
+        else:
+            logits = self.model(input_ids=input_ids, **kw).logits
+        for stack in self.stacks or []:
+            stack.refresh()  # the adapters may have trained since the last call
         return logits[:, -1]
+
+    def stacked(self, on: bool) -> None:
+        """Turn the adapter stacks on (for the steps) or off."""
+        for stack in self.stacks or []:
+            stack.active = on
 
 
 def _padding_kw(padding: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -116,6 +134,7 @@ def fast_decode(
     compile: bool = True,
     mode: str | None = "reduce-overhead",
     check_every: int = 32,
+    fuse_adapters: bool = True,
 ) -> torch.Tensor:
     """Continue `input_ids` (batch, prompt); returns (batch, <= max_new_tokens) new ids.
 
@@ -134,6 +153,11 @@ def fast_decode(
     `eos_token_id` may be one id or several (any of them ends a row); a row that reaches one is
     filled with it after its first EOS, and decoding stops once every row has one (checked every
     `check_every` tokens).
+
+    LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the
+    steps: one matmul for their A's and one for their B's (block-diagonal) instead of two per
+    adapter (`quantmesh.lora.AdapterStack`; it keeps a copy of those adapters, refreshed at every
+    call). `fuse_adapters=False` runs each adapter on its own.
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
@@ -170,12 +194,12 @@ def fast_decode(
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
-    key = (batch, max_len, compile, mode, sampled, padded)
+    key = (batch, max_len, compile, mode, sampled, padded, fuse_adapters)
     # the compiled step is cached on the model itself (a plain model works too), not in the
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")
     if dec is None or dec.key != key:
-        dec = _Decoder(model, batch, max_len, compile, mode, sampled, padded)
+        dec = _Decoder(model, batch, max_len, compile, mode, sampled, padded, fuse_adapters)
         model.__dict__["_quantmesh_decoder"] = dec
     padding = None
     if padded:
@@ -207,21 +231,25 @@ def fast_decode(
     out = torch.empty(batch, max_new_tokens, dtype=tok.dtype, device=tok.device)
     out[:, :1] = tok
     done = 1
-    for i in range(1, max_new_tokens):
-        sample = None
-        if sampled:
-            sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
-        if padding is not None:
-            tok = dec.run(tok, sample, (padding[0], step_pos))
-            step_pos = step_pos + 1
-        else:
-            tok = dec.run(tok, sample)
-        tok = tok.clone()  # a copy: a CUDA graph's output buffer is rewritten by the next replay
-        out[:, i : i + 1] = tok
-        done = i + 1
-        if eos is not None and done % check_every == 0:
-            if bool(torch.isin(out[:, :done], eos).any(dim=1).all()):
-                break
+    dec.stacked(True)
+    try:
+        for i in range(1, max_new_tokens):
+            sample = None
+            if sampled:
+                sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
+            if padding is not None:
+                tok = dec.run(tok, sample, (padding[0], step_pos))
+                step_pos = step_pos + 1
+            else:
+                tok = dec.run(tok, sample)
+            tok = tok.clone()  # a copy: a CUDA graph's output is rewritten by the next replay
+            out[:, i : i + 1] = tok
+            done = i + 1
+            if eos is not None and done % check_every == 0:
+                if bool(torch.isin(out[:, :done], eos).any(dim=1).all()):
+                    break
+    finally:
+        dec.stacked(False)
     out = out[:, :done]
     if eos is not None:  # everything after a row's first EOS becomes that EOS
         hit = torch.isin(out, eos)  # (batch, done)
@@ -274,6 +302,7 @@ def greedy_decode(
     compile: bool = True,
     mode: str | None = "reduce-overhead",
     check_every: int = 32,
+    fuse_adapters: bool = True,
 ) -> torch.Tensor:
     """Greedy continuation of `input_ids` (batch, prompt): `fast_decode` with temperature 0.
 
@@ -290,4 +319,5 @@ def greedy_decode(
         compile=compile,
         mode=mode,
         check_every=check_every,
+        fuse_adapters=fuse_adapters,
     )

@@ -12,13 +12,16 @@ adapter leaves the model's outputs unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .plan.styles import Style, slice_dim
@@ -26,7 +29,15 @@ from .plan.styles import Style, slice_dim
 if TYPE_CHECKING:
     from .tp.layers import ShardedModule
 
-__all__ = ["LoraConfig", "LoraError", "attach_lora", "lora_targets", "trainable_parameters"]
+__all__ = [
+    "AdapterStack",
+    "LoraConfig",
+    "LoraError",
+    "attach_lora",
+    "lora_targets",
+    "stack_sibling_adapters",
+    "trainable_parameters",
+]
 
 
 class LoraError(ValueError):
@@ -159,3 +170,135 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
         >>> opt = torch.optim.AdamW(qm.trainable_parameters(model), lr=2e-4)  # doctest: +SKIP
     """
     return [p for p in model.parameters() if p.requires_grad]
+
+
+class AdapterStack:
+    """The adapters of sibling layers that read one tensor (q, k, v; gate, up), as two matmuls.
+
+    `x @ [A_1; ...; A_n]^T` gives every sibling's (..., r) at once, and that times the
+    block-diagonal of B_1 ... B_n every sibling's (..., out_i): each sibling then adds its own slice,
+    times its own scale. The zero blocks add exact zeros, so each slice is that sibling's
+    `B_i(A_i(x))`, up to the order in which the matmul sums. Made for the decode step, where
+    2n small matmuls per group cost more in launches than their bytes (`fast_decode` builds the
+    stacks from its eager prefill and refreshes them before each call).
+
+    The stack holds copies of the weights (`refresh` copies them in again, in place) and is used
+    only while `active`, without autograd, and by siblings that get the very tensor the first one
+    got; any other call takes the sibling's own adapter.
+
+    Example:
+        >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP
+        ...     model(input_ids=ids)   # one eager forward: who reads what
+        >>> len(stacks)                # q/k/v and gate/up of each block  # doctest: +SKIP
+        4
+    """
+
+    def __init__(self, members: list[ShardedModule]) -> None:
+        self.members = members
+        self.ranks = [int(m.lora_A.weight.shape[0]) for m in members]
+        self.outs = [int(m.lora_B.weight.shape[0]) for m in members]
+        self.out_at = [sum(self.outs[:i]) for i in range(len(members))]
+        self.active = False
+        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
+        self.out: torch.Tensor | None = None  # (..., sum of outs): every sibling's B(A(x))
+        self.a = torch.empty(0)
+        self.b = torch.empty(0)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the members' current A and B in (in place, so a captured CUDA graph reads them)."""
+        w = self.members[0].lora_A.weight
+        r_at = [sum(self.ranks[:i]) for i in range(len(self.members) + 1)]
+        a_shape = (r_at[-1], int(w.shape[1]))
+        b_shape = (sum(self.outs), r_at[-1])
+        if self.a.shape != a_shape or self.a.dtype != w.dtype or self.a.device != w.device:
+            self.a = torch.empty(a_shape, dtype=w.dtype, device=w.device)
+            self.b = torch.zeros(b_shape, dtype=w.dtype, device=w.device)
+            if w.device.type == "cuda":  # fixed addresses: CUDA graphs read them, never copy them
+                torch._dynamo.mark_static_address(self.a)
+                torch._dynamo.mark_static_address(self.b)
+        for i, m in enumerate(self.members):
+            self.a[r_at[i] : r_at[i + 1]].copy_(m.lora_A.weight)
+            o = self.out_at[i]
+            self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]].copy_(m.lora_B.weight)
+
+    def delta(
+        self, i: int, x: torch.Tensor, cast: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Member `i`'s `B(A(x))` (..., out_i), or None when `x` is not the tensor the first member
+        got in this forward; `cast` turns x into what the adapters take (`_lora_in`)."""
+        d = None
+        if i == 0:
+            self.x = x
+            a = F.linear(cast(x), self.a)  # (..., sum of ranks)
+            self.out = F.linear(a, self.b)  # (..., sum of outs)
+        if self.x is x and self.out is not None:
+            o = self.out_at[i]
+            d = self.out[..., o : o + self.outs[i]]
+        if i == len(self.members) - 1:  # the last sibling: hold no tensor past this forward
+            self.x = self.out = None
+        return d
+
+
+def _stackable(m: nn.Module) -> bool:
+    """A layer whose adapter sees the whole input as it comes (not a rowwise shard of it)."""
+    return (
+        getattr(m, "lora_scale", None) is not None
+        and isinstance(getattr(m, "lora_A", None), nn.Linear)
+        and isinstance(getattr(m, "lora_B", None), nn.Linear)
+        and getattr(m, "style", None) not in (Style.ROWWISE, Style.VOCAB)
+    )
+
+
+@contextlib.contextmanager
+def stack_sibling_adapters(model: nn.Module) -> Iterator[list[AdapterStack]]:
+    """Find, during the one eager forward run inside the block, the adapter layers that read the
+    same tensor one after another, and give each such group an `AdapterStack` (attached to its
+    members as `lora_stack`, inactive). The list it yields is filled when the block ends.
+
+    A layer called more than once in that forward, or reading a tensor of another dtype or device
+    than its siblings' adapters, is left alone. Earlier stacks of the model are dropped first.
+
+    Example:
+        >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP
+        ...     model(input_ids=ids)
+    """
+    mods: list[Any] = [m for m in model.modules() if _stackable(m)]  # ShardedModules
+    for old in model.modules():
+        if getattr(old, "lora_stack", None) is not None:
+            cast(Any, old).lora_stack = None
+    runs: list[list[Any]] = []
+    seen: dict[int, int] = {}
+    last: list[torch.Tensor | None] = [None]
+
+    def pre(mod: Any, args: tuple) -> None:
+        x = args[0] if args else None
+        seen[id(mod)] = seen.get(id(mod), 0) + 1
+        if not isinstance(x, torch.Tensor):
+            last[0] = None
+            return
+        w = mod.lora_A.weight
+        first = runs[-1][0] if runs and last[0] is x else None
+        if first is not None and first.lora_A.weight.dtype == w.dtype:
+            runs[-1].append(mod)
+        else:
+            runs.append([mod])
+            last[0] = x
+
+    handles = [m.register_forward_pre_hook(pre) for m in mods]
+    stacks: list[AdapterStack] = []
+    try:
+        yield stacks
+    finally:
+        for h in handles:
+            h.remove()
+        last[0] = None
+    for run in runs:
+        members = [m for m in run if seen[id(m)] == 1]
+        if len(members) < 2 or len({m.lora_A.weight.device for m in members}) > 1:
+            continue
+        stack = AdapterStack(members)
+        for i, m in enumerate(members):
+            m.lora_stack, m.lora_stack_index = stack, i
+        stacks.append(stack)

@@ -459,6 +459,67 @@ def test_left_padded_rows_decode_as_they_would_alone():
         assert not torch.equal(r["unmasked"][1], r["alone"][1])  # the mask is what made it right
 
 
+def _stacked(rank: int) -> dict:
+    """nf4 + LoRA (non-zero B) at tp=2: the decode step with sibling adapters stacked against
+    each adapter on its own, eager and compiled; which stacks formed; that every member took its
+    stacked slice (eager hits); and that the compiled step reads the stacks (stale ones change
+    its tokens)."""
+    import quantmesh as qm
+    from quantmesh.lora import AdapterStack
+
+    mesh = qm.init_mesh(tp=2)
+    model = qm.parallelize(_llama(), mesh, quant="nf4", lora=qm.LoraConfig(r=4, alpha=8))
+    with torch.no_grad():
+        for i, p in enumerate(p for n, p in model.named_parameters() if "lora_B" in n):
+            p.normal_(0, 0.5, generator=torch.Generator().manual_seed(i))
+    model.eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = {"plain": qm.greedy_decode(model, ids, 20, compile=False, fuse_adapters=False)}
+    hits = []
+    delta = AdapterStack.delta
+
+    def counted(self, i, x, cast):
+        d = delta(self, i, x, cast)
+        hits.append(d is not None)
+        return d
+
+    AdapterStack.delta = counted  # type: ignore[method-assign]
+    try:
+        out["fused"] = qm.greedy_decode(model, ids, 20, compile=False)
+    finally:
+        AdapterStack.delta = delta  # type: ignore[method-assign]
+    out["hits"] = hits
+    dec = model.__dict__["_quantmesh_decoder"]
+    out["stacks"] = [[m.fqn.split(".", 3)[-1] for m in st.members] for st in dec.stacks]
+    out["compiled"] = qm.greedy_decode(model, ids, 20, mode=None)
+    refresh = AdapterStack.refresh
+
+    def stale(self):
+        refresh(self)
+        self.b.zero_()  # the stacks no longer hold the adapters' B
+
+    AdapterStack.refresh = stale  # type: ignore[method-assign]
+    try:
+        out["stale"] = qm.greedy_decode(model, ids, 20, mode=None)
+    finally:
+        AdapterStack.refresh = refresh  # type: ignore[method-assign]
+    out["unfused_compiled"] = qm.greedy_decode(model, ids, 20, mode=None, fuse_adapters=False)
+    return out
+
+
+def test_stacked_sibling_adapters_decode_like_separate_ones():
+    for r in _results("stacked"):
+        per_block = [
+            ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            ["mlp.gate_proj", "mlp.up_proj"],
+        ]
+        assert r["stacks"] == per_block * 2  # rowwise o_proj / down_proj stay on their own
+        assert len(r["hits"]) == 19 * 2 * 5 and all(r["hits"])  # steps x layers x members
+        for k in ("fused", "compiled", "unfused_compiled"):
+            assert torch.equal(r[k], r["plain"]), k
+        assert not torch.equal(r["stale"], r["plain"])  # the compiled step does read the stacks
+
+
 def _dropout_warning(rank: int) -> list[str]:
     import warnings
 
@@ -490,6 +551,7 @@ CASES = {  # name -> (rank function, its arguments after rank)
     ("sampled", 1): (_sampled, (1,)),
     ("sampled", 2): (_sampled, (2,)),
     ("padded",): (_padded, ()),
+    ("stacked",): (_stacked, ()),
     ("dropout",): (_dropout_warning, ()),
 }
 

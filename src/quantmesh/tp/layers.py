@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ..lora import AdapterStack
 from ..plan.styles import FeatureSplit, Ranges, Style
 from .collectives import (
     CopyShare,
@@ -71,6 +72,8 @@ class ShardedModule(nn.Module):
     lora_r: int
     loaded: bool  # set by load_checkpoint once every base parameter was written
     copy_share: CopyShare | None
+    lora_stack: AdapterStack | None  # set by lora.stack_sibling_adapters (decoding)
+    lora_stack_index: int
     lora_A: nn.Linear
     lora_B: nn.Linear
     lora_dropout: nn.Module
@@ -148,6 +151,7 @@ class ShardedModule(nn.Module):
         self.rng = RngRegions()  # apply_tp gives every layer of a model the model's one instance
         self.lora_scale = None  # set by lora.attach_lora, with lora_A / lora_B
         self.copy_share = None  # set by share_colwise_copies
+        self.lora_stack = None  # set by stack_sibling_adapters
         return self
 
     # ---- parameters shared with the hidden local module --------------------------------------
@@ -277,7 +281,14 @@ class ShardedModule(nn.Module):
         # colwise / colwise_gather / replicate: the input is whole on every rank
         dev = self.device_hint
         rng = tp > 1 and self.track_rng and self.training  # dropout anywhere: keep masks aligned
-        if self.lora_scale is not None:
+        stack = self.lora_stack
+        if stack is not None and not (
+            stack.active
+            and not torch.is_grad_enabled()
+            and (not self.training or isinstance(self.lora_dropout, nn.Identity))
+        ):
+            stack = None  # stacked adapters: without autograd or dropout only (decoding)
+        if self.lora_scale is not None and stack is None:
             if rng:  # x is whole: its dropout mask must be the same on every rank (RngRegions)
                 with self.rng.replicated(dev):
                     xd = self.lora_dropout(x)
@@ -287,12 +298,19 @@ class ShardedModule(nn.Module):
             self.rng.enter(dev, self.tp_rank)
         y = self.local(copy_to_tp_once(x, g, self.copy_share) if tp > 1 else x, *args, **kwargs)
         if self.lora_scale is not None:
-            # A is whole and sees the whole input, so its gradient is complete on every rank;
-            # the copy-to-tp op sits after A, where the tensor is only r wide.
-            a = self.lora_A(self._lora_in(xd))  # (..., r)
-            if tp > 1:
-                a = copy_to_tp(a, g)
-            y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)  # (..., out_local)
+            d = None
+            if stack is not None:  # one matmul pair for the siblings that read x (or None)
+                d = stack.delta(self.lora_stack_index, x, self._lora_in)
+            if d is None:
+                if stack is not None:
+                    xd = x  # eval: the dropout is the identity
+                # A is whole and sees the whole input, so its gradient is complete on every
+                # rank; the copy-to-tp op sits after A, where the tensor is only r wide.
+                a = self.lora_A(self._lora_in(xd))  # (..., r)
+                if tp > 1:
+                    a = copy_to_tp(a, g)
+                d = self.lora_B(a)
+            y = y + (d * self.lora_scale).to(y.dtype)  # (..., out_local)
         if st == Style.COLWISE_GATHER and tp > 1:
             assert self.split is not None  # tp > 1
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
