@@ -321,8 +321,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
             if "qm_greedy" in R:
                 R["qm_greedy_unfused"]["tokens_agree_with_fused"] = agree(u, g)
                 R["stacked_over_unfused"] = round(
-                    R["qm_greedy"]["new_tokens_per_s"]
-                    / R["qm_greedy_unfused"]["new_tokens_per_s"],
+                    R["qm_greedy"]["new_tokens_per_s"] / R["qm_greedy_unfused"]["new_tokens_per_s"],
                     3,
                 )
         qb.write_json(out_path, R)

@@ -97,6 +97,7 @@ def parse(argv=None) -> argparse.Namespace:
         help="library of the quantized base (torchao: the nf4 that --fsdp shards)",
     )  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="parallelize(fsdp=True): FSDP2 over dp")
+    p.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) on CUDA")
     p.add_argument(
         "--offload-base", action="store_true", help="with --fsdp: the base's shards on the host"
     )
@@ -112,6 +113,7 @@ def layout_name(a, dp: int) -> str:
     name += ("_fsdp" if a.fsdp else "") + ("_offbase" if a.offload_base else "")
     name += ("_ckpt" if a.checkpointing else "") + ("_offload" if a.offload else "")
     name += f"_tile{a.tile_tokens}" if a.tile_tokens else ""
+    name += "_fusedadamw" if a.fused_adamw else ""
     return name + (f"_chunk{a.loss_chunk}" if a.loss_chunk else "")
 
 
@@ -475,7 +477,9 @@ def main(argv=None) -> int:
         params = qm.trainable_parameters(model)
         R["trainable_params_per_rank"] = sum(p.numel() for p in params)
         R["lora_dtype"] = sorted({str(p.dtype) for p in params})
-        opt = torch.optim.AdamW(params, lr=a.lr)
+        fused = a.fused_adamw and dev.type == "cuda"
+        opt = torch.optim.AdamW(params, lr=a.lr, fused=fused or None)
+        R["adamw"] = "fused" if fused else "default (foreach on CUDA)"
         ids = batch(a, a.vocab, a.seq, a.mb, mesh.dp_rank * a.mb, dev)
         R["compiled"] = a.compile
         loss_fn = hf_loss
