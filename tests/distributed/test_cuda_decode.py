@@ -13,8 +13,9 @@ cache slot or a replayed graph reading the wrong buffer shows up as a divergence
 A second test decodes a *trained* model, whose margins are wide as a real model's are: random
 weights give near-ties every few tokens, so on them "equal up to the first near-tie" can be a short
 prefix. A small Llama learns a fixed next-token map (a random permutation of the vocabulary, in
-sequences that follow it) on the GPU, is quantized to nf4 with non-zero adapters, and the compiled greedy_decode must give every
-token of the eager loop; the test first checks that the model did learn (its eager tokens follow
+sequences that follow it) on the GPU, is quantized to nf4 with non-zero adapters, and the compiled
+greedy_decode (sibling adapters stacked, and each on its own) must give every token of the eager
+loop with each adapter on its own; the test first checks that the model did learn (its eager tokens follow
 the map), so that the margins are really wide. No pretrained checkpoint is used: the GPU machine has
 no network.
 Marked cuda: runs on the GPU machine.
@@ -162,10 +163,14 @@ def _trained(rank: int) -> dict:
     for _ in range(8 + 48 - 1):
         chain.append(int(perm[chain[-1]]))
     ids = torch.tensor([chain[:8]], device=mesh.device)
-    eager = qm.greedy_decode(model, ids, 48, compile=False)[0].cpu()
+    # the reference: the eager loop with each adapter on its own; then the compiled step with
+    # the sibling adapters stacked (the default) and without
+    eager = qm.greedy_decode(model, ids, 48, compile=False, fuse_adapters=False)[0].cpu()
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+    unstacked = qm.greedy_decode(model, ids, 48, compile=True, fuse_adapters=False)[0].cpu()
     expect = chain[8:]
-    return {"loss": float(loss), "eager": eager, "compiled": compiled, "map": torch.tensor(expect)}
+    return {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
+            "map": torch.tensor(expect)}  # fmt: skip
 
 
 def test_compiled_decode_gives_a_trained_models_tokens():
@@ -175,3 +180,4 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     follows = (out["eager"] == out["map"]).float().mean().item()
     assert follows > 0.9, (out["loss"], follows)  # it learned: wide margins, not near-ties
     assert (out["compiled"] == out["eager"]).all(), (out["compiled"], out["eager"])
+    assert (out["unstacked"] == out["eager"]).all(), (out["unstacked"], out["eager"])
