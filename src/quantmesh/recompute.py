@@ -349,7 +349,8 @@ def _run_tiles(
     tiles' recomputes and backwards were scheduled together (on CPU a compiled block with 8 tiles
     peaked at 2.3x the eager tiled block; on one H200 a compiled tiled block kept more than a
     tile). When the block is compiled, each tile runs `cls.forward` compiled on its own (one graph
-    for every tile of every block of this class and shape)."""
+    for every tile of every block of this class and shape): on one H200, 7B nf4 + LoRA at 98,304
+    tokens in tiles of 8192, such blocks peaked at 15.3 GiB against 19.0 for eager tiled ones."""
     kwargs = child.__dict__.get(_TILE_COMPILE)
     forward: Callable[..., Any] = cls.forward
     if kwargs is not None:

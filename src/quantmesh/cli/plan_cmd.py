@@ -124,7 +124,7 @@ def memory_alternatives(
 ) -> list[tuple[str, int]]:
     """[(flags, estimated bytes per rank)] of the layouts that need less memory than the training
     run `mem` describes (estimate_memory's keywords), cheapest in speed first: checkpointing, its
-    saved inputs offloaded, MLP tiles in eager blocks (for sequences over two tiles), then FSDP and
+    saved inputs offloaded, MLP tiles (for sequences over two tiles), then FSDP and
     FSDP with the base offloaded (each with the run's own activation settings). Forward-only runs
     (no LoRA) get none.
 
@@ -144,8 +144,7 @@ def memory_alternatives(
         steps.append(("--checkpointing --offload-activations", ckpt_off))
     if not mem.get("tile_tokens") and mem["seq_len"] * mem["micro_batch"] > 2 * TILE_TOKENS:
         flags = f"--checkpointing --offload-activations --tile-tokens {TILE_TOKENS}"
-        flags += " --no-compile" if mem.get("compiled") else ""
-        steps.append((flags, {**ckpt_off, "tile_tokens": TILE_TOKENS, "compiled": False}))
+        steps.append((flags, {**ckpt_off, "tile_tokens": TILE_TOKENS}))
     out = [
         (flags, estimate_memory(**{**mem, **kw}, fsdp=fsdp, offload_base=offload_base).total)
         for flags, kw in steps
@@ -164,7 +163,7 @@ def _why(flags: str) -> str:
             "for a quantized base"
         )
     if "--tile-tokens" in flags:
-        return "the MLP a tile of tokens at a time; the longest sequences train in eager blocks"
+        return "the MLP a tile of tokens at a time, each tile recomputed"
     if "--offload-activations" in flags:
         return "the layers recomputed in backward, their saved inputs in host memory"
     return "the layers recomputed in backward"
@@ -355,10 +354,10 @@ def plan_report(model, args: argparse.Namespace) -> str:
 
 
 def _compiled(args: argparse.Namespace, gpu: bool) -> bool:
-    """Compiled blocks: as asked, else finetune's default (on GPUs, not on CPU, and not with MLP
-    tiles: FinetuneConfig.compile_on)."""
+    """Compiled blocks: as asked, else finetune's default (on GPUs, not on CPU:
+    FinetuneConfig.compile_on)."""
     c = getattr(args, "compile", None)
-    return (gpu and not getattr(args, "tile_tokens", 0)) if c is None else bool(c)
+    return gpu if c is None else bool(c)
 
 
 def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:

@@ -95,11 +95,6 @@ def finetune(payload: str) -> int:
             print(
                 f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
             )
-    elif cuda and cfg.compile is None and rank0:
-        print(
-            "compile: off (--tile-tokens needs eager blocks to save memory; --compile to force)",
-            flush=True,
-        )
     try:
         result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir,
                        resume=cfg.resume)  # fmt: skip

@@ -541,22 +541,12 @@ def _for_rank(
         # (measured on one H200, 7B nf4 + LoRA, ckpt + offload: 17.5 GiB estimated without it
         # against >= 22.8 GiB needed at 98,304 tokens).
         one_block = act // dims.layers
-        if tile is not None and tokens > tile * mb and compiled:
-            # Measured on one H200 (7B nf4 + LoRA, compiled, offload, 131,072 tokens, tiles of
-            # 8192) when the tiles were traced into the block's graph: its backward still needed
-            # > 23.4 GiB against 15.7 from the tiled terms below. The tiles now run outside the
-            # graph (on CPU: one tile's memory, as eager), not yet measured on a GPU: a compiled
-            # block stays estimated as if untiled, the bound that was measured.
-            est.notes.append(
-                f"tile_tokens={tile} with compiled blocks: estimated as untiled (the measured "
-                "bound; compiled tiles keep one tile on CPU, not yet measured on a GPU)"
-            )
-        elif tile is not None and tokens > tile * mb:
+        if tile is not None and tokens > tile * mb:
             # Tiled MLP: its intermediates and gradients are one tile's (tile x mb tokens); the
             # tiles' inputs (h wide) are what the inner checkpoints keep.
             one_block -= (tokens - tile * mb) * mlp_tok - tokens * dims.hidden * a
             workspace = workspace * tile * mb // tokens
-            est.notes.append(f"tile_tokens={tile}: the MLP one tile at a time (eager)")
+            est.notes.append(f"tile_tokens={tile}: the MLP one tile at a time")
         # The block's backward peaks in its MLP or in its attention, whichever needs more: untiled
         # that is the MLP; with one tile's MLP, the attention's gradients, untiled (measured on one
         # H200, 7B nf4 + LoRA, eager, offload, tiles of 8192: 19.0 / 21.5 GiB peaks at 98,304 /
@@ -700,8 +690,11 @@ def _activations(
     logits = tokens * dims.vocab * 12
     workspace = (3 if gated else 2) * tokens * i * a
     # The attention's backward, live together: the gradient of SDPA's output, those of q, k and v,
-    # and the fp32 accumulator of q's gradient that flash attention's backward keeps.
-    attn_workspace = tokens * ((2 * q + 2 * kv) * a + 4 * q)
+    # and (eager) a further 4 bytes per q feature, the size of an fp32 q-gradient accumulator.
+    # Compiled blocks were measured without that term (one H200, 7B nf4 + LoRA, checkpointed +
+    # offloaded, MLP tiled: 5.27 / 5.60 GiB at 8192 tokens in tiles of 2048 / 4096, 15.34 / 21.00
+    # GiB at 98,304 / 147,456 in tiles of 8192; with it the estimate was 5-12% over, without 0-7%).
+    attn_workspace = tokens * ((2 * q + 2 * kv) * a + (0 if compiled else 4 * q))
     mlp_tok = (mlp_keep + (i if "mlp_out" in roles and not copies else 0)) * a
     return int(act), int(logits), int(workspace), int(mlp_tok), int(attn_workspace)
 
