@@ -242,11 +242,17 @@ class AdapterStack:
 
 
 def _stackable(m: nn.Module) -> bool:
-    """A layer whose adapter sees the whole input as it comes (not a rowwise shard of it)."""
+    """A layer whose adapter sees the whole input as it comes (not a rowwise shard of it), with
+    plain weights (FSDP's sharded DTensors are gathered only inside the forward)."""
+    from torch.distributed.tensor import DTensor
+
+    a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
     return (
         getattr(m, "lora_scale", None) is not None
-        and isinstance(getattr(m, "lora_A", None), nn.Linear)
-        and isinstance(getattr(m, "lora_B", None), nn.Linear)
+        and isinstance(a, nn.Linear)
+        and isinstance(b, nn.Linear)
+        and not isinstance(a.weight, DTensor)
+        and not isinstance(b.weight, DTensor)
         and getattr(m, "style", None) not in (Style.ROWWISE, Style.VOCAB)
     )
 
