@@ -263,8 +263,9 @@ def stack_sibling_adapters(model: nn.Module) -> Iterator[list[AdapterStack]]:
     same tensor one after another, and give each such group an `AdapterStack` (attached to its
     members as `lora_stack`, inactive). The list it yields is filled when the block ends.
 
-    A layer called more than once in that forward, or reading a tensor of another dtype or device
-    than its siblings' adapters, is left alone. Earlier stacks of the model are dropped first.
+    A layer called more than once in that forward, or whose adapter has another dtype than the
+    first of its run, is left out; a run whose adapters sit on several devices gets no stack.
+    Earlier stacks of the model are dropped first.
 
     Example:
         >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP

@@ -303,7 +303,7 @@ class ShardedModule(nn.Module):
                 d = stack.delta(self.lora_stack_index, x, self._lora_in)
             if d is None:
                 if stack is not None:
-                    xd = x  # eval: the dropout is the identity
+                    xd = x  # the dropout is the identity here (eval, or none)
                 # A is whole and sees the whole input, so its gradient is complete on every
                 # rank; the copy-to-tp op sits after A, where the tensor is only r wide.
                 a = self.lora_A(self._lora_in(xd))  # (..., r)
