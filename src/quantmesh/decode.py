@@ -102,11 +102,11 @@ class _Decoder:
         if self.fuse and self.stacks is None:
             with stack_sibling_adapters(self.model) as stacks:
                 logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
-            self.stacks = stacks
+            self.stacks = stacks  # built from the current weights
         else:
             logits = self.model(input_ids=input_ids, **kw).logits
-        for stack in self.stacks or []:
-            stack.refresh()  # the adapters may have trained since the last call
+            for stack in self.stacks or []:
+                stack.refresh()  # the adapters may have trained since the last call
         return logits[:, -1]
 
     def stacked(self, on: bool) -> None:

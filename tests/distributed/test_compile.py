@@ -468,11 +468,10 @@ def _stacked(rank: int) -> dict:
     from quantmesh.lora import AdapterStack
 
     mesh = qm.init_mesh(tp=2)
+    from tests.models import nonzero_lora_b_
+
     model = qm.parallelize(_llama(), mesh, quant="nf4", lora=qm.LoraConfig(r=4, alpha=8))
-    with torch.no_grad():
-        for i, p in enumerate(p for n, p in model.named_parameters() if "lora_B" in n):
-            p.normal_(0, 0.5, generator=torch.Generator().manual_seed(i))
-    model.eval()
+    nonzero_lora_b_(model, std=0.5).eval()
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     out = {"plain": qm.greedy_decode(model, ids, 20, compile=False, fuse_adapters=False)}
     hits = []

@@ -240,9 +240,7 @@ class FinetuneConfig:
         """Whether the blocks are compiled on this device: as asked, else on CUDA (with MLP tiles
         too: each tile is compiled on its own, and a compiled tiled block was measured below the
         eager one's memory on one H200)."""
-        if self.compile is not None:
-            return self.compile
-        return cuda
+        return cuda if self.compile is None else self.compile
 
     @property
     def world_size(self) -> int:

@@ -88,8 +88,7 @@ def finetune(payload: str) -> int:
         qm.checkpoint_blocks(
             model, offload=cfg.offload_activations, tile_tokens=cfg.tile_tokens or None
         )
-    cuda = mesh.device.type == "cuda"
-    if cfg.compile_on(cuda):
+    if cfg.compile_on(mesh.device.type == "cuda"):
         n = qm.compile_blocks(model)
         if rank0:
             print(
