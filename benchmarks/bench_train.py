@@ -83,6 +83,12 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--offload", action="store_true", help="with --checkpointing: offload=True")
     p.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        default=None,
+        help="with --checkpointing: only N blocks recomputed (checkpoint_blocks(blocks=N))",
+    )
+    p.add_argument(
         "--tile-tokens",
         type=int,
         default=None,
@@ -113,6 +119,7 @@ def layout_name(a, dp: int) -> str:
     name += ("_fsdp" if a.fsdp else "") + ("_offbase" if a.offload_base else "")
     name += ("_ckpt" if a.checkpointing else "") + ("_offload" if a.offload else "")
     name += f"_tile{a.tile_tokens}" if a.tile_tokens else ""
+    name += f"_ckpt{a.checkpoint_blocks}" if a.checkpoint_blocks else ""
     name += "_fusedadamw" if a.fused_adamw else ""
     return name + (f"_chunk{a.loss_chunk}" if a.loss_chunk else "")
 
@@ -159,6 +166,7 @@ def memory_estimate(a, mesh, cfg) -> dict:
             lora=lora, seq_len=a.seq, micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
             checkpointing=a.checkpointing, offload_activations=a.offload,
             loss_chunk_tokens=a.loss_chunk, tile_tokens=a.tile_tokens, fsdp=a.fsdp,
+            checkpointed_blocks=a.checkpoint_blocks,
             offload_base=a.offload_base,
         )  # fmt: skip
         R["total_GiB"] = round(est.total / 2**30, 3)
@@ -485,7 +493,7 @@ def main(argv=None) -> int:
         loss_fn = hf_loss
         if a.checkpointing:
             R["checkpointed_blocks"] = qm.checkpoint_blocks(
-                model, offload=a.offload, tile_tokens=a.tile_tokens
+                model, offload=a.offload, tile_tokens=a.tile_tokens, blocks=a.checkpoint_blocks
             )
         if a.loss_chunk:
 

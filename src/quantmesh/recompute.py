@@ -28,6 +28,10 @@ It composes with the rest because it is torch's own non-reentrant `torch.utils.c
   first training call each candidate runs on an 8-token prefix of the block's input whole and in
   two halves; a child whose halves differ, that draws random numbers (dropout: tiles would draw
   other masks than the whole), or that cannot take the input is kept whole, with a warning. The cost is one more forward of the tiled parts per step.
+- `blocks=N`: only N blocks are checkpointed, the others keep their activations (the memory
+  between none and all, for less recompute: the fewest that fit is the fastest run, and
+  `quantmesh finetune` proposes it when the whole run does not fit). They are spread over all but
+  the last block, whose recompute would lower no peak (`spread`).
 - `offload=True`: the saved block inputs go to (pinned, on CUDA) host memory through
   `torch.autograd.graph.save_on_cpu` and come back when backward needs them. torch copies them back
   synchronously when the block's backward starts; there is no prefetch ahead of need yet.
@@ -66,33 +70,52 @@ CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
 def checkpoint_blocks(
-    model: nn.Module, *, offload: bool = False, tile_tokens: int | None = None
+    model: nn.Module,
+    *,
+    offload: bool = False,
+    tile_tokens: int | None = None,
+    blocks: int | None = None,
 ) -> int:
-    """Recompute every repeated block of `model` in backward instead of keeping its activations.
+    """Recompute the repeated blocks of `model` in backward instead of keeping their activations.
 
     The blocks are the ones `compile_blocks` and the planner find (the elements of the largest
     ModuleLists). Only training forwards with gradients enabled are checkpointed; evaluation and
-    generation run the block as it is. Calling it again changes `offload` and `tile_tokens` and
-    nothing else. With `compile_blocks` (before or after), the block's own forward is compiled
-    inside the checkpoint: the checkpoint and the offload stay eager around the compiled graph.
-    `tile_tokens`: run the blocks' position-wise parts (the MLP) that many tokens at a time, for
-    long sequences (module docstring). Returns the number of blocks.
+    generation run the block as it is. With `compile_blocks` (before or after), the block's own
+    forward is compiled inside the checkpoint: the checkpoint and the offload stay eager around
+    the compiled graph. `tile_tokens`: run the blocks' position-wise parts (the MLP) that many
+    tokens at a time, for long sequences (module docstring). `blocks`: checkpoint only that many
+    of them, spread evenly over all but the last (`spread`); the others keep their activations and pay no recompute, so
+    each block left out trades one block's activations for about a third of its step time (a
+    frozen base's backward costs about one forward). `None`: all. Calling it again sets
+    `offload`, `tile_tokens` and `blocks` anew (a block left out runs as before the first call,
+    compiled if `compile_blocks` asked). Returns the number of blocks checkpointed.
 
     Example:
         >>> qm.checkpoint_blocks(model, offload=True)  # doctest: +SKIP
         32
+        >>> qm.checkpoint_blocks(model, blocks=12)  # the other 20 keep their activations  # doctest: +SKIP
+        12
         >>> qm.checkpoint_blocks(model, tile_tokens=8192)  # 64k+ tokens  # doctest: +SKIP
         32
     """
     if tile_tokens is not None and tile_tokens < 1:
         raise ValueError(f"tile_tokens={tile_tokens}; expected >= 1 (or None: no tiling)")
-    blocks = blocks_of(model)
-    if not blocks:
+    found = blocks_of(model)
+    if not found:
         raise ValueError(
             f"{type(model).__name__} has no repeated blocks (no nn.ModuleList with children) to "
             "checkpoint; wrap the parts you want recomputed in torch.utils.checkpoint yourself"
         )
-    for _, block in blocks:
+    if blocks is not None and not 1 <= blocks <= len(found):
+        raise ValueError(
+            f"checkpoint_blocks(blocks={blocks}): {type(model).__name__} has {len(found)} "
+            f"blocks; pass 1 to {len(found)} (or None: all of them)"
+        )
+    chosen = spread(len(found), len(found) if blocks is None else blocks)
+    for i, (_, block) in enumerate(found):
+        if i not in chosen:
+            _uncheckpoint(block)
+            continue
         block.__dict__.setdefault(_MARK, block.forward)
         block.__dict__[_OFFLOAD] = offload
         block.__dict__[_TILE] = tile_tokens
@@ -105,7 +128,44 @@ def checkpoint_blocks(
         if tile_tokens is None:
             block.__dict__.pop(_TILED, None)
         install(block)
-    return len(blocks)
+    return len(chosen)
+
+
+def spread(n: int, k: int) -> set[int]:
+    """Which `k` of `n` blocks to checkpoint: all for k = n, else k spread evenly over all but
+    the last. The last block's backward comes first, right after the forward: recomputed, its
+    activations would be back at the very moment they would have been kept, so checkpointing it
+    lowers no peak (only the loss's, by one block input against one block's activations).
+
+    Example:
+        >>> sorted(spread(8, 3)), sorted(spread(8, 8))
+        ([2, 4, 6], [0, 1, 2, 3, 4, 5, 6, 7])
+    """
+    if k >= n:
+        return set(range(n))
+    return {i for i in range(n - 1) if k * (i + 1) // (n - 1) > k * i // (n - 1)}
+
+
+def _uncheckpoint(block: nn.Module) -> None:
+    """Undo checkpoint_blocks on `block`: its own forward back, its tiled children whole again,
+    and compiled as compile_blocks asked (the compile had moved inside the checkpoint)."""
+    if _MARK not in block.__dict__:
+        return
+    own = block.__dict__.pop(_MARK)
+    if getattr(own, "__self__", None) is block and getattr(own, "__func__", None) is getattr(
+        type(block).forward, "__func__", type(block).forward
+    ):
+        block.__dict__.pop("forward", None)  # the class's forward, as before
+    else:
+        block.forward = own
+    for name in block.__dict__.pop(_TILED, []):
+        child = block.get_submodule(name)
+        child.__class__ = _untiled_class(type(child))
+    for key in (_OFFLOAD, _TILE):
+        block.__dict__.pop(key, None)
+    kwargs = block.__dict__.get(COMPILE_KWARGS)
+    if kwargs is not None:
+        block.compile(**kwargs)
 
 
 def install(block: nn.Module) -> None:

@@ -3,7 +3,8 @@
 One launch of 4 ranks (dp=2 x tp=2, so every case runs at tp=2 and under DDP): a tiny Llama with
 attention and LoRA dropout, LoRA on every projection, fp32 and nf4. For each, one step's loss and
 every LoRA gradient (gathered over tp) with checkpointing, with checkpointing + offload, and with
-the chunked loss, and with the MLP run in token tiles (`tile_tokens`), against the plain step from
+the chunked loss, with the MLP run in token tiles (`tile_tokens`), and with one of the two
+blocks checkpointed (`blocks=1`), against the plain step from
 the same seed. Dropout masks must replay exactly in
 the recompute (the tp RNG regions derive from the state torch restores), so the gradients agree to
 rounding; the chunked loss only sums in another order. Compiled blocks are not combined here (a
@@ -50,13 +51,16 @@ def _model(quant, dropout=0.1):
     return model, mesh
 
 
-def _step(quant, *, ckpt=False, offload=False, chunk=0, tile=None, dropout=0.1) -> dict:
+def _step(
+    quant, *, ckpt=False, offload=False, chunk=0, tile=None, dropout=0.1, blocks=None
+) -> dict:
     import quantmesh as qm
     from quantmesh.train.loop import loss_sum
 
     model, mesh = _model(quant, dropout)
     if ckpt:
-        assert qm.checkpoint_blocks(model, offload=offload, tile_tokens=tile) == 2
+        got = qm.checkpoint_blocks(model, offload=offload, tile_tokens=tile, blocks=blocks)
+        assert got == (blocks or 2)
     model.train()
     g = torch.Generator().manual_seed(7 + mesh.dp_rank)
     ids = torch.randint(0, VOCAB, (MB, SEQ), generator=g)
@@ -64,11 +68,15 @@ def _step(quant, *, ckpt=False, offload=False, chunk=0, tile=None, dropout=0.1) 
     total, n = loss_sum(model, {"input_ids": ids, "labels": ids}, chunk)
     (total / n).backward()
     tiled = [b.__dict__.get("_quantmesh_tiled") for b in model.model.layers]
+    from quantmesh.recompute import is_checkpointed
+
+    recomputed = [is_checkpointed(b) for b in model.model.layers]
     return {
         "loss": float(total),
         "grads": whole_lora(model),
         "rng": torch.get_rng_state(),
         "tiled": tiled,
+        "recomputed": recomputed,
     }
 
 
@@ -85,6 +93,8 @@ def _rank(rank: int) -> dict:
             # would change), without it: tiled
             "tiled": {"ckpt": True, "tile": 5},
             "tiled_no_dropout": {"ckpt": True, "tile": 5, "dropout": 0.0},
+            # one of the two blocks recomputed (the first: never the last), the other keeps all
+            "partial": {"ckpt": True, "blocks": 1, "offload": True},
         }.items():
             got = _step(quant, **kw)
             base = plain[kw.get("dropout", 0.1)]
@@ -98,6 +108,7 @@ def _rank(rank: int) -> dict:
                 "rng_same": torch.equal(got["rng"], base["rng"]),
                 "rng": hash(got["rng"].numpy().tobytes()),
                 "tiled": got["tiled"],
+                "recomputed": got["recomputed"],
             }
     return out
 
@@ -109,7 +120,8 @@ def facts() -> list[dict]:
 
 @pytest.mark.parametrize("quant", [None, "nf4"])
 @pytest.mark.parametrize(
-    "variant", ["ckpt", "offload", "chunked", "ckpt_chunked", "tiled", "tiled_no_dropout"]
+    "variant",
+    ["ckpt", "offload", "chunked", "ckpt_chunked", "tiled", "tiled_no_dropout", "partial"],
 )
 def test_same_loss_and_gradients(facts: list[dict], quant, variant: str) -> None:
     for rank, f in enumerate(facts):
@@ -122,6 +134,8 @@ def test_same_loss_and_gradients(facts: list[dict], quant, variant: str) -> None
             assert got["rng_same"], (rank, "the random streams ended elsewhere")
         if variant == "tiled":  # LoRA dropout in the MLP: not tiled (other masks), with a warning
             assert got["tiled"] == [[], []], got["tiled"]
+        if variant == "partial":
+            assert got["recomputed"] == [True, False], got["recomputed"]
         if variant == "tiled_no_dropout":  # proven position-wise and tiled in every block
             assert got["tiled"] == [["mlp"], ["mlp"]], got["tiled"]
     for a, b in ((0, 1), (2, 3)):  # the tp groups of a dp=2 x tp=2 mesh

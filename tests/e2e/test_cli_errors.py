@@ -164,3 +164,22 @@ def test_pipeline_settings_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
     err = _fails([*base, "--microbatches", "2", "--pp-virtual", "2", "--pp-schedule",
                   "interleaved1f1b"], capsys, monkeypatch)  # fmt: skip
     assert "4 stages (pp=2 x virtual=2) but LlamaForCausalLM has 2 blocks" in err
+
+
+def test_checkpoint_blocks_that_cannot_run(tiny: Path, capsys, monkeypatch) -> None:
+    base = ["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
+            "--seq-len", "64"]  # fmt: skip
+    err = _fails([*base, "--checkpoint-blocks", "1"], capsys, monkeypatch)
+    assert "--checkpoint-blocks needs --checkpointing" in err
+    err = _fails([*base, "--checkpointing", "--checkpoint-blocks", "0"], capsys, monkeypatch)
+    assert "--checkpoint-blocks 0; expected an integer >= 1" in err
+    err = _fails([*base, "--checkpointing", "--checkpoint-blocks", "3"], capsys, monkeypatch)
+    assert "--checkpoint-blocks 3, but the model has 2 decoder layers; pass 1 to 2" in err
+    err = _fails([*base, "--nproc", "2", "--pp", "2", "--checkpointing", "--checkpoint-blocks",
+                  "1"], capsys, monkeypatch)  # fmt: skip
+    assert "--checkpoint-blocks with --pp 2" in err
+    err = _fails(["plan", str(tiny / "tiny"), "--lora-r", "4", "--checkpoint-blocks", "1"],
+                 capsys, monkeypatch)  # fmt: skip
+    assert (
+        "--checkpoint-blocks 1: expected 1 to 2 (the model's layers), with --checkpointing" in err
+    )

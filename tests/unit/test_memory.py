@@ -477,3 +477,56 @@ def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tile
     assert f"Fix: {tiles} (about" in str(e.value)
     # forward only: nothing to propose
     assert plan_cmd.memory_alternatives({**mem, "lora": None}, fsdp=False, offload_base=False) == []
+
+
+def test_partial_checkpointing_terms_and_the_fewest_layers_that_fit(monkeypatch) -> None:
+    """checkpointed_blocks=k: L - k layers keep their activations, k their inputs, plus the last
+    block's backward workspace; the memory check proposes the fewest k that fits the budget."""
+    import quantmesh as qm
+    from quantmesh.cli import plan_cmd
+    from quantmesh.cli.errors import CliError
+
+    m = _model(True, **dict(TINY, num_hidden_layers=6))
+    layers, h, tokens = 6, 72, 16 * 3
+    kw = {"tp": 1, "lora": qm.LoraConfig(r=4), "seq_len": 16, "micro_batch": 3}
+    per_layer = estimate_memory(m, **kw).activations // layers
+    workspace = 3 * tokens * 96 * 4  # the MLP's gradients (in TINY more than attention's)
+    for k in range(1, layers):
+        got = estimate_memory(m, checkpointing=True, checkpointed_blocks=k, **kw)
+        assert got.activations == (layers - k) * per_layer + workspace + k * tokens * h * 4
+        off = estimate_memory(
+            m, checkpointing=True, checkpointed_blocks=k, offload_activations=True, **kw
+        )
+        assert off.activations == got.activations - k * tokens * h * 4
+    every = estimate_memory(m, checkpointing=True, **kw)
+    assert estimate_memory(m, checkpointing=True, checkpointed_blocks=6, **kw) == every
+    with pytest.raises(ValueError, match="checkpointed_blocks=7, but the model has 6 layers"):
+        estimate_memory(m, checkpointing=True, checkpointed_blocks=7, **kw)
+    with pytest.raises(ValueError, match="checkpointed_blocks=0; expected >= 1"):
+        estimate_memory(m, checkpointing=True, checkpointed_blocks=0, **kw)
+
+    mem = dict(model=m, **kw, checkpointing=False)
+    totals = {
+        k: estimate_memory(**{**mem, "checkpointing": True}, checkpointed_blocks=k).total
+        for k in range(1, layers)
+    }
+    budget = (totals[3] + totals[4]) // 2  # 4 fits, 3 does not
+    assert plan_cmd.fewest_checkpointed(mem, budget, fsdp=False, offload_base=False) == (
+        4,
+        totals[4],
+    )
+    assert plan_cmd.fewest_checkpointed(mem, totals[5] - 1, fsdp=False, offload_base=False) is None
+    hints = plan_cmd.memory_alternatives(mem, fsdp=False, offload_base=False, budget=budget)
+    assert hints[0] == ("--checkpointing --checkpoint-blocks 4", totals[4])
+    assert hints[1][0] == "--checkpointing"
+    monkeypatch.setattr(plan_cmd, "device_budget", lambda n: ("cuda", budget, "test budget"))
+    with pytest.raises(CliError) as e:
+        plan_cmd.check_memory(estimate_memory(**mem), 1, what="training", hints=hints)
+    assert "Fix: --checkpointing --checkpoint-blocks 4 (about" in str(e.value)
+    assert "that many layers recomputed in backward" in str(e.value)
+    # a partial run that does not fit: fewer kept layers first, then every layer
+    part = {**mem, "checkpointing": True, "checkpointed_blocks": 2}
+    flags = [f for f, _ in plan_cmd.memory_alternatives(part, fsdp=False, offload_base=False,
+                                                        budget=budget)]  # fmt: skip
+    assert flags[:3] == ["--checkpointing --checkpoint-blocks 4", "--checkpointing",
+                         "--checkpointing --offload-activations"]  # fmt: skip

@@ -116,6 +116,10 @@ class FinetuneConfig:
     """With checkpointing: keep the layers' saved inputs in host memory."""
     tile_tokens: int = 0
     """With checkpointing: run each layer's MLP this many tokens at a time (long sequences); 0 = off."""
+    checkpoint_blocks: int | None = None
+    """With checkpointing: recompute only this many decoder layers (the others keep their
+    activations: less recompute, more memory); None = all. The memory check proposes the fewest
+    that fit when the run does not."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (never the whole logits at once); 0 = the plain loss."""
     quant_backend: str = "bitsandbytes"
@@ -165,6 +169,23 @@ class FinetuneConfig:
             raise CliError(f"--tile-tokens {self.tile_tokens}; expected >= 1 (or 0: no tiling)")
         if self.tile_tokens and not self.checkpointing:
             raise CliError("--tile-tokens needs --checkpointing (the tiles are recomputed too)")
+        if self.checkpoint_blocks is not None:
+            v = self.checkpoint_blocks
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CliError(
+                    f"--checkpoint-blocks {v!r}; expected an integer >= 1 (how many decoder "
+                    "layers to recompute; leave it out for all)"
+                )
+            if not self.checkpointing:
+                raise CliError(
+                    "--checkpoint-blocks needs --checkpointing (it says how many layers to recompute)"
+                )
+            if self.pp > 1:
+                raise CliError(
+                    f"--checkpoint-blocks with --pp {self.pp}: each stage would choose among its "
+                    "own layers, which the memory check does not model; use --checkpointing "
+                    "alone (every layer) with --pp"
+                )
         if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
             raise CliError(f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b")
         if (self.pp_virtual > 1) != (self.pp_schedule == "interleaved1f1b"):
@@ -434,6 +455,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --checkpointing: each layer's MLP N tokens at a time (for 32k+ sequences)",
     )
     g.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        metavar="N",
+        help="with --checkpointing: recompute only N decoder layers, the others keep their "
+        "activations (faster, more memory; default all)",
+    )
+    g.add_argument(
         "--loss-chunk-tokens",
         type=int,
         help="tokens per chunk of the loss; 0 = the plain loss on the whole logits (default 1024)",
@@ -525,11 +553,11 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
 
     from ..io.prequant import folder_quant
     from ..lora import lora_targets
-    from ..plan.auto import auto_plan
+    from ..plan.auto import auto_plan, blocks_of
     from ..plan.memory import estimate_memory
     from ..train.data import read_documents
     from ..train.loop import resolve_resume
-    from .plan_cmd import check_memory, load_skeleton, memory_alternatives
+    from .plan_cmd import check_memory, device_budget, load_skeleton, memory_alternatives
 
     assert cfg.nproc is not None and cfg.dp is not None  # set by _resolve_mesh
     config, model = load_skeleton(cfg.model)
@@ -581,10 +609,19 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         offload_activations=cfg.offload_activations,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         tile_tokens=cfg.tile_tokens or None,
+        checkpointed_blocks=cfg.checkpoint_blocks,
     )
+    n_blocks = len(blocks_of(model))
+    if cfg.checkpoint_blocks is not None and cfg.checkpoint_blocks > n_blocks:
+        raise CliError(
+            f"--checkpoint-blocks {cfg.checkpoint_blocks}, but the model has {n_blocks} decoder "
+            f"layers; pass 1 to {n_blocks}, or leave it out to recompute all of them"
+        )
     est = estimate_memory(**mem, fsdp=cfg.fsdp, offload_base=cfg.offload_base)
-    # the layouts that need less (checkpointing, offload, tiles, FSDP), named in the error
-    hints = memory_alternatives(mem, fsdp=cfg.fsdp, offload_base=cfg.offload_base)
+    # the layouts that need less (fewer layers kept, checkpointing, offload, tiles, FSDP), named
+    # in the error; a partial checkpointing needs the budget to say how many layers
+    budget = device_budget(cfg.nproc)[1]
+    hints = memory_alternatives(mem, fsdp=cfg.fsdp, offload_base=cfg.offload_base, budget=budget)
     if cfg.pp > 1:  # each rank holds one pipeline stage: the fullest rank must fit
         import argparse
 

@@ -120,39 +120,84 @@ TILE_TOKENS = 8192
 
 
 def memory_alternatives(
-    mem: dict[str, Any], *, fsdp: bool, offload_base: bool
+    mem: dict[str, Any], *, fsdp: bool, offload_base: bool, budget: int | None = None
 ) -> list[tuple[str, int]]:
     """[(flags, estimated bytes per rank)] of the layouts that need less memory than the training
-    run `mem` describes (estimate_memory's keywords), cheapest in speed first: checkpointing, its
-    saved inputs offloaded, MLP tiles (for sequences over two tiles), then FSDP and
-    FSDP with the base offloaded (each with the run's own activation settings). Forward-only runs
-    (no LoRA) get none.
+    run `mem` describes (estimate_memory's keywords), cheapest in speed first: with `budget`
+    (bytes per rank), the fewest checkpointed layers that fit it; then checkpointing every layer,
+    its saved inputs offloaded, MLP tiles (for sequences over two tiles), then FSDP and FSDP with
+    the base offloaded (each with the run's own activation settings). Forward-only runs (no LoRA)
+    get none.
 
     Example:
-        >>> memory_alternatives(mem, fsdp=False, offload_base=False)[0]  # doctest: +SKIP
-        ('--checkpointing', 8589934592)
+        >>> memory_alternatives(mem, fsdp=False, offload_base=False, budget=2**34)[0]  # doctest: +SKIP
+        ('--checkpointing --checkpoint-blocks 12', 17112760320)
     """
     from ..plan.memory import estimate_memory
 
     if mem.get("lora") is None:
         return []
+
+    def total(**kw: Any) -> int:
+        return estimate_memory(**{**mem, **kw}, fsdp=fsdp, offload_base=offload_base).total
+
+    out: list[tuple[str, int]] = []
+    partial = mem.get("checkpointed_blocks") is not None
+    if budget is not None and (not mem.get("checkpointing") or partial):
+        fewest = fewest_checkpointed(mem, budget, fsdp=fsdp, offload_base=offload_base)
+        if fewest is not None and fewest[0] != mem.get("checkpointed_blocks"):
+            k, t = fewest
+            out.append((f"--checkpointing --checkpoint-blocks {k}", t))
     steps: list[tuple[str, dict[str, Any]]] = []
-    if not mem.get("checkpointing"):
-        steps.append(("--checkpointing", {"checkpointing": True}))
-    ckpt_off = {"checkpointing": True, "offload_activations": True}
-    if not mem.get("offload_activations"):
+    every = {"checkpointing": True, "checkpointed_blocks": None}
+    if not mem.get("checkpointing") or partial:
+        steps.append(("--checkpointing", every))
+    ckpt_off = {**every, "offload_activations": True}
+    if not mem.get("offload_activations") or partial:
         steps.append(("--checkpointing --offload-activations", ckpt_off))
     if not mem.get("tile_tokens") and mem["seq_len"] * mem["micro_batch"] > 2 * TILE_TOKENS:
         flags = f"--checkpointing --offload-activations --tile-tokens {TILE_TOKENS}"
         steps.append((flags, {**ckpt_off, "tile_tokens": TILE_TOKENS}))
-    out = [
-        (flags, estimate_memory(**{**mem, **kw}, fsdp=fsdp, offload_base=offload_base).total)
-        for flags, kw in steps
-    ]
+    out += [(flags, total(**kw)) for flags, kw in steps]
     if not fsdp:
         for flags, off in (("--fsdp", False), ("--fsdp --offload-base", True)):
             out.append((flags, estimate_memory(**mem, fsdp=True, offload_base=off).total))
     return out
+
+
+def fewest_checkpointed(
+    mem: dict[str, Any], budget: int, *, fsdp: bool, offload_base: bool
+) -> tuple[int, int] | None:
+    """(k, estimated bytes): the fewest decoder layers to checkpoint (of all but the last:
+    recompute.spread) for the training run `mem` to fit `budget` bytes per rank, with the run's
+    offload and tile settings; None when even all but one do not fit, or none is needed. The
+    estimate falls by one layer's activations per layer checkpointed, so a bisection finds it.
+
+    Example:
+        >>> fewest_checkpointed(mem, 24 * 2**30, fsdp=False, offload_base=False)  # doctest: +SKIP
+        (14, 25518190592)
+    """
+    from ..plan.auto import blocks_of
+    from ..plan.memory import estimate_memory
+
+    n = len(blocks_of(mem["model"]))
+    if n < 2 or mem.get("lora") is None:
+        return None
+
+    def total(k: int) -> int:
+        kw = {**mem, "checkpointing": True, "checkpointed_blocks": k}
+        return estimate_memory(**kw, fsdp=fsdp, offload_base=offload_base).total
+
+    lo, hi = 1, n - 1
+    if total(hi) > budget:
+        return None
+    while lo < hi:  # the fewest k in [lo, hi] that fits; hi always fits
+        mid = (lo + hi) // 2
+        if total(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, total(lo)
 
 
 def _why(flags: str) -> str:
@@ -162,6 +207,8 @@ def _why(flags: str) -> str:
             "the base sharded over dp, gathered one layer at a time; --quant-backend torchao "
             "for a quantized base"
         )
+    if "--checkpoint-blocks" in flags:
+        return "that many layers recomputed in backward, the others keep their activations"
     if "--tile-tokens" in flags:
         return "the MLP a tile of tokens at a time, each tile recomputed"
     if "--offload-activations" in flags:
@@ -235,6 +282,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--offload-activations", action="store_true", help="checkpointed inputs in host memory"
     )
     p.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        metavar="N",
+        help="with --checkpointing: only N layers recomputed, the others keep their activations",
+    )
+    p.add_argument(
         "--tile-tokens",
         type=int,
         default=0,
@@ -273,6 +326,15 @@ def run(args: argparse.Namespace) -> int:
         if args.lora_r < 0:
             raise CliError(f"--lora-r {args.lora_r}; expected >= 1 (or 0 for no LoRA)")
         _, model = load_skeleton(args.model)
+        if args.checkpoint_blocks is not None:
+            from ..plan.auto import blocks_of
+
+            n = len(blocks_of(model))
+            if not args.checkpointing or args.pp > 1 or not 1 <= args.checkpoint_blocks <= n:
+                raise CliError(
+                    f"--checkpoint-blocks {args.checkpoint_blocks}: expected 1 to {n} (the "
+                    "model's layers), with --checkpointing and without --pp"
+                )
         print(plan_report(model, args))
     return 0
 
@@ -335,7 +397,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         f"quant={shown}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
         est.table(),
         "Assumes: activation checkpointing "
-        + ("on" if getattr(args, "checkpointing", False) else "off")
+        + _checkpointing(args)
         + (f", the loss in chunks of {chunk} tokens" if lora and chunk else "")
         + ", SDPA attention, frozen base; excludes the CUDA "
         "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
@@ -351,6 +413,14 @@ def plan_report(model, args: argparse.Namespace) -> str:
             + ("; with --fsdp a quantized base needs --quant-backend torchao)" if not fsdp else ")")
         )
     return "\n".join(lines)
+
+
+def _checkpointing(args: argparse.Namespace) -> str:
+    """How many layers the run recomputes, for the report's assumptions."""
+    if not getattr(args, "checkpointing", False):
+        return "off"
+    k = getattr(args, "checkpoint_blocks", None)
+    return "on" if k is None else f"on for {k} of the layers (--checkpoint-blocks)"
 
 
 def _compiled(args: argparse.Namespace, gpu: bool) -> bool:
@@ -374,6 +444,7 @@ def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
         offload_activations=getattr(args, "offload_activations", False),
         loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
         tile_tokens=getattr(args, "tile_tokens", 0) or None,
+        checkpointed_blocks=getattr(args, "checkpoint_blocks", None),
     )
 
 

@@ -86,7 +86,10 @@ def finetune(payload: str) -> int:
     )
     if cfg.checkpointing:
         qm.checkpoint_blocks(
-            model, offload=cfg.offload_activations, tile_tokens=cfg.tile_tokens or None
+            model,
+            offload=cfg.offload_activations,
+            tile_tokens=cfg.tile_tokens or None,
+            blocks=cfg.checkpoint_blocks,
         )
     if cfg.compile_on(mesh.device.type == "cuda"):
         n = qm.compile_blocks(model)

@@ -291,6 +291,7 @@ def estimate_memory(
     offload_activations: bool = False,
     loss_chunk_tokens: int = 0,
     tile_tokens: int | None = None,
+    checkpointed_blocks: int | None = None,
     fsdp: bool = False,
     offload_base: bool = False,
 ) -> MemoryEstimate:
@@ -306,7 +307,9 @@ def estimate_memory(
     time plus the labelled tokens' final hidden states. `tile_tokens` (with `checkpointing`): the
     MLP runs that many tokens at a time (`checkpoint_blocks(tile_tokens=...)`), so its
     intermediates and its backward's gradients are one tile's (the block's backward then peaks in
-    its attention, whose gradients are not tiled). `fsdp` / `offload_base`: as
+    its attention, whose gradients are not tiled). `checkpointed_blocks` (with `checkpointing`):
+    only that many blocks are (`checkpoint_blocks(blocks=...)`, all when None); the others keep
+    their activations, untiled. `fsdp` / `offload_base`: as
     `qm.parallelize(fsdp=..., offload_base=...)` (module docstring, "fsdp").
 
     Example:
@@ -325,6 +328,10 @@ def estimate_memory(
         raise ValueError(f"tp={tp}, dp={dp}; both must be >= 1")
     if offload_base and not fsdp:
         raise ValueError("offload_base=True offloads FSDP's shards of the base; pass fsdp=True")
+    if checkpointed_blocks is not None and checkpointed_blocks < 1:
+        raise ValueError(
+            f"checkpointed_blocks={checkpointed_blocks}; expected >= 1 (or None: all blocks)"
+        )
     if isinstance(plan, dict):
         plan = Plan(plan)
     resolved = (plan or auto_plan(model, tp)).resolve(model, tp)
@@ -335,7 +342,8 @@ def estimate_memory(
     for r in range(tp):
         est = _for_rank(
             model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled,
-            (checkpointing, offload_activations, loss_chunk_tokens, tile_tokens),
+            (checkpointing, offload_activations, loss_chunk_tokens, tile_tokens,
+             checkpointed_blocks),
         )  # fmt: skip
         if fsdp:
             _shard_over_dp(est, model, resolved, r, qcfg, fmt, lora, dtype, dp, offload_base)
@@ -458,7 +466,7 @@ def _for_rank(
     mb: int,
     dp: int,
     compiled: bool = False,
-    memory_modes: tuple[bool, bool, int, int | None] = (False, False, 0, None),
+    memory_modes: tuple[bool, bool, int, int | None, int | None] = (False, False, 0, None, None),
 ) -> MemoryEstimate:
     from ..lora import lora_targets
     from ..tp.kinds import kind_of
@@ -531,9 +539,25 @@ def _for_rank(
     act, logits, workspace, mlp_tok, attn_workspace = _activations(
         dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb, dp, compiled, est.notes
     )
-    ckpt, offload, chunk, tile = memory_modes
+    ckpt, offload, chunk, tile, k = memory_modes
     tokens = seq * mb
-    if ckpt and lora is not None:
+    if k is not None and k > dims.layers:
+        raise ValueError(f"checkpointed_blocks={k}, but the model has {dims.layers} layers")
+    k = dims.layers if k is None else k
+    if ckpt and lora is not None and k < dims.layers:
+        # Some blocks checkpointed (recompute.spread: never the last): the others keep their
+        # activations, and the peak is at the start of backward, when the last block's backward
+        # runs over all that is kept: L - k layers' activations, k block inputs and the last
+        # block's backward workspace.
+        per_layer = act // dims.layers
+        act = (dims.layers - k) * per_layer + max(workspace, attn_workspace)
+        act += 0 if offload else k * tokens * dims.hidden * a
+        est.notes.append(
+            f"checkpointing {k} of {dims.layers} blocks: {dims.layers - k} keep their "
+            f"activations (about {format_bytes(per_layer)} each), {k} their inputs"
+            + (" in host memory" if offload else "")
+        )
+    elif ckpt and lora is not None:
         # Each block keeps its input (the residual stream, h wide) unless offloaded; the one block
         # being recomputed holds its own activations (one layer's share of `act`) and, during its
         # backward, the MLP's gradients (`workspace`): without checkpointing that is one layer's
