@@ -3,6 +3,8 @@ and the flags that turn each one on or off whatever the device."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from quantmesh.cli.finetune import FinetuneConfig
@@ -52,3 +54,24 @@ def test_generate_decodes_fast_on_gpus_unless_a_setting_needs_generate() -> None
     assert not cfg(kv_cache=False).use_fast(cuda=True)
     assert not cfg(fast=False).use_fast(cuda=True)
     assert cfg(fast=True).use_fast(cuda=False)
+
+
+def test_workers_let_cuda_memory_grow_in_place_unless_told(monkeypatch) -> None:
+    """Expandable segments by default (fragmentation ran a near-limit run out of memory on one
+    H200); a user's PYTORCH_CUDA_ALLOC_CONF is kept as it is."""
+    from transformers.utils import logging as hf_logging
+
+    from quantmesh.cli import worker
+
+    level = hf_logging.get_verbosity()
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # setup_worker's other default, restored after
+    try:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        worker.setup_worker()
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+        worker.setup_worker()
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    finally:
+        hf_logging.set_verbosity(level)

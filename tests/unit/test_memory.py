@@ -510,12 +510,13 @@ def test_partial_checkpointing_terms_and_the_fewest_layers_that_fit(monkeypatch)
         k: estimate_memory(**{**mem, "checkpointing": True}, checkpointed_blocks=k).total
         for k in range(1, layers)
     }
-    budget = (totals[3] + totals[4]) // 2  # 4 fits, 3 does not
+    # 4 fits with the margin to spare, 3 does not
+    budget = int((totals[3] + totals[4]) / 2 / (1 - plan_cmd.PARTIAL_MARGIN))
     assert plan_cmd.fewest_checkpointed(mem, budget, fsdp=False, offload_base=False) == (
         4,
         totals[4],
     )
-    assert plan_cmd.fewest_checkpointed(mem, totals[5] - 1, fsdp=False, offload_base=False) is None
+    assert plan_cmd.fewest_checkpointed(mem, totals[5], fsdp=False, offload_base=False) is None
     hints = plan_cmd.memory_alternatives(mem, fsdp=False, offload_base=False, budget=budget)
     assert hints[0] == ("--checkpointing --checkpoint-blocks 4", totals[4])
     assert hints[1][0] == "--checkpointing"
@@ -530,3 +531,26 @@ def test_partial_checkpointing_terms_and_the_fewest_layers_that_fit(monkeypatch)
                                                         budget=budget)]  # fmt: skip
     assert flags[:3] == ["--checkpointing --checkpoint-blocks 4", "--checkpointing",
                          "--checkpointing --offload-activations"]  # fmt: skip
+
+
+def test_partial_checkpointing_estimate_is_within_10_percent_of_the_h200_peaks() -> None:
+    """The 7B shape, nf4 + LoRA r16 on the seven projections, compiled blocks, chunked loss 1024,
+    k of 32 blocks checkpointed: peaks measured on one H200 (max_memory_allocated;
+    docs/benchmarks.md, 2026-12-02). The estimate was 0 to +1.6% over them."""
+    import quantmesh as qm
+
+    m = _model(True, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+               max_position_embeddings=16384)  # fmt: skip
+    measured = [  # (tokens, offload, k, peak GiB)
+        (8192, False, 16, 22.097), (8192, False, 17, 21.151), (8192, False, 20, 18.358),
+        (8192, False, 24, 14.572), (16384, True, 24, 21.941),
+    ]  # fmt: skip
+    for seq, offload, k, peak_gib in measured:
+        est = estimate_memory(
+            m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=seq, dtype=torch.bfloat16,
+            compiled=True, checkpointing=True, offload_activations=offload,
+            loss_chunk_tokens=1024, checkpointed_blocks=k,
+        )  # fmt: skip
+        got = est.total / 2**30
+        assert abs(got / peak_gib - 1) < 0.10, (seq, offload, k, got, peak_gib)

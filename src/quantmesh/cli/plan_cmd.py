@@ -119,12 +119,19 @@ TILE_TOKENS = 8192
 """The MLP tile proposed for long sequences (measured on one H200: docs/benchmarks.md)."""
 
 
+PARTIAL_MARGIN = 0.10
+"""The share of the budget a proposed partial checkpointing leaves free. It is chosen to sit just
+under the budget, where the estimate's error and the allocator's fragmentation decide: on one
+H200 (24 GiB cap, docs/benchmarks.md) 7B at 16,384 tokens with 23 of 32 layers checkpointed,
+estimated 23.96 GiB, ran out of memory; with 24 (21.94 estimated and measured) it trained."""
+
+
 def memory_alternatives(
     mem: dict[str, Any], *, fsdp: bool, offload_base: bool, budget: int | None = None
 ) -> list[tuple[str, int]]:
     """[(flags, estimated bytes per rank)] of the layouts that need less memory than the training
     run `mem` describes (estimate_memory's keywords), cheapest in speed first: with `budget`
-    (bytes per rank), the fewest checkpointed layers that fit it; then checkpointing every layer,
+    (bytes per rank), the fewest checkpointed layers that fit it (`fewest_checkpointed`); then checkpointing every layer,
     its saved inputs offloaded, MLP tiles (for sequences over two tiles), then FSDP and FSDP with
     the base offloaded (each with the run's own activation settings). Forward-only runs (no LoRA)
     get none.
@@ -169,9 +176,10 @@ def fewest_checkpointed(
     mem: dict[str, Any], budget: int, *, fsdp: bool, offload_base: bool
 ) -> tuple[int, int] | None:
     """(k, estimated bytes): the fewest decoder layers to checkpoint (of all but the last:
-    recompute.spread) for the training run `mem` to fit `budget` bytes per rank, with the run's
-    offload and tile settings; None when even all but one do not fit, or none is needed. The
-    estimate falls by one layer's activations per layer checkpointed, so a bisection finds it.
+    recompute.spread) for the training run `mem` to fit `budget` bytes per rank with
+    PARTIAL_MARGIN to spare, with the run's offload and tile settings; None when even all but one
+    do not. The estimate falls by one layer's activations per layer checkpointed, so a bisection
+    finds it.
 
     Example:
         >>> fewest_checkpointed(mem, 24 * 2**30, fsdp=False, offload_base=False)  # doctest: +SKIP
@@ -188,12 +196,13 @@ def fewest_checkpointed(
         kw = {**mem, "checkpointing": True, "checkpointed_blocks": k}
         return estimate_memory(**kw, fsdp=fsdp, offload_base=offload_base).total
 
+    fit = int(budget * (1 - PARTIAL_MARGIN))
     lo, hi = 1, n - 1
-    if total(hi) > budget:
+    if total(hi) > fit:
         return None
     while lo < hi:  # the fewest k in [lo, hi] that fits; hi always fits
         mid = (lo + hi) // 2
-        if total(mid) <= budget:
+        if total(mid) <= fit:
             hi = mid
         else:
             lo = mid + 1
