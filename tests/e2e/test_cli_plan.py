@@ -116,3 +116,32 @@ def test_plan_shows_the_fsdp_layouts(config_only: Path, capsys) -> None:
     with pytest.raises(SystemExit):  # --offload-base needs --fsdp
         main(["plan", str(config_only), "--offload-base"])
     assert "--offload-base needs --fsdp" in capsys.readouterr().err
+
+
+def test_plan_says_whether_a_gpu_fits_and_the_fewest_layers_to_checkpoint(
+    tmp_path: Path, capsys
+) -> None:
+    """--gpu-memory: the run against one card, and the first layout that fits it: here the 7B
+    shape at 8192 tokens on a 24 GiB card, where checkpointing some of the 32 layers does."""
+    from transformers import LlamaConfig
+
+    from quantmesh.cli import plan_cmd
+
+    LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                max_position_embeddings=8192).save_pretrained(tmp_path)  # fmt: skip
+    base = ["plan", str(tmp_path), "--quant", "nf4", "--lora-r", "16", "--seq", "8192"]
+    assert main([*base, "--gpu-memory", "24"]) == 0
+    out = capsys.readouterr().out
+    got = re.search(r"Does not fit a 24 GiB GPU \(22.50 GiB after the CUDA context and "
+                    r"workspaces\); --checkpointing --checkpoint-blocks (\d+) does \(about "
+                    r"([\d.]+) GiB", out)  # fmt: skip
+    assert got, out
+    k, gib = int(got.group(1)), float(got.group(2))
+    assert 1 < k < 32 and gib <= 22.5 * (1 - plan_cmd.PARTIAL_MARGIN)
+    # one layer fewer would not leave the margin: the printed k is the fewest
+    assert main([*base, "--checkpointing", "--checkpoint-blocks", str(k - 1)]) == 0
+    total = re.search(r"^  total +([\d.]+) GiB", capsys.readouterr().out, re.M)
+    assert total and float(total.group(1)) > 22.5 * (1 - plan_cmd.PARTIAL_MARGIN), total
+    assert main([*base, "--checkpointing", "--gpu-memory", "24"]) == 0
+    assert "Fits a 24 GiB GPU" in capsys.readouterr().out

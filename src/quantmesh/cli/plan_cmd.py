@@ -318,6 +318,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp", action="store_true", help="base and adapters sharded over dp (FSDP2)")
     p.add_argument("--offload-base", action="store_true", help="with --fsdp: base shards on host")
     p.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GIB",
+        help="memory of one GPU in GiB (e.g. 24): say whether the run fits, and if not, the "
+        "first layout that does (starting with the fewest layers to checkpoint)",
+    )
+    p.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
@@ -334,6 +341,12 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(f"--{name.replace('_', '-')} {getattr(args, name)}; expected >= 1")
         if args.lora_r < 0:
             raise CliError(f"--lora-r {args.lora_r}; expected >= 1 (or 0 for no LoRA)")
+        gib = getattr(args, "gpu_memory", None)
+        if gib is not None and not gib * 2**30 > CUDA_RUNTIME_BYTES:
+            raise CliError(
+                f"--gpu-memory {gib}; expected a GPU's memory in GiB, more than the "
+                f"{CUDA_RUNTIME_BYTES / 2**30:.1f} GiB the CUDA context and workspaces take (e.g. 24)"
+            )
         _, model = load_skeleton(args.model)
         if args.checkpoint_blocks is not None:
             from ..plan.auto import blocks_of
@@ -414,7 +427,11 @@ def plan_report(model, args: argparse.Namespace) -> str:
     lines += [f"Note: {n}" for n in est.notes]
     if getattr(args, "pp", 1) > 1:
         lines += ["", stage_report(model, args, plan=plan, quant=quant, lora=lora)]
-    alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload)
+    gib = getattr(args, "gpu_memory", None)
+    budget = None if gib is None else int(gib * 2**30) - CUDA_RUNTIME_BYTES
+    alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload, budget=budget)
+    if budget is not None:
+        lines.append(_verdict(est.total, budget, gib, alternatives))
     if alternatives:  # the ways out when this does not fit, side by side
         alt = [f"{flags}: {format_bytes(total)}" for flags, total in alternatives]
         lines.append(
@@ -422,6 +439,21 @@ def plan_report(model, args: argparse.Namespace) -> str:
             + ("; with --fsdp a quantized base needs --quant-backend torchao)" if not fsdp else ")")
         )
     return "\n".join(lines)
+
+
+def _verdict(total: int, budget: int, gib: float, alternatives: list[tuple[str, int]]) -> str:
+    """Whether a run of `total` bytes fits a GPU of `gib` GiB (`budget` after the CUDA context),
+    and if not, the first alternative that does."""
+    from ..plan.memory import format_bytes
+
+    room = f"a {gib:g} GiB GPU ({format_bytes(budget)} after the CUDA context and workspaces)"
+    if total <= budget:
+        return f"Fits {room}."
+    fits = [(f, t) for f, t in alternatives if t <= budget]
+    if not fits:
+        return f"Does not fit {room}, nor does any layout below; see the fixes `finetune` names."
+    flags, t = fits[0]
+    return f"Does not fit {room}; {flags} does (about {format_bytes(t)}: {_why(flags)})."
 
 
 def _checkpointing(args: argparse.Namespace) -> str:
