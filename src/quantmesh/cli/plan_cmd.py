@@ -430,7 +430,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
     gib = getattr(args, "gpu_memory", None)
     budget = None if gib is None else int(gib * 2**30) - CUDA_RUNTIME_BYTES
     alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload, budget=budget)
-    if budget is not None:
+    if gib is not None and budget is not None:
         lines.append(_verdict(est.total, budget, gib, alternatives))
     if alternatives:  # the ways out when this does not fit, side by side
         alt = [f"{flags}: {format_bytes(total)}" for flags, total in alternatives]
