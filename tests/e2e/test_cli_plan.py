@@ -133,7 +133,7 @@ def test_plan_says_whether_a_gpu_fits_and_the_fewest_layers_to_checkpoint(
     base = ["plan", str(tmp_path), "--quant", "nf4", "--lora-r", "16", "--seq", "8192"]
     assert main([*base, "--gpu-memory", "24"]) == 0
     out = capsys.readouterr().out
-    got = re.search(r"Does not fit a 24 GiB GPU \(22.50 GiB after the CUDA context and "
+    got = re.search(r"This run does not fit a 24 GiB GPU \(22.50 GiB after the CUDA context and "
                     r"workspaces\); --checkpointing --checkpoint-blocks (\d+) does \(about "
                     r"([\d.]+) GiB", out)  # fmt: skip
     assert got, out
@@ -144,4 +144,9 @@ def test_plan_says_whether_a_gpu_fits_and_the_fewest_layers_to_checkpoint(
     total = re.search(r"^  total +([\d.]+) GiB", capsys.readouterr().out, re.M)
     assert total and float(total.group(1)) > 22.5 * (1 - plan_cmd.PARTIAL_MARGIN), total
     assert main([*base, "--checkpointing", "--gpu-memory", "24"]) == 0
-    assert "Fits a 24 GiB GPU" in capsys.readouterr().out
+    assert "This run fits a 24 GiB GPU" in capsys.readouterr().out
+    assert main([*base, "--gpu-memory", "24", "--pp", "4", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "The fullest pp rank does not fit a 24 GiB GPU" in out and "--checkpoint-blocks" not in out
+    )

@@ -429,9 +429,17 @@ def plan_report(model, args: argparse.Namespace) -> str:
         lines += ["", stage_report(model, args, plan=plan, quant=quant, lora=lora)]
     gib = getattr(args, "gpu_memory", None)
     budget = None if gib is None else int(gib * 2**30) - CUDA_RUNTIME_BYTES
-    alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload, budget=budget)
+    pp = getattr(args, "pp", 1)
+    alternatives = memory_alternatives(
+        mem, fsdp=fsdp, offload_base=offload, budget=budget if pp == 1 else None
+    )
     if gib is not None and budget is not None:
-        lines.append(_verdict(est.total, budget, gib, alternatives))
+        if pp > 1:  # the fullest pp rank must fit; partial checkpointing and fsdp are refused
+            stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
+            fullest = max(r.estimate.total for r in stages)
+            lines.append(_verdict(fullest, budget, gib, None))
+        else:
+            lines.append(_verdict(est.total, budget, gib, alternatives))
     if alternatives:  # the ways out when this does not fit, side by side
         alt = [f"{flags}: {format_bytes(total)}" for flags, total in alternatives]
         lines.append(
@@ -441,19 +449,26 @@ def plan_report(model, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _verdict(total: int, budget: int, gib: float, alternatives: list[tuple[str, int]]) -> str:
+def _verdict(
+    total: int, budget: int, gib: float, alternatives: list[tuple[str, int]] | None
+) -> str:
     """Whether a run of `total` bytes fits a GPU of `gib` GiB (`budget` after the CUDA context),
-    and if not, the first alternative that does."""
+    and if not, the first alternative that does; `alternatives` None: `total` is the fullest pp
+    rank's, and no layout is proposed."""
     from ..plan.memory import format_bytes
 
     room = f"a {gib:g} GiB GPU ({format_bytes(budget)} after the CUDA context and workspaces)"
+    who = "The fullest pp rank" if alternatives is None else "This run"
     if total <= budget:
-        return f"Fits {room}."
-    fits = [(f, t) for f, t in alternatives if t <= budget]
+        return f"{who} fits {room}."
+    fits = [(f, t) for f, t in alternatives or [] if t <= budget]
     if not fits:
-        return f"Does not fit {room}, nor does any layout below; see the fixes `finetune` names."
+        return (
+            f"{who} does not fit {room}: try --checkpointing, more --pp stages, a smaller "
+            "--micro-batch or --seq-len, or a larger --tp"
+        )
     flags, t = fits[0]
-    return f"Does not fit {room}; {flags} does (about {format_bytes(t)}: {_why(flags)})."
+    return f"{who} does not fit {room}; {flags} does (about {format_bytes(t)}: {_why(flags)})."
 
 
 def _checkpointing(args: argparse.Namespace) -> str:
