@@ -84,9 +84,10 @@ def checkpoint_blocks(
     forward is compiled inside the checkpoint: the checkpoint and the offload stay eager around
     the compiled graph. `tile_tokens`: run the blocks' position-wise parts (the MLP) that many
     tokens at a time, for long sequences (module docstring). `blocks`: checkpoint only that many
-    of them, spread evenly over all but the last (`spread`); the others keep their activations and pay no recompute, so
-    each block left out trades one block's activations for about a third of its step time (a
-    frozen base's backward costs about one forward). `None`: all. Calling it again sets
+    of them, spread evenly over all but the last (`spread`); the others keep their activations
+    and skip the recompute: each block left out holds one block's activations for the step and
+    saves about a third of its share of the step time (a frozen base's backward costs about one
+    forward, the recompute another). `None`: all. Calling it again sets
     `offload`, `tile_tokens` and `blocks` anew (a block left out runs as before the first call,
     compiled if `compile_blocks` asked). Returns the number of blocks checkpointed.
 
