@@ -33,7 +33,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks examples
 
 test: lint
-	$(PY) -m pytest -q -m "not cuda" tests
+	$(PY) -m pytest -q -m "not cuda" --durations=25 tests
 
 # The inner loop: lint, then every test but the slow ones (the CLI end-to-end runs, the demo, the
 # benchmark smokes, the compiled-code spawns). `make test` stays the full suite.
