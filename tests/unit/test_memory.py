@@ -376,6 +376,9 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     # chunked loss: one chunk's 12 bytes per logit, plus the labelled tokens' hidden states
     chunked = estimate_memory(m, loss_chunk_tokens=8, **kw)
     assert chunked.logits == 8 * v * 12 + tokens * h * 4
+    # at tp=2 the head's logits are not gathered: each rank its own half of the vocabulary
+    tp2 = estimate_memory(m, loss_chunk_tokens=8, **{**kw, "tp": 2})
+    assert tp2.logits == 8 * (v // 2) * 12 + tokens * h * 4
     assert estimate_memory(m, loss_chunk_tokens=4096, **kw).logits == base.logits  # one chunk
 
 

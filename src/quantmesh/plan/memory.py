@@ -81,7 +81,9 @@ rank 0 more), in bytes:
                (micro_batch, seq_len, vocab) fp32 each and live together: 12 bytes per logit, on top
                of every saved activation. (The forward's bf16 logits + fp32 copy + log-softmax, 10
                bytes per logit, are gone by then: nothing keeps the logits themselves.) The
-               vocabulary is whole: the auto plan's head is colwise_gather.
+               vocabulary is whole: the auto plan's head is colwise_gather. (The chunked
+               loss instead holds one chunk of this rank's columns of a colwise_gather head:
+               chunk x vocab / tp logits, tp/cross_entropy.py.)
   transient    the largest linear's weight dequantized for a matmul (quantized formats)
   fsdp         with `fsdp=True` (FSDP2 over dp, fsdp.py) the parts above change so: weights,
                adapters, their gradients and AdamW states are split over dp (each / dp); no DDP
@@ -584,10 +586,28 @@ def _for_rank(
         )
     if chunk > 0 and lora is not None and tokens > chunk:
         # One chunk's logits at a time (12 bytes per logit at its backward), plus the labelled
-        # tokens' final hidden states kept for the chunks' recompute.
-        logits = chunk * dims.vocab * 12 + tokens * dims.hidden * a
+        # tokens' final hidden states kept for the chunks' recompute. A head split over tp
+        # (colwise_gather) is not gathered: this rank's columns only (tp/cross_entropy.py).
+        logits = chunk * _head_columns(model, resolved, widths, dims.vocab) * 12
+        logits += tokens * dims.hidden * a
     est.activations, est.logits = act, logits
     return est
+
+
+def _head_columns(
+    model: nn.Module, resolved: Resolved, widths: dict[str, tuple[int, int, int, int]], vocab: int
+) -> int:
+    """The logits' columns one rank computes in the chunked loss: its share of a head split
+    colwise_gather (the vocab-parallel loss reads them ungathered), else the whole `vocab`."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    fqn = next((n for n, m in model.named_modules() if m is head), None) if head else None
+    entry = resolved.entries.get(fqn) if fqn is not None else None
+    if entry is None or entry.style != Style.COLWISE_GATHER or entry.split is None:
+        return vocab
+    if not entry.split.contiguous() or fqn not in widths:
+        return vocab
+    return widths[fqn][3]
 
 
 def _activations(

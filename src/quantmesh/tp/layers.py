@@ -74,6 +74,7 @@ class ShardedModule(nn.Module):
     copy_share: CopyShare | None
     lora_stack: AdapterStack | None  # set by lora.stack_sibling_adapters (decoding)
     lora_stack_index: int
+    local_output: bool  # colwise_gather at tp > 1: hand back this rank's columns, ungathered
     lora_A: nn.Linear
     lora_B: nn.Linear
     lora_dropout: nn.Module
@@ -152,6 +153,7 @@ class ShardedModule(nn.Module):
         self.lora_scale = None  # set by lora.attach_lora, with lora_A / lora_B
         self.copy_share = None  # set by share_colwise_copies
         self.lora_stack = None  # set by stack_sibling_adapters
+        self.local_output = False  # set by vocab_parallel_logits (the loss)
         return self
 
     # ---- parameters shared with the hidden local module --------------------------------------
@@ -311,12 +313,23 @@ class ShardedModule(nn.Module):
                     a = copy_to_tp(a, g)
                 d = self.lora_B(a)
             y = y + (d * self.lora_scale).to(y.dtype)  # (..., out_local)
+        bias = self._parameters.get("bias") if st == Style.COLWISE_GATHER else None
+        if st == Style.COLWISE_GATHER and tp > 1 and self.local_output:
+            # this rank's columns only (a vocab-parallel loss reads them): no gather
+            assert self.split is not None  # tp > 1
+            if rng:
+                self.rng.exit(dev)
+            if bias is not None:  # its slice, on the feature dim (frozen: vocab_parallel_logits)
+                ((start, stop),) = self.split.ranges(self.tp_rank)
+                shape = [1] * y.dim()
+                shape[self.kind.feat_dim] = -1
+                y = y + bias[start:stop].view(shape).to(y.dtype)
+            return y
         if st == Style.COLWISE_GATHER and tp > 1:
             assert self.split is not None  # tp > 1
             y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
             if rng:
                 self.rng.exit(dev)  # whole again
-        bias = self._parameters.get("bias") if st == Style.COLWISE_GATHER else None
         if bias is not None:  # whole, after the gather: (out_full,) broadcast on the feature dim
             shape = [1] * y.dim()
             shape[self.kind.feat_dim] = -1

@@ -1,5 +1,7 @@
 """Causal-LM loss without the whole logits: the head and cross-entropy run one chunk of tokens at a
 time, each chunk recomputed in backward, so at most `chunk_tokens` rows of fp32 logits exist at once.
+A head split over tp (colwise_gather) is not gathered: each rank computes the loss from its own
+columns (tp/cross_entropy.py), so a rank holds chunk_tokens x V / tp logits.
 
 The model's own forward runs with its output head swapped for a pass-through (its root forward and
 every hook stay in place: DDP's, the tp RNG regions'), which hands back the final hidden states; the
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..tp.cross_entropy import splits_vocab, vocab_parallel_cross_entropy, vocab_parallel_logits
 from .data import IGNORE_INDEX
 
 __all__ = ["chunked_loss_sum", "plain_loss_sum", "IGNORE_INDEX"]
@@ -77,6 +80,10 @@ def plain_loss_sum(
 
 
 def _chunk_ce(head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if splits_vocab(head):  # each tp rank its own columns: (n, V / tp), no gather
+        with vocab_parallel_logits(head) as (start, group):
+            z = head(h).float()
+        return vocab_parallel_cross_entropy(z, t, start, group)
     return F.cross_entropy(head(h).float(), t, reduction="sum")  # (n, V) lives only here
 
 
