@@ -183,3 +183,39 @@ def test_checkpoint_blocks_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
     assert (
         "--checkpoint-blocks 1: expected 1 to 2 (the model's layers), with --checkpointing" in err
     )
+
+
+def test_full_checkpointing_notes_what_fits_with_less_recompute(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """--checkpointing alone: finetune says when the run fits without it, or with fewer layers
+    recomputed (the memory check's margin), and says nothing when every layer is needed."""
+    from quantmesh.cli import finetune, plan_cmd
+    from quantmesh.cli.main import build_parser
+    from quantmesh.plan.memory import estimate_memory
+
+    make_tiny_llama(tmp_path / "six", layers=6)
+    (tmp_path / "ok.txt").write_text(CORPUS * 4)
+    argv = ["finetune", "--model", str(tmp_path / "six"), "--data", str(tmp_path / "ok.txt"),
+            "--seq-len", "256", "--micro-batch", "8", "--checkpointing", "--nproc", "1"]  # fmt: skip
+    cfg = finetune.config_from_args(build_parser().parse_args(argv))
+    _, model = plan_cmd.load_skeleton(cfg.model)
+    mem = dict(model=model, lora=cfg.lora_config(), seq_len=256, micro_batch=8,
+               dtype=torch.float32, loss_chunk_tokens=cfg.loss_chunk_tokens)  # fmt: skip
+    free = 1 - plan_cmd.PARTIAL_MARGIN
+    plain = estimate_memory(**mem).total
+    k3 = estimate_memory(**mem, checkpointing=True, checkpointed_blocks=3).total
+    k2 = estimate_memory(**mem, checkpointing=True, checkpointed_blocks=2).total
+    every = estimate_memory(**mem, checkpointing=True).total
+    for budget, want in (
+        (int(plain / free) + 1, "fits without --checkpointing"),
+        (int((k2 + k3) / 2 / free), "--checkpoint-blocks 3 (of 6) fits too"),
+        (int(every / free), None),  # only (nearly) all of them fit
+    ):
+        monkeypatch.setattr(plan_cmd, "device_budget", lambda n, b=budget: ("cpu", b, "test"))
+        finetune.check_finetune(cfg)
+        err = capsys.readouterr().err
+        if want is None:
+            assert "note:" not in err, err
+        else:
+            assert "quantmesh finetune: note: " in err and want in err, err

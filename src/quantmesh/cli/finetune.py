@@ -639,6 +639,36 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         est = max((r.estimate for r in stages), key=lambda e: e.total)
         hints = []
     check_memory(est, cfg.nproc, what="training", hints=hints)
+    if cfg.checkpointing and cfg.checkpoint_blocks is None and cfg.pp == 1 and lora is not None:
+        note = _fewer_checkpointed(mem, budget, n_blocks, fsdp=cfg.fsdp, offload=cfg.offload_base)
+        if note and int(os.environ.get("RANK", "0")) == 0:
+            print(f"quantmesh finetune: note: {note}", file=sys.stderr, flush=True)
+
+
+def _fewer_checkpointed(
+    mem: dict, budget: int, n_blocks: int, *, fsdp: bool, offload: bool
+) -> str | None:
+    """With every layer checkpointed, what fits with less recompute (the same margin as the
+    memory check's proposal), as a note; None when all layers (or all but one) are needed."""
+    from ..plan.memory import estimate_memory, format_bytes
+    from .plan_cmd import PARTIAL_MARGIN, fewest_checkpointed
+
+    plain = {**mem, "checkpointing": False, "checkpointed_blocks": None}
+    total = estimate_memory(**plain, fsdp=fsdp, offload_base=offload).total
+    if total <= budget * (1 - PARTIAL_MARGIN):
+        return (
+            f"the run fits without --checkpointing (about {format_bytes(total)} per rank), and "
+            "each recomputed layer costs about a third of its step time"
+        )
+    fewest = fewest_checkpointed(plain, budget, fsdp=fsdp, offload_base=offload)
+    if fewest is None or fewest[0] >= n_blocks - 1:
+        return None
+    k, t = fewest
+    return (
+        f"every layer is recomputed; --checkpoint-blocks {k} (of {n_blocks}) fits too, about "
+        f"{format_bytes(t)} per rank, and runs faster (each recomputed layer costs about a third "
+        "of its step time)"
+    )
 
 
 def _check_tokenizer(path: Path) -> None:
