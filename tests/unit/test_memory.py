@@ -47,6 +47,27 @@ def _model(meta: bool, **cfg):
     return LlamaForCausalLM(config)
 
 
+def _seven_b(positions: int = 147456):
+    """Llama-2-7B's shape on meta (the GPU benchmarks' model)."""
+    return _model(True, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  max_position_embeddings=positions)  # fmt: skip
+
+
+def _assert_near_h200_peaks(runs: list[tuple[dict, float]]) -> None:
+    """Each run (estimate_memory's keywords on top of the benchmarks' recipe: 7B, nf4 + LoRA r16
+    on the seven projections, bf16, checkpointed, loss in chunks of 1024) estimated within 10% of
+    its peak measured on one H200, in GiB."""
+    import quantmesh as qm
+
+    m = _seven_b()
+    for kw, peak_gib in runs:
+        est = estimate_memory(m, quant="nf4", lora=qm.LoraConfig(r=16), dtype=torch.bfloat16,
+                              checkpointing=True, loss_chunk_tokens=1024, **kw)  # fmt: skip
+        got = est.total / 2**30
+        assert abs(got / peak_gib - 1) < 0.10, (kw, got, peak_gib)
+
+
 def test_format_bytes_and_total() -> None:
     est = MemoryEstimate(weights=3 * 2**30, activations=2**29, logits=5)
     assert est.total == 3 * 2**30 + 2**29 + 5
@@ -431,24 +452,15 @@ def test_tiled_checkpointing_estimate_is_within_10_percent_of_the_h200_peaks() -
     the MLP tiled, chunked loss 1024: peaks measured on one H200 (max_memory_allocated;
     docs/benchmarks.md, 2026-12-01), eager blocks in tiles of 8192 at 98,304 and 114,688 tokens,
     compiled blocks in tiles of 2048 and 4096 at 8192 and of 8192 at 98,304 and 147,456."""
-    import quantmesh as qm
-
-    m = _model(True, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-               max_position_embeddings=147456)  # fmt: skip
     measured = [  # (compiled, tokens, tile, peak GiB)
         (False, 98304, 8192, 19.007), (False, 114688, 8192, 21.517),
         (True, 8192, 2048, 5.268), (True, 8192, 4096, 5.604),
         (True, 98304, 8192, 15.336), (True, 147456, 8192, 20.998),
     ]  # fmt: skip
-    for compiled, seq, tile, peak_gib in measured:
-        est = estimate_memory(
-            m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=seq, dtype=torch.bfloat16,
-            compiled=compiled, checkpointing=True, offload_activations=True,
-            loss_chunk_tokens=1024, tile_tokens=tile,
-        )  # fmt: skip
-        got = est.total / 2**30
-        assert abs(got / peak_gib - 1) < 0.10, (compiled, seq, tile, got, peak_gib)
+    _assert_near_h200_peaks([
+        ({"compiled": c, "seq_len": seq, "tile_tokens": tile, "offload_activations": True}, peak)
+        for c, seq, tile, peak in measured
+    ])  # fmt: skip
 
 
 def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tiles(
@@ -460,9 +472,7 @@ def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tile
     from quantmesh.cli import plan_cmd
     from quantmesh.cli.errors import CliError
 
-    m = _model(True, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-               max_position_embeddings=131072)  # fmt: skip
+    m = _seven_b(131072)
     mem = dict(model=m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=114688, micro_batch=1,
                dtype=torch.bfloat16, compiled=True, checkpointing=False,
                offload_activations=False, loss_chunk_tokens=1024, tile_tokens=None)  # fmt: skip
@@ -540,20 +550,12 @@ def test_partial_checkpointing_estimate_is_within_10_percent_of_the_h200_peaks()
     """The 7B shape, nf4 + LoRA r16 on the seven projections, compiled blocks, chunked loss 1024,
     k of 32 blocks checkpointed: peaks measured on one H200 (max_memory_allocated;
     docs/benchmarks.md, 2026-12-02). The estimate was 0 to +1.6% over them."""
-    import quantmesh as qm
-
-    m = _model(True, vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-               max_position_embeddings=16384)  # fmt: skip
     measured = [  # (tokens, offload, k, peak GiB)
         (8192, False, 16, 22.097), (8192, False, 17, 21.151), (8192, False, 20, 18.358),
         (8192, False, 24, 14.572), (16384, True, 24, 21.941),
     ]  # fmt: skip
-    for seq, offload, k, peak_gib in measured:
-        est = estimate_memory(
-            m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=seq, dtype=torch.bfloat16,
-            compiled=True, checkpointing=True, offload_activations=offload,
-            loss_chunk_tokens=1024, checkpointed_blocks=k,
-        )  # fmt: skip
-        got = est.total / 2**30
-        assert abs(got / peak_gib - 1) < 0.10, (seq, offload, k, got, peak_gib)
+    _assert_near_h200_peaks([
+        ({"compiled": True, "seq_len": seq, "offload_activations": off, "checkpointed_blocks": k},
+         peak)
+        for seq, off, k, peak in measured
+    ])  # fmt: skip

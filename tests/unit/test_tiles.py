@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import quantmesh as qm
+from tests.models import Stack
 
 
 class _Mix(nn.Module):
@@ -31,18 +32,11 @@ class _Block(nn.Module):
         return x + self.mlp(x) + self.mix(x)
 
 
-class _Net(nn.Module):
-    def __init__(self, d: int = 8, n: int = 3) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return x
+def _net(n: int = 3, d: int = 8) -> Stack:
+    return Stack(_Block, n=n, d=d)
 
 
-def _grads(net: _Net, x: torch.Tensor) -> list[torch.Tensor]:
+def _grads(net: Stack, x: torch.Tensor) -> list[torch.Tensor]:
     net(x).pow(2).mean().backward()
     return [p.grad.clone() for p in net.parameters()]
 
@@ -50,17 +44,17 @@ def _grads(net: _Net, x: torch.Tensor) -> list[torch.Tensor]:
 def test_only_position_wise_children_are_tiled_and_values_do_not_change() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 21, 8)
-    net = _Net()
+    net = _net()
     want = _grads(net, x)
     net.zero_grad()
     qm.checkpoint_blocks(net, tile_tokens=4)
     with pytest.warns(UserWarning, match=r"keeps _Block\.mix \(_Mix\) whole"):
         got = _grads(net, x)
-    assert [b.__dict__["_quantmesh_tiled"] for b in net.blocks] == [["mlp"]] * 3
+    assert [b.__dict__["_quantmesh_tiled"] for b in net.layers] == [["mlp"]] * 3
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_tile_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="tile_tokens=0"):
-        qm.checkpoint_blocks(_Net(), tile_tokens=0)
+        qm.checkpoint_blocks(_net(), tile_tokens=0)
