@@ -147,6 +147,8 @@ def test_plan_says_whether_a_gpu_fits_and_the_fewest_layers_to_checkpoint(
     assert "This run fits a 24 GiB GPU" in capsys.readouterr().out
     assert main([*base, "--gpu-memory", "24", "--pp", "4", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "The fullest pp rank does not fit a 24 GiB GPU" in out and "--checkpoint-blocks" not in out
-    )
+    assert "The fullest pp rank does not fit a 24 GiB GPU (22.50 GiB" in out
+    assert "workspaces); --checkpointing does (about" in out
+    # at pp > 1 the ways out are per pp rank, without the ones pp refuses (fsdp, partial)
+    assert "If this does not fit, the fullest pp rank needs: --checkpointing: " in out
+    assert "--checkpoint-blocks" not in out and "--fsdp" not in out

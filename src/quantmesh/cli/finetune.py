@@ -625,7 +625,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     if cfg.pp > 1:  # each rank holds one pipeline stage: the fullest rank must fit
         import argparse
 
-        from .plan_cmd import stage_estimates
+        from .plan_cmd import stage_alternatives, stage_estimates
 
         args = argparse.Namespace(
             pp=cfg.pp, microbatches=cfg.grad_accum, pp_schedule=cfg.pp_schedule,
@@ -637,7 +637,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         quant = None if cfg.quant == "none" else cfg.quant
         stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
         est = max((r.estimate for r in stages), key=lambda e: e.total)
-        hints = []
+        hints = stage_alternatives(model, args, plan=plan, quant=quant, lora=lora)
     check_memory(est, cfg.nproc, what="training", hints=hints)
     if cfg.checkpointing and cfg.checkpoint_blocks is None and cfg.pp == 1 and lora is not None:
         note = _fewer_checkpointed(mem, budget, n_blocks, fsdp=cfg.fsdp, offload=cfg.offload_base)

@@ -430,38 +430,52 @@ def plan_report(model, args: argparse.Namespace) -> str:
     gib = getattr(args, "gpu_memory", None)
     budget = None if gib is None else int(gib * 2**30) - CUDA_RUNTIME_BYTES
     pp = getattr(args, "pp", 1)
-    alternatives = memory_alternatives(
-        mem, fsdp=fsdp, offload_base=offload, budget=budget if pp == 1 else None
-    )
+    if pp > 1:  # each pp rank holds its stages: the fullest must fit (fsdp, partial: refused)
+        alternatives = (
+            stage_alternatives(model, args, plan=plan, quant=quant, lora=lora) if lora else []
+        )
+    else:
+        alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload, budget=budget)
     if gib is not None and budget is not None:
-        if pp > 1:  # the fullest pp rank must fit; partial checkpointing and fsdp are refused
+        if pp > 1:
             stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
             fullest = max(r.estimate.total for r in stages)
-            lines.append(_verdict(fullest, budget, gib, None))
+            lines.append(_verdict(fullest, budget, gib, alternatives, stage=True))
         else:
             lines.append(_verdict(est.total, budget, gib, alternatives))
     if alternatives:  # the ways out when this does not fit, side by side
         alt = [f"{flags}: {format_bytes(total)}" for flags, total in alternatives]
-        lines.append(
-            f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}"
-            + ("; with --fsdp a quantized base needs --quant-backend torchao)" if not fsdp else ")")
-        )
+        if pp > 1:
+            lines.append(f"If this does not fit, the fullest pp rank needs: {'; '.join(alt)}")
+        else:
+            lines.append(
+                f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}"
+                + (
+                    "; with --fsdp a quantized base needs --quant-backend torchao)"
+                    if not fsdp
+                    else ")"
+                )
+            )
     return "\n".join(lines)
 
 
 def _verdict(
-    total: int, budget: int, gib: float, alternatives: list[tuple[str, int]] | None
+    total: int,
+    budget: int,
+    gib: float,
+    alternatives: list[tuple[str, int]],
+    *,
+    stage: bool = False,
 ) -> str:
     """Whether a run of `total` bytes fits a GPU of `gib` GiB (`budget` after the CUDA context),
-    and if not, the first alternative that does; `alternatives` None: `total` is the fullest pp
-    rank's, and no layout is proposed."""
+    and if not, the first alternative that does; `stage`: `total` is the fullest pp rank's."""
     from ..plan.memory import format_bytes
 
     room = f"a {gib:g} GiB GPU ({format_bytes(budget)} after the CUDA context and workspaces)"
-    who = "The fullest pp rank" if alternatives is None else "This run"
+    who = "The fullest pp rank" if stage else "This run"
     if total <= budget:
         return f"{who} fits {room}."
-    fits = [(f, t) for f, t in alternatives or [] if t <= budget]
+    fits = [(f, t) for f, t in alternatives if t <= budget]
     if not fits:
         return (
             f"{who} does not fit {room}: try --checkpointing, more --pp stages, a smaller "
@@ -511,6 +525,8 @@ def stage_estimates(model, args: argparse.Namespace, **kw: Any) -> list:
     from ..pipeline.memory import estimate_stages
 
     gpu = getattr(args, "device", "cuda") == "cuda"
+    # the pipelined step's loss is the plain one (train_step), whatever --loss-chunk-tokens says
+    options = {**run_options(args, gpu), "loss_chunk_tokens": 0}
     return estimate_stages(
         model,
         pp=args.pp,
@@ -519,9 +535,32 @@ def stage_estimates(model, args: argparse.Namespace, **kw: Any) -> list:
         pipeline=PipelineConfig(virtual=args.pp_virtual),
         tp=args.tp,
         dp=args.dp,
-        **run_options(args, gpu),
+        **options,
         **kw,
     )
+
+
+def stage_alternatives(model, args: argparse.Namespace, **kw: Any) -> list[tuple[str, int]]:
+    """[(flags, the fullest pp rank's estimated bytes)] of the layouts that need less memory at
+    pp > 1: checkpointing, and its inputs offloaded (partial checkpointing and fsdp are refused
+    with pp).
+
+    Example:
+        >>> stage_alternatives(model, args, plan=plan, quant="nf4", lora=lora)  # doctest: +SKIP
+        [('--checkpointing', 5948061696), ('--checkpointing --offload-activations', 5411190784)]
+    """
+    steps: list[tuple[str, dict[str, Any]]] = []
+    if not getattr(args, "checkpointing", False):
+        steps.append(("--checkpointing", {"checkpointing": True}))
+    if not getattr(args, "offload_activations", False):
+        flags = "--checkpointing --offload-activations"
+        steps.append((flags, {"checkpointing": True, "offload_activations": True}))
+    out = []
+    for flags, change in steps:
+        changed = argparse.Namespace(**{**vars(args), **change})
+        stages = stage_estimates(model, changed, **kw)
+        out.append((flags, max(r.estimate.total for r in stages)))
+    return out
 
 
 def stage_report(model, args: argparse.Namespace, **kw: Any) -> str:
