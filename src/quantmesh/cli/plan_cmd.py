@@ -131,10 +131,10 @@ def memory_alternatives(
 ) -> list[tuple[str, int]]:
     """[(flags, estimated bytes per rank)] of the layouts that need less memory than the training
     run `mem` describes (estimate_memory's keywords), cheapest in speed first: with `budget`
-    (bytes per rank), the fewest checkpointed layers that fit it (`fewest_checkpointed`); then checkpointing every layer,
-    its saved inputs offloaded, MLP tiles (for sequences over two tiles), then FSDP and FSDP with
-    the base offloaded (each with the run's own activation settings). Forward-only runs (no LoRA)
-    get none.
+    (bytes per rank), the fewest checkpointed layers that fit it (`fewest_checkpointed`); then
+    checkpointing every layer, its saved inputs offloaded, MLP tiles (for sequences over two
+    tiles), then FSDP and FSDP with the base offloaded (each with the run's own activation
+    settings). Forward-only runs (no LoRA) get none.
 
     Example:
         >>> memory_alternatives(mem, fsdp=False, offload_base=False, budget=2**34)[0]  # doctest: +SKIP
@@ -477,9 +477,10 @@ def _verdict(
         return f"{who} fits {room}."
     fits = [(f, t) for f, t in alternatives if t <= budget]
     if not fits:
+        nor = ", nor does any layout below" if alternatives else ""
         return (
-            f"{who} does not fit {room}: try --checkpointing, more --pp stages, a smaller "
-            "--micro-batch or --seq-len, or a larger --tp"
+            f"{who} does not fit {room}{nor}: a smaller --micro-batch or --seq-len, a larger --tp "
+            "or more --pp stages"
         )
     flags, t = fits[0]
     return f"{who} does not fit {room}; {flags} does (about {format_bytes(t)}: {_why(flags)})."
