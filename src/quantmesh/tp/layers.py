@@ -313,24 +313,20 @@ class ShardedModule(nn.Module):
                     a = copy_to_tp(a, g)
                 d = self.lora_B(a)
             y = y + (d * self.lora_scale).to(y.dtype)  # (..., out_local)
-        bias = self._parameters.get("bias") if st == Style.COLWISE_GATHER else None
-        if st == Style.COLWISE_GATHER and tp > 1 and self.local_output:
-            # this rank's columns only (a vocab-parallel loss reads them): no gather
-            assert self.split is not None  # tp > 1
-            if rng:
-                self.rng.exit(dev)
-            if bias is not None:  # its slice, on the feature dim (frozen: vocab_parallel_logits)
-                ((start, stop),) = self.split.ranges(self.tp_rank)
-                shape = [1] * y.dim()
-                shape[self.kind.feat_dim] = -1
-                y = y + bias[start:stop].view(shape).to(y.dtype)
-            return y
+        bias: torch.Tensor | None = (
+            self._parameters.get("bias") if st == Style.COLWISE_GATHER else None
+        )
         if st == Style.COLWISE_GATHER and tp > 1:
             assert self.split is not None  # tp > 1
-            y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
+            if self.local_output:  # this rank's columns only (a vocab-parallel loss reads them)
+                if bias is not None:  # its slice (frozen: vocab_parallel_logits)
+                    ((start, stop),) = self.split.ranges(self.tp_rank)
+                    bias = bias[start:stop]
+            else:
+                y = gather_from_tp(y, self.kind.feat_dim, self.split.sizes(), self.tp_rank, g)
             if rng:
-                self.rng.exit(dev)  # whole again
-        if bias is not None:  # whole, after the gather: (out_full,) broadcast on the feature dim
+                self.rng.exit(dev)  # whole again (or handed to the loss, which draws nothing)
+        if bias is not None:  # after the gather (or the rank's slice): on the feature dim
             shape = [1] * y.dim()
             shape[self.kind.feat_dim] = -1
             y = y + bias.view(shape).to(y.dtype)
