@@ -93,7 +93,7 @@ def expert_adapter_keys(m: ShardedExperts) -> dict[str, tuple[str, str]]:
 
 def _expert_shapes(m: ShardedExperts, t: str) -> dict[str, tuple[int, int]]:
     """Whole shapes of tensor `t`'s adapter: A (E*r, in), B (out, E*r)."""
-    ad = m.expert_lora[t]
+    ad = cast(Any, m.expert_lora[t])  # an ExpertAdapter
     er = int(ad.lora_A.weight.shape[0])
     spec = m.tensors[t]
     full = m.full_shapes[t]
