@@ -41,7 +41,15 @@ from .collectives import copy_to_tp, reduce_from_tp
 from .kinds import Kind
 from .layers import ShardedModule
 
-__all__ = ["ExpertTensor", "ShardedExperts", "expert_tensors", "find_experts", "unhandled_3d"]
+__all__ = [
+    "ExpertTensor",
+    "ShardedExperts",
+    "expert_lora_targets",
+    "expert_tensors",
+    "find_experts",
+    "local_sizes",
+    "unhandled_3d",
+]
 
 EXPERTS = Kind(
     "Experts", 1, 2, -1, False
@@ -145,6 +153,45 @@ def _inter_split(module: nn.Module, t: ExpertTensor, inter: int, tp: int) -> Fea
     if bool(getattr(module, "is_concatenated", True)):  # [gate; up]: each half cut alike
         return segmented_split([base, base])
     return unit_split(2 * inter, 2, counts)  # gate, up interleaved: neighbouring pairs
+
+
+def local_sizes(module: nn.Module, tensors: list[ExpertTensor], tp: int, rank: int) -> dict:
+    """{tensor name: (local elements, local (in, out) of one expert)} on tp rank `rank` (for the
+    memory planner: the split ShardedExperts makes).
+
+    Example:
+        >>> local_sizes(experts, expert_tensors(experts), 2, 0)["down_proj"]  # doctest: +SKIP
+        (6144, (16, 96))
+    """
+    first, second = tensors
+    w2 = cast(torch.Tensor, module._parameters[second.name])
+    inter = int(w2.shape[second.in_dim])
+    out = {}
+    for t in tensors:
+        shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
+        if tp > 1 and inter >= tp:
+            shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
+        out[t.name] = (math.prod(shape), (shape[t.in_dim], shape[t.out_dim]))
+    return out
+
+
+def expert_lora_targets(
+    experts: dict[str, list[ExpertTensor]], selected: list[str]
+) -> dict[str, list[str]]:
+    """{experts fqn: tensor names} adapted, from the names a LoraConfig selected (`lora_targets`
+    with the expert tensors' full names as extra candidates): an experts module's own name
+    selects all of its tensors.
+
+    Example:
+        >>> expert_lora_targets(find_experts(m), ["model.layers.0.mlp.experts.down_proj"])  # doctest: +SKIP
+        {'model.layers.0.mlp.experts': ['down_proj']}
+    """
+    out: dict[str, list[str]] = {}
+    for fqn, ts in experts.items():
+        names = [t.name for t in ts if fqn in selected or f"{fqn}.{t.name}" in selected]
+        if names:
+            out[fqn] = names
+    return out
 
 
 class ExpertAdapter(nn.Module):
