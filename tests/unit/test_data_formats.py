@@ -198,7 +198,8 @@ def test_no_packing_pads_each_document_and_cuts_long_ones(tmp_path, chat_tok):
     assert y[0] == [M] * 6 + ids("fine thanks <eos>") + [M]  # padding is never a target
     assert y[1] == ids("a b <eos>") + [M] * 7
     assert (ds.truncated, ds.dropped, ds.packing) == (1, 1, False)
-    assert "1 documents longer than 10 tokens were cut; 1 of them kept no trained" in ds.summary()
+    assert "1 documents longer than 10 tokens were cut; 1 documents with no trained token within" \
+        " 10 were left out" in ds.summary()  # fmt: skip
     assert "(one per document, padded)" in ds.summary()
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "build_dataset",
     "iterate_batches",
     "read_documents",
+    "scan_data",
     "steps_per_epoch",
 ]
 
@@ -157,7 +158,7 @@ class PackedDataset:
     truncated: int = 0
     """Without packing: documents cut at seq_len."""
     dropped: int = 0
-    """Without packing: documents with no trained token left within seq_len."""
+    """Without packing: documents left out, with no trained token within seq_len."""
 
     def summary(self) -> str:
         """What the run trains on, as printed by `quantmesh finetune`.
@@ -180,8 +181,8 @@ class PackedDataset:
         if self.truncated or self.dropped:
             lines.append(
                 f"data: {self.truncated} documents longer than {self.seq_len} tokens were cut; "
-                f"{self.dropped} of them kept no trained token and were left out (raise "
-                "--seq-len, or pack)"
+                f"{self.dropped} documents with no trained token within {self.seq_len} were left "
+                "out (raise --seq-len, or pack)"
             )
         return "\n".join(lines)
 
@@ -235,9 +236,12 @@ def read_documents(
     return [d for _, _, d in _documents(sources, data_format, [])]
 
 
-def scan_data(paths: Sequence[str | Path], data_format: str = "auto") -> list[FileReport]:
+def scan_data(
+    paths: Sequence[str | Path], data_format: str = "auto", tokenizer: Any = None
+) -> list[FileReport]:
     """Read every record once (streamed, nothing kept) and return what each file holds: the
-    launcher's check that the data is readable before any worker starts.
+    launcher's check that the data is readable before any worker starts. With a tokenizer, the
+    first conversation also checks that it has a chat template.
 
     Example:
         >>> [r.formats for r in scan_data(["chat.jsonl"])]  # doctest: +SKIP
@@ -245,9 +249,17 @@ def scan_data(paths: Sequence[str | Path], data_format: str = "auto") -> list[Fi
     """
     sources, _ = expand(paths)
     reports: list[FileReport] = []
-    for _ in _documents(sources, data_format, reports):
-        pass
+    checked = tokenizer is None
+    for _, where, doc in _documents(sources, data_format, reports):
+        templated = doc.kind == "chat" or (doc.kind == "response" and _has_template(tokenizer))
+        if not checked and templated:
+            _check_chat_tokenizer(tokenizer, where)
+            checked = True
     return reports
+
+
+def _has_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 # ------------------------------------------------------------------------------------- tokenizing
@@ -306,7 +318,7 @@ def _encode_docs(
     answer + EOS as they are (put any separator you want at the end of the prompt). Conversations
     (a prompt/response pair too, when the tokenizer has a chat template): the chat template's text.
     """
-    has_template = bool(getattr(tokenizer, "chat_template", None))
+    has_template = _has_template(tokenizer)
     out: list[Encoded | None] = [None] * len(items)
     texts, pairs, chats = [], [], []
     for i, (rep, where, d) in enumerate(items):
@@ -333,9 +345,9 @@ def _encode_docs(
             ids = p + a + [eos]  # EOS ends the answer and is a target: the model learns to stop
             out[i] = (ids, list(ids) if train_on == "all" else [IGNORE_INDEX] * len(p) + a + [eos])
     if chats:
-        for i, enc in zip(chats, _encode_chats([items[i] for i in chats], tokenizer, train_on),
-                          strict=True):  # fmt: skip
-            out[i] = enc
+        for i, chat in zip(chats, _encode_chats([items[i] for i in chats], tokenizer, train_on),
+                           strict=True):  # fmt: skip
+            out[i] = chat
     result = []
     for (rep, _, _), enc in zip(items, out, strict=True):
         assert enc is not None  # every document is one of the three kinds
@@ -366,25 +378,29 @@ def _render(tokenizer: Any, msgs: Sequence[dict[str, Any]], gen: bool, where: st
     return str(text)
 
 
-def _encode_chats(
-    items: list[tuple[FileReport, str, Document]], tokenizer: Any, train_on: str
-) -> list[Encoded]:
-    """Conversations through the chat template; the trained turns found as character spans of the
-    rendered text (rendered up to the turn's header, and up to its end), mapped to tokens by the
-    tokenizer's offsets."""
-    where0 = items[0][1]
+def _check_chat_tokenizer(tokenizer: Any, where: str) -> None:
+    """A conversation (at `where`) needs a fast tokenizer with a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
-            f"{where0}: conversations are rendered with the tokenizer's chat template, and "
+            f"{where}: conversations are rendered with the tokenizer's chat template, and "
             f"{type(tokenizer).__name__} has none; use a model whose tokenizer has one (an "
             "instruct model), set tokenizer.chat_template, or write the data as prompt/"
             "completion strings (joined as they are, the completion trained)"
         )
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
-            f"{where0}: conversations need a fast tokenizer (its offsets map the assistant "
+            f"{where}: conversations need a fast tokenizer (its offsets map the assistant "
             "turns to tokens); load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
         )
+
+
+def _encode_chats(
+    items: list[tuple[FileReport, str, Document]], tokenizer: Any, train_on: str
+) -> list[Encoded]:
+    """Conversations through the chat template; the trained turns found as character spans of the
+    rendered text (rendered up to the turn's header, and up to its end), mapped to tokens by the
+    tokenizer's offsets."""
+    _check_chat_tokenizer(tokenizer, items[0][1])
     fulls = [_render(tokenizer, d.messages or (), False, w) for _, w, d in items]
     enc = tokenizer(fulls, add_special_tokens=False, return_offsets_mapping=True)
     markup = _markup(tokenizer)
@@ -528,13 +544,14 @@ def build_dataset(
         chunk = [item for _, item in zip(range(_CHUNK), docs, strict=False)]
         if not chunk:
             break
-        for x, y in _encode_docs(chunk, tokenizer, train_on):
-            num_docs += 1
-            num_tokens += len(x)
-            if packing:
-                stream_ids.append(torch.tensor(x, dtype=torch.long))
-                stream_labels.append(torch.tensor(y, dtype=torch.long))
-                continue
+        encoded = _encode_docs(chunk, tokenizer, train_on)
+        num_docs += len(encoded)
+        num_tokens += sum(len(x) for x, _ in encoded)
+        if packing:  # one tensor per chunk of documents
+            stream_ids.append(torch.tensor([t for x, _ in encoded for t in x], dtype=torch.long))
+            stream_labels.append(torch.tensor([t for _, y in encoded for t in y], dtype=torch.long))
+            continue
+        for x, y in encoded:
             if len(x) > seq_len:
                 truncated += 1
                 x, y = x[:seq_len], y[:seq_len]
