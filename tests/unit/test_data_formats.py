@@ -332,3 +332,48 @@ def test_conversations_need_a_chat_template_and_one_that_accepts_them(tmp_path):
         build_dataset(h, make_tokenizer(STRICT), seq_len=8)
     with pytest.raises(ValueError, match="train_on='some'; use one of assistant, last, all"):
         build_dataset(h, make_tokenizer(TEMPLATE), seq_len=8, train_on="some")
+
+
+def _smollm2():
+    from quantmesh.cli.assets import SMOLLM2_DIR, cache_dir
+
+    return cache_dir() / SMOLLM2_DIR
+
+
+@pytest.mark.skipif(
+    not (_smollm2() / "tokenizer.json").is_file(),
+    reason="needs `quantmesh demo`'s SmolLM2-135M-Instruct (in QUANTMESH_CACHE or ~/.cache/quantmesh)",
+)
+def test_readme_examples_with_smollm2s_template(tmp_path):
+    """The README's one line per format, through SmolLM2's real tokenizer: its default system
+    prompt is reported, each answer is trained with its end of turn, and the printed report is
+    the README's."""
+    import re
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = re.search(r"```jsonl\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "data.jsonl").write_text(lines)
+    tok = AutoTokenizer.from_pretrained(_smollm2())
+    ds = build_dataset(tmp_path / "data.jsonl", tok, 64, packing=False)
+    shown = re.search(r"```text\n(data: data.jsonl: .*?)```", readme, re.S).group(1)
+    assert ds.summary().replace(str(tmp_path / "data.jsonl"), "data.jsonl") + "\n" == shown
+    answers = [tok.decode(e["input_ids"][e["labels"] != M]) for e in ds.train]
+    end = "<|im_end|>\n"  # the template's end of turn
+    assert answers[:6] == [f"Blue.{end}", f"Blue.{end}", " blue.<|im_end|>", f"Blue.{end}",
+                           f"Blue.{end}", f"Blue.{end}"]  # fmt: skip
+    assert tok.decode(ds.train[3]["input_ids"]).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        f"{end}<|im_start|>user\nName a colour.{end}<|im_start|>assistant\nBlue.{end}"
+    )
+
+
+def test_the_cli_choices_are_the_library_s():
+    from quantmesh.cli import finetune
+    from quantmesh.train.data import TRAIN_ON
+    from quantmesh.train.formats import FORMATS
+
+    assert set(finetune.DATA_FORMATS) == {"auto", *FORMATS}
+    assert finetune.TRAIN_ON == TRAIN_ON
