@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .chat import IGNORE_INDEX, check_chat_tokenizer, encode_chats
 from .formats import (
     FORMATS,
     DataError,
@@ -61,7 +62,6 @@ __all__ = [
     "steps_per_epoch",
 ]
 
-IGNORE_INDEX = -100  # the label transformers' (and torch's) cross-entropy skips
 TRAIN_ON = ("assistant", "last", "all")
 """The choices of `train_on`."""
 
@@ -72,7 +72,6 @@ TRAIN_ON = ("assistant", "last", "all")
 _CUT = re.compile(r"(?<!\s)(?=\n\n)")
 _PIECE_CHARS = 8192  # pieces are merged back up to about this many characters
 _CHUNK = 512  # documents tokenized per batch
-_ROLES = {"system", "user", "assistant", "tool", "human", "gpt", "model"}
 
 
 @dataclass
@@ -253,7 +252,7 @@ def scan_data(
     for _, where, doc in _documents(sources, data_format, reports):
         templated = doc.kind == "chat" or (doc.kind == "response" and _has_template(tokenizer))
         if not checked and templated:
-            _check_chat_tokenizer(tokenizer, where)
+            check_chat_tokenizer(tokenizer, where)
             checked = True
     return reports
 
@@ -345,9 +344,14 @@ def _encode_docs(
             ids = p + a + [eos]  # EOS ends the answer and is a target: the model learns to stop
             out[i] = (ids, list(ids) if train_on == "all" else [IGNORE_INDEX] * len(p) + a + [eos])
     if chats:
-        for i, chat in zip(chats, _encode_chats([items[i] for i in chats], tokenizer, train_on),
-                           strict=True):  # fmt: skip
-            out[i] = chat
+        chat_items = [(items[i][1], items[i][2]) for i in chats]
+        for i, (x, y, added) in zip(chats, encode_chats(chat_items, tokenizer, train_on),
+                                    strict=True):  # fmt: skip
+            out[i] = (x, y)
+            rep = items[i][0]
+            rep.conversations += 1
+            for text in dict.fromkeys(added):
+                rep.added[text] += 1
     result = []
     for (rep, _, _), enc in zip(items, out, strict=True):
         assert enc is not None  # every document is one of the three kinds
@@ -366,130 +370,6 @@ def _answer(d: Document) -> str:
     answer = d.completion if d.completion is not None else d.response
     assert answer is not None  # a prompt pair
     return answer
-
-
-def _render(tokenizer: Any, msgs: Sequence[dict[str, Any]], gen: bool, where: str) -> str:
-    try:
-        text = tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=gen)
-    except Exception as e:  # the template's own raise_exception(...) or a jinja error
-        raise DataError(
-            f"{where}: the tokenizer's chat template refused the conversation: {e}"
-        ) from None
-    return str(text)
-
-
-def _check_chat_tokenizer(tokenizer: Any, where: str) -> None:
-    """A conversation (at `where`) needs a fast tokenizer with a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"{where}: conversations are rendered with the tokenizer's chat template, and "
-            f"{type(tokenizer).__name__} has none; use a model whose tokenizer has one (an "
-            "instruct model), set tokenizer.chat_template, or write the data as prompt/"
-            "completion strings (joined as they are, the completion trained)"
-        )
-    if not getattr(tokenizer, "is_fast", False):
-        raise DataError(
-            f"{where}: conversations need a fast tokenizer (its offsets map the assistant "
-            "turns to tokens); load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
-        )
-
-
-def _encode_chats(
-    items: list[tuple[FileReport, str, Document]], tokenizer: Any, train_on: str
-) -> list[Encoded]:
-    """Conversations through the chat template; the trained turns found as character spans of the
-    rendered text (rendered up to the turn's header, and up to its end), mapped to tokens by the
-    tokenizer's offsets."""
-    _check_chat_tokenizer(tokenizer, items[0][1])
-    fulls = [_render(tokenizer, d.messages or (), False, w) for _, w, d in items]
-    enc = tokenizer(fulls, add_special_tokens=False, return_offsets_mapping=True)
-    markup = _markup(tokenizer)
-    out = []
-    for (rep, where, d), full, ids, offs in zip(
-        items, fulls, enc["input_ids"], enc["offset_mapping"], strict=True
-    ):
-        msgs, flags = d.messages or (), d.trainable or ()
-        rep.conversations += 1
-        for text in dict.fromkeys(_added_text(tokenizer, msgs, markup, where)):
-            rep.added[text] += 1
-        ids = list(ids)
-        if train_on == "all":
-            out.append((ids, list(ids)))
-            continue
-        turns = [i for i, f in enumerate(flags) if f]
-        if train_on == "last":
-            turns = turns[-1:]
-        spans = [_turn_span(tokenizer, msgs, i, full, where) for i in turns]
-        labels = [
-            t if any((s < b and e > a) or (s == e and a <= s < b) for a, b in spans)
-            else IGNORE_INDEX
-            for t, (s, e) in zip(ids, offs, strict=True)
-        ]  # fmt: skip
-        out.append((ids, labels))
-    return out
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # the longest equal prefix, by bisection
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _turn_span(
-    tokenizer: Any, msgs: Sequence[dict[str, Any]], i: int, full: str, where: str
-) -> tuple[int, int]:
-    """Characters [start, end) of turn i in the rendered conversation: from the end of the
-    template's header for it (rendered with add_generation_prompt) to the end of the turn (the
-    conversation rendered up to it: the template's end-of-turn text included)."""
-    start = _common_prefix(_render(tokenizer, msgs[:i], True, where), full) if i else 0
-    end = len(full) if i == len(msgs) - 1 else _common_prefix(
-        _render(tokenizer, msgs[: i + 1], False, where), full
-    )  # fmt: skip
-    content = str(msgs[i]["content"]).strip()
-    if content not in full[start:end]:
-        raise DataError(
-            f"{where}: message {i} ({msgs[i]['role']}) is not where the chat template renders "
-            "the conversation up to it (the template renders earlier turns differently when "
-            "later ones follow); train with --train-on last or all, or fix the template"
-        )
-    return start, end
-
-
-def _markup(tokenizer: Any) -> re.Pattern[str]:
-    """A pattern of the tokenizer's special and added tokens (the template's markup)."""
-    toks = set(getattr(tokenizer, "all_special_tokens", []))
-    toks |= {str(t) for t in getattr(tokenizer, "get_added_vocab", dict)()}
-    toks = {t for t in toks if t}
-    if not toks:
-        return re.compile(r"(?!x)x")  # matches nothing
-    return re.compile("|".join(re.escape(t) for t in sorted(toks, key=len, reverse=True)))
-
-
-def _added_text(
-    tokenizer: Any, msgs: Sequence[dict[str, Any]], markup: re.Pattern[str], where: str
-) -> list[str]:
-    """What the template adds to a conversation besides its special tokens and role names (a
-    default system prompt, a date): the conversation rendered with each content replaced by a
-    marker, less the markers, the special tokens and the role names, line by line."""
-    probe = [dict(m, content=f"\x02{i}\x03") for i, m in enumerate(msgs)]
-    out = []
-    for gap in _MARKER.split(_render(tokenizer, probe, False, where)):
-        for line in markup.sub("\n", gap).split("\n"):
-            line = line.strip()
-            if line and line.rstrip(":").lower() not in _ROLES:
-                out.append(line)
-    return out
-
-
-_MARKER = re.compile("\x02\\d+\x03")
 
 
 # ---------------------------------------------------------------------------------------- packing
