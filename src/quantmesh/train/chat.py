@@ -23,6 +23,13 @@ _ROLES = {"system", "user", "assistant", "tool", "human", "gpt", "model"}
 
 
 def render(tokenizer: Any, msgs: Sequence[dict[str, Any]], gen: bool, where: str) -> str:
+    """The conversation as the chat template writes it (with the assistant's header after it when
+    `gen`); a template that refuses it is a DataError naming `where`.
+
+    Example:
+        >>> render(tok, [{"role": "user", "content": "Hi"}], True, "x")  # doctest: +SKIP
+        '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n'
+    """
     try:
         text = tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=gen)
     except Exception as e:  # the template's own raise_exception(...) or a jinja error
@@ -33,7 +40,12 @@ def render(tokenizer: Any, msgs: Sequence[dict[str, Any]], gen: bool, where: str
 
 
 def check_chat_tokenizer(tokenizer: Any, where: str) -> None:
-    """A conversation (at `where`) needs a fast tokenizer with a chat template."""
+    """A conversation (at `where`) needs a fast tokenizer with a chat template.
+
+    Example:
+        >>> check_chat_tokenizer(AutoTokenizer.from_pretrained("gpt2"), "x")  # doctest: +SKIP
+        DataError: x: conversations are rendered with the tokenizer's chat template, and ...
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{where}: conversations are rendered with the tokenizer's chat template, and "
