@@ -8,6 +8,7 @@ name the file, the line or row, the keys and the formats accepted.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -348,7 +349,6 @@ def test_readme_examples_with_smollm2s_template(tmp_path):
     """The README's one line per format, through SmolLM2's real tokenizer: its default system
     prompt is reported, each answer is trained with its end of turn, and the printed report is
     the README's."""
-    import re
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -377,3 +377,10 @@ def test_the_cli_choices_are_the_library_s():
 
     assert set(finetune.DATA_FORMATS) == {"auto", *FORMATS}
     assert finetune.TRAIN_ON == TRAIN_ON
+    from quantmesh.cli.errors import CliError
+
+    for bad, msg in [({"data_format": "csv"}, "data_format='csv'; use one of auto, messages"),
+                     ({"train_on": "user"}, "train_on='user'; use one of assistant, last, all"),
+                     ({"packing": "no"}, "packing='no'; expected true or false")]:  # fmt: skip
+        with pytest.raises(CliError, match=re.escape(msg)):
+            finetune.FinetuneConfig(model="m", data=["d.jsonl"], **bad)

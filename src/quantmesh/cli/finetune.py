@@ -153,6 +153,8 @@ class FinetuneConfig:
             )
         if self.train_on not in TRAIN_ON:
             raise CliError(f"train_on={self.train_on!r}; use one of {', '.join(TRAIN_ON)}")
+        if not isinstance(self.packing, bool):
+            raise CliError(f"packing={self.packing!r}; expected true or false")
         if self.quant not in QUANTS:
             raise CliError(f"quant={self.quant!r}; use one of {', '.join(QUANTS)}")
         if self.schedule not in SCHEDULES:
