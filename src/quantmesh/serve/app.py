@@ -253,7 +253,7 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
                            f"({cap}, --max-tokens); ask for fewer", param="max_tokens")  # fmt: skip
         room = info.max_model_len - prompt_len
         want = max_tokens if max_tokens is not None else min(default, room, cap or room)
-        if want > room or (want == 0 and max_tokens is None):
+        if room < 0 or want > room or (want == 0 and max_tokens is None):
             raise ApiError(
                 400, f"this model's maximum context length is {info.max_model_len} tokens; "
                 f"you requested {prompt_len + max(want, 1)} ({prompt_len} in the prompt, "
