@@ -467,7 +467,7 @@ def test_the_api_key_guards_every_route(server) -> None:
 
 
 # ---- lm-evaluation-harness ------------------------------------------------------------------------
-MC_CHOICES = ["question", "stage", "troubles", "players"]
+MC_CHOICES = ["sea", "summer", "mind", "women"]  # whole tokens of the word-level vocabulary
 
 
 def _greedy(model, ids: list[int], eos: int, n: int) -> list[int]:
@@ -524,6 +524,7 @@ def test_lm_eval_scores_through_the_server(server, reference, assets, tmp_path) 
             whole = tok(q + " " + c)["input_ids"]
             lp = log_softmax(whole)
             lls.append(sum(float(lp[j - 1, whole[j]]) for j in range(len(ctx), len(whole))))
+        assert len(set(lls)) == 4  # distinct scores: a wrong one changes the pick
         best = max(range(4), key=lls.__getitem__)
         mc.append(
             {"question": q, "choices": MC_CHOICES, "gold": best if i % 2 == 0 else (best + 1) % 4}
@@ -561,7 +562,7 @@ def test_lm_eval_scores_through_the_server(server, reference, assets, tmp_path) 
     assert results["qm_mc"]["acc,none"] == 0.5
     assert results["qm_gen"]["exact_match,none"] == 0.5
     for doc, lls in zip(samples["qm_mc"], expect_ll, strict=True):  # the scores themselves
-        got = [r[0][0] for r in doc["resps"]]
+        got = [float(r[0][0]) for r in doc["resps"]]  # [[(loglikelihood, is_greedy)]] a choice
         assert got == pytest.approx(lls, abs=TOL)
     results, samples = _lm_eval(
         tmp_path, "qm_chat_gen", "local-chat-completions",
