@@ -91,11 +91,9 @@ def test_every_tile_variant_and_blocksize():
 
     cfgs = [
         dict(BLOCK_N=n, BLOCK_K=k, DOT=d, SPLIT_K=s, ALIGNED=al, num_warps=4, num_stages=2)
-        for n, k in ((16, 256), (32, 128), (64, 512))
-        for d in (0, 1)
-        for s in (1, 3)
-        for al in (0, 1)
-    ]
+        for n, k, d, s, al in ((16, 256, 0, 1, 1), (16, 256, 0, 3, 0), (32, 128, 1, 1, 1),
+                               (32, 128, 1, 3, 0), (64, 512, 1, 2, 1), (64, 512, 0, 1, 0))
+    ]  # fmt: skip
     for shape, bs, qt in (((96, 1024), 64, "nf4"), ((72, 200), 64, "fp4"), ((40, 768), 128, "nf4")):
         for nested in (True, False):
             packed, qs = _quantized(*shape, nested, blocksize=bs, quant_type=qt)
