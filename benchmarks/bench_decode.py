@@ -319,6 +319,10 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         "s": round(time.perf_counter() - t0, 2),
     }
     prepare_generation(model)
+    if dev.type == "cuda":  # what quantmesh's 4-bit op measured and chose, per shape (filled
+        from quantmesh.quant import kernel4  # as the decode runs, written with every phase)
+
+        R["kernel4_timings_us"] = kernel4.TIMINGS
     if a.greedy:
         with qb.record_errors(R, "qm_greedy_error"):
             g = phase(model, a, ids, dev, R, "qm_greedy", qm={})

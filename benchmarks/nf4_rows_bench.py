@@ -2,7 +2,8 @@
 
 For each 7B shape (out, in) = 4096x4096, 11008x4096, 4096x11008 and each row count 1, 2, 4, 8, 16,
 32, 64, every candidate is timed as a CUDA graph replayed 200 times (microseconds per call):
-  ours          quantmesh's kernel with the tiles `choose_config` picks (what the library runs)
+  ours          quantmesh's op as the library runs it: the fastest of kernel4.candidates (tiles of
+                its kernel, or bitsandbytes' gemm_4bit), timed at its first call
   ours_best     the fastest of the candidate tiles (--sweep), with its tiles
   bnb           bitsandbytes' matmul_4bit (its gemv kernel at 1 row, dequantize + matmul above)
   dequant_mm    dequantize_4bit, then a bf16 matmul
@@ -65,13 +66,14 @@ def candidates(rows: int) -> list[dict[str, int]]:
     """The tiles tried by --sweep at `rows` rows."""
     out = []
     if rows == 1:
-        for n, k, s in itertools.product((8, 16, 32), (256, 512, 1024), (1, 2, 4)):
+        for n, k, s in itertools.product((8, 16, 32), (512, 1024, 2048), (1, 2)):
             out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=0, SPLIT_K=s, num_warps=4, num_stages=2))
-        for n, k in ((16, 512), (32, 1024)):
+        for n, k in ((16, 1024), (32, 1024)):
             out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=0, SPLIT_K=1, num_warps=8, num_stages=2))
-        out.append(dict(BLOCK_N=16, BLOCK_K=512, DOT=0, SPLIT_K=1, ALIGNED=0, num_warps=4,
-                        num_stages=2))  # fmt: skip
-    for n, k, s in itertools.product((16, 32, 64), (128, 256), (1, 2)):
+    elif rows <= 8:
+        for n, k in itertools.product((8, 16, 32), (256, 512)):
+            out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=0, SPLIT_K=1, num_warps=4, num_stages=2))
+    for n, k, s in itertools.product((32, 64), (128, 256), (1, 2)):
         out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=1, SPLIT_K=s, num_warps=4, num_stages=3))
     return out
 
@@ -122,7 +124,8 @@ def main(argv=None) -> int:
                 x = torch.randn(rows, in_f, device="cuda", dtype=torch.bfloat16)
                 r: dict = {"out": out_f, "in": in_f, "rows": rows, "nf4_MB": round(nbytes / 1e6, 3)}
                 r["ours_us"] = round(bench_us(partial(k4.matmul_4bit_rows, x, packed, qs)), 2)
-                r["ours_cfg"] = k4.choose_config(rows, out_f, in_f)
+                key = (x.device, rows, out_f, in_f, 64, True, x.dtype)
+                r["ours_choice"] = k4._CHOICE.get(key, "bnb gemm_4bit") or "bnb gemm_4bit"
                 if not a.smoke:
                     r["bnb_us"] = round(bench_us(partial(bnb.matmul_4bit, x, packed.t(), qs)), 2)
                     r["dequant_mm_us"] = round(bench_us(partial(dequant_mm, x, packed, qs)), 2)

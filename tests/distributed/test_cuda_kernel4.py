@@ -18,7 +18,7 @@ import torch
 
 pytestmark = pytest.mark.cuda
 
-ROWS = (1, 2, 3, 8, 17, 32, 64)
+ROWS = (1, 3, 17, 64)
 
 
 def _need_cuda():
@@ -76,7 +76,7 @@ def test_rows_kernel_is_dequantize_then_matmul(shape, nested):
 
     packed, qs = _quantized(*shape, nested)
     for rows in ROWS:
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in (torch.bfloat16,) if shape[0] > 1000 else (torch.bfloat16, torch.float16):
             x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
             with torch.no_grad():
                 y = matmul_4bit_rows(x, packed, qs)
@@ -84,15 +84,16 @@ def test_rows_kernel_is_dequantize_then_matmul(shape, nested):
 
 
 def test_every_tile_variant_and_blocksize():
-    """Each kernel variant (1-row reduction and tl.dot; split K; per-byte or per-block absmax)
+    """Each kernel variant (reduction and tl.dot; split K; per-byte or per-block absmax), and the
+    bitsandbytes candidate the op may choose instead,
     on an aligned and a row-spanning shape, blocksizes 64 and 128, nf4 and fp4."""
     _need_cuda()
-    from quantmesh.quant.kernel4 import _launch
+    from quantmesh.quant.kernel4 import _launch, _run
 
     cfgs = [
         dict(BLOCK_N=n, BLOCK_K=k, DOT=d, SPLIT_K=s, ALIGNED=al, num_warps=4, num_stages=2)
         for n, k, d, s, al in ((16, 256, 0, 1, 1), (16, 256, 0, 3, 0), (32, 128, 1, 1, 1),
-                               (32, 128, 1, 3, 0), (64, 512, 1, 2, 1), (64, 512, 0, 1, 0))
+                               (32, 128, 1, 3, 0), (64, 512, 1, 2, 1), (8, 512, 0, 1, 0))
     ]  # fmt: skip
     for shape, bs, qt in (((96, 1024), 64, "nf4"), ((72, 200), 64, "fp4"), ((40, 768), 128, "nf4")):
         for nested in (True, False):
@@ -108,6 +109,9 @@ def test_every_tile_variant_and_blocksize():
                     x = torch.randn(rows, shape[1], device="cuda", dtype=torch.bfloat16)
                     y = _launch(x, flat, *stats, bs, qt, shape[0], cfg)
                     _check(y, x, packed, qs, torch.bfloat16, (shape, bs, qt, nested, cfg, rows))
+            x = torch.randn(3, shape[1], device="cuda", dtype=torch.bfloat16)
+            y = _run(x, flat, *stats, bs, qt, shape[0], None)  # bitsandbytes' gemm_4bit
+            _check(y, x, packed, qs, torch.bfloat16, (shape, bs, qt, nested, "bnb"))
 
 
 @pytest.mark.parametrize("nested", [True, False])

@@ -2,8 +2,7 @@
 
 x (M, K) @ W^T for W's 4-bit codes packed two per byte (high nibble first, blocks of `BS` over the
 flattened (N, K) weight, one absmax each: fp32, or 8-bit + nested fp32 absmax per `BS2` blocks +
-an offset under double quant). `pair_ptr` holds, per byte value, the fp32 bits of its two code
-values (high nibble in the upper 32 bits). One program: BLOCK_N output features, a 1/SPLIT_K share
+an offset under double quant). `lut_ptr` holds the 16 code values (fp32). One program: BLOCK_N output features, a 1/SPLIT_K share
 of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1 it writes fp32 partial sums (y: SPLIT_K, M, N).
 """
 
@@ -28,7 +27,7 @@ def absmax_of(am_ptr, am2_ptr, code2_ptr, off, blk, mask, NESTED: tl.constexpr,
 
 
 @triton.jit
-def rows_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, pair_ptr, y_ptr,
+def rows_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr,
               M, N, K, stride_xm, k_per,
               BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
               ALIGNED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -52,9 +51,9 @@ def rows_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, pair_ptr, y_ptr
         kb = k0 // 2 + rb  # this step's bytes of each row
         b_mask = n_mask[:, None] & (kb[None, :] < k_hi // 2)
         q = tl.load(q_ptr + rn[:, None] * half_k + kb[None, :], mask=b_mask, other=0)
-        pair = tl.load(pair_ptr + q.to(tl.int32))  # (BLOCK_N, HALF) int64
-        hi = (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # even k: high nibble
-        lo = pair.to(tl.int32).to(tl.float32, bitcast=True)  # odd k: low nibble
+        q = q.to(tl.int32)
+        hi = tl.load(lut_ptr + (q >> 4))  # even k: the high nibble's value (16 fp32: one line)
+        lo = tl.load(lut_ptr + (q & 15))  # odd k: the low nibble's
         if ALIGNED:  # one absmax per (row, block) of this step, broadcast over its bytes
             NB: tl.constexpr = BLOCK_K // BS
             rk = tl.arange(0, NB)
@@ -78,9 +77,13 @@ def rows_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, pair_ptr, y_ptr
         if DOT:
             acc = tl.dot(xe, tl.trans(w_hi), acc)
             acc = tl.dot(xo, tl.trans(w_lo), acc)
-        else:  # one row
+        elif BLOCK_M == 1:  # one row: a reduction along K
             part = w_hi.to(tl.float32) * xe.to(tl.float32) + w_lo.to(tl.float32) * xo.to(tl.float32)
             acc += tl.sum(part, axis=1)[None, :]
+        else:  # a few rows: (BLOCK_M, 1, HALF) * (1, BLOCK_N, HALF), reduced along K
+            part = xe.to(tl.float32)[:, None, :] * w_hi.to(tl.float32)[None, :, :]
+            part += xo.to(tl.float32)[:, None, :] * w_lo.to(tl.float32)[None, :, :]
+            acc += tl.sum(part, axis=2)
     y_at = y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     y_mask = (rm[:, None] < M) & n_mask[None, :]
     tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -20,8 +20,10 @@ Used by `QuantLinear4bit.forward` (quant/bnb.py) on CUDA when no autograd is rec
 compute dtype is bf16 or fp16 and the input has at most `MAX_ROWS` rows (`rows_kernel_applies`);
 everything else (CPU, training, longer inputs) keeps bitsandbytes' path. It is one torch custom op,
 `quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA graphs) traces it without a
-graph break. Tiles per (rows, out, in) come from `choose_config`, set by measurement on an H200
-(docs/benchmarks.md).
+graph break. Which way a (rows, out, in) product goes is measured on the device the first time the
+op meets it (outside a CUDA graph capture): a few tiles of the kernel and bitsandbytes' own
+`gemm_4bit` (its gemv at 1 row, dequantize + matmul above) are timed and the fastest kept for the
+process (`candidates`; docs/benchmarks.md has the H200's figures).
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENABLED", "MAX_ROWS", "choose_config", "matmul_4bit_rows", "rows_kernel_applies"]
+__all__ = [
+    "ENABLED",
+    "MAX_ROWS",
+    "TIMINGS",
+    "candidates",
+    "matmul_4bit_rows",
+    "rows_kernel_applies",
+]
 
 MAX_ROWS = 64  # inputs with more rows keep bitsandbytes' path (dequantize + matmul)
 ENABLED = True  # False: every call keeps bitsandbytes' path (benchmarks time the two in one run)
@@ -97,42 +106,56 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     return y.reshape(*x.shape[:-1], out_f)
 
 
-# ---- tiles ------------------------------------------------------------------------------------
-def choose_config(rows: int, out_f: int, in_f: int) -> dict[str, int]:
-    """The kernel's tiles for a (rows, in) @ (in, out) product: BLOCK_N output features per
-    program, BLOCK_K inputs per step, SPLIT_K programs along K (partial sums added after),
-    num_warps, num_stages; DOT 0 is the 1-row reduction.
+# ---- tiles, and the choice between them and bitsandbytes -----------------------------------------
+def _cfg(n: int, k: int, dot: int, split: int = 1, warps: int = 4, stages: int = 2) -> dict:
+    return dict(BLOCK_N=n, BLOCK_K=k, DOT=dot, SPLIT_K=split, num_warps=warps, num_stages=stages)
+
+
+def candidates(rows: int) -> list[dict[str, int] | None]:
+    """What `matmul_4bit_rows` times at `rows` rows the first time it meets a shape: tiles of the
+    kernel (BLOCK_N output features per program, BLOCK_K inputs per step, SPLIT_K programs along K
+    whose partial sums are added after, DOT 1: `tl.dot`, 0: a reduction) and None, bitsandbytes'
+    own `gemm_4bit` (its gemv at 1 row, dequantize + matmul above).
 
     Example:
-        >>> choose_config(1, 4096, 4096)["DOT"]
-        0
+        >>> candidates(1)[-1] is None
+        True
     """
     if rows == 1:
-        cfg = {"BLOCK_N": 16, "BLOCK_K": 256, "DOT": 0, "num_warps": 4, "num_stages": 3}
+        tiles = [_cfg(16, 1024, 0), _cfg(8, 1024, 0), _cfg(16, 512, 0), _cfg(32, 1024, 0, 2)]
+    elif rows <= 8:
+        tiles = [_cfg(16, 512, 0), _cfg(8, 512, 0), _cfg(16, 256, 0), _cfg(64, 128, 1, 2, 4, 3)]
     else:
-        cfg = {"BLOCK_N": 32, "BLOCK_K": 256, "DOT": 1, "num_warps": 4, "num_stages": 3}
-    tiles = -(-out_f // cfg["BLOCK_N"])
-    cfg["SPLIT_K"] = 1 if tiles >= 256 or in_f < 4 * cfg["BLOCK_K"] else 2
-    return cfg
+        tiles = [_cfg(64, 128, 1, 2, 4, 3), _cfg(32, 128, 1, 1, 4, 3), _cfg(64, 256, 1, 1, 4, 3)]
+    return [*tiles, None]
 
 
-# ---- the op -------------------------------------------------------------------------------------
-@functools.cache
-def _pair_table(quant_type: str, device: torch.device) -> torch.Tensor:
-    """(256,) int64: for each byte, the fp32 bits of its high nibble's value (upper half) and its
-    low nibble's (lower half), the values taken from bitsandbytes' own dequantization (absmax 1)."""
-    from .bnb import _bnb
+# (device, rows, out, in, blocksize, nested, dtype) -> the fastest candidate, measured once
+_CHOICE: dict[tuple, dict[str, int] | None] = {}
 
-    _bnb()  # registers torch.ops.bitsandbytes
-    codes = torch.arange(16, dtype=torch.uint8, device=device)
-    packed = ((codes[0::2] << 4) | codes[1::2]).reshape(-1, 1)  # 0x01, 0x23, ..., 0xef
-    ones = torch.ones(1, dtype=torch.float32, device=device)
-    vals = torch.ops.bitsandbytes.dequantize_4bit(
-        packed, ones, 64, quant_type, [1, 16], torch.float32
-    ).reshape(16)
-    bits = vals.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (16,)
-    byte = torch.arange(256, device=device)
-    return (bits[byte >> 4] << 32) | bits[byte & 15]
+
+TIMINGS: list[dict] = []  # every measurement behind a choice, for benchmarks to report
+
+
+def _label(cfg: dict[str, int] | None) -> str:
+    if cfg is None:
+        return "bitsandbytes gemm_4bit"
+    return "kernel " + ",".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def _time_us(fn: Any, reps: int = 20) -> float:
+    """GPU microseconds per call of `fn`: the calls are queued behind a busy-wait kernel, so the
+    time is the GPU's, not the host's launch rate."""
+    fn()  # compiles it (Triton) or fails before the clock starts
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues every call meanwhile
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
 
 
 @torch.library.custom_op("quantmesh::matmul_4bit_rows", mutates_args=())
@@ -140,8 +163,36 @@ def _rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
              nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
              offset: torch.Tensor | None, blocksize: int, quant_type: str,
              out_f: int) -> torch.Tensor:  # fmt: skip
-    return _launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
-                   out_f, choose_config(x.shape[0], out_f, x.shape[1]))  # fmt: skip
+    args = (x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f)
+    rows, in_f = x.shape
+    key = (x.device, rows, out_f, in_f, blocksize, nested_absmax is not None, x.dtype)
+    if key not in _CHOICE:
+        cands = candidates(rows)
+        if torch.cuda.is_current_stream_capturing():  # no timing inside a graph: the first
+            return _run(*args, cands[0])  # tiles, chosen for good at the next plain call
+        times = {i: _time_us(functools.partial(_run, *args, c)) for i, c in enumerate(cands)}
+        _CHOICE[key] = cands[min(times, key=times.__getitem__)]
+        TIMINGS.append({"rows": rows, "out": out_f, "in": in_f, "nested": key[5],
+                        "us": {_label(cands[i]): round(t, 2) for i, t in times.items()},
+                        "chosen": _label(_CHOICE[key])})  # fmt: skip
+    return _run(*args, _CHOICE[key])
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+         nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+         offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+         cfg: dict[str, int] | None) -> torch.Tensor:  # fmt: skip
+    """The kernel with tiles `cfg`, or (None) bitsandbytes' gemm_4bit on the same tensors."""
+    if cfg is not None:
+        return _launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                       quant_type, out_f, cfg)  # fmt: skip
+    shape = [out_f, x.shape[1]]
+    if nested_absmax is None:
+        return torch.ops.bitsandbytes.gemm_4bit(x, packed.view(-1, 1), shape, absmax, blocksize,
+                                                quant_type)  # fmt: skip
+    return torch.ops.bitsandbytes.gemm_4bit(x, packed.view(-1, 1), shape, nested_absmax, blocksize, quant_type,
+                                            absmax_8bit=absmax, absmax_code=nested_code,
+                                            absmax_offset=offset)  # fmt: skip
 
 
 @_rows_op.register_fake
@@ -154,13 +205,16 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
             offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
             cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
     """Run the kernel with tiles `cfg` (the benchmark calls it with each candidate)."""
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes
     triton, _ = _triton()
     from ._triton4 import rows_4bit as kernel
 
     x = x.contiguous()
     rows, in_f = x.shape
     nested = nested_absmax is not None
-    bm = 1 if not cfg["DOT"] else max(16, triton.next_power_of_2(rows))
+    bm = triton.next_power_of_2(rows) if not cfg["DOT"] else max(16, triton.next_power_of_2(rows))
     split = cfg["SPLIT_K"]
     aligned = (
         in_f % blocksize == 0 and cfg["BLOCK_K"] % blocksize == 0 and cfg.get("ALIGNED", 1) == 1
@@ -174,10 +228,22 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     kernel[grid](
         x, packed, absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
-        offset if nested else dummy, _pair_table(quant_type, x.device), y,
+        offset if nested else dummy, _code_values(quant_type, x.device), y,
         rows, out_f, in_f, x.stride(0), k_per,
         BS=blocksize, BS2=256, NESTED=nested, ALIGNED=aligned, BLOCK_M=bm,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], DOT=cfg["DOT"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
+
+
+@functools.cache
+def _code_values(quant_type: str, device: torch.device) -> torch.Tensor:
+    """(16,) fp32: the value of each 4-bit code, from bitsandbytes' own dequantization (absmax 1),
+    so that the kernel's weights are the ones `dequantize_4bit` writes."""
+    codes = torch.arange(16, dtype=torch.uint8, device=device)
+    packed = ((codes[0::2] << 4) | codes[1::2]).reshape(-1, 1)  # 0x01, 0x23, ..., 0xef
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    return torch.ops.bitsandbytes.dequantize_4bit(
+        packed, ones, 64, quant_type, [1, 16], torch.float32
+    ).reshape(16)
