@@ -68,10 +68,10 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=int, default=1, help="rows decoded at once (random prompts)")
     p.add_argument(
-        "--kernel-off",
+        "--kernel",
         action="store_true",
-        help="qlora: also greedy with quantmesh's 4-bit kernel off (bitsandbytes' matmul_4bit, "
-        "the path before it), in the same process",
+        help="qlora: also greedy with quantmesh's opt-in 4-bit kernel for few rows "
+        "(quant/kernel4.py) in place of bitsandbytes' matmul_4bit, in the same process",
     )
     p.add_argument(
         "--profile",
@@ -319,10 +319,6 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         "s": round(time.perf_counter() - t0, 2),
     }
     prepare_generation(model)
-    if dev.type == "cuda":  # what quantmesh's 4-bit op measured and chose, per shape (filled
-        from quantmesh.quant import kernel4  # as the decode runs, written with every phase)
-
-        R["kernel4_timings_us"] = kernel4.TIMINGS
     if a.greedy:
         with qb.record_errors(R, "qm_greedy_error"):
             g = phase(model, a, ids, dev, R, "qm_greedy", qm={})
@@ -332,20 +328,19 @@ def run_qlora(a, R: dict, out_path: str) -> None:
                     R["qm_greedy"]["new_tokens_per_s"] / R["best_new_tokens_per_s"], 3
                 )
         qb.write_json(out_path, R)
-    if a.greedy and a.kernel_off:
+    if a.greedy and a.kernel:
         from quantmesh.quant import kernel4
 
-        with qb.record_errors(R, "qm_greedy_kernel_off_error"):
-            kernel4.ENABLED = False  # bitsandbytes' matmul_4bit in every quantized linear
+        with qb.record_errors(R, "qm_greedy_kernel_error"):
+            kernel4.ENABLED = True  # quantmesh's kernel in every quantized linear, <= 64 rows
             try:
-                b = phase(model, a, ids, dev, R, "qm_greedy_kernel_off", qm={})
+                b = phase(model, a, ids, dev, R, "qm_greedy_kernel", qm={})
             finally:
-                kernel4.ENABLED = True
+                kernel4.ENABLED = False
             if "qm_greedy" in R:
-                R["qm_greedy_kernel_off"]["tokens_agree_with_kernel"] = agree(b, g)
-                R["kernel_over_off"] = round(
-                    R["qm_greedy"]["new_tokens_per_s"]
-                    / R["qm_greedy_kernel_off"]["new_tokens_per_s"],
+                R["qm_greedy_kernel"]["tokens_agree_with_bnb"] = agree(b, g)
+                R["kernel_over_bnb"] = round(
+                    R["qm_greedy_kernel"]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"],
                     3,
                 )
         qb.write_json(out_path, R)

@@ -2,8 +2,7 @@
 
 For each 7B shape (out, in) = 4096x4096, 11008x4096, 4096x11008 and each row count 1, 2, 4, 8, 16,
 32, 64, every candidate is timed as a CUDA graph replayed 200 times (microseconds per call):
-  ours          quantmesh's op as the library runs it: the fastest of kernel4.candidates (tiles of
-                its kernel, or bitsandbytes' gemm_4bit), timed at its first call
+  ours          quantmesh's kernel (quant/kernel4.py) with the tiles `choose_config` gives
   ours_best     the fastest of the candidate tiles (--sweep), with its tiles
   bnb           bitsandbytes' matmul_4bit (its gemv kernel at 1 row, dequantize + matmul above)
   dequant_mm    dequantize_4bit, then a bf16 matmul
@@ -124,8 +123,7 @@ def main(argv=None) -> int:
                 x = torch.randn(rows, in_f, device="cuda", dtype=torch.bfloat16)
                 r: dict = {"out": out_f, "in": in_f, "rows": rows, "nf4_MB": round(nbytes / 1e6, 3)}
                 r["ours_us"] = round(bench_us(partial(k4.matmul_4bit_rows, x, packed, qs)), 2)
-                key = (x.device, rows, out_f, in_f, 64, True, x.dtype)
-                r["ours_choice"] = k4._CHOICE.get(key, "bnb gemm_4bit") or "bnb gemm_4bit"
+                r["ours_cfg"] = k4.choose_config(rows)
                 if not a.smoke:
                     r["bnb_us"] = round(bench_us(partial(bnb.matmul_4bit, x, packed.t(), qs)), 2)
                     r["dequant_mm_us"] = round(bench_us(partial(dequant_mm, x, packed, qs)), 2)

@@ -1,29 +1,28 @@
 """A 4-bit matmul for a few rows (decoding): x (M <= 64, K) @ W^T, W in bitsandbytes' packed
-4-bit layout, read once, never written out in float.
+4-bit layout, read once, never written out in float. Opt-in (`ENABLED`, off by default): on one
+H200 it is not yet faster than bitsandbytes' own kernels (docs/benchmarks.md, "4-bit matmul for a
+few rows"), so the library's path stays bitsandbytes' until it is.
 
 bitsandbytes' `matmul_4bit` runs its gemv kernel at 1 row and dequantizes the whole weight to
-bf16 (then a dense matmul) from a few rows on; either way a decoding step reads far more than the
-packed codes (~0.52 bytes per weight). This Triton kernel streams the packed codes and the block
-statistics once per call: each program owns `BLOCK_N` output features and walks K, turning each
-byte into its two 4-bit values (high nibble first) through a 256-entry table of value pairs,
-scaling them by the block's absmax (8-bit with a nested fp32 absmax and an offset under double
-quant, dequantized in the kernel) and multiplying them with all M rows at once (`tl.dot` from 2
-rows on, a plain reduction at 1). The weight values are bitsandbytes' own: the fp32 product of the
-code value and the fp32 absmax, rounded to the compute dtype, exactly what `dequantize_4bit`
-writes; only the order of the sums differs from dequantize + matmul.
+bf16 (then a dense matmul) from a few rows on. This Triton kernel streams the packed codes and the
+block statistics once per call: each program owns `BLOCK_N` output features and walks K, turning
+each byte into its two 4-bit values (high nibble first) through the 16 code values (fp32, one
+cache line), scaling them by the block's absmax (8-bit with a nested fp32 absmax and an offset
+under double quant, dequantized in the kernel) and multiplying them with all M rows at once
+(`tl.dot`, or a plain reduction along K at 1 row). The weight values are bitsandbytes' own: the
+fp32 product of the code value and the fp32 absmax, rounded to the compute dtype, exactly what
+`dequantize_4bit` writes; only the order of the sums differs from dequantize + matmul.
 
 Blocks run over the flattened (out, in) weight, as bitsandbytes quantizes it, so any even `in`
 works (a block may span two rows when `in` is not a multiple of the blocksize); when it is, the
 kernel loads one absmax per block instead of one per byte.
 
-Used by `QuantLinear4bit.forward` (quant/bnb.py) on CUDA when no autograd is recording, the
-compute dtype is bf16 or fp16 and the input has at most `MAX_ROWS` rows (`rows_kernel_applies`);
-everything else (CPU, training, longer inputs) keeps bitsandbytes' path. It is one torch custom op,
-`quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA graphs) traces it without a
-graph break. Which way a (rows, out, in) product goes is measured on the device the first time the
-op meets it (outside a CUDA graph capture): a few tiles of the kernel and bitsandbytes' own
-`gemm_4bit` (its gemv at 1 row, dequantize + matmul above) are timed and the fastest kept for the
-process (`candidates`; docs/benchmarks.md has the H200's figures).
+With `ENABLED = True`, `QuantLinear4bit.forward` (quant/bnb.py) takes it on CUDA when no autograd
+is recording, the compute dtype is bf16 or fp16 and the input has at most `MAX_ROWS` rows
+(`rows_kernel_applies`); everything else (CPU, training, longer inputs) keeps bitsandbytes' path.
+It is one torch custom op, `quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA
+graphs) traces it without a graph break. Tiles per row count: `choose_config`, the fastest of
+those measured on an H200.
 """
 
 from __future__ import annotations
@@ -34,17 +33,12 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "ENABLED",
-    "MAX_ROWS",
-    "TIMINGS",
-    "candidates",
-    "matmul_4bit_rows",
-    "rows_kernel_applies",
-]
+__all__ = ["ENABLED", "MAX_ROWS", "choose_config", "matmul_4bit_rows", "rows_kernel_applies"]
 
 MAX_ROWS = 64  # inputs with more rows keep bitsandbytes' path (dequantize + matmul)
-ENABLED = True  # False: every call keeps bitsandbytes' path (benchmarks time the two in one run)
+# True: QuantLinear4bit takes the kernel where it applies. Off by default: slower than
+# bitsandbytes' kernels on an H200 as measured so far (benchmarks turn it on to compare the two).
+ENABLED = False
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
 
@@ -106,56 +100,19 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     return y.reshape(*x.shape[:-1], out_f)
 
 
-# ---- tiles, and the choice between them and bitsandbytes -----------------------------------------
-def _cfg(n: int, k: int, dot: int, split: int = 1, warps: int = 4, stages: int = 2) -> dict:
-    return dict(BLOCK_N=n, BLOCK_K=k, DOT=dot, SPLIT_K=split, num_warps=warps, num_stages=stages)
-
-
-def candidates(rows: int) -> list[dict[str, int] | None]:
-    """What `matmul_4bit_rows` times at `rows` rows the first time it meets a shape: tiles of the
-    kernel (BLOCK_N output features per program, BLOCK_K inputs per step, SPLIT_K programs along K
-    whose partial sums are added after, DOT 1: `tl.dot`, 0: a reduction) and None, bitsandbytes'
-    own `gemm_4bit` (its gemv at 1 row, dequantize + matmul above).
+# ---- tiles ------------------------------------------------------------------------------------
+def choose_config(rows: int) -> dict[str, int]:
+    """The kernel's tiles at `rows` rows: BLOCK_N output features per program, BLOCK_K inputs
+    per step, SPLIT_K programs along K (their fp32 partial sums added after), DOT 1: `tl.dot`,
+    0: a reduction along K; the fastest of those timed on an H200 for the 7B shapes.
 
     Example:
-        >>> candidates(1)[-1] is None
-        True
+        >>> choose_config(1)["DOT"]
+        0
     """
     if rows == 1:
-        tiles = [_cfg(16, 1024, 0), _cfg(8, 1024, 0), _cfg(16, 512, 0), _cfg(32, 1024, 0, 2)]
-    elif rows <= 8:
-        tiles = [_cfg(16, 512, 0), _cfg(8, 512, 0), _cfg(16, 256, 0), _cfg(64, 128, 1, 2, 4, 3)]
-    else:
-        tiles = [_cfg(64, 128, 1, 2, 4, 3), _cfg(32, 128, 1, 1, 4, 3), _cfg(64, 256, 1, 1, 4, 3)]
-    return [*tiles, None]
-
-
-# (device, rows, out, in, blocksize, nested, dtype) -> the fastest candidate, measured once
-_CHOICE: dict[tuple, dict[str, int] | None] = {}
-
-
-TIMINGS: list[dict] = []  # every measurement behind a choice, for benchmarks to report
-
-
-def _label(cfg: dict[str, int] | None) -> str:
-    if cfg is None:
-        return "bitsandbytes gemm_4bit"
-    return "kernel " + ",".join(f"{k}={v}" for k, v in cfg.items())
-
-
-def _time_us(fn: Any, reps: int = 20) -> float:
-    """GPU microseconds per call of `fn`: the calls are queued behind a busy-wait kernel, so the
-    time is the GPU's, not the host's launch rate."""
-    fn()  # compiles it (Triton) or fails before the clock starts
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues every call meanwhile
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+        return dict(BLOCK_N=16, BLOCK_K=1024, DOT=0, SPLIT_K=1, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, BLOCK_K=128, DOT=1, SPLIT_K=2, num_warps=4, num_stages=3)
 
 
 @torch.library.custom_op("quantmesh::matmul_4bit_rows", mutates_args=())
@@ -163,36 +120,8 @@ def _rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
              nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
              offset: torch.Tensor | None, blocksize: int, quant_type: str,
              out_f: int) -> torch.Tensor:  # fmt: skip
-    args = (x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f)
-    rows, in_f = x.shape
-    key = (x.device, rows, out_f, in_f, blocksize, nested_absmax is not None, x.dtype)
-    if key not in _CHOICE:
-        cands = candidates(rows)
-        if torch.cuda.is_current_stream_capturing():  # no timing inside a graph: the first
-            return _run(*args, cands[0])  # tiles, chosen for good at the next plain call
-        times = {i: _time_us(functools.partial(_run, *args, c)) for i, c in enumerate(cands)}
-        _CHOICE[key] = cands[min(times, key=times.__getitem__)]
-        TIMINGS.append({"rows": rows, "out": out_f, "in": in_f, "nested": key[5],
-                        "us": {_label(cands[i]): round(t, 2) for i, t in times.items()},
-                        "chosen": _label(_CHOICE[key])})  # fmt: skip
-    return _run(*args, _CHOICE[key])
-
-
-def _run(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-         nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-         offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
-         cfg: dict[str, int] | None) -> torch.Tensor:  # fmt: skip
-    """The kernel with tiles `cfg`, or (None) bitsandbytes' gemm_4bit on the same tensors."""
-    if cfg is not None:
-        return _launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                       quant_type, out_f, cfg)  # fmt: skip
-    shape = [out_f, x.shape[1]]
-    if nested_absmax is None:
-        return torch.ops.bitsandbytes.gemm_4bit(x, packed.view(-1, 1), shape, absmax, blocksize,
-                                                quant_type)  # fmt: skip
-    return torch.ops.bitsandbytes.gemm_4bit(x, packed.view(-1, 1), shape, nested_absmax, blocksize, quant_type,
-                                            absmax_8bit=absmax, absmax_code=nested_code,
-                                            absmax_offset=offset)  # fmt: skip
+    return _launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+                   out_f, choose_config(x.shape[0]))  # fmt: skip
 
 
 @_rows_op.register_fake
