@@ -371,8 +371,8 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
 KINDS = (  # kernel name fragments -> kind, first match wins
     ("rows_4bit", "quantmesh 4-bit kernel"),
-    ("gemv_4bit", "bitsandbytes gemv"),
-    ("kgemm_4bit", "bitsandbytes gemv"),
+    ("gemm_4bit", "bitsandbytes 4-bit matmul"),  # gemm_4bit_simt: its 1-row gemv
+    ("gemv_4bit", "bitsandbytes 4-bit matmul"),
     ("dequantize", "bitsandbytes dequantize"),
     ("flash", "attention"),
     ("attention", "attention"),
