@@ -366,17 +366,26 @@ def _natural(key: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
 
 
+def _star_rx(pattern: str) -> re.Pattern[str]:
+    return re.compile(re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)"))
+
+
 def _star_indices(pattern: str, keys: list[str]) -> list[int] | None:
     """The integers the pattern's `*` matched in each key, or None when they are not integers."""
-    body = re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)")
-    rx = re.compile(body)
-    out = []
+    rx, out = _star_rx(pattern), []
     for k in keys:
         m = rx.search(k)
         if m is None or m.lastindex != 1:
             return None
         out.append(int(m.group(1)))
     return out
+
+
+def _with_index(pattern: str, key: str, i: int) -> str:
+    """`key` with the number the pattern's `*` matched replaced by `i`."""
+    m = _star_rx(pattern).search(key)
+    assert m is not None  # _star_indices matched it
+    return f"{key[: m.start(1)]}{i}{key[m.end(1) :]}"
 
 
 def assemble(target: str, pieces: list[tuple[str, Piece, Leaf]]) -> dict[str, Node]:
@@ -405,9 +414,10 @@ def assemble(target: str, pieces: list[tuple[str, Piece, Leaf]]) -> dict[str, No
         idx = _star_indices(p, [k for k, _ in items]) if "*" in p else None
         if idx is not None and sorted(idx) != list(range(len(idx))):
             absent = sorted(set(range(max(idx) + 1)) - set(idx))
+            names = [_with_index(p, items[0][0], i) for i in absent[:4]]
             raise ConversionError(
-                f"{target} is stacked from the stored keys matching {p!r}, numbered "
-                f"{sorted(idx)}: index(es) {absent} are missing (e.g. next to {items[0][0]!r})"
+                f"stacked from the stored keys matching {p!r}, numbered {sorted(idx)}: "
+                f"{len(absent)} absent ({', '.join(names)}{' ...' if len(absent) > 4 else ''})"
             )
         state[p] = [leaf for _, leaf in items]
     missing = [p for p in sources if p not in by_pattern]
