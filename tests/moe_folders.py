@@ -19,6 +19,7 @@ from tests.models import randomize_
 
 VOCAB = 64
 # name -> (config class, model class, MoE fields); shared: hidden 32, 2 layers, 4 heads / 2 KV
+# (DeepSeek-V3's attention is MLA, whose real configs have as many KV heads as heads)
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
@@ -39,7 +40,7 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
                     dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
                          num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                          kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                         v_head_dim=8, n_shared_experts=1)),
+                         v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
 }  # fmt: skip
 PER_EXPERT = [n for n in ARCHS if n != "gpt_oss"]  # folders with one tensor per expert
 
@@ -49,11 +50,10 @@ def moe_dir(name: str, root: Path, seed: int = 0) -> Path:
     import transformers as tf
 
     config_cls, model_cls, fields = ARCHS[name]
-    cfg = getattr(tf, config_cls)(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **fields,
-    )  # fmt: skip
+    shared = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)  # fmt: skip
+    cfg = getattr(tf, config_cls)(**{**shared, **fields})
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)

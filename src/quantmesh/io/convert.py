@@ -403,23 +403,29 @@ def assemble(target: str, pieces: list[tuple[str, Piece, Leaf]]) -> dict[str, No
     conv = first.converter
     sources: list[str] = list(conv.source_patterns)
     targets: list[str] = list(conv.target_patterns)
-    by_pattern: dict[str, list[tuple[str, Leaf]]] = {}
-    for _, piece, leaf in sorted(pieces, key=lambda p: _natural(p[1].source_key)):
-        by_pattern.setdefault(piece.pattern, []).append((piece.source_key, leaf))
-    state: dict[str, Node | list[Node]] = {}
-    for p in sources:
-        if p not in by_pattern:
-            continue
-        items = by_pattern[p]
-        idx = _star_indices(p, [k for k, _ in items]) if "*" in p else None
-        if idx is not None and sorted(idx) != list(range(len(idx))):
-            absent = sorted(set(range(max(idx) + 1)) - set(idx))
-            names = [_with_index(p, items[0][0], i) for i in absent[:4]]
-            raise ConversionError(
-                f"stacked from the stored keys matching {p!r}, numbered {sorted(idx)}: "
-                f"{len(absent)} absent ({', '.join(names)}{' ...' if len(absent) > 4 else ''})"
-            )
-        state[p] = [leaf for _, leaf in items]
+    by_pattern: dict[str, list[tuple[str, str, Leaf]]] = {}  # (renamed key, stored key, leaf)
+    for ckey, piece, leaf in sorted(pieces, key=lambda p: _natural(p[1].source_key)):
+        by_pattern.setdefault(piece.pattern, []).append((piece.source_key, ckey, leaf))
+    numbers = {  # the expert numbers the `*` of each pattern matched, where they are numbers
+        p: idx
+        for p, items in by_pattern.items()
+        if "*" in p and (idx := _star_indices(p, [k for k, _, _ in items])) is not None
+    }
+    every = set().union(*numbers.values()) if numbers else set()
+    every |= set(range(max(every) + 1)) if every else set()
+    absent: list[str] = []
+    for p, idx in numbers.items():
+        _, ckey, _ = by_pattern[p][0]
+        named = ckey if _star_rx(p).search(ckey) else by_pattern[p][0][0]  # stored name if it can
+        absent += [_with_index(p, named, i) for i in sorted(every - set(idx))]
+    if absent:
+        raise ConversionError(
+            f"stacked from one stored tensor per expert (numbered 0 to {max(every)}), of which "
+            f"{len(absent)} are absent: {', '.join(absent[:6])}{' ...' if len(absent) > 6 else ''}"
+        )
+    state: dict[str, Node | list[Node]] = {
+        p: [leaf for _, _, leaf in by_pattern[p]] for p in sources if p in by_pattern
+    }
     missing = [p for p in sources if p not in by_pattern]
     if missing:
         have = ", ".join(f"{p!r}" for p in by_pattern)
