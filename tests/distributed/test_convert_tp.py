@@ -1,10 +1,10 @@
 """Converted checkpoint keys at tp=2 on 2 gloo ranks.
 
 - Folders saved by transformers with one tensor per expert (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-  DeepSeek-V3; gpt-oss stored fused) load at tp=2, float (logits against transformers' own
-  from_pretrained, and equal to loading a folder that stores the fused tensors directly, with the
-  same bytes read per rank) and through `qm.from_pretrained` in nf4 with LoRA (equal to the
-  fused folder's nf4 model).
+  DeepSeek-V3; gpt-oss stored fused) load at tp=2 with the experts split over tp: float through
+  `qm.from_pretrained` (logits against transformers' own from_pretrained), and nf4 with LoRA on
+  every projection, equal bit for bit to the model loaded from a folder that stores the fused
+  tensors directly, each rank reading the same bytes (its slice of every stored expert).
 - A dense model whose checkpoint fuses q|k|v and gate|up (a conversion rule with Split and Chunk,
   as several architectures have): the tp-split q/k/v/gate/up are read as slices of the fused stored
   tensors; each rank reads exactly the bytes it reads from the unfused folder, logits match.
@@ -43,8 +43,8 @@ def _fused_folder(src, dst) -> None:
         (dst / name).write_text((src / name).read_text())
 
 
-def _load(path, mesh):
-    """What from_pretrained does, with the LoadResult kept."""
+def _load(path, mesh, **kw):
+    """What from_pretrained does, with the LoadResult kept; kw to parallelize."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import quantmesh as qm
@@ -52,26 +52,34 @@ def _load(path, mesh):
 
     with qm.empty_model():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    qm.parallelize(model, mesh)
+    qm.parallelize(model, mesh, **kw)
     result = qm.load_checkpoint(model, path, key_map=hf_key_map(model), progress=False)
     return model.eval(), result.bytes_read
+
+
+def _split_experts(model) -> list[tuple[bool, bool]]:
+    """(split over tp, quantized) of every experts module."""
+    from quantmesh.tp.experts import ShardedExperts
+
+    found = [m for m in model.modules() if isinstance(m, ShardedExperts)]
+    return [(m.tp == 2 and m.param_slices()["gate_up_proj"] is not None, bool(m.qlocal))
+            for m in found]  # fmt: skip
 
 
 def _moe_facts(rank: int, dirs: dict) -> dict:
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=2)
-    lora = qm.LoraConfig(r=2, targets=["*o_proj"])  # the experts' adapters are not this test's
     out: dict = {}
     for name in ARCHS:
+        model = qm.from_pretrained(dirs[name], mesh, progress=False)
+        out[name], out[f"{name}_experts"] = logits(model, _ids()), _split_experts(model)
         for kind in ("", "_fused"):
-            nf4 = qm.from_pretrained(dirs[name + kind], mesh, quant="nf4", lora=lora,
-                                     progress=False)  # fmt: skip
-            out[f"{name}{kind}_nf4"] = logits(nf4, _ids())
-        model, out[f"{name}_bytes"] = _load(dirs[name], mesh)
-        out[name] = logits(model, _ids())
-        model, out[f"{name}_fused_bytes"] = _load(dirs[f"{name}_fused"], mesh)
-        out[f"{name}_fused"] = logits(model, _ids())
+            # nf4, LoRA on every projection (the default targets reach the experts' tensors)
+            model, out[f"{name}{kind}_bytes"] = _load(dirs[name + kind], mesh, quant="nf4",
+                                                      lora=qm.LoraConfig(r=2))  # fmt: skip
+            out[f"{name}{kind}_nf4"] = logits(model, _ids())
+        out[f"{name}_nf4_experts"] = _split_experts(model)
     return out
 
 
@@ -95,11 +103,14 @@ def test_per_expert_folders_load_at_tp2_like_transformers(moe, name):
     dirs, facts = moe
     want = hf_logits(dirs[name], _ids())
     for f in facts:
+        # the experts are split over tp (each rank read its slice of every stored expert), and
+        # quantized in nf4
+        assert f[f"{name}_experts"] == [(True, False)] * (1 if name == "deepseek_v3" else 2)
+        assert f[f"{name}_nf4_experts"] == [(True, True)] * (1 if name == "deepseek_v3" else 2)
         assert _err(f[name], want) <= REL_TOL
-        assert torch.equal(f[name], f[f"{name}_fused"])  # same tensors as the fused layout
-        assert f[f"{name}_bytes"] == f[f"{name}_fused_bytes"] > 0  # and the same bytes read
-        # nf4 through from_pretrained: the same model as from the fused folder, bit for bit
+        # nf4 + LoRA: the same model as from the fused folder, bit for bit, the same bytes read
         assert torch.equal(f[f"{name}_nf4"], f[f"{name}_fused_nf4"])
+        assert f[f"{name}_bytes"] == f[f"{name}_fused_bytes"] > 0
         assert not torch.equal(f[f"{name}_nf4"], f[name])  # something was quantized
 
 
