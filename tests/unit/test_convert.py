@@ -63,19 +63,20 @@ class _Counted:
 
     def __init__(self, monkeypatch):
         self.keys: list[str] = []
-        self.bytes = 0
+        self.bytes = self.largest = 0
         block = reader_mod._SafetensorsShard.block
 
         def counted(shard, key, index):
             t = block(shard, key, index)
             self.keys.append(key)
             self.bytes += t.numel() * t.element_size()
+            self.largest = max(self.largest, t.numel() * t.element_size())
             return t
 
         monkeypatch.setattr(reader_mod._SafetensorsShard, "block", counted)
 
     def reset(self):
-        self.keys, self.bytes = [], 0
+        self.keys, self.bytes, self.largest = [], 0, 0
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -87,7 +88,8 @@ def test_a_slice_of_the_fused_experts_reads_only_its_rows(folders, name, monkeyp
     E, I2, H = gate_up.shape
     inter = I2 // 2
     count = _Counted(monkeypatch)
-    with open_checkpoint(folder, key_map=hf_key_map(_skeleton(folder))) as ckpt:
+    chunk = 4 * H * 4  # 4 rows of a stored expert tensor per read step: pieces stream in chunks
+    with open_checkpoint(folder, key_map=hf_key_map(_skeleton(folder)), chunk_bytes=chunk) as ckpt:
         assert len(ckpt.sources("model.layers.1.mlp.experts.gate_up_proj")) == 2 * E
         cases = [
             # a tp rank of the intermediate dim: rows [a, b) of the gate half and of the up half
@@ -104,12 +106,14 @@ def test_a_slice_of_the_fused_experts_reads_only_its_rows(folders, name, monkeyp
             want = torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim)
             assert torch.equal(got, want), (proj, dim, ranges)
             assert count.bytes == nbytes * full.element_size(), (proj, dim, ranges)
+            assert count.largest <= chunk
             assert all(".layers.1." in k for k in count.keys)
             if dim == 0:  # only the experts asked for
                 assert {k.split(".experts.")[1].split(".")[0] for k in count.keys} == {"1", "2"}
-        count.reset()  # whole: every piece once, nothing twice
+        count.reset()  # whole: every piece's bytes once, in chunks
         assert torch.equal(ckpt.read("model.layers.1.mlp.experts.gate_up_proj"), gate_up)
-        assert count.bytes == gate_up.numel() * 4 and len(set(count.keys)) == len(count.keys)
+        assert count.bytes == gate_up.numel() * 4 and len(set(count.keys)) == 2 * E
+        assert count.largest <= chunk
 
 
 def _transformers_convert(converter, stored: dict[str, torch.Tensor], target: str):
