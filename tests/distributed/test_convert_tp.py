@@ -84,14 +84,19 @@ def _moe_facts(rank: int, dirs: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
+def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_tp")
     dirs = {}
     for name in ARCHS:
         dirs[name] = str(moe_dir(name, root / name))
         _fused_folder(root / name, root / f"{name}_fused")
         dirs[f"{name}_fused"] = str(root / f"{name}_fused")
-    return dirs, run_ranks(_moe_facts, 2, dirs, timeout=400)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def moe(folders):
+    return folders, run_ranks(_moe_facts, 2, folders, timeout=400)
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -177,3 +182,26 @@ def test_fused_dense_checkpoint_streams_tp_slices(tmp_path):
         assert f["q_split"]  # the fused q|k|v is really cut per rank
         assert _err(f["logits"], want) <= REL_TOL
         assert f["bytes"] == f["plain_bytes"] > 0
+
+
+def _pp_facts(rank: int, dirs: dict) -> dict:
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(pp=2)
+    out = {}
+    for kind in ("", "_fused"):
+        net = qm.from_pretrained(dirs["qwen3_moe" + kind], mesh, progress=False)
+        out[kind] = {n: p.detach().clone() for n, p in net.named_parameters()}
+    return out
+
+
+def test_per_expert_folder_loads_each_pipeline_stage(folders):
+    """pp=2: each stage assembles only its own experts; the other stage's pieces are skipped, not
+    unexpected (strict load), and every stage holds what it holds from the fused folder."""
+    facts = run_ranks(_pp_facts, 2, folders, timeout=240)
+    for stage, f in enumerate(facts):
+        assert f[""].keys() == f["_fused"].keys()
+        experts = [n for n in f[""] if n.endswith("mlp.experts.gate_up_proj")]
+        assert experts == [f"model.layers.{stage}.mlp.experts.gate_up_proj"]
+        for n, p in f[""].items():
+            assert torch.equal(p, f["_fused"][n]), n
