@@ -5,6 +5,8 @@
   `qm.from_pretrained` (logits against transformers' own from_pretrained), and nf4 with LoRA on
   every projection, equal bit for bit to the model loaded from a folder that stores the fused
   tensors directly, each rank reading the same bytes (its slice of every stored expert).
+- At pp=2 each stage loads its own experts from the per-expert folder (strictly: the other stage's
+  pieces are not unexpected), equal to the fused folder's.
 - A dense model whose checkpoint fuses q|k|v and gate|up (a conversion rule with Split and Chunk,
   as several architectures have): the tp-split q/k/v/gate/up are read as slices of the fused stored
   tensors; each rank reads exactly the bytes it reads from the unfused folder, logits match.
