@@ -343,6 +343,8 @@ def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
         parts = n.split(".")  # skip it when a rule (a name or a glob) covers it or an ancestor
         if any(_matches(".".join(parts[:i]), rules) for i in range(1, len(parts) + 1)):
             continue
+        if expert_tensors(m) is not None:  # split by ShardedExperts, outside the plan
+            continue
         t = type(m).__name__
         if "Norm" in t:
             why = f"replicated: {t}"
