@@ -29,7 +29,7 @@ import contextvars
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -327,9 +327,20 @@ class StandIn(nn.Module):
 
     def _shapes(self, args: tuple, kwargs: dict) -> Any:
         """The original's output on meta tensors (shapes and dtypes only)."""
+        import torch.fx.experimental._config as fx_config
+
+        from ..tp.kinds import expert_tensors
+
         margs, mkwargs = tree_map(_to_meta, (args, kwargs))
+        # a mixture of experts routes tokens by their values (nonzero, .item()), which meta
+        # tensors do not have: an experts module's output has its input's shape, so on meta it
+        # gives just that; other data-dependent sizes are taken as their largest (only the
+        # output's shape is read)
+        experts = [m for m in self.original.modules() if expert_tensors(m) is not None]
+        for m in experts:
+            m.forward = _same_shape  # an instance attribute, deleted below
         try:
-            with torch.no_grad():
+            with torch.no_grad(), cast(Any, fx_config).patch(meta_nonzero_assume_all_nonzero=True):
                 return self.original(*margs, **mkwargs)
         except Exception as e:  # the shapes are all we need; a module that cannot give them
             raise PipelineError(
@@ -337,6 +348,14 @@ class StandIn(nn.Module):
                 f"stages to give its output shapes, and it raised {type(e).__name__}: {e}; this "
                 f"model cannot be cut there (try other PipelineConfig(stages=...), or pp=1)"
             ) from e
+        finally:
+            for m in experts:
+                del m.forward
+
+
+def _same_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """An experts module's output on meta: the shape of its input."""
+    return torch.zeros_like(x)
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
