@@ -136,7 +136,7 @@ def job_bytes(mesh) -> dict:
         # the plan verify_plan settled on (the estimate alone does not run the probe)
         plan = {f: str(e.style) if e.split is not None else "replicate" for f, e in entries.items()}
         est = qm.estimate_memory(ref, tp=mesh.tp, seq_len=8, plan=plan).weights
-        verify_kept = [f for f, e in entries.items() if e.reason.startswith("verify")]
+        verify_kept = [f for f, e in entries.items() if "verify:" in e.reason]
         out[name] = {"fraction": _base_bytes(model) / _base_bytes(ref), "estimate": est,
                      "held": _base_bytes(model), "verify_kept": verify_kept}  # fmt: skip
     return out
