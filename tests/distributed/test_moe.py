@@ -142,6 +142,32 @@ def job_bytes(mesh) -> dict:
     return out
 
 
+def job_compiled(mesh) -> dict:
+    """nf4 experts with adapters in compiled blocks (fullgraph: no graph break), against eager."""
+    import quantmesh as qm
+    from tests.zoo import ZOO
+
+    case = ZOO["mixtral"]
+    out = {}
+    for compiled in (False, True):
+        model = copy.deepcopy(case.build(0))
+        model.config._experts_implementation = "grouped_mm"  # the path compiled blocks take
+        qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=2, alpha=4))
+        _nonzero_b(model)
+        if compiled:
+            assert qm.compile_blocks(model, fullgraph=True, backend="aot_eager") == 2
+        y = model(**case.inputs()).logits
+        y.float().pow(2).mean().backward()
+        grads = [p.grad.clone() for p in qm.trainable_parameters(model)]
+        out[compiled] = (y.detach(), grads)
+    (y0, g0), (y1, g1) = out[False], out[True]
+    return {
+        "logits": float((y0 - y1).abs().max()),
+        "grads": max(float((a - b).abs().max()) for a, b in zip(g0, g1, strict=True)),
+        "n_grads": len(g0),
+    }
+
+
 def job_refusals(mesh) -> dict:
     import quantmesh as qm
     from tests.zoo import ZOO
@@ -180,6 +206,7 @@ def _jobs(rank: int, world: int, folder: str) -> dict:
         "nf4": job_nf4_train(mesh),
         "bytes": job_bytes(mesh),
         "refusals": job_refusals(mesh),
+        "compiled": job_compiled(mesh),
     }
 
 
@@ -265,3 +292,9 @@ def test_pipeline_stages_cut_through_moe_blocks() -> None:
     (one,) = run_ranks(_pp_loss, 1, 1, timeout=300)
     two = run_ranks(_pp_loss, 2, 2, timeout=300)
     assert two == [one, one], (one, two)
+
+
+def test_compiled_blocks_trace_nf4_experts_with_adapters() -> None:
+    for rank in results()["tp2"]:
+        c = rank["compiled"]
+        assert c["n_grads"] > 0 and c["logits"] < 1e-5 and c["grads"] < 1e-5, c
