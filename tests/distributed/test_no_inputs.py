@@ -75,12 +75,24 @@ class Block(nn.Module):
         return x + self.proj(F.gelu(self.fc(x)))
 
 
+class ScaledEmbedding(nn.Embedding):
+    """An embedding with a forward of its own and a non-persistent buffer (as Gemma's)."""
+
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__(n, d)
+        self.register_buffer("scale", torch.tensor(d**0.5), persistent=False)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale
+
+
 class TokenModel(nn.Module):
     """Token ids in, logits out: an nn.Embedding first."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.tok = nn.Embedding(V, D)
+        self.tok = ScaledEmbedding(V, D)
         self.blocks = nn.ModuleList([Block(Attn()) for _ in range(2)])
         self.lm_head = nn.Linear(D, V, bias=False)
 
@@ -149,6 +161,7 @@ def _parallelize(model: nn.Module, mesh) -> list[str]:
 def _rank(rank: int) -> dict:
     import quantmesh as qm
     from quantmesh.state import parallel_state
+    from tests.distributed._zoo_cases import layout, layout_diff
 
     mesh = qm.init_mesh(tp=2)
     facts: dict = {}
@@ -169,6 +182,7 @@ def _rank(rank: int) -> dict:
             "split": sorted(e.fqn for e in st.plan.sharded()),
             "attrs": {k: v for k, v in vars(attn).items() if type(v) is int},
             "report": str(st.verify),
+            "keys": layout_diff(layout(model), layout(ref)),
         }
     torch.manual_seed(0)
     model = MaskedModel()
@@ -194,6 +208,14 @@ def test_custom_model_is_verified_split_and_exact_without_inputs(facts: dict, ca
     assert f["verified"] and not f["warned"], f
     assert f["out_err"] < 1e-5, f
     assert f["grad_err"] < 1e-4, f
+
+
+@pytest.mark.parametrize("case", ["tokens", "features"])
+def test_state_dict_keys_order_and_buffer_persistence_are_the_models(
+    facts: dict, case: str
+) -> None:
+    assert facts[case]["keys"] == "", facts[case]["keys"]
+    assert "tok" in facts["tokens"]["split"]  # the embedding was replaced (vocab split)
 
 
 def test_issue_attention_is_split_with_its_head_count_per_rank(facts: dict) -> None:

@@ -51,6 +51,24 @@ def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) 
                 mod._parameters[pname] = src
 
 
+def _keep_buffers(orig: nn.Module, m: ShardedModule, device: torch.device) -> None:
+    """A replaced module keeps every buffer of the original: its names, their order and each one's
+    persistence (a non-persistent buffer, like Gemma's embed_scale, stays out of the state dict).
+    Buffers the local module holds are the wrapper's too (its copy of them); one the local module
+    does not hold (a linear subclass whose forward is nn.Linear's) stays on the wrapper, moved to
+    `device`; buffers only the local module has (a quantized format's scales) come last, as it
+    registered them."""
+    for name, b in orig._buffers.items():
+        if name not in m._buffers:
+            m._buffers[name] = b if b is None or b.device.type == "meta" else b.to(device)
+    local = m.local
+    order = [*orig._buffers, *(n for n in m._buffers if n not in orig._buffers)]
+    m._buffers = {n: m._buffers[n] for n in order}
+    m._non_persistent_buffers_set = set(orig._non_persistent_buffers_set) | {
+        n for n in local._non_persistent_buffers_set if n not in orig._buffers
+    }
+
+
 def apply_tp(
     model: nn.Module,
     mesh,
@@ -106,6 +124,7 @@ def apply_tp(
             m.loaded = True
         else:
             m.loaded = False
+        _keep_buffers(orig, m, device)
         if lora is not None and wrap[fqn].get("lora"):
             attach_lora(m, lora, device=device)
         parent_name, _, child = fqn.rpartition(".")
