@@ -402,9 +402,9 @@ def _probe(
         probe_mesh = cast("Mesh", _ProbeMesh(mesh, group))  # the parts of a Mesh parallelize reads
         parallelize(m, probe_mesh, plan=plan, data_parallel=False, verify=False)
         outs, _ = _run(m, inputs, seed=0)
-        err = max((_rel(a, b) for a, b in zip(outs, ref_out)), default=0.0)
-        if len(outs) != len(ref_out):
-            err = math.inf
+        err = math.inf  # a different number of outputs
+        if len(outs) == len(ref_out):
+            err = max((_rel(a, b) for a, b in zip(outs, ref_out, strict=True)), default=0.0)
         # gradients: sharded ones gathered (collective, same order on every rank)
         grads: dict[str, torch.Tensor] = {}
         for fqn, sm in sharded_modules(m).items():
@@ -439,7 +439,7 @@ def _probe(
         # together (MIN over the group), so every rank all-reduces the same tensors.
         cand = torch.tensor(
             [int(e > tol and name in grads and grads[name].shape == ref_grads[name].shape)
-             for name, e in zip(order, errs)],
+             for name, e in zip(order, errs, strict=True)],
             dtype=torch.int32,
         )  # fmt: skip
         dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)

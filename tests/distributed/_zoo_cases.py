@@ -185,7 +185,8 @@ def layout(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
 
 
 def layout_diff(got: list[str], want: list[str]) -> str:
-    """"" when equal, else what differs: names only one side has, or the first out of order."""
+    """An empty string when equal, else what differs: names on one side only, or the first out of
+    order."""
     if got == want:
         return ""
     extra, missing = [k for k in got if k not in want], [k for k in want if k not in got]

@@ -173,7 +173,7 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     qm.load_checkpoint(b, sd, progress=False)
     f["lora_roundtrip"] = all(
         torch.equal(x, y)
-        for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters())
+        for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True)
         if "lora_" in n
     )
 

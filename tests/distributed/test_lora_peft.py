@@ -37,6 +37,7 @@ def test_layer_split_ddp_matches_single_rank():
     DDP with device_ids=None. Losses equal the plain one-rank run."""
     ref = result(("train", 1, 1, None))[0]
     got = result(("train", 2, 1, None, 5, 2))
+    assert len(got) == 2 and len(ref["losses"]) == 5
     for r in got:
-        for a, b in zip(r["losses"], ref["losses"]):
+        for a, b in zip(r["losses"], ref["losses"], strict=True):
             assert abs(a - b) / abs(b) < 1e-5

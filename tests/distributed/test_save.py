@@ -313,7 +313,7 @@ def test_export_opens_in_transformers(a, d, name):
 
 # --------------------------------------------------------------------------- resume
 def test_resume_is_bit_exact(a, c):
-    for fa, fc in zip(a, c):
+    for fa, fc in zip(a, c, strict=True):
         assert fc["step"] == 3
         assert fc["losses"] == fa["straight"][3:]  # exact float equality
     for k, v in a[0]["straight_final"].items():

@@ -273,7 +273,10 @@ class Plan:
         for e in _collapse(res, model):
             rows.append(e)
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+            for r in rows
+        ]
         lines.insert(1, "-" * min(120, len(lines[0])))
         for owner, attrs in res.attr_updates.items():
             for a, vals in attrs.items():
@@ -518,10 +521,11 @@ def _check_ties(model: nn.Module, entries: dict[str, Entry]) -> None:
         if len(names) < 2:
             continue
         es = [entries.get(n) for n, _ in names]
-        splits = {_param_split(e, pname) for e, (_, pname) in zip(es, names)}
+        splits = {_param_split(e, pname) for e, (_, pname) in zip(es, names, strict=True)}
         if len(splits) > 1:
             desc = ", ".join(
-                f"{n}.{pname} ({e.style if e else 'replicate'})" for e, (n, pname) in zip(es, names)
+                f"{n}.{pname} ({e.style if e else 'replicate'})"
+                for e, (n, pname) in zip(es, names, strict=True)
             )
             raise PlanError(
                 f"tied weights are split differently: {desc}; give both the same split "

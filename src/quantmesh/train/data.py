@@ -212,7 +212,7 @@ def _tokenize_texts(texts: list[str], tokenizer: Any) -> list[list[int]]:
             owner.append(i)
     ids: list[list[int]] = [[] for _ in texts]
     if pieces:
-        for i, piece_ids in zip(owner, _encode(tokenizer, pieces)):
+        for i, piece_ids in zip(owner, _encode(tokenizer, pieces), strict=True):
             ids[i].extend(piece_ids)
     return ids
 
@@ -243,12 +243,15 @@ def _encode_instructions(docs: list[Document], tokenizer: Any) -> list[tuple[lis
         # Both rendered as strings in a batch, then tokenized in a batch: per-example
         # apply_chat_template(tokenize=True) is an order of magnitude slower on big files.
         users = [[{"role": "user", "content": d.prompt}] for d in docs]
-        fulls = [u + [{"role": "assistant", "content": d.response}] for u, d in zip(users, docs)]
+        fulls = [
+            u + [{"role": "assistant", "content": d.response}]
+            for u, d in zip(users, docs, strict=True)
+        ]
         p_text = tokenizer.apply_chat_template(users, tokenize=False, add_generation_prompt=True)
         f_text = tokenizer.apply_chat_template(fulls, tokenize=False)
         p_ids, f_ids = _encode(tokenizer, list(p_text)), _encode(tokenizer, list(f_text))
         out = []
-        for p, f in zip(p_ids, f_ids):
+        for p, f in zip(p_ids, f_ids, strict=True):
             # The rendered prompt is a prefix of the rendered conversation for ordinary templates;
             # where a template renders them differently, train from the first differing token.
             k = _common_prefix(p, f)
@@ -260,7 +263,10 @@ def _encode_instructions(docs: list[Document], tokenizer: Any) -> list[tuple[lis
     r_ids = _encode(tokenizer, cast(list[str], [d.response for d in docs]))
     # No template: prompt and response are concatenated as they are (put any separator you want at
     # the end of the prompt); EOS ends the response and is a target, so the model learns to stop.
-    return [(p + r + [eos], [IGNORE_INDEX] * len(p) + r + [eos]) for p, r in zip(p_ids, r_ids)]
+    return [
+        (p + r + [eos], [IGNORE_INDEX] * len(p) + r + [eos])
+        for p, r in zip(p_ids, r_ids, strict=True)
+    ]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -338,8 +344,8 @@ def build_dataset(
     # Rows of the two (n, seq_len) tensors: views, so examples share one storage.
     examples = [{"input_ids": chunks_ids[i], "labels": chunks_labels[i]} for i in range(n)]
     return PackedDataset(
-        train=[e for e, ev in zip(examples, is_eval.tolist()) if not ev],
-        eval=[e for e, ev in zip(examples, is_eval.tolist()) if ev],
+        train=[e for e, ev in zip(examples, is_eval.tolist(), strict=True) if not ev],
+        eval=[e for e, ev in zip(examples, is_eval.tolist(), strict=True) if ev],
         seq_len=seq_len,
         num_documents=len(docs),
         num_tokens=num_tokens,
