@@ -15,6 +15,7 @@ def test_tp_lora_matches_peft():
         # fp32, same weights and adapters: only summation order differs
         assert r["logits"] < 1e-5, r["logits"]
         assert abs(r["loss"][0] - r["loss"][1]) < 1e-5
+        assert len(r["grad_errs"]) == 2 * 4 * 2, sorted(r["grad_errs"])  # layers x targets x A, B
         for k, e in r["grad_errs"].items():
             assert e < 1e-5, (k, e)
 
