@@ -392,6 +392,20 @@ class Bnb4bitFormat(_BnbFormat):
             raise RuntimeError(_not_quantized(module))
         return dequantize_4bit_flat(w.data, qs)
 
+    def compute_weight(self, module: nn.Module) -> torch.Tensor:
+        """The float weight (out, in) from plain tensors and values (traced by torch.compile),
+        blocks over the flattened weight as quantize_4bit made them.
+
+        Example:
+            >>> fmt.compute_weight(m).shape  # doctest: +SKIP
+            torch.Size([8, 64])
+        """
+        w = cast(torch.Tensor, module.weight)
+        qs = getattr(w, "quant_state", None)
+        if qs is None:
+            raise RuntimeError(_not_quantized(module))
+        return _flat_weight(w.data, *_flat_args(qs))
+
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and
         fp32 per 256 blocks. Per-tensor constants (code books, ~1 KiB a layer) are left out.
