@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .dp import apply_dp
-from .fsdp import apply_fsdp, check_fsdp
+from .fsdp import FsdpError, apply_fsdp, check_fsdp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
 from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
@@ -185,6 +185,12 @@ def _parallelize(
     if fsdp and hasattr(fmt, "shards"):  # torchao nf4: block-scale groups within dp shards
         setattr(fmt, "shards", mesh.dp)  # noqa: B010 - only that format has the attribute
     wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
+    if fsdp and (moe := [f for f, w in wrap.items() if "experts" in w]):
+        raise FsdpError(
+            f"fsdp=True with experts modules ({moe[0]}, ...): FSDP2 of split and quantized expert "
+            "tensors is not supported yet; use dp replicas (fsdp=False) with tp to split the "
+            "experts"
+        )
 
     # 2. prove the split exact on the tp group; replicate what is not (the reasons go in the plan)
     report = None

@@ -50,7 +50,14 @@ def _dataset(cfg, tokenizer):
 
     try:
         return build_dataset(
-            cfg.data, tokenizer, cfg.seq_len, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+            cfg.data,
+            tokenizer,
+            cfg.seq_len,
+            eval_fraction=cfg.eval_fraction,
+            seed=cfg.seed,
+            data_format=cfg.data_format,
+            train_on=cfg.train_on,
+            packing=cfg.packing,
         )
     except ValueError as e:
         if type(e) is not ValueError:  # DataError and friends already say what to fix
@@ -73,12 +80,8 @@ def finetune(payload: str) -> int:
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     dataset = _dataset(cfg, tok)
-    if rank0:
-        print(
-            f"data: {dataset.num_documents} documents, {dataset.num_tokens} tokens -> "
-            f"{len(dataset.train)} train / {len(dataset.eval)} eval examples of {cfg.seq_len}",
-            flush=True,
-        )
+    if rank0:  # what each file held, the text the chat template added, the examples
+        print(dataset.summary(), flush=True)
     dtype = torch.bfloat16 if mesh.device.type == "cuda" else torch.float32
     model = qm.from_pretrained(
         cfg.model,

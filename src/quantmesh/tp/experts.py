@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -38,66 +37,22 @@ from torch import nn
 
 from ..plan.styles import FeatureSplit, Ranges, Style, balanced_counts, segmented_split, unit_split
 from .collectives import copy_to_tp, reduce_from_tp
-from .kinds import Kind
+from .kinds import ExpertTensor, Kind, expert_tensors
 from .layers import ShardedModule
 
-__all__ = ["ExpertTensor", "ShardedExperts", "expert_tensors", "find_experts", "unhandled_3d"]
+__all__ = [
+    "ExpertTensor",
+    "ShardedExperts",
+    "expert_lora_targets",
+    "expert_tensors",
+    "find_experts",
+    "local_sizes",
+    "unhandled_3d",
+]
 
 EXPERTS = Kind(
     "Experts", 1, 2, -1, False
 )  # the (E, out, in) layout; `ExpertTensor` says per tensor
-
-
-@dataclass(frozen=True)
-class ExpertTensor:
-    """One 3-D expert weight of an experts module: its dims and how it splits over tp."""
-
-    name: str  # the parameter's name on the module ("gate_up_proj", "down_proj")
-    first: bool  # the projection that reads the hidden state (its output is the intermediate)
-    in_dim: int  # dim of the (E, ., .) tensor holding input features
-    out_dim: int  # dim holding output features
-    bias: str | None  # name of its per-expert bias (E, out), if the module has one
-
-    @property
-    def split_dim(self) -> int:
-        """The dim of the weight cut over tp: the intermediate features."""
-        return self.out_dim if self.first else self.in_dim
-
-
-def expert_tensors(module: nn.Module) -> list[ExpertTensor] | None:
-    """The expert weights of a transformers experts module, or None when `module` is not one.
-
-    An experts module declares its layout the way transformers' experts interface reads it:
-    `num_experts`, `is_transposed` and `has_gate` attributes and 3-D parameters named
-    `gate_up_proj` (or `up_proj` without a gate) and `down_proj`, each (E, ., .), with
-    `<name>_bias` (E, out) where `has_bias`.
-
-    Example:
-        >>> [t.name for t in expert_tensors(model.model.layers[0].mlp.experts)]  # doctest: +SKIP
-        ['gate_up_proj', 'down_proj']
-    """
-    transposed = getattr(module, "is_transposed", None)
-    n = getattr(module, "num_experts", None)
-    if not isinstance(transposed, bool) or not isinstance(n, int):
-        return None
-    gated = bool(getattr(module, "has_gate", True))
-    names = ("gate_up_proj" if gated else "up_proj", "down_proj")
-    params = module._parameters
-    if any(not isinstance(params.get(k), torch.Tensor) for k in names):
-        return None
-    w1, w2 = (cast(torch.Tensor, params[k]) for k in names)
-    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != n or w2.shape[0] != n:
-        return None
-    i_dim, o_dim = (1, 2) if transposed else (2, 1)
-    hidden, inter = int(w1.shape[i_dim]), int(w2.shape[i_dim])
-    if int(w2.shape[o_dim]) != hidden or int(w1.shape[o_dim]) != (2 * inter if gated else inter):
-        return None
-    out = []
-    for k, first in zip(names, (True, False), strict=True):
-        b = f"{k}_bias"
-        has_b = isinstance(params.get(b), torch.Tensor)
-        out.append(ExpertTensor(k, first, i_dim, o_dim, b if has_b else None))
-    return out
 
 
 def find_experts(model: nn.Module) -> dict[str, list[ExpertTensor]]:
@@ -145,6 +100,45 @@ def _inter_split(module: nn.Module, t: ExpertTensor, inter: int, tp: int) -> Fea
     if bool(getattr(module, "is_concatenated", True)):  # [gate; up]: each half cut alike
         return segmented_split([base, base])
     return unit_split(2 * inter, 2, counts)  # gate, up interleaved: neighbouring pairs
+
+
+def local_sizes(module: nn.Module, tensors: list[ExpertTensor], tp: int, rank: int) -> dict:
+    """{tensor name: (local elements, local (in, out) of one expert)} on tp rank `rank` (for the
+    memory planner: the split ShardedExperts makes).
+
+    Example:
+        >>> local_sizes(experts, expert_tensors(experts), 2, 0)["down_proj"]  # doctest: +SKIP
+        (6144, (16, 96))
+    """
+    first, second = tensors
+    w2 = cast(torch.Tensor, module._parameters[second.name])
+    inter = int(w2.shape[second.in_dim])
+    out = {}
+    for t in tensors:
+        shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
+        if tp > 1 and inter >= tp:
+            shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
+        out[t.name] = (math.prod(shape), (shape[t.in_dim], shape[t.out_dim]))
+    return out
+
+
+def expert_lora_targets(
+    experts: dict[str, list[ExpertTensor]], selected: list[str]
+) -> dict[str, list[str]]:
+    """{experts fqn: tensor names} adapted, from the names a LoraConfig selected (`lora_targets`
+    with the expert tensors' full names as extra candidates): an experts module's own name
+    selects all of its tensors.
+
+    Example:
+        >>> expert_lora_targets(find_experts(m), ["model.layers.0.mlp.experts.down_proj"])  # doctest: +SKIP
+        {'model.layers.0.mlp.experts': ['down_proj']}
+    """
+    out: dict[str, list[str]] = {}
+    for fqn, ts in experts.items():
+        names = [t.name for t in ts if fqn in selected or f"{fqn}.{t.name}" in selected]
+        if names:
+            out[fqn] = names
+    return out
 
 
 class ExpertAdapter(nn.Module):
