@@ -169,7 +169,7 @@ def phase(model, a, ids, device, R: dict, name: str, *, qm: dict | None = None, 
 def agree(x: list[int], y: list[int]) -> int:
     """How many leading tokens are equal."""
     same = 0
-    for u, v in zip(x, y):
+    for u, v in zip(x, y, strict=False):  # lengths may differ: the common prefix
         if u != v:
             break
         same += 1

@@ -294,7 +294,7 @@ def run_check(a, mesh, R) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             ref_losses.append(float(loss.detach()))
-        rel = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
+        rel = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses, strict=True)]
         R.update(
             cpu_fp32_losses=[round(x, 6) for x in ref_losses],
             max_rel_diff=float(f"{max(rel):.3g}"),

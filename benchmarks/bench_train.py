@@ -323,7 +323,7 @@ def run_check(a, mesh, R):
                 ref_losses.append(float(loss.detach()))
         finally:
             torch.set_num_threads(threads)
-        rel = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
+        rel = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses, strict=True)]
         R.update(
             compiled=a.compile,
             cpu_fp32_losses=[round(x, 6) for x in ref_losses],

@@ -224,7 +224,10 @@ def tables(b: dict) -> str:
         rs = [
             ratio((r or {}).get("tokens_per_s"), (peer_rec or {}).get("tokens_per_s")) for r in recs
         ]
-        shown = " / ".join(num(x, "{:.2f}x") for x, r in zip(rs, recs) if r is not None) or "–"
+        shown = (
+            " / ".join(num(x, "{:.2f}x") for x, r in zip(rs, recs, strict=True) if r is not None)
+            or "–"
+        )
         return max([x for x in rs if x is not None], default=None), shown
 
     t2d, t2d_s = best_ratio([T2, T2c], D)

@@ -4,6 +4,7 @@ Run: quantmesh run --nproc 2 examples/pipeline.py MODEL_DIR DATA.txt
 (4 processes: add tp=2 below for 2 stages of 2 tensor-parallel ranks each.)
 """
 
+import itertools
 import sys
 
 import torch
@@ -20,7 +21,7 @@ opt = torch.optim.AdamW(qm.trainable_parameters(model), lr=2e-3)
 
 model.train()
 batches = qm.iterate_batches(dataset.train, 2, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
-for step, batch in zip(range(10), batches):
+for step, batch in enumerate(itertools.islice(batches, 10)):
     loss = qm.train_step(model, batch, microbatches=2, schedule="1f1b")  # global mean, every rank
     qm.clip_grad_norm_(model, 1.0)  # the norm over both stages
     opt.step()

@@ -3,6 +3,7 @@
 Run: quantmesh run --nproc 2 examples/quickstart.py MODEL_DIR DATA.txt
 """
 
+import itertools
 import sys
 
 import torch
@@ -19,7 +20,7 @@ opt = torch.optim.AdamW(qm.trainable_parameters(model), lr=2e-3)
 
 model.train()
 batches = qm.iterate_batches(dataset.train, 2, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
-for step, batch in zip(range(10), batches):
+for step, batch in enumerate(itertools.islice(batches, 10)):
     loss = model(**batch).loss  # every rank sees the same loss: logits are gathered over tp
     loss.backward()
     opt.step()

@@ -635,7 +635,7 @@ def compare_tp(ref: nn.Module, model: nn.Module, run) -> dict[str, float]:
     y_ref, in_ref = forward_backward(ref, run)
     y, in_got = forward_backward(model, run)
     errs = {"out": rel_err(y, y_ref)}
-    for i, (a, b) in enumerate(zip(in_got, in_ref)):
+    for i, (a, b) in enumerate(zip(in_got, in_ref, strict=True)):
         errs[f"input_grad.{i}"] = rel_err(a, b)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     scale: dict[str, float] = {}

@@ -27,6 +27,7 @@ _EXPORTS = {
     "Plan": "plan.plan",
     "PlanError": "plan.plan",
     "auto_plan": "plan.auto",
+    "SplitForwardError": "parallel",
     "parallelize": "parallel",  # not parallelize.py: a submodule named like the function would shadow it
     "QuantConfig": "quant.base",
     "QuantError": "quant.base",

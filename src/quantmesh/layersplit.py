@@ -34,7 +34,7 @@ def layer_placement(model: nn.Module, devices: list[torch.device]) -> dict[str, 
         return {"": devices[0]}
     out: dict[str, torch.device] = {"": devices[0]}
     names = iter(blocks)
-    for dev, c in zip(devices, balanced_counts(len(blocks), len(devices))):
+    for dev, c in zip(devices, balanced_counts(len(blocks), len(devices)), strict=True):
         for _ in range(c):
             out[next(names)] = dev
     order = [n for n, _ in model.named_modules()]

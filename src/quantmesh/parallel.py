@@ -9,6 +9,7 @@ gradient sync over dp.
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
 from .pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
 from .pipeline.schedule import build_runtime
 from .plan.auto import auto_plan
-from .plan.plan import Plan, Resolved
+from .plan.plan import Plan, Resolved, _globify, size_candidates
 from .plan.styles import Style
 from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
 from .quant.bnb import format_of
@@ -38,7 +39,12 @@ from .tp.rng import RngRegions
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "SplitForwardError"]
+
+
+class SplitForwardError(RuntimeError):
+    """A module failed in its first forward after its layers were split by a plan that could not
+    be verified; the message names the module, its split layers and the fix."""
 
 
 def parallelize(
@@ -203,6 +209,9 @@ def _parallelize(
                 "with qm.verify_plan) to prove it exact.",
                 stacklevel=3,
             )
+    guards = {}
+    if report is not None and not report.verified:  # computed on the whole layers (before tp)
+        guards = _guard_notes(model, resolved, mesh.tp_rank)
 
     # for load_checkpoint: names sharing one tensor (tied weights; a checkpoint may hold only one
     # of them, and quantizing one side unties them), over the whole model (a tie may span stages)
@@ -221,6 +230,8 @@ def _parallelize(
     meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]  # no values yet
     rng = RngRegions()
     apply_tp(model, mesh, resolved, wrap=wrap, placement=placement, rng=rng, dtype=dtype, lora=lora)
+    for owner, note in guards.items():
+        _guard_first_forward(model.get_submodule(owner), owner, note)
     # a forward that stops inside a split region (an exception) must not leave this rank on its
     # private random stream: the root's hook closes every region, also when the forward raised
     model.register_forward_hook(rng.close_all, always_call=True)
@@ -256,6 +267,71 @@ def _parallelize(
     elif data_parallel and mesh.dp > 1 and mesh.pp == 1:
         apply_dp(model, mesh)
     return model
+
+
+def _guard_notes(model: nn.Module, resolved: Resolved, rank: int) -> dict[str, str]:
+    """{module: what to say if its first forward fails} for every module (the root aside) whose
+    children the plan splits: the split, the integer attributes that may hold a global size
+    (found by value), and the fixes."""
+    children: dict[str, list[str]] = {}
+    for e in resolved.sharded():
+        if "." in e.fqn:
+            owner, _, child = e.fqn.rpartition(".")
+            assert e.split is not None and e.kind is not None  # a split module has both
+            whole = e.kind.in_out(model.get_submodule(e.fqn))[1 if e.style.is_colwise else 0]
+            side = "out" if e.style.is_colwise else "in"
+            children.setdefault(owner, []).append(
+                f"{child} {e.style.value} ({side} {whole} -> {e.split.size(rank)} here)"
+            )
+    notes = {}
+    for owner, split in children.items():
+        mod = model.get_submodule(owner)
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            continue  # never called
+        cands = size_candidates(model, resolved, owner)
+        attrs = ", ".join(f"{n} = {v} ({r[rank]} on this rank)" for n, (v, r) in cands.items())
+        sizes = (
+            f"set per rank each attribute that holds a global size (of {type(mod).__name__}, "
+            f"by value: {attrs}) after parallelize"
+            if attrs
+            else "make its forward read sizes from its inputs rather than global attributes"
+        )
+        notes[owner] = (
+            "with its layers split by a plan that was not verified: "
+            f"{', '.join(split)}. Fix: pass example_inputs=... to qm.parallelize (the probe then "
+            f"checks the split and sets such attributes per rank), or {sizes}, or keep it whole: "
+            f"plan.override({{'{_globify(owner, model)}.*': 'replicate'}})"
+        )
+    return notes
+
+
+def _guard_first_forward(module: nn.Module, name: str, note: str) -> None:
+    """Run `module`'s next forward under a guard that turns a failure into a SplitForwardError
+    (`note` says the split and the fix); the guard removes itself after a forward that returns.
+    Bound as a method on the instance, so a deep copy of the model guards its own copy."""
+    prev = module.__dict__.get("forward")  # an instance-level forward of the user's, if any
+    module.__dict__["_quantmesh_guard"] = (name, note, prev)
+    module.__dict__["forward"] = types.MethodType(_guarded_forward, module)
+
+
+def _guarded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    name, note, prev = self.__dict__["_quantmesh_guard"]
+    forward = prev if prev is not None else types.MethodType(type(self).forward, self)
+    try:
+        out = forward(*args, **kwargs)
+    except SplitForwardError:
+        raise
+    except Exception as e:
+        raise SplitForwardError(
+            f"{name} ({type(self).__name__}) failed in its first forward at tp > 1 "
+            f"({type(e).__name__}: {e}), {note}"
+        ) from e
+    del self.__dict__["_quantmesh_guard"]
+    if prev is not None:
+        self.__dict__["forward"] = prev
+    else:
+        del self.__dict__["forward"]
+    return out
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

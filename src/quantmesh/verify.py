@@ -35,6 +35,8 @@ import copy
 import datetime
 import fnmatch
 import functools
+import inspect
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,16 +47,18 @@ import torch.distributed as dist
 from torch import nn
 
 from .plan.auto import auto_plan, blocks_of
-from .plan.plan import Plan, Resolved, _globify
+from .plan.plan import Plan, Resolved, _globify, size_candidates
 from .plan.styles import Style
+from .tp.kinds import kind_of
 
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-__all__ = ["VerifyReport", "GroupVerdict", "verify_plan", "probe_inputs"]
+__all__ = ["VerifyReport", "GroupVerdict", "verify_plan", "probe_inputs", "made_inputs"]
 
 TOLERANCE = 1e-4  # relative error (max abs difference / max abs reference), fp32
 PROBE_TIMEOUT_S = 60.0
+MAX_SIZE_CANDIDATES = 6  # integer attributes tried per failing group (all their subsets: 63 probes)
 
 
 @dataclass
@@ -83,6 +87,8 @@ class VerifyReport:
     replicated: dict[str, str] = field(default_factory=dict)  # module glob -> reason
     reduce_grads: list[str] = field(default_factory=list)  # parameter globs
     contiguous: list[str] = field(default_factory=list)  # fused outputs laid out per head
+    # integer attributes holding a global size, set per rank ({owner glob: {name: global value}})
+    attrs: dict[str, dict[str, int]] = field(default_factory=dict)
     skipped: str = ""  # why the model was not probed
 
     def overrides(self) -> dict[str, str]:
@@ -94,6 +100,8 @@ class VerifyReport:
         plan = plan.to_probe()
         if self.contiguous:
             plan = plan.with_contiguous(self.contiguous)
+        if self.attrs:
+            plan = plan.with_attrs(self.attrs)
         if self.replicated:
             plan = plan.override(self.overrides(), notes=self.replicated)
         return plan
@@ -108,6 +116,9 @@ class VerifyReport:
             lines.append(f"  -> replicate {glob}: {why}")
         for glob in self.contiguous:
             lines.append(f"  -> fused output split in contiguous head blocks: {glob}")
+        for glob, attrs in self.attrs.items():
+            for name, value in attrs.items():
+                lines.append(f"  -> set per rank (found by value): {glob}.{name} ({value} whole)")
         for glob in self.reduce_grads:
             lines.append(
                 f"  -> gradient all-reduced over tp: {glob} (replicated, sees split heads)"
@@ -216,6 +227,40 @@ def probe_inputs(model: nn.Module, device: torch.device, seed: int = 0) -> dict[
     else:
         return None
     return out
+
+
+def made_inputs(model: nn.Module, device: torch.device, seed: int = 0) -> tuple | None:
+    """Probe inputs made from a model that is not a transformers model, or None when none can be:
+    its forward must take exactly one required argument; token ids (2 x 8) when its first layer
+    is an nn.Embedding, else random values of the first layer's input size (2 x 8 x in_features
+    for a linear, 2 x channels x 4k x 4k for a k x k convolution).
+
+    Example:
+        >>> made_inputs(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)), torch.device("cpu"))[0].shape
+        torch.Size([2, 8])
+    """
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.default is p.empty and p.kind in positional]
+    required_kw = [p for p in params if p.default is p.empty and p.kind == p.KEYWORD_ONLY]
+    if len(required) != 1 or required_kw:
+        return None
+    first = next((m for m in model.modules() if kind_of(m) is not None), None)
+    kind = kind_of(first) if first is not None else None
+    if first is None or kind is None:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(first, nn.Embedding):
+        return (torch.randint(0, first.num_embeddings, (2, 8), generator=gen).to(device),)
+    if kind.linear_like:
+        return (torch.randn(2, 8, kind.in_out(first)[0], generator=gen).to(device),)
+    if isinstance(first, nn.Conv2d):
+        side = 4 * max(cast(tuple, first.kernel_size))
+        return (torch.randn(2, first.in_channels, side, side, generator=gen).to(device),)
+    return None
 
 
 def _float_outputs(out: Any) -> list[torch.Tensor]:
@@ -357,9 +402,9 @@ def _probe(
         probe_mesh = cast("Mesh", _ProbeMesh(mesh, group))  # the parts of a Mesh parallelize reads
         parallelize(m, probe_mesh, plan=plan, data_parallel=False, verify=False)
         outs, _ = _run(m, inputs, seed=0)
-        err = max((_rel(a, b) for a, b in zip(outs, ref_out)), default=0.0)
-        if len(outs) != len(ref_out):
-            err = math.inf
+        err = math.inf  # a different number of outputs
+        if len(outs) == len(ref_out):
+            err = max((_rel(a, b) for a, b in zip(outs, ref_out, strict=True)), default=0.0)
         # gradients: sharded ones gathered (collective, same order on every rank)
         grads: dict[str, torch.Tensor] = {}
         for fqn, sm in sharded_modules(m).items():
@@ -394,7 +439,7 @@ def _probe(
         # together (MIN over the group), so every rank all-reduces the same tensors.
         cand = torch.tensor(
             [int(e > tol and name in grads and grads[name].shape == ref_grads[name].shape)
-             for name, e in zip(order, errs)],
+             for name, e in zip(order, errs, strict=True)],
             dtype=torch.int32,
         )  # fmt: skip
         dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
@@ -469,8 +514,11 @@ def verify_plan(
 
     Collective: every rank of the world calls it (each tp group probes on its own). The model is
     not changed (a reduced random copy is probed). `inputs`: a dict of keyword arguments, a tuple of
-    positional ones, or a callable(model, device) returning either; None works for transformers
-    models (token ids, pixels). Returns a report; `report.overrides()` replicates what failed.
+    positional ones, or a callable(model, device) returning either; None: made from the model
+    (token ids or pixels for a transformers model, else `made_inputs`). A group that is not exact
+    gets its parent's integer attributes that may hold a global size (`size_candidates`) tried
+    per rank, the fewest first; a set that makes it exact is kept (`report.attrs`). Returns a
+    report; `report.overrides()` replicates what failed.
 
     Example:
         >>> report = qm.verify_plan(model, mesh)    # doctest: +SKIP
@@ -493,10 +541,16 @@ def verify_plan(
         ref_grads: dict[str, torch.Tensor] = {}
         failure = ""
         for reduced in (True, False):  # a model that indexes its blocks needs them all
-            if given is None and probe_inputs(model, torch.device("cpu"), seed) is None:
+            cpu = torch.device("cpu")
+            if (
+                given is None
+                and (probe_inputs(model, cpu, seed) or made_inputs(model, cpu)) is None
+            ):
                 report.skipped = (  # said before any weight is made
-                    f"{type(model).__name__} is not a transformers model and no example inputs "
-                    "were given (pass inputs=... / example_inputs=...)"
+                    f"{type(model).__name__} is not a transformers model, no probe input could "
+                    "be made from it (its forward takes more than one required argument, or its "
+                    "first layer is not an embedding, linear or convolution) and no example "
+                    "inputs were given (pass inputs=... / example_inputs=...)"
                 )
                 return report
             probe = _reduced_copy(model) if reduced else _reduced_copy(model, keep=None)
@@ -504,7 +558,7 @@ def verify_plan(
             probe.eval()  # no dropout: the comparison is about the split
             inputs = given(probe, dev) if callable(given) else given
             if inputs is None:
-                inputs = probe_inputs(probe, dev, seed)
+                inputs = probe_inputs(probe, dev, seed) or made_inputs(probe, dev, seed)
             try:  # one process, no collectives: safe to fail here
                 ref = copy.deepcopy(probe)
                 ref_out, _ = _run(ref, inputs, seed=0)
@@ -517,7 +571,8 @@ def verify_plan(
                 failure = ""
                 break
             except Exception as e:  # noqa: BLE001 - the whole model fails: nothing to compare
-                failure = f"the unsharded probe failed ({type(e).__name__}: {e})"
+                made = " on inputs made from the model" if given is None else ""
+                failure = f"the unsharded probe failed{made} ({type(e).__name__}: {e})"
         if failure:
             report.skipped = failure
             return report
@@ -547,13 +602,21 @@ def verify_plan(
                     if retry.ok:
                         report.contiguous += fused
                         out = _Outcome(True, f"{retry.detail}, fused outputs per head")
+                if not out.ok:  # a head count or width the forward reads as a global size?
+                    found = _sizes_per_rank(probe, resolved, members, alone, run)
+                    if found is not None:
+                        attrs, retry = found
+                        for g, a in attrs.items():
+                            report.attrs.setdefault(g, {}).update(a)
+                        names = ", ".join(f"{g}.{n}" for g, a in attrs.items() for n in a)
+                        out = _Outcome(True, f"{retry.detail}, per rank: {names}")
                 report.groups.append(GroupVerdict(glob, members, out.ok, out.detail))
                 if not out.ok:
                     for m in members:
                         report.replicated[m] = (
                             f"replicated: verify: not exact when split ({out.detail})"
                         )
-            changed = report.replicated or report.contiguous
+            changed = report.replicated or report.contiguous or report.attrs
             final = run(report.apply(plan)) if changed else whole
             report.groups.append(
                 GroupVerdict("plan with those changes", [], final.ok, final.detail)
@@ -567,6 +630,35 @@ def verify_plan(
         pgroups.drop()
         dist.destroy_process_group(agree_group)
     return report
+
+
+def _sizes_per_rank(
+    probe: nn.Module,
+    resolved: Resolved,
+    members: list[str],
+    alone: Plan,
+    run: Callable[[Plan], _Outcome],
+) -> tuple[dict[str, dict[str, int]], _Outcome] | None:
+    """The fewest integer attributes of the group's parents that, set per rank, make the group
+    exact ({owner glob: {name: global value}}, with that probe's outcome), or None. The
+    candidates are found by value (`size_candidates`); only the probe says which are sizes."""
+    cands: list[tuple[str, str, int]] = []
+    owners = {e.fqn.rsplit(".", 1)[0] for e in resolved.sharded() if "." in e.fqn}
+    for owner in sorted(owners):
+        glob = _globify(owner, probe)
+        if any(m.rsplit(".", 1)[0] == glob for m in members):
+            for name, (value, _) in size_candidates(probe, resolved, owner).items():
+                cands.append((glob, name, value))
+    cands = cands[:MAX_SIZE_CANDIDATES]
+    for k in range(1, len(cands) + 1):
+        for subset in itertools.combinations(cands, k):
+            attrs: dict[str, dict[str, int]] = {}
+            for glob, name, value in subset:
+                attrs.setdefault(glob, {})[name] = value
+            out = run(alone.with_attrs(attrs))
+            if out.ok:
+                return attrs, out
+    return None
 
 
 def _packed_of(res: Resolved, probe: nn.Module) -> set[str]:

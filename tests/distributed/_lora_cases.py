@@ -127,23 +127,27 @@ def train(
     }
 
 
-def _replicated_digest(model, mesh) -> bool:
-    """True when every trainable parameter that is replicated over tp is bitwise equal across tp."""
-    if mesh.tp == 1:
-        return True
-    ok = True
+def _replicated_digest(model, mesh) -> dict:
+    """Whether every trainable adapter tensor is bitwise equal to its replicas: over dp (each
+    replica's copy of the same tp shard) and, for an adapter kept whole over tp, over tp.
+    `compared`: how many (tensor, group) pairs were looked at, so that a layout with nothing to
+    compare cannot pass as "equal". Collective: every rank calls it."""
+    ok, compared = True, 0
     for m in model.modules():
         if not isinstance(m, ShardedModule) or m.lora_scale is None:
             continue
         sharded = tp_sharded(m)
         for pname in ("lora_A.weight", "lora_B.weight"):
-            if pname in sharded:
-                continue
             t = m.get_parameter(pname).detach().contiguous()
-            parts = [torch.empty_like(t) for _ in range(mesh.tp)]
-            torch.distributed.all_gather(parts, t, group=mesh.tp_group)
-            ok &= all(torch.equal(parts[0], p) for p in parts)
-    return ok
+            groups = [(mesh.dp_group, mesh.dp)] if mesh.dp > 1 else []
+            if mesh.tp > 1 and pname not in sharded:
+                groups.append((mesh.tp_group, mesh.tp))
+            for group, size in groups:
+                parts = [torch.empty_like(t) for _ in range(size)]
+                torch.distributed.all_gather(parts, t, group=group)
+                ok &= all(torch.equal(parts[0], p) for p in parts)
+                compared += 1
+    return {"equal": ok, "compared": compared}
 
 
 class _null:

@@ -171,6 +171,31 @@ def split_fraction(model: nn.Module, ref: nn.Module) -> float:
     return split / total
 
 
+def layout(model: nn.Module, skip: tuple[str, ...] = ()) -> list[str]:
+    """The state dict's keys in order, then every buffer (persistent or not) with its persistence:
+    what a full save holds, and what `load_state_dict` into the original class expects. Names
+    containing one of `skip` (adapters) are left out."""
+    rows = [k for k in model.state_dict()]
+    for fqn, mod in model.named_modules():
+        for name in mod._buffers:
+            full = f"{fqn}.{name}" if fqn else name
+            kept = "non-persistent" if name in mod._non_persistent_buffers_set else "persistent"
+            rows.append(f"{full} ({kept} buffer)")
+    return [r for r in rows if not any(s in r for s in skip)]
+
+
+def layout_diff(got: list[str], want: list[str]) -> str:
+    """An empty string when equal, else what differs: names on one side only, or the first out of
+    order."""
+    if got == want:
+        return ""
+    extra, missing = [k for k in got if k not in want], [k for k in want if k not in got]
+    if extra or missing:
+        return f"extra {extra[:3]}, missing {missing[:3]}"
+    i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    return f"order: {got[i]} where the model has {want[i]}"
+
+
 def replicated_reasons(model: nn.Module) -> dict[str, str]:
     """{module: the planner's reason} for every plan entry that is not split."""
     from quantmesh.state import parallel_state
@@ -192,6 +217,7 @@ def job_main(name: str, mesh) -> dict:
     torch.manual_seed(1234)  # the same seed on every rank: the state must stay the same
     qm.parallelize(model, mesh)
     facts: dict = {"rng_parallelize": _state_hash(torch.get_rng_state())}
+    facts["keys"] = layout_diff(layout(model), layout(ref))
     facts["split"] = split_fraction(model, ref)
     facts["replicated"] = replicated_reasons(model)
     y_ref = _step(ref, inputs)
@@ -248,6 +274,7 @@ def job_lora(name: str, mesh) -> dict:
     model = copy.deepcopy(ref)
     cfg = qm.LoraConfig(r=LORA_R, alpha=LORA_ALPHA, targets=targets + tensors)
     qm.parallelize(model, mesh, lora=cfg)
+    keys = layout_diff(layout(model, skip=("lora_",)), layout(ref))
     _set_b(model)
     sd = qm.full_state_dict(model, rank0_only=False)
     extra = {"target_parameters": tensors} if tensors else {}
@@ -282,6 +309,7 @@ def job_lora(name: str, mesh) -> dict:
         "logits_tol": tolerance(floor),
         "grads": grad_errors(got, pm, pm64),
         "n_adapters": len(targets) + len(tensors),
+        "keys": keys,
     }
 
 
@@ -466,6 +494,8 @@ def _merge(per_rank: list[dict]) -> dict:
                 "ratio": max((f["ratio"] for f in vals), key=lambda t: t[0]),
                 "one_sided": sorted({n for f in vals for n in f["one_sided"]}),
             }
+        elif k == "keys":  # a difference seen on any rank
+            merged[k] = next((x for x in vals if x), "")
         elif k == "vs_whole":
             differ = sorted({n for f in vals for n in f["differ"]})
             merged[k] = {"differ": differ, "logits": max(f["logits"] for f in vals)}

@@ -85,9 +85,10 @@ def _both(rank: int, quant: str | None) -> tuple[dict, dict]:
 def test_compiled_blocks_train_like_eager(quant):
     for eager, comp in _results("train", quant):
         assert comp["breaks"] == {}
-        for a, b in zip(comp["losses"], eager["losses"]):
+        assert len(eager["losses"]) == len(eager["grads"]) > 0, "no step recorded"
+        for a, b in zip(comp["losses"], eager["losses"], strict=True):
             assert abs(a - b) / abs(b) < 1e-5, (comp["losses"], eager["losses"])
-        for ge, gc in zip(eager["grads"], comp["grads"]):
+        for ge, gc in zip(eager["grads"], comp["grads"], strict=True):
             assert ge.keys() == gc.keys() and len(ge) == 2 * 7 * 2  # layers x adapters x (A, B)
             for k in ge:
                 err = (gc[k] - ge[k]).norm() / ge[k].norm().clamp_min(1e-12)
@@ -125,8 +126,9 @@ def test_checkpointed_blocks_with_tp_dropout_run_eagerly_and_train_like_plain_on
     for plain, ckpt, plain_t, tiled in _results("ckpt"):
         assert ckpt["warned"] and tiled["tiled"] == ["mlp"]
         for ref, got in ((plain, ckpt), (plain_t, tiled)):
+            assert len(ref["losses"]) == len(ref["grads"]) > 0, "no step recorded"
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-            for gp, gc in zip(ref["grads"], got["grads"]):
+            for gp, gc in zip(ref["grads"], got["grads"], strict=True):
                 assert gp.keys() == gc.keys() and len(gp) == 2 * 7 * 2
                 for k in gp:
                     err = (gc[k] - gp[k]).norm() / gp[k].norm().clamp_min(1e-12)
@@ -210,7 +212,8 @@ def test_compiled_backward_all_reduces_like_eager():
         # the same step, eager or compiled: every all-reduce inside a block is in its graphs
         g = comp["graphs"]
         assert len(g["fw"]) == 2 and len(g["bw"]) == 2  # layer 0's input needs no grad: 2 graphs
-        for e_step, c_step in zip(eager["steps"], comp["steps"]):
+        assert eager["steps"], "no step recorded"
+        for e_step, c_step in zip(eager["steps"], comp["steps"], strict=True):
             assert sorted(e_step["fw"]) == sorted(c_step["fw"] + g["fw"][0] + g["fw"][1])
             assert sorted(e_step["bw"]) == sorted(c_step["bw"] + g["bw"][0] + g["bw"][1])
         assert g["fw"] == [[fw, fw]] * 2  # o_proj and down_proj, each with its adapter's A sums

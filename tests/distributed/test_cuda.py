@@ -22,7 +22,8 @@ def _cpu_reference():
 
 
 def _close(got, ref, tol):
-    for a, b in zip(got["losses"], ref["losses"]):
+    assert len(got["losses"]) == len(ref["losses"]) == 5, (got["losses"], ref["losses"])
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert abs(a - b) / abs(b) < tol, (got["losses"], ref["losses"])
 
 
@@ -33,7 +34,8 @@ def test_nccl_layouts_match_cpu_reference():
     for r in res:
         _close(r[0], ref, 1e-4)  # tp=2 over NCCL
         _close(r[1], ref, 1e-4)  # dp=2 over NCCL
-        assert r[0]["replicas"]
+        for case in r:  # tp=2: the adapters kept whole; dp=2: every adapter
+            assert case["replicas"]["equal"] and case["replicas"]["compared"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -61,9 +63,11 @@ def test_compiled_blocks_on_nccl_train_like_eager():
 
     for eager, comp in run_ranks(_both, 2, None, timeout=600):
         assert comp["breaks"] == {}
-        for a, b in zip(comp["losses"], eager["losses"]):
+        assert comp["losses"] and eager["grads"], "no step recorded"
+        for a, b in zip(comp["losses"], eager["losses"], strict=True):
             assert abs(a - b) / abs(b) < 1e-4, (comp["losses"], eager["losses"])
-        for ge, gc in zip(eager["grads"], comp["grads"]):
+        for ge, gc in zip(eager["grads"], comp["grads"], strict=True):
+            assert ge and ge.keys() == gc.keys(), (ge.keys(), gc.keys())
             for k in ge:
                 err = (gc[k] - ge[k]).norm() / ge[k].norm().clamp_min(1e-12)
                 assert err < 1e-3, (k, float(err))

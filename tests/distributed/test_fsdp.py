@@ -61,7 +61,7 @@ def test_nf4_fsdp_within_format_error(layout):
     fp32 = result(("train", 1, 1, None, False))[0]["losses"]
     ref = result(("train", 1, 1, NF4_AO, False))[0]["losses"]
     got = result(("train", *layout, NF4_AO, True))[0]["losses"]
-    own = max(_rel(a, b) for a, b in zip(ref, fp32))
+    own = max(_rel(a, b) for a, b in zip(ref, fp32, strict=True))
     assert own > 0
     for a, b in zip(got, ref, strict=True):
         assert _rel(a, b) <= own + 1e-4, (got, ref, own)
@@ -135,7 +135,7 @@ def test_load_streams_an_nf4_base_block_by_block():
     replica while loading: the tensors outside the layers first, then one whole layer at a time."""
     ref = result(("train", 1, 1, NF4_AO, False))[0]["losses"]
     fp32 = result(("train", 1, 1, None, False))[0]["losses"]
-    own = max(_rel(a, b) for a, b in zip(ref, fp32))
+    own = max(_rel(a, b) for a, b in zip(ref, fp32, strict=True))
     for r in result(("loaded", 2, 1, NF4_AO)):
         assert r["after"]
         (w0, held0), (w1, held1) = r["streamed"]

@@ -15,6 +15,7 @@ def test_tp_lora_matches_peft():
         # fp32, same weights and adapters: only summation order differs
         assert r["logits"] < 1e-5, r["logits"]
         assert abs(r["loss"][0] - r["loss"][1]) < 1e-5
+        assert len(r["grad_errs"]) == 2 * 4 * 2, sorted(r["grad_errs"])  # layers x targets x A, B
         for k, e in r["grad_errs"].items():
             assert e < 1e-5, (k, e)
 
@@ -37,6 +38,7 @@ def test_layer_split_ddp_matches_single_rank():
     DDP with device_ids=None. Losses equal the plain one-rank run."""
     ref = result(("train", 1, 1, None))[0]
     got = result(("train", 2, 1, None, 5, 2))
+    assert len(got) == 2 and len(ref["losses"]) == 5
     for r in got:
-        for a, b in zip(r["losses"], ref["losses"]):
+        for a, b in zip(r["losses"], ref["losses"], strict=True):
             assert abs(a - b) / abs(b) < 1e-5

@@ -77,7 +77,7 @@ def _merged(results: list[dict]) -> list[dict[str, torch.Tensor]]:
         if r["grads"] is None:
             continue
         out = out or [{} for _ in r["grads"]]
-        for merged, g in zip(out, r["grads"]):
+        for merged, g in zip(out, r["grads"], strict=True):
             assert not merged.keys() & g.keys(), "two stages hold the same trainable parameter"
             merged.update(g)
     return out
@@ -94,11 +94,11 @@ def _check(group: str, idx: int, rel: float, ref: dict | None = None, first: flo
     got = _spawn(group)[idx]
     ref = ref or _reference(kw)
     for r in got:  # every rank returns the global loss
-        for a, b in zip(r["losses"], ref["losses"]):
+        for a, b in zip(r["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= rel * abs(b), (layout, kw, r["losses"], ref["losses"])
     steps = _merged(got)
     assert len(steps) == len(ref["grads"])
-    for step, (g, gref) in enumerate(zip(steps, ref["grads"])):
+    for step, (g, gref) in enumerate(zip(steps, ref["grads"], strict=True)):
         assert g.keys() == gref.keys(), (layout, kw, step, g.keys() ^ gref.keys())
         tol = first if first and step == 0 else rel
         for k in gref:

@@ -58,7 +58,7 @@ def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
     # steps; row 1 leaves after three
     first = [Admit(0, PROMPTS[0], 1), Admit(3, PROMPTS[3], 2), Admit(1, PROMPTS[1], 0)]
     _, pre, _ = batch.execute(Plan(admit=first))
-    last = {a.rid: check(a.rid, row) for a, row in zip(first, pre)}
+    last = {a.rid: check(a.rid, row) for a, row in zip(first, pre, strict=True)}
     order = [0, 3, 1]
     for step in range(5):
         admit = [Admit(2, PROMPTS[2], 2)] if step == 2 else []
@@ -67,9 +67,9 @@ def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
         out, pre, _ = batch.execute(
             Plan(drop=drop, order=order, feed=[last[r] for r in order], admit=admit)
         )
-        for r, row in zip(order, out):
+        for r, row in zip(order, out, strict=True):
             last[r] = check(r, row)
-        for a, row in zip(admit, pre):
+        for a, row in zip(admit, pre, strict=True):
             last[a.rid] = check(a.rid, row)
         order = order + [a.rid for a in admit]
     return {"worst": worst, "agree": agree, "steps": {r: len(s) for r, s in seqs.items()}}

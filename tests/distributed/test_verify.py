@@ -48,7 +48,7 @@ class Attn(nn.Module):
 
 class OddNames(nn.Module):
     """Head count in `n_head`, head size in an attribute of an unknown name: split evenly by the
-    planner, its count never rewritten, so the sharded reshape fails."""
+    planner, so the sharded reshape fails until the probe finds `n_head` by its value."""
 
     def __init__(self):
         super().__init__()
@@ -73,6 +73,17 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln(x))
         return x + self.down(torch.relu(self.up(x)))
+
+
+class TwoArgs(nn.Module):
+    """A forward of two required arguments: no probe input can be made from the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net(Attn)
+
+    def forward(self, ids: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.net(ids) * scale
 
 
 class Net(nn.Module):
@@ -147,12 +158,20 @@ def _rank(rank: int) -> dict:
             "reasons": {e.fqn: e.reason for e in st.plan.entries.values()},
             "reduce_grads": st.verify.reduce_grads,
             "exact_as_planned": st.verify.exact,
+            "attrs": st.verify.attrs,
+            "n_head": getattr(model.layers[0].attn, "n_head", None),
         }
-    # a custom model with no example inputs cannot be probed: it says so
+    # a custom model no probe input can be made for: it says so
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        qm.parallelize(Net(Attn), mesh)
+        qm.parallelize(TwoArgs(), mesh)
     facts["warned"] = [str(x.message) for x in w if "not verified" in str(x.message)]
+    # one whose inputs can be made (token ids for its embedding) is verified without them
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        made = qm.parallelize(Net(Attn), mesh)
+    facts["made_warned"] = [str(x.message) for x in w if "not verified" in str(x.message)]
+    facts["made_verified"] = parallel_state(made).verify.verified
     # the report on its own
     report = qm.verify_plan(Net(lambda: Attn(head_scale=True)), mesh, inputs=(_ids(0),))
     facts["report"] = str(report)
@@ -186,7 +205,7 @@ def test_shared_norm_keeps_the_split_and_reduces_its_gradient(facts: dict) -> No
     )
 
 
-@pytest.mark.parametrize("case", ["head_scale", "odd_names"])
+@pytest.mark.parametrize("case", ["head_scale"])
 def test_a_split_that_fails_is_replicated_with_the_reason(facts: dict, case: str) -> None:
     f = facts[case]
     assert not f["exact_as_planned"]
@@ -196,6 +215,13 @@ def test_a_split_that_fails_is_replicated_with_the_reason(facts: dict, case: str
     assert "layers.0.up" in f["split"]  # the MLP still splits
 
 
+def test_a_head_count_of_an_unknown_layout_is_found_by_value(facts: dict) -> None:
+    f = facts["odd_names"]
+    assert not f["exact_as_planned"]  # the even split needs n_head per rank
+    assert f["attrs"] == {"layers.*.attn": {"n_head": 2}}, f
+    assert f["n_head"] == 1 and "layers.0.attn.c_q" in f["split"], f
+
+
 def test_uneven_heads_leave_every_rank_on_the_same_random_stream(facts: dict) -> None:
     assert facts["uneven_heads"]["rng_same"]
     assert "layers.0.attn.q_proj" in facts["uneven_heads"]["split"]
@@ -203,6 +229,10 @@ def test_uneven_heads_leave_every_rank_on_the_same_random_stream(facts: dict) ->
 
 def test_unverifiable_model_warns(facts: dict) -> None:
     assert facts["warned"] and "example_inputs" in facts["warned"][0]
+
+
+def test_inputs_made_from_the_model_verify_it(facts: dict) -> None:
+    assert facts["made_verified"] and not facts["made_warned"], facts["made_warned"]
 
 
 def test_report_names_the_failing_group(facts: dict) -> None:

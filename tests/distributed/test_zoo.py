@@ -8,6 +8,8 @@ checked against itself in the same rank process:
 - forward: the output's relative error (max |diff| / max |ref|).
 - grads: every parameter's gradient after backward of the same probe loss, split ones gathered
   over tp, relative to the largest reference gradient of the same module.
+- keys: the state dict's keys, in order, and every buffer with its persistence, equal to the
+  unsharded model's (adapters aside): a full save loads into the original class.
 - rng: `torch.get_rng_state()` is the same on every rank after parallelize and after the step
   (every rank seeded alike before): otherwise later dropout masks on whole activations differ.
 - lora: adapters on every linear (except the output head), B nonzero, against peft on the
@@ -48,7 +50,8 @@ XFAIL: dict[tuple, str] = {}
 
 pytestmark = pytest.mark.slow  # two launches of every model: left out by make test-fast
 
-CHECKS = ("forward", "grads", "rng", "lora", "nf4")
+CHECKS = ("forward", "grads", "keys", "rng", "lora", "nf4")
+MAIN_CHECKS = {"forward": "main", "grads": "main", "keys": "main", "rng": "main"}
 TPS = (2, 3)
 HERE = pathlib.Path(__file__).resolve()
 DOC = HERE.parents[2] / "docs" / "tensor-parallel.md"
@@ -78,7 +81,7 @@ def facts(tp: int) -> dict[str, dict]:
 
 def failure(f: dict, check: str) -> str | None:
     """Why `check` fails for one model's facts at one tp (a short cell for the table), or None."""
-    job = {"forward": "main", "grads": "main", "rng": "main"}.get(check, check)
+    job = MAIN_CHECKS.get(check, check)
     j = f.get(job)
     if j is None:
         return None  # not run for this family
@@ -88,6 +91,9 @@ def failure(f: dict, check: str) -> str | None:
         return f"fwd {j['forward']:.0e}" if not j["forward"] <= j["forward_tol"] else None
     if check == "rng":
         return None if j["rng_parallelize"] and j["rng_step"] else "rng"
+    if check == "keys":  # the plain model's and the adapted one's (adapters aside)
+        diff = [f[n]["keys"] for n in ("main", "lora") if "error" not in f[n] and f[n]["keys"]]
+        return "keys differ" if diff else None
     g = j["grads"]
     if check == "grads":
         if g["one_sided"]:
@@ -117,7 +123,7 @@ def _cases():
 def test_zoo(check: str, arch: str, tp: int) -> None:
     f = facts(tp)[arch]
     why = failure(f, check)
-    job = f[{"forward": "main", "grads": "main", "rng": "main"}.get(check, check)]
+    job = f[MAIN_CHECKS.get(check, check)]
     assert why is None, f"{arch} tp={tp} {check}: {why}\n{_describe(job)}"
 
 

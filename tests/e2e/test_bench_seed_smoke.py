@@ -43,7 +43,7 @@ def test_bench_seed_smoke_split_dp2_int8_on_two_cpu_ranks(tmp_path: Path) -> Non
     assert proc.returncode == 0 and res["ok"], res.get("traceback") or proc.stderr[-3000:]
     assert (res["layout"], res["dp"], res["tp"], res["devices_per_rank"]) == ("split", 2, 1, 2)
     assert res["tokens_per_s"] > 0 and len(res["rank_times"]) == 2
-    assert all(x == x for x in res["losses_first"])  # finite, not NaN
+    assert res["losses_first"] and all(x == x for x in res["losses_first"])  # finite, not NaN
     assert res["args"]["targets"] == ["q_proj", "v_proj"]
 
     chk = res["check"]
@@ -51,7 +51,7 @@ def test_bench_seed_smoke_split_dp2_int8_on_two_cpu_ranks(tmp_path: Path) -> Non
     # fp32 on both sides (no autocast on CPU) with the same int8 codes (tp=1 quantizes whole
     # rows): only the order of the dp gradient average differs, ~1e-7 relative measured
     tol = 1e-4
-    for got, ref in zip(chk["mesh_losses"], chk["cpu_fp32_losses"]):
+    for got, ref in zip(chk["mesh_losses"], chk["cpu_fp32_losses"], strict=True):
         assert abs(got - ref) <= tol * abs(ref), chk
     # the adapters learn: the loss moves over the 4 steps, so the check covers the DDP gradients
     assert chk["cpu_fp32_losses"][-1] < chk["cpu_fp32_losses"][0]

@@ -12,6 +12,7 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,13 +58,25 @@ def _as_test(argv: list[str], d: Path) -> list[str]:
     return out
 
 
-def test_the_readme_commands_run_in_order(workdir: Path) -> None:
-    cmds = readme_commands()
-    assert [c[0] for c in cmds] == ["plan", "finetune", "finetune", "generate"], cmds
+@pytest.fixture(scope="module")
+def readme_run(workdir: Path) -> list[tuple[list[str], Any, list[dict]]]:
+    """The README's commands run in order, once for the module: (argv, process, the metrics file's
+    rows right after it). Stops at the first command that fails (the later ones build on it)."""
+    metrics = workdir / "quantmesh-out" / "metrics.jsonl"
+    ran = []
+    for argv in readme_commands():
+        proc = cli(*_as_test(argv, workdir), cwd=workdir)
+        ran.append((argv, proc, _metrics(metrics) if metrics.is_file() else []))
+        if proc.returncode != 0:
+            break
+    return ran
+
+
+def test_the_readme_commands_run_in_order(workdir: Path, readme_run: list) -> None:
+    assert [c[0] for c in readme_commands()] == ["plan", "finetune", "finetune", "generate"]
     out = workdir / "quantmesh-out"
     first_run: list[dict] = []
-    for argv in cmds:
-        proc = cli(*_as_test(argv, workdir), cwd=workdir)
+    for argv, proc, rows in readme_run:
         assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         if argv[0] == "plan":
@@ -73,7 +86,6 @@ def test_the_readme_commands_run_in_order(workdir: Path) -> None:
                 r"self_attn\.q_proj \(x2\)\s+Linear\s+colwise\s+48x72/24x72", proc.stdout
             )
         elif argv[0] == "finetune" and "--resume" not in argv:
-            rows = _metrics(out / "metrics.jsonl")
             assert [r["step"] for r in rows] == list(range(1, 31))
             assert [r["step"] for r in rows if "eval_loss" in r] == [10, 20, 30]
             for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors"):
@@ -83,12 +95,13 @@ def test_the_readme_commands_run_in_order(workdir: Path) -> None:
             assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
             first_run = rows
         elif argv[0] == "finetune":
-            rows = _metrics(out / "metrics.jsonl")
             steps = int(argv[argv.index("--steps") + 1])
+            assert first_run, "the resumed run came before the first one"
             assert [r["step"] for r in rows] == list(range(1, steps + 1))
             assert rows[: len(first_run)] == first_run  # history kept, then continued
         else:  # generate: the same text as transformers + peft on one process, unsharded
             assert proc.stdout.strip() == _peft_reference(workdir, argv), proc.stdout
+    assert len(readme_run) == len(readme_commands())  # every command ran
 
 
 def _peft_reference(d: Path, argv: list[str]) -> str:
@@ -117,11 +130,15 @@ def _peft_reference(d: Path, argv: list[str]) -> str:
     return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
-def test_resume_repeats_the_uninterrupted_run_exactly(workdir: Path) -> None:
+def test_resume_repeats_the_uninterrupted_run_exactly(workdir: Path, readme_run: list) -> None:
+    """Resumes the README's first fine-tune (run by the fixture, whatever ran before) from its
+    step-20 checkpoint: steps 21-30 repeat that run's losses."""
     out = workdir / "quantmesh-out"
-    if not (out / "checkpoints/step-000020").is_dir():
-        pytest.skip("needs the README run of test_the_readme_commands_run_in_order")
-    original = {r["step"]: r["loss"] for r in _metrics(out / "metrics.jsonl")}
+    first = next(
+        rows for argv, proc, rows in readme_run if argv[0] == "finetune" and "--resume" not in argv
+    )
+    assert (out / "checkpoints/step-000020").is_dir(), "the README's fine-tune saved no step 20"
+    original = {r["step"]: r["loss"] for r in first}
     proc = cli(
         "finetune",
         str(workdir / "finetune.toml"),

@@ -192,7 +192,7 @@ def test_dp_sharding_gives_the_same_global_batches():
     for micro, dp in [(4, 2), (2, 4), (1, 8)]:
         got = _global_batches(ex, micro_batch=micro, dp_size=dp, seed=5, epoch=2)
         assert len(got) == len(ref) == 2 == steps_per_epoch(23, micro, dp)
-        for a, b in zip(got, ref):
+        for a, b in zip(got, ref, strict=True):
             assert torch.equal(a, b)
     # ranks hold disjoint, contiguous shares
     b0 = next(iterate_batches(ex, 4, dp_rank=0, dp_size=2, seed=5, epoch=2))

@@ -133,7 +133,7 @@ def test_train_step_without_a_mesh_accumulates_exactly():
         grads.append((loss, [p.grad.clone() for p in model.parameters()]))
     (l1, g1), (l4, g4) = grads
     assert torch.allclose(l1, l4, rtol=1e-6)
-    for a, b in zip(g1, g4):
+    for a, b in zip(g1, g4, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="does not split into microbatches=3 equal parts"):
         qm.train_step(model, {"input_ids": ids}, microbatches=3)

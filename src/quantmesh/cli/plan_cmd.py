@@ -586,7 +586,7 @@ def stage_report(model, args: argparse.Namespace, **kw: Any) -> str:
     w = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
 
     def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(n) for c, n in zip(cells, w)).rstrip()
+        return "  ".join(c.ljust(n) for c, n in zip(cells, w, strict=True)).rstrip()
 
     return "\n".join(
         [

@@ -204,7 +204,10 @@ def _gather_json(obj: Any) -> list:
     buf[: data.numel()] = data
     outs = [torch.empty_like(buf) for _ in range(world)]
     dist.all_gather(outs, buf)
-    return [json.loads(o[: int(s.item())].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+    return [
+        json.loads(o[: int(s.item())].cpu().numpy().tobytes())
+        for o, s in zip(outs, sizes, strict=True)
+    ]
 
 
 def _world() -> int:

@@ -140,7 +140,7 @@ class ShardWriter:
         else:
             final = [f"{self.stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
-        for (tmp, keys), name in zip(self._files, final):
+        for (tmp, keys), name in zip(self._files, final, strict=True):
             os.rename(self.folder / tmp, self.folder / name)
             weight_map.update(dict.fromkeys(keys, name))
         if n > 1:

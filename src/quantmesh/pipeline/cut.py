@@ -155,7 +155,7 @@ def _compute_balanced(model: nn.Module, blocks: list[str], pp: int) -> list[int]
         ends = [sum(cs[: k + 1]) for k in range(pp)]
         starts = [0, *ends[:-1]]
         return max(prefix[e] - prefix[b] + (tail if k == pp - 1 else 0)
-                   for k, (b, e) in enumerate(zip(starts, ends)))  # fmt: skip
+                   for k, (b, e) in enumerate(zip(starts, ends, strict=True)))  # fmt: skip
 
     even = balanced_counts(n, pp)  # equal counts, extras first: kept whenever it is as good
     return even if largest(even) <= largest(counts) else counts

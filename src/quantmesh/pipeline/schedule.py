@@ -98,7 +98,7 @@ class PipelineRuntime:
             )
         stages = [
             PipelineStage(r, s, self.cut.pp, self.device, group=self.group)
-            for r, s in zip(self.runners, self.stages)
+            for r, s in zip(self.runners, self.stages, strict=True)
         ]
         # the loss is already divided by the global label count: no 1/M scaling of gradients
         kw: dict[str, Any] = dict(

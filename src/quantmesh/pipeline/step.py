@@ -120,7 +120,9 @@ def _accumulated(
 
     scale = st.mesh.dp if st is not None and st.dp else 1  # DDP averages over dp
     total = torch.zeros((), dtype=torch.float32, device=ids.device)
-    pairs = list(zip(ids.tensor_split(microbatches), labels.tensor_split(microbatches)))
+    pairs = list(
+        zip(ids.tensor_split(microbatches), labels.tensor_split(microbatches), strict=True)
+    )
     for i, (x, y) in enumerate(pairs):  # x, y: (B/M, T)
         ctx = no_sync(model) if i < len(pairs) - 1 else contextlib.nullcontext()
         with ctx:

@@ -28,7 +28,7 @@ from .styles import (
     unit_split,
 )
 
-__all__ = ["Plan", "PlanError", "Entry", "Resolved"]
+__all__ = ["Plan", "PlanError", "Entry", "Resolved", "size_candidates"]
 
 
 class PlanError(ValueError):
@@ -101,6 +101,7 @@ class Plan:
         user_rules: tuple[str, ...] = (),
         contiguous: tuple[str, ...] = (),
         probed: bool = False,
+        attrs: Mapping[str, Mapping[str, int]] | None = None,
     ):
         self.rules = {k: _canon(v, k) for k, v in (rules or {}).items()}
         # rules whose fused outputs are laid out per head (the model's own plan says plain
@@ -109,6 +110,9 @@ class Plan:
         # verify_plan runs this plan on a probe: a weight that a parent's forward source mentions
         # (read in some branch, or not at all at run time) need not be replicated on suspicion
         self.probed = probed
+        # integer attributes found by value that hold a global size ({owner glob: {name: value}}):
+        # set per rank in proportion to the owner's split layers (verify_plan confirms each)
+        self.attrs = {g: dict(a) for g, a in (attrs or {}).items()}
         self.notes = dict(notes or {})  # fqn/glob -> why the planner chose it
         self.user_rules = (
             tuple(user_rules) if user_rules else tuple(self.rules) if model is None else ()
@@ -140,6 +144,19 @@ class Plan:
         blocks (laid out per head or per KV group) instead of as q|k|v segments."""
         return self._with(contiguous=self.contiguous + tuple(globs))
 
+    def with_attrs(self, attrs: Mapping[str, Mapping[str, int]]) -> Plan:
+        """The same plan, with integer attributes that hold a global size set per rank:
+        `{owner glob: {attribute: global value}}`; each owner whose attribute holds that value gets
+        it scaled like the owner's split layers (a head count 4 -> 2 + 2, a width 64 -> 32 + 32).
+
+        Example:
+            >>> plan = plan.with_attrs({"blocks.*.attn": {"n_head": 4}})   # doctest: +SKIP
+        """
+        merged = {g: dict(a) for g, a in self.attrs.items()}
+        for g, a in attrs.items():
+            merged.setdefault(g, {}).update(a)
+        return self._with(attrs=merged)
+
     def to_probe(self) -> Plan:
         """The same plan, resolved for verify_plan's probe: direct weight reads found in source
         are left to the probe instead of replicated on suspicion."""
@@ -155,6 +172,7 @@ class Plan:
             user_rules=self.user_rules,
             contiguous=self.contiguous,
             probed=self.probed,
+            attrs=self.attrs,
         )
         kw.update(changes)
         return Plan(kw.pop("rules"), **kw)
@@ -202,7 +220,11 @@ class Plan:
         _check_partners(model, entries)
         _split_head_tables(model, entries, tp)
         _check_ties(model, entries)
-        return Resolved(tp, entries, _attr_updates(model, entries, tp))
+        updates = _attr_updates(model, entries, tp)
+        for glob, attrs in self.attrs.items():
+            for owner, per_rank in _value_updates(model, entries, tp, glob, attrs).items():
+                updates.setdefault(owner, {}).update(per_rank)
+        return Resolved(tp, entries, updates)
 
     def _resolve_one(
         self, model: nn.Module, fqn: str, mod: nn.Module, style: Style, rule: str, tp: int
@@ -251,7 +273,10 @@ class Plan:
         for e in _collapse(res, model):
             rows.append(e)
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+            for r in rows
+        ]
         lines.insert(1, "-" * min(120, len(lines[0])))
         for owner, attrs in res.attr_updates.items():
             for a, vals in attrs.items():
@@ -496,10 +521,11 @@ def _check_ties(model: nn.Module, entries: dict[str, Entry]) -> None:
         if len(names) < 2:
             continue
         es = [entries.get(n) for n, _ in names]
-        splits = {_param_split(e, pname) for e, (_, pname) in zip(es, names)}
+        splits = {_param_split(e, pname) for e, (_, pname) in zip(es, names, strict=True)}
         if len(splits) > 1:
             desc = ", ".join(
-                f"{n}.{pname} ({e.style if e else 'replicate'})" for e, (n, pname) in zip(es, names)
+                f"{n}.{pname} ({e.style if e else 'replicate'})"
+                for e, (n, pname) in zip(es, names, strict=True)
             )
             raise PlanError(
                 f"tied weights are split differently: {desc}; give both the same split "
@@ -554,4 +580,80 @@ def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
         for a in SIZE_ATTRS:
             if getattr(owner, a, None) == h.q_size:
                 ups[a] = q_local
+    return out
+
+
+def _writers_of(entries: dict[str, Entry], owner: str) -> list[Entry]:
+    """The split colwise children of module `owner` (its q / k / v, its up projection)."""
+    return [
+        e
+        for e in entries.values()
+        if e.style == Style.COLWISE
+        and e.split is not None
+        and e.kind is not None
+        and (e.fqn.rsplit(".", 1)[0] if "." in e.fqn else "") == owner
+    ]
+
+
+def _scaled(value: int, writers: list[Entry], model: nn.Module, tp: int) -> list[int] | None:
+    """`value` per rank as a count of equal units of a split layer's output (a head count, a
+    width): value * local / whole, for the widest writer where every rank's share is whole."""
+    widths = []
+    for e in writers:
+        assert e.kind is not None and e.split is not None  # from _writers_of
+        widths.append((e.kind.in_out(model.get_submodule(e.fqn))[1], e.split))
+    for whole, split in sorted(widths, key=lambda w: -w[0]):
+        if whole % value:
+            continue
+        local = [split.size(r) * value for r in range(tp)]
+        if all(n % whole == 0 for n in local):
+            return [n // whole for n in local]
+    return None
+
+
+def size_candidates(
+    model: nn.Module, res: Resolved, owner: str
+) -> dict[str, tuple[int, list[int]]]:
+    """Integer attributes of module `owner` that may hold a global size its split children
+    changed: {name: (value, per-rank value)}, for every value that divides a split colwise child's
+    output width into units each rank holds whole (a head count, a head size, the width itself).
+    Values only: which of them the forward reads as a global size is for a probe to find out
+    (verify_plan) or the user to say. Attributes set per rank already are left out.
+
+    Example:
+        >>> size_candidates(model, plan.resolve(model, 2), "blocks.0.attn")   # doctest: +SKIP
+        {'n_head': (4, [2, 2]), 'hd': (16, [8, 8])}
+    """
+    writers = _writers_of(res.entries, owner)
+    if not writers:
+        return {}
+    mod = model.get_submodule(owner)
+    done = res.attr_updates.get(owner, {})
+    out: dict[str, tuple[int, list[int]]] = {}
+    for name, v in vars(mod).items():
+        if name.startswith("_") or name in done or isinstance(v, bool) or not isinstance(v, int):
+            continue
+        if v > 1:
+            per_rank = _scaled(v, writers, model, res.tp)
+            if per_rank is not None and per_rank != [v] * res.tp:
+                out[name] = (v, per_rank)
+    return out
+
+
+def _value_updates(
+    model: nn.Module, entries: dict[str, Entry], tp: int, glob: str, attrs: Mapping[str, int]
+) -> dict[str, dict[str, list[int]]]:
+    """Per-rank values of the attributes `attrs` ({name: global value}) of every module matching
+    `glob` that holds that value (a block whose attribute holds another value is left alone)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for fqn, mod in model.named_modules():
+        if not fnmatch.fnmatchcase(fqn, glob) and fqn != glob:
+            continue
+        writers = _writers_of(entries, fqn)
+        for name, value in attrs.items():
+            cur = getattr(mod, name, None)
+            if writers and cur == value and not isinstance(cur, bool):
+                per_rank = _scaled(value, writers, model, tp)
+                if per_rank is not None:
+                    out.setdefault(fqn, {})[name] = per_rank
     return out

@@ -69,7 +69,7 @@ def _quiet(*names: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for lg, lv in zip(loggers, levels):
+        for lg, lv in zip(loggers, levels, strict=True):
             lg.setLevel(lv)
 
 

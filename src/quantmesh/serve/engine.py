@@ -130,7 +130,10 @@ class Batch:
                 errors.append(f"{type(e).__name__}: {e}")
         if plan.loads:
             ok = self.agree([not e for e in errors])
-            errors = [e or ("" if k else "failed on another rank") for e, k in zip(errors, ok)]
+            errors = [
+                e or ("" if k else "failed on another rank")
+                for e, k in zip(errors, ok, strict=True)
+            ]
         if plan.drop:
             self._drop(set(plan.drop))
         if self.rids != plan.order:
@@ -200,7 +203,7 @@ class Batch:
             t = self.mask.shape[1]
             n = max(t, p)
             new_layers: list[Any] = list(cache.layers)
-            for old, new in zip(self._layers(), new_layers):
+            for old, new in zip(self._layers(), new_layers, strict=True):
                 old.keys = torch.cat([F.pad(old.keys, (0, 0, n - t, 0)),
                                       F.pad(new.keys, (0, 0, n - p, 0))])  # fmt: skip
                 old.values = torch.cat([F.pad(old.values, (0, 0, n - t, 0)),

@@ -240,7 +240,7 @@ class Scheduler:
                 if plan.stop:
                     return
                 step, pre, errors = self.batch.execute(plan)
-                for (_, _, done), err in zip(loads, errors):
+                for (_, _, done), err in zip(loads, errors, strict=True):
                     done(err)
                 loads = []
                 self._after(plan, step, pre)

@@ -52,6 +52,28 @@ def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) 
                 mod._parameters[pname] = src
 
 
+def _keep_buffers(orig: nn.Module, m: ShardedModule, device: Any) -> None:
+    """A replaced module keeps every buffer of the original: its names, their order and each one's
+    persistence (a non-persistent buffer, like Gemma's embed_scale, stays out of the state dict).
+    Buffers the local module holds are the wrapper's too (the same tensors); one the local module
+    does not hold (a linear subclass whose forward is nn.Linear's) stays on the wrapper, moved to
+    `device`; buffers only the local module has (a quantized format's scales) come last, as it
+    registered them."""
+    local = m.__dict__.get("local")
+    held = local._buffers if local is not None else {}
+    for name, b in orig._buffers.items():
+        if name in held:  # the one the local module's forward reads
+            m._buffers[name] = held[name]
+        elif name not in m._buffers:
+            m._buffers[name] = b if b is None or b.device.type == "meta" else b.to(device)
+    own = local._non_persistent_buffers_set if local is not None else set()
+    order = [*orig._buffers, *(n for n in m._buffers if n not in orig._buffers)]
+    m._buffers = {n: m._buffers[n] for n in order}
+    m._non_persistent_buffers_set = set(orig._non_persistent_buffers_set) | {
+        n for n in own if n not in orig._buffers
+    }
+
+
 def apply_tp(
     model: nn.Module,
     mesh,
@@ -110,6 +132,7 @@ def apply_tp(
             m.loaded = True
         else:
             m.loaded = False
+        _keep_buffers(orig, m, device)
         if lora is not None and wrap[fqn].get("lora"):
             attach_lora(m, lora, device=device)
         parent_name, _, child = fqn.rpartition(".")
@@ -165,6 +188,7 @@ def _build_experts(
             t = orig._parameters[name]
             assert t is not None  # listed by expert_tensors
             m.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
+    _keep_buffers(orig, m, device)
     names = spec.get("lora_tensors") or []
     if lora is not None and names:
         a_full = {}

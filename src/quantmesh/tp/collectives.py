@@ -46,7 +46,7 @@ def all_gather_uneven(t: torch.Tensor, dim: int, sizes: list[int], group) -> tor
         t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
     parts = [torch.empty_like(t) for _ in sizes]
     dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=dim)
 
 
 def _own_part(t: torch.Tensor, dim: int, sizes: list[int], rank: int) -> torch.Tensor:

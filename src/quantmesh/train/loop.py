@@ -448,7 +448,7 @@ def plot_losses(
     if baseline is not None:
         ev.insert(0, (0, baseline))
     if ev:
-        ax.plot(*zip(*ev), "o-", color="tab:orange", label="eval loss")
+        ax.plot(*zip(*ev, strict=True), "o-", color="tab:orange", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title or f"{Path(metrics).parent.name}: loss")
