@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from .errors import QuantmeshError
 from .plan.auto import blocks_of
 from .quant.base import QuantConfig
 from .state import parallel_state
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-class FsdpError(ValueError):
+class FsdpError(QuantmeshError, ValueError):
     """An fsdp request that cannot be honoured exactly; the message names the fix."""
 
 

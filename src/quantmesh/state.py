@@ -17,13 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, overload
 
+from .errors import QuantmeshError
+
 if TYPE_CHECKING:
     from torch import nn
 
     from .fsdp import FsdpConfig
     from .lora import LoraConfig
     from .mesh import Mesh
-    from .pipeline.step import PipelineRuntime
+    from .pipeline.schedule import PipelineRuntime
     from .plan.plan import Resolved
     from .quant.base import QuantConfig
     from .tp.rng import RngRegions
@@ -34,7 +36,7 @@ __all__ = ["ParallelState", "NotParallelizedError", "parallel_state", "attach_st
 _ATTR = "_quantmesh_state"
 
 
-class NotParallelizedError(RuntimeError):
+class NotParallelizedError(QuantmeshError, RuntimeError):
     """A function that needs a parallelized model got one that `qm.parallelize` never saw."""
 
 

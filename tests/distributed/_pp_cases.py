@@ -235,7 +235,7 @@ def pp_resume(rank: int, root: str, pp: int, load_from: str | None = None) -> di
 
 def pp_eval(rank: int, pp: int, virtual: int = 1) -> tuple:
     """Forward-only summed losses (two batch shapes) then a training step's loss, at `pp` stages."""
-    from quantmesh.pipeline.step import eval_loss_sum
+    from quantmesh.train.step import eval_loss_sum
 
     mesh = qm.init_mesh(pp=pp)
     net = build("llama")

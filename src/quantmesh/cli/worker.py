@@ -44,20 +44,6 @@ def setup_worker() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _dataset(cfg, tokenizer):
-    from ..train.data import build_dataset
-    from .errors import CliError
-
-    try:
-        return build_dataset(
-            cfg.data, tokenizer, cfg.seq_len, eval_fraction=cfg.eval_fraction, seed=cfg.seed
-        )
-    except ValueError as e:
-        if type(e) is not ValueError:  # DataError and friends already say what to fix
-            raise
-        raise CliError(str(e)) from None
-
-
 def finetune(payload: str) -> int:
     """A finetune worker: mesh, tokenizer, data, model, train, save (every rank)."""
     import torch
@@ -65,6 +51,7 @@ def finetune(payload: str) -> int:
 
     import quantmesh as qm
 
+    from ..train.data import build_dataset
     from ..train.loop import train
     from .finetune import FinetuneConfig
 
@@ -72,7 +59,11 @@ def finetune(payload: str) -> int:
     mesh = qm.init_mesh(tp=cfg.tp, pp=cfg.pp, dp=-1)
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    dataset = _dataset(cfg, tok)
+    # a user's mistake raises a QuantmeshError (DataError, TrainError, ...): worker_main reports it
+    # as one line with exit code 2, like every other command
+    dataset = build_dataset(
+        cfg.data, tok, cfg.seq_len, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+    )
     if rank0:
         print(
             f"data: {dataset.num_documents} documents, {dataset.num_tokens} tokens -> "
@@ -104,15 +95,7 @@ def finetune(payload: str) -> int:
             print(
                 f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
             )
-    try:
-        result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir,
-                       resume=cfg.resume)  # fmt: skip
-    except ValueError as e:  # run sizes that do not fit the data (train checks them first)
-        if type(e) is not ValueError:
-            raise
-        from .errors import CliError
-
-        raise CliError(str(e)) from None
+    result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir, resume=cfg.resume)
     if rank0:
         out = Path(cfg.output_dir)
         last = result.losses[-1] if result.losses else float("nan")

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantmeshError
+
 __all__ = ["CheckpointKeyError", "CheckpointReader", "open_checkpoint"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # one read step; bounds host memory beyond the output slice
@@ -43,7 +45,7 @@ _MISSING = (
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
-class CheckpointKeyError(KeyError):
+class CheckpointKeyError(QuantmeshError, KeyError):
     """A key that the checkpoint does not hold; the message lists close matches and the fix."""
 
     def __str__(self) -> str:  # KeyError would repr() the message, quoting it and its newlines

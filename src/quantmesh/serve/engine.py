@@ -33,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import QuantmeshError
 from ..sampling import sample_tokens
 from .bank import AdapterBank
 
 __all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
 
 
-class ServeError(RuntimeError):
+class ServeError(QuantmeshError, RuntimeError):
     """The model cannot be served this way; the message names the fix."""
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantmeshError
 from .engine import Admit, Batch, Plan, sample_token
 from .ranks import Lockstep
 from .text import TextStream
@@ -36,7 +37,7 @@ __all__ = ["AdapterSlotsFull", "Job", "Scheduler", "Sampling", "UnknownModel"]
 Event = dict[str, Any]
 
 
-class UnknownModel(KeyError):
+class UnknownModel(QuantmeshError, KeyError):
     """A request names a model (adapter) the server does not hold."""
 
 

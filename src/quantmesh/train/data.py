@@ -26,6 +26,8 @@ from typing import Any, cast
 
 import torch
 
+from ..errors import QuantmeshError
+
 __all__ = [
     "IGNORE_INDEX",
     "DataError",
@@ -49,7 +51,7 @@ _CUT = re.compile(r"(?<!\s)(?=\n\n)")
 _PIECE_CHARS = 8192  # pieces are merged back up to about this many characters
 
 
-class DataError(ValueError):
+class DataError(QuantmeshError, ValueError):
     """A data file that cannot be read as one of the supported formats; the message names the file,
     the line and what was expected."""
 
@@ -274,7 +276,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _eos_id(tokenizer: Any) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        raise ValueError(
+        raise DataError(
             f"tokenizer {type(tokenizer).__name__} has no eos_token, which separates packed "
             "documents; set one, e.g. tokenizer.eos_token = '</s>' (a token of its vocabulary)"
         )
@@ -305,11 +307,11 @@ def build_dataset(
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
-        raise ValueError("build_dataset got no data files; pass at least one .txt or .jsonl path")
+        raise DataError("build_dataset got no data files; pass at least one .txt or .jsonl path")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len must be an int >= 2 (an input and a target), got {seq_len!r}")
+        raise DataError(f"seq_len must be an int >= 2 (an input and a target), got {seq_len!r}")
     if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}; e.g. 0.05")
+        raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}; e.g. 0.05")
 
     docs = [d for p in paths for d in read_documents(p)]
     ids, labels = _token_stream(docs, tokenizer)
@@ -319,7 +321,7 @@ def build_dataset(
     chunks_ids, chunks_labels = _pack(ids, labels, seq_len, pad)
     n = chunks_ids.shape[0]
     if n == 0:
-        raise ValueError(
+        raise DataError(
             f"the data ({num_tokens} tokens from {len(docs)} documents) holds no trainable "
             f"tokens at seq_len={seq_len}; add data or lower seq_len"
         )
@@ -328,7 +330,7 @@ def build_dataset(
     if eval_fraction > 0:
         n_eval = max(1, round(eval_fraction * n))
         if n_eval >= n:
-            raise ValueError(
+            raise DataError(
                 f"eval_fraction={eval_fraction} of {n} examples leaves none to train on; "
                 f"lower eval_fraction or add data (or lower seq_len={seq_len})"
             )
@@ -420,13 +422,13 @@ def iterate_batches(
         torch.Size([4, 256])
     """
     if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        raise DataError(f"micro_batch must be >= 1, got {micro_batch}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        raise DataError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
     n = len(examples)
     global_batch = micro_batch * dp_size
     if n < global_batch:
-        raise ValueError(
+        raise DataError(
             f"{n} examples are fewer than one global batch of {global_batch} "
             f"(micro_batch={micro_batch} x dp={dp_size}); lower micro_batch or seq_len, or add data"
         )
