@@ -121,9 +121,9 @@ TILE_TOKENS = 8192
 
 PARTIAL_MARGIN = 0.10
 """The share of the budget a proposed partial checkpointing leaves free. It is chosen to sit just
-under the budget, where the estimate's error and the allocator's fragmentation decide: on one
-H200 (24 GiB cap, docs/benchmarks.md) 7B at 16,384 tokens with 23 of 32 layers checkpointed,
-estimated 23.96 GiB, ran out of memory; with 24 (21.94 estimated and measured) it trained."""
+under the budget, where the estimate's error and the allocator's fragmentation decide: a run
+estimated just under its GPU's cap ran out of memory, one layer more recomputed trained
+(docs/benchmarks.md, "Figures the code relies on")."""
 
 
 def memory_alternatives(

@@ -25,10 +25,9 @@ def setup_worker() -> None:
     # a typo turn into minutes of hub retries on every rank.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # CUDA memory in segments that grow in place: near a card's limit the default allocator's
-    # cached blocks of the wrong sizes ran a run out of memory with 2.2 GiB reserved but unused
-    # (one H200 under a 24 GiB cap, 7B at 8192 tokens, 16 of 32 layers checkpointed: 21.7 GiB in
-    # use; with expandable segments the same run trains, docs/benchmarks.md). A user's own
-    # setting wins. Read when CUDA first allocates, so it is set before anything does.
+    # cached blocks of the wrong sizes ran a run out of memory that expandable segments train
+    # (docs/benchmarks.md, "Figures the code relies on"). A user's own setting wins. Read when CUDA first allocates, so it is set before
+    # anything does.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from .errors import quiet_libraries
 
