@@ -105,6 +105,13 @@ def many(rank: int, cases: list[tuple[tuple[int, int, int], dict]]) -> list[dict
     return [pp_train(rank, *layout, **kw) for layout, kw in cases]
 
 
+def jobs(rank: int, todo: list[tuple[str, tuple, dict]]) -> list:
+    """Several rank functions of this module in one spawn, in order: (name, args, kwargs) each.
+    Each builds its own mesh and seeded model, so none depends on what another left behind."""
+    fns = {"pp_train": pp_train, "pp_io": pp_io, "pp_resume": pp_resume, "pp_eval": pp_eval}
+    return [fns[name](rank, *args, **kw) for name, args, kw in todo]
+
+
 class Boom(RuntimeError):
     pass
 
