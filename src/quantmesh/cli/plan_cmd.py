@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..quant.names import FORMATS
+from ..quant.names import BACKENDS, FORMATS
 from .errors import CliError, user_errors
 
 QUANTS = ("none", *FORMATS)  # the choices of --quant
@@ -311,8 +311,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--quant-backend",
-        choices=("bitsandbytes", "torchao"),
-        default="bitsandbytes",
+        choices=BACKENDS,
+        default=BACKENDS[0],
         help="library of the quantized base (torchao: the one --fsdp shards)",
     )
     p.add_argument("--fsdp", action="store_true", help="base and adapters sharded over dp (FSDP2)")

@@ -16,9 +16,7 @@ from torch import nn
 __all__ = ["QuantConfig", "QuantFormat", "QuantError", "get_format", "resolve_quant"]
 
 from ..errors import QuantmeshError
-from .names import FORMATS
-
-BACKENDS = ("bitsandbytes", "torchao")
+from .names import BACKENDS, FORMATS
 
 
 class QuantError(QuantmeshError, ValueError):
