@@ -130,8 +130,9 @@ class Batch:
             errors = [e or ("" if k else "failed on another rank") for e, k in zip(errors, ok)]
         if plan.drop:
             self._drop(set(plan.drop))
+        # a bug or a lost message, not a user's mistake: RuntimeError, not ServeError
         if self.rids != plan.order:
-            raise ServeError(
+            raise RuntimeError(
                 f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned {plan.order}"
             )
         with self._autocast():
