@@ -170,9 +170,11 @@ def misuse(rank: int) -> dict[str, str]:
         qm.full_state_dict(net)
     except NotImplementedError as e:
         out["full"] = str(e)
-    for key, m, sched in (("1f1b", 1, "1f1b"), ("split", 3, "gpipe")):
+    for key, m, sched, chunk in (("1f1b", 1, "1f1b", 0), ("split", 3, "gpipe", 0),
+                                 ("chunk", 4, "1f1b", 8)):  # fmt: skip
         try:
-            qm.train_step(net, {"input_ids": ids}, microbatches=m, schedule=sched)
+            qm.train_step(net, {"input_ids": ids}, microbatches=m, schedule=sched,
+                          chunk_tokens=chunk)  # fmt: skip
         except ValueError as e:
             out[key] = str(e)
     return out

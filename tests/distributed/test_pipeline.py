@@ -235,6 +235,7 @@ def test_misuse_is_refused_with_the_fix():
     assert "run the model through qm.train_step" in errors["direct"]
     assert "microbatches >= pp ranks" in errors["1f1b"]
     assert "equal parts" in errors["split"]
+    assert "chunk_tokens=8 at pp=2" in errors["chunk"] and "pass 0" in errors["chunk"]
     assert "export at pp=2" in errors["export"] and "full_state_dict at pp=2" in errors["full"]
 
 

@@ -80,7 +80,8 @@ class TrainConfig:
     grad_accum >= pp) or "gpipe", or "interleaved1f1b" (several stages per rank)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
-    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits."""
+    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits.
+    At pp > 1 the pipeline's last stage computes the plain loss whatever this says."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
@@ -364,7 +365,7 @@ def train(
                 whole,
                 microbatches=len(micro),
                 schedule=cfg.pp_schedule,
-                chunk_tokens=cfg.loss_chunk_tokens,
+                chunk_tokens=cfg.loss_chunk_tokens if mesh.pp == 1 else 0,
             )
         )
         if cfg.max_grad_norm > 0:

@@ -112,7 +112,7 @@ def train_step(
         loss_fn: pp = 1 only: (logits, labels) -> summed loss; default next-token cross-entropy.
         chunk_tokens: pp = 1 only: > 0 computes the default loss chunk by chunk
             (`chunked_loss_sum`, at most this many rows of logits at once); 0 = from the whole
-            logits. The pipelined step's last stage uses the whole logits.
+            logits, which the pipelined step's last stage always uses.
 
     Example:
         >>> loss = qm.train_step(model, batch, microbatches=8, schedule="1f1b")  # doctest: +SKIP
@@ -130,6 +130,11 @@ def train_step(
         )
     if chunk_tokens < 0:
         raise TrainError(f"chunk_tokens={chunk_tokens}; expected >= 0 (0 = the whole logits)")
+    if pp > 1 and chunk_tokens:
+        raise TrainError(
+            f"chunk_tokens={chunk_tokens} at pp={pp}: the pipeline's last stage computes the loss "
+            "from the whole logits (the chunked loss is not pipelined yet); pass 0"
+        )
     device = mesh.device if mesh is not None else next(model.parameters()).device
     ids = batch["input_ids"].to(device)  # (B, T)
     labels = batch.get("labels", batch["input_ids"]).to(device)  # (B, T)
