@@ -66,6 +66,18 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--no-peer", action="store_true", help="qlora: quantmesh's runs only (the peer's are known)"
     )
+    p.add_argument("--batch", type=int, default=1, help="rows decoded at once (random prompts)")
+    p.add_argument(
+        "--kernel",
+        action="store_true",
+        help="qlora: also greedy with quantmesh's opt-in 4-bit kernel for few rows "
+        "(quant/kernel4.py) in place of bitsandbytes' matmul_4bit, in the same process",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="qlora: GPU kernel time per decode step by kind (torch.profiler, 32 steps)",
+    )
     p.add_argument(
         "--unfused",
         action="store_true",
@@ -88,7 +100,7 @@ def prepare_generation(model) -> None:
 
 def prompt_ids(a, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
-    return torch.randint(0, a.vocab, (1, a.prompt), generator=g).to(device)
+    return torch.randint(0, a.vocab, (a.batch, a.prompt), generator=g).to(device)
 
 
 @torch.no_grad()
@@ -143,13 +155,14 @@ def phase(model, a, ids, device, R: dict, name: str, *, qm: dict | None = None, 
     warm = time.perf_counter() - t0
     dt, tokens = timed(model, ids, a.new, device, **args)
     R[name] = {
-        "new_tokens_per_s": round(a.new / dt, 2),
+        "new_tokens_per_s": round(a.batch * a.new / dt, 2),  # all rows together
+        "batch": a.batch,
         "ms_per_token": round(dt / a.new * 1000, 3),
         "warmup_generate_s": round(warm, 2),
         "compiled": qm is not None or getattr(model, "_compiled_call", None) is not None,
         "mem": qb.gpu_mem(device),
     }
-    qb.log(f"{name}: {a.new / dt:.1f} new tokens/s (warm-up {warm:.1f} s)")
+    qb.log(f"{name}: {a.batch * a.new / dt:.1f} new tokens/s (warm-up {warm:.1f} s)")
     return tokens
 
 
@@ -315,6 +328,26 @@ def run_qlora(a, R: dict, out_path: str) -> None:
                     R["qm_greedy"]["new_tokens_per_s"] / R["best_new_tokens_per_s"], 3
                 )
         qb.write_json(out_path, R)
+    if a.greedy and a.kernel:
+        from quantmesh.quant import kernel4
+
+        with qb.record_errors(R, "qm_greedy_kernel_error"):
+            kernel4.ENABLED = True  # quantmesh's kernel in every quantized linear, <= 64 rows
+            try:
+                b = phase(model, a, ids, dev, R, "qm_greedy_kernel", qm={})
+            finally:
+                kernel4.ENABLED = False
+            if "qm_greedy" in R:
+                R["qm_greedy_kernel"]["tokens_agree_with_bnb"] = agree(b, g)
+                R["kernel_over_bnb"] = round(
+                    R["qm_greedy_kernel"]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"],
+                    3,
+                )
+        qb.write_json(out_path, R)
+    if a.greedy and a.profile and dev.type == "cuda":
+        with qb.record_errors(R, "qm_profile_error"):
+            R["qm_profile"] = profile_decode(model, ids, a)
+        qb.write_json(out_path, R)
     if a.greedy and a.unfused:
         with qb.record_errors(R, "qm_greedy_unfused_error"):
             u = phase(model, a, ids, dev, R, "qm_greedy_unfused", qm={"fuse_adapters": False})
@@ -334,6 +367,62 @@ def run_qlora(a, R: dict, out_path: str) -> None:
                     R["qm_sampled"]["new_tokens_per_s"] / peer_s, 3
                 )
         qb.write_json(out_path, R)
+
+
+KINDS = (  # kernel name fragments -> kind, first match wins
+    ("rows_4bit", "quantmesh 4-bit kernel"),
+    ("gemm_4bit", "bitsandbytes 4-bit matmul"),  # gemm_4bit_simt: its 1-row gemv
+    ("gemv_4bit", "bitsandbytes 4-bit matmul"),
+    ("dequantize", "bitsandbytes dequantize"),
+    ("flash", "attention"),
+    ("attention", "attention"),
+    ("fmha", "attention"),
+    ("gemm", "matmul (adapters, head, dequantized)"),
+    ("nvjet", "matmul (adapters, head, dequantized)"),
+    ("cutlass", "matmul (adapters, head, dequantized)"),
+    ("triton_", "inductor fused elementwise / reductions"),
+    ("memcpy", "copies"),
+    ("copy", "copies"),
+)
+
+
+@torch.no_grad()
+def profile_decode(model, ids, a, steps: int = 32) -> dict:
+    """GPU kernel time of `steps` compiled decode steps, by kind, and the top kernels (the step is
+    already compiled: fast_decode ran before with the same shapes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import quantmesh as qm
+
+    qm.fast_decode(model, ids, steps + 1)  # the same compiled step, warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        qm.fast_decode(model, ids, steps + 1)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total
+    kinds: dict[str, float] = {}
+    for name, us in per_kernel.items():
+        low = name.lower()
+        kind = next((k for frag, k in KINDS if frag in low), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us
+    total = sum(per_kernel.values())
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "steps": steps,
+        "gpu_us_per_step": round(total / steps, 1),
+        "kinds_us_per_step": {
+            k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels_us_per_step": {n[:90]: round(v / steps, 1) for n, v in top},
+        "kernels_per_step": round(
+            sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+            / steps,
+            1,
+        ),
+    }
 
 
 def run_tp(a, R: dict, out_path: str) -> None:

@@ -131,10 +131,7 @@ def full_value(
 
 
 def _full_shape(m, name: str, sl) -> tuple[int, ...]:
-    shape = list(m.local_shape(name))
-    if sl is not None:
-        shape[sl[0]] = m.split.full
-    return tuple(shape)
+    return tuple(m.full_shape(name))  # checkpoint layout (experts: their 3-D tensors)
 
 
 @torch.no_grad()

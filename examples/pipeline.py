@@ -10,17 +10,16 @@ import torch
 from transformers import AutoTokenizer
 
 import quantmesh as qm
-from quantmesh.train.data import build_dataset, iterate_batches
 
 model_dir, data = sys.argv[1], sys.argv[2]
 mesh = qm.init_mesh(pp=2)  # each rank holds half of the decoder layers
 model = qm.from_pretrained(model_dir, mesh, quant="nf4", lora=qm.LoraConfig(r=16))
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
-dataset = build_dataset([data], tokenizer, seq_len=64)
+dataset = qm.build_dataset([data], tokenizer, seq_len=64)  # chat or text; files or folders
 opt = torch.optim.AdamW(qm.trainable_parameters(model), lr=2e-3)
 
 model.train()
-batches = iterate_batches(dataset.train, 2, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
+batches = qm.iterate_batches(dataset.train, 2, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
 for step, batch in zip(range(10), batches):
     loss = qm.train_step(model, batch, microbatches=2, schedule="1f1b")  # global mean, every rank
     qm.clip_grad_norm_(model, 1.0)  # the norm over both stages

@@ -9,17 +9,16 @@ import torch
 from transformers import AutoTokenizer
 
 import quantmesh as qm
-from quantmesh.train.data import build_dataset, iterate_batches
 
 model_dir, data = sys.argv[1], sys.argv[2]
 mesh = qm.init_mesh(tp=2)  # 2 ranks split every layer; more ranks add data-parallel replicas
 model = qm.from_pretrained(model_dir, mesh, quant="nf4", lora=qm.LoraConfig(r=16))
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
-dataset = build_dataset([data], tokenizer, seq_len=64)
+dataset = qm.build_dataset([data], tokenizer, seq_len=64)  # chat or text; files or folders
 opt = torch.optim.AdamW(qm.trainable_parameters(model), lr=2e-3)
 
 model.train()
-batches = iterate_batches(dataset.train, 2, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
+batches = qm.iterate_batches(dataset.train, 2, dp_rank=mesh.dp_rank, dp_size=mesh.dp)
 for step, batch in zip(range(10), batches):
     loss = model(**batch).loss  # every rank sees the same loss: logits are gathered over tp
     loss.backward()

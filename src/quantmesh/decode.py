@@ -67,6 +67,8 @@ class _Decoder:
             **({"logits_to_keep": 1} if "logits_to_keep" in params else {}),
         }
         self.model = model
+        if compile:
+            _static_statistics(model)
         self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
 
     def logits(
@@ -113,6 +115,21 @@ class _Decoder:
         """Turn the adapter stacks on (for the steps) or off."""
         for stack in self.stacks or []:
             stack.active = on
+
+
+def _static_statistics(model: nn.Module) -> None:
+    """Mark the statistics of the model's 4-bit weights (a QuantState's tensors: attributes, not
+    parameters or buffers) as fixed addresses, so that the CUDA graphs read them where they are
+    instead of copying them in before every replay, as they do with other inputs."""
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is None:
+            continue
+        s2 = getattr(qs, "state2", None)
+        for t in (qs.absmax, qs.code, qs.offset, getattr(s2, "absmax", None),
+                  getattr(s2, "code", None)):  # fmt: skip
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                torch._dynamo.mark_static_address(t, guard=False)
 
 
 def _padding_kw(padding: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:

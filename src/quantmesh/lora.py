@@ -45,6 +45,15 @@ class LoraError(QuantmeshError, ValueError):
     """A LoRA request that cannot be honoured; the message names the fix."""
 
 
+# "every projection": attention (q, k, v, o; DeepSeek's multi-head latent attention), MLP, and
+# the fused expert tensors of transformers' experts modules (gate_up_proj, down_proj)
+DEFAULT_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+    "gate_proj", "up_proj", "down_proj", "gate_up_proj",
+)  # fmt: skip
+
+
 @dataclass(kw_only=True)
 class LoraConfig:
     """Low-rank adapters on linear layers (plain or quantized), sharded to follow the base layer.
@@ -60,18 +69,12 @@ class LoraConfig:
     """Scale numerator: the adapter's output is multiplied by alpha / r."""
     dropout: float = 0.0
     """Dropout on the adapter's input (training only)."""
-    targets: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
-    """Module names (a bare name matches any module of that name) or globs on full names."""
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    """Module names (a bare name matches any module of that name) or globs on full names; a
+    name also selects the expert tensors of that name (`gate_up_proj`, `down_proj` of an experts
+    module), and an experts module's own name selects all of its expert tensors. The default,
+    every projection of the common families (attention, MLA, MLP, experts), skips names a model
+    does not have; names given explicitly must each match something."""
     seed: int = 0
     """Seed of A's initialization; the same seed gives the same adapters at any tp size."""
 
@@ -95,16 +98,20 @@ class LoraConfig:
         return any(t == last or t == fqn or fnmatch.fnmatchcase(fqn, t) for t in self.targets)
 
 
-def lora_targets(model: nn.Module, config: LoraConfig) -> list[str]:
-    """FQNs of the modules `config.targets` selects; raises when a target matches nothing.
+def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None = None) -> list[str]:
+    """FQNs of the modules (and of the `extra` tensor names: expert tensors) `config.targets`
+    selects; raises when a target given explicitly matches nothing, or the default nothing at all.
 
     Example:
         >>> lora_targets(model, LoraConfig(targets=["q_proj"]))  # doctest: +SKIP
         ['model.layers.0.self_attn.q_proj', ...]
     """
-    names = [n for n, _ in model.named_modules() if n]
+    names = [n for n, _ in model.named_modules() if n] + list(extra or [])
     found = [n for n in names if config.matches(n)]
-    for t in config.targets:
+    default = sorted(config.targets) == sorted(DEFAULT_TARGETS)
+    for t in config.targets if not (default and found) else []:
+        if default:
+            t = ", ".join(DEFAULT_TARGETS)
         if not any(t == n.rsplit(".", 1)[-1] or t == n or fnmatch.fnmatchcase(n, t) for n in names):
             leaves = sorted(
                 {
@@ -113,9 +120,12 @@ def lora_targets(model: nn.Module, config: LoraConfig) -> list[str]:
                     if n and isinstance(m, nn.Linear)
                 }
             )
+            what = (
+                f"the default LoRA targets ({t}) match" if default else f"LoRA target {t!r} matches"
+            )
             raise LoraError(
-                f"LoRA target {t!r} matches no module of {type(model).__name__}; linear layer "
-                f"names in this model: {', '.join(leaves[:20])}"
+                f"{what} no module of {type(model).__name__}; linear layer "
+                f"names in this model: {', '.join(leaves[:20])}; pass LoraConfig(targets=[...])"
             )
     return found
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .dp import apply_dp
-from .fsdp import apply_fsdp, check_fsdp
+from .fsdp import FsdpError, apply_fsdp, check_fsdp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
 from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
@@ -31,6 +31,7 @@ from .quant.bnb import format_of
 from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from .state import ParallelState, attach_state, parallel_state
 from .tp.apply import apply_tp, shared_params
+from .tp.experts import find_experts, unhandled_3d
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
 
@@ -178,6 +179,12 @@ def _parallelize(
     if fsdp and hasattr(fmt, "shards"):  # torchao nf4: block-scale groups within dp shards
         setattr(fmt, "shards", mesh.dp)  # noqa: B010 - only that format has the attribute
     wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
+    if fsdp and (moe := [f for f, w in wrap.items() if "experts" in w]):
+        raise FsdpError(
+            f"fsdp=True with experts modules ({moe[0]}, ...): FSDP2 of split and quantized expert "
+            "tensors is not supported yet; use dp replicas (fsdp=False) with tp to split the "
+            "experts"
+        )
 
     # 2. prove the split exact on the tp group; replicate what is not (the reasons go in the plan)
     report = None
@@ -305,8 +312,41 @@ def _wrap_plan(
                     f"{fqn} is a {type(m).__name__}; {qcfg.backend} quantizes only linear layers; "
                     f"remove it from QuantConfig(targets=...) or add it to skip"
                 )
+    experts = find_experts(model)
+    for fqn, tensors in experts.items():  # split at tp > 1, quantized like every frozen weight
+        spec: dict[str, Any] = {"experts": tensors}
+        if qcfg is not None and qcfg.selects(fqn) and not qcfg.skips(fqn):
+            spec["fmt"] = fmt
+        if resolved.tp > 1 or "fmt" in spec:
+            wrap[fqn] = spec
+    if (resolved.tp > 1 or qcfg is not None) and (whole := unhandled_3d(model, experts)):
+        warnings.warn(
+            f"quantmesh: {len(whole)} tensor(s) of 3 or more dims outside a recognized experts "
+            f"module stay whole and in float on every rank: {', '.join(whole[:6])}"
+            f"{' ...' if len(whole) > 6 else ''} (quantmesh splits and quantizes transformers' "
+            "experts modules: gate_up_proj / up_proj and down_proj with num_experts and "
+            "is_transposed)",
+            stacklevel=4,
+        )
     if lora is not None:
-        for fqn in lora_targets(model, lora):
+        tensor_names = {f"{f}.{t.name}": (f, t.name) for f, ts in experts.items() for t in ts}
+        for fqn in lora_targets(model, lora, extra=list(tensor_names)):
+            if fqn in experts or fqn in tensor_names:  # every expert tensor, or this one
+                owner, names = (
+                    (fqn, [t.name for t in experts[fqn]]) if fqn in experts else
+                    (tensor_names[fqn][0], [tensor_names[fqn][1]])
+                )  # fmt: skip
+                if lora.dropout > 0:
+                    raise LoraError(
+                        f"LoRA on the expert tensors of {owner} with dropout={lora.dropout}: an "
+                        "expert adapter is a weight delta (as PEFT's target_parameters), which "
+                        "cannot drop its input; use dropout=0, or leave the experts out of "
+                        "LoraConfig(targets=...) (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
+                    )
+                spec = wrap.setdefault(owner, {"experts": experts[owner]})
+                have = spec.setdefault("lora_tensors", [])
+                have += [n for n in names if n not in have]
+                continue
             m = model.get_submodule(fqn)
             k = kind_of(m)
             if k is None or not k.linear_like:

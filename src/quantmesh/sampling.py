@@ -1,19 +1,24 @@
-"""Token sampling shared by the fast decode loop and the server: temperature, nucleus (top-p), greedy.
+"""Token sampling shared by the fast decode loop and the server: temperature, top-k, nucleus (top-p),
+min-p, greedy, and the repetition / presence / frequency penalties.
 
 One mechanism for every caller: the Gumbel-max draw. With `u` uniform in (0, 1),
 `argmax(logits / T - log(-log u))` is an exact draw from `softmax(logits / T)`; masking the tokens
 outside the nucleus to -inf first makes it an exact draw from the renormalized nucleus. The noise is
 an input, not drawn inside: a compiled (CUDA-graph) decode step then stays one static graph, eager
 and compiled steps given the same noise pick the same token, and tp ranks that draw the noise from
-the same seed agree without a collective. Rows may have their own temperature and top-p; a row with
-temperature 0 is greedy (its noise is ignored).
+the same seed agree without a collective. Rows may have their own temperature, top-k, top-p and
+min-p; a row with temperature 0 is greedy (its noise is ignored).
+
+The filters follow vLLM's order: penalties on the raw logits (`penalize`), then the temperature,
+then top-k, top-p and min-p, each computed on the tempered distribution; the most likely token
+always survives, so a greedy row's argmax is never filtered out.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["nucleus_logits", "pick_tokens", "sample_tokens", "uniform_noise"]
+__all__ = ["nucleus_logits", "penalize", "pick_tokens", "sample_tokens", "uniform_noise"]
 
 
 def _per_row(v: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -23,27 +28,72 @@ def _per_row(v: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def nucleus_logits(
-    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    top_p: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    min_p: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:  # (batch, vocab) -> (batch, vocab) float32
-    """`logits / temperature` with every token outside the top-p nucleus set to -inf.
+    """`logits / temperature` with every token outside the top-k, the top-p nucleus or the min-p
+    floor set to -inf.
 
     The nucleus of a row is the smallest set of most likely tokens whose probability reaches
-    `top_p` (the most likely token always stays); `top_p=1` keeps every token. A temperature of 0
-    divides by 1 instead (greedy rows only need the argmax, which dividing does not move).
+    `top_p` (the most likely token always stays); `top_p=1` keeps every token. `top_k` keeps the
+    k most likely tokens (0 = all). `min_p` drops the tokens less likely than `min_p` times the most
+    likely one (0 = none). A temperature of 0 divides by 1 instead (greedy rows only need the
+    argmax, which dividing does not move).
 
     Example:
         >>> nucleus_logits(torch.tensor([[0.0, 3.0, 1.0]]), 1.0, 0.5)
         tensor([[-inf, 3., -inf]])
+        >>> nucleus_logits(torch.tensor([[0.0, 3.0, 1.0]]), 1.0, 1.0, top_k=2)
+        tensor([[-inf, 3., 1.]])
     """
     t = _per_row(temperature, logits)
     p = _per_row(top_p, logits)
+    k = _per_row(top_k, logits)
+    m = _per_row(min_p, logits)
     z = logits.float() / torch.where(t > 0, t, torch.ones_like(t))
     sorted_z, order = z.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_z, dim=-1)
+    rank = torch.arange(z.shape[-1], device=z.device).expand_as(z)
+    drop_sorted = (k > 0) & (rank >= k)  # top-k first: top-p then sees the renormalized top k
+    probs = torch.softmax(sorted_z.masked_fill(drop_sorted, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-    drop_sorted = (before >= p) & (p < 1)  # top_p = 1 keeps all, whatever cumsum's rounding
+    drop_sorted |= (before >= p) & (p < 1)  # top_p = 1 keeps all, whatever cumsum's rounding
+    drop_sorted |= probs < m * probs[:, :1]  # min_p = 0 drops nothing (a ratio: renormalizing
+    # after top-k does not move it)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return z.masked_fill(drop, float("-inf"))
+
+
+def penalize(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    counts: torch.Tensor,
+    repetition: float | torch.Tensor = 1.0,
+    presence: float | torch.Tensor = 0.0,
+    frequency: float | torch.Tensor = 0.0,
+) -> torch.Tensor:  # (batch, vocab) x3 -> (batch, vocab) float32
+    """Logits with the repetition, presence and frequency penalties applied (vLLM's definitions).
+
+    `prompt_mask` (bool) marks the tokens of each row's prompt, `counts` how often each token was
+    generated so far. The repetition penalty (CTRL's: 1 = off) divides the positive logits and
+    multiplies the negative ones of every token seen in the prompt or the output; the presence
+    penalty subtracts itself once from every generated token, the frequency penalty once per
+    occurrence (OpenAI's: 0 = off, generated tokens only).
+
+    Example:
+        >>> seen = torch.tensor([[False, True]])
+        >>> penalize(torch.tensor([[2.0, 2.0]]), seen, torch.zeros(1, 2), repetition=2.0)
+        tensor([[2., 1.]])
+    """
+    z = logits.float()
+    r = _per_row(repetition, z)
+    seen = prompt_mask | (counts > 0)
+    z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    c = counts.float()
+    z = z - _per_row(frequency, z) * c - _per_row(presence, z) * (c > 0).float()
+    return z
 
 
 def pick_tokens(
@@ -51,8 +101,11 @@ def pick_tokens(
     noise: torch.Tensor,
     temperature: float | torch.Tensor,
     top_p: float | torch.Tensor,
+    top_k: int | torch.Tensor = 0,
+    min_p: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:  # (batch, vocab), (batch, vocab) -> (batch,)
-    """One token per row: a Gumbel-max draw from the tempered nucleus, given uniform `noise`
+    """One token per row: a Gumbel-max draw from the tempered, filtered logits (`nucleus_logits`),
+    given uniform `noise`
     (`uniform_noise`); argmax for rows whose temperature is 0. Traceable: no data-dependent
     Python branches, so it compiles into a decode step.
 
@@ -61,7 +114,7 @@ def pick_tokens(
         >>> pick_tokens(torch.tensor([[0.0, 9.0]]), uniform_noise(1, 2, g), 1.0, 1.0)
         tensor([1])
     """
-    z = nucleus_logits(logits, temperature, top_p)
+    z = nucleus_logits(logits, temperature, top_p, top_k, min_p)
     gumbel = -torch.log(-torch.log(noise.float()))
     sampled = (z + gumbel).argmax(dim=-1)
     greedy = logits.argmax(dim=-1)
@@ -90,13 +143,15 @@ def sample_tokens(
     temperature: float | torch.Tensor = 1.0,
     top_p: float | torch.Tensor = 1.0,
     generator: torch.Generator | None = None,
+    top_k: int | torch.Tensor = 0,
+    min_p: float | torch.Tensor = 0.0,
 ) -> torch.Tensor:  # (batch, vocab) -> (batch,)
-    """Draw one token per row of `logits` with temperature and top-p (0 = greedy), the noise
-    drawn from `generator` on the logits' device.
+    """Draw one token per row of `logits` with temperature (0 = greedy), top-k, top-p and min-p,
+    the noise drawn from `generator` on the logits' device.
 
     Example:
         >>> sample_tokens(torch.tensor([[0.0, 9.0], [9.0, 0.0]]), 0.0)
         tensor([1, 0])
     """
     noise = uniform_noise(logits.shape[0], logits.shape[-1], generator, logits.device)
-    return pick_tokens(logits, noise, temperature, top_p)
+    return pick_tokens(logits, noise, temperature, top_p, top_k, min_p)

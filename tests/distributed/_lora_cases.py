@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import quantmesh as qm
+from quantmesh.io.adapter import expert_adapter_keys
 from quantmesh.io.full import gather_param, tp_sharded
+from quantmesh.tp.experts import ShardedExperts
 from quantmesh.tp.layers import ShardedModule
 
 from ._spawns import JobSpawns
@@ -66,6 +68,20 @@ def whole_lora(
                 dim, s = split[pname]
                 t = gather_param(t, dim, s, m.group)
             out[f"{name}.{pname}"] = t.detach().cpu().clone()
+    for m in model.modules():  # adapters on expert tensors, under PEFT's keys
+        if not isinstance(m, ShardedExperts) or not len(m.expert_lora):
+            continue
+        split = tp_sharded(m)
+        for key, (tname, ab) in expert_adapter_keys(m).items():
+            pname = f"expert_lora.{tname}.{ab}.weight"
+            p = m.get_parameter(pname)
+            t = p.detach() if what == "param" else p.grad
+            if t is None and missing_as_zero:
+                t = torch.zeros_like(p)
+            if pname in split:
+                dim, s = split[pname]
+                t = gather_param(t, dim, s, m.group)
+            out[key] = t.detach().cpu().clone()
     return out
 
 

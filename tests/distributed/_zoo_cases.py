@@ -208,10 +208,21 @@ def _set_b(model: nn.Module) -> None:
     """Nonzero B (a fresh adapter is a no-op and gives A no gradient), drawn whole per module and
     sliced as this rank holds it."""
     from quantmesh.io.full import tp_sharded
+    from quantmesh.tp.experts import ShardedExperts
     from quantmesh.tp.layers import ShardedModule
 
     with torch.no_grad():
         for name, m in model.named_modules():
+            if isinstance(m, ShardedExperts):
+                split = tp_sharded(m)
+                for tname, ad in m.expert_lora.items():
+                    key = f"expert_lora.{tname}.lora_B.weight"
+                    g = torch.Generator().manual_seed(zlib.crc32(f"{name}.{key}".encode()))
+                    b = torch.randn(m.full_shapes[tname][m.tensors[tname].out_dim],
+                                    ad.lora_B.weight.shape[1], generator=g) * 0.5  # fmt: skip
+                    if key in split:
+                        b = torch.cat([b[a:z] for a, z in split[key][1].ranges(m.tp_rank)])
+                    ad.lora_B.weight.copy_(b)
             if not isinstance(m, ShardedModule) or m.lora_scale is None:
                 continue
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -225,19 +236,26 @@ def job_lora(name: str, mesh) -> dict:
     import peft
 
     import quantmesh as qm
+    from quantmesh.io.adapter import expert_adapter_keys
+    from quantmesh.tp.experts import ShardedExperts, find_experts
     from tests.zoo import ZOO, linear_names
 
     case = ZOO[name]
     ref, inputs = case.build(0), case.inputs()
     targets = linear_names(ref, case.lora_skip)
+    # the expert tensors too (PEFT: target_parameters), each by its full name
+    tensors = [f"{f}.{t.name}" for f, ts in find_experts(ref).items() for t in ts]
     model = copy.deepcopy(ref)
-    cfg = qm.LoraConfig(r=LORA_R, alpha=LORA_ALPHA, targets=targets)
+    cfg = qm.LoraConfig(r=LORA_R, alpha=LORA_ALPHA, targets=targets + tensors)
     qm.parallelize(model, mesh, lora=cfg)
     _set_b(model)
     sd = qm.full_state_dict(model, rank0_only=False)
+    extra = {"target_parameters": tensors} if tensors else {}
     pm = peft.get_peft_model(
         copy.deepcopy(ref),
-        peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0),
+        peft.LoraConfig(
+            r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0, **extra
+        ),
     )
     with torch.no_grad():
         for t in targets:
@@ -245,6 +263,13 @@ def job_lora(name: str, mesh) -> dict:
                 pm.get_parameter(f"base_model.model.{t}.{ab}.default.weight").copy_(
                     sd[f"{t}.{ab}.weight"]
                 )
+        for m in model.modules():
+            if isinstance(m, ShardedExperts):
+                for key, (tname, ab) in expert_adapter_keys(m).items():
+                    peft_name = f"base_model.model.{key[: -len('.weight')]}.default.weight"
+                    pm.get_parameter(peft_name).copy_(
+                        sd[f"{m.fqn}.expert_lora.{tname}.{ab}.weight"]
+                    )
     y_ref = _step(pm, inputs)
     y = _step(model, inputs)
     pm64, floor = _ref64(pm, inputs)
@@ -256,7 +281,7 @@ def job_lora(name: str, mesh) -> dict:
         "logits": _rel(y, y_ref),
         "logits_tol": tolerance(floor),
         "grads": grad_errors(got, pm, pm64),
-        "n_adapters": len(targets),
+        "n_adapters": len(targets) + len(tensors),
     }
 
 
@@ -313,8 +338,12 @@ def _vs_whole(model: nn.Module, ref: nn.Module, sd: dict, inputs: dict) -> dict:
     differ = []
     with torch.no_grad():
         for fqn, m in model.named_modules():
-            if not isinstance(m, ShardedModule) or m.fmt is None:
-                continue
+            if (
+                not isinstance(m, ShardedModule)
+                or m.fmt is None
+                or not hasattr(mods[fqn], "weight")
+            ):
+                continue  # (expert tensors: ShardedExperts, judged by the logits and gradients)
             w = mods[fqn].weight
             conv1d = m.kind.name == "Conv1D"  # (in, out): quantized as (out, in)
             w2 = (w.t() if conv1d else w).contiguous()

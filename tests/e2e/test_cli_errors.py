@@ -60,8 +60,17 @@ def test_data_in_the_wrong_format(tiny: Path, capsys, monkeypatch) -> None:
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"foo": 1}) + "\n")
     err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(bad), "--seq-len", "64"],
                  capsys, monkeypatch)  # fmt: skip
-    assert f"{bad} line 2: expected a JSON object with a 'text' field" in err
-    assert "got keys ['foo']" in err
+    assert f"{bad} line 2: no known format in the keys ['foo']; accepted formats: messages" in err
+    pq = tiny / "chat.parquet"
+    pq.write_bytes(b"PAR1" + b"\xde" * 64)  # Parquet's magic: never read (nor refused) as text
+    err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(pq), "--seq-len", "64"],
+                 capsys, monkeypatch)  # fmt: skip
+    assert f"{pq}: not a readable parquet file" in err and "UTF-8" not in err
+    chat = tiny / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "To be"}]}) + "\n")
+    err = _fails(["finetune", "--model", str(tiny / "tiny"), "--data", str(chat), "--seq-len", "64",
+                  "--data-format", "alpaca"], capsys, monkeypatch)  # fmt: skip
+    assert f"{chat} line 1: --data-format alpaca needs the keys ['instruction', 'output']" in err
 
 
 def test_mesh_sizes_that_do_not_divide_the_process_count(tiny: Path, capsys, monkeypatch) -> None:

@@ -33,15 +33,18 @@ def _instructions(path: Path, n: int = 48) -> None:
             f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
 
 
-def _reference(model_dir: Path, data: Path, seq_len: int, dp: int = 2) -> tuple[float, float]:
-    """(masked loss, unmasked loss) of step 1 of a `dp`-replica, micro_batch=1, grad_accum=2 run."""
+def _reference(
+    model_dir: Path, data: Path, seq_len: int, dp: int = 2, **build_kw
+) -> tuple[float, float]:
+    """(masked loss, unmasked loss) of step 1 of a `dp`-replica, micro_batch=1, grad_accum=2 run
+    (`build_kw`: build_dataset's data options, as the run's flags set them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantmesh.train.data import build_dataset, iterate_batches
+    from quantmesh import build_dataset, iterate_batches
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ds = build_dataset([data], tok, seq_len, seed=0)
+    ds = build_dataset([data], tok, seq_len, seed=0, **build_kw)
     assert 0 < ds.num_labelled < len(ds.train) * seq_len  # prompts really are masked
     micro = []
     for rank in range(dp):  # the first 2 micro-batches (grad_accum=2) of each dp rank
@@ -151,3 +154,57 @@ def test_fsdp_finetune_matches_the_masked_reference(tmp_path: Path) -> None:
     masked, _ = _reference(model_dir, data, 32)
     assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked)
     assert any((tmp_path / "out").rglob("adapter_model.safetensors"))
+
+
+def _conversations(folder: Path, n: int = 48) -> None:
+    """A folder of two shards: multi-turn OpenAI-style messages (JSONL), ShareGPT (Parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    g = torch.Generator().manual_seed(1)
+
+    def say(k: int) -> str:
+        return " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
+
+    folder.mkdir()
+    with (folder / "part-0.jsonl").open("w") as f:
+        for _ in range(n):
+            msgs = [{"role": "user", "content": say(4)}, {"role": "assistant", "content": say(3)},
+                    {"role": "user", "content": say(3)}, {"role": "assistant", "content": say(3)}]  # fmt: skip
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    rows = [{"conversations": [{"from": "human", "value": say(5)}, {"from": "gpt", "value": say(4)}]}
+            for _ in range(16)]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), folder / "part-1.parquet")
+
+
+def test_conversations_dp2_tp2_pp2_no_packing(tmp_path: Path) -> None:
+    """A folder of chat shards (messages JSONL, ShareGPT Parquet), one conversation per example
+    (--no-packing), at dp=2 x tp=2 x pp=2: the run reports each file's format and trained tokens
+    (the assistant turns with their <|im_end|>), and its first loss is the single-process loss
+    over the assistant tokens of the same examples."""
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    data = tmp_path / "chat"
+    _conversations(data)
+    proc = cli(
+        "finetune", "--model", str(model_dir), "--data", str(data), "--nproc", "8", "--tp", "2",
+        "--pp", "2", "--micro-batch", "1", "--microbatches", "2", "--seq-len", "32", "--steps", "2",
+        "--lr", "1e-2", "--no-packing", "--output-dir", str(tmp_path / "out"), timeout=480,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tp=2 x pp=2 x dp=2" in proc.stderr
+    # ChatML: <|im_start|> role words... <|im_end|>; an assistant turn trains its words + <|im_end|>
+    assert f"data: {data / 'part-0.jsonl'}: messages, 48 documents, 1200 tokens, 384 trained\n" in (
+        proc.stdout
+    )
+    assert f"data: {data / 'part-1.parquet'}: sharegpt, 16 documents, 240 tokens, 80 trained\n" in (
+        proc.stdout
+    )
+    assert "data: 64 documents, 1440 tokens, 464 trained (assistant turns) -> 64 train / 0 eval " \
+        "examples of 32 (one per document, padded)" in proc.stdout  # fmt: skip
+    rows = [json.loads(ln) for ln in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    masked, unmasked = _reference(model_dir, data, 32, dp=2, packing=False)
+    # the loss over every token is 5e-3 away (a random model): 50x the tolerance below
+    assert abs(masked - unmasked) > 1e-3
+    # fp32 on both sides; the sharded run sums in another order: 1e-4 is loose for 1e-6 noise.
+    assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked, unmasked)

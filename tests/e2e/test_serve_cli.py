@@ -9,7 +9,7 @@ import pytest
 from .test_cli_common import cli, make_adapter, make_tiny_llama
 
 
-@pytest.mark.slow  # four CLI starts
+@pytest.mark.slow  # six CLI starts
 def test_serve_refuses_bad_setups_before_starting(tmp_path: Path) -> None:
     proc = cli("serve", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr
@@ -23,4 +23,12 @@ def test_serve_refuses_bad_setups_before_starting(tmp_path: Path) -> None:
     assert (
         proc.returncode == 2 and "--adapter a=" in proc.stderr and "does not exist" in proc.stderr
     )
+    proc = cli("serve", str(model), "--adapter-dir", str(tmp_path / "none"))
+    assert (
+        proc.returncode == 2
+        and "--adapter-dir" in proc.stderr
+        and "no such directory" in proc.stderr
+    )
+    proc = cli("serve", str(model), "--api-key", "")
+    assert proc.returncode == 2 and "--api-key is empty" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

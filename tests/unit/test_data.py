@@ -21,7 +21,7 @@ from quantmesh.train.data import (
     steps_per_epoch,
 )
 
-WORDS = ["<unk>", "<eos>", "<pad>", "<|user|>", "<|assistant|>", "\n"]
+WORDS = ["<unk>", "<eos>", "<pad>", "<|user|>", "<|assistant|>", "\n", "<|system|>"]
 WORDS += "a b c d e f g h hello world how are you fine thanks good".split()
 ID = {w: i for i, w in enumerate(WORDS)}
 TEMPLATE = (
@@ -41,7 +41,7 @@ def make_tokenizer(chat_template: str | None = None, pad: bool = False):
         eos_token="<eos>",
         unk_token="<unk>",
         pad_token="<pad>" if pad else None,
-        additional_special_tokens=["<|user|>", "<|assistant|>"],
+        additional_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
     )
     if chat_template:
         tok.chat_template = chat_template
@@ -222,14 +222,16 @@ def test_iterate_batches_errors():
 @pytest.mark.parametrize(
     "line, expected",
     [
-        (
-            '{"foo": 1}',
-            "expected a JSON object with a 'text' field, or 'prompt' and 'response'; got keys ['foo']",
-        ),
-        ('{"prompt": "a"}', "got keys ['prompt'] (a 'prompt' needs a 'response'"),
+        ('{"foo": 1}', "no known format in the keys ['foo']; accepted formats: messages {"),
+        ('{"prompt": "a"}', "keys ['prompt'] (a 'prompt' needs a 'completion' or a 'response')"),
+        ('{"instruction": "a"}', "(an 'instruction' needs an 'output')"),
         ('{"text": 5}', "field 'text' must be a string, got int 5"),
-        ("[1, 2]", "got a JSON list"),
+        ("[1, 2]", "expected a JSON object (a record); got a JSON list"),
         ('{"text": "a"', "got invalid JSON ("),
+        ('{"messages": [{"role": "user"}]}', "messages[0] needs a string 'role' and a string"),
+        ('{"messages": []}', "'messages' must be a non-empty list"),
+        ('{"conversations": [{"from": "bot", "value": "a"}]}', "is from 'bot'; expected one of"),
+        ('{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}', "two strings"),
     ],
 )
 def test_malformed_jsonl_names_file_line_and_expectation(tmp_path, tok, line, expected):
@@ -245,7 +247,7 @@ def test_missing_file_empty_file_bad_utf8_and_args(tmp_path, tok):
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         build_dataset([tmp_path / "nope.txt"], tok, 4)
     (tmp_path / "empty.txt").write_text("  \n")
-    with pytest.raises(DataError, match=r"empty.txt: no text found"):
+    with pytest.raises(DataError, match=r"empty.txt: no text found \(the file is empty\)"):
         read_documents(tmp_path / "empty.txt")
     (tmp_path / "latin.txt").write_bytes(b"a b\nc \xe6 d\n")
     with pytest.raises(DataError, match=r"latin.txt line 2: expected UTF-8 text, found byte 0xe6"):

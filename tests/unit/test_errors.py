@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "quantmesh"
 # deriving from an exception) under src/quantmesh must derive from QuantmeshError.
 NOT_MISTAKES = {
     "testing.RanksFailed": "the test harness: ranks of the code under test failed or hung",
-    "serve.app.ApiError": "an HTTP reply in OpenAI's shape, turned into a response by the app",
+    "serve.protocol.ApiError": "an HTTP reply in OpenAI's shape, turned into a response by the app",
     "serve.scheduler.AdapterSlotsFull": "the server is full (an HTTP 409), not a wrong request",
     "pipeline.stage._StageEnd": "control flow: a stage's last block ends the model's forward",
 }
@@ -71,7 +71,7 @@ def test_every_error_for_a_mistake_derives_from_quantmesh_error() -> None:
         ("lora.LoraError", ValueError),
         ("fsdp.FsdpError", ValueError),
         ("io.load.LoadError", ValueError),
-        ("train.data.DataError", ValueError),
+        ("train.formats.DataError", ValueError),
         ("train.step.TrainError", ValueError),
         ("io.reader.CheckpointKeyError", KeyError),
         ("state.NotParallelizedError", RuntimeError),

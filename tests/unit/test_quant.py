@@ -348,3 +348,26 @@ def test_cuda_meta_quantize_forward_grads_and_moves(key):
     torch.testing.assert_close(y_gpu, y_cpu, rtol=tol, atol=tol)
     c.to("cpu")
     torch.testing.assert_close(c(_x()), y_cpu, rtol=0, atol=0)
+
+
+def test_few_row_kernel_is_opt_in_and_cuda_only():
+    """quant/kernel4.py: off by default, and never on CPU, in training or past 64 rows, where the
+    QuantLinear4bit keeps bitsandbytes' path (its output unchanged by turning the kernel on)."""
+    from quantmesh.quant import kernel4 as k4
+
+    fmt = get_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(64, 32, bias=True, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(m, torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    qs = m.weight.quant_state
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    assert k4.ENABLED is False
+    with torch.no_grad():
+        ref = m(x)
+        assert not k4.rows_kernel_applies(x, qs, torch.bfloat16)
+        k4.ENABLED = True
+        try:
+            assert not k4.rows_kernel_applies(x, qs, torch.bfloat16)  # a CPU tensor
+            assert torch.equal(m(x), ref)
+        finally:
+            k4.ENABLED = False
+    assert k4.choose_config(1)["DOT"] == 0 and k4.choose_config(64)["DOT"] == 1

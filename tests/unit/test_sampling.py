@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantmesh.sampling import nucleus_logits, pick_tokens, sample_tokens, uniform_noise
+from quantmesh.sampling import (
+    nucleus_logits,
+    penalize,
+    pick_tokens,
+    sample_tokens,
+    uniform_noise,
+)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 N = 60_000  # draws: one row each, so a single call
@@ -87,3 +93,36 @@ def test_fast_decode_refuses_bad_settings_before_touching_the_model(kw: dict, ma
 
     with pytest.raises(ValueError, match=match):
         fast_decode(torch.nn.Identity(), torch.zeros(2, 3, dtype=torch.long), 4, **kw)
+
+
+def test_top_k_and_min_p_draw_from_the_renormalized_rest() -> None:
+    gen = torch.Generator().manual_seed(3)
+    toks = sample_tokens(LOGITS.expand(N, -1), 1.0, 1.0, gen, top_k=3)
+    freq = torch.bincount(toks, minlength=LOGITS.numel()).double() / N
+    want = torch.softmax(LOGITS.double(), -1)
+    want[3:] = 0
+    _close(freq, want / want.sum())
+    # min_p=0.3: tokens under 0.3 x the top probability go (e^-1 = 0.37 stays, e^-1.5 = 0.22 not)
+    kept = torch.isfinite(nucleus_logits(LOGITS[None], 1.0, 1.0, min_p=0.3))[0]
+    assert kept.tolist() == [True, True, False, False, False, False]
+    # top-k before top-p (vLLM's order): top_p sees the renormalized top 2 (0.73, 0.27)
+    kept = torch.isfinite(nucleus_logits(LOGITS[None], 1.0, 0.7, top_k=2))[0]
+    assert kept.tolist() == [True, False, False, False, False, False]
+    kept = torch.isfinite(nucleus_logits(LOGITS[None], 1.0, 0.75, top_k=2))[0]
+    assert kept.tolist() == [True, True, False, False, False, False]
+    # per-row settings; a greedy row ignores them all
+    z = nucleus_logits(LOGITS.expand(2, -1), torch.tensor([1.0, 1.0]), 1.0,
+                       top_k=torch.tensor([1, 0]))  # fmt: skip
+    assert torch.isfinite(z).sum(-1).tolist() == [1, 6]
+    assert pick_tokens(LOGITS[None], uniform_noise(1, 6), 0.0, 1.0, top_k=2, min_p=0.9).item() == 0
+
+
+def test_penalties_follow_their_definitions() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 3.0]])
+    seen = torch.tensor([[True, True, False, False]])  # in the prompt
+    counts = torch.tensor([[0.0, 0.0, 2.0, 0.0]])  # generated twice
+    out = penalize(logits, seen, counts, repetition=2.0)
+    assert out.tolist() == [[1.0, -4.0, 0.5, 3.0]]  # seen: positive halved, negative doubled
+    out = penalize(logits, seen, counts, presence=0.5, frequency=0.25)
+    assert out.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 3.0]]  # generated tokens only
+    assert torch.equal(penalize(logits, seen, counts), logits)  # the defaults are off

@@ -8,7 +8,9 @@ by tests/e2e/test_serve.py and tests/distributed/test_serve_bank.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -55,7 +57,12 @@ class _NextTokenBatch:
         self.rows = [r for r in self.rows if r not in plan.drop]
         assert self.rows == plan.order
         step = torch.stack([self._onehot(t) for t in plan.feed]) if plan.order else None
-        pre = [self._onehot(a.prompt[-1]) for a in plan.admit]
+        pre = [  # an echo row gets every prompt position's logits, as Batch gives them
+            torch.stack([self._onehot(t) for t in a.prompt])
+            if a.echo
+            else self._onehot(a.prompt[-1])
+            for a in plan.admit
+        ]
         self.rows += [a.rid for a in plan.admit]
         return step, pre, ["" for _ in plan.loads]
 
@@ -65,19 +72,26 @@ def tok():
     return make_tokenizer()
 
 
-@pytest.fixture
-def served(tok):
+@contextlib.contextmanager
+def _serving(tok, **info):
     batch = _NextTokenBatch(len(tok))
     sched = Scheduler(batch, Lockstep(None, torch.device("cpu")), tok,  # type: ignore[arg-type]
                       eos_ids=[tok.eos_token_id], max_batch=4, heartbeat_s=0.05)  # fmt: skip
     loop = threading.Thread(target=sched.run, daemon=True)
     loop.start()
-    app = build_app(sched, tok, ServeInfo(base="tiny", max_model_len=24))
+    info = {"base": "tiny", "max_model_len": 24, "vocab_size": len(tok), **info}
+    app = build_app(sched, tok, ServeInfo(**info))
     with TestClient(app) as client:
         yield client, sched, batch
     sched.stop()
     loop.join(10)
     assert not loop.is_alive() and sched.error is None
+
+
+@pytest.fixture
+def served(tok, tmp_path):
+    with _serving(tok, adapter_dir=str(tmp_path)) as s:
+        yield s
 
 
 def _following(tok, prompt: str, n: int) -> str:
@@ -151,12 +165,29 @@ def test_errors_in_openai_shape(served) -> None:
         ({"model": "nope", "prompt": "the"}, 404, "does not exist"),
         ({"model": "tiny", "prompt": "the " * 30}, 400, "maximum context length"),
         ({"model": "tiny", "prompt": "the", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "tiny", "prompt": "the", "n": 3}, 400, "n=3"),
+        ({"model": "tiny", "prompt": "the", "n": 300}, 400, "--max-choices"),
+        ({"model": "tiny", "prompt": "the", "bogus": 1}, 400, "bogus is not a field"),
+        ({"model": "tiny", "prompt": "the", "logit_bias": {"5": 3}}, 400, "logit_bias="),
+        (
+            {"model": "tiny", "prompt": "the", "response_format": {"type": "json_object"}},
+            400,
+            "constrained decoding",
+        ),
+        ({"model": "tiny", "prompt": "the", "best_of": 2}, 400, "best_of=2"),
+        ({"model": "tiny", "prompt": [3, 10**6]}, 400, "outside the vocabulary"),
+        ({"model": "tiny", "prompt": []}, 400, "empty"),
+        ({"model": "tiny", "prompt": "the", "max_tokens": 0, "echo": False}, 400, "echo=true"),
+        (
+            {"model": "tiny", "prompt": "the", "stream_options": {"include_usage": True}},
+            400,
+            "stream=true",
+        ),
         ({"model": "tiny", "prompt": "the", "top_p": 1.5}, 400, "top_p"),
     ]
     for body, status, needle in cases:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
         r = client.post("/v1/completions", headers={"Content-Type": "application/json"}, **kw)
+        assert "error" in r.json(), (body, r.json())
         err = r.json()["error"]
         assert r.status_code == status and needle in err["message"], (body, r.json())
         assert set(err) == {"message", "type", "param", "code"}
@@ -166,21 +197,24 @@ def test_errors_in_openai_shape(served) -> None:
 
 def test_adapters_at_run_time(served, tmp_path: Path) -> None:
     client, sched, _ = served
-    r = client.post("/v1/adapters", json={"name": "x", "path": str(tmp_path / "missing")})
-    assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+    (tmp_path / "ad").mkdir()
+    r = client.post("/v1/adapters", json={"name": "x", "path": "missing"})
+    assert r.status_code == 400 and "no adapter folder" in r.json()["error"]["message"]
     for name in ("x", "y"):
-        r = client.post("/v1/adapters", json={"name": name, "path": str(tmp_path)})
+        r = client.post("/v1/adapters", json={"name": name, "path": "ad"})
         assert r.status_code == 201, r.json()
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny", "x", "y"]
     assert sched.names == {"x": 1, "y": 2}
-    r = client.post("/v1/adapters", json={"name": "z", "path": str(tmp_path)})
+    r = client.post("/v1/adapters", json={"name": "z", "path": "ad"})
     assert r.status_code == 409 and "--max-adapters" in r.json()["error"]["message"]
     r = client.post("/v1/completions", json={"model": "y", "prompt": "the", "max_tokens": 1})
     assert r.status_code == 200
     assert client.delete("/v1/adapters/x").json()["deleted"] is True
     assert client.post("/v1/completions", json={"model": "x", "prompt": "the"}).status_code == 404
-    r = client.post("/v1/adapters", json={"name": "z", "path": str(tmp_path)})
-    assert r.status_code == 201 and sched.names["z"] == 1  # x's slot, free again
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "ad"})
+    assert r.status_code == 201 and sched.names["z"] == 1  # x's slot, free again (vLLM's route)
+    r = client.post("/v1/unload_lora_adapter", json={"lora_name": "z"})
+    assert r.status_code == 200 and "z" not in sched.names
 
 
 class _BrokenBatch(_NextTokenBatch):
@@ -201,9 +235,158 @@ def test_a_failing_loop_answers_everyone_and_says_so(tok) -> None:
         r = client.post(
             "/v1/completions", json={"model": "tiny", "prompt": "the", "temperature": 0}
         )
-        assert r.status_code == 503 and "a rank went away" in r.json()["error"]["message"]
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 503 and "the server failed" in msg
+        assert "a rank went away" not in msg  # the raw error stays in the server's log
         loop.join(10)
         assert not loop.is_alive() and len(fatal) == 1
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"model": "tiny", "prompt": "the"})
         assert r.status_code == 503  # refused at once, not queued forever
+
+
+def _lp_of_next(vocab: int) -> tuple[float, float]:
+    """The stand-in's logprobs: its logits are one-hot (1.0 on the next token, 0 elsewhere)."""
+    lp = torch.log_softmax(torch.eye(vocab)[0], dim=-1)
+    return float(lp[0]), float(lp[1])
+
+
+def test_batched_token_prompts_n_and_logprobs(served, tok) -> None:
+    client, _, _ = served
+    a, b = tok("To be, or")["input_ids"], tok("the")["input_ids"]
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [a, b], "n": 2,
+                                             "max_tokens": 3, "temperature": 0, "logprobs": 2})  # fmt: skip
+    body = r.json()
+    assert r.status_code == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    want = [_following(tok, "To be, or", 3)] * 2 + [_following(tok, "the", 3)] * 2
+    assert [c["text"] for c in body["choices"]] == want
+    assert body["usage"] == {"prompt_tokens": len(a) + len(b), "completion_tokens": 12,
+                             "total_tokens": len(a) + len(b) + 12}  # fmt: skip
+    top, rest = _lp_of_next(len(tok))
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx([top] * 3, abs=1e-6)
+    nxt = tok.decode([a[-1] + 1])
+    assert lp["tokens"][0] == nxt and lp["top_logprobs"][0][nxt] == pytest.approx(top, abs=1e-6)
+    assert len(lp["top_logprobs"][0]) == 2  # the 2 alternatives (the chosen one among them)
+    assert lp["text_offset"][0] == 0
+    # the same prompts one per request give the same rows
+    alone = client.post("/v1/completions", json={"model": "tiny", "prompt": b, "max_tokens": 3,
+                                                 "temperature": 0, "logprobs": 2}).json()  # fmt: skip
+    assert alone["choices"][0]["logprobs"] == body["choices"][2]["logprobs"]
+    # a list of strings: two prompts
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["To be, or", "the"],
+                                             "max_tokens": 2, "temperature": 0})  # fmt: skip
+    assert [c["text"] for c in r.json()["choices"]] == [
+        _following(tok, "To be, or", 2), _following(tok, "the", 2)]  # fmt: skip
+
+
+def test_echo_scores_the_prompt(served, tok) -> None:
+    client, _, _ = served
+    ids = tok("To be, or not")["input_ids"]
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 0,
+                                             "echo": True, "logprobs": 1, "temperature": 0})  # fmt: skip
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["text"] == tok.decode(ids)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    top, rest = _lp_of_next(len(tok))
+    # the stand-in predicts id + 1: a prompt token that is its predecessor + 1 gets `top`
+    want = [top if t == p + 1 else rest for p, t in zip(ids, ids[1:], strict=False)]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-6)
+    assert r.json()["usage"]["completion_tokens"] == 0
+    # echo with one generated token (lm-eval's request): prompt entries, then the new token's
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [ids], "max_tokens": 1,
+                                             "echo": True, "logprobs": 1, "temperature": 0})  # fmt: skip
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][-1] == pytest.approx(
+        top
+    )
+    # streamed: the echoed prompt first, with its logprobs
+    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 2,
+                       "echo": True, "stream": True, "temperature": 0}) as s:  # fmt: skip
+        events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == "the" + _following(tok, "the", 2)
+
+
+def test_chat_logprobs_and_sampling_fields(served, tok) -> None:
+    client, _, _ = served
+    msgs = [{"role": "user", "content": "sea"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 2,
+                    "logprobs": True, "top_logprobs": 3, "n": 2, "top_k": 1,
+                    "min_p": 0.1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "user": "u1", "temperature": 0})  # fmt: skip
+    body = r.json()
+    assert r.status_code == 200, body
+    content = body["choices"][1]["logprobs"]["content"]
+    top, _ = _lp_of_next(len(tok))
+    assert [c["logprob"] for c in content] == pytest.approx([top, top], abs=1e-6)
+    assert len(content[0]["top_logprobs"]) == 3 and content[0]["top_logprobs"][0][
+        "logprob"
+    ] == pytest.approx(top)
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    # top_k=1 at temperature 1 is the greedy reply whatever the seed
+    greedy = client.post("/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4,
+                                                  "temperature": 0}).json()["choices"][0]["text"]  # fmt: skip
+    for seed in (1, 2, 3):
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4,
+                        "temperature": 1.0, "top_k": 1, "seed": seed})  # fmt: skip
+        assert r.json()["choices"][0]["text"] == greedy
+    bad = [{"role": "user", "content": "sea"}, {"role": "user", "name": "x", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": bad})
+    assert r.status_code == 400 and "name" in r.json()["error"]["message"]
+    r = client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": msgs, "top_logprobs": 2}
+    )
+    assert r.status_code == 400 and "logprobs=true" in r.json()["error"]["message"]
+
+
+def test_api_key_body_limit_and_max_tokens(tok) -> None:
+    with _serving(tok, api_key="s3cret", max_body=2000, max_tokens=5) as (client, _, _):
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
+            for method, path in (("GET", "/health"), ("GET", "/v1/models"),
+                                 ("POST", "/v1/completions"), ("POST", "/v1/adapters")):  # fmt: skip
+                r = client.request(method, path, headers=headers, json={})
+                assert r.status_code == 401, (headers, path)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.get("/health", headers=ok).status_code == 200
+        r = client.post("/v1/completions", headers=ok,
+                        json={"model": "tiny", "prompt": "the", "max_tokens": 6})  # fmt: skip
+        assert r.status_code == 400 and "--max-tokens" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", headers=ok,
+                        json={"model": "tiny", "prompt": "the " * 600, "max_tokens": 1})  # fmt: skip
+        assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: the limit holds for a chunked body too
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(300):
+                yield b"the the "
+            yield b'"}'
+
+        r = client.post("/v1/completions", headers={**ok, "Content-Type": "application/json"},
+                        content=chunks())  # fmt: skip
+        assert r.status_code == 413
+        # runtime adapter loading is off without an adapter directory
+        r = client.post("/v1/adapters", headers=ok, json={"name": "x", "path": "a"})
+        assert r.status_code == 403 and "--adapter-dir" in r.json()["error"]["message"]
+        r = client.post(
+            "/v1/load_lora_adapter", headers=ok, json={"lora_name": "x", "lora_path": "a"}
+        )
+        assert r.status_code == 403
+
+
+def test_adapter_paths_stay_inside_the_directory(served, tmp_path: Path) -> None:
+    client, _, _ = served
+    outside = tmp_path.parent / (tmp_path.name + "-outside")
+    outside.mkdir()
+    (outside / "adapter_config.json").write_text("{}")
+    (tmp_path / "inside").mkdir()
+    os.symlink(outside, tmp_path / "link")
+    os.symlink(outside / "adapter_config.json", tmp_path / "inside" / "adapter_config.json")
+    for path, needle in ((str(outside), "absolute"), ("../" + outside.name, "'..'"),
+                         ("link", "outside"), ("inside", "outside"),
+                         ("inside/../../x", "'..'")):  # fmt: skip
+        r = client.post("/v1/adapters", json={"name": "x", "path": path})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (path, r.json())

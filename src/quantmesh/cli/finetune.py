@@ -28,6 +28,11 @@ __all__ = ["FinetuneConfig", "add_parser", "load_config", "run"]
 
 QUANTS = ("none", *FORMATS)  # the choices of --quant
 SCHEDULES = ("cosine", "linear", "constant")
+# the choices of --data-format and --train-on (quantmesh.train.formats.FORMATS, data.TRAIN_ON;
+# written out so that `--help` imports no torch)
+DATA_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt-completion", "prompt-response",
+                "text")  # fmt: skip
+TRAIN_ON = ("assistant", "last", "all")
 
 
 @dataclass(kw_only=True)
@@ -42,7 +47,15 @@ class FinetuneConfig:
     model: str = ""
     """Folder of a transformers causal LM (config.json, weights, tokenizer)."""
     data: list[str] = field(default_factory=list)
-    """Training files: .txt, .jsonl with "text", or instruction .jsonl with "prompt"/"response"."""
+    """Training files and folders: .jsonl, .json, .parquet, .arrow, .txt, datasets folders
+    (save_to_disk), folders of shards (README: "Training data")."""
+    data_format: str = "auto"
+    """The records' format: auto (named by each record's keys) or one of formats.FORMATS."""
+    train_on: str = "assistant"
+    """Tokens trained: assistant (every assistant turn; the response / completion), last (the
+    last assistant turn), all (every token)."""
+    packing: bool = True
+    """Pack documents back to back into seq_len examples; False: one per example, padded."""
     output_dir: str = "quantmesh-out"
     """Where the adapter, checkpoints, metrics.jsonl and loss.png go."""
     tp: int = 1
@@ -133,6 +146,14 @@ class FinetuneConfig:
             self.data = [self.data]
         if isinstance(self.lora_targets, str):
             self.lora_targets = [t for t in self.lora_targets.split(",") if t]
+        if self.data_format not in DATA_FORMATS:
+            raise CliError(
+                f"data_format={self.data_format!r}; use one of {', '.join(DATA_FORMATS)}"
+            )
+        if self.train_on not in TRAIN_ON:
+            raise CliError(f"train_on={self.train_on!r}; use one of {', '.join(TRAIN_ON)}")
+        if not isinstance(self.packing, bool):
+            raise CliError(f"packing={self.packing!r}; expected true or false")
         if self.quant not in QUANTS:
             raise CliError(f"quant={self.quant!r}; use one of {', '.join(QUANTS)}")
         if self.schedule not in SCHEDULES:
@@ -361,7 +382,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", nargs="?", help="a TOML file of settings (flag names, underscores)")
     p.add_argument("--model", help="transformers model folder")
-    p.add_argument("--data", nargs="+", help=".txt / .jsonl files")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        help="files or folders: .jsonl / .json / .parquet / .arrow / .txt, datasets folders",
+    )
     p.add_argument("--output-dir", help="where results go (default quantmesh-out)")
     g = p.add_argument_group("mesh")
     g.add_argument("--tp", type=int, help="tensor-parallel size (default 1)")
@@ -392,8 +417,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 32)")
     g.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
     g.add_argument("--lora-targets", nargs="+", help="module names (default all projections)")
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data-format",
+        choices=DATA_FORMATS,
+        help="the records' format (default auto: named by each record's keys)",
+    )
+    g.add_argument(
+        "--train-on",
+        choices=TRAIN_ON,
+        help="tokens trained: every assistant turn (default), the last one, or all",
+    )
+    g.add_argument(
+        "--no-packing",
+        dest="packing",
+        action="store_false",
+        default=None,
+        help="one document per example, padded to --seq-len (default: packed back to back)",
+    )
     g = p.add_argument_group("training")
-    g.add_argument("--seq-len", type=int, help="tokens per packed example (default 512)")
+    g.add_argument("--seq-len", type=int, help="tokens per example (default 512)")
     g.add_argument("--micro-batch", type=int, help="examples per forward per dp rank (default 1)")
     g.add_argument(
         "--grad-accum",
@@ -554,7 +597,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     from ..lora import lora_targets
     from ..plan.auto import auto_plan, blocks_of
     from ..plan.memory import estimate_memory
-    from ..train.data import read_documents
+    from ..train.data import scan_data
     from ..train.loop import resolve_resume
     from .plan_cmd import check_memory, device_budget, load_skeleton, memory_alternatives
 
@@ -567,8 +610,11 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
             f"--seq-len {cfg.seq_len} is longer than the model's context "
             f"(max_position_embeddings={max_pos} in config.json); use --seq-len {max_pos} or less"
         )
-    for path in cfg.data:
-        read_documents(path)  # DataError names the file, the line and the expected format
+    from transformers import AutoTokenizer
+
+    # every record read once, streamed; DataError names the file, the line or row, the keys
+    # found and the formats accepted; a conversation needs the tokenizer's chat template
+    scan_data(cfg.data, cfg.data_format, AutoTokenizer.from_pretrained(cfg.model))
     cuda = torch.cuda.is_available()
     if cuda and not in_place and cfg.nproc > torch.cuda.device_count():
         raise CliError(

@@ -191,7 +191,7 @@ def check_adapter(model, adapter: str | Path) -> None:
     """
     from ..io.adapter import adapter_lora_config
     from ..lora import LoraError
-    from ..tp.kinds import kind_of
+    from ..tp.kinds import expert_tensors, kind_of
 
     path = Path(adapter).expanduser()
     if not path.is_dir():
@@ -204,6 +204,15 @@ def check_adapter(model, adapter: str | Path) -> None:
     modules = dict(model.named_modules())
     problems = []
     for fqn in lora.targets:
+        if fqn.startswith("*"):  # an expert tensor (PEFT's target_parameters): full name or suffix
+            owner, _, tensor = fqn[1:].rpartition(".")
+            if not any(
+                (n == owner or n.endswith(f".{owner}"))
+                and tensor in [t.name for t in expert_tensors(m) or []]
+                for n, m in modules.items()
+            ):
+                problems.append(f"{fqn[1:]}: no such expert tensor in {type(model).__name__}")
+            continue
         mod = modules.get(fqn)
         kind = kind_of(mod) if mod is not None else None
         if kind is None or not kind.linear_like:

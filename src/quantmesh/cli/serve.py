@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from .generate import QUANTS
 __all__ = ["ServeConfig", "add_parser", "run", "serve_worker"]
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+API_KEY_ENV = "QUANTMESH_API_KEY"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(kw_only=True)
@@ -64,7 +67,16 @@ class ServeConfig:
     max_model_len: int | None = None
     """Prompt plus generated tokens, at most (default: the model's max_position_embeddings)."""
     grace_s: float = 10.0
-    """On SIGTERM, how long running requests may go on before they are cancelled."""
+    """On SIGTERM or Ctrl-C, how long running requests may go on before they are cancelled."""
+    adapter_dir: str | None = None
+    """Adapters may be loaded and unloaded at run time, from inside this directory only (None:
+    runtime loading is off)."""
+    max_request_bytes: int = 8 << 20
+    """Larger request bodies are refused (413)."""
+    max_tokens: int | None = None
+    """The most tokens one choice may ask to generate (default: up to the context length)."""
+    max_choices: int = 256
+    """Prompts times n in one request, at most."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -84,6 +96,17 @@ class ServeConfig:
             raise CliError(f"--max-model-len {self.max_model_len}; expected >= 2")
         if self.grace_s < 0:
             raise CliError(f"--grace {self.grace_s}; expected >= 0 seconds")
+        for flag, v in (("--max-request-bytes", self.max_request_bytes),
+                        ("--max-choices", self.max_choices)):  # fmt: skip
+            if v < 1:
+                raise CliError(f"{flag} {v}; expected >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise CliError(f"--max-tokens {self.max_tokens}; expected >= 1")
+        if self.adapter_dir is not None and not Path(self.adapter_dir).expanduser().is_dir():
+            raise CliError(
+                f"--adapter-dir {self.adapter_dir}: no such directory; create it (adapters are "
+                "loaded at run time from inside it)"
+            )
         for name in self.adapters:
             if not NAME.match(name):
                 raise CliError(
@@ -131,7 +154,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-targets", help="comma-separated modules adapters may target")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds running requests get on SIGTERM (default 10)")  # fmt: skip
+                   help="seconds running requests get on SIGTERM or Ctrl-C (default 10)")  # fmt: skip
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
+                   f"(default: ${API_KEY_ENV} if set, else no key)")  # fmt: skip
+    p.add_argument("--adapter-dir", metavar="DIR",
+                   help="allow loading adapters at run time (POST /v1/adapters), from inside DIR "
+                   "only (default: off)")  # fmt: skip
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="largest request body (default 8 MiB)")  # fmt: skip
+    p.add_argument("--max-tokens", type=int,
+                   help="most tokens one choice may generate (default: the context length)")  # fmt: skip
+    p.add_argument("--max-choices", type=int, default=256,
+                   help="prompts x n in one request, at most (default 256)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -151,11 +185,21 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, served_model_name=args.served_model_name,
             max_batch=args.max_batch, max_adapters=args.max_adapters,
             max_lora_rank=args.max_lora_rank, lora_targets=targets,
-            max_model_len=args.max_model_len, grace_s=args.grace,
+            max_model_len=args.max_model_len, grace_s=args.grace, adapter_dir=args.adapter_dir,
+            max_request_bytes=args.max_request_bytes, max_tokens=args.max_tokens,
+            max_choices=args.max_choices,
         )  # fmt: skip
         check(cfg)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             raise CliError("serve launches its own tp ranks; run it without torchrun")
+        if args.api_key is not None:
+            if not args.api_key:
+                raise CliError("--api-key is empty; give a key, or leave the flag out")
+            # to the workers through the environment: a command line is visible to every user
+            os.environ[API_KEY_ENV] = args.api_key
+        if not os.environ.get(API_KEY_ENV) and cfg.host not in LOCAL_HOSTS:
+            print(f"quantmesh serve: warning: listening on {cfg.host} without --api-key: anyone "
+                  "who reaches this port can use the model", file=sys.stderr, flush=True)  # fmt: skip
     try:
         return run_workers(cfg.tp, ["quantmesh.cli.worker", "serve", json.dumps(asdict(cfg))])
     except SignalException as e:  # SIGTERM/SIGINT to this process: the ranks stopped gracefully
@@ -241,8 +285,9 @@ def serve_worker(payload: str) -> int:
     batch = Batch(model, bank, agree=lockstep.agree)
     if mesh.tp_rank != 0:
         # rank 0 decides when to stop (after its graceful shutdown); a follower that left on the
-        # launcher's SIGTERM would break the in-flight steps
-        signal.signal(signal.SIGTERM, lambda *a: None)
+        # launcher's SIGTERM or SIGINT (Ctrl-C, forwarded) would break the in-flight steps
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(batch, lockstep)
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
@@ -254,7 +299,6 @@ def _serve(
     cfg: ServeConfig, batch, lockstep, tok, model, slots: dict[str, int], max_len: int
 ) -> int:
     import math
-    import signal
     import socket
     import threading
     import time
@@ -269,11 +313,29 @@ def _serve(
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     sched = Scheduler(batch, lockstep, tok, eos_ids=eos_ids, max_batch=cfg.max_batch,
                       adapters=slots)  # fmt: skip
-    info = ServeInfo(base=cfg.base_name, max_model_len=max_len, created=int(time.time()),
-                     grace_s=cfg.grace_s)  # fmt: skip
+    adapter_dir = None
+    if cfg.adapter_dir is not None:
+        adapter_dir = str(Path(cfg.adapter_dir).expanduser().resolve())
+    info = ServeInfo(
+        base=cfg.base_name, max_model_len=max_len, created=int(time.time()), grace_s=cfg.grace_s,
+        vocab_size=getattr(model.config, "vocab_size", None), max_tokens=cfg.max_tokens,
+        max_choices=cfg.max_choices, api_key=os.environ.get(API_KEY_ENV) or None,
+        adapter_dir=adapter_dir, max_body=cfg.max_request_bytes,
+    )  # fmt: skip
     app = build_app(sched, tok, info)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s))))  # fmt: skip
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # SIGTERM or Ctrl-C (SIGINT, forwarded by the launcher): the first drains the running
+            # requests for up to --grace seconds, any second one stops at once. Not re-raised
+            # after the server returns (uvicorn's own handler would re-raise a SIGINT as a
+            # KeyboardInterrupt here, before the tp ranks were told to stop).
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s))))  # fmt: skip
 
     def fatal(e: BaseException) -> None:
         server.should_exit = True
@@ -305,9 +367,6 @@ def _serve(
     host, port = sock.getsockname()[:2]
     names = ", ".join([cfg.base_name, *slots]) if slots else cfg.base_name
     print(f"quantmesh serve: {names} on http://{host}:{port} (tp {cfg.tp})", flush=True)
-    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown and afterwards re-raises the signal
-    # with the handler found before it started: this one, so that the re-raise is harmless
-    signal.signal(signal.SIGTERM, lambda *a: None)
     server.run(sockets=[sock])
     sched.stop()
     loop.join(timeout=60)

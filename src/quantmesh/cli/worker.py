@@ -61,14 +61,17 @@ def finetune(payload: str) -> int:
     # a user's mistake raises a QuantmeshError (DataError, TrainError, ...): worker_main reports it
     # as one line with exit code 2, like every other command
     dataset = build_dataset(
-        cfg.data, tok, cfg.seq_len, eval_fraction=cfg.eval_fraction, seed=cfg.seed
+        cfg.data,
+        tok,
+        cfg.seq_len,
+        eval_fraction=cfg.eval_fraction,
+        seed=cfg.seed,
+        data_format=cfg.data_format,
+        train_on=cfg.train_on,
+        packing=cfg.packing,
     )
-    if rank0:
-        print(
-            f"data: {dataset.num_documents} documents, {dataset.num_tokens} tokens -> "
-            f"{len(dataset.train)} train / {len(dataset.eval)} eval examples of {cfg.seq_len}",
-            flush=True,
-        )
+    if rank0:  # what each file held, the text the chat template added, the examples
+        print(dataset.summary(), flush=True)
     dtype = torch.bfloat16 if mesh.device.type == "cuda" else torch.float32
     model = qm.from_pretrained(
         cfg.model,

@@ -19,7 +19,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from ..fsdp import fill_from_whole
 from ..lora import LoraConfig, LoraError
 from ..peftmodel import inner_model
 from ..state import parallel_state
+from ..tp.experts import ShardedExperts
 from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
 from .full import tp_sharded
@@ -61,6 +62,42 @@ def _shape_problems(
 
 def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
     return {f: m for f, m in sharded_modules(model).items() if m.lora_scale is not None}
+
+
+def _expert_modules(model: nn.Module) -> dict[str, ShardedExperts]:
+    """{fqn: experts module} of the experts modules with per-expert adapters."""
+    return {
+        f: m
+        for f, m in sharded_modules(model).items()
+        if isinstance(m, ShardedExperts) and len(m.expert_lora) > 0
+    }
+
+
+def expert_adapter_keys(m: ShardedExperts) -> dict[str, tuple[str, str]]:
+    """{PEFT key without prefix: (tensor name, "lora_A" / "lora_B")} of an experts module's
+    adapters. PEFT wraps each targeted tensor of one module in a wrapper of its own, the first
+    registered innermost, so the i-th of k adapted tensors sits under k-1-i `base_layer.` levels.
+
+    Example:
+        >>> sorted(expert_adapter_keys(experts))  # doctest: +SKIP
+        ['m.experts.base_layer.lora_A.weight', 'm.experts.base_layer.lora_B.weight',
+         'm.experts.lora_A.weight', 'm.experts.lora_B.weight']
+    """
+    order = [t for t in m.tensors if t in m.expert_lora]  # the module's registration order
+    out = {}
+    for i, t in enumerate(order):
+        for ab in ("lora_A", "lora_B"):
+            out[f"{m.fqn}.{'base_layer.' * (len(order) - 1 - i)}{ab}.weight"] = (t, ab)
+    return out
+
+
+def _expert_shapes(m: ShardedExperts, t: str) -> dict[str, tuple[int, int]]:
+    """Whole shapes of tensor `t`'s adapter: A (E*r, in), B (out, E*r)."""
+    ad = cast(Any, m.expert_lora[t])  # an ExpertAdapter
+    er = int(ad.lora_A.weight.shape[0])
+    spec = m.tensors[t]
+    full = m.full_shapes[t]
+    return {"lora_A": (er, full[spec.in_dim]), "lora_B": (full[spec.out_dim], er)}
 
 
 def _peft_targets(model: nn.Module, targets: set[str]) -> list[str] | str:
@@ -102,19 +139,30 @@ def _alpha(model: nn.Module, scale: float, r: int) -> float | int:
     return int(alpha) if float(alpha).is_integer() else float(alpha)
 
 
-def _adapter_config(model: nn.Module, mods: dict[str, ShardedModule], base: str | None) -> dict:
-    first = next(iter(mods.values()))
-    r = int(first.lora_A.weight.shape[0])
-    assert first.lora_scale is not None  # mods: the modules with adapters
+def _adapter_config(
+    model: nn.Module,
+    mods: dict[str, ShardedModule],
+    base: str | None,
+    experts: dict[str, ShardedExperts] | None = None,
+) -> dict:
+    experts = _expert_modules(model) if experts is None else experts
+    ranks: list[tuple[str, int, float]] = []  # (module, r, scale) of every adapter
     for f, m in mods.items():
-        assert m.lora_scale is not None
-        if m.lora_A.weight.shape[0] != r or not math.isclose(m.lora_scale, first.lora_scale):
+        assert m.lora_scale is not None  # mods: the modules with adapters
+        ranks.append((f, int(m.lora_A.weight.shape[0]), m.lora_scale))
+    for f, e in experts.items():
+        assert e.expert_lora_scale is not None  # set with the adapters
+        for t, ad in e.expert_lora.items():
+            ranks.append((f"{f}.{t}", cast(Any, ad).r, e.expert_lora_scale))
+    first_name, r, scale = ranks[0]
+    for f, r_f, s_f in ranks:
+        if r_f != r or not math.isclose(s_f, scale):
             raise LoraError(
-                f"LoRA of {f} has r={m.lora_A.weight.shape[0]}, scale={m.lora_scale}, but "
-                f"{first.fqn} has r={r}, scale={first.lora_scale}; a PEFT adapter_config holds "
-                "one r and one alpha: save adapters of one rank"
+                f"LoRA of {f} has r={r_f}, scale={s_f}, but {first_name} has r={r}, "
+                f"scale={scale}; a PEFT adapter_config holds one r and one alpha: save adapters "
+                "of one rank"
             )
-    drop = first.lora_dropout
+    drop = next(iter(mods.values())).lora_dropout if mods else nn.Identity()
     if base is None:
         cfg = getattr(model, "config", None)
         base = getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None) or None
@@ -125,9 +173,11 @@ def _adapter_config(model: nn.Module, mods: dict[str, ShardedModule], base: str 
         "revision": None,
         "inference_mode": True,
         "r": r,
-        "lora_alpha": _alpha(model, first.lora_scale, r),
+        "lora_alpha": _alpha(model, scale, r),
         "lora_dropout": float(drop.p) if isinstance(drop, nn.Dropout) else 0.0,
-        "target_modules": _peft_targets(model, set(mods)),
+        "target_modules": _peft_targets(model, set(mods)) if mods else [],
+        "target_parameters": sorted(f"{f}.{t}" for f, e in experts.items() for t in e.expert_lora)
+        or None,
         "exclude_modules": None,
         "bias": "none",
         "fan_in_fan_out": any(m.kind.name == "Conv1D" for m in mods.values()),
@@ -163,7 +213,7 @@ def save_adapter(
 
     def check() -> tuple[dict, dict]:
         mods = _lora_modules(model)
-        if not mods:
+        if not mods and not _expert_modules(model):
             raise LoraError(
                 f"{type(model).__name__} has no LoRA adapters to save; parallelize it with "
                 "lora=qm.LoraConfig(...) (or load_adapter into such a model) first"
@@ -172,6 +222,12 @@ def save_adapter(
 
     st = parallel_state(model, required=False)
     pp_mesh = st.mesh if st is not None and st.mesh.pp > 1 else None
+    if pp_mesh is not None and _expert_modules(model):
+        raise LoraError(
+            f"save_adapter at pp={pp_mesh.pp} with adapters on expert tensors: gathering them "
+            "from the pipeline stages is not implemented yet; train MoE adapters at pp=1 (tp and "
+            "dp), or leave the experts out of LoraConfig(targets=...)"
+        )
     if pp_mesh is not None:  # the file and its config cover every pipeline stage's adapters
         from ..pipeline.parts import stage_lora_config
 
@@ -198,6 +254,11 @@ def save_adapter(
                 t = full_tensor(m, name)
                 if keep:
                     tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = _owned(t)
+        for m in _expert_modules(model).values():  # PEFT's target_parameters keys
+            for key, (tname, ab) in expert_adapter_keys(m).items():
+                t = full_tensor(m, f"expert_lora.{tname}.{ab}.weight")
+                if keep:
+                    tensors[f"{PEFT_PREFIX}{key}"] = _owned(t)
         if pp_mesh is not None and pp_mesh.tp_rank == 0:
             from ..pipeline.parts import gather_stages
 
@@ -259,12 +320,29 @@ def adapter_lora_config(path: str | os.PathLike) -> LoraConfig:
     """
     path = Path(path)
     cfg = _read_adapter_config(path)
+    params = list(cfg.get("target_parameters") or [])
+    owners = [t.rpartition(".")[0] for t in params]
     with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
-        fqns = sorted({k.rsplit(".", 2)[0] for k in reader.keys() if ".lora_" in k})
+        fqns = sorted(
+            {
+                k.rsplit(".", 2)[0]
+                for k in reader.keys()
+                if ".lora_" in k and not _is_expert_key(k, owners)
+            }
+        )
+    # PEFT selects a parameter by its full name or a suffix of it: one glob matches both
+    fqns += [f"*{t}" for t in params]
     return LoraConfig(
         r=int(cfg["r"]), alpha=cfg["lora_alpha"], dropout=float(cfg.get("lora_dropout") or 0.0),
         targets=fqns,
     )  # fmt: skip
+
+
+def _is_expert_key(key: str, owners: list[str]) -> bool:
+    """True when file key `key` is an adapter of an expert tensor of one of `owners` (modules
+    named in target_parameters, as full names or suffixes)."""
+    module = key.rsplit(".", 2)[0].replace(".base_layer", "")
+    return any(module == o or module.endswith(f".{o}") for o in owners if o)
 
 
 def _check_adapter(
@@ -272,9 +350,25 @@ def _check_adapter(
 ) -> None:
     keys = set(reader.keys())
     r = int(cfg["r"])
+    problems = []
+    expert_keys: dict[str, tuple[ShardedExperts, str, str]] = {}
+    for e in _expert_modules(model).values():
+        for key, (t, ab) in expert_adapter_keys(e).items():
+            expert_keys[key] = (e, t, ab)
+    for key, (e, t, ab) in expert_keys.items():
+        want = _expert_shapes(e, t)[ab]
+        if key not in keys:
+            problems.append(f"{key} missing (the adapter of expert tensor {e.fqn}.{t})")
+        elif tuple(reader.shape(key)) != want:
+            problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+    owners = [t.rpartition(".")[0] for t in cfg.get("target_parameters") or []]
+    if extra_experts := sorted(
+        k for k in keys if _is_expert_key(k, owners) and k not in expert_keys
+    ):
+        problems.append(f"expert adapters the model has no LoRA for: {extra_experts[:10]}")
+    keys -= {k for k in keys if k in expert_keys or _is_expert_key(k, owners)}
     in_file = {k.rsplit(".", 2)[0] for k in keys if re.search(r"\.lora_[AB]\.weight$", k)}
     other = sorted(k for k in keys if not re.search(r"\.lora_[AB]\.weight$", k))
-    problems = []
     if other:
         problems.append(f"tensors other than lora_A/lora_B: {other[:10]}")
     st = parallel_state(model, required=False)
@@ -320,7 +414,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
     def run() -> None:
         cfg = _read_adapter_config(path)
         mods = _lora_modules(model)
-        if not mods:
+        experts = _expert_modules(model)
+        if not mods and not experts:
             raise LoraError(
                 f"{type(model).__name__} has no LoRA modules to load {path} into; parallelize it "
                 "with lora=quantmesh.io.adapter.adapter_lora_config(path) first"
@@ -340,6 +435,16 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                                                           dtype=dest.dtype, device=dest.device))  # fmt: skip
                     m.lora_scale = alpha / r
                     m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
+                for e in experts.values():
+                    split = tp_sharded(e)
+                    for key, (t, ab) in expert_adapter_keys(e).items():
+                        name = f"expert_lora.{t}.{ab}.weight"
+                        dest = e.get_parameter(name)
+                        dim, fs = split.get(name, (None, None))
+                        ranges = fs.ranges(e.tp_rank) if fs is not None else None
+                        fill_from_whole(dest, reader.read(key, dim, ranges, dtype=dest.dtype,
+                                                          device=dest.device))  # fmt: skip
+                    e.expert_lora_scale = alpha / r
         st = parallel_state(model, required=False)
         if st is not None and st.lora is not None:
             st.lora = dataclasses.replace(st.lora, alpha=alpha, dropout=p)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..plan.styles import FeatureSplit, Style
+from ..plan.styles import FeatureSplit
 from ..state import parallel_state
 from ..tp.collectives import all_gather_uneven
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
@@ -17,18 +17,7 @@ __all__ = ["full_state_dict", "clip_grad_norm_", "tp_sharded", "gather_param", "
 
 def tp_sharded(m: ShardedModule) -> dict[str, tuple[int, FeatureSplit]]:
     """{local parameter name: (dim, split)} of the parameters of `m` that are split over tp."""
-    if m.split is None:
-        return {}
-    out = {}
-    for name, sl in m.param_slices().items():
-        if sl is not None:
-            out[name] = (sl[0], m.split)
-    if m.lora_scale is not None:
-        if m.style == Style.ROWWISE:
-            out["lora_A.weight"] = (1, m.split)
-        else:
-            out["lora_B.weight"] = (0, m.split)
-    return out
+    return m.tp_splits()
 
 
 def _assemble(parts: list[torch.Tensor], dim: int, split: FeatureSplit) -> torch.Tensor:
@@ -57,19 +46,7 @@ def gather_param(
 
 def module_tensors(m: ShardedModule, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
     """The local tensors of a ShardedModule in checkpoint layout (quantized weights dequantized)."""
-    out: dict[str, torch.Tensor] = {}
-    for name in m.param_slices():
-        if name == "weight" and m.fmt is not None:
-            w = m.fmt.dequantize(m.local)  # (out, in)
-            out[name] = w.t() if m.kind.name == "Conv1D" else w
-        else:
-            p = m._parameters[name]
-            assert p is not None, f"{m.fqn}.{name} is None"
-            out[name] = p.detach()
-    if m.lora_scale is not None:
-        out["lora_A.weight"] = m.lora_A.weight.detach()
-        out["lora_B.weight"] = m.lora_B.weight.detach()
-    return out
+    return m.checkpoint_tensors(dequantize=dequantize)
 
 
 def _refuse_fsdp(model: nn.Module, what: str) -> None:

@@ -8,8 +8,10 @@ its own renaming rules for the model (legacy `LayerNorm.gamma` -> `.weight`, ...
 stripping the model's `base_model_prefix` (GPT-2 checkpoints saved from `GPT2Model` hold `h.0...`,
 the LM head model expects `transformer.h.0...`), and dropping keys the model class declares
 ignorable (`_keys_to_ignore_on_load_unexpected`, e.g. GPT-2's old `attn.bias` mask buffers).
-Conversions that fuse or split tensors (some MoE checkpoints) cannot be streamed as slices and are
-refused with the names of the keys involved.
+Conversions that fuse or split tensors (transformers' WeightConverter rules: mixture-of-experts
+checkpoints store one tensor per expert, the model holds them stacked) are applied slice by slice:
+each rank reads only the parts of the stored tensors its slice holds (`quantmesh.io.convert`).
+A conversion that is not a rearrangement of elements is refused with the op, the key and the fix.
 
 transformers is imported only when a function here is called.
 
@@ -36,7 +38,9 @@ from ..parallel import parallelize
 from ..pipeline.cut import PipelineConfig
 from ..plan.plan import Plan
 from ..quant.base import QuantConfig, QuantError
-from .load import expected_keys, load_checkpoint
+from ..state import parallel_state
+from .convert import Piece, check_converter
+from .load import _targets, expected_keys, load_checkpoint
 from .prequant import folder_quant, stored_weights
 from .reader import open_checkpoint
 
@@ -62,45 +66,62 @@ def _transformers_renames(model: nn.Module) -> tuple[list, list]:
     return renames, converters
 
 
-def hf_key_map(model: nn.Module) -> Callable[[str], str | None]:
+def hf_key_map(model: nn.Module) -> Callable[[str], str | Piece | None]:
     """A key_map for `load_checkpoint` that maps a transformers checkpoint's keys onto `model`.
 
-    Raises NotImplementedError (when called on a key) for keys that transformers would fuse or
-    split on load, which a slice-streaming loader cannot do.
+    Plain renames give the model key. A stored key that transformers would convert on load (a
+    mixture-of-experts checkpoint's per-expert `mlp.experts.3.up_proj.weight`, stacked and
+    concatenated into the model's fused `mlp.experts.gate_up_proj`) gives a
+    `quantmesh.io.convert.Piece`: the reader assembles the pieces into the fused tensor and reads
+    each rank's slice from the parts of the stored tensors it holds. Raises NotImplementedError
+    (when called on such a key) for a conversion that is not a rearrangement of elements.
 
     Example:
         >>> qm.load_checkpoint(model, "gpt2_dir", key_map=hf_key_map(model))  # doctest: +SKIP
     """
+    targets = _targets(model)
+    shapes = {k: t.shape for t in targets for k in t.keys}
     want = set(expected_keys(model))
+    st = parallel_state(model, required=False)
+    if st is not None and st.mesh.pp > 1:  # other stages' keys: theirs to load, not unexpected
+        from ..pipeline.parts import elsewhere_keys
+
+        want |= elsewhere_keys(model)
     prefix = getattr(model, "base_model_prefix", "") or ""
     ignore = [
         re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     ]
     renames, converters = _transformers_renames(model)
+    config = getattr(model, "config", None)
 
-    def rename(key: str) -> str | None:
-        k = key
-        if k not in want:
-            for t in renames:
-                k, _ = t.rename_source_key(k)
+    def in_model(k: str) -> str | None:
         if k in want:
             return k
         if prefix and f"{prefix}.{k}" in want:  # a base-model checkpoint into an LM head model
             return f"{prefix}.{k}"
         if prefix and k.startswith(prefix + ".") and k[len(prefix) + 1 :] in want:
             return k[len(prefix) + 1 :]
+        return None
+
+    def rename(key: str) -> str | Piece | None:
+        k = key
+        if k not in want:
+            for t in renames:
+                k, _ = t.rename_source_key(k)
+        found = in_model(k)
+        if found is not None:
+            return found
         if any(p.search(key) for p in ignore):  # only keys the model has no place for
             return None
         for c in converters:
-            _, pattern = c.rename_source_key(k)
-            if pattern is not None:
-                raise NotImplementedError(
-                    f"checkpoint key {key!r} needs transformers' tensor conversion "
-                    f"{type(c).__name__}({pattern!r} -> {c.target_patterns}) for "
-                    f"{type(model).__name__}: it fuses or splits tensors, which quantmesh cannot "
-                    "stream as slices; convert the checkpoint once (load it with transformers and "
-                    "save_pretrained it), or pass key_map= yourself"
-                )
+            target, pattern = c.rename_source_key(k)
+            if pattern is None:
+                continue
+            check_converter(c, key, type(model).__name__)
+            fused = in_model(target)
+            if fused is None:
+                return key  # the model has no place for it: reported as unexpected
+            return Piece(fused, pattern, k, c, config, shapes)
         return key
 
     return rename

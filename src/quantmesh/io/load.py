@@ -256,14 +256,17 @@ def _plan_sources(
     present = set(reader.keys())
     alias = _tied_aliases(model, targets)
     sources: dict[int, str] = {}
-    missing, bad_shape = [], []
+    missing, bad_shape, unassembled = [], [], []
     expected: set[str] = set()
     for i, t in enumerate(targets):
         cands = list(t.keys) + [a for k in t.keys for a in alias.get(k, [])]
         expected.update(cands)
         src = next((c for c in cands if c in present), None)
         if src is None:
-            if not t.optional:
+            broken = [c for c in cands if c in reader.conversion_errors]
+            if broken:  # its stored pieces are there but do not assemble: listed below
+                unassembled.append(f"{broken[0]}: {reader.conversion_errors[broken[0]]}")
+            elif not t.optional:
                 missing.append(t.key)
             continue
         if src in stored:  # a quantized weight: its logical shape and format must fit
@@ -282,16 +285,21 @@ def _plan_sources(
 
         expected |= elsewhere_keys(model)
     unexpected = [k for k in reader.keys() if k not in expected]
-    if bad_shape or (strict and (missing or unexpected)):
+    unassembled += [
+        f"{k}: {why}" for k, why in reader.conversion_errors.items() if k not in expected
+    ]  # pieces of a tensor the model does not have
+    if bad_shape or unassembled or (strict and (missing or unexpected)):
         parts = [_listing("missing", missing)] if strict and missing else []
         parts += [_listing("unexpected", unexpected)] if strict and unexpected else []
         parts += [_listing("mis-shaped", bad_shape)] if bad_shape else []
+        if unassembled:
+            parts.append(_listing("not assembled from their stored pieces", unassembled))
         raise LoadError(
             f"load_checkpoint: {reader.source} does not fit {type(model).__name__} "
             f"(full shapes, checkpoint layout):\n" + "\n".join(parts) + "\nFix: build the model "
             "from the checkpoint's own config; rename checkpoint keys with key_map= (a dict or a "
             "callable; None drops a key); or pass strict=False to skip missing and unexpected keys "
-            "(mis-shaped keys are always an error)"
+            "(mis-shaped keys and converted keys whose pieces do not assemble are always an error)"
         )
     return sources, LoadResult(missing, unexpected)
 

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import itertools
 import json
 import math
 import os
@@ -30,13 +31,15 @@ from typing import Any
 import torch
 
 from ..errors import QuantmeshError
+from .convert import ConversionError, Leaf, Node, Piece, assemble
 
 __all__ = ["CheckpointKeyError", "CheckpointReader", "open_checkpoint"]
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # one read step; bounds host memory beyond the output slice
 
 Ranges = tuple[tuple[int, int], ...]
-KeyMap = Mapping[str, str | None] | Callable[[str], str | None]
+Selection = tuple[Ranges, ...]
+KeyMap = Mapping[str, str | Piece | None] | Callable[[str], str | Piece | None]
 
 _MISSING = (
     "no checkpoint at {}: expected a .safetensors/.bin/.pt file or a folder with "
@@ -281,49 +284,57 @@ def _check_request(
     return dim, pairs
 
 
-def _read_chunked(
+def _fill(
     block: Callable[[tuple[slice, ...]], torch.Tensor],
     shape: tuple[int, ...],
     src_dtype: torch.dtype,
-    dim: int | None,
-    ranges: Ranges | None,
-    dtype: torch.dtype,
-    device: torch.device,
+    sel: Selection,
+    out: torch.Tensor,
     chunk_bytes: int,
-) -> torch.Tensor:
-    """Fill one preallocated output from row chunks of the stored tensor, casting per chunk."""
+) -> None:
+    """Copy the box `sel` (ranges per dim, concatenated in order) of a stored tensor into `out`.
+
+    Reads whole-row chunks (dim 0) of at most `chunk_bytes` at the wider of the two dtypes, and in
+    each only the wanted ranges of the other dims; casts per chunk in the copy. `out` may be a view.
+    """
     if not shape:  # a 0-d tensor has no rows
-        return torch.empty((), dtype=dtype, device=device).copy_(block(()))
-    if dim is None:
-        dim, ranges = 0, ((0, shape[0]),)
-    assert ranges is not None  # a slice dim comes with its ranges (_check_request)
-    out_shape = list(shape)
-    out_shape[dim] = sum(b - a for a, b in ranges)
-    out = torch.empty(out_shape, dtype=dtype, device=device)  # allocated once, at the target
+        out.copy_(block(()))
+        return
     if out.numel() == 0:
-        return out
-    # A chunk is whole rows (dim 0) of the stored tensor, since a row is contiguous in the file;
-    # at least one row, at most chunk_bytes at the wider of the two dtypes.
-    row_bytes = math.prod(shape[1:]) * max(src_dtype.itemsize, dtype.itemsize)
+        return
+    rest: list[list[tuple[slice, slice]]] = []  # per dim >= 1: (stored index, out index) pairs
+    for n, ranges in zip(shape[1:], sel[1:], strict=True):
+        if ranges == ((0, n),):
+            rest.append([(slice(None), slice(None))])
+            continue
+        pairs, off = [], 0
+        for a, b in ranges:
+            pairs.append((slice(a, b), slice(off, off + b - a)))
+            off += b - a
+        rest.append(pairs)
+    while len(rest) > 0 and rest[-1] == [(slice(None), slice(None))]:
+        rest.pop()  # trailing whole dims: rows are read as stored
+    row_bytes = math.prod(shape[1:]) * max(src_dtype.itemsize, out.dtype.itemsize)
     step = max(1, chunk_bytes // max(1, row_bytes))
-    if dim == 0:
-        off = 0
-        for a, b in ranges:
-            for r0 in range(a, b, step):
-                r1 = min(b, r0 + step)
-                out[off + r0 - a : off + r1 - a].copy_(block((slice(r0, r1),)))
-            off += b - a
-        return out
-    # dim >= 1: walk all rows; from each chunk keep only the wanted columns of every range.
-    lead = (slice(None),) * (dim - 1)
-    for r0 in range(0, shape[0], step):
-        rows = slice(r0, min(shape[0], r0 + step))
-        off = 0
-        for a, b in ranges:
-            dst = (rows, *lead, slice(off, off + b - a))
-            out[dst].copy_(block((rows, *lead, slice(a, b))))
-            off += b - a
-    return out
+    off = 0
+    for a, b in sel[0]:
+        for r0 in range(a, b, step):
+            r1 = min(b, r0 + step)
+            rows, dst_rows = slice(r0, r1), slice(off + r0 - a, off + r1 - a)
+            for combo in itertools.product(*rest):
+                src = (rows, *(c[0] for c in combo))
+                dst = (dst_rows, *(c[1] for c in combo))
+                out[dst].copy_(block(src))
+        off += b - a
+
+
+def _selection(shape: tuple[int, ...], dim: int | None, ranges: Ranges | None) -> Selection:
+    """(dim, ranges) as a selection of every dim: the ranges on `dim`, whole elsewhere."""
+    sel: list[Ranges] = [((0, n),) for n in shape]
+    if dim is not None:
+        assert ranges is not None  # a slice dim comes with its ranges (_check_request)
+        sel[dim] = ranges
+    return tuple(sel)
 
 
 class CheckpointReader:
@@ -331,6 +342,12 @@ class CheckpointReader:
 
     Build one with `open_checkpoint`. `read` returns an owned, contiguous tensor for file sources;
     for a dict source, a view when no copy is needed (one range, same dtype and device).
+
+    A model key may be *converted*: assembled from several stored tensors (transformers' per-expert
+    MoE keys stacked and concatenated into one fused tensor; see `quantmesh.io.convert`), when the
+    key_map returns a `Piece` for its stored keys. It reads like any other key, and a slice of it
+    reads only the parts of the stored tensors that land in the slice. Pieces that do not assemble
+    (an expert missing) are left out of `keys()`; `conversion_errors` says why, by model key.
 
     Example:
         >>> with open_checkpoint({"w": torch.arange(12.0).view(3, 4)}) as ckpt:
@@ -350,12 +367,27 @@ class CheckpointReader:
         self.source = source
         self.chunk_bytes = chunk_bytes
         self._entries: dict[str, tuple[Any, str]] = {}  # model key -> (shard, checkpoint key)
+        self._converted: dict[str, Node] = {}  # model key -> how its stored pieces assemble
+        self._origin: dict[str, str] = {}  # model key -> a checkpoint key it comes from
+        self._leaf_shards: dict[str, Any] = {}  # checkpoint key of a piece -> its shard
         self._renamed: dict[str, str | None] = {}  # checkpoint key -> model key, where they differ
+        self.conversion_errors: dict[str, str] = {}
+        """{model key: why its stored pieces do not assemble} (an expert missing, shapes)."""
         rename = (
             key_map if callable(key_map) else (lambda k: key_map.get(k, k)) if key_map else None
         )
+        order: list[str] = []  # model keys and converted targets, in checkpoint order
+        pieces: dict[str, list[tuple[str, Piece, Leaf]]] = {}
         for ckey, shard in shards.items():
             mkey = rename(ckey) if rename else ckey
+            if isinstance(mkey, Piece):
+                self._renamed[ckey] = mkey.target
+                shape, dtype = shard.info(ckey)
+                self._leaf_shards[ckey] = shard
+                if mkey.target not in pieces:
+                    order.append(mkey.target)
+                pieces.setdefault(mkey.target, []).append((ckey, mkey, Leaf(ckey, shape, dtype)))
+                continue
             if mkey != ckey:
                 self._renamed[ckey] = mkey
             if mkey is None:
@@ -366,25 +398,51 @@ class CheckpointReader:
                     "expected one checkpoint key per model key: map one of them elsewhere or to None"
                 )
             self._entries[mkey] = (shard, ckey)
+            order.append(mkey)
+        self._order: list[str] = []
+        for name in order:
+            if name not in pieces:
+                self._order.append(name)
+                continue
+            try:
+                nodes = assemble(name, pieces[name])
+            except ConversionError as e:
+                self.conversion_errors[name] = str(e)
+                continue
+            for mkey, node in nodes.items():
+                if mkey in self._entries or mkey in self._converted:
+                    first = self._entries[mkey][1] if mkey in self._entries else self._origin[mkey]
+                    raise ValueError(
+                        f"key_map maps both {first!r} and the converted {node.describe()} to "
+                        f"{mkey!r}; expected one source per model key: map one of them to None"
+                    )
+                self._converted[mkey] = node
+                self._origin[mkey] = pieces[name][0][0]
+                self._order.append(mkey)
         self._closed = False
 
-    def _lookup(self, key: str) -> tuple[Any, str]:
+    def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the checkpoint reader of {self.source} is closed; open it again")
-        try:
-            return self._entries[key]
-        except KeyError:
-            pass
-        keys = list(self._entries)
+
+    def _lookup(self, key: str) -> tuple[Any, str] | Node:
+        self._check_open()
+        found = self._entries.get(key) or self._converted.get(key)
+        if found is not None:
+            return found
+        keys = list(self._order)
         close = difflib.get_close_matches(key, keys, n=5, cutoff=0.6)
         hint = f"close matches: {close}" if close else f"it has e.g. {keys[:3]}"
-        if key in self._renamed:
+        if key in self.conversion_errors:
+            hint = f"its stored pieces do not assemble: {self.conversion_errors[key]}"
+        elif key in self._renamed:
             to = self._renamed[key]
-            done = (
-                "drops this checkpoint key"
-                if to is None
-                else f"renames this checkpoint key to {to!r}"
-            )
+            if key in self._leaf_shards:
+                done = f"makes this checkpoint key a part of {to!r}"
+            elif to is None:
+                done = "drops this checkpoint key"
+            else:
+                done = f"renames this checkpoint key to {to!r}"
             hint = f"key_map {done}; {hint}"
         raise CheckpointKeyError(
             f"{key!r} is not a key of the checkpoint {self.source} ({len(keys)} keys); {hint}. "
@@ -392,13 +450,20 @@ class CheckpointReader:
         )
 
     def keys(self) -> list[str]:
-        """Model keys, in checkpoint order.
+        """Model keys, in checkpoint order (a converted key where its first piece is).
 
         Example:
             >>> open_checkpoint({"a": torch.zeros(1)}).keys()
             ['a']
         """
-        return list(self._entries)
+        return list(self._order)
+
+    def _info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        found = self._lookup(key)
+        if isinstance(found, Node):
+            return tuple(found.shape), found.dtype
+        shard, ckey = found
+        return shard.info(ckey)
 
     def shape(self, key: str) -> tuple[int, ...]:
         """Full shape of the stored tensor `key`.
@@ -407,8 +472,7 @@ class CheckpointReader:
             >>> open_checkpoint({"a": torch.zeros(2, 3)}).shape("a")
             (2, 3)
         """
-        shard, ckey = self._lookup(key)
-        return shard.info(ckey)[0]
+        return self._info(key)[0]
 
     def dtype(self, key: str) -> torch.dtype:
         """Stored dtype of `key`.
@@ -417,8 +481,7 @@ class CheckpointReader:
             >>> open_checkpoint({"a": torch.zeros(2, dtype=torch.float16)}).dtype("a")
             torch.float16
         """
-        shard, ckey = self._lookup(key)
-        return shard.info(ckey)[1]
+        return self._info(key)[1]
 
     def nbytes(self, key: str) -> int:
         """Stored size of `key` in bytes (the whole tensor, not a slice).
@@ -427,9 +490,28 @@ class CheckpointReader:
             >>> open_checkpoint({"a": torch.zeros(2, 3)}).nbytes("a")
             24
         """
-        shard, ckey = self._lookup(key)
-        shape, dtype = shard.info(ckey)
+        found = self._lookup(key)
+        if isinstance(found, Node):
+            return found.nbytes()
+        shape, dtype = found[0].info(found[1])
         return math.prod(shape) * dtype.itemsize
+
+    def sources(self, key: str) -> list[str]:
+        """The checkpoint keys `key` is read from: one, or every piece of a converted key.
+
+        Example:
+            >>> open_checkpoint({"a": torch.zeros(1)}, key_map={"a": "b"}).sources("b")
+            ['a']
+        """
+        found = self._lookup(key)
+        if isinstance(found, Node):
+            return [leaf.key for leaf in found.leaves()]
+        return [found[1]]
+
+    def _fill_piece(self, ckey: str, sel: Selection, out: torch.Tensor) -> None:
+        shard = self._leaf_shards[ckey]
+        shape, src_dtype = shard.info(ckey)
+        _fill(lambda index: shard.block(ckey, index), shape, src_dtype, sel, out, self.chunk_bytes)
 
     def read(
         self,
@@ -443,14 +525,25 @@ class CheckpointReader:
         """Read `key`, or the concatenation of `ranges` of it along `dim`, as `dtype` on `device`.
 
         `ranges` are (start, stop) intervals of the full tensor; `ranges=None` with a dim means the
-        whole extent. Defaults: the stored dtype; CPU for files, the tensor's device for dicts.
+        whole extent. Defaults: the stored dtype; CPU for files, the tensor's device for dicts. A
+        converted key is filled from the parts of its stored pieces that the slice holds.
 
         Example:
             >>> ckpt = open_checkpoint({"qkv": torch.arange(6.0)})
             >>> ckpt.read("qkv", 0, ((0, 1), (2, 3), (4, 5)), dtype=torch.float16)
             tensor([0., 2., 4.], dtype=torch.float16)
         """
-        shard, ckey = self._lookup(key)
+        found = self._lookup(key)
+        if isinstance(found, Node):
+            dim, ranges = _check_request(key, found.shape, dim, ranges)
+            sel = _selection(found.shape, dim, ranges)
+            dev = torch.device(device) if device is not None else torch.device("cpu")
+            out = torch.empty([_width(r) for r in sel], dtype=_as_dtype(dtype) or found.dtype,
+                              device=dev)  # fmt: skip
+            if out.numel():
+                found.fill(out, sel, self._fill_piece)
+            return out
+        shard, ckey = found
         shape, src_dtype = shard.info(ckey)
         dim, ranges = _check_request(key, shape, dim, ranges)
         dtype = _as_dtype(dtype) or src_dtype
@@ -465,10 +558,10 @@ class CheckpointReader:
                 return t.narrow(dim, ranges[0][0], ranges[0][1] - ranges[0][0])
         else:
             dev = torch.device(device) if device is not None else torch.device("cpu")
-        return _read_chunked(
-            lambda index: shard.block(ckey, index),
-            shape, src_dtype, dim, ranges, dtype, dev, self.chunk_bytes,
-        )  # fmt: skip
+        sel = _selection(shape, dim, ranges)
+        out = torch.empty([_width(r) for r in sel], dtype=dtype, device=dev)  # allocated once
+        _fill(lambda index: shard.block(ckey, index), shape, src_dtype, sel, out, self.chunk_bytes)
+        return out
 
     def close(self) -> None:
         """Release every opened shard (file mappings); later calls raise ValueError.
@@ -477,6 +570,8 @@ class CheckpointReader:
             >>> ckpt = open_checkpoint({"a": torch.zeros(1)}); ckpt.close()
         """
         for shard, _ in self._entries.values():
+            shard.close()
+        for shard in self._leaf_shards.values():
             shard.close()
         self._closed = True
 
@@ -487,16 +582,20 @@ class CheckpointReader:
         self.close()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._entries or key in self._converted
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self._order)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._order)
 
     def __repr__(self) -> str:
-        return f"CheckpointReader({self.source}, {len(self._entries)} keys)"
+        return f"CheckpointReader({self.source}, {len(self._order)} keys)"
+
+
+def _width(ranges: Ranges) -> int:
+    return sum(b - a for a, b in ranges)
 
 
 def open_checkpoint(
@@ -509,7 +608,9 @@ def open_checkpoint(
 
     `key_map` renames checkpoint keys to model keys: a dict {checkpoint key: model key} (keys not
     in it keep their name; a value of None drops the key) or a callable(checkpoint key) returning
-    the model key or None to drop it. `chunk_bytes` bounds one read step (default 64 MiB).
+    the model key or None to drop it, or a `quantmesh.io.convert.Piece` to make the stored tensor a
+    part of a converted model key (`quantmesh.io.hf.hf_key_map` does so for transformers' per-expert
+    MoE keys). `chunk_bytes` bounds one read step (default 64 MiB).
 
     Example:
         >>> ckpt = open_checkpoint("model_dir", key_map=lambda k: k.removeprefix("model."))  # doctest: +SKIP

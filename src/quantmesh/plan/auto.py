@@ -17,7 +17,7 @@ import fnmatch
 
 from torch import nn
 
-from ..tp.kinds import Kind, kind_of
+from ..tp.kinds import Kind, expert_tensors, kind_of
 from .plan import Plan
 from .styles import HF_STYLE_ALIASES, Style
 
@@ -133,6 +133,12 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
     if head is not None:
         rules[head] = Style.COLWISE_GATHER
         notes[head] = "output head, logits gathered"
+    # experts modules (fused 3-D expert tensors) are split by tp/experts.py, by their
+    # intermediate features, not by a plan rule (the model's plan names them 'moe_tp_experts')
+    experts = [n for n, m in model.named_modules() if n and expert_tensors(m) is not None]
+    for k in [k for k in rules if any(_matches(e, {k: ""}) for e in experts)]:
+        del rules[k]
+        notes.pop(k, None)
     _replicate_notes(model, rules, notes)
     contiguous = tuple(k for k, v in hf.items() if v in ("colwise", "local_colwise"))
     return Plan(rules, notes=notes, model=model, tp=tp, user_rules=(), contiguous=contiguous)
@@ -336,6 +342,8 @@ def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
             continue
         parts = n.split(".")  # skip it when a rule (a name or a glob) covers it or an ancestor
         if any(_matches(".".join(parts[:i]), rules) for i in range(1, len(parts) + 1)):
+            continue
+        if expert_tensors(m) is not None:  # split by ShardedExperts, outside the plan
             continue
         t = type(m).__name__
         if "Norm" in t:

@@ -468,6 +468,7 @@ def _for_rank(
     memory_modes: tuple[bool, bool, int, int | None, int | None] = (False, False, 0, None, None),
 ) -> MemoryEstimate:
     from ..lora import lora_targets
+    from ..tp.experts import expert_lora_targets, find_experts, local_sizes
     from ..tp.kinds import kind_of
 
     est = MemoryEstimate(rank=rank)
@@ -476,9 +477,38 @@ def _for_rank(
     largest_dq = 0
     # fqn -> (in, out, local in, local out) of linear-like modules
     widths: dict[str, tuple[int, int, int, int]] = {}
+    experts = find_experts(model)
+    expert_names = [f"{f}.{t.name}" for f, ts in experts.items() for t in ts]
+    expert_lora = (
+        expert_lora_targets(experts, lora_targets(model, lora, extra=expert_names))
+        if lora is not None
+        else {}
+    )
     for fqn, mod in model.named_modules():
         own = list(mod.named_parameters(recurse=False))
         if not own:
+            continue
+        if fqn in experts:  # expert tensors: split like ShardedExperts, quantized when selected
+            q = fmt is not None and qcfg is not None and qcfg.selects(fqn) and not qcfg.skips(fqn)
+            sizes = local_sizes(mod, experts[fqn], resolved.tp, rank)
+            deq = 0
+            for name, (n, (in_l, out_l)) in sizes.items():
+                est.weights += int(n * fmt.bytes_per_param(in_l)) if q and fmt else n * dt_bytes
+                deq += n * (2 if a == 2 else 4)
+                if name in expert_lora.get(fqn, []):
+                    assert lora is not None  # expert_lora comes from it
+                    e = int(getattr(mod, "num_experts", 1))
+                    est.lora_params += lora.r * e * (in_l + out_l)
+            split_bias = {t.bias for t in experts[fqn] if t.first}
+            for pname, p in own:  # biases: the first projection's split, the second's whole
+                if pname not in sizes:
+                    est.weights += (
+                        p.numel() * dt_bytes // (resolved.tp if pname in split_bias else 1)
+                    )
+            # the forward dequantizes both tensors (and adds the adapters' deltas), and backward
+            # holds one tensor's gradient too
+            extra = deq if fqn in expert_lora else 0
+            largest_dq = max(largest_dq, (deq if q else 0) + extra + extra // 2)
             continue
         entry = resolved.entries.get(fqn)
         kind = kind_of(mod)
@@ -519,7 +549,15 @@ def _for_rank(
                 est.weights += n * dt_bytes
     est.transient = largest_dq
 
-    targets = lora_targets(model, lora) if lora is not None else []
+    targets = (
+        [
+            t
+            for t in lora_targets(model, lora, extra=expert_names)
+            if t in widths  # linear-like modules (expert tensors are counted above)
+        ]
+        if lora is not None
+        else []
+    )
     for fqn in targets:
         assert lora is not None  # targets come from it
         mod = model.get_submodule(fqn)

@@ -123,6 +123,12 @@ class QuantFormat(abc.ABC):
     def dequantize(self, module: nn.Module) -> torch.Tensor:
         """The module's weight as a float tensor (out, in), for export and merging."""
 
+    def compute_weight(self, module: nn.Module) -> torch.Tensor:
+        """The weight (out, in) as a float tensor to compute with, inside a forward (traced by
+        torch.compile); by default `dequantize`. Used where the model's own code reads a weight
+        tensor (experts), not a linear's forward."""
+        return self.dequantize(module)
+
     @abc.abstractmethod
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """Average bytes per weight element, statistics included (for the memory planner).

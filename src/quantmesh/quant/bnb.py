@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .base import QuantConfig, QuantError, QuantFormat
+from .kernel4 import matmul_4bit_rows, rows_kernel_applies
 from .kinds import compute_dtype_for
 
 __all__ = [
@@ -137,7 +138,9 @@ def _classes() -> dict[str, type]:
     bnb = _bnb()
 
     class QuantLinear4bit(bnb.nn.Linear4bit):  # type: ignore[name-defined]  # bnb: a module
-        """bitsandbytes Linear4bit, filled by `Bnb4bitFormat.quantize_into`; weight frozen."""
+        """bitsandbytes Linear4bit, filled by `Bnb4bitFormat.quantize_into`; weight frozen.
+        Without autograd on CUDA, up to 64 rows go through quantmesh's 4-bit kernel
+        (quant/kernel4.py: the codes read once, no float weight); the rest through bitsandbytes."""
 
         def reset_parameters(self) -> None:  # the weight comes from quantize_into
             pass
@@ -152,6 +155,9 @@ def _classes() -> dict[str, type]:
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
                 # would compute with the wrong statistics)
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
+                return (y if bias is None else y + bias).to(x.dtype)
+            if rows_kernel_applies(x, qs, cd):  # decoding: a few rows, no autograd, CUDA
+                y = matmul_4bit_rows(x.to(cd), self.weight.data, qs)  # codes read once
                 return (y if bias is None else y + bias).to(x.dtype)
             # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
             y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
@@ -391,6 +397,20 @@ class Bnb4bitFormat(_BnbFormat):
         if qs is None:
             raise RuntimeError(_not_quantized(module))
         return dequantize_4bit_flat(w.data, qs)
+
+    def compute_weight(self, module: nn.Module) -> torch.Tensor:
+        """The float weight (out, in) from plain tensors and values (traced by torch.compile),
+        blocks over the flattened weight as quantize_4bit made them.
+
+        Example:
+            >>> fmt.compute_weight(m).shape  # doctest: +SKIP
+            torch.Size([8, 64])
+        """
+        w = cast(torch.Tensor, module.weight)
+        qs = getattr(w, "quant_state", None)
+        if qs is None:
+            raise RuntimeError(_not_quantized(module))
+        return _flat_weight(w.data, *_flat_args(qs))
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and

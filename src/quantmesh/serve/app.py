@@ -1,14 +1,26 @@
 """The HTTP side of `quantmesh serve`: OpenAI-compatible routes on FastAPI, server-sent events.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed with SSE when
-`stream: true`), GET /v1/models (the base and every adapter), POST /v1/adapters {name, path},
-DELETE /v1/adapters/NAME, GET /health. The request's `model` is the base's name or an adapter's.
+`stream: true`), GET /v1/models (the base and every adapter), POST /v1/adapters {name, path} and
+DELETE /v1/adapters/NAME (with vLLM's POST /v1/load_lora_adapter {lora_name, lora_path} and
+POST /v1/unload_lora_adapter {lora_name} as aliases), GET /health. The request's `model` is the
+base's name or an adapter's.
+
+A completion request may carry several prompts (strings or token-id lists) and `n` choices per
+prompt: every (prompt, choice) is its own row of the batch, answered as choice `i * n + j`
+(prompt i, sample j; sample j of a seeded request uses seed + j). Logprobs, the prompt's own under
+`echo` (and `max_tokens=0` to score the prompt alone), top-k alternatives, top_k, min_p and the
+repetition / presence / frequency penalties are implemented (serve/scheduler.py); the request
+bodies and what is refused are in serve/protocol.py.
 
 Every request is checked before it reaches the scheduler; what does not fit gets a 4xx in
-OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON, unknown
-fields' bad values, unknown models, prompts plus max_tokens beyond the context, parameters this
-server does not implement (n > 1, logprobs, penalties, tools...). A streaming client that leaves
-frees its row at the next step; a waiting non-streaming one is checked every second.
+OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON, bad
+values, unknown models, prompts plus max_tokens beyond the context or the server's --max-tokens,
+fields this server does not implement. Adapters are loaded at run time only when the server was
+started with an adapter directory, and only from inside it (serve/guard.py, which also checks the
+API key and the body size). An internal error answers a plain message; its details go to the
+server's log. A streaming client that leaves frees its rows at the next step; a waiting
+non-streaming one is checked every second.
 
 Example:
     >>> app = build_app(scheduler, tokenizer, ServeInfo(base="SmolLM2", max_model_len=8192))  # doctest: +SKIP
@@ -18,28 +30,42 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .guard import Guard, adapter_folder
+from .protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    _Common,
+    chat_logprobs,
+    completion_logprobs,
+)
 from .scheduler import AdapterSlotsFull, Sampling, Scheduler, UnknownModel
 
 __all__ = ["ApiError", "ServeInfo", "build_app"]
 
+log = logging.getLogger("quantmesh.serve")
+
 
 @dataclass(frozen=True)
 class ServeInfo:
-    """What the routes need to know about the served model."""
+    """What the routes need to know about the served model and the server's limits."""
 
     base: str
     """The base model's name in `model` fields and /v1/models."""
@@ -49,116 +75,44 @@ class ServeInfo:
     """Unix time the server started (the models' `created`)."""
     grace_s: float = 10.0
     """How long a running stream may go on once shutdown begins."""
-
-
-class ApiError(Exception):
-    """An error returned to the client in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
-
-
-# ---- request bodies ----------------------------------------------------------------------------
-# Parameters of OpenAI's API this server does not implement, with the value that means "off".
-UNSUPPORTED: dict[str, Any] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "n": (None, 1),
-}
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-
-    @model_validator(mode="after")
-    def _supported(self) -> _Common:
-        extra = self.model_extra or {}
-        for name, off in UNSUPPORTED.items():
-            if name in extra and extra[name] not in off:
-                raise ValueError(
-                    f"{name}={extra[name]!r} is not supported by this server; leave it out"
-                )
-        if isinstance(self.stop, list):
-            if len(self.stop) > 4:
-                raise ValueError(f"stop has {len(self.stop)} strings; at most 4 are allowed")
-            if not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError("stop strings must be non-empty")
-        elif self.stop == "":
-            raise ValueError("stop must be a non-empty string")
-        return self
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[str]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(
-                    400, f"message content part of type {part.get('type')!r} is not supported; "
-                    "send text parts only", param="messages")  # fmt: skip
-            parts.append(part["text"])
-        return "".join(parts)
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    vocab_size: int | None = None
+    """Token ids of a prompt must be below it (None: not checked)."""
+    max_tokens: int | None = None
+    """The most tokens one choice may ask to generate (None: up to the context length)."""
+    max_choices: int = 256
+    """Prompts times `n` in one request, at most."""
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every route needs `Authorization: Bearer <api_key>`."""
+    adapter_dir: str | None = None
+    """Adapters may be loaded (and unloaded) at run time only from inside this directory; None:
+    not at all."""
+    max_body: int = 8 << 20
+    """Request bodies larger than this many bytes are refused (413)."""
 
 
 class AdapterRequest(BaseModel):
     name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
     path: str = Field(min_length=1)
+
+
+class VllmLoadRequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    lora_path: str = Field(min_length=1)
+
+
+class VllmUnloadRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
+@dataclass
+class _Choice:
+    """What one (prompt, sample) row has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    done: dict[str, Any] | None = None
 
 
 # ---- the app --------------------------------------------------------------------------------------
@@ -168,7 +122,8 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
     Example:
         >>> app = build_app(sched, tok, ServeInfo(base="tiny", max_model_len=256))  # doctest: +SKIP
     """
-    app = FastAPI(title="quantmesh serve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="quantmesh serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=info.api_key, max_body=info.max_body)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -185,7 +140,8 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
             )
             loc = []
         else:
-            msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}"
+            text = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+            msg = f"{'.'.join(loc) or 'body'}: {text}"
         more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
         return ApiError(400, msg + more, param=".".join(loc) or None).response()
 
@@ -196,7 +152,9 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error").response()
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return ApiError(500, "internal server error; the server's log has the details",
+                        type="server_error").response()  # fmt: skip
 
     def model_card(name: str, parent: str | None) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": info.created, "owned_by": "quantmesh",
@@ -205,9 +163,8 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if sched.error is not None:
-            return ApiError(
-                503, f"the decoding loop failed: {sched.error}", type="server_error"
-            ).response()
+            return ApiError(503, "the decoding loop failed; the server's log says why",
+                            type="server_error").response()  # fmt: skip
         return JSONResponse({"status": "ok", **sched.load()})
 
     @app.get("/v1/models")
@@ -216,33 +173,42 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
         data += [model_card(n, info.base) for n in sched.adapter_names()]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/adapters")
-    async def add_adapter(req: AdapterRequest) -> JSONResponse:
-        if req.name == info.base:
-            raise ApiError(
-                409, f"{req.name!r} is the base model's name; pick another", param="name"
-            )
+    # ---- adapters at run time ----------------------------------------------------------------
+    def runtime_adapters() -> str:
+        if info.adapter_dir is None:
+            raise ApiError(403, "loading and unloading adapters at run time is off on this "
+                           "server; restart it with --adapter-dir DIR to allow adapters from "
+                           "inside DIR", type="permission_error")  # fmt: skip
+        return info.adapter_dir
+
+    async def load_adapter(name: str, path: str) -> JSONResponse:
+        root = runtime_adapters()
+        if name == info.base:
+            raise ApiError(409, f"{name!r} is the base model's name; pick another", param="name")
+        folder = adapter_folder(root, path)
         try:
-            await asyncio.to_thread(sched.batch.bank.inspect, req.path)  # before any collective
+            await asyncio.to_thread(sched.batch.bank.inspect, folder)  # before any collective
         except (OSError, ValueError) as e:
-            raise ApiError(400, str(e), param="path", code="adapter_invalid") from None
+            msg = str(e).replace(str(folder), path)  # the client's own path, not the server's
+            raise ApiError(400, msg, param="path", code="adapter_invalid") from None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[str] = loop.create_future()
         try:
-            sched.add_adapter(req.name, req.path, _threadsafe(loop, fut.set_result))
+            sched.add_adapter(name, str(folder), _threadsafe(loop, fut.set_result))
         except KeyError:
-            raise ApiError(409, f"an adapter named {req.name!r} exists; DELETE "
-                           f"/v1/adapters/{req.name} first or pick another name",
+            raise ApiError(409, f"an adapter named {name!r} exists; DELETE "
+                           f"/v1/adapters/{name} first or pick another name",
                            param="name") from None  # fmt: skip
         except AdapterSlotsFull as e:
             raise ApiError(409, str(e), code="adapter_slots_full") from None
         err = await fut
         if err:
-            raise ApiError(400, f"loading the adapter failed: {err}", param="path")
-        return JSONResponse(model_card(req.name, info.base), status_code=201)
+            raise ApiError(400, f"loading the adapter failed: {err.replace(str(folder), path)}",
+                           param="path")  # fmt: skip
+        return JSONResponse(model_card(name, info.base), status_code=201)
 
-    @app.delete("/v1/adapters/{name:path}")
-    async def remove_adapter(name: str) -> dict[str, Any]:
+    def unload_adapter(name: str) -> dict[str, Any]:
+        runtime_adapters()
         if name == info.base:
             raise ApiError(400, f"{name!r} is the base model; it cannot be removed")
         try:
@@ -252,6 +218,23 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
                            type="not_found_error", code="model_not_found") from None  # fmt: skip
         return {"id": name, "object": "model", "deleted": True}
 
+    @app.post("/v1/adapters")
+    async def add_adapter(req: AdapterRequest) -> JSONResponse:
+        return await load_adapter(req.name, req.path)
+
+    @app.delete("/v1/adapters/{name:path}")
+    async def remove_adapter(name: str) -> dict[str, Any]:
+        return unload_adapter(name)
+
+    @app.post("/v1/load_lora_adapter")  # vLLM's name for POST /v1/adapters
+    async def vllm_load(req: VllmLoadRequest) -> JSONResponse:
+        return await load_adapter(req.lora_name, req.lora_path)
+
+    @app.post("/v1/unload_lora_adapter")  # vLLM's name for DELETE /v1/adapters/NAME
+    async def vllm_unload(req: VllmUnloadRequest) -> dict[str, Any]:
+        return unload_adapter(req.lora_name)
+
+    # ---- completions ---------------------------------------------------------------------------
     def adapter_of(model: str) -> str | None:
         if model == info.base:
             return None
@@ -264,28 +247,66 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
     def sampling(req: _Common, prompt_len: int, max_tokens: int | None, default: int) -> Sampling:
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        cap = info.max_tokens
+        if max_tokens is not None and cap is not None and max_tokens > cap:
+            raise ApiError(400, f"max_tokens={max_tokens} is more than this server allows "
+                           f"({cap}, --max-tokens); ask for fewer", param="max_tokens")  # fmt: skip
         room = info.max_model_len - prompt_len
-        want = max_tokens if max_tokens is not None else min(default, room)
-        if want > room or room < 1:
+        want = max_tokens if max_tokens is not None else min(default, room, cap or room)
+        if room < 0 or want > room or (want == 0 and max_tokens is None):
             raise ApiError(
                 400, f"this model's maximum context length is {info.max_model_len} tokens; "
                 f"you requested {prompt_len + max(want, 1)} ({prompt_len} in the prompt, "
                 f"{max(want, 1)} to generate); shorten the prompt or lower max_tokens",
                 param="max_tokens" if max_tokens is not None and room >= 1 else "prompt",
                 code="context_length_exceeded")  # fmt: skip
-        return Sampling(max_tokens=want, temperature=req.temperature, top_p=req.top_p,
-                        seed=req.seed, stop=req.stops())  # fmt: skip
+        top_k = req.top_k or 0
+        return Sampling(
+            max_tokens=want,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=req.stops(),
+            top_k=0 if top_k < 0 else top_k,  # vLLM's -1 (and 0): all tokens
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+        )  # fmt: skip
+
+    def choices_of(req: _Common, prompts: int) -> int:
+        n = req.n or 1
+        if n * prompts > info.max_choices:
+            raise ApiError(400, f"{prompts} prompt(s) x n={n} = {n * prompts} choices; this "
+                           f"server answers at most {info.max_choices} in one request "
+                           "(--max-choices); split the request", param="n")  # fmt: skip
+        return n
+
+    def check_ids(ids: list[int]) -> list[int]:
+        bad = [t for t in ids if t < 0 or (info.vocab_size is not None and t >= info.vocab_size)]
+        if bad:
+            raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
+                           f"(0..{(info.vocab_size or 0) - 1})", param="prompt")  # fmt: skip
+        return ids
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         adapter = adapter_of(req.model)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if len(prompts) != 1:
-            raise ApiError(400, f"{len(prompts)} prompts in one request; send one per request",
-                           param="prompt")  # fmt: skip
-        ids = tokenizer(prompts[0])["input_ids"]
-        samp = sampling(req, len(ids), req.max_tokens, 16)
-        return await _answer(request, req, adapter, ids, samp, chat=False)
+        prompts = req.prompts()
+        if not prompts:
+            raise ApiError(400, "the prompt list is empty", param="prompt")
+        n = choices_of(req, len(prompts))
+        rows: list[tuple[list[int], str, Sampling]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids, text = tokenizer(p)["input_ids"], p
+            else:
+                ids = check_ids(p)
+                text = str(tokenizer.decode(ids)) if req.echo else ""
+            samp = sampling(req, len(ids), req.max_tokens, 16)
+            samp.logprobs, samp.echo = req.logprobs, bool(req.echo and req.logprobs is not None)
+            rows.append((ids, text if req.echo else "", samp))
+        return await _answer(request, req, adapter, rows, n, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
@@ -306,21 +327,45 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         samp = sampling(req, len(ids), limit, info.max_model_len)
-        return await _answer(request, req, adapter, ids, samp, chat=True)
+        if req.logprobs:
+            samp.logprobs = req.top_logprobs or 0
+        n = choices_of(req, 1)
+        return await _answer(request, req, adapter, [(ids, "", samp)], n, chat=True)
+
+    def submit_all(
+        adapter: str | None,
+        rows: list[tuple[list[int], str, Sampling]],
+        n: int,
+        put: Callable[[tuple[int, dict[str, Any]]], None],
+    ) -> list[int]:
+        loop = asyncio.get_running_loop()
+        rids: list[int] = []
+        try:
+            for i, (ids, _, samp) in enumerate(rows):
+                for j in range(n):
+                    s = samp
+                    if j and samp.seed is not None:  # each sample of a seeded request its own
+                        s = dataclasses.replace(samp, seed=samp.seed + j)
+                    emit = _threadsafe(loop, functools.partial(_tagged, put, i * n + j))
+                    rids.append(sched.submit(adapter, ids, s, emit))
+        except BaseException:
+            for r in rids:
+                sched.cancel(r)
+            raise
+        return rids
 
     async def _answer(
         request: Request,
         req: _Common,
         adapter: str | None,
-        ids: list[int],
-        samp: Sampling,
+        rows: list[tuple[list[int], str, Sampling]],
+        n: int,
         *,
         chat: bool,
     ) -> Any:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
         try:
-            rid = sched.submit(adapter, ids, samp, _threadsafe(loop, queue.put_nowait))
+            rids = submit_all(adapter, rows, n, queue.put_nowait)
         except UnknownModel:
             adapter_of(req.model)  # raises the 404
             raise
@@ -328,84 +373,117 @@ def build_app(sched: Scheduler, tokenizer: Any, info: ServeInfo) -> FastAPI:
             raise ApiError(503, str(e), type="server_error") from None
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        echoes = [text for _, text, _ in rows for _ in range(n)]
+        want_lp = rows[0][2].logprobs is not None
+        prompt_tokens = sum(len(ids) for ids, _, _ in rows)
         if req.stream:
             usage = bool((req.stream_options or {}).get("include_usage"))
             return EventSourceResponse(
-                _stream(queue, rid, cid, created, req.model, chat, usage),
+                _stream(queue, rids, cid, created, req.model, chat, usage, echoes, want_lp,
+                        prompt_tokens),
                 ping=15, shutdown_grace_period=info.grace_s,
             )  # fmt: skip
-        text, done = [], None
+        got = [_Choice() for _ in rids]
         try:
-            while done is None:
+            while any(c.done is None for c in got):
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    idx, ev = await asyncio.wait_for(queue.get(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        sched.cancel(rid)
                         return JSONResponse({}, status_code=499)
                     continue
+                c = got[idx]
                 if ev["type"] == "delta":
-                    text.append(ev["text"])
+                    c.text.append(ev["text"])
+                    c.logprobs += ev.get("logprobs", [])
+                elif ev["type"] == "prompt_logprobs":
+                    c.prompt_logprobs = ev["entries"]
                 elif ev["type"] == "error":
                     raise ApiError(503, ev["message"], type="server_error")
                 else:
-                    done = ev
+                    c.done = ev
         finally:
-            sched.cancel(rid)  # no-op once finished; frees the row when the handler is cancelled
-        body = "".join(text)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": done["finish_reason"],
-        }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": body}
-        else:
-            choice["text"] = body
+            for r in rids:  # no-op once finished; frees the rows when the handler is cancelled
+                sched.cancel(r)
+        choices = []
+        for idx, c in enumerate(got):
+            assert c.done is not None  # the loop above waits for every choice
+            body = echoes[idx] + "".join(c.text)
+            choice: dict[str, Any] = {"index": idx, "logprobs": None,
+                                      "finish_reason": c.done["finish_reason"]}  # fmt: skip
+            if chat:
+                choice["message"] = {"role": "assistant", "content": body}
+                if want_lp:
+                    choice["logprobs"] = chat_logprobs(tokenizer, c.logprobs)
+            else:
+                choice["text"] = body
+                if want_lp:
+                    entries = (c.prompt_logprobs or []) + c.logprobs
+                    choice["logprobs"] = completion_logprobs(tokenizer, entries)
+            choices.append(choice)
+        completion = sum(int(c.done["completion_tokens"]) for c in got if c.done is not None)
         return {"id": cid, "object": "chat.completion" if chat else "text_completion",
-                "created": created, "model": req.model, "choices": [choice],
-                "usage": _usage(done)}  # fmt: skip
+                "created": created, "model": req.model, "choices": choices,
+                "usage": _usage(prompt_tokens, completion)}  # fmt: skip
 
     async def _stream(
-        queue: asyncio.Queue[dict[str, Any]], rid: int, cid: str, created: int, model: str,
-        chat: bool, usage: bool,
+        queue: asyncio.Queue[tuple[int, dict[str, Any]]], rids: list[int], cid: str,
+        created: int, model: str, chat: bool, usage: bool, echoes: list[str], want_lp: bool,
+        prompt_tokens: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def chunk(idx: int, delta: str | None, finish: str | None, role: bool = False,
+                  lps: list[Any] | None = None) -> str:  # fmt: skip
+            choice: dict[str, Any] = {"index": idx, "logprobs": None, "finish_reason": finish}
             if chat:
                 d: dict[str, Any] = {"role": "assistant"} if role else {}
                 if delta is not None:
                     d["content"] = delta
                 choice["delta"] = d
+                if lps:
+                    choice["logprobs"] = chat_logprobs(tokenizer, lps)
             else:
                 choice["text"] = delta or ""
+                if lps:
+                    choice["logprobs"] = completion_logprobs(tokenizer, lps)
             return json.dumps({"id": cid, "object": obj, "created": created, "model": model,
                                "choices": [choice]})  # fmt: skip
 
+        left, completion = len(rids), 0
         try:
-            if chat:
-                yield chunk("", None, role=True)
-            while True:
-                ev = await queue.get()
+            for idx in range(len(rids)):
+                if chat:
+                    yield chunk(idx, "", None, role=True)
+                elif echoes[idx] and not want_lp:  # echoed with its logprobs when they come
+                    yield chunk(idx, echoes[idx], None)
+            while left:
+                idx, ev = await queue.get()
                 if ev["type"] == "delta":
-                    yield chunk(ev["text"], None)
+                    yield chunk(idx, ev["text"], None, lps=ev.get("logprobs"))
+                elif ev["type"] == "prompt_logprobs":
+                    yield chunk(idx, echoes[idx], None, lps=ev["entries"])
                 elif ev["type"] == "error":
                     yield json.dumps({"error": {"message": ev["message"], "type": "server_error",
                                                 "param": None, "code": None}})  # fmt: skip
                     return
                 else:
-                    yield chunk(None, ev["finish_reason"])
-                    if usage:
-                        yield json.dumps({"id": cid, "object": obj, "created": created,
-                                          "model": model, "choices": [], "usage": _usage(ev)})  # fmt: skip
-                    yield "[DONE]"
-                    return
+                    left -= 1
+                    completion += int(ev["completion_tokens"])
+                    yield chunk(idx, None, ev["finish_reason"])
+            if usage:
+                yield json.dumps({"id": cid, "object": obj, "created": created, "model": model,
+                                  "choices": [], "usage": _usage(prompt_tokens, completion)})  # fmt: skip
+            yield "[DONE]"
         finally:
-            sched.cancel(rid)  # the client left (or we are done): its row leaves the batch
+            for r in rids:  # the client left (or we are done): its rows leave the batch
+                sched.cancel(r)
 
     return app
+
+
+def _tagged(put: Callable[[tuple[int, Any]], None], idx: int, ev: Any) -> None:
+    put((idx, ev))
 
 
 def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any]) -> Callable[[Any], None]:
@@ -417,6 +495,6 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any]) -> Ca
     return call
 
 
-def _usage(done: dict[str, Any]) -> dict[str, int]:
-    p, c = int(done["prompt_tokens"]), int(done["completion_tokens"])
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip

@@ -118,6 +118,16 @@ class AdapterBank:
     def __init__(self, model: nn.Module, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots}; expected >= 1 (slot 0 is the base model)")
+        experts = [
+            f for f, m in sharded_modules(model).items() if len(getattr(m, "expert_lora", ()))
+        ]
+        if experts:  # per-row weight deltas of experts: not banked, and never silently dropped
+            raise ValueError(
+                f"adapters on expert tensors ({experts[0]}, ...) cannot be served per request "
+                "yet: an expert adapter is a weight delta that the bank does not switch per row; "
+                "serve adapters on the attention / dense projections, or generate with "
+                "`quantmesh generate --adapter` (one adapter)"
+            )
         self.mods: dict[str, ShardedModule] = {
             f: m for f, m in sharded_modules(model).items() if m.lora_scale is not None
         }

@@ -8,7 +8,8 @@ of every remaining row, and new rows to admit. `Batch.execute` runs it:
 2. leaving rows are dropped from the KV cache;
 3. one decode step over the remaining rows (each row at its own position, with its own adapter);
 4. the new rows are prefilled (consecutive ones with prompts of one length together, without
-   padding) and their caches join the batch's.
+   padding) and their caches join the batch's. A row admitted with `echo` keeps the logits of
+   every prompt position (its client asked for the prompt's logprobs); the others keep the last.
 
 The batch's KV cache is a transformers `DynamicCache` whose rows are left-padded to one length;
 the attention mask hides the padding, `position_ids` give each row its own positions, so a row
@@ -46,11 +47,13 @@ class ServeError(QuantmeshError, RuntimeError):
 
 @dataclass
 class Admit:
-    """A new row: its request id, prompt token ids and adapter slot."""
+    """A new row: its request id, prompt token ids and adapter slot; `echo`: keep the logits of
+    every prompt position, not only the last."""
 
     rid: int
     prompt: list[int]
     slot: int
+    echo: bool = False
 
 
 @dataclass
@@ -117,7 +120,8 @@ class Batch:
     @torch.no_grad()
     def execute(self, plan: Plan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[str]]:
         """Run one plan. Returns (the step's logits (B, vocab) for `plan.order`, or None; each
-        admitted row's prefill logits (vocab,); an error message per load, "" when it worked)."""
+        admitted row's prefill logits, (vocab,) or (prompt length, vocab) for an `echo` row; an
+        error message per load, "" when it worked)."""
         errors = []
         for slot, path in plan.loads:
             try:
@@ -180,15 +184,17 @@ class Batch:
         self.lens = [n + 1 for n in self.lens]
         return out.logits[:, -1]
 
-    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab)
-        """Prefill k new rows whose prompts have one length (no padding), then join the batch."""
+    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab) or (k, p, vocab)
+        """Prefill k new rows whose prompts have one length (no padding), then join the batch;
+        echo rows (a group is all echo or none) return every position's logits."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
         k, p = len(group), len(group[0].prompt)
         ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)
         self.bank.set_rows([a.slot for a in group])
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)
+        keep = {} if group[0].echo else self.keep_kw
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **keep)
         if self.cache is None:
             self.cache = cache
             self.mask = torch.ones(k, p, dtype=torch.long, device=self.device)
@@ -206,14 +212,16 @@ class Batch:
         self.rids += [a.rid for a in group]
         self.slots += [a.slot for a in group]
         self.lens += [p] * k
-        return out.logits[:, -1]
+        return out.logits if group[0].echo else out.logits[:, -1]
 
 
 def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:
-    """Consecutive admissions with prompts of one length, prefilled together (order kept)."""
+    """Consecutive admissions with prompts of one length (and one `echo`), prefilled together
+    (order kept)."""
     runs: list[list[Admit]] = []
     for a in admit:
-        if runs and len(runs[-1][0].prompt) == len(a.prompt):
+        first = runs[-1][0] if runs else None
+        if first is not None and len(first.prompt) == len(a.prompt) and first.echo == a.echo:
             runs[-1].append(a)
         else:
             runs.append([a])
@@ -221,14 +229,19 @@ def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:
 
 
 def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> int:
-    """One token drawn from `logits` (vocab,) with temperature and nucleus (top-p) filtering
-    (`quantmesh.sampling`, as the fast decode loop draws).
+    """One token drawn from `logits` (vocab,) with temperature, top-k, nucleus (top-p) and min-p
+    filtering (`quantmesh.sampling`, as the fast decode loop draws).
 
     Example:
         >>> sample_token(torch.tensor([0.0, 9.0]), 1.0, 1.0, torch.Generator().manual_seed(0))
         1
     """
     row = logits.float().cpu().reshape(1, -1)  # (1, vocab): the request's generator is on CPU
-    return int(sample_tokens(row, temperature, top_p, generator)[0])
+    return int(sample_tokens(row, temperature, top_p, generator, top_k, min_p)[0])

@@ -5,11 +5,19 @@ and `remove_adapter`; those only queue work under a lock. The loop (its own thre
 into a Plan per step: rows that finished or whose client left are dropped, the rest are fed their
 last token, waiting requests are admitted up to `max_batch` (first come, first served), adapter
 loads go first. After the step it picks each row's next token (greedy: argmax; sampled: the
-request's own generator, so a seed gives the same reply whatever else is in the batch), releases
-text through a TextStream and reports to the request's `emit` callback.
+request's own generator, so a seed gives the same reply whatever else is in the batch; penalties,
+top-k, top-p and min-p as `quantmesh.sampling` applies them), releases text through a TextStream
+and reports to the request's `emit` callback. Only this rank picks tokens: the other tp ranks are
+fed them in the next Plan, so every setting is consistent across ranks by construction.
 
-If the loop raises, every waiting request gets the error, `on_fatal` is called (the server then
-exits with it) and nothing is retried.
+Logprobs are those of the model's own distribution: `log_softmax` of the raw logits in float32,
+before penalties, temperature or any filter (what OpenAI's API and vLLM report by default), with
+the `logprobs` most likely alternatives. A request with `echo` also gets its prompt's logprobs
+(the first prompt token has none: nothing predicts it).
+
+If the loop raises, every waiting request gets a plain "the server failed" (the error itself goes
+to the server's log, never to a client), `on_fatal` is called (the server then exits with it) and
+nothing is retried.
 
 Example:
     >>> sched = Scheduler(batch, lockstep, tokenizer, eos_ids=[2], max_batch=32)  # doctest: +SKIP
@@ -28,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantmeshError
+from ..sampling import penalize
 from .engine import Admit, Batch, Plan, sample_token
 from .ranks import Lockstep
 from .text import TextStream
@@ -54,6 +63,23 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off; prompt and output tokens
+    presence_penalty: float = 0.0  # output tokens
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: each token's logprob and its k most likely alternatives."""
+    echo: bool = False
+    """Report the prompt's logprobs too (needs `logprobs`)."""
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 @dataclass
@@ -71,6 +97,8 @@ class Job:
     last: int = -1  # the token to feed next
     finish: str | None = None
     cancelled: bool = False
+    seen: torch.Tensor | None = None  # (vocab,) bool: prompt tokens (penalized requests only)
+    counts: torch.Tensor | None = None  # (vocab,) generated tokens' counts (idem)
 
 
 class Scheduler:
@@ -222,7 +250,8 @@ class Scheduler:
                 self.error = e
                 jobs = [j for j in self.jobs.values() if j.finish is None]
                 loads, self.loads = loads + self.loads, []
-            msg = f"the server failed: {type(e).__name__}: {e}"
+            # the error (often a transport's raw text) is for the server's log, not for clients
+            msg = "the server failed and is stopping; its log says why"
             for j in jobs:
                 j.emit({"type": "error", "message": msg})
             for _, _, done in loads:
@@ -252,7 +281,7 @@ class Scheduler:
                 if job.cancelled:
                     self._release(self.jobs.pop(job.rid))
                     continue
-                admit.append(Admit(job.rid, job.prompt, job.slot))
+                admit.append(Admit(job.rid, job.prompt, job.slot, echo=job.sampling.echo))
             loads, self.loads = self.loads, []
             plan = Plan(drop=drop, order=list(self.order), feed=[self.jobs[r].last for r in self.order],
                         admit=admit, loads=[(s, p) for s, p, _ in loads])  # fmt: skip
@@ -264,8 +293,8 @@ class Scheduler:
     def _after(self, plan: Plan, step: torch.Tensor | None, pre: list[torch.Tensor]) -> None:
         rows = list(plan.order) + [a.rid for a in plan.admit]
         logits = [step] if step is not None else []
-        if pre:
-            logits.append(torch.stack(pre))
+        if pre:  # an echo row's prefill holds every prompt position: its last one predicts
+            logits.append(torch.stack([p[-1] if p.dim() == 2 else p for p in pre]))
         if not rows:
             return
         all_logits = torch.cat(logits)  # (rows, vocab)
@@ -277,17 +306,42 @@ class Scheduler:
             if plan.order:
                 self.steps += 1
                 self.rows += len(plan.order)
+        n_old = len(plan.order)
         for i, job in enumerate(jobs):
+            if job.finish is not None or job.cancelled:
+                continue
+            s = job.sampling
+            if i >= n_old and s.echo:
+                job.emit({"type": "prompt_logprobs",
+                          "entries": _prompt_logprobs(pre[i - n_old], job.prompt, s.logprobs or 0)})  # fmt: skip
+            if s.max_tokens == 0:  # the prompt's logprobs were all it asked for
+                self._finish(job, "length")
+                continue
+            row = all_logits[i]
+            if s.penalized or s.logprobs is not None:
+                row = row.float().cpu()
+            chosen = row
+            if s.penalized:
+                if job.seen is None:
+                    job.seen = torch.zeros(row.shape[-1], dtype=torch.bool)
+                    job.seen[torch.tensor(job.prompt)] = True
+                    job.counts = torch.zeros(row.shape[-1])
+                assert job.counts is not None  # set with `seen`
+                chosen = penalize(row[None], job.seen[None], job.counts[None],
+                                  s.repetition_penalty, s.presence_penalty,
+                                  s.frequency_penalty)[0]  # fmt: skip
             if job.generator is not None:
-                tok = sample_token(all_logits[i], job.sampling.temperature, job.sampling.top_p,
-                                   job.generator)  # fmt: skip
+                tok = sample_token(chosen, s.temperature, s.top_p, job.generator, s.top_k, s.min_p)
+            elif s.penalized:
+                tok = int(chosen.argmax())
             else:
                 tok = greedy[i]
-            self._emit_token(job, tok)
+            if job.counts is not None:
+                job.counts[tok] += 1
+            entry = _token_logprobs(row, tok, s.logprobs) if s.logprobs is not None else None
+            self._emit_token(job, tok, entry)
 
-    def _emit_token(self, job: Job, tok: int) -> None:
-        if job.finish is not None or job.cancelled:
-            return
+    def _emit_token(self, job: Job, tok: int, entry: Logprob | None) -> None:
         job.generated += 1
         job.last = tok
         text, stopped = job.stream.add(tok)
@@ -298,9 +352,43 @@ class Scheduler:
             finish = "length"
         if finish is not None:
             text += "" if stopped else job.stream.flush()
-        if text:
-            job.emit({"type": "delta", "text": text})
+        if text or entry is not None:
+            ev: Event = {"type": "delta", "text": text}
+            if entry is not None:
+                ev["logprobs"] = [entry]
+            job.emit(ev)
         if finish is not None:
-            job.finish = finish
-            job.emit({"type": "done", "finish_reason": finish, "prompt_tokens": len(job.prompt),
-                      "completion_tokens": job.generated})  # fmt: skip
+            self._finish(job, finish)
+
+    def _finish(self, job: Job, finish: str) -> None:
+        job.finish = finish
+        job.emit({"type": "done", "finish_reason": finish, "prompt_tokens": len(job.prompt),
+                  "completion_tokens": job.generated})  # fmt: skip
+
+
+Logprob = tuple[int, float | None, list[tuple[int, float]]]
+"""(token id, its logprob (None: a prompt's first token), [(alternative id, logprob), ...] most
+likely first)."""
+
+
+def _token_logprobs(logits: torch.Tensor, tok: int, k: int) -> Logprob:
+    """The model's own logprob of `tok` (log_softmax of the raw logits, float32) and the top k."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
+    top = lp.topk(k) if k > 0 else None
+    alts = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
+    return tok, float(lp[tok]), alts
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], k: int) -> list[Logprob]:
+    """Each prompt token's logprob given the tokens before it; the first has none (None)."""
+    lp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # (p - 1, vocab): position i -> i+1
+    nxt = torch.tensor(prompt[1:], dtype=torch.long)
+    own = lp.gather(-1, nxt[:, None])[:, 0].tolist()
+    out: list[Logprob] = [(prompt[0], None, [])]
+    if k > 0:
+        top = lp.topk(k, dim=-1)
+        ids, vals = top.indices.tolist(), top.values.tolist()
+    for j, t in enumerate(prompt[1:]):
+        alts = list(zip(ids[j], vals[j], strict=True)) if k > 0 else []
+        out.append((t, own[j], alts))
+    return out

@@ -16,6 +16,7 @@ from torch import nn
 from ..layersplit import device_of
 from ..plan.styles import Style, slice_dim
 from ..quant.kinds import is_quantized_linear
+from .experts import ShardedExperts
 from .kinds import kind_of
 from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
 from .rng import RngRegions
@@ -76,6 +77,9 @@ def apply_tp(
     built: dict[str, ShardedModule] = {}
     for fqn in [n for n, _ in model.named_modules() if n in wrap]:
         orig = model.get_submodule(fqn)
+        if "experts" in wrap[fqn]:
+            built[fqn] = _build_experts(model, mesh, fqn, wrap[fqn], placement, dtype, lora)
+            continue
         entry = resolved.entries.get(fqn)
         split = entry.split if entry is not None else None
         style = entry.style if split is not None else Style.REPLICATE
@@ -123,7 +127,7 @@ def apply_tp(
     _materialize_rest(model, placement, dtype)
     track = _has_dropout(model)  # without dropout, the RNG-region bookkeeping is pure overhead
     for m in built.values():
-        m.track_rng = track
+        m.track_rng = track and not isinstance(m, ShardedExperts)
         m.rng = rng
     share_colwise_copies(model)  # q, k, v (gate, up) share one input copy under compile too
     for owner, attrs in resolved.attr_updates.items():
@@ -137,6 +141,40 @@ def apply_tp(
                 target, a = mod.config, a.split(".", 1)[1]
             setattr(target, a, per_rank[mesh.tp_rank])
     return model
+
+
+def _build_experts(
+    model: nn.Module, mesh, fqn: str, spec: dict, placement, dtype, lora
+) -> ShardedExperts:
+    """Swap experts module `fqn` for a ShardedExperts holding this rank's slices (filled from the
+    original's values when it has them), with per-expert adapters on `spec["lora_tensors"]`."""
+    from ..lora import _init_A
+
+    orig = model.get_submodule(fqn)
+    device = device_of(placement, fqn)
+    tensors = spec["experts"]
+    m = ShardedExperts.build_experts(
+        orig, fqn, tensors, rank=mesh.tp_rank, tp=mesh.tp, group=mesh.tp_group, device=device,
+        dtype=dtype, fmt=spec.get("fmt"),
+    )  # fmt: skip
+    first = orig._parameters[tensors[0].name]
+    assert first is not None  # expert_tensors checked it
+    m.loaded = first.device.type != "meta"
+    if m.loaded:
+        for name, sl in m.param_slices().items():
+            t = orig._parameters[name]
+            assert t is not None  # listed by expert_tensors
+            m.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
+    names = spec.get("lora_tensors") or []
+    if lora is not None and names:
+        a_full = {}
+        for n in names:
+            in_full = m.full_shapes[n][m.tensors[n].in_dim]
+            a_full[n] = _init_A(f"{fqn}.{n}", lora.r * m.num_experts, in_full, lora.seed)
+        m.attach_expert_lora(names, lora.r, lora.scaling, a_full)
+    parent_name, _, child = fqn.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, m)
+    return m
 
 
 def _has_dropout(model: nn.Module) -> bool:

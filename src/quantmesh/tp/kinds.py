@@ -15,7 +15,7 @@ from torch import nn
 
 from ..quant.kinds import is_conv1d, is_quantized_linear
 
-__all__ = ["Kind", "kind_of"]
+__all__ = ["ExpertTensor", "Kind", "expert_tensors", "kind_of"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,58 @@ def kind_of(module: nn.Module) -> Kind | None:
     if isinstance(module, nn.Conv2d) and module.groups == 1:
         return CONV2D
     return None
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One 3-D expert weight of an experts module: its dims and how it splits over tp."""
+
+    name: str  # the parameter's name on the module ("gate_up_proj", "down_proj")
+    first: bool  # the projection that reads the hidden state (its output is the intermediate)
+    in_dim: int  # dim of the (E, ., .) tensor holding input features
+    out_dim: int  # dim holding output features
+    bias: str | None  # name of its per-expert bias (E, out), if the module has one
+
+    @property
+    def split_dim(self) -> int:
+        """The dim of the weight cut over tp: the intermediate features."""
+        return self.out_dim if self.first else self.in_dim
+
+
+def expert_tensors(module: nn.Module) -> list[ExpertTensor] | None:
+    """The expert weights of a transformers experts module, or None when `module` is not one.
+
+    An experts module declares its layout the way transformers' experts interface reads it:
+    `num_experts`, `is_transposed` and `has_gate` attributes and 3-D parameters named
+    `gate_up_proj` (or `up_proj` without a gate) and `down_proj`, each (E, ., .), with
+    `<name>_bias` (E, out) where `has_bias`.
+
+    Example:
+        >>> [t.name for t in expert_tensors(model.model.layers[0].mlp.experts)]  # doctest: +SKIP
+        ['gate_up_proj', 'down_proj']
+    """
+    transposed = getattr(module, "is_transposed", None)
+    n = getattr(module, "num_experts", None)
+    if not isinstance(transposed, bool) or not isinstance(n, int):
+        return None
+    gated = bool(getattr(module, "has_gate", True))
+    names = ("gate_up_proj" if gated else "up_proj", "down_proj")
+    params = module._parameters
+    if any(not isinstance(params.get(k), torch.Tensor) for k in names):
+        return None
+    w1, w2 = (cast(torch.Tensor, params[k]) for k in names)
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != n or w2.shape[0] != n:
+        return None
+    i_dim, o_dim = (1, 2) if transposed else (2, 1)
+    hidden, inter = int(w1.shape[i_dim]), int(w2.shape[i_dim])
+    if int(w2.shape[o_dim]) != hidden or int(w1.shape[o_dim]) != (2 * inter if gated else inter):
+        return None
+    out = []
+    for k, first in zip(names, (True, False), strict=True):
+        b = f"{k}_bias"
+        has_b = isinstance(params.get(b), torch.Tensor)
+        out.append(ExpertTensor(k, first, i_dim, o_dim, b if has_b else None))
+    return out
 
 
 class Conv1DNoBias(nn.Module):

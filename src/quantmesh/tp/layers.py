@@ -211,6 +211,39 @@ class ShardedModule(nn.Module):
             out["weight"] = (k.w_in_dim, self.split.ranges(r))
         return out
 
+    def tp_splits(self) -> dict[str, tuple[int, FeatureSplit]]:
+        """{local parameter name: (dim, split)} of this layer's parameters split over tp (its
+        adapter's included)."""
+        if self.split is None:
+            return {}
+        out: dict[str, Any] = {}
+        for name, sl in self.param_slices().items():
+            if sl is not None:
+                out[name] = (sl[0], self.split)
+        if self.lora_scale is not None:
+            if self.style == Style.ROWWISE:
+                out["lora_A.weight"] = (1, self.split)
+            else:
+                out["lora_B.weight"] = (0, self.split)
+        return out
+
+    def checkpoint_tensors(self, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's tensors in checkpoint layout (quantized weights dequantized), adapter
+        included."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self.param_slices():
+            if name == "weight" and self.fmt is not None:
+                w = self.fmt.dequantize(self.local)  # (out, in)
+                out[name] = w.t() if self.kind.name == "Conv1D" else w
+            else:
+                p = self._parameters[name]
+                assert p is not None, f"{self.fqn}.{name} is None"
+                out[name] = p.detach()
+        if self.lora_scale is not None:
+            out["lora_A.weight"] = self.lora_A.weight.detach()
+            out["lora_B.weight"] = self.lora_B.weight.detach()
+        return out
+
     @property
     def has_bias(self) -> bool:
         return self._parameters.get("bias") is not None

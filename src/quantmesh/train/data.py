@@ -1,94 +1,130 @@
-"""Training data: read text / instruction files, tokenize, pack into fixed-length examples, batch.
+"""Training data: read files in the formats fine-tuning data comes in, tokenize (conversations
+through the chat template), pack into fixed-length examples, batch.
 
 Pure data: no process groups here. Every rank builds the same examples from the same files (the
 pipeline is deterministic), then `iterate_batches` hands each dp rank its contiguous share of one
 global batch, so the global batches do not depend on how many dp ranks there are.
 
-File formats (chosen by extension, else by content):
-  - plain text (`.txt`, `.md`, ...): the whole file is one document;
-  - JSONL with a "text" field per line: one document per line;
-  - instruction JSONL with "prompt" and "response" fields per line: the loss is on the response only.
+Files (`readers`): .jsonl, .json (an array of records), .parquet, .arrow, folders saved by
+`datasets` (`save_to_disk`), folders of such shards, and plain text (.txt, .md: one document).
+Records are streamed (JSONL by line, Parquet / Arrow by record batch, datasets memory-mapped) and
+tokenized a chunk at a time; a rank holds the token ids, never the parsed records.
+Record formats (`formats`): messages (OpenAI / TRL), prompt-completion (TRL, plain or
+conversational), alpaca, sharegpt, prompt-response and text, detected per record by its keys or
+named with `data_format=`.
+
+What is trained (`train_on`): "assistant" (the default) every assistant turn of a conversation,
+with the template's end-of-turn tokens, and the response / completion of a prompt pair; "last" only
+the last assistant turn; "all" every token. Plain text is trained everywhere.
 
 Example:
-    >>> ds = build_dataset(["plays.txt"], tokenizer, seq_len=256, eval_fraction=0.05)  # doctest: +SKIP
-    >>> for batch in iterate_batches(ds.train, 4, dp_rank=0, dp_size=2, seed=0, epoch=0):  # doctest: +SKIP
+    >>> ds = qm.build_dataset(["chat.jsonl"], tokenizer, seq_len=256, eval_fraction=0.05)  # doctest: +SKIP
+    >>> print(ds.summary())  # doctest: +SKIP
+    >>> for batch in qm.iterate_batches(ds.train, 4, dp_rank=0, dp_size=2, seed=0, epoch=0):  # doctest: +SKIP
     ...     loss = model(**batch).loss
 """
 
 from __future__ import annotations
 
-import json
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from ..errors import QuantmeshError
+from .chat import IGNORE_INDEX, check_chat_tokenizer, encode_chats
+from .formats import (
+    FORMATS,
+    DataError,
+    Document,
+    detect,
+    needs,
+    no_format_error,
+    to_document,
+    used_keys,
+)
+from .readers import Source, expand, records
 
 __all__ = [
     "IGNORE_INDEX",
+    "TRAIN_ON",
     "DataError",
     "Document",
+    "FileReport",
     "PackedDataset",
     "build_dataset",
     "iterate_batches",
     "read_documents",
+    "scan_data",
     "steps_per_epoch",
 ]
 
-IGNORE_INDEX = -100  # the label transformers' (and torch's) cross-entropy skips
+TRAIN_ON = ("assistant", "last", "all")
+"""The choices of `train_on`."""
 
-_JSONL_EXTS = {".jsonl", ".ndjson", ".json"}
-_TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
 # A large plain text is cut before each blank-line run that follows a non-space character, so the
 # pieces can be tokenized as one (multi-threaded) batch. For byte-level BPE tokenizers (GPT-2 style
 # pre-tokenizer regex: SmolLM2, Llama 3, Qwen...) no pre-token spans such a cut, so the tokens are
 # identical to tokenizing the whole file in one call.
 _CUT = re.compile(r"(?<!\s)(?=\n\n)")
 _PIECE_CHARS = 8192  # pieces are merged back up to about this many characters
+_CHUNK = 512  # documents tokenized per batch
 
 
-class DataError(QuantmeshError, ValueError):
-    """A data file that cannot be read as one of the supported formats; the message names the file,
-    the line and what was expected."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Document:
-    """One unit of training data read from a file.
+@dataclass
+class FileReport:
+    """What one file (or datasets folder) held.
 
     Example:
-        >>> Document(text="To be, or not to be").is_instruction
-        False
+        >>> FileReport("a.jsonl").line()
+        'a.jsonl: no documents'
     """
 
-    text: str | None = None
-    """Plain text, trained on every token (None for an instruction example)."""
-    prompt: str | None = None
-    """Instruction prompt: part of the input, never a target."""
-    response: str | None = None
-    """Instruction response: the only part with labels."""
-
-    def __post_init__(self) -> None:
-        if (self.text is None) == (self.prompt is None) or (self.prompt is None) != (
-            self.response is None
-        ):
-            raise ValueError(
-                "a Document holds either text=... or prompt=... and response=...; got "
-                f"text={self.text!r:.30}, prompt={self.prompt!r:.30}, response={self.response!r:.30}"
-            )
+    path: str
+    formats: Counter[str] = field(default_factory=Counter)
+    """Documents per record format."""
+    tokens: int = 0
+    """Tokens of its documents (EOS and template text included)."""
+    trained: int = 0
+    """Of those, the tokens with a label (before packing or truncation)."""
+    unused_keys: set[str] = field(default_factory=set)
+    """Keys (columns) of its records that their format does not read."""
+    conversations: int = 0
+    """Documents rendered with the chat template."""
+    added: Counter[str] = field(default_factory=Counter)
+    """Text the chat template added besides its markup -> conversations it was added to."""
 
     @property
-    def is_instruction(self) -> bool:
-        return self.prompt is not None
+    def documents(self) -> int:
+        return sum(self.formats.values())
+
+    def line(self) -> str:
+        """One line for the run's report."""
+        if not self.documents:
+            return f"{self.path}: no documents"
+        fmt = ", ".join(f"{f} {n}" if len(self.formats) > 1 else f for f, n in self.formats.items())
+        out = (
+            f"{self.path}: {fmt}, {self.documents} documents, {self.tokens} tokens, "
+            f"{self.trained} trained"
+        )
+        if self.unused_keys:
+            out += f" (keys not used: {', '.join(sorted(self.unused_keys))})"
+        for text, n in self.added.most_common(3):
+            short = text if len(text) <= 100 else text[:97] + "..."
+            out += (
+                f"\n  the chat template added {short!r} to {n} of {self.conversations} "
+                "conversations"
+            )
+        return out
 
 
 @dataclass
 class PackedDataset:
-    """Packed examples, each {"input_ids": (seq_len,), "labels": (seq_len,)} LongTensors.
+    """Examples, each {"input_ids": (seq_len,), "labels": (seq_len,)} LongTensors, and what the
+    files held (`summary()`).
 
     Example:
         >>> ds = build_dataset(["a.txt"], tok, seq_len=128)  # doctest: +SKIP
@@ -103,108 +139,132 @@ class PackedDataset:
     seq_len: int = 0
     """Tokens per example."""
     num_documents: int = 0
-    """Documents (texts or instruction examples) read from the files."""
+    """Documents (texts, prompt pairs, conversations) read from the files."""
     num_tokens: int = 0
-    """Real tokens packed (EOS separators included, end padding excluded)."""
+    """Tokens of the documents (EOS and template text included, padding excluded)."""
     num_labelled: int = 0
     """Labels that are not IGNORE_INDEX, over train and eval."""
+    num_trained: int = 0
+    """Labels the loss uses: num_labelled less each example's first (no token precedes it)."""
+    packing: bool = True
+    """Documents packed back to back (else one per example, padded)."""
+    train_on: str = "assistant"
+    """What was labelled: "assistant", "last" or "all"."""
+    files: list[FileReport] = field(default_factory=list)
+    """Per file: formats, documents, tokens, trained tokens, template text."""
+    skipped: list[str] = field(default_factory=list)
+    """Files inside the data folders that are not data (README.md, ...)."""
+    truncated: int = 0
+    """Without packing: documents cut at seq_len."""
+    dropped: int = 0
+    """Without packing: documents left out, with no trained token within seq_len."""
+
+    def summary(self) -> str:
+        """What the run trains on, as printed by `quantmesh finetune`.
+
+        Example:
+            >>> print(ds.summary())  # doctest: +SKIP
+            data: chat.jsonl: messages, 5 documents, 160 tokens, 45 trained
+            data: 5 documents, 160 tokens, 45 trained (assistant turns) -> 5 train / 0 eval examples of 64 (one per document, padded)
+        """
+        lines = [f"data: {f.line()}" for f in self.files]
+        if self.skipped:
+            lines.append(f"data: skipped (not data files): {', '.join(self.skipped)}")
+        what = {"assistant": "assistant turns", "last": "last assistant turns", "all": "all"}
+        layout = "packed" if self.packing else "one per document, padded"
+        lines.append(
+            f"data: {self.num_documents} documents, {self.num_tokens} tokens, {self.num_trained} "
+            f"trained ({what[self.train_on]}) -> {len(self.train)} train / {len(self.eval)} eval "
+            f"examples of {self.seq_len} ({layout})"
+        )
+        if self.truncated or self.dropped:
+            lines.append(
+                f"data: {self.truncated} documents longer than {self.seq_len} tokens were cut; "
+                f"{self.dropped} documents with no trained token within {self.seq_len} were left "
+                "out (raise --seq-len, or pack)"
+            )
+        return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- reading
-def read_documents(path: str | Path) -> list[Document]:
-    """Read one data file: plain text, JSONL with "text", or JSONL with "prompt" and "response".
+def _documents(
+    sources: list[Source], data_format: str, reports: list[FileReport]
+) -> Iterator[tuple[FileReport, str, Document]]:
+    """(file report, where, Document) of every record, in file order."""
+    if data_format != "auto" and data_format not in FORMATS:
+        raise DataError(f"data_format={data_format!r}; use auto or one of {', '.join(FORMATS)}")
+    for src in sources:
+        rep = FileReport(str(src.path) + (f" (split {src.split!r})" if src.split else ""))
+        reports.append(rep)
+        if src.kind == "text" and data_format not in ("auto", "text"):
+            raise DataError(
+                f"{src.path}: a plain text file, but --data-format {data_format}; pass "
+                f"{data_format} records in .jsonl / .json / .parquet, or leave --data-format auto"
+            )
+        for pos, obj in records(src):
+            where = src.where(pos)
+            if not isinstance(obj, dict):
+                raise DataError(
+                    f"{where}: expected a JSON object (a record); got a JSON {type(obj).__name__}"
+                )
+            keys = {k for k, v in obj.items() if v is not None}
+            fmt = detect(keys) if data_format == "auto" else data_format
+            if fmt is None or not all(k in keys for k in needs(fmt)):
+                raise no_format_error(where, keys, None if data_format == "auto" else fmt)
+            rep.formats[fmt] += 1
+            rep.unused_keys |= keys - set(used_keys(fmt))
+            yield rep, where, to_document(obj, fmt, where)
+        if not rep.documents:
+            what = "text" if src.kind == "text" else "records"
+            raise DataError(
+                f"{src.path}: no {what} found (the file is empty); remove it or add data"
+            )
 
-    The format comes from the extension (.txt/.md: text; .jsonl/.ndjson/.json: JSONL), else from
-    the content (a first line that is a JSON object means JSONL).
+
+def read_documents(
+    paths: str | Path | Sequence[str | Path], data_format: str = "auto"
+) -> list[Document]:
+    """Every document of the files and folders, in order (checked as `build_dataset` reads them).
 
     Example:
         >>> docs = read_documents("train.jsonl")  # doctest: +SKIP
-        >>> docs[0].prompt, docs[0].response      # doctest: +SKIP
-        ('Name a colour.', 'Blue.')
+        >>> docs[0].messages[-1]                  # doctest: +SKIP
+        {'role': 'assistant', 'content': 'Blue.'}
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist; check the path")
-    if path.is_dir():
-        raise IsADirectoryError(f"{str(path)!r} is a directory; pass the data files inside it")
-    text = _decode(path, path.read_bytes())
-    if _is_jsonl(path, text):
-        docs = _parse_jsonl(path, text)
-    else:
-        docs = [Document(text=text)] if text.strip() else []
-    if not docs:
-        raise DataError(f"{path}: no text found (the file is empty); remove it or add data")
-    return docs
+    sources, _ = expand([paths] if isinstance(paths, (str, Path)) else paths)
+    return [d for _, _, d in _documents(sources, data_format, [])]
 
 
-def _decode(path: Path, raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8-sig").replace("\r\n", "\n")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"{path} line {line}: expected UTF-8 text, found byte 0x{raw[e.start]:02x} at offset "
-            f"{e.start} that is not valid UTF-8; re-save the file as UTF-8"
-        ) from None
+def scan_data(
+    paths: Sequence[str | Path], data_format: str = "auto", tokenizer: Any = None
+) -> list[FileReport]:
+    """Read every record once (streamed, nothing kept) and return what each file holds: the
+    launcher's check that the data is readable before any worker starts. With a tokenizer, the
+    first conversation also checks that it has a chat template.
+
+    Example:
+        >>> [r.formats for r in scan_data(["chat.jsonl"])]  # doctest: +SKIP
+        [Counter({'messages': 5})]
+    """
+    sources, _ = expand(paths)
+    reports: list[FileReport] = []
+    checked = tokenizer is None
+    for _, where, doc in _documents(sources, data_format, reports):
+        templated = doc.kind == "chat" or (doc.kind == "response" and _has_template(tokenizer))
+        if not checked and templated:
+            check_chat_tokenizer(tokenizer, where)
+            checked = True
+    return reports
 
 
-def _is_jsonl(path: Path, text: str) -> bool:
-    ext = path.suffix.lower()
-    if ext in _JSONL_EXTS:
-        return True
-    if ext in _TEXT_EXTS:
-        return False
-    first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    try:
-        return isinstance(json.loads(first), dict)
-    except ValueError:
-        return False
-
-
-_EXPECTED = "expected a JSON object with a 'text' field, or 'prompt' and 'response'"
-
-
-def _parse_jsonl(path: Path, text: str) -> list[Document]:
-    docs = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue  # blank lines (a trailing newline, spacing) carry nothing
-        where = f"{path} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            snippet = line if len(line) <= 60 else line[:57] + "..."
-            raise DataError(f"{where}: {_EXPECTED}; got invalid JSON ({e}): {snippet!r}") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{where}: {_EXPECTED}; got a JSON {type(obj).__name__}")
-        if "prompt" in obj or "response" in obj:
-            if not ("prompt" in obj and "response" in obj):
-                raise DataError(
-                    f"{where}: {_EXPECTED}; got keys {sorted(obj)} (a 'prompt' needs a 'response' "
-                    "and the reverse)"
-                )
-            docs.append(
-                Document(
-                    prompt=_field(obj, "prompt", where), response=_field(obj, "response", where)
-                )
-            )
-        elif "text" in obj:
-            docs.append(Document(text=_field(obj, "text", where)))
-        else:
-            raise DataError(f"{where}: {_EXPECTED}; got keys {sorted(obj)}")
-    return docs
-
-
-def _field(obj: dict[str, Any], key: str, where: str) -> str:
-    value = obj[key]
-    if not isinstance(value, str):
-        raise DataError(
-            f"{where}: field {key!r} must be a string, got {type(value).__name__} {value!r:.40}"
-        )
-    return value
+def _has_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 # ------------------------------------------------------------------------------------- tokenizing
+Encoded = tuple[list[int], list[int]]  # (input ids, labels) of one document
+
+
 def _tokenize_texts(texts: list[str], tokenizer: Any) -> list[list[int]]:
     """Token ids of each text, no special tokens added; long texts cut into pieces for one batch."""
     pieces, owner = [], []
@@ -214,7 +274,7 @@ def _tokenize_texts(texts: list[str], tokenizer: Any) -> list[list[int]]:
             owner.append(i)
     ids: list[list[int]] = [[] for _ in texts]
     if pieces:
-        for i, piece_ids in zip(owner, _encode(tokenizer, pieces)):
+        for i, piece_ids in zip(owner, _encode(tokenizer, pieces), strict=True):
             ids[i].extend(piece_ids)
     return ids
 
@@ -235,52 +295,81 @@ def _pieces(text: str) -> list[str]:
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     # One batched call: a fast tokenizer encodes a batch on all cores.
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def _encode_instructions(docs: list[Document], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) of each instruction example; labels are IGNORE_INDEX on the prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        # The prompt as a user turn (+ the assistant header), the full text with the assistant turn.
-        # Both rendered as strings in a batch, then tokenized in a batch: per-example
-        # apply_chat_template(tokenize=True) is an order of magnitude slower on big files.
-        users = [[{"role": "user", "content": d.prompt}] for d in docs]
-        fulls = [u + [{"role": "assistant", "content": d.response}] for u, d in zip(users, docs)]
-        p_text = tokenizer.apply_chat_template(users, tokenize=False, add_generation_prompt=True)
-        f_text = tokenizer.apply_chat_template(fulls, tokenize=False)
-        p_ids, f_ids = _encode(tokenizer, list(p_text)), _encode(tokenizer, list(f_text))
-        out = []
-        for p, f in zip(p_ids, f_ids):
-            # The rendered prompt is a prefix of the rendered conversation for ordinary templates;
-            # where a template renders them differently, train from the first differing token.
-            k = _common_prefix(p, f)
-            out.append((f, [IGNORE_INDEX] * k + f[k:]))
-        return out
-    eos = _eos_id(tokenizer)
-    # instruction documents: prompt and response are set (the parser checked them)
-    p_ids = _encode(tokenizer, cast(list[str], [d.prompt for d in docs]))
-    r_ids = _encode(tokenizer, cast(list[str], [d.response for d in docs]))
-    # No template: prompt and response are concatenated as they are (put any separator you want at
-    # the end of the prompt); EOS ends the response and is a target, so the model learns to stop.
-    return [(p + r + [eos], [IGNORE_INDEX] * len(p) + r + [eos]) for p, r in zip(p_ids, r_ids)]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return list(tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
 def _eos_id(tokenizer: Any) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise DataError(
-            f"tokenizer {type(tokenizer).__name__} has no eos_token, which separates packed "
-            "documents; set one, e.g. tokenizer.eos_token = '</s>' (a token of its vocabulary)"
+            f"tokenizer {type(tokenizer).__name__} has no eos_token, which ends documents; set "
+            "one, e.g. tokenizer.eos_token = '</s>' (a token of its vocabulary)"
         )
     return int(eos)
+
+
+def _encode_docs(
+    items: list[tuple[FileReport, str, Document]], tokenizer: Any, train_on: str
+) -> list[Encoded]:
+    """(input_ids, labels) of each document, in order; labels are IGNORE_INDEX where not trained.
+
+    Text: the text + EOS. A prompt pair without a template (a completion always): prompt +
+    answer + EOS as they are (put any separator you want at the end of the prompt). Conversations
+    (a prompt/response pair too, when the tokenizer has a chat template): the chat template's text.
+    """
+    has_template = _has_template(tokenizer)
+    out: list[Encoded | None] = [None] * len(items)
+    texts, pairs, chats = [], [], []
+    for i, (rep, where, d) in enumerate(items):
+        if d.kind == "text":
+            texts.append(i)
+        elif d.kind == "completion" or (d.kind == "response" and not has_template):
+            pairs.append(i)
+        else:
+            if d.kind == "response":  # a user turn and an assistant turn
+                msgs = ({"role": "user", "content": d.prompt}, {"role": "assistant",
+                        "content": d.response})  # fmt: skip
+                items[i] = (rep, where, Document(messages=msgs))
+            chats.append(i)
+    if texts:
+        eos = _eos_id(tokenizer)
+        for i, x in zip(texts, _tokenize_texts([_text(items[i][2]) for i in texts], tokenizer),
+                        strict=True):  # fmt: skip
+            out[i] = (x + [eos], x + [eos])  # EOS ends every text and is a target
+    if pairs:
+        eos = _eos_id(tokenizer)
+        p_ids = _encode(tokenizer, [items[i][2].prompt or "" for i in pairs])
+        a_ids = _encode(tokenizer, [_answer(items[i][2]) for i in pairs])
+        for i, p, a in zip(pairs, p_ids, a_ids, strict=True):
+            ids = p + a + [eos]  # EOS ends the answer and is a target: the model learns to stop
+            out[i] = (ids, list(ids) if train_on == "all" else [IGNORE_INDEX] * len(p) + a + [eos])
+    if chats:
+        chat_items = [(items[i][1], items[i][2]) for i in chats]
+        for i, (x, y, added) in zip(chats, encode_chats(chat_items, tokenizer, train_on),
+                                    strict=True):  # fmt: skip
+            out[i] = (x, y)
+            rep = items[i][0]
+            rep.conversations += 1
+            for text in dict.fromkeys(added):
+                rep.added[text] += 1
+    result = []
+    for (rep, _, _), enc in zip(items, out, strict=True):
+        assert enc is not None  # every document is one of the three kinds
+        rep.tokens += len(enc[0])
+        rep.trained += sum(1 for v in enc[1] if v != IGNORE_INDEX)
+        result.append(enc)
+    return result
+
+
+def _text(d: Document) -> str:
+    assert d.text is not None  # a text document
+    return d.text
+
+
+def _answer(d: Document) -> str:
+    answer = d.completion if d.completion is not None else d.response
+    assert answer is not None  # a prompt pair
+    return answer
 
 
 # ---------------------------------------------------------------------------------------- packing
@@ -291,39 +380,78 @@ def build_dataset(
     *,
     eval_fraction: float = 0.0,
     seed: int = 0,
+    data_format: str = "auto",
+    train_on: str = "assistant",
+    packing: bool = True,
 ) -> PackedDataset:
-    """Tokenize the files and pack them into examples of exactly seq_len tokens.
+    """Read, tokenize and pack the files into examples of exactly seq_len tokens.
 
-    Documents are joined with EOS (texts) or follow each other (instruction examples, which end
-    with EOS or the chat template's end of turn) into one stream, cut into seq_len chunks. Labels
-    equal input_ids where trained (the model shifts them) and are -100 on prompts and on the end
-    padding of the last chunk. eval_fraction of the chunks, chosen by seed, go to `.eval`.
+    `paths`: files and folders (see the module docstring). `data_format`: "auto" (each record's
+    keys name its format) or one of formats.FORMATS for every record. `train_on`: "assistant",
+    "last" or "all". With `packing` (the default) the documents follow each other in one stream
+    (each ends with EOS or the template's end of turn), cut into seq_len chunks; without, each
+    document is one example, cut at seq_len and padded. Labels equal input_ids where trained (the
+    model shifts them) and are -100 elsewhere and on padding. eval_fraction of the examples,
+    chosen by seed, go to `.eval`.
 
     Example:
-        >>> ds = build_dataset(["plays.txt", "qa.jsonl"], tok, 256, eval_fraction=0.05)  # doctest: +SKIP
+        >>> ds = build_dataset(["plays.txt", "chat.parquet"], tok, 256, eval_fraction=0.05)  # doctest: +SKIP
         >>> ds.train[0]["input_ids"].shape, ds.train[0]["labels"].dtype  # doctest: +SKIP
         (torch.Size([256]), torch.int64)
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
-        raise DataError("build_dataset got no data files; pass at least one .txt or .jsonl path")
+        raise DataError("build_dataset got no data paths; pass at least one file or folder")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"seq_len must be an int >= 2 (an input and a target), got {seq_len!r}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}; e.g. 0.05")
+    if train_on not in TRAIN_ON:
+        raise DataError(f"train_on={train_on!r}; use one of {', '.join(TRAIN_ON)}")
 
-    docs = [d for p in paths for d in read_documents(p)]
-    ids, labels = _token_stream(docs, tokenizer)
-    num_tokens = len(ids)
+    sources, skipped = expand(paths)
+    reports: list[FileReport] = []
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = _eos_id(tokenizer) if pad is None else int(pad)
-    chunks_ids, chunks_labels = _pack(ids, labels, seq_len, pad)
+    stream_ids: list[torch.Tensor] = []  # packing: the token stream, a chunk of documents each
+    stream_labels: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []  # no packing: (2, seq_len) per kept document
+    num_docs = num_tokens = truncated = dropped = 0
+    chunk: list[tuple[FileReport, str, Document]] = []
+    docs = _documents(sources, data_format, reports)
+    while True:
+        chunk = [item for _, item in zip(range(_CHUNK), docs, strict=False)]
+        if not chunk:
+            break
+        encoded = _encode_docs(chunk, tokenizer, train_on)
+        num_docs += len(encoded)
+        num_tokens += sum(len(x) for x, _ in encoded)
+        if packing:  # one tensor per chunk of documents
+            stream_ids.append(torch.tensor([t for x, _ in encoded for t in x], dtype=torch.long))
+            stream_labels.append(torch.tensor([t for _, y in encoded for t in y], dtype=torch.long))
+            continue
+        for x, y in encoded:
+            if len(x) > seq_len:
+                truncated += 1
+                x, y = x[:seq_len], y[:seq_len]
+            if all(v == IGNORE_INDEX for v in y[1:]):
+                dropped += 1  # nothing the loss could use (position 0 has no predecessor)
+                continue
+            fill = seq_len - len(x)
+            rows.append(torch.tensor([x + [pad] * fill, y + [IGNORE_INDEX] * fill]))
+    if packing:
+        ids = torch.cat(stream_ids) if stream_ids else torch.zeros(0, dtype=torch.long)
+        labels = torch.cat(stream_labels) if stream_labels else torch.zeros(0, dtype=torch.long)
+        chunks_ids, chunks_labels = _pack(ids, labels, seq_len, pad)
+    else:
+        both = torch.stack(rows) if rows else torch.zeros(0, 2, seq_len, dtype=torch.long)
+        chunks_ids, chunks_labels = both[:, 0], both[:, 1]
     n = chunks_ids.shape[0]
     if n == 0:
         raise DataError(
-            f"the data ({num_tokens} tokens from {len(docs)} documents) holds no trainable "
-            f"tokens at seq_len={seq_len}; add data or lower seq_len"
+            f"the data ({num_tokens} tokens from {num_docs} documents) holds no trainable "
+            f"tokens at seq_len={seq_len}; add data or raise seq_len"
         )
 
     n_eval = 0
@@ -339,47 +467,31 @@ def build_dataset(
     is_eval[torch.randperm(n, generator=gen)[:n_eval]] = True
     # Rows of the two (n, seq_len) tensors: views, so examples share one storage.
     examples = [{"input_ids": chunks_ids[i], "labels": chunks_labels[i]} for i in range(n)]
+    flags = is_eval.tolist()
     return PackedDataset(
-        train=[e for e, ev in zip(examples, is_eval.tolist()) if not ev],
-        eval=[e for e, ev in zip(examples, is_eval.tolist()) if ev],
+        train=[e for e, ev in zip(examples, flags, strict=True) if not ev],
+        eval=[e for e, ev in zip(examples, flags, strict=True) if ev],
         seq_len=seq_len,
-        num_documents=len(docs),
+        num_documents=num_docs,
         num_tokens=num_tokens,
         num_labelled=int((chunks_labels != IGNORE_INDEX).sum()),
+        num_trained=int((chunks_labels[:, 1:] != IGNORE_INDEX).sum()),
+        packing=packing,
+        train_on=train_on,
+        files=reports,
+        skipped=[str(p) for p in skipped],
+        truncated=truncated,
+        dropped=dropped,
     )
 
 
-def _token_stream(docs: list[Document], tokenizer: Any) -> tuple[list[int], list[int]]:
-    """All documents as one stream of (input id, label), in file order."""
-    texts = cast(list[str], [d.text for d in docs if not d.is_instruction])  # text documents
-    instr = [d for d in docs if d.is_instruction]
-    text_ids = iter(_tokenize_texts(texts, tokenizer)) if texts else iter(())
-    instr_pairs = iter(_encode_instructions(instr, tokenizer)) if instr else iter(())
-    eos = _eos_id(tokenizer) if texts else None
-    ids: list[int] = []
-    labels: list[int] = []
-    for d in docs:
-        if d.is_instruction:
-            x, y = next(instr_pairs)
-            ids += x
-            labels += y
-        else:
-            assert eos is not None  # set when there are texts
-            x = next(text_ids) + [eos]  # EOS ends every text and is a target
-            ids += x
-            labels += x
-    return ids, labels
-
-
 def _pack(
-    ids: list[int], labels: list[int], seq_len: int, pad: int
+    x: torch.Tensor, y: torch.Tensor, seq_len: int, pad: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut the stream into (n, seq_len) chunks; the last partial chunk is padded (labels -100)
     and kept only if it still has a target (position 0's label is never a target: no token
     precedes it)."""
-    n_full, rest = divmod(len(ids), seq_len)
-    x = torch.tensor(ids, dtype=torch.long)
-    y = torch.tensor(labels, dtype=torch.long)
+    n_full, rest = divmod(x.numel(), seq_len)
     if rest and bool((y[n_full * seq_len + 1 :] != IGNORE_INDEX).any()):
         fill = seq_len - rest
         x = torch.cat([x, torch.full((fill,), pad, dtype=torch.long)])

@@ -1,0 +1,173 @@
+"""Mixture-of-experts LoRA training on one GPU: quantmesh (nf4 experts) against transformers +
+bitsandbytes + peft (experts left in bf16: bitsandbytes quantizes linears only), same call.
+
+The model is Qwen3-30B-A3B-shaped (hidden 2048, 128 experts of 768, top-8, 32 heads / 4 KV heads,
+vocabulary 151,936) at `--layers` of its 48 layers, random weights. Both sides train LoRA r=16
+(alpha 32) on q/k/v/o and on every expert tensor (peft: `target_parameters`), bf16 autocast,
+AdamW, `--warmup` + `--steps` steps of `--mb` rows of `--seq` tokens.
+
+Reports tokens/s, peak GPU memory, quantmesh's memory estimate for the same run, and the
+estimate at full depth (48 layers) at tp=1 and tp=2.
+
+Usage (one GPU):
+    python benchmarks/bench_moe.py --mode qm --out DIR [--compile]
+    python benchmarks/bench_moe.py --mode peft --out DIR
+    python benchmarks/bench_moe.py --mode qm --smoke --out DIR   (tiny shapes, CPU)
+Writes DIR/result_moe_<mode>.json; a failure is recorded there, not raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qmbench as qb  # noqa: E402
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--mode", choices=["qm", "peft"], required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mb", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="qm: compile_blocks")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def config(a, layers: int | None = None):
+    from transformers import Qwen3MoeConfig
+
+    if a.smoke:
+        shape = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128,
+                     num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=256)  # fmt: skip
+    else:
+        shape = dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                     num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, vocab_size=151936)  # fmt: skip
+    cfg = Qwen3MoeConfig(
+        num_hidden_layers=layers or a.layers, max_position_embeddings=max(4096, a.seq),
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, use_cache=False,
+        tie_word_embeddings=False, **shape,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager" if a.smoke else "sdpa"
+    cfg._experts_implementation = "eager" if a.smoke else "grouped_mm"
+    return cfg
+
+
+def skeleton(cfg):
+    from transformers import Qwen3MoeForCausalLM
+
+    import quantmesh as qm
+
+    with qm.empty_model():
+        return Qwen3MoeForCausalLM(cfg)
+
+
+def estimates(a) -> dict:
+    """quantmesh's estimate for this run, and for the full 48-layer model at tp=1 and tp=2."""
+    import quantmesh as qm
+
+    out = {}
+    lora = qm.LoraConfig(r=16, alpha=32)
+    for name, layers, tp in (("this_run", a.layers, 1), ("full_tp1", 48, 1), ("full_tp2", 48, 2)):
+        if a.smoke and layers == 48:
+            continue
+        est = qm.estimate_memory(
+            skeleton(config(a, layers)), tp=tp, quant="nf4", lora=lora, seq_len=a.seq,
+            micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
+        )  # fmt: skip
+        out[name] = {"total_GiB": round(est.total / 2**30, 2),
+                     "weights_GiB": round(est.weights / 2**30, 2)}  # fmt: skip
+    return out
+
+
+def run_qm(a, device) -> tuple:
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=1)
+    model = skeleton(config(a))
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
+                   dtype=torch.bfloat16)  # fmt: skip
+    qb.fill_random(model, seed=0)
+    if a.compile:
+        qm.compile_blocks(model)
+    model.train()
+    return model, qm.trainable_parameters(model)
+
+
+def run_peft(a, device) -> tuple:
+    import peft
+    from transformers import BitsAndBytesConfig, Qwen3MoeForCausalLM
+
+    cfg = config(a)
+    with tempfile.TemporaryDirectory() as tmp:  # quantized on load, as a user's checkpoint is
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                 bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+        model = Qwen3MoeForCausalLM.from_pretrained(
+            tmp, quantization_config=bnb, dtype=torch.bfloat16, device_map={"": device}
+        )
+    lc = peft.LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    model = peft.get_peft_model(model, lc)
+    model.train()
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.smoke:
+        a.seq, a.mb, a.warmup, a.steps = 16, 1, 1, 2
+    os.makedirs(a.out, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    R: dict = {"mode": a.mode, "layers": a.layers, "seq": a.seq, "mb": a.mb,
+               "compile": a.compile, "env": qb.env_report()}  # fmt: skip
+    with qb.record_errors(R):
+        R["estimate"] = estimates(a)
+        model, params = (run_qm if a.mode == "qm" else run_peft)(a, device)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        vocab = config(a).vocab_size
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (a.mb, a.seq), generator=g).to(device)
+        qb.reset_peaks(device)
+        losses = []
+        t0 = 0.0
+        for i in range(a.warmup + a.steps):
+            if i == a.warmup:
+                qb.sync(device)
+                t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        qb.sync(device)
+        dt = time.perf_counter() - t0
+        R["tokens_per_s"] = round(a.steps * a.mb * a.seq / dt, 1)
+        R["losses"] = [round(float(x), 4) for x in losses]
+        R["memory"] = qb.gpu_mem(device)
+    qb.write_json(
+        os.path.join(a.out, f"result_moe_{a.mode}{'_compiled' if a.compile else ''}.json"), R
+    )
+    print({k: R.get(k) for k in ("tokens_per_s", "memory", "estimate", "error")})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""A 4-bit matmul for a few rows (decoding): x (M <= 64, K) @ W^T, W in bitsandbytes' packed
+4-bit layout, read once, never written out in float. Opt-in (`ENABLED`, off by default): on one
+H200 it is not yet faster than bitsandbytes' own kernels (docs/benchmarks.md, "4-bit matmul for a
+few rows"), so the library's path stays bitsandbytes' until it is.
+
+bitsandbytes' `matmul_4bit` runs its gemv kernel at 1 row and dequantizes the whole weight to
+bf16 (then a dense matmul) from a few rows on. This Triton kernel streams the packed codes and the
+block statistics once per call: each program owns `BLOCK_N` output features and walks K, turning
+each byte into its two 4-bit values (high nibble first) through the 16 code values (fp32, one
+cache line), scaling them by the block's absmax (8-bit with a nested fp32 absmax and an offset
+under double quant, dequantized in the kernel) and multiplying them with all M rows at once
+(`tl.dot`, or a plain reduction along K at 1 row). The weight values are bitsandbytes' own: the
+fp32 product of the code value and the fp32 absmax, rounded to the compute dtype, exactly what
+`dequantize_4bit` writes; only the order of the sums differs from dequantize + matmul.
+
+Blocks run over the flattened (out, in) weight, as bitsandbytes quantizes it, so any even `in`
+works (a block may span two rows when `in` is not a multiple of the blocksize); when it is, the
+kernel loads one absmax per block instead of one per byte.
+
+With `ENABLED = True`, `QuantLinear4bit.forward` (quant/bnb.py) takes it on CUDA when no autograd
+is recording, the compute dtype is bf16 or fp16 and the input has at most `MAX_ROWS` rows
+(`rows_kernel_applies`); everything else (CPU, training, longer inputs) keeps bitsandbytes' path.
+It is one torch custom op, `quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA
+graphs) traces it without a graph break. Tiles per row count: `choose_config`, the fastest of
+those measured on an H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+
+__all__ = ["ENABLED", "MAX_ROWS", "choose_config", "matmul_4bit_rows", "rows_kernel_applies"]
+
+MAX_ROWS = 64  # inputs with more rows keep bitsandbytes' path (dequantize + matmul)
+# True: QuantLinear4bit takes the kernel where it applies. Off by default: slower than
+# bitsandbytes' kernels on an H200 as measured so far (benchmarks turn it on to compare the two).
+ENABLED = False
+_INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
+
+
+# Triton runs where it is installed (the GPU images); found without importing it, so that the
+# check below costs nothing inside a compiled step
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _triton() -> Any:
+    """(triton, triton.language)."""
+    import triton
+    import triton.language as tl
+
+    return triton, tl
+
+
+def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
+    """Whether `matmul_4bit_rows` computes x @ W^T for the QuantState `qs`: on CUDA with Triton,
+    no autograd recording, bf16/fp16 compute, at most `MAX_ROWS` rows, an even `in`, and
+    statistics bitsandbytes' kernels read the same way (nested blocks of 256).
+
+    Example:
+        >>> rows_kernel_applies(torch.ones(1, 64), qs, torch.bfloat16)  # CPU: no  # doctest: +SKIP
+        False
+    """
+    if not ENABLED or x.device.type != "cuda" or torch.is_grad_enabled():
+        return False
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return False
+    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
+    rows = x.numel() // max(in_f, 1)
+    if x.shape[-1] != in_f or rows < 1 or rows > MAX_ROWS or in_f % 2:
+        return False
+    if out_f * in_f >= _INT32_LIMIT or qs.quant_type not in ("nf4", "fp4"):
+        return False
+    if qs.nested and int(qs.state2.blocksize) != 256:
+        return False
+    return _HAS_TRITON
+
+
+def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype, W the 4-bit weight `packed` + QuantState
+    `qs` (bitsandbytes' layout), through the Triton kernel; check `rows_kernel_applies` first.
+
+    Example:
+        >>> y = matmul_4bit_rows(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
+    """
+    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
+    x2 = x.reshape(-1, in_f)
+    flat = packed.reshape(-1).view(torch.uint8)
+    if qs.nested:
+        s2 = qs.state2
+        offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(qs.offset)
+        y = _rows_op(x2, flat, qs.absmax, s2.absmax, s2.code, offset.to(x.device, torch.float32),
+                     int(qs.blocksize), str(qs.quant_type), out_f)  # fmt: skip
+    else:
+        y = _rows_op(x2, flat, qs.absmax, None, None, None, int(qs.blocksize),
+                     str(qs.quant_type), out_f)  # fmt: skip
+    return y.reshape(*x.shape[:-1], out_f)
+
+
+# ---- tiles ------------------------------------------------------------------------------------
+def choose_config(rows: int) -> dict[str, int]:
+    """The kernel's tiles at `rows` rows: BLOCK_N output features per program, BLOCK_K inputs
+    per step, SPLIT_K programs along K (their fp32 partial sums added after), DOT 1: `tl.dot`,
+    0: a reduction along K; the fastest of those timed on an H200 for the 7B shapes.
+
+    Example:
+        >>> choose_config(1)["DOT"]
+        0
+    """
+    if rows == 1:
+        return dict(BLOCK_N=16, BLOCK_K=1024, DOT=0, SPLIT_K=1, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, BLOCK_K=128, DOT=1, SPLIT_K=2, num_warps=4, num_stages=3)
+
+
+@torch.library.custom_op("quantmesh::matmul_4bit_rows", mutates_args=())
+def _rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+             offset: torch.Tensor | None, blocksize: int, quant_type: str,
+             out_f: int) -> torch.Tensor:  # fmt: skip
+    return _launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+                   out_f, choose_config(x.shape[0]))  # fmt: skip
+
+
+@_rows_op.register_fake
+def _(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f):
+    return x.new_empty((x.shape[0], out_f))
+
+
+def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+            nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+            offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+            cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
+    """Run the kernel with tiles `cfg` (the benchmark calls it with each candidate)."""
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes
+    triton, _ = _triton()
+    from ._triton4 import rows_4bit as kernel
+
+    x = x.contiguous()
+    rows, in_f = x.shape
+    nested = nested_absmax is not None
+    bm = triton.next_power_of_2(rows) if not cfg["DOT"] else max(16, triton.next_power_of_2(rows))
+    split = cfg["SPLIT_K"]
+    aligned = (
+        in_f % blocksize == 0 and cfg["BLOCK_K"] % blocksize == 0 and cfg.get("ALIGNED", 1) == 1
+    )
+    y = torch.empty(
+        (split, rows, out_f), dtype=torch.float32 if split > 1 else x.dtype, device=x.device
+    )
+    dummy = absmax  # pointers the kernel never reads (no nested statistics)
+    grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), split)
+    k_per = triton.cdiv(triton.cdiv(in_f, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]  # per program
+    kernel[grid](
+        x, packed, absmax,
+        nested_absmax if nested else dummy, nested_code if nested else dummy,
+        offset if nested else dummy, _code_values(quant_type, x.device), y,
+        rows, out_f, in_f, x.stride(0), k_per,
+        BS=blocksize, BS2=256, NESTED=nested, ALIGNED=aligned, BLOCK_M=bm,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], DOT=cfg["DOT"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y[0] if split == 1 else y.sum(0).to(x.dtype)
+
+
+@functools.cache
+def _code_values(quant_type: str, device: torch.device) -> torch.Tensor:
+    """(16,) fp32: the value of each 4-bit code, from bitsandbytes' own dequantization (absmax 1),
+    so that the kernel's weights are the ones `dequantize_4bit` writes."""
+    codes = torch.arange(16, dtype=torch.uint8, device=device)
+    packed = ((codes[0::2] << 4) | codes[1::2]).reshape(-1, 1)  # 0x01, 0x23, ..., 0xef
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    return torch.ops.bitsandbytes.dequantize_4bit(
+        packed, ones, 64, quant_type, [1, 16], torch.float32
+    ).reshape(16)

@@ -1,0 +1,472 @@
+"""Mixtures of experts: the fused 3-D expert tensors split over tp, quantized and adapted.
+
+transformers 5 stores a block's experts as 3-D parameters read by one experts module
+(`gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I); transposed, (E, H, 2I) and (E, I, H), where
+the module says `is_transposed`; a bias per expert where it has them). The rules:
+
+- **Split the intermediate dimension I of every expert, like a dense MLP.** The first projection's
+  output features and the second's input features are cut at the same places (a gated first
+  projection keeps each gate feature with its up feature: [gate; up] halves split alike, or
+  neighbouring pairs when the module interleaves them), so each rank computes every expert on its
+  slice of I and the outputs are partial sums: the input goes through `copy_to_tp` (its gradient
+  all-reduced) and the output through one all-reduce. The router and the routing stay whole.
+- **A term added to a partial sum lives on one rank.** The second projection's bias would be added
+  tp times: tp rank 0 adds it, the others add zeros (its gradient, if it has one, all-reduced).
+- **A replicated factor that meets split features gets its gradient all-reduced.** LoRA on an
+  expert tensor is a per-expert weight delta (PEFT's `target_parameters` layout: A (E*r, in),
+  B (out, E*r)); the factor on the split side is split with it, the other factor is whole on every
+  rank and passes through `copy_to_tp`, so its gradient is complete and identical everywhere.
+- **Quantized like every frozen weight.** Each rank's (E, a, b) slice is quantized by the model's
+  QuantFormat as one (E*a, b) linear weight, so blocks follow the slice (per-expert statistics
+  whenever a*b is a multiple of the block size) and the store is the format's own.
+
+The model's own experts forward runs unchanged on the rank's effective tensors (dequantized,
+plus the adapters' deltas) through `torch.func.functional_call`; with a quantized base or adapters
+it runs under activation checkpointing, so that no dequantized expert weight is kept for backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, cast
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from ..plan.styles import FeatureSplit, Ranges, Style, balanced_counts, segmented_split, unit_split
+from .collectives import copy_to_tp, reduce_from_tp
+from .kinds import ExpertTensor, Kind, expert_tensors
+from .layers import ShardedModule
+
+__all__ = [
+    "ExpertTensor",
+    "ShardedExperts",
+    "expert_lora_targets",
+    "expert_tensors",
+    "find_experts",
+    "local_sizes",
+    "unhandled_3d",
+]
+
+EXPERTS = Kind(
+    "Experts", 1, 2, -1, False
+)  # the (E, out, in) layout; `ExpertTensor` says per tensor
+
+
+def find_experts(model: nn.Module) -> dict[str, list[ExpertTensor]]:
+    """{fqn: expert tensors} of every experts module of `model`, in model order.
+
+    Example:
+        >>> list(find_experts(mixtral))  # doctest: +SKIP
+        ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
+    """
+    out = {}
+    for fqn, m in model.named_modules():
+        if isinstance(m, ShardedModule):
+            continue
+        ts = expert_tensors(m)
+        if ts is not None:
+            out[fqn] = ts
+    return out
+
+
+def unhandled_3d(model: nn.Module, experts: dict[str, Any]) -> list[str]:
+    """Names of float parameters of 3 or more dims outside the recognized experts modules: weights
+    quantmesh keeps whole and in float (callers say so).
+
+    Example:
+        >>> unhandled_3d(model, find_experts(model))  # doctest: +SKIP
+        ['model.layers.0.moe.w1']
+    """
+    out = []
+    for fqn, m in model.named_modules():
+        if fqn in experts or isinstance(m, ShardedModule):
+            continue
+        for name, p in m._parameters.items():
+            if p is not None and p.dim() >= 3 and p.is_floating_point():
+                out.append(f"{fqn}.{name}" if fqn else name)
+    return [n for n in out if not isinstance(model.get_submodule(n.rpartition(".")[0]), nn.Conv2d)]
+
+
+def _inter_split(module: nn.Module, t: ExpertTensor, inter: int, tp: int) -> FeatureSplit:
+    """The split of tensor `t`'s `split_dim` over tp: I cut in balanced blocks, the first
+    projection's gated features kept with their partners."""
+    counts = balanced_counts(inter, tp)
+    base = unit_split(inter, 1, counts)
+    if not t.first or not bool(getattr(module, "has_gate", True)):
+        return base
+    if bool(getattr(module, "is_concatenated", True)):  # [gate; up]: each half cut alike
+        return segmented_split([base, base])
+    return unit_split(2 * inter, 2, counts)  # gate, up interleaved: neighbouring pairs
+
+
+def local_sizes(module: nn.Module, tensors: list[ExpertTensor], tp: int, rank: int) -> dict:
+    """{tensor name: (local elements, local (in, out) of one expert)} on tp rank `rank` (for the
+    memory planner: the split ShardedExperts makes).
+
+    Example:
+        >>> local_sizes(experts, expert_tensors(experts), 2, 0)["down_proj"]  # doctest: +SKIP
+        (6144, (16, 96))
+    """
+    first, second = tensors
+    w2 = cast(torch.Tensor, module._parameters[second.name])
+    inter = int(w2.shape[second.in_dim])
+    out = {}
+    for t in tensors:
+        shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
+        if tp > 1 and inter >= tp:
+            shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
+        out[t.name] = (math.prod(shape), (shape[t.in_dim], shape[t.out_dim]))
+    return out
+
+
+def expert_lora_targets(
+    experts: dict[str, list[ExpertTensor]], selected: list[str]
+) -> dict[str, list[str]]:
+    """{experts fqn: tensor names} adapted, from the names a LoraConfig selected (`lora_targets`
+    with the expert tensors' full names as extra candidates): an experts module's own name
+    selects all of its tensors.
+
+    Example:
+        >>> expert_lora_targets(find_experts(m), ["model.layers.0.mlp.experts.down_proj"])  # doctest: +SKIP
+        {'model.layers.0.mlp.experts': ['down_proj']}
+    """
+    out: dict[str, list[str]] = {}
+    for fqn, ts in experts.items():
+        names = [t.name for t in ts if fqn in selected or f"{fqn}.{t.name}" in selected]
+        if names:
+            out[fqn] = names
+    return out
+
+
+class ExpertAdapter(nn.Module):
+    """LoRA of one expert tensor in PEFT's `target_parameters` layout: `lora_A` (E*r, in) and
+    `lora_B` (out, E*r), expert e's delta `B[:, e::E] @ A[e*r:(e+1)*r]` (out, in) times the scale."""
+
+    def __init__(self, a: torch.Tensor, b_rows: int, experts: int, r: int, dtype: torch.dtype):
+        super().__init__()
+        self.experts, self.r = experts, r
+        self.lora_A = nn.Linear(a.shape[1], a.shape[0], bias=False, device=a.device, dtype=dtype)
+        self.lora_B = nn.Linear(a.shape[0], b_rows, bias=False, device=a.device, dtype=dtype)
+        with torch.no_grad():
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.zero_()
+
+    def delta(self, a: torch.Tensor, b: torch.Tensor, transposed: bool) -> torch.Tensor:
+        """Every expert's delta (E, out, in), or (E, in, out) for a transposed layout."""
+        e, r = self.experts, self.r
+        a3 = a.reshape(e, r, a.shape[-1])  # (E, r, in)
+        b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
+        if transposed:
+            return torch.bmm(a3.transpose(1, 2), b3.transpose(1, 2))  # (E, in, out)
+        return torch.bmm(b3, a3)  # (E, out, in)
+
+
+class ShardedExperts(ShardedModule):
+    """An experts module holding this rank's slice of every expert tensor (quantized or float),
+    with optional per-expert LoRA; the model's own experts forward runs on them.
+
+    Built by `build_experts`; `param_slices`, `load_param`, `tp_splits` and
+    `checkpoint_tensors` follow ShardedModule's contract for the loader and the savers.
+
+    Example:
+        >>> m = ShardedExperts.build_experts(experts, "model.layers.0.mlp.experts",
+        ...                                  rank=0, tp=2, group=g, device="cpu")  # doctest: +SKIP
+    """
+
+    tensors: dict[str, ExpertTensor]
+    splits: dict[str, FeatureSplit]  # tensor name -> split of its split_dim (tp > 1 only)
+    qlocal: dict[str, nn.Module]  # tensor name -> the quantized linear holding (E*a, b)
+    local_shapes: dict[str, tuple[int, ...]]
+    full_shapes: dict[str, tuple[int, ...]]
+    expert_lora: nn.ModuleDict
+    expert_lora_scale: float | None
+    transposed: bool
+    num_experts: int
+    inter: int
+    split_reason: str | None  # why the experts are whole at tp > 1
+
+    @classmethod
+    def build_experts(
+        cls,
+        orig: nn.Module,
+        fqn: str,
+        tensors: list[ExpertTensor],
+        *,
+        rank: int,
+        tp: int,
+        group: Any,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        fmt: Any = None,
+    ) -> ShardedExperts:
+        """An empty (uninitialized) sharded copy of experts module `orig`; fill it with
+        `load_param` (apply_tp does, from `orig`'s values when it has them)."""
+        self = cls()
+        device = torch.device(device)
+        self.fqn, self.kind, self.style = fqn, EXPERTS, Style.REPLICATE
+        self.tp_rank, self.fmt = rank, fmt
+        self.tensors = {t.name: t for t in tensors}
+        self.transposed = bool(getattr(orig, "is_transposed", False))
+        self.num_experts = int(cast(Any, orig).num_experts)
+        first, second = tensors
+        w2 = cast(torch.Tensor, orig._parameters[second.name])
+        self.inter = int(w2.shape[second.in_dim])
+        self.split_reason = None
+        if tp > 1 and self.inter < tp:
+            self.split_reason = f"{self.inter} intermediate features cannot be cut over tp={tp}"
+        self.tp = tp if self.split_reason is None else 1
+        self.group = group if self.tp > 1 else None
+        self.splits = (
+            {t.name: _inter_split(orig, t, self.inter, tp) for t in tensors} if self.tp > 1 else {}
+        )
+        self.split = self.splits.get(second.name)  # non-None: split over tp (io/full.py)
+        w1 = cast(torch.Tensor, orig._parameters[first.name])
+        dt: torch.dtype = dtype or w1.dtype
+        self.float_dtype = dt
+        self.in_full = self.out_full = 0  # per tensor: full_shapes
+        self.full_shapes, self.local_shapes, self.qlocal = {}, {}, {}
+        for t in tensors:
+            w = cast(torch.Tensor, orig._parameters[t.name])
+            self.full_shapes[t.name] = tuple(w.shape)
+            shape = list(w.shape)
+            if t.name in self.splits:
+                shape[t.split_dim] = self.splits[t.name].size(rank)
+            self.local_shapes[t.name] = tuple(shape)
+            if fmt is not None:
+                q = fmt.new_linear(shape[2], shape[0] * shape[1], bias=False, device=device,
+                                   dtype=dt)  # fmt: skip
+                self.qlocal[t.name] = q
+                self._parameters[t.name] = q._parameters["weight"]
+            else:
+                p = nn.Parameter(torch.empty(shape, device=device, dtype=dt))
+                p.requires_grad_(cast(nn.Parameter, w).requires_grad)
+                self._parameters[t.name] = p
+            if t.bias is not None:
+                b = cast(nn.Parameter, orig._parameters[t.bias])
+                self.full_shapes[t.bias] = tuple(b.shape)
+                bshape = list(b.shape)
+                if t.first and t.name in self.splits:  # (E, out): out is the split dim
+                    bshape[1] = self.splits[t.name].size(rank)
+                self.local_shapes[t.bias] = tuple(bshape)
+                self._parameters[t.bias] = nn.Parameter(
+                    torch.empty(bshape, device=device, dtype=dt), requires_grad=b.requires_grad
+                )
+        # the module whose forward runs: the original's attributes and code, no tensors of its own
+        local: Any = copy.copy(orig)
+        local._parameters = {k: None for k in orig._parameters}
+        local._buffers = dict(orig._buffers)
+        local._modules = dict(orig._modules)
+        local._forward_hooks = type(orig._forward_hooks)()
+        local._forward_pre_hooks = type(orig._forward_pre_hooks)()
+        object.__setattr__(self, "local", local)
+        for name, child in orig.named_children():  # an expert norm, ...: the model's modules
+            self.add_module(name, child)
+        self.device_hint = device
+        self.track_rng = False  # no dropout region of its own: the routed computation is whole
+        self.lora_scale = None  # plain LoRA: none (per-expert adapters: expert_lora)
+        self.copy_share = None
+        self.lora_stack = None
+        self.local_output = False
+        self.expert_lora = nn.ModuleDict()
+        self.expert_lora_scale = None
+        self.padding_idx = None
+        self.in_local = self.out_local = 0
+        return self
+
+    # ---- parameters: own, not mirrored from a local module -----------------------------------
+    def _sync_from_local(self) -> None:
+        for name, q in self.qlocal.items():
+            self._parameters[name] = q._parameters["weight"]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        nn.Module.__setattr__(self, name, value)
+
+    def _apply(self, fn, recurse=True):
+        for name in self.qlocal:
+            del self._parameters[name]
+        nn.Module._apply(self, fn, recurse)
+        for q in self.qlocal.values():
+            q._apply(fn)
+        self._sync_from_local()
+        return self
+
+    def train(self, mode: bool = True):
+        nn.Module.train(self, mode)
+        self.local.train(mode)
+        return self
+
+    @property
+    def has_bias(self) -> bool:
+        return False  # per-expert biases are named tensors of their own (param_slices)
+
+    # ---- slices: the loader's and the savers' contract ----------------------------------------
+    def _slice_of(self, name: str) -> tuple[int, FeatureSplit] | None:
+        for t in self.tensors.values():
+            if t.name == name and name in self.splits:
+                return t.split_dim, self.splits[name]
+            if t.bias == name and t.first and t.name in self.splits:
+                return 1, self.splits[t.name]
+        return None
+
+    def param_slices(self) -> dict[str, tuple[int, Ranges] | None]:
+        out: dict[str, tuple[int, Ranges] | None] = {}
+        for t in self.tensors.values():
+            for name in (t.name, t.bias):
+                if name is None:
+                    continue
+                sl = self._slice_of(name)
+                out[name] = None if sl is None else (sl[0], sl[1].ranges(self.tp_rank))
+        return out
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        return self.local_shapes[name]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return self.full_shapes[name]
+
+    def tp_splits(self) -> dict[str, tuple[int, FeatureSplit]]:
+        out = {}
+        for name in self.param_slices():
+            sl = self._slice_of(name)
+            if sl is not None:
+                out[name] = sl
+        for tname in self.expert_lora:
+            if tname not in self.splits:
+                continue
+            t = self.tensors[tname]
+            # A (E*r, in): split with the input (second projection); B (out, E*r): with the output
+            key = "lora_B.weight" if t.first else "lora_A.weight"
+            out[f"expert_lora.{tname}.{key}"] = (0 if t.first else 1, self.splits[tname])
+        return out
+
+    def checkpoint_tensors(self, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name in self.param_slices():
+            if name in self.qlocal:
+                assert self.fmt is not None  # quantized tensors have a format
+                out[name] = self.fmt.dequantize(self.qlocal[name]).view(self.local_shapes[name])
+            else:
+                p = self._parameters[name]
+                assert p is not None, f"{self.fqn}.{name} is None"
+                out[name] = p.detach()
+        for tname, ad in self.expert_lora.items():
+            for ab in ("lora_A", "lora_B"):
+                out[f"expert_lora.{tname}.{ab}.weight"] = getattr(ad, ab).weight.detach()
+        return out
+
+    @torch.no_grad()
+    def load_param(self, name: str, value: torch.Tensor) -> None:
+        """Set expert tensor (or bias) `name` from this rank's slice (checkpoint layout)."""
+        expected = self.local_shapes[name]
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{self.fqn}.{name}: got a slice of shape {tuple(value.shape)}, expected "
+                f"{expected} (experts split over tp rank {self.tp_rank}/{self.tp})"
+            )
+        device = self.device_hint
+        if name in self.qlocal:
+            assert self.fmt is not None  # quantized tensors have a format
+            w = value.to(device=device,
+                         dtype=torch.float32 if device.type == "cpu" else self.float_dtype)  # fmt: skip
+            self.fmt.quantize_into(self.qlocal[name], w.reshape(-1, w.shape[-1]).contiguous())
+            self._sync_from_local()
+            return
+        p = self._parameters[name]
+        assert p is not None, f"{self.fqn}.{name} is None"
+        if p.device.type == "meta":
+            self._parameters[name] = nn.Parameter(
+                value.to(device=device, dtype=self.float_dtype).clone(),
+                requires_grad=p.requires_grad,
+            )
+        else:
+            p.copy_(value.to(dtype=p.dtype))
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def attach_expert_lora(
+        self, names: list[str], r: int, scale: float, a_full: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
+        """Per-expert adapters on tensors `names`; `a_full[name]` is the whole (E*r, in) A."""
+        for name in names:
+            t = self.tensors[name]
+            a = a_full[name].to(self.device_hint)
+            out_rows = self.full_shapes[name][t.out_dim]
+            if name in self.splits:
+                sp = self.splits[name]
+                if t.first:  # output split: B's rows follow it, A whole
+                    out_rows = sp.size(self.tp_rank)
+                else:  # input split: A's columns follow it, B whole
+                    a = torch.cat([a[:, x:y] for x, y in sp.ranges(self.tp_rank)], dim=1)
+            self.expert_lora[name] = ExpertAdapter(a, out_rows, self.num_experts, r, dtype)
+        self.expert_lora_scale = scale
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _effective(self) -> dict[str, torch.Tensor]:
+        """The tensors the experts forward reads: dequantized, plus the adapters' deltas; the
+        second projection's bias on tp rank 0 only."""
+        out: dict[str, torch.Tensor] = {}
+        g = self.group
+        for name, t in self.tensors.items():
+            if name in self.qlocal:
+                assert self.fmt is not None  # quantized tensors have a format
+                w = self.fmt.compute_weight(self.qlocal[name]).view(self.local_shapes[name])
+                w = w.to(self.float_dtype)
+            else:
+                w = cast(torch.Tensor, self._parameters[name])
+            ad = cast(
+                ExpertAdapter | None, self.expert_lora[name] if name in self.expert_lora else None
+            )
+            if ad is not None:
+                a, b = ad.lora_A.weight, ad.lora_B.weight
+                if self.tp > 1:  # the whole factor meets split features: reduce its gradient
+                    if t.first:
+                        a = copy_to_tp(a, g)
+                    else:
+                        b = copy_to_tp(b, g)
+                assert self.expert_lora_scale is not None
+                w = w + (ad.delta(a, b, self.transposed) * self.expert_lora_scale).to(w.dtype)
+            out[name] = w
+            if t.bias is not None:
+                bias = cast(torch.Tensor, self._parameters[t.bias])
+                if not t.first and self.tp > 1:  # added to a partial sum: once, on rank 0
+                    bias = copy_to_tp(bias, g) if bias.requires_grad else bias
+                    bias = bias * (1.0 if self.tp_rank == 0 else 0.0)
+                out[t.bias] = bias
+        return out
+
+    def _run(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.func.functional_call(self.local, self._effective(), (x, *args), kwargs)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.tp > 1:  # every float input (hidden state, routing weights) meets split features
+            x = copy_to_tp(x, self.group)
+            args = tuple(self._copy_in(a) for a in args)
+            kwargs = {k: self._copy_in(v) for k, v in kwargs.items()}
+        if torch.is_grad_enabled() and (self.fmt is not None or len(self.expert_lora) > 0):
+            # keeps only the inputs for backward: no dequantized (or delta-added) expert weight
+            y = torch.utils.checkpoint.checkpoint(
+                self._run, x, *args, use_reentrant=False, **kwargs
+            )
+        else:
+            y = self._run(x, *args, **kwargs)
+        return reduce_from_tp(y, self.group) if self.tp > 1 else y
+
+    def _copy_in(self, v: Any) -> Any:
+        """A float tensor that needs a gradient, through copy_to_tp: each rank's gradient of it
+        is a partial sum over its features."""
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
+            return copy_to_tp(v, self.group)
+        return v
+
+    def extra_repr(self) -> str:
+        q = f", quant={self.fmt.name}" if self.fmt is not None else ""
+        shapes = ", ".join(f"{k}={tuple(v)}" for k, v in self.local_shapes.items())
+        return f"Experts({self.num_experts}), local: {shapes}, tp {self.tp_rank}/{self.tp}{q}"
+
+
+def expert_param_count(tensors: list[ExpertTensor], module: nn.Module) -> int:
+    """Elements of the expert weights of `module` (for the memory planner)."""
+    return sum(math.prod(cast(torch.Tensor, module._parameters[t.name]).shape) for t in tensors)

@@ -1,0 +1,252 @@
+"""Data files and folders -> records, streamed: JSONL line by line, Parquet and Arrow by record
+batch, a `datasets` folder (`save_to_disk`) memory-mapped; a plain text file is one record.
+
+A path is a file, a folder saved by `datasets` (`dataset_info.json` + `state.json`, or a
+`dataset_dict.json` of splits: its "train" split), or a folder of shards: its data files
+(.jsonl, .ndjson, .json, .parquet, .arrow, .txt) and the `datasets` folders inside it, recursively,
+in name order; any other file there is listed as skipped.
+
+Example:
+    >>> sources, skipped = expand(["shards/"])        # doctest: +SKIP
+    >>> for pos, record in records(sources[0]):        # doctest: +SKIP
+    ...     print(sources[0].where(pos), sorted(record))
+    shards/part-0.parquet row 0 ['messages']
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .formats import DataError
+
+__all__ = ["Source", "expand", "records"]
+
+_TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
+_FOLDER_EXTS = {".jsonl", ".ndjson", ".json", ".parquet", ".arrow", ".txt"}
+_BATCH = 1024  # rows per record batch read from Parquet / Arrow / datasets
+
+
+@dataclass(frozen=True)
+class Source:
+    """One readable unit: a file or a `datasets` folder, and how it is read."""
+
+    path: Path
+    kind: str
+    """"text", "jsonl", "json", "parquet", "arrow" or "datasets"."""
+    split: str | None = None
+    """The split read from a DatasetDict folder."""
+
+    def where(self, pos: int) -> str:
+        """Names record `pos` in errors: a JSONL line (from 1), else a row (from 0)."""
+        if self.kind == "jsonl":
+            return f"{self.path} line {pos}"
+        split = f" (split {self.split!r})" if self.split else ""
+        return f"{self.path}{split} row {pos}"
+
+    @property
+    def tabular(self) -> bool:
+        """Parquet, Arrow and datasets: one schema for every row."""
+        return self.kind in ("parquet", "arrow", "datasets")
+
+
+def _is_datasets_folder(d: Path) -> bool:
+    return (d / "dataset_dict.json").is_file() or (
+        (d / "dataset_info.json").is_file() and (d / "state.json").is_file()
+    )
+
+
+def expand(paths: Sequence[str | Path]) -> tuple[list[Source], list[Path]]:
+    """The sources named by files and folders, and the files skipped inside folders.
+
+    Example:
+        >>> expand(["train.parquet"])  # doctest: +SKIP
+        ([Source(path=PosixPath('train.parquet'), kind='parquet', split=None)], [])
+    """
+    sources: list[Source] = []
+    skipped: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"data path {str(p)!r} does not exist; check the path")
+        if p.is_dir():
+            found = _walk(p, skipped)
+            if not found:
+                held = ", ".join(sorted(c.name for c in p.iterdir())[:10]) or "nothing"
+                raise DataError(
+                    f"{p}: a folder without data files ({', '.join(sorted(_FOLDER_EXTS))}) or "
+                    f"datasets folders; it holds: {held}"
+                )
+            sources += found
+        else:
+            sources.append(Source(p, _file_kind(p)))
+    return sources, skipped
+
+
+def _walk(d: Path, skipped: list[Path]) -> list[Source]:
+    if _is_datasets_folder(d):
+        return [_datasets_source(d)]
+    out: list[Source] = []
+    for c in sorted(d.iterdir()):
+        if c.is_dir():
+            out += _walk(c, skipped)
+        elif c.suffix.lower() in _FOLDER_EXTS and not c.name.startswith("."):
+            out.append(Source(c, _file_kind(c)))
+        else:
+            skipped.append(c)
+    return out
+
+
+def _datasets_source(d: Path) -> Source:
+    if not (d / "dataset_dict.json").is_file():
+        return Source(d, "datasets")
+    splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
+    if "train" in splits or len(splits) == 1:
+        return Source(d, "datasets", "train" if "train" in splits else splits[0])
+    raise DataError(
+        f"{d}: a DatasetDict with the splits {splits} and none named 'train'; pass the split's "
+        f"folder, e.g. {d / splits[0]}"
+        if splits
+        else f"{d}: a DatasetDict without splits"
+    )
+
+
+def _file_kind(p: Path) -> str:
+    with p.open("rb") as f:
+        head = f.read(8)
+    ext = p.suffix.lower()
+    # by content first: a Parquet or Arrow file is never read as text
+    if head[:4] == b"PAR1" or ext == ".parquet":
+        return "parquet"
+    if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff" or ext == ".arrow":
+        return "arrow"
+    if ext in _TEXT_EXTS:
+        return "text"
+    if ext in (".jsonl", ".ndjson"):
+        return "jsonl"
+    with p.open("rb") as f:
+        start = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if start[:1] == b"[" and ext == ".json":
+        return "json"
+    if ext == ".json":
+        return "jsonl"
+    # no known extension: JSONL when the first line is a JSON object, else text
+    first = start.split(b"\n", 1)[0]
+    try:
+        return "jsonl" if isinstance(json.loads(first), dict) else "text"
+    except ValueError:
+        return "text"
+
+
+def records(src: Source) -> Iterator[tuple[int, Any]]:
+    """(position, record) pairs of one source, streamed; a text file gives one {"text": ...}.
+
+    Example:
+        >>> next(records(Source(Path("a.jsonl"), "jsonl")))  # doctest: +SKIP
+        (1, {'text': 'hello'})
+    """
+    if src.kind == "text":
+        text = _decode(src.path, src.path.read_bytes(), 0)
+        if text.strip():
+            yield 0, {"text": text}
+    elif src.kind == "jsonl":
+        yield from _jsonl(src.path)
+    elif src.kind == "json":
+        text = _decode(src.path, src.path.read_bytes(), 0)
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise DataError(
+                f"{src.path}: expected a JSON array of records; got invalid JSON ({e})"
+            ) from None
+        if not isinstance(items, list):
+            raise DataError(
+                f"{src.path}: expected a JSON array of records (or JSONL: one per line); got a "
+                f"JSON {type(items).__name__}"
+            )
+        yield from enumerate(items)
+    else:
+        yield from _tabular(src)
+
+
+def _decode(path: Path, raw: bytes, line0: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if line0 <= 1 else "utf-8").replace("\r\n", "\n")
+    except UnicodeDecodeError as e:
+        line = line0 or raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path} line {line}: expected UTF-8 text, found byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start}{' of the line' if line0 else ''} that is not valid UTF-8; re-save the "
+            "file as UTF-8"
+        ) from None
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(path, raw, lineno).strip()
+            if not line:
+                continue  # blank lines (a trailing newline, spacing) carry nothing
+            try:
+                yield lineno, json.loads(line)
+            except ValueError as e:
+                snippet = line if len(line) <= 60 else line[:57] + "..."
+                raise DataError(
+                    f"{path} line {lineno}: expected one JSON object per line; got invalid JSON "
+                    f"({e}): {snippet!r}"
+                ) from None
+
+
+def _tabular(src: Source) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.ipc
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{src.path}: reading {src.kind} data needs pyarrow and datasets; "
+            "pip install 'quantmesh[data]'"
+        ) from None
+    pos = 0
+    try:
+        if src.kind == "parquet":
+            batches: Iterator[Any] = pq.ParquetFile(src.path).iter_batches(batch_size=_BATCH)
+        elif src.kind == "arrow":
+            batches = _arrow_batches(pa, src.path)
+        else:
+            batches = _datasets_batches(src)
+        for batch in batches:
+            for row in batch.to_pylist():
+                yield pos, row
+                pos += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{src.path}: not a readable {src.kind} file ({e})") from None
+
+
+def _arrow_batches(pa: Any, path: Path) -> Iterator[Any]:
+    with pa.memory_map(str(path)) as mm:
+        try:
+            reader = pa.ipc.open_file(mm)
+        except pa.ArrowInvalid:  # the stream format (what datasets writes)
+            mm.seek(0)
+            yield from pa.ipc.open_stream(mm)
+            return
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+
+def _datasets_batches(src: Source) -> Iterator[Any]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{src.path}: a datasets folder needs the datasets package; "
+            "pip install 'quantmesh[data]'"
+        ) from None
+    ds = datasets.load_from_disk(str(src.path))  # memory-mapped: rows are read as iterated
+    if isinstance(ds, datasets.DatasetDict):
+        assert src.split is not None  # a DatasetDict source names its split
+        ds = ds[src.split]
+    yield from ds.with_format("arrow").iter(batch_size=_BATCH)

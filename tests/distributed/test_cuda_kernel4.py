@@ -1,0 +1,170 @@
+"""quantmesh's 4-bit matmul for a few rows (quant/kernel4.py) against dequantize + matmul, on a GPU.
+
+The reference is bitsandbytes' own `dequantize_4bit` (the bf16/fp16 weight it writes) times x,
+summed in fp32; the kernel reads the same codes and statistics and must land within the rounding of
+its output dtype (its error no larger than twice a plain matmul's on the same weight). Shapes: the
+7B ones, odd ones (`in` not a multiple of the block, so blocks span rows; `out` not a multiple of
+a tile), double-quant statistics and fp32 ones, blocksize 64 and 128, 1..64 rows, every tile
+variant; shards cut from a quantized weight as tp cuts them (rows keep the 8-bit statistics,
+columns get fp32 ones); and QuantLinear4bit taking the kernel only without autograd, inside a
+torch.compile(fullgraph=True, mode="reduce-overhead") call (no graph break, CUDA graphs), once
+turned on (it is opt-in: `kernel4.ENABLED`).
+Marked cuda: runs on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+ROWS = (1, 3, 17, 64)
+
+
+def _need_cuda():
+    if not torch.cuda.is_available():  # the marker deselects it in CI; run where a GPU is
+        pytest.fail("marked cuda but no CUDA device")
+
+
+def _quantized(out_f, in_f, nested, blocksize=64, quant_type="nf4", seed=0):
+    import bitsandbytes.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(out_f, in_f, device="cuda", generator=g) * 0.02
+    packed, qs = F.quantize_4bit(
+        w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type
+    )
+    return packed, qs
+
+
+def _errors(y, x, packed, qs, dtype):
+    """(kernel error, plain matmul error), relative to the fp32 product of x and the weight as
+    bitsandbytes dequantizes it."""
+    import bitsandbytes.functional as F
+
+    w = F.dequantize_4bit(packed, qs).to(dtype)  # (out, in) as bitsandbytes writes it
+    ref = x.float() @ w.float().t()
+    mm = x @ w.t()
+    scale = ref.norm()
+    return float((y.float() - ref).norm() / scale), float((mm.float() - ref).norm() / scale)
+
+
+def _check(y, x, packed, qs, dtype, what):
+    assert y.shape == (*x.shape[:-1], int(qs.shape[0])) and y.dtype == dtype, what
+    assert torch.isfinite(y).all(), what
+    err, mm_err = _errors(y, x, packed, qs, dtype)
+    assert err <= max(2 * mm_err, 2e-3), (what, err, mm_err)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (4096, 4096),
+        (11008, 4096),
+        (4096, 11008),
+        (100, 48),
+        (33, 96),
+        (257, 320),
+        (64, 200),
+        (130, 1000),
+    ],  # fmt: skip
+)
+def test_rows_kernel_is_dequantize_then_matmul(shape, nested):
+    _need_cuda()
+    from quantmesh.quant.kernel4 import matmul_4bit_rows
+
+    packed, qs = _quantized(*shape, nested)
+    for rows in ROWS:
+        for dtype in (torch.bfloat16,) if shape[0] > 1000 else (torch.bfloat16, torch.float16):
+            x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
+            with torch.no_grad():
+                y = matmul_4bit_rows(x, packed, qs)
+            _check(y, x, packed, qs, dtype, (shape, nested, rows, dtype))
+
+
+def test_every_tile_variant_and_blocksize():
+    """Each kernel variant (reduction along K at 1 and at 5 rows, tl.dot; split K; per-byte or
+    per-block absmax) on aligned and row-spanning shapes, blocksizes 64 and 128, nf4 and fp4."""
+    _need_cuda()
+    from quantmesh.quant.kernel4 import _launch
+
+    cfgs = [
+        dict(BLOCK_N=n, BLOCK_K=k, DOT=d, SPLIT_K=s, ALIGNED=al, num_warps=4, num_stages=2)
+        for n, k, d, s, al in ((16, 256, 0, 1, 1), (16, 256, 0, 3, 0), (32, 128, 1, 1, 1),
+                               (32, 128, 1, 3, 0), (64, 512, 1, 2, 1), (8, 512, 0, 1, 0))
+    ]  # fmt: skip
+    for shape, bs, qt in (((96, 1024), 64, "nf4"), ((72, 200), 64, "fp4"), ((40, 768), 128, "nf4")):
+        for nested in (True, False):
+            packed, qs = _quantized(*shape, nested, blocksize=bs, quant_type=qt)
+            flat = packed.reshape(-1).view(torch.uint8)
+            stats = (
+                (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float())
+                if nested
+                else (qs.absmax, None, None, None)
+            )
+            for cfg in cfgs:
+                for rows in (1,) if cfg["DOT"] == 0 else (1, 5, 64):
+                    x = torch.randn(rows, shape[1], device="cuda", dtype=torch.bfloat16)
+                    y = _launch(x, flat, *stats, bs, qt, shape[0], cfg)
+                    _check(y, x, packed, qs, torch.bfloat16, (shape, bs, qt, nested, cfg, rows))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_tp_shards_cut_from_a_quantized_weight(nested):
+    """The codes a tp rank holds: rows (colwise) keep the 8-bit statistics when the cut starts on
+    a nested block, columns (rowwise) get fp32 ones (quant/prequant.py slice_4bit)."""
+    _need_cuda()
+    from quantmesh.quant.kernel4 import matmul_4bit_rows
+    from quantmesh.quant.prequant import slice_4bit
+
+    out_f, in_f = 1024, 2048
+    packed, qs = _quantized(out_f, in_f, nested)
+    flat = packed.reshape(-1).view(torch.uint8)
+    for dim, ranges in ((0, ((0, 512),)), (0, ((512, 1024),)), (0, ((64, 192),)),
+                        (1, ((0, 1024),)), (1, ((1024, 2048),)), (1, ((128, 320),))):  # fmt: skip
+        part_codes, part = slice_4bit(qs, dim, ranges, lambda a, b: flat[a:b])
+        for rows in (1, 4, 64):
+            x = torch.randn(rows, int(part.shape[1]), device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                y = matmul_4bit_rows(x, part_codes, part)
+            _check(y, x, part_codes, part, torch.bfloat16, (dim, ranges, rows, part.nested))
+
+
+def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compiles():
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format
+
+    fmt = bnb_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(4096, 1000, bias=True, device="cuda", dtype=torch.bfloat16)
+    fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    with torch.no_grad():
+        m.bias.normal_()
+    qs = m.weight.quant_state
+    x = torch.randn(2, 3, 4096, device="cuda", dtype=torch.bfloat16)  # 6 rows
+    with torch.no_grad():
+        assert not k4.ENABLED and not k4.rows_kernel_applies(x, qs, torch.bfloat16)  # opt-in
+        y_bnb = m(x)  # bitsandbytes' path on the same weight
+    k4.ENABLED = True
+    try:
+        assert not k4.rows_kernel_applies(x, qs, torch.bfloat16)  # autograd on: bitsandbytes'
+        with torch.no_grad():
+            assert k4.rows_kernel_applies(x, qs, torch.bfloat16)
+            many = torch.randn(65, 4096, device="cuda")
+            assert not k4.rows_kernel_applies(many, qs, torch.bfloat16)
+            assert not k4.rows_kernel_applies(x.cpu(), qs, torch.bfloat16)
+            y = m(x)
+            step = torch.compile(m.forward, fullgraph=True, mode="reduce-overhead")
+            ys = [step(x).clone() for _ in range(4)]  # warm-up, recording, replays
+        y_grad = m(x)  # with autograd: bitsandbytes' path, as before
+    finally:
+        k4.ENABLED = False
+    assert y.shape == (2, 3, 1000) and y.dtype == torch.bfloat16
+    scale = y_bnb.float().norm()
+    assert float((y.float() - y_bnb.float()).norm() / scale) < 4e-3
+    assert float((y_grad.float() - y_bnb.float()).norm() / scale) < 4e-3
+    for yc in ys:  # the same kernel and tiles: the same bits, compiled and graphed
+        assert torch.equal(yc, y)

@@ -1,0 +1,70 @@
+"""Mixture-of-experts folders as transformers saves them, from tiny configs with random weights.
+
+transformers 5 holds the experts fused (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj`
+(E, H, I)) and `save_pretrained` writes them back one tensor per expert, as on the Hub
+(`mlp.experts.3.gate_proj.weight`; Mixtral's `block_sparse_moe.experts.3.w1.weight`). gpt-oss has
+no conversion rule: its folder holds the fused, transposed (E, H, 2I) tensors and expert biases.
+
+Example:
+    >>> folder = moe_dir("qwen3_moe", tmp_path)            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.models import randomize_
+
+VOCAB = 64
+# name -> (config class, model class, MoE fields); shared: hidden 32, 2 layers, 4 heads / 2 KV
+# (DeepSeek-V3's attention is MLA, whose real configs have as many KV heads as heads)
+ARCHS: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                     router_jitter_noise=0.0)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, decoder_sparse_step=1)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                     head_dim=8)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                         v_head_dim=8, n_shared_experts=1, num_key_value_heads=4)),
+}  # fmt: skip
+PER_EXPERT = [n for n in ARCHS if n != "gpt_oss"]  # folders with one tensor per expert
+
+
+def moe_dir(name: str, root: Path, seed: int = 0) -> Path:
+    """`save_pretrained` of a random tiny `name` model into `root` (created); returns `root`."""
+    import transformers as tf
+
+    config_cls, model_cls, fields = ARCHS[name]
+    shared = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)  # fmt: skip
+    cfg = getattr(tf, config_cls)(**{**shared, **fields})
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = randomize_(getattr(tf, model_cls)(cfg).float(), seed)
+    model.save_pretrained(root, safe_serialization=True)
+    return root
+
+
+def expert_keys(folder: Path) -> list[str]:
+    """The stored keys of `folder` that hold one expert each (`...experts.<n>....`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return [k for k in f.keys() if ".experts." in k and k.split(".experts.")[1][0].isdigit()]
