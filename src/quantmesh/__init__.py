@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
+    "QuantmeshError": "errors",
     "Mesh": "mesh",
     "MeshError": "mesh",
     "init_mesh": "mesh",
@@ -44,7 +45,7 @@ _EXPORTS = {
     "greedy_decode": "decode",
     "fast_decode": "decode",
     "no_sync": "dp",
-    "train_step": "pipeline.step",
+    "train_step": "train.step",
     "PipelineConfig": "pipeline.cut",
     "PipelineError": "pipeline.cut",
     "split_layers": "layersplit",

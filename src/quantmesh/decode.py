@@ -1,7 +1,7 @@
 """fast_decode / greedy_decode: a lean decoding loop for transformers causal LMs, sharded or not.
 
-Batch-1 decoding is bound by the host, not the GPU: a 7B bf16 model reads its weights in ~3 ms per
-token on one H200 (~1.6 ms per rank at tp=2), while transformers' `generate` spends a few
+Batch-1 decoding is bound by the host, not the GPU: reading a 7B bf16 model's weights takes a
+GPU a few milliseconds per token (docs/benchmarks.md, "Figures the code relies on"), while transformers' `generate` spends a few
 milliseconds of Python per token and reads a flag back from the GPU every step, so the host waits
 for each token before it launches the next. Here the loop is: one eager prefill that fills a
 transformers `StaticCache`, then one compiled step per token (the whole forward, tp all-reduces

@@ -24,15 +24,15 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from .errors import QuantmeshError
 from .plan.auto import blocks_of
 from .quant.base import QuantConfig
-from .state import parallel_state
+from .state import FsdpConfig, parallel_state  # FsdpConfig: recorded in the state
 from .tp.layers import ShardedModule
 
 if TYPE_CHECKING:
@@ -49,22 +49,8 @@ __all__ = [
 ]
 
 
-class FsdpError(ValueError):
+class FsdpError(QuantmeshError, ValueError):
     """An fsdp request that cannot be honoured exactly; the message names the fix."""
-
-
-@dataclass(frozen=True)
-class FsdpConfig:
-    """How the model was sharded over dp (recorded in ParallelState.sharded).
-
-    blocks: FQNs of the repeated blocks, one FSDP group each (the root holds the rest).
-    offload: the frozen base of each block lives in host memory (CPUOffloadPolicy).
-    reshard_after_forward: free each gathered block after its forward (gather again in backward).
-    """
-
-    blocks: tuple[str, ...]
-    offload: bool = False
-    reshard_after_forward: bool = True
 
 
 def check_fsdp(qcfg: QuantConfig | None, data_parallel: bool, mesh: Mesh) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import QuantmeshError
 from .plan.styles import Style, slice_dim
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-class LoraError(ValueError):
+class LoraError(QuantmeshError, ValueError):
     """A LoRA request that cannot be honoured; the message names the fix."""
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .errors import QuantmeshError
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -29,7 +31,7 @@ __all__ = ["Mesh", "MeshError", "init_mesh", "resolve_sizes"]
 AXES = ("dp", "pp", "tp")  # outermost to innermost: tp groups are consecutive ranks, so on one host
 
 
-class MeshError(ValueError):
+class MeshError(QuantmeshError, ValueError):
     """A mesh that cannot be built as asked; the message says what was found and a valid choice."""
 
 

@@ -15,8 +15,8 @@ It composes with the rest because it is torch's own non-reentrant `torch.utils.c
   tokens is refused), as transformers' own checkpointing does.
 - compile_blocks: either order. The block's own forward is compiled *inside* the checkpoint, which
   stays eager (as does the offload) around the compiled graph. (Compiled around the checkpoint,
-  the graph saved far more than the inputs: 26.6 GiB against 7.9 eager for 7B nf4 + LoRA at 8192
-  tokens on an H200, and the offload broke the graph; docs/benchmarks.md.) With `tile_tokens`,
+  the graph saved far more than the inputs, and the offload broke the graph;
+  docs/benchmarks.md, "Figures the code relies on".) With `tile_tokens`,
   the tiles run outside the block's graph (`_run_tiles`, a graph break), each tile compiled on
   its own: traced into the block's graph they were scheduled together and kept more than a tile.
   With dropout at tp > 1 a checkpointed block is not compiled (warned): the RNG regions break
@@ -407,11 +407,10 @@ def _run_tiles(
     child: nn.Module, cls: type[nn.Module], tile: int, moves: bool, x: torch.Tensor
 ) -> Any:
     """The tiles of one call, outside any compiled block graph: traced into the block's graph, the
-    tiles' recomputes and backwards were scheduled together (on CPU a compiled block with 8 tiles
-    peaked at 2.3x the eager tiled block; on one H200 a compiled tiled block kept more than a
-    tile). When the block is compiled, each tile runs `cls.forward` compiled on its own (one graph
-    for every tile of every block of this class and shape): on one H200, 7B nf4 + LoRA at 98,304
-    tokens in tiles of 8192, such blocks peaked at 15.3 GiB against 19.0 for eager tiled ones."""
+    tiles' recomputes and backwards were scheduled together and kept more than a tile. When the
+    block is compiled, each tile runs `cls.forward` compiled on its own (one graph for every tile
+    of every block of this class and shape), which peaked below eager tiled blocks
+    (docs/benchmarks.md, "Figures the code relies on")."""
     kwargs = child.__dict__.get(_TILE_COMPILE)
     forward: Callable[..., Any] = cls.forward
     if kwargs is not None:

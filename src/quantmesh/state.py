@@ -17,25 +17,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, overload
 
+from .errors import QuantmeshError
+
 if TYPE_CHECKING:
     from torch import nn
 
-    from .fsdp import FsdpConfig
     from .lora import LoraConfig
     from .mesh import Mesh
-    from .pipeline.step import PipelineRuntime
+    from .pipeline.schedule import PipelineRuntime
     from .plan.plan import Resolved
     from .quant.base import QuantConfig
     from .tp.rng import RngRegions
     from .verify import VerifyReport
 
-__all__ = ["ParallelState", "NotParallelizedError", "parallel_state", "attach_state"]
+__all__ = ["FsdpConfig", "ParallelState", "NotParallelizedError", "parallel_state", "attach_state"]
 
 _ATTR = "_quantmesh_state"
 
 
-class NotParallelizedError(RuntimeError):
+class NotParallelizedError(QuantmeshError, RuntimeError):
     """A function that needs a parallelized model got one that `qm.parallelize` never saw."""
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """How the model was sharded over dp (recorded in ParallelState.sharded).
+
+    blocks: FQNs of the repeated blocks, one FSDP group each (the root holds the rest).
+    offload: the frozen base of each block lives in host memory (CPUOffloadPolicy).
+    reshard_after_forward: free each gathered block after its forward (gather again in backward).
+    """
+
+    blocks: tuple[str, ...]
+    offload: bool = False
+    reshard_after_forward: bool = True
 
 
 @dataclass

@@ -105,6 +105,13 @@ def many(rank: int, cases: list[tuple[tuple[int, int, int], dict]]) -> list[dict
     return [pp_train(rank, *layout, **kw) for layout, kw in cases]
 
 
+def jobs(rank: int, todo: list[tuple[str, tuple, dict]]) -> list:
+    """Several rank functions of this module in one spawn, in order: (name, args, kwargs) each.
+    Each builds its own mesh and seeded model, so none depends on what another left behind."""
+    fns = {"pp_train": pp_train, "pp_io": pp_io, "pp_resume": pp_resume, "pp_eval": pp_eval}
+    return [fns[name](rank, *args, **kw) for name, args, kw in todo]
+
+
 class Boom(RuntimeError):
     pass
 
@@ -163,9 +170,11 @@ def misuse(rank: int) -> dict[str, str]:
         qm.full_state_dict(net)
     except NotImplementedError as e:
         out["full"] = str(e)
-    for key, m, sched in (("1f1b", 1, "1f1b"), ("split", 3, "gpipe")):
+    for key, m, sched, chunk in (("1f1b", 1, "1f1b", 0), ("split", 3, "gpipe", 0),
+                                 ("chunk", 4, "1f1b", 8)):  # fmt: skip
         try:
-            qm.train_step(net, {"input_ids": ids}, microbatches=m, schedule=sched)
+            qm.train_step(net, {"input_ids": ids}, microbatches=m, schedule=sched,
+                          chunk_tokens=chunk)  # fmt: skip
         except ValueError as e:
             out[key] = str(e)
     return out
@@ -235,7 +244,7 @@ def pp_resume(rank: int, root: str, pp: int, load_from: str | None = None) -> di
 
 def pp_eval(rank: int, pp: int, virtual: int = 1) -> tuple:
     """Forward-only summed losses (two batch shapes) then a training step's loss, at `pp` stages."""
-    from quantmesh.pipeline.step import eval_loss_sum
+    from quantmesh.train.step import eval_loss_sum
 
     mesh = qm.init_mesh(pp=pp)
     net = build("llama")

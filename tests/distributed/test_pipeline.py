@@ -13,13 +13,17 @@ last bit; tp and dp reorder sums (~1e-7). A key projection's bias has an exactly
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from quantmesh.testing import run_ranks
-from tests.distributed._pp_cases import failing_stage, many, misuse
+from tests.distributed._pp_cases import build, failing_stage, jobs, many, misuse
 
 FAST = [  # pp=2 under both schedules, one launch
     ((1, 2, 1), {}),
@@ -42,26 +46,85 @@ CASES4 = [  # world size 4 (slow)
 ]
 GROUPS = {"fast": FAST, "two": CASES2, "four": CASES4}
 
+# Launches are the cost: every case runs in one spawn per world size, in the order their files
+# need (the one-rank adapter and state first, the two-rank ones from them, then the one-rank
+# resume of the two-rank state): 1 rank, 2 ranks, 1 rank, 4 ranks. The error tests below keep
+# spawns of their own (test-fast runs them; one breaks its process group on purpose).
+
+
+def _ref_key(kw: dict) -> tuple:
+    """What a single-rank reference depends on: the model, adapters and format (not the split)."""
+    return tuple(sorted((k, v) for k, v in kw.items() if k in ("model", "lora", "quant")))
+
+
+REF_KEYS = sorted({_ref_key(kw) for cases in GROUPS.values() for _, kw in cases}, key=repr)
+
+
+@functools.cache
+def _root() -> Path:
+    """A folder for the whole session holding a saved tied Llama (base/); the io, resume and
+    eval jobs write their adapters and states beside it."""
+    d = Path(tempfile.mkdtemp(prefix="quantmesh-pp-"))
+    atexit.register(shutil.rmtree, d, True)
+    build("llama_tied").save_pretrained(d / "base", safe_serialization=True)
+    return d
+
+
+@functools.cache
+def _one_rank() -> dict:
+    """One rank: every reference run, the adapter and state saved by one rank, evaluation."""
+    root = str(_root())
+    todo = [("pp_train", (1, 1, 1), dict(k)) for k in REF_KEYS]
+    todo += [("pp_io", (root, 1), {}), ("pp_resume", (root, 1), {}), ("pp_eval", (1,), {})]
+    out = run_ranks(jobs, 1, todo, timeout=900)[0]
+    n = len(REF_KEYS)
+    return {"refs": dict(zip(REF_KEYS, out[:n], strict=True)), "io": out[n],
+            "resume": out[n + 1], "eval": out[n + 2]}  # fmt: skip
+
+
+@functools.cache
+def _two_ranks() -> dict:
+    """Two ranks: the FAST and CASES2 layouts, the io and resume jobs loading what one rank
+    saved, evaluation at one and two stages per rank."""
+    _one_rank()  # writes adapter-pp1 and state-pp1 first
+    root = str(_root())
+    cases = FAST + CASES2
+    todo = [("pp_train", layout, kw) for layout, kw in cases]
+    todo += [
+        ("pp_io", (root, 2), {"load_from": "adapter-pp1"}),
+        ("pp_resume", (root, 2), {"load_from": "state-pp1"}),
+        ("pp_eval", (2, 1), {}),
+        ("pp_eval", (2, 2), {}),
+    ]
+    per_rank = run_ranks(jobs, 2, todo, timeout=1500)
+    col = [[per_rank[r][i] for r in range(2)] for i in range(len(todo))]
+    n = len(cases)
+    return {"fast": col[: len(FAST)], "two": col[len(FAST) : n], "io": col[n],
+            "resume": col[n + 1], "eval": col[n + 2 :]}  # fmt: skip
+
+
+@functools.cache
+def _resume_back() -> dict:
+    """One rank again: the state two ranks saved, resumed."""
+    _two_ranks()  # writes state-pp2 first
+    todo = [("pp_resume", (str(_root()), 1), {"load_from": "state-pp2"})]
+    return run_ranks(jobs, 1, todo, timeout=600)[0][0]
+
 
 @functools.cache
 def _spawn(group: str) -> list[list[dict]]:
-    """[case][rank] results of every case of one group, in one launch."""
+    """[case][rank] results of every case of one group."""
+    if group in ("fast", "two"):
+        return _two_ranks()[group]
     cases = GROUPS[group]
     world = cases[0][0][0] * cases[0][0][1] * cases[0][0][2]
-    per_rank = run_ranks(many, world, cases, timeout=600)
+    per_rank = run_ranks(many, world, cases, timeout=900)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]
-
-
-@functools.cache
-def _reference_of(key: tuple) -> dict:
-    return run_ranks(many, 1, [((1, 1, 1), dict(key))], timeout=300)[0][0]
 
 
 def _reference(kw: dict) -> dict:
     """The single-rank run of the same model, adapters and format."""
-    return _reference_of(
-        tuple(sorted((k, v) for k, v in kw.items() if k in ("model", "lora", "quant")))
-    )
+    return _one_rank()["refs"][_ref_key(kw)]
 
 
 def _twin(layout: tuple[int, int, int], kw: dict) -> list[dict]:
@@ -172,45 +235,37 @@ def test_misuse_is_refused_with_the_fix():
     assert "run the model through qm.train_step" in errors["direct"]
     assert "microbatches >= pp ranks" in errors["1f1b"]
     assert "equal parts" in errors["split"]
+    assert "chunk_tokens=8 at pp=2" in errors["chunk"] and "pass 0" in errors["chunk"]
     assert "export at pp=2" in errors["export"] and "full_state_dict at pp=2" in errors["full"]
 
 
 @pytest.mark.slow
-def test_load_save_adapter_across_layouts(tmp_path):
+def test_load_save_adapter_across_layouts():
     """A saved Llama loads at pp=2 (each stage reads its own layers; the tied head loads from the
     embedding's key); the adapter trained at pp=2 is written as one PEFT file equal to the
     one-rank adapter, and loads back at pp=2 from the one-rank file."""
     from safetensors.torch import load_file
 
-    from tests.distributed._pp_cases import build, pp_io
-
-    build("llama_tied").save_pretrained(tmp_path / "base", safe_serialization=True)
-    one = run_ranks(pp_io, 1, str(tmp_path), 1, timeout=120)[0]
-    two = run_ranks(pp_io, 2, str(tmp_path), 2, load_from="adapter-pp1", timeout=120)
+    one, two, root = _one_rank()["io"], _two_ranks()["io"], _root()
     for r in two:
         assert r["losses"] == one["losses"] and r["final"] == one["final"]
         assert abs(r["norm"] - one["norm"]) <= 1e-6 * one["norm"]  # clip sums the stages
         assert r["loaded"] == one["final"]  # the one-rank adapter, loaded stage by stage
-    a = load_file(tmp_path / "adapter-pp1" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "adapter-pp2" / "adapter_model.safetensors")
+    a = load_file(root / "adapter-pp1" / "adapter_model.safetensors")
+    b = load_file(root / "adapter-pp2" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and len(a) == 4 * 7 * 2
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    cfg1 = (tmp_path / "adapter-pp1" / "adapter_config.json").read_text()
-    cfg2 = (tmp_path / "adapter-pp2" / "adapter_config.json").read_text()
+    cfg1 = (root / "adapter-pp1" / "adapter_config.json").read_text()
+    cfg2 = (root / "adapter-pp2" / "adapter_config.json").read_text()
     assert cfg1 == cfg2
 
 
 @pytest.mark.slow
-def test_resumable_state_across_layouts(tmp_path):
+def test_resumable_state_across_layouts():
     """save_state at pp=2 writes one folder from both stages (parameters, momentum, RNG); it
     resumes at pp=1, and a one-rank state resumes at pp=2, each continuing exactly."""
-    from tests.distributed._pp_cases import build, pp_resume
-
-    build("llama_tied").save_pretrained(tmp_path / "base", safe_serialization=True)
-    one = run_ranks(pp_resume, 1, str(tmp_path), 1, timeout=120)[0]
-    two = run_ranks(pp_resume, 2, str(tmp_path), 2, load_from="state-pp1", timeout=120)
-    back = run_ranks(pp_resume, 1, str(tmp_path), 1, load_from="state-pp2", timeout=120)[0]
+    one, two, back = _one_rank()["resume"], _two_ranks()["resume"], _resume_back()
     assert all(r["cont"] == one["cont"] for r in two)  # pp=2 trains like one rank
     assert all(r["resumed"] == one["cont"] and r["step"] == 2 for r in two)
     assert back["resumed"] == one["cont"] and back["step"] == 2
@@ -220,8 +275,6 @@ def test_resumable_state_across_layouts(tmp_path):
 def test_forward_only_evaluation_through_the_stages():
     """eval_loss_sum (what the training loop's evaluation calls) at pp=2, one and two stages per
     rank, equals one rank's, for two batch shapes, and training continues after it."""
-    from tests.distributed._pp_cases import pp_eval
-
-    (ref,) = run_ranks(pp_eval, 1, 1, timeout=120)
-    for virtual in (1, 2):
-        assert run_ranks(pp_eval, 2, 2, virtual, timeout=120) == [ref, ref], virtual
+    ref = _one_rank()["eval"]
+    for virtual, got in zip((1, 2), _two_ranks()["eval"], strict=True):
+        assert got == [ref, ref], virtual

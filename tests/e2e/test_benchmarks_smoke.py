@@ -114,6 +114,7 @@ def test_bench_train_smoke_pp2_1f1b_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert "| quantmesh, pipeline | pp=2 1f1b M=2 nf4 + LoRA" in out.stdout
 
 
+@pytest.mark.slow  # a torchrun launch: make test-fast leaves the benchmark smokes out
 def test_bench_train_smoke_fsdp_on_one_cpu_rank(tmp_path: Path) -> None:
     """The one-GPU FSDP cost run's code path (torchao nf4, --fsdp on a 1-rank mesh), tiny."""
     cmd = [
@@ -129,6 +130,7 @@ def test_bench_train_smoke_fsdp_on_one_cpu_rank(tmp_path: Path) -> None:
     assert res["memory_estimate"]["parts_GiB"]["gathered"] > 0  # the FSDP terms are estimated
 
 
+@pytest.mark.slow  # a subprocess importing torch and transformers; a benchmark smoke
 def test_fsdp_table_prints_every_layout() -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "fsdp_table.py"), "--layers", "16"],

@@ -78,3 +78,35 @@ def test_a_model_whose_logits_are_not_its_heads_output_falls_back_to_the_plain_l
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, then the plain loss silently by decision
         chunked_loss_sum(model, ids, ids, chunk_tokens=4)
+
+
+def test_the_training_step_divides_by_the_targets_with_either_loss() -> None:
+    """qm.train_step (the step the training loop runs) at pp = 1: the loss is the mean over the
+    next-token targets (labels[:, 1:]), not over every label, whether it is computed plain or in
+    chunks and however the batch is split into micro-batches."""
+    import torch.nn.functional as F
+
+    import quantmesh as qm
+
+    ids = token_ids(100, batch=4, length=13)
+    labels = ids.clone()
+    labels[0, 3:9] = -100  # an ignored span; every row's first label stays: never a target
+    ref = llama()
+    logits = ref(input_ids=ids).logits
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, 100), labels[:, 1:].reshape(-1))
+    want.backward()  # the mean over labels[:, 1:] != -100
+    over_labels = want * (labels[:, 1:] != -100).sum() / (labels != -100).sum()
+    assert not torch.isclose(want, over_labels)  # the two counts differ here: the test can tell
+    for chunk, m in ((0, 1), (0, 2), (5, 2)):
+        model = llama()
+        got = qm.train_step(model, {"input_ids": ids, "labels": labels}, microbatches=m,
+                            chunk_tokens=chunk)  # fmt: skip
+        # fp32 sums in another order (per micro-batch, per chunk): a few ulps of the loss
+        torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+        for g, w in zip(_grads(model), _grads(ref), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    batch = {"input_ids": ids}
+    with pytest.raises(qm.QuantmeshError, match="loss_fn and chunk_tokens=4 together"):
+        qm.train_step(llama(), batch, loss_fn=lambda z, y: z.sum(), chunk_tokens=4)
+    with pytest.raises(ValueError, match="chunk_tokens=-1; expected >= 0"):
+        qm.train_step(llama(), batch, chunk_tokens=-1)

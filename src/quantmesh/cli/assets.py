@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import QuantmeshError
+
 __all__ = [
     "AssetError",
     "cache_dir",
@@ -70,7 +72,7 @@ MARKER = "quantmesh_asset.json"  # written last inside the model folder: provena
 _STALE_S = 3600  # temp folders older than this are leftovers of killed runs
 
 
-class AssetError(RuntimeError):
+class AssetError(QuantmeshError, RuntimeError):
     """A demo asset could not be prepared; the message says why and what to do."""
 
 

@@ -20,7 +20,10 @@ import sys
 import traceback
 from collections.abc import Iterator
 
+from ..errors import QuantmeshError
+
 __all__ = [
+    "USER_ERRORS",
     "CliError",
     "is_user_error",
     "one_line",
@@ -33,43 +36,30 @@ ERROR_DIR_ENV = "QUANTMESH_ERROR_DIR"
 DEBUG_ENV = "QUANTMESH_DEBUG"
 
 
-class CliError(Exception):
+class CliError(QuantmeshError):
     """A mistake in what the user asked for; printed as one line, exit code 2."""
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the request is wrong", not "quantmesh is broken". Imported lazily."""
-    from ..io.reader import CheckpointKeyError
-    from ..lora import LoraError
-    from ..mesh import MeshError
-    from ..pipeline.cut import PipelineError
-    from ..plan.plan import PlanError
-    from ..quant.base import QuantError
-    from ..train.data import DataError
-
-    return (
-        CliError,
-        MeshError,
-        PlanError,
-        PipelineError,
-        QuantError,
-        LoraError,
-        DataError,
-        CheckpointKeyError,
-        FileNotFoundError,
-        IsADirectoryError,
-        NotADirectoryError,
-    )
+# What the user fixes by changing the command: every quantmesh error for a mistake derives from
+# QuantmeshError (so a new error class needs no entry here), and Python's own errors for a path the
+# user named that is missing or of the wrong kind (a file where a folder belongs, or the reverse).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    QuantmeshError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """True for the errors a user fixes by changing the command (see `_user_error_types`).
+    """True for the errors a user fixes by changing the command: a `QuantmeshError` (any of
+    quantmesh's errors for a mistake) or a path that is missing or of the wrong kind.
 
     Example:
         >>> is_user_error(CliError("x")), is_user_error(ZeroDivisionError())
         (True, False)
     """
-    return isinstance(exc, _user_error_types())
+    return isinstance(exc, USER_ERRORS)
 
 
 def one_line(exc: BaseException) -> str:

@@ -21,13 +21,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..quant.names import FORMATS
+from ..quant.names import BACKENDS, FORMATS
 from .errors import CliError, user_errors
 
 __all__ = ["FinetuneConfig", "add_parser", "load_config", "run"]
 
 QUANTS = ("none", *FORMATS)  # the choices of --quant
-BACKENDS = ("bitsandbytes", "torchao")  # the choices of --quant-backend
 SCHEDULES = ("cosine", "linear", "constant")
 # the choices of --data-format and --train-on (quantmesh.train.formats.FORMATS, data.TRAIN_ON;
 # written out so that `--help` imports no torch)

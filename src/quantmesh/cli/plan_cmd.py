@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..quant.names import FORMATS
+from ..quant.names import BACKENDS, FORMATS
 from .errors import CliError, user_errors
 
 QUANTS = ("none", *FORMATS)  # the choices of --quant
@@ -121,9 +121,9 @@ TILE_TOKENS = 8192
 
 PARTIAL_MARGIN = 0.10
 """The share of the budget a proposed partial checkpointing leaves free. It is chosen to sit just
-under the budget, where the estimate's error and the allocator's fragmentation decide: on one
-H200 (24 GiB cap, docs/benchmarks.md) 7B at 16,384 tokens with 23 of 32 layers checkpointed,
-estimated 23.96 GiB, ran out of memory; with 24 (21.94 estimated and measured) it trained."""
+under the budget, where the estimate's error and the allocator's fragmentation decide: a run
+estimated just under its GPU's cap ran out of memory, one layer more recomputed trained
+(docs/benchmarks.md, "Figures the code relies on")."""
 
 
 def memory_alternatives(
@@ -311,8 +311,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--quant-backend",
-        choices=("bitsandbytes", "torchao"),
-        default="bitsandbytes",
+        choices=BACKENDS,
+        default=BACKENDS[0],
         help="library of the quantized base (torchao: the one --fsdp shards)",
     )
     p.add_argument("--fsdp", action="store_true", help="base and adapters sharded over dp (FSDP2)")

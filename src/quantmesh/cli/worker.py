@@ -25,10 +25,9 @@ def setup_worker() -> None:
     # a typo turn into minutes of hub retries on every rank.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # CUDA memory in segments that grow in place: near a card's limit the default allocator's
-    # cached blocks of the wrong sizes ran a run out of memory with 2.2 GiB reserved but unused
-    # (one H200 under a 24 GiB cap, 7B at 8192 tokens, 16 of 32 layers checkpointed: 21.7 GiB in
-    # use; with expandable segments the same run trains, docs/benchmarks.md). A user's own
-    # setting wins. Read when CUDA first allocates, so it is set before anything does.
+    # cached blocks of the wrong sizes ran a run out of memory that expandable segments train
+    # (docs/benchmarks.md, "Figures the code relies on"). A user's own setting wins. Read when CUDA first allocates, so it is set before
+    # anything does.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from .errors import quiet_libraries
 
@@ -44,27 +43,6 @@ def setup_worker() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _dataset(cfg, tokenizer):
-    from ..train.data import build_dataset
-    from .errors import CliError
-
-    try:
-        return build_dataset(
-            cfg.data,
-            tokenizer,
-            cfg.seq_len,
-            eval_fraction=cfg.eval_fraction,
-            seed=cfg.seed,
-            data_format=cfg.data_format,
-            train_on=cfg.train_on,
-            packing=cfg.packing,
-        )
-    except ValueError as e:
-        if type(e) is not ValueError:  # DataError and friends already say what to fix
-            raise
-        raise CliError(str(e)) from None
-
-
 def finetune(payload: str) -> int:
     """A finetune worker: mesh, tokenizer, data, model, train, save (every rank)."""
     import torch
@@ -72,6 +50,7 @@ def finetune(payload: str) -> int:
 
     import quantmesh as qm
 
+    from ..train.data import build_dataset
     from ..train.loop import train
     from .finetune import FinetuneConfig
 
@@ -79,7 +58,18 @@ def finetune(payload: str) -> int:
     mesh = qm.init_mesh(tp=cfg.tp, pp=cfg.pp, dp=-1)
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    dataset = _dataset(cfg, tok)
+    # a user's mistake raises a QuantmeshError (DataError, TrainError, ...): worker_main reports it
+    # as one line with exit code 2, like every other command
+    dataset = build_dataset(
+        cfg.data,
+        tok,
+        cfg.seq_len,
+        eval_fraction=cfg.eval_fraction,
+        seed=cfg.seed,
+        data_format=cfg.data_format,
+        train_on=cfg.train_on,
+        packing=cfg.packing,
+    )
     if rank0:  # what each file held, the text the chat template added, the examples
         print(dataset.summary(), flush=True)
     dtype = torch.bfloat16 if mesh.device.type == "cuda" else torch.float32
@@ -107,15 +97,7 @@ def finetune(payload: str) -> int:
             print(
                 f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
             )
-    try:
-        result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir,
-                       resume=cfg.resume)  # fmt: skip
-    except ValueError as e:  # run sizes that do not fit the data (train checks them first)
-        if type(e) is not ValueError:
-            raise
-        from .errors import CliError
-
-        raise CliError(str(e)) from None
+    result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir, resume=cfg.resume)
     if rank0:
         out = Path(cfg.output_dir)
         last = result.losses[-1] if result.losses else float("nan")

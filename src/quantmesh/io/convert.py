@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantmeshError
+
 __all__ = [
     "Cat",
     "ConversionError",
@@ -57,7 +59,7 @@ Selection = tuple[Ranges, ...]  # one tuple of (start, stop) ranges per dim, con
 LeafFill = Callable[[str, Selection, torch.Tensor], None]  # (stored key, selection, out view)
 
 
-class ConversionError(ValueError):
+class ConversionError(QuantmeshError, ValueError):
     """Stored pieces that do not assemble into the model tensor (an expert missing, shapes that
     do not line up); the message names the keys."""
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import QuantmeshError
 from ..state import parallel_state
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
 from .full import tp_sharded
@@ -54,7 +55,7 @@ __all__ = [
 _SHOW = 20  # names listed per category in an error before "... and N more"
 
 
-class LoadError(ValueError):
+class LoadError(QuantmeshError, ValueError):
     """A checkpoint that does not fit the model; the message lists every offending key."""
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantmeshError
 from .convert import ConversionError, Leaf, Node, Piece, assemble
 
 __all__ = ["CheckpointKeyError", "CheckpointReader", "open_checkpoint"]
@@ -47,7 +48,7 @@ _MISSING = (
 _TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 
-class CheckpointKeyError(KeyError):
+class CheckpointKeyError(QuantmeshError, KeyError):
     """A key that the checkpoint does not hold; the message lists close matches and the fix."""
 
     def __str__(self) -> str:  # KeyError would repr() the message, quoting it and its newlines

@@ -7,8 +7,8 @@
   Interleaved 1F1B).
 - parts.py: names other stages hold, the gather of every stage's part of a save.
 - memory.py: `estimate_stages`, memory per pp rank under a schedule.
-- step.py: `train_step` (one training step for every layout, pipelined at pp > 1) and
-  `eval_loss_sum` (forward only).
+- the training step that runs a pipeline (`qm.train_step`, `eval_loss_sum`) lives in
+  train/step.py, beside the training loop that calls it.
 
 Nothing is imported here: `qm.train_step` and `qm.PipelineConfig` load their modules on use.
 """

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..errors import QuantmeshError
 from ..plan.auto import blocks_of
 from ..plan.plan import Resolved
 from ..plan.styles import balanced_counts
@@ -53,7 +54,7 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
-class PipelineError(ValueError):
+class PipelineError(QuantmeshError, ValueError):
     """A model or a call the pipeline cannot run as asked; the message names the fix."""
 
 

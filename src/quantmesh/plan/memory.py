@@ -113,10 +113,7 @@ LoRA the estimate is for a forward pass (generation): no gradients, no optimizer
 one layer's temporaries, (4 h + 3 q + 2 kv + 4 i) x a per token (1 i less for a non-gated MLP),
 and the logits b * s * vocab * (a + 4).
 
-Measured (2x H200, Llama-2-7B shape, seq 2048, micro-batch 2, nf4 + LoRA r=16 on all 7 linears,
-peak `torch.cuda.max_memory_allocated` over the timed steps): tp=2 17.2 GiB against 17.21
-estimated, dp=2 26.6 GiB against 26.76. Compiled blocks (torch 2.11): tp=2 13.9 GiB against 13.90,
-dp=2 24.6 GiB against 24.79 (22.1 without DDPOptimizer's split).
+How close the estimate comes to measured GPU peaks: docs/benchmarks.md, "Figures the code relies on".
 
 Example:
     >>> with qm.empty_model():                                          # doctest: +SKIP
@@ -602,8 +599,7 @@ def _for_rank(
         # being recomputed holds its own activations (one layer's share of `act`) and, during its
         # backward, the MLP's gradients (`workspace`): without checkpointing that is one layer's
         # transient against L layers' saved activations, with it comparable to what is saved
-        # (measured on one H200, 7B nf4 + LoRA, ckpt + offload: 17.5 GiB estimated without it
-        # against >= 22.8 GiB needed at 98,304 tokens).
+        # (left out, the estimate fell far under a measured peak: docs/benchmarks.md, "Figures the code relies on").
         one_block = act // dims.layers
         if tile is not None and tokens > tile * mb:
             # Tiled MLP: its intermediates and gradients are one tile's (tile x mb tokens); the
@@ -612,9 +608,8 @@ def _for_rank(
             workspace = workspace * tile * mb // tokens
             est.notes.append(f"tile_tokens={tile}: the MLP one tile at a time")
         # The block's backward peaks in its MLP or in its attention, whichever needs more: untiled
-        # that is the MLP; with one tile's MLP, the attention's gradients, untiled (measured on one
-        # H200, 7B nf4 + LoRA, eager, offload, tiles of 8192: 19.0 / 21.5 GiB peaks at 98,304 /
-        # 114,688 tokens, against 14.9 / 16.4 estimated with the MLP's workspace only).
+        # that is the MLP; with one tile's MLP, the attention's gradients, untiled (the MLP's
+        # workspace alone fell under measured tiled peaks: docs/benchmarks.md, "Figures the code relies on").
         act = one_block + max(workspace, attn_workspace)
         act += 0 if offload else dims.layers * tokens * dims.hidden * a
         est.notes.append(
@@ -773,9 +768,8 @@ def _activations(
     workspace = (3 if gated else 2) * tokens * i * a
     # The attention's backward, live together: the gradient of SDPA's output, those of q, k and v,
     # and (eager) a further 4 bytes per q feature, the size of an fp32 q-gradient accumulator.
-    # Compiled blocks were measured without that term (one H200, 7B nf4 + LoRA, checkpointed +
-    # offloaded, MLP tiled: 5.27 / 5.60 GiB at 8192 tokens in tiles of 2048 / 4096, 15.34 / 21.00
-    # GiB at 98,304 / 147,456 in tiles of 8192; with it the estimate was 5-12% over, without 0-7%).
+    # Compiled blocks leave that term out: their measured peaks came closer without it
+    # (docs/benchmarks.md, "Figures the code relies on").
     attn_workspace = tokens * ((2 * q + 2 * kv) * a + (0 if compiled else 4 * q))
     mlp_tok = (mlp_keep + (i if "mlp_out" in roles and not copies else 0)) * a
     return int(act), int(logits), int(workspace), int(mlp_tok), int(attn_workspace)

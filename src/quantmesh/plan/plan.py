@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import QuantmeshError
 from ..tp.kinds import Kind, kind_of
 from .heads import KV_ATTRS, Q_ATTRS, SIZE_ATTRS, HeadInfo, find_heads, split_features
 from .styles import (
@@ -31,7 +32,7 @@ from .styles import (
 __all__ = ["Plan", "PlanError", "Entry", "Resolved", "size_candidates"]
 
 
-class PlanError(ValueError):
+class PlanError(QuantmeshError, ValueError):
     """A plan that does not fit the model; the message names the module, the shapes and the fix."""
 
 

@@ -15,12 +15,11 @@ from torch import nn
 
 __all__ = ["QuantConfig", "QuantFormat", "QuantError", "get_format", "resolve_quant"]
 
-from .names import FORMATS
+from ..errors import QuantmeshError
+from .names import BACKENDS, FORMATS
 
-BACKENDS = ("bitsandbytes", "torchao")
 
-
-class QuantError(ValueError):
+class QuantError(QuantmeshError, ValueError):
     """A quantization request that cannot be honoured; the message names the fix."""
 
 

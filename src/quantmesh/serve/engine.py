@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import QuantmeshError
 from ..sampling import sample_tokens
 from .bank import AdapterBank
 
 __all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
 
 
-class ServeError(RuntimeError):
+class ServeError(QuantmeshError, RuntimeError):
     """The model cannot be served this way; the message names the fix."""
 
 
@@ -136,8 +137,9 @@ class Batch:
             ]
         if plan.drop:
             self._drop(set(plan.drop))
+        # a bug or a lost message, not a user's mistake: RuntimeError, not ServeError
         if self.rids != plan.order:
-            raise ServeError(
+            raise RuntimeError(
                 f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned {plan.order}"
             )
         with self._autocast():

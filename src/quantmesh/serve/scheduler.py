@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantmeshError
 from ..sampling import penalize
 from .engine import Admit, Batch, Plan, sample_token
 from .ranks import Lockstep
@@ -45,7 +46,7 @@ __all__ = ["AdapterSlotsFull", "Job", "Scheduler", "Sampling", "UnknownModel"]
 Event = dict[str, Any]
 
 
-class UnknownModel(KeyError):
+class UnknownModel(QuantmeshError, KeyError):
     """A request names a model (adapter) the server does not hold."""
 
 

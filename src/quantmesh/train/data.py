@@ -192,7 +192,7 @@ def _documents(
 ) -> Iterator[tuple[FileReport, str, Document]]:
     """(file report, where, Document) of every record, in file order."""
     if data_format != "auto" and data_format not in FORMATS:
-        raise ValueError(f"data_format={data_format!r}; use auto or one of {', '.join(FORMATS)}")
+        raise DataError(f"data_format={data_format!r}; use auto or one of {', '.join(FORMATS)}")
     for src in sources:
         rep = FileReport(str(src.path) + (f" (split {src.split!r})" if src.split else ""))
         reports.append(rep)
@@ -301,7 +301,7 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 def _eos_id(tokenizer: Any) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        raise ValueError(
+        raise DataError(
             f"tokenizer {type(tokenizer).__name__} has no eos_token, which ends documents; set "
             "one, e.g. tokenizer.eos_token = '</s>' (a token of its vocabulary)"
         )
@@ -402,13 +402,13 @@ def build_dataset(
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
-        raise ValueError("build_dataset got no data paths; pass at least one file or folder")
+        raise DataError("build_dataset got no data paths; pass at least one file or folder")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len must be an int >= 2 (an input and a target), got {seq_len!r}")
+        raise DataError(f"seq_len must be an int >= 2 (an input and a target), got {seq_len!r}")
     if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}; e.g. 0.05")
+        raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}; e.g. 0.05")
     if train_on not in TRAIN_ON:
-        raise ValueError(f"train_on={train_on!r}; use one of {', '.join(TRAIN_ON)}")
+        raise DataError(f"train_on={train_on!r}; use one of {', '.join(TRAIN_ON)}")
 
     sources, skipped = expand(paths)
     reports: list[FileReport] = []
@@ -449,7 +449,7 @@ def build_dataset(
         chunks_ids, chunks_labels = both[:, 0], both[:, 1]
     n = chunks_ids.shape[0]
     if n == 0:
-        raise ValueError(
+        raise DataError(
             f"the data ({num_tokens} tokens from {num_docs} documents) holds no trainable "
             f"tokens at seq_len={seq_len}; add data or raise seq_len"
         )
@@ -458,7 +458,7 @@ def build_dataset(
     if eval_fraction > 0:
         n_eval = max(1, round(eval_fraction * n))
         if n_eval >= n:
-            raise ValueError(
+            raise DataError(
                 f"eval_fraction={eval_fraction} of {n} examples leaves none to train on; "
                 f"lower eval_fraction or add data (or lower seq_len={seq_len})"
             )
@@ -534,13 +534,13 @@ def iterate_batches(
         torch.Size([4, 256])
     """
     if micro_batch < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        raise DataError(f"micro_batch must be >= 1, got {micro_batch}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        raise DataError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
     n = len(examples)
     global_batch = micro_batch * dp_size
     if n < global_batch:
-        raise ValueError(
+        raise DataError(
             f"{n} examples are fewer than one global batch of {global_batch} "
             f"(micro_batch={micro_batch} x dp={dp_size}); lower micro_batch or seq_len, or add data"
         )

@@ -27,6 +27,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import QuantmeshError
+
 __all__ = [
     "ACCEPTED",
     "FORMATS",
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
+class DataError(QuantmeshError, ValueError):
     """A data file that cannot be read as one of the supported formats; the message names the file,
     the line or row, the keys found and the formats accepted."""
 

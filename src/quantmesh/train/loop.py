@@ -1,11 +1,10 @@
 """The LoRA training loop behind `quantmesh finetune` and `quantmesh demo`, usable on its own.
 
-One optimizer step = `grad_accum` micro-batches on every dp rank. The loss of a step is the mean
-over every labelled token of the whole global batch (all micro-batches, all dp ranks), so a step
-gives the same gradient for any dp x grad_accum split of the same global batch: each micro-batch's
-summed loss is divided by the step's global label count (all-reduced over dp before the first
-forward), and multiplied by dp because DDP averages gradients over dp. Non-final micro-steps run
-under `qm.no_sync`, so the dp all-reduce happens once per step.
+One optimizer step = `grad_accum` micro-batches on every dp rank, run by `train_step`
+(train/step.py) at every pp: the loss of a step is the mean over every next-token target of the
+whole global batch (all micro-batches, all dp ranks), so a step gives the same gradient for any
+dp x pp x grad_accum split of the same global batch. The loss is the chunked one
+(`loss_chunk_tokens`) at pp = 1.
 
 Determinism: the data order depends only on (seed, epoch) (`data.iterate_batches`), and the RNG
 (dropout) is reseeded every step from (seed, step, dp rank): tp ranks of one replica draw the same
@@ -30,8 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..io.adapter import save_adapter
+from ..io.full import clip_grad_norm_
+from ..io.resume import load_state, save_state
+from ..lora import trainable_parameters
 from ..state import parallel_state
-from .loss import IGNORE_INDEX, chunked_loss_sum, plain_loss_sum
+from .loss import chunked_loss_sum, plain_loss_sum
+from .step import TrainError, autocast, eval_loss_sum, train_step
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "lr_at", "train"]
 
@@ -76,25 +80,26 @@ class TrainConfig:
     grad_accum >= pp) or "gpipe", or "interleaved1f1b" (several stages per rank)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
-    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits."""
+    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits.
+    At pp > 1 the pipeline's last stage computes the plain loss whatever this says."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.grad_accum < 1:
-            raise ValueError(
+            raise TrainError(
                 f"micro_batch={self.micro_batch}, grad_accum={self.grad_accum}; both >= 1"
             )
         if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"schedule={self.schedule!r}; use cosine, linear or constant")
+            raise TrainError(f"schedule={self.schedule!r}; use cosine, linear or constant")
         if self.steps is not None and self.steps < 1:
-            raise ValueError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
+            raise TrainError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
         if not self.lr > 0:
-            raise ValueError(f"lr={self.lr}; expected > 0")
+            raise TrainError(f"lr={self.lr}; expected > 0")
         if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
-            raise ValueError(
+            raise TrainError(
                 f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b"
             )
         if self.loss_chunk_tokens < 0:
-            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
+            raise TrainError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
 
 
 @dataclass
@@ -137,13 +142,6 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _autocast(device: torch.device):
-    # bf16 autocast on CUDA: the adapters stay fp32, matmuls run in bf16. CPU runs fp32 throughout.
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
 def loss_sum(
     model: nn.Module, batch: dict[str, torch.Tensor], chunk_tokens: int = 0
 ) -> tuple[torch.Tensor, int]:
@@ -156,7 +154,7 @@ def loss_sum(
     device = _device(model)
     ids = batch["input_ids"].to(device)  # (B, T)
     labels = batch["labels"].to(device)  # (B, T); the model predicts position t+1 at t
-    with _autocast(device):
+    with autocast(device):
         if chunk_tokens > 0:
             return chunked_loss_sum(model, ids, labels, chunk_tokens=chunk_tokens)
         return plain_loss_sum(model, ids, labels)
@@ -192,8 +190,6 @@ def evaluate(model: nn.Module, examples: list, micro_batch: int) -> float:
             k: torch.stack([r[k] for r in rows or examples[:1]]) for k in ("input_ids", "labels")
         }
         if st is not None and st.mesh.pp > 1:  # through the pipeline stages, forward only
-            from ..pipeline.step import eval_loss_sum
-
             s, n = eval_loss_sum(model, batch)
         else:
             s, n = loss_sum(model, batch)
@@ -232,7 +228,7 @@ def total_steps(num_examples: int, cfg: TrainConfig, dp: int) -> int:
     per_epoch = num_examples // (cfg.micro_batch * dp)
     steps = int((cfg.epochs or 1.0) * per_epoch) // cfg.grad_accum
     if steps < 1:
-        raise ValueError(
+        raise TrainError(
             f"{num_examples} training examples make no full optimizer step of "
             f"micro_batch={cfg.micro_batch} x dp={dp} x grad_accum={cfg.grad_accum}; "
             "lower those, raise --epochs, or add data"
@@ -274,11 +270,9 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 
 
 def _save_checkpoint(model, opt, out: Path, step: int) -> Path:
-    import quantmesh as qm
-
     ckpt = out / "checkpoints" / f"step-{step:06d}"
-    qm.save_adapter(model, ckpt / "adapter")
-    qm.save_state(model, opt, ckpt / "state", step=step)
+    save_adapter(model, ckpt / "adapter")
+    save_state(model, opt, ckpt / "state", step=step)
     return ckpt
 
 
@@ -305,27 +299,31 @@ def train(
         >>> train(model, build_dataset(["a.txt"], tok, 256), TrainConfig(steps=50),
         ...       output_dir="out")                                         # doctest: +SKIP
     """
-    import contextlib
-
-    import quantmesh as qm
-
     mesh = parallel_state(model).mesh  # a model from qm.parallelize or qm.from_pretrained
     out = Path(output_dir)
     rank0 = mesh.rank == 0
-    device = _device(model)
-    params = qm.trainable_parameters(model)
+    params = trainable_parameters(model)
     if not params:
-        raise ValueError("the model has no trainable parameters; parallelize it with lora=...")
+        raise TrainError("the model has no trainable parameters; parallelize it with lora=...")
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if len(dataset.train) < cfg.micro_batch * mesh.dp:
-        raise ValueError(
+        raise TrainError(
             f"{len(dataset.train)} training examples are fewer than one global batch of "
             f"micro_batch={cfg.micro_batch} x dp={mesh.dp}; lower those or seq_len, or add data"
         )
     total = total_steps(len(dataset.train), cfg, mesh.dp)
-    start = qm.load_state(model, opt, resolve_resume(resume) / "state") if resume else 0
+    start = 0
+    if resume:
+        state = resolve_resume(resume) / "state"
+        saved = load_state(model, opt, state)
+        if saved is None:  # save_state(step=None): a state this loop did not write
+            raise TrainError(
+                f"{str(state)!r} holds no step count (saved by save_state without step=); "
+                "resume from a checkpoint written by train, or call load_state yourself"
+            )
+        start = saved
     if start > total:
-        raise ValueError(f"the checkpoint is at step {start}, past this run's {total} steps")
+        raise TrainError(f"the checkpoint is at step {start}, past this run's {total} steps")
 
     metrics = out / "metrics.jsonl"
     history = _read_metrics(metrics, start) if resume else []
@@ -358,27 +356,20 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         micro = [next(batches) for _ in range(cfg.grad_accum)]
-        n_local = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro)
-        (n_global,) = _all_sum([n_local], mesh, device)
-        scale = mesh.dp / max(n_global, 1.0)  # DDP averages over dp: undo it, then token-mean
-        if mesh.pp > 1:  # the micro-batches run through the pipeline schedule
-            whole = {k: torch.cat([b[k] for b in micro]) for k in ("input_ids", "labels")}
-            loss = float(
-                qm.train_step(model, whole, microbatches=len(micro), schedule=cfg.pp_schedule)
+        whole = {k: torch.cat([b[k] for b in micro]) for k in ("input_ids", "labels")}
+        # one step at every pp: accumulated over the micro-batches at pp = 1 (the chunked loss),
+        # the pipeline schedule at pp > 1; the mean over every target of the global batch
+        loss = float(
+            train_step(
+                model,
+                whole,
+                microbatches=len(micro),
+                schedule=cfg.pp_schedule,
+                chunk_tokens=cfg.loss_chunk_tokens if mesh.pp == 1 else 0,
             )
-        else:
-            summed = 0.0
-            for i, batch in enumerate(micro):
-                last = i == len(micro) - 1
-                with contextlib.nullcontext() if last else qm.no_sync(model):
-                    s, _ = loss_sum(model, batch, cfg.loss_chunk_tokens)
-                    (s * scale).backward()
-                summed += float(s.detach())
-                del s
-            (summed,) = _all_sum([summed], mesh, device)
-            loss = summed / max(n_global, 1.0)
+        )
         if cfg.max_grad_norm > 0:
-            qm.clip_grad_norm_(model, cfg.max_grad_norm)
+            clip_grad_norm_(model, cfg.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -412,7 +403,7 @@ def train(
         bar.close()
     result.tokens_per_s = (total - start) * step_tokens / max(train_time, 1e-9)
     _save_checkpoint(model, opt, out, total)
-    qm.save_adapter(model, out / "adapter")
+    save_adapter(model, out / "adapter")
     if rank0:
         plot_losses(metrics, out / "loss.png", baseline=result.eval_losses.get(0))
     return result

@@ -1,12 +1,22 @@
 """One training step for every layout: `loss = qm.train_step(model, batch, microbatches=M)`.
 
-Forward and backward of one global batch, split into M micro-batches; the optimizer step stays the
-caller's. The loss is the mean next-token cross-entropy over every labelled token of the global
-batch (all micro-batches, all dp replicas), returned on every rank; each micro-batch's summed loss
-is divided by that global count, so any (dp, pp, tp, M) split of one batch gives the same gradient.
+The training loop (`train/loop.py`) runs every optimizer step through it, at every pp; it is also
+public for a loop of one's own. Forward and backward of one global batch, split into M
+micro-batches; the optimizer step stays the caller's. The loss is the mean next-token
+cross-entropy over every labelled target of the global batch (all micro-batches, all dp
+replicas), returned on every rank; each micro-batch's summed loss is divided by that global count,
+so any (dp, pp, tp, M) split of one batch gives the same gradient.
+
+The count is of targets, not of labels: position t is trained to predict labels[t + 1], so a row
+of T labels has at most T - 1 targets, and a row's first label is never one (no position comes
+before it). The count is `(causal_lm_targets(labels) != -100).sum()`, the same positions the
+cross-entropy sums over; counting `labels != -100` would also count each row's first label and
+make every loss (and gradient) slightly too small.
 
 - pp = 1: plain gradient accumulation; non-final micro-batches run under `qm.no_sync` (the dp
-  all-reduce of DDP happens once), and the loss is scaled by dp for DDP's average.
+  all-reduce of DDP happens once), and the loss is scaled by dp for DDP's average. With
+  `chunk_tokens` > 0 the loss is the chunked one (`train/loss.py`: the head and cross-entropy a
+  chunk of tokens at a time, never the whole logits); on CUDA the forward runs under bf16 autocast.
 - pp > 1: `torch.distributed.pipelining` runs the micro-batches through a `PipelineStage` of this
   rank's `StageModule` with the chosen schedule (GPipe or 1F1B). The last stage computes the loss;
   it is broadcast over the pp group. Over dp, whole pipelines are replicas: after the schedule the
@@ -29,33 +39,53 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import QuantmeshError
+from ..pipeline.cut import SCHEDULES, PipelineError
+from ..pipeline.schedule import PipelineRuntime, causal_lm_targets, ce_sum, leak_error
+from ..pipeline.stage import call_model, logits_of
 from ..state import parallel_state
-from ..train.data import IGNORE_INDEX
-from .cut import SCHEDULES, PipelineError
-from .schedule import PipelineRuntime, causal_lm_targets, ce_sum, leak_error
-from .stage import call_model, logits_of
+from .data import IGNORE_INDEX
+from .loss import chunked_loss_sum
 
-__all__ = ["eval_loss_sum", "train_step"]
+__all__ = ["TrainError", "autocast", "eval_loss_sum", "train_step"]
+
+
+class TrainError(QuantmeshError, ValueError):
+    """A training request that cannot run as given (batch, micro-batches, schedule, run length);
+    the message names the fix."""
+
+
+def autocast(device: torch.device) -> Any:
+    """The forward's precision policy: bf16 autocast on CUDA (the adapters stay fp32, the matmuls
+    run in bf16), fp32 throughout on CPU.
+
+    Example:
+        >>> with autocast(torch.device("cpu")):
+        ...     pass
+    """
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 def _check(batch: Any, microbatches: int, schedule: str, pp: int) -> None:
     if not isinstance(batch, dict) or "input_ids" not in batch:
-        raise ValueError(
+        raise TrainError(
             "train_step needs batch={'input_ids': (B, T) ids, 'labels': (B, T) ids (optional, "
             "-100 = ignored)}"
         )
     if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches={microbatches!r}; use a positive int")
+        raise TrainError(f"microbatches={microbatches!r}; use a positive int")
     b = batch["input_ids"].shape[0]
     if b % microbatches:
-        raise ValueError(
+        raise TrainError(
             f"batch of {b} rows does not split into microbatches={microbatches} equal parts; use "
             f"a batch size that is a multiple of the micro-batch count"
         )
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
+        raise TrainError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
     if pp > 1 and schedule in ("1f1b", "interleaved1f1b") and microbatches < pp:
-        raise ValueError(
+        raise TrainError(
             f"schedule={schedule!r} needs microbatches >= pp ranks ({microbatches} < {pp}); use "
             f"microbatches={pp} or more, or schedule='gpipe'"
         )
@@ -68,6 +98,7 @@ def train_step(
     microbatches: int = 1,
     schedule: str = "1f1b",
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """Forward + backward of one global batch; returns the mean loss of the global batch on every
     rank (a detached 0-d fp32 tensor). Gradients accumulate into `.grad`; step and zero them.
@@ -79,6 +110,9 @@ def train_step(
         schedule: at pp > 1, "1f1b" (M >= pp) or "gpipe" with one stage per rank,
             "interleaved1f1b" with several (PipelineConfig(virtual=...)); ignored at pp = 1.
         loss_fn: pp = 1 only: (logits, labels) -> summed loss; default next-token cross-entropy.
+        chunk_tokens: pp = 1 only: > 0 computes the default loss chunk by chunk
+            (`chunked_loss_sum`, at most this many rows of logits at once); 0 = from the whole
+            logits, which the pipelined step's last stage always uses.
 
     Example:
         >>> loss = qm.train_step(model, batch, microbatches=8, schedule="1f1b")  # doctest: +SKIP
@@ -88,7 +122,19 @@ def train_step(
     pp = mesh.pp if mesh is not None else 1
     _check(batch, microbatches, schedule, pp)
     if pp > 1 and loss_fn is not None:
-        raise ValueError("loss_fn is not supported at pp > 1 yet; use the default causal-LM loss")
+        raise TrainError("loss_fn is not supported at pp > 1 yet; use the default causal-LM loss")
+    if loss_fn is not None and chunk_tokens:
+        raise TrainError(
+            f"loss_fn and chunk_tokens={chunk_tokens} together: the chunked loss is the default "
+            "causal-LM loss; pass one of them"
+        )
+    if chunk_tokens < 0:
+        raise TrainError(f"chunk_tokens={chunk_tokens}; expected >= 0 (0 = the whole logits)")
+    if pp > 1 and chunk_tokens:
+        raise TrainError(
+            f"chunk_tokens={chunk_tokens} at pp={pp}: the pipeline's last stage computes the loss "
+            "from the whole logits (the chunked loss is not pipelined yet); pass 0"
+        )
     device = mesh.device if mesh is not None else next(model.parameters()).device
     ids = batch["input_ids"].to(device)  # (B, T)
     labels = batch.get("labels", batch["input_ids"]).to(device)  # (B, T)
@@ -101,10 +147,24 @@ def train_step(
         assert st is not None and st.pipeline is not None  # parallelize built it at pp > 1
         loss = _pipelined(st.pipeline, mesh, ids, labels, count, microbatches, schedule)
     else:
-        loss = _accumulated(model, ids, labels, count, microbatches, loss_fn or ce_sum, st)
+        loss_sum = _loss_sum(loss_fn, chunk_tokens)
+        loss = _accumulated(model, ids, labels, count, microbatches, loss_sum, st)
     if mesh is not None and mesh.dp > 1:
         dist.all_reduce(loss, group=mesh.dp_group)
     return loss
+
+
+LossSum = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _loss_sum(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, chunk_tokens: int
+) -> LossSum:
+    """(model, ids, labels) -> one micro-batch's summed loss."""
+    if chunk_tokens > 0:
+        return lambda model, x, y: chunked_loss_sum(model, x, y, chunk_tokens=chunk_tokens)[0]
+    fn = loss_fn or ce_sum
+    return lambda model, x, y: fn(logits_of(call_model(model, x)), y)
 
 
 def _accumulated(
@@ -113,7 +173,7 @@ def _accumulated(
     labels: torch.Tensor,
     count: torch.Tensor,
     microbatches: int,
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_sum: LossSum,
     st: Any,
 ) -> torch.Tensor:
     from ..dp import no_sync
@@ -126,7 +186,8 @@ def _accumulated(
     for i, (x, y) in enumerate(pairs):  # x, y: (B/M, T)
         ctx = no_sync(model) if i < len(pairs) - 1 else contextlib.nullcontext()
         with ctx:
-            s = loss_sum(logits_of(call_model(model, x)), y) / count
+            with autocast(ids.device):
+                s = loss_sum(model, x, y) / count
             (s * scale).backward()
         total += s.detach().float()
     return total
