@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .dp import apply_dp
+from .errors import QuantmeshError
 from .fsdp import FsdpError, apply_fsdp, check_fsdp
 from .layersplit import install_moves, layer_placement
 from .lora import LoraConfig, LoraError, lora_targets
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["parallelize", "SplitForwardError"]
 
 
-class SplitForwardError(RuntimeError):
+class SplitForwardError(QuantmeshError, RuntimeError):
     """A module failed in its first forward after its layers were split by a plan that could not
     be verified; the message names the module, its split layers and the fix."""
 

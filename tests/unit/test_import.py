@@ -75,8 +75,8 @@ def test_public_functions_are_not_shadowed_by_submodules():
     import quantmesh as qm
 
     for info in pkgutil.walk_packages(qm.__path__, "quantmesh."):
-        if ".cli" in info.name:
-            continue
+        if ".cli" in info.name or info.name.rsplit(".", 1)[-1].startswith("_"):
+            continue  # a private module shadows no public name (_triton4 needs Triton: GPU only)
         importlib.import_module(info.name)
     import types
 
