@@ -1,58 +1,44 @@
-"""`import quantmesh` stays cheap next to `import torch`, and pulls in no optional integration."""
+"""`import quantmesh` pulls in no optional integration; its public names resolve."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import statistics
 import subprocess
 import sys
 
 import quantmesh
 
-# Each measurement runs in a fresh interpreter: torch first, then quantmesh, timed separately in the
-# same process. Timing the two imports side by side (rather than two separate processes, one with
-# and one without quantmesh) cancels out how loaded the machine is at that moment.
-_MEASURE = """
-import json, sys, time
-t0 = time.perf_counter()
+# In a fresh interpreter: what `import quantmesh` (and the mesh, what every program uses next)
+# loads. A cheap import is a structural property (no optional integration at import time), checked
+# as such: a timed assertion would pass or fail with the machine's load.
+_LOADED = """
+import json, sys
 import torch
-t1 = time.perf_counter()
+before = set(sys.modules)
 import quantmesh
-t2 = time.perf_counter()
-loaded_by_import = sorted(m.split(".")[0] for m in sys.modules)
+loaded_by_import = sorted({m.split(".")[0] for m in set(sys.modules) - before})
 from quantmesh import Mesh, MeshError, init_mesh
-t3 = time.perf_counter()
-loaded_by_mesh = sorted(m.split(".")[0] for m in sys.modules)
-print(json.dumps({"torch_s": t1 - t0, "quantmesh_s": t2 - t1, "mesh_s": t3 - t2,
-                  "after_import": loaded_by_import, "after_mesh": loaded_by_mesh}))
+loaded_by_mesh = sorted({m.split(".")[0] for m in set(sys.modules) - before})
+print(json.dumps({"after_import": loaded_by_import, "after_mesh": loaded_by_mesh}))
 """
 
 # Optional integrations: loaded only by the modules that use them, when they are used.
-HEAVY = ("bitsandbytes", "transformers", "peft", "torchao", "accelerate")
+HEAVY = (
+    "bitsandbytes", "transformers", "peft", "torchao", "accelerate", "datasets", "pyarrow",
+    "fastapi", "uvicorn", "openai", "lm_eval", "triton", "safetensors",
+)  # fmt: skip
 
 
-def _measure() -> dict:
+def test_import_loads_no_optional_integration() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _LOADED], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_import_adds_under_a_second_to_torch_and_loads_no_optional_integration() -> None:
-    runs = [_measure() for _ in range(3)]
-    added = statistics.median(r["quantmesh_s"] for r in runs)
-    torch_s = statistics.median(r["torch_s"] for r in runs)
-    assert added < 1.0, (
-        f"import quantmesh added {added:.2f} s (median of 3) to torch's {torch_s:.2f} s"
-    )
-    # What every program does next; mesh.py must stay as light as the package.
-    with_mesh = statistics.median(r["quantmesh_s"] + r["mesh_s"] for r in runs)
-    assert with_mesh < 1.0, f"import quantmesh + init_mesh took {with_mesh:.2f} s (median of 3)"
-    for r in runs:
-        assert not set(HEAVY) & set(r["after_import"]), "loaded by `import quantmesh`"
-        assert not set(HEAVY) & set(r["after_mesh"]), "loaded by `from quantmesh import init_mesh`"
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "quantmesh" in r["after_import"]  # the probe saw the import at all
+    assert not set(HEAVY) & set(r["after_import"]), r["after_import"]
+    assert not set(HEAVY) & set(r["after_mesh"]), r["after_mesh"]
 
 
 def test_version_matches_the_installed_distribution() -> None:
