@@ -465,8 +465,3 @@ class ShardedExperts(ShardedModule):
         q = f", quant={self.fmt.name}" if self.fmt is not None else ""
         shapes = ", ".join(f"{k}={tuple(v)}" for k, v in self.local_shapes.items())
         return f"Experts({self.num_experts}), local: {shapes}, tp {self.tp_rank}/{self.tp}{q}"
-
-
-def expert_param_count(tensors: list[ExpertTensor], module: nn.Module) -> int:
-    """Elements of the expert weights of `module` (for the memory planner)."""
-    return sum(math.prod(cast(torch.Tensor, module._parameters[t.name]).shape) for t in tensors)
