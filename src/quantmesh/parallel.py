@@ -33,7 +33,7 @@ from .quant.bnb import format_of
 from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from .state import ParallelState, attach_state, parallel_state
 from .tp.apply import apply_tp, shared_params
-from .tp.experts import find_experts, unhandled_3d
+from .tp.experts import expert_lora_targets, find_experts, unhandled_3d
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
 
@@ -406,23 +406,19 @@ def _wrap_plan(
             stacklevel=4,
         )
     if lora is not None:
-        tensor_names = {f"{f}.{t.name}": (f, t.name) for f, ts in experts.items() for t in ts}
-        for fqn in lora_targets(model, lora, extra=list(tensor_names)):
-            if fqn in experts or fqn in tensor_names:  # every expert tensor, or this one
-                owner, names = (
-                    (fqn, [t.name for t in experts[fqn]]) if fqn in experts else
-                    (tensor_names[fqn][0], [tensor_names[fqn][1]])
-                )  # fmt: skip
-                if lora.dropout > 0:
-                    raise LoraError(
-                        f"LoRA on the expert tensors of {owner} with dropout={lora.dropout}: an "
-                        "expert adapter is a weight delta (as PEFT's target_parameters), which "
-                        "cannot drop its input; use dropout=0, or leave the experts out of "
-                        "LoraConfig(targets=...) (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
-                    )
-                spec = wrap.setdefault(owner, {"experts": experts[owner]})
-                have = spec.setdefault("lora_tensors", [])
-                have += [n for n in names if n not in have]
+        tensor_names = [f"{f}.{t.name}" for f, ts in experts.items() for t in ts]
+        selected = lora_targets(model, lora, extra=tensor_names)
+        for owner, names in expert_lora_targets(experts, selected).items():
+            if lora.dropout > 0:
+                raise LoraError(
+                    f"LoRA on the expert tensors of {owner} with dropout={lora.dropout}: an "
+                    "expert adapter is a weight delta (as PEFT's target_parameters), which "
+                    "cannot drop its input; use dropout=0, or leave the experts out of "
+                    "LoraConfig(targets=...) (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
+                )
+            wrap.setdefault(owner, {"experts": experts[owner]})["lora_tensors"] = names
+        for fqn in selected:
+            if fqn in experts or fqn in tensor_names:  # expert tensors: above
                 continue
             m = model.get_submodule(fqn)
             k = kind_of(m)
