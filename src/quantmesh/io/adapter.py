@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -89,6 +90,19 @@ def expert_adapter_keys(m: ShardedExperts) -> dict[str, tuple[str, str]]:
         for ab in ("lora_A", "lora_B"):
             out[f"{m.fqn}.{'base_layer.' * (len(order) - 1 - i)}{ab}.weight"] = (t, ab)
     return out
+
+
+def _file_params(
+    mods: dict[str, ShardedModule], experts: dict[str, ShardedExperts]
+) -> Iterator[tuple[str, ShardedModule, str]]:
+    """(key in a PEFT file, without its prefix; module; the module's parameter) of every adapter
+    tensor: save_adapter and load_adapter walk the same list."""
+    for fqn, m in mods.items():
+        for name in ("lora_A.weight", "lora_B.weight"):
+            yield f"{fqn}.{name}", m, name
+    for e in experts.values():
+        for key, (t, ab) in expert_adapter_keys(e).items():
+            yield key, e, f"expert_lora.{t}.{ab}.weight"
 
 
 def _expert_shapes(m: ShardedExperts, t: str) -> dict[str, tuple[int, int]]:
@@ -249,16 +263,11 @@ def save_adapter(
         tensors = {}
         # at pp > 1 the first tp rank of each stage keeps its part and sends it to global rank 0
         keep = bool(w) or (pp_mesh is not None and pp_mesh.tp_rank == 0)
-        for fqn, m in mods.items():  # gathered one module at a time; adapters are small
-            for name in ("lora_A.weight", "lora_B.weight"):
-                t = full_tensor(m, name)
-                if keep:
-                    tensors[f"{PEFT_PREFIX}{fqn}.{name}"] = _owned(t)
-        for m in _expert_modules(model).values():  # PEFT's target_parameters keys
-            for key, (tname, ab) in expert_adapter_keys(m).items():
-                t = full_tensor(m, f"expert_lora.{tname}.{ab}.weight")
-                if keep:
-                    tensors[f"{PEFT_PREFIX}{key}"] = _owned(t)
+        # gathered one tensor at a time; adapters are small
+        for key, m, name in _file_params(mods, _expert_modules(model)):
+            t = full_tensor(m, name)
+            if keep:
+                tensors[f"{PEFT_PREFIX}{key}"] = _owned(t)
         if pp_mesh is not None and pp_mesh.tp_rank == 0:
             from ..pipeline.parts import gather_stages
 
@@ -425,25 +434,16 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
         with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
             _check_adapter(model, reader, cfg, mods)  # everything, before reading any data
             with torch.no_grad():
-                for fqn, m in mods.items():
-                    split = tp_sharded(m)
-                    for name in ("lora_A.weight", "lora_B.weight"):
-                        dest = m.get_parameter(name)
-                        dim, fs = split.get(name, (None, None))
-                        ranges = fs.ranges(m.tp_rank) if fs is not None else None
-                        fill_from_whole(dest, reader.read(f"{fqn}.{name}", dim, ranges,
-                                                          dtype=dest.dtype, device=dest.device))  # fmt: skip
+                for key, m, name in _file_params(mods, experts):  # this rank's slice of each
+                    dest = m.get_parameter(name)
+                    dim, fs = tp_sharded(m).get(name, (None, None))
+                    ranges = fs.ranges(m.tp_rank) if fs is not None else None
+                    fill_from_whole(dest, reader.read(key, dim, ranges, dtype=dest.dtype,
+                                                      device=dest.device))  # fmt: skip
+                for m in mods.values():
                     m.lora_scale = alpha / r
                     m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
                 for e in experts.values():
-                    split = tp_sharded(e)
-                    for key, (t, ab) in expert_adapter_keys(e).items():
-                        name = f"expert_lora.{t}.{ab}.weight"
-                        dest = e.get_parameter(name)
-                        dim, fs = split.get(name, (None, None))
-                        ranges = fs.ranges(e.tp_rank) if fs is not None else None
-                        fill_from_whole(dest, reader.read(key, dim, ranges, dtype=dest.dtype,
-                                                          device=dest.device))  # fmt: skip
                     e.expert_lora_scale = alpha / r
         st = parallel_state(model, required=False)
         if st is not None and st.lora is not None:

@@ -392,11 +392,8 @@ class Bnb4bitFormat(_BnbFormat):
             >>> fmt.dequantize(m).shape  # doctest: +SKIP
             torch.Size([8, 64])
         """
-        w = cast(torch.Tensor, module.weight)
-        qs = getattr(w, "quant_state", None)
-        if qs is None:
-            raise RuntimeError(_not_quantized(module))
-        return dequantize_4bit_flat(w.data, qs)
+        packed, qs = _packed_state(module)
+        return dequantize_4bit_flat(packed, qs)
 
     def compute_weight(self, module: nn.Module) -> torch.Tensor:
         """The float weight (out, in) from plain tensors and values (traced by torch.compile),
@@ -406,11 +403,8 @@ class Bnb4bitFormat(_BnbFormat):
             >>> fmt.compute_weight(m).shape  # doctest: +SKIP
             torch.Size([8, 64])
         """
-        w = cast(torch.Tensor, module.weight)
-        qs = getattr(w, "quant_state", None)
-        if qs is None:
-            raise RuntimeError(_not_quantized(module))
-        return _flat_weight(w.data, *_flat_args(qs))
+        packed, qs = _packed_state(module)
+        return _flat_weight(packed, *_flat_args(qs))
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and
@@ -428,6 +422,15 @@ class Bnb4bitFormat(_BnbFormat):
     def block_elems(self) -> int:
         """Elements per quantization block of the flattened (out, in) weight (= blocksize)."""
         return self.config.blocksize
+
+
+def _packed_state(module: nn.Module) -> tuple[torch.Tensor, Any]:
+    """A 4-bit linear's packed codes and QuantState; raises when it was never quantized."""
+    w = cast(torch.Tensor, module.weight)
+    qs = getattr(w, "quant_state", None)
+    if qs is None:
+        raise RuntimeError(_not_quantized(module))
+    return w.data, qs
 
 
 def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
