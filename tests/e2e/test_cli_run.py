@@ -86,14 +86,14 @@ def test_version_through_the_installed_console_script() -> None:
 # threads release them (and take the GIL to) after the script has ended. Without the exit
 # handler's wait (registered by the example's init_mesh) this aborted about 4 runs in 10.
 _COORDS_THEN_COLLECTIVES = """
-import runpy, sys
+import os, runpy, sys
 import torch
 import torch.distributed as dist
 
 runpy.run_path(sys.argv[1], run_name="__main__")  # builds the mesh, prints this rank's coordinates
 works = [dist.all_reduce(torch.ones(200_000), async_op=True) for _ in range(50)]
 del works
-print("script done", dist.get_rank(), flush=True)
+os.write(1, f"script done {dist.get_rank()}\n".encode())  # one write: ranks' lines never interleave
 """
 
 
