@@ -5,7 +5,9 @@ the logits of a model that holds only that row's adapter (loaded by qm.load_adap
 Covers the bank's slices on colwise and rowwise layers, an adapter of lower rank than the bank
 (zero-padded), an adapter on a subset of the bank's modules, left-padded rows of different
 lengths, two rows with different adapters prefilled together, rows joining a running batch and
-rows leaving it (the span of slots in use then starts at 1).
+rows leaving it (the span of slots in use then starts at 1). Both engines: `Batch` (a growing
+cache) and `SlotBatch` (fixed KV slots, run eagerly here; rows padded to a ladder size, rows after
+a leaving one shifted down).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 PROMPTS = [[5, 9, 11, 30, 2], [7, 8], [12, 40, 41, 13, 14, 15, 16, 3], [6, 21, 22, 23, 24]]
 
 
-def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
+def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
     import quantmesh as qm
     from quantmesh.io.adapter import adapter_lora_config
     from quantmesh.serve.bank import AdapterBank
     from quantmesh.serve.engine import Admit, Batch, Plan
+    from quantmesh.serve.slots import SlotBatch
 
     mesh = qm.init_mesh(tp=2, dp=1)
     lora = qm.LoraConfig(r=8, targets=EVERY)
@@ -39,7 +42,10 @@ def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
         m = qm.from_pretrained(model_dir, mesh, lora=adapter_lora_config(path), progress=False)
         qm.load_adapter(m, path)
         refs.append(m.eval())
-    batch = Batch(served, bank)
+    if engine == "slots":  # eager on CPU: the same code the GPU compiles, small ladder
+        batch = SlotBatch(served, bank, max_batch=4, max_len=64, ladder=(1, 2))
+    else:
+        batch = Batch(served, bank)
     seqs = {rid: list(p) for rid, p in enumerate(PROMPTS)}
     slots = {0: 1, 1: 0, 2: 2, 3: 2}  # row -> adapter slot (0: the base)
     worst, agree = 0.0, True
@@ -76,11 +82,12 @@ def _ranks(rank: int, model_dir: str, adapters: list[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_mixed_adapter_batch_equals_each_adapter_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["dynamic", "slots"])
+def test_mixed_adapter_batch_equals_each_adapter_alone(tmp_path: Path, engine: str) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     a = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj", "v_proj"], seed=1)
     b = make_adapter(model, tmp_path / "b", r=8, targets=EVERY, seed=2)
-    results = run_ranks(_ranks, 2, str(model), [str(a), str(b)], timeout=240)
+    results = run_ranks(_ranks, 2, str(model), [str(a), str(b)], engine, timeout=240)
     for res in results:
         assert res["agree"], res
         assert res["worst"] < 1e-4, res  # fp32: only the order of sums differs

@@ -31,6 +31,7 @@ __all__ = ["ServeConfig", "add_parser", "run", "serve_worker"]
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 API_KEY_ENV = "QUANTMESH_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+ENGINES = ("auto", "slots", "dynamic")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +78,9 @@ class ServeConfig:
     """The most tokens one choice may ask to generate (default: up to the context length)."""
     max_choices: int = 256
     """Prompts times n in one request, at most."""
+    engine: str = "auto"
+    """The decode engine: slots (fixed KV slots, the step compiled and CUDA-graphed per batch
+    size), dynamic (eager, a growing cache: any device) or auto (slots on GPUs, else dynamic)."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -100,6 +104,8 @@ class ServeConfig:
                         ("--max-choices", self.max_choices)):  # fmt: skip
             if v < 1:
                 raise CliError(f"{flag} {v}; expected >= 1")
+        if self.engine not in ENGINES:
+            raise CliError(f"--engine {self.engine}; use one of {', '.join(ENGINES)}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise CliError(f"--max-tokens {self.max_tokens}; expected >= 1")
         if self.adapter_dir is not None and not Path(self.adapter_dir).expanduser().is_dir():
@@ -166,6 +172,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most tokens one choice may generate (default: the context length)")  # fmt: skip
     p.add_argument("--max-choices", type=int, default=256,
                    help="prompts x n in one request, at most (default 256)")  # fmt: skip
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="slots: fixed KV slots, compiled CUDA-graph steps; dynamic: eager, any "
+                   "device; auto (default): slots on GPUs, dynamic on CPU")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -187,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank, lora_targets=targets,
             max_model_len=args.max_model_len, grace_s=args.grace, adapter_dir=args.adapter_dir,
             max_request_bytes=args.max_request_bytes, max_tokens=args.max_tokens,
-            max_choices=args.max_choices,
+            max_choices=args.max_choices, engine=args.engine,
         )  # fmt: skip
         check(cfg)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -266,6 +275,7 @@ def serve_worker(payload: str) -> int:
     from ..serve.bank import AdapterBank
     from ..serve.engine import Batch
     from ..serve.ranks import Lockstep, follow
+    from ..serve.slots import SlotBatch
 
     cfg = ServeConfig(**json.loads(payload))
     mesh = qm.init_mesh(tp=cfg.tp, dp=1)
@@ -282,7 +292,19 @@ def serve_worker(payload: str) -> int:
     for name, slot in slots.items():
         bank.load(slot, cfg.adapters[name])
     lockstep = Lockstep(mesh.tp_group, mesh.device)
-    batch = Batch(model, bank, agree=lockstep.agree)
+    max_len = cfg.max_model_len or int(config.max_position_embeddings)
+    engine = cfg.engine
+    if engine == "auto":
+        engine = "slots" if mesh.device.type == "cuda" else "dynamic"
+    if engine == "slots":
+        slots_batch = SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
+                                agree=lockstep.agree)  # fmt: skip
+        # every rank compiles the same steps in the same order (their tp collectives meet)
+        say = (lambda m: print(f"quantmesh serve: {m}", flush=True)) if mesh.tp_rank == 0 else None
+        slots_batch.warm_up(say)
+        batch: Batch = slots_batch
+    else:
+        batch = Batch(model, bank, agree=lockstep.agree)
     if mesh.tp_rank != 0:
         # rank 0 decides when to stop (after its graceful shutdown); a follower that left on the
         # launcher's SIGTERM or SIGINT (Ctrl-C, forwarded) would break the in-flight steps
@@ -291,7 +313,6 @@ def serve_worker(payload: str) -> int:
         follow(batch, lockstep)
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    max_len = cfg.max_model_len or int(config.max_position_embeddings)
     return _serve(cfg, batch, lockstep, tok, model, slots, max_len)
 
 

@@ -141,6 +141,7 @@ class AdapterBank:
         self.rel = self.ids  # (batch,) each row's slot - lo
         self.uniform: int | None = 0
         self.device = dev
+        self._fixed: torch.Tensor | None = None  # (max rows,) row slots of compiled steps
         for m in self.mods.values():
             a, b = m.lora_A.weight, m.lora_B.weight  # (r, in_x), (out_x, r)
             bank_a = a.new_zeros(slots, *a.shape).requires_grad_(False)  # (slots, r, in_x)
@@ -153,8 +154,27 @@ class AdapterBank:
             m.lora_scale = 1.0  # the per-adapter scale is applied by _BankedB
 
     # ---- rows ---------------------------------------------------------------------------------
-    def set_rows(self, slots: list[int]) -> None:
-        """The slot of each row of the next forward calls (host list; no device sync)."""
+    def set_rows(self, slots: list[int], fixed: int | None = None) -> None:
+        """The slot of each row of the next forward calls (host list; no device sync).
+
+        `fixed`: the largest batch a compiled step runs: the rows then always take the mixed path
+        over every slot, their ids in one buffer of that many rows, so that one compiled graph
+        serves every mix of adapters (the Python branches a compiler specializes on stay put).
+
+        Example:
+            >>> bank.set_rows([0, 2, 2])  # doctest: +SKIP
+        """
+        if fixed is not None:
+            if self._fixed is None or self._fixed.shape[0] != fixed:
+                self._fixed = torch.zeros(fixed, dtype=torch.long, device=self.device)
+                torch._dynamo.mark_static_address(self._fixed, guard=False)
+            self._fixed[: len(slots)].copy_(
+                torch.tensor(slots, dtype=torch.long), non_blocking=True
+            )
+            self.uniform = None
+            self.span = (0, self.slots)
+            self.ids = self.rel = self._fixed[: len(slots)]
+            return
         first = slots[0] if slots else 0
         self.uniform = first if all(s == first for s in slots) else None
         if self.uniform is None:

@@ -1,0 +1,288 @@
+"""SlotBatch: the serving batch in fixed KV slots, its decode step compiled and CUDA-graphed.
+
+The same `Plan`s as `engine.Batch` (rows join, decode together, leave; every tp rank in lock step),
+executed so that a decode step can be one CUDA-graph replay, as `qm.fast_decode`'s step is:
+
+- The KV cache is one preallocated (slots, kv heads, max_len, head dim) key and value tensor per
+  layer. Row i of the batch lives in slot i, its tokens in columns [0, length): rows are kept
+  packed at the front (a row that leaves is filled by shifting the rows after it down, order kept).
+- A decode step runs on the first `b` slots, `b` the smallest size of a ladder (1, 4, 16, 64, ...,
+  and `max_batch`) that holds the rows; the extra rows are padding (token 0, position 0, the base
+  adapter) whose outputs are dropped. The keys are read up to `le` columns, the smallest of 256,
+  512, 1024, ... (up to max_len) past every row's length. Each (b, le) is one compiled graph
+  (`torch.compile(mode="reduce-overhead")`: CUDA graphs), built on first use or by `warm_up`.
+- Each row writes its new key and value at its own column (its length) and reads the columns
+  before it: the step gets each row's position, a boolean (b, 1, 1, le) attention mask built from
+  it, and a `SlotCache` whose layers write per row. The row's adapter comes from the bank's
+  per-row slot ids (`AdapterBank.set_rows(..., size=b)`: one fixed graph for every mix).
+- Prefill stays eager (prompts of one length together, as `Batch`), into a transformers
+  `DynamicCache` whose keys are then copied into the rows' slots.
+
+A row sees exactly the keys it would alone: tests compare the logits of every step with `Batch`'s
+on CPU ranks (eager), and the compiled step with the eager one on a GPU.
+
+Example:
+    >>> batch = SlotBatch(model, AdapterBank(model, slots=4), max_batch=32, max_len=2048)  # doctest: +SKIP
+    >>> batch.warm_up()                                      # doctest: +SKIP  (every size, at start)
+    >>> step, pre, errors = batch.execute(Plan(admit=[Admit(7, ids, 0)]))     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..decode import CACHE_STEP, _static_statistics
+from .bank import AdapterBank
+from .engine import Admit, Batch, ServeError
+
+__all__ = ["LADDER", "SlotBatch", "SlotCache"]
+
+LADDER = (1, 4, 16, 64, 256)
+"""Batch sizes a decode step is compiled for (each capped by max_batch, which is one too)."""
+
+
+def _ladder(n: int, sizes: tuple[int, ...]) -> int:
+    """The smallest size in `sizes` (ascending) that holds n rows."""
+    for s in sizes:
+        if s >= n:
+            return s
+    raise RuntimeError(f"{n} rows exceed the largest compiled batch {sizes[-1]}")
+
+
+class _SlotLayer:
+    """One attention layer's keys and values in slots: (slots, kv heads, max_len, head dim).
+
+    `update` writes each of the step's b rows at its own column (the owner's positions) and returns
+    the first b slots up to `le` columns (the mask hides the columns past each row's length)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: SlotBatch, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.owner = owner
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated by the owner
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.owner
+        b, le = o.b, o.le
+        rows, pos = o.rows[:b], o.pos_buf[:b]
+        # (b, heads, 1, dim) -> each row's column `pos` of its slot
+        self.keys[rows, :, pos] = key_states[:, :, -1].to(self.keys.dtype)
+        self.values[rows, :, pos] = value_states[:, :, -1].to(self.values.dtype)
+        return self.keys[:b, :, :le], self.values[:b, :, :le]
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return self.owner.le, 0
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return self.owner.le
+
+    def get_max_length(self) -> int:
+        return int(self.keys.shape[2])
+
+
+def SlotCache(layers: list[_SlotLayer]) -> Any:  # noqa: N802 - a transformers Cache, built here
+    """A transformers `Cache` over slot layers (what the model's attention calls `update` on).
+
+    Example:
+        >>> cache = SlotCache([])  # doctest: +SKIP
+    """
+    from transformers.cache_utils import Cache
+
+    return Cache(layers=layers)  # type: ignore[arg-type]
+
+
+class SlotBatch(Batch):
+    """The rows decoding together, in fixed KV slots, with a compiled decode step per batch size.
+
+    `max_batch`: rows at most (the slots); `max_len`: tokens a row may hold (prompt and reply);
+    `compile`: compile and CUDA-graph the step (default: on CUDA devices); `ladder`: batch sizes
+    compiled (each capped by max_batch). Raises ServeError when the model cannot be served this way.
+
+    Example:
+        >>> batch = SlotBatch(model, bank, max_batch=8, max_len=1024, compile=False)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        bank: AdapterBank,
+        *,
+        max_batch: int,
+        max_len: int,
+        compile: bool | None = None,
+        mode: str | None = "reduce-overhead",
+        ladder: tuple[int, ...] = LADDER,
+        agree: Callable[[list[bool]], list[bool]] | None = None,
+    ) -> None:
+        super().__init__(model, bank, agree=agree)
+        if max_batch < 1 or max_len < 2:
+            raise ServeError(f"max_batch={max_batch}, max_len={max_len}; expected >= 1 and >= 2")
+        attn = getattr(self.config, "_attn_implementation", None) or "eager"
+        if attn not in ("sdpa", "eager"):
+            raise ServeError(
+                f"the model runs attention with {attn!r}; the slot engine passes each row's mask "
+                "to the attention, which sdpa and eager take: load the model with "
+                "attn_implementation='sdpa', or serve with --engine dynamic"
+            )
+        self.additive = attn == "eager"  # eager attention adds a float mask; sdpa takes booleans
+        self.sizes = tuple(sorted({s for s in ladder if s < max_batch} | {max_batch}))
+        self.max_len = -(-max_len // CACHE_STEP) * CACHE_STEP
+        lens, le = [], CACHE_STEP
+        while le < self.max_len:
+            lens.append(le)
+            le *= 2
+        self.lens_ladder = (*lens, self.max_len)
+        self.compiled = self.device.type == "cuda" if compile is None else compile
+        s = self.sizes[-1]
+        self.ids_buf = torch.zeros(s, 1, dtype=torch.long, device=self.device)
+        self.pos_buf = torch.zeros(s, dtype=torch.long, device=self.device)
+        self.rows = torch.arange(s, device=self.device)
+        self.layers: list[_SlotLayer] = []  # allocated at the first prefill
+        self.slot_cache: Any = None
+        self.b = self.le = 0
+        self.run: Callable[[], torch.Tensor] = self._decode
+        if self.compiled:
+            _static_statistics(model)
+            for t in (self.ids_buf, self.pos_buf, self.rows):
+                torch._dynamo.mark_static_address(t, guard=False)
+            # one compiled graph per (b, le): past dynamo's default limit, it would fall back to
+            # eager without a word
+            graphs = len(self.sizes) * len(self.lens_ladder) + 8
+            cfg = torch._dynamo.config
+            for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+                if hasattr(cfg, name) and getattr(cfg, name) < graphs:
+                    setattr(cfg, name, graphs)
+            self.run = torch.compile(self._decode, mode=mode, fullgraph=True)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _decode(self) -> torch.Tensor:  # -> (b, vocab); compiled per (b, le)
+        b, le = self.b, self.le
+        pos = self.pos_buf[:b]
+        ok = torch.arange(le, device=pos.device)[None, :] <= pos[:, None]  # (b, le)
+        mask: torch.Tensor = ok[:, None, None, :]
+        if self.additive:
+            mask = torch.zeros(mask.shape, device=pos.device).masked_fill(
+                ~mask, torch.finfo(torch.float32).min
+            )
+        out = self.model(input_ids=self.ids_buf[:b], attention_mask=mask,
+                         position_ids=pos[:, None], use_cache=True,
+                         **{self.cache_arg: self.slot_cache})  # fmt: skip
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+    def _step(self, feed: list[int]) -> torch.Tensor:  # -> (rows, vocab)
+        n = len(self.rids)
+        b = _ladder(n, self.sizes)
+        need = max(self.lens) + 1
+        if need > self.max_len:
+            raise RuntimeError(f"a row needs {need} KV columns, more than max_len {self.max_len}")
+        le = _ladder(need, self.lens_ladder)
+        pad = [0] * (b - n)
+        host = torch.tensor([feed + pad, self.lens + pad], dtype=torch.long)
+        self.ids_buf[:b, 0].copy_(host[0], non_blocking=True)
+        self.pos_buf[:b].copy_(host[1], non_blocking=True)
+        self.bank.set_rows(self.slots + pad, fixed=self.sizes[-1])
+        self.b, self.le = b, le
+        logits = self.run()[:n]
+        if self.compiled:  # a graph's output is rewritten by its next replay
+            logits = logits.clone()
+        self.lens = [x + 1 for x in self.lens]
+        return logits
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile (and capture) the step for every batch size of the ladder at the shortest
+        key length, so that the first requests do not wait for compilation. Needs a prefilled
+        row for the cache's shapes: it prefills (and drops) a one-token row.
+
+        Example:
+            >>> batch.warm_up(print)  # doctest: +SKIP
+        """
+        if not self.compiled:
+            return
+        if self.rids:
+            raise RuntimeError("warm_up runs before any request")
+        self._prefill([Admit(-1, [0], 0)])
+        saved = (self.rids, self.slots, self.lens)
+        for b in self.sizes:
+            if progress is not None:
+                progress(f"compiling the decode step for batches of {b}")
+            self.rids, self.slots, self.lens = [-1] * b, [0] * b, [1] * b
+            self._step([0] * b)
+        self.rids, self.slots, self.lens = saved
+        self._drop({-1})
+
+    # ---- rows ---------------------------------------------------------------------------------
+    def _drop(self, drop: set[int]) -> None:
+        keep = [i for i, r in enumerate(self.rids) if r not in drop]
+        moved = [(j, i) for j, i in enumerate(keep) if i != j]  # (new slot, old slot)
+        if moved and self.layers:
+            dst = torch.tensor([j for j, _ in moved], device=self.device)
+            src = torch.tensor([i for _, i in moved], device=self.device)
+            m = max(self.lens[i] for _, i in moved)
+            for layer in self.layers:
+                for t in (layer.keys, layer.values):
+                    t[dst, :, :m] = t[src, :, :m]  # the right side is a copy: overlaps are safe
+        self.rids = [self.rids[i] for i in keep]
+        self.slots = [self.slots[i] for i in keep]
+        self.lens = [self.lens[i] for i in keep]
+
+    def _allocate(self, like: list[Any]) -> None:
+        """The slot tensors, shaped after a prefill's cache layers (this rank's kv heads)."""
+        s = self.sizes[-1]
+        shapes = [(layer.keys, layer.values) for layer in like]
+        need = sum(s * self.max_len * (k[0, :, 0].numel() * k.shape[-1] + v[0, :, 0].numel()
+                                       * v.shape[-1]) * k.element_size() for k, v in shapes)  # fmt: skip
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > 0.9 * free:
+                raise ServeError(
+                    f"the KV slots ({s} rows x {self.max_len} tokens) need {need / 2**30:.1f} GiB "
+                    f"and {free / 2**30:.1f} GiB are free on {self.device}; lower --max-batch or "
+                    "--max-model-len"
+                )
+        for k, v in shapes:
+            keys = k.new_zeros(s, k.shape[1], self.max_len, k.shape[3])
+            values = v.new_zeros(s, v.shape[1], self.max_len, v.shape[3])
+            if self.compiled:
+                torch._dynamo.mark_static_address(keys, guard=False)
+                torch._dynamo.mark_static_address(values, guard=False)
+            self.layers.append(_SlotLayer(self, keys, values))
+        self.slot_cache = SlotCache(self.layers)
+
+    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab) or (k, p, vocab)
+        """Prefill k new rows whose prompts have one length (eager, no padding); their keys and
+        values go into the next k slots."""
+        from transformers import DynamicCache
+
+        k, p = len(group), len(group[0].prompt)
+        if p > self.max_len:
+            raise RuntimeError(f"a prompt of {p} tokens exceeds max_len {self.max_len}")
+        if len(self.rids) + k > self.sizes[-1]:
+            raise RuntimeError(f"{len(self.rids) + k} rows exceed max_batch {self.sizes[-1]}")
+        cache = DynamicCache(config=self.config)
+        ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)
+        self.bank.set_rows([a.slot for a in group])
+        keep = {} if group[0].echo else self.keep_kw
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **keep)
+        layers: list[Any] = list(cache.layers)
+        if not self.layers:
+            self._allocate(layers)
+        first = len(self.rids)
+        for mine, new in zip(self.layers, layers, strict=True):
+            mine.keys[first : first + k, :, :p] = new.keys.to(mine.keys.dtype)
+            mine.values[first : first + k, :, :p] = new.values.to(mine.values.dtype)
+        self.rids += [a.rid for a in group]
+        self.slots += [a.slot for a in group]
+        self.lens += [p] * k
+        return out.logits if group[0].echo else out.logits[:, -1]
