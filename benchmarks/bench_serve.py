@@ -66,6 +66,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=".bench/serve")
     p.add_argument("--models", default=None, help="where model folders are built (default OUT)")
+    p.add_argument("--engine", default="dynamic", help="the server's --engine: dynamic, slots")
+    p.add_argument("--max-model-len", type=int, default=1024, help="the server's context length")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, tp=2, small phases")
     a = p.parse_args(argv)
     if a.smoke:
@@ -157,7 +159,8 @@ def start_server(a: argparse.Namespace, folder: Path, adapters: list[Path], max_
         env.pop(k, None)
     cmd = [sys.executable, "-m", "quantmesh.cli.main", "serve", str(folder), "--tp", str(a.tp),
            "--quant", a.quant, "--port", "0", "--max-batch", str(max_batch),
-           "--max-adapters", str(max(1, len(adapters)))]  # fmt: skip
+           "--max-adapters", str(max(1, len(adapters))), "--engine", a.engine,
+           "--max-model-len", str(a.max_model_len)]  # fmt: skip
     for i, p in enumerate(adapters):
         cmd += ["--adapter", f"ad{i}={p}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"ad{i}" for i in range(len(adapters))] or [folder.name]
     res: dict = {"shape": a.shape, "tp": a.tp, "quant": a.quant, "adapters": len(adapters),
                  "rank": a.rank, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
-                 "requests_per_client": a.requests, "phases": []}  # fmt: skip
+                 "requests_per_client": a.requests, "engine": a.engine,
+                 "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
     path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}.json"
     try:
         log(f"server {url}; warm-up")

@@ -1,6 +1,7 @@
 """benchmarks/bench_serve.py run small on CPU ranks (tiny model, tp=2), so that it does not rot
 between GPU sessions: the model and adapters it builds, the server it starts, every phase's
-figures and the target ratios."""
+figures and the target ratios. The server runs the slot engine (`--engine slots`, eager on CPU):
+the other server tests run the default one."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def test_bench_serve_smoke_tp2_on_cpu_ranks(tmp_path: Path) -> None:
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_serve.py"), "--smoke",
-           "--out", str(tmp_path)]  # fmt: skip
+           "--engine", "slots", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "result_serve_tiny_none_tp2.json").read_text())
+    assert res["engine"] == "slots"
     assert [(p["mix"], p["concurrency"]) for p in res["phases"]] == [
         ("single", 1), ("single", 4), ("mixed", 1), ("mixed", 4)
     ]  # fmt: skip

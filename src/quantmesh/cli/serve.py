@@ -31,7 +31,7 @@ __all__ = ["ServeConfig", "add_parser", "run", "serve_worker"]
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 API_KEY_ENV = "QUANTMESH_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-ENGINES = ("auto", "slots", "dynamic")
+ENGINES = ("dynamic", "slots")
 
 
 @dataclass(kw_only=True)
@@ -78,9 +78,10 @@ class ServeConfig:
     """The most tokens one choice may ask to generate (default: up to the context length)."""
     max_choices: int = 256
     """Prompts times n in one request, at most."""
-    engine: str = "auto"
-    """The decode engine: slots (fixed KV slots, the step compiled and CUDA-graphed per batch
-    size), dynamic (eager, a growing cache: any device) or auto (slots on GPUs, else dynamic)."""
+    engine: str = "dynamic"
+    """The decode engine: dynamic (eager, a growing cache: any device) or slots (fixed KV slots,
+    the step compiled and CUDA-graphed per batch size on GPUs, eager on CPU). slots is opt-in
+    until it is measured on a GPU (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -172,9 +173,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most tokens one choice may generate (default: the context length)")  # fmt: skip
     p.add_argument("--max-choices", type=int, default=256,
                    help="prompts x n in one request, at most (default 256)")  # fmt: skip
-    p.add_argument("--engine", choices=ENGINES, default="auto",
-                   help="slots: fixed KV slots, compiled CUDA-graph steps; dynamic: eager, any "
-                   "device; auto (default): slots on GPUs, dynamic on CPU")  # fmt: skip
+    p.add_argument("--engine", choices=ENGINES, default="dynamic",
+                   help="dynamic (default): eager, a growing KV cache; slots: fixed KV slots, the "
+                   "decode step compiled and CUDA-graphed per batch size on GPUs (opt-in: not yet "
+                   "measured on a GPU)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -293,14 +295,15 @@ def serve_worker(payload: str) -> int:
         bank.load(slot, cfg.adapters[name])
     lockstep = Lockstep(mesh.tp_group, mesh.device)
     max_len = cfg.max_model_len or int(config.max_position_embeddings)
-    engine = cfg.engine
-    if engine == "auto":
-        engine = "slots" if mesh.device.type == "cuda" else "dynamic"
-    if engine == "slots":
+    if cfg.engine == "slots":
         slots_batch = SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
                                 agree=lockstep.agree)  # fmt: skip
         # every rank compiles the same steps in the same order (their tp collectives meet)
-        say = (lambda m: print(f"quantmesh serve: {m}", flush=True)) if mesh.tp_rank == 0 else None
+        say = (
+            (lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True))
+            if mesh.tp_rank == 0
+            else None
+        )
         slots_batch.warm_up(say)
         batch: Batch = slots_batch
     else:
