@@ -21,7 +21,8 @@ from quantmesh.testing import run_ranks
 from tests.e2e.test_cli_common import make_adapter, make_tiny_llama
 
 EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPTS = [[5, 9, 11, 30, 2], [7, 8], [12, 40, 41, 13, 14, 15, 16, 3], [6, 21, 22, 23, 24]]
+PROMPTS = [[5, 9, 11, 30, 2], [7, 8], [12, 40, 41, 13, 14, 15, 16, 3], [6, 21, 22, 23, 24],
+           [9, 33, 17]]  # fmt: skip
 
 
 def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
@@ -43,31 +44,32 @@ def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
         qm.load_adapter(m, path)
         refs.append(m.eval())
     if engine == "slots":  # eager on CPU: the same code the GPU compiles, small ladder
-        batch = SlotBatch(served, bank, max_batch=4, max_len=64, ladder=(1, 2))
+        batch = SlotBatch(served, bank, max_batch=5, max_len=64, ladder=(1, 2))
     else:
         batch = Batch(served, bank)
     seqs = {rid: list(p) for rid, p in enumerate(PROMPTS)}
-    slots = {0: 1, 1: 0, 2: 2, 3: 2}  # row -> adapter slot (0: the base)
+    slots = {0: 1, 1: 0, 2: 2, 3: 2, 4: 1}  # row -> adapter slot (0: the base)
     worst, agree = 0.0, True
 
     def check(rid: int, logits: torch.Tensor) -> int:
         nonlocal worst, agree
         with torch.no_grad():
-            ref = refs[slots[rid]](torch.tensor([seqs[rid]])).logits[0, -1]
+            full = refs[slots[rid]](torch.tensor([seqs[rid]])).logits[0]  # (len, vocab)
+        ref = full if logits.dim() == 2 else full[-1]  # an echo row: every prompt position
         worst = max(worst, float((logits - ref).abs().max()))
-        agree &= int(logits.argmax()) == int(ref.argmax())
-        tok = int(ref.argmax())
+        agree &= bool((logits.argmax(-1) == ref.argmax(-1)).all())
+        tok = int(full[-1].argmax())
         seqs[rid].append(tok)
         return tok
 
-    # rows 0, 3 (prefilled together: one prompt length) and 1 start; row 2 joins after two
-    # steps; row 1 leaves after three
+    # rows 0, 3 (prefilled together: one prompt length) and 1 start; row 2 and row 4 (echo: every
+    # prompt position's logits) join after two steps; row 1 leaves after three
     first = [Admit(0, PROMPTS[0], 1), Admit(3, PROMPTS[3], 2), Admit(1, PROMPTS[1], 0)]
     _, pre, _ = batch.execute(Plan(admit=first))
     last = {a.rid: check(a.rid, row) for a, row in zip(first, pre, strict=True)}
     order = [0, 3, 1]
     for step in range(5):
-        admit = [Admit(2, PROMPTS[2], 2)] if step == 2 else []
+        admit = [Admit(2, PROMPTS[2], 2), Admit(4, PROMPTS[4], 1, echo=True)] if step == 2 else []
         drop = [1] if step == 3 else []
         order = [r for r in order if r not in drop]
         out, pre, _ = batch.execute(

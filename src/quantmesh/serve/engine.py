@@ -145,8 +145,8 @@ class Batch:
         with self._autocast():
             step = self._step(plan.feed) if self.rids else None
             pre = []
-            for group in _same_length_runs(plan.admit):
-                pre += list(self._prefill(group))
+            for group in self._groups(plan.admit):
+                pre += self._prefill(group)
         return step, pre, errors
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -154,6 +154,10 @@ class Batch:
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _groups(self, admit: list[Admit]) -> list[list[Admit]]:
+        """The admissions prefilled together: consecutive prompts of one length and one `echo`."""
+        return _same_length_runs(admit)
 
     # ---- rows ---------------------------------------------------------------------------------
     def _layers(self) -> list:
@@ -187,7 +191,7 @@ class Batch:
         self.lens = [n + 1 for n in self.lens]
         return out.logits[:, -1]
 
-    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab) or (k, p, vocab)
+    def _prefill(self, group: list[Admit]) -> list[torch.Tensor]:  # (vocab,) or (p, vocab) each
         """Prefill k new rows whose prompts have one length (no padding), then join the batch;
         echo rows (a group is all echo or none) return every position's logits."""
         from transformers import DynamicCache
@@ -215,7 +219,7 @@ class Batch:
         self.rids += [a.rid for a in group]
         self.slots += [a.slot for a in group]
         self.lens += [p] * k
-        return out.logits if group[0].echo else out.logits[:, -1]
+        return list(out.logits if group[0].echo else out.logits[:, -1])
 
 
 def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:

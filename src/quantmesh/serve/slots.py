@@ -15,8 +15,8 @@ executed so that a decode step can be one CUDA-graph replay, as `qm.fast_decode`
   before it: the step gets each row's position, a boolean (b, 1, 1, le) attention mask built from
   it, and a `SlotCache` whose layers write per row. The row's adapter comes from the bank's
   per-row slot ids (`AdapterBank.set_rows(..., size=b)`: one fixed graph for every mix).
-- Prefill stays eager (prompts of one length together, as `Batch`), into a transformers
-  `DynamicCache` whose keys are then copied into the rows' slots.
+- Prefill is eager: the rows admitted together (echo or not) run as one forward, their prompts
+  right-padded to the longest, their keys and values written straight into their slots.
 
 A row sees exactly the keys it would alone: tests compare the logits of every step with `Batch`'s
 on CPU ranks (eager), and the compiled step with the eager one on a GPU.
@@ -74,12 +74,17 @@ class _SlotLayer:
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.owner
-        b, le = o.b, o.le
-        rows, pos = o.rows[:b], o.pos_buf[:b]
-        # (b, heads, 1, dim) -> each row's column `pos` of its slot
-        self.keys[rows, :, pos] = key_states[:, :, -1].to(self.keys.dtype)
-        self.values[rows, :, pos] = value_states[:, :, -1].to(self.values.dtype)
-        return self.keys[:b, :, :le], self.values[:b, :, :le]
+        lo, b, le = o.lo, o.b, o.le
+        rows, pos = o.rows[lo : lo + b], o.pos_buf[lo : lo + b]
+        t = key_states.shape[2]
+        if t == 1:  # a decode step: (b, heads, 1, dim) -> each row's column `pos`
+            self.keys[rows, :, pos] = key_states[:, :, 0].to(self.keys.dtype)
+            self.values[rows, :, pos] = value_states[:, :, 0].to(self.values.dtype)
+        else:  # a prefill: row r's t tokens -> its columns pos[r] .. pos[r] + t - 1
+            cols = pos[:, None] + torch.arange(t, device=pos.device)  # (b, t)
+            self.keys[rows[:, None], :, cols] = key_states.transpose(1, 2).to(self.keys.dtype)
+            self.values[rows[:, None], :, cols] = value_states.transpose(1, 2).to(self.values.dtype)
+        return self.keys[lo : lo + b, :, :le], self.values[lo : lo + b, :, :le]
 
     def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
         return self.owner.le, 0
@@ -150,7 +155,7 @@ class SlotBatch(Batch):
         self.rows = torch.arange(s, device=self.device)
         self.layers: list[_SlotLayer] = []  # allocated at the first prefill
         self.slot_cache: Any = None
-        self.b = self.le = 0
+        self.lo = self.b = self.le = 0  # the rows a forward runs: slots lo..lo+b-1, keys [:le]
         self.run: Callable[[], torch.Tensor] = self._decode
         if self.compiled:
             _static_statistics(model)
@@ -166,20 +171,28 @@ class SlotBatch(Batch):
             self.run = torch.compile(self._decode, mode=mode, fullgraph=True)
 
     # ---- the step -----------------------------------------------------------------------------
-    def _decode(self) -> torch.Tensor:  # -> (b, vocab); compiled per (b, le)
-        b, le = self.b, self.le
-        pos = self.pos_buf[:b]
-        ok = torch.arange(le, device=pos.device)[None, :] <= pos[:, None]  # (b, le)
-        mask: torch.Tensor = ok[:, None, None, :]
+    def _forward(self, ids: torch.Tensor, logits_to_keep: Any = None) -> torch.Tensor:
+        """The model on `ids` (b, t) of the rows in slots lo..lo+b-1, each row's tokens written
+        from its column `pos_buf[row]` on and attending to the columns up to each token's own;
+        the logits (b, kept positions, vocab)."""
+        lo, b, le = self.lo, self.b, self.le
+        t = ids.shape[1]
+        pos = self.pos_buf[lo : lo + b]
+        q = pos[:, None] + torch.arange(t, device=pos.device)  # (b, t): positions of the tokens
+        ok = torch.arange(le, device=pos.device)[None, None, :] <= q[:, :, None]  # (b, t, le)
+        mask: torch.Tensor = ok[:, None]  # (b, 1, t, le)
         if self.additive:
             mask = torch.zeros(mask.shape, device=pos.device).masked_fill(
                 ~mask, torch.finfo(torch.float32).min
             )
-        out = self.model(input_ids=self.ids_buf[:b], attention_mask=mask,
-                         position_ids=pos[:, None], use_cache=True,
-                         **{self.cache_arg: self.slot_cache})  # fmt: skip
-        logits: torch.Tensor = out.logits[:, -1]
+        keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=q, use_cache=True,
+                         **{self.cache_arg: self.slot_cache}, **keep)  # fmt: skip
+        logits: torch.Tensor = out.logits
         return logits
+
+    def _decode(self) -> torch.Tensor:  # -> (b, vocab); compiled per (b, le)
+        return self._forward(self.ids_buf[: self.b])[:, -1]
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (rows, vocab)
         n = len(self.rids)
@@ -193,7 +206,7 @@ class SlotBatch(Batch):
         self.ids_buf[:b, 0].copy_(host[0], non_blocking=True)
         self.pos_buf[:b].copy_(host[1], non_blocking=True)
         self.bank.set_rows(self.slots + pad, fixed=self.sizes[-1])
-        self.b, self.le = b, le
+        self.lo, self.b, self.le = 0, b, le
         logits = self.run()[:n]
         if self.compiled:  # a graph's output is rewritten by its next replay
             logits = logits.clone()
@@ -237,10 +250,18 @@ class SlotBatch(Batch):
         self.slots = [self.slots[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
 
-    def _allocate(self, like: list[Any]) -> None:
-        """The slot tensors, shaped after a prefill's cache layers (this rank's kv heads)."""
+    def _allocate(self) -> None:
+        """The slot tensors, shaped after the cache layers of a one-token forward (this rank's kv
+        heads, the cache's dtype), before the first prefill."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        self.bank.set_rows([0])
+        self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                   use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)  # fmt: skip
+        layers: list[Any] = list(cache.layers)
+        shapes = [(layer.keys, layer.values) for layer in layers]
         s = self.sizes[-1]
-        shapes = [(layer.keys, layer.values) for layer in like]
         need = sum(s * self.max_len * (k[0, :, 0].numel() * k.shape[-1] + v[0, :, 0].numel()
                                        * v.shape[-1]) * k.element_size() for k, v in shapes)  # fmt: skip
         if self.device.type == "cuda":
@@ -260,29 +281,47 @@ class SlotBatch(Batch):
             self.layers.append(_SlotLayer(self, keys, values))
         self.slot_cache = SlotCache(self.layers)
 
-    def _prefill(self, group: list[Admit]) -> torch.Tensor:  # -> (k, vocab) or (k, p, vocab)
-        """Prefill k new rows whose prompts have one length (eager, no padding); their keys and
-        values go into the next k slots."""
-        from transformers import DynamicCache
+    def _groups(self, admit: list[Admit]) -> list[list[Admit]]:
+        """Consecutive admissions with one `echo`, prompts of any lengths: one forward each."""
+        runs: list[list[Admit]] = []
+        for a in admit:
+            if runs and runs[-1][0].echo == a.echo:
+                runs[-1].append(a)
+            else:
+                runs.append([a])
+        return runs
 
-        k, p = len(group), len(group[0].prompt)
-        if p > self.max_len:
-            raise RuntimeError(f"a prompt of {p} tokens exceeds max_len {self.max_len}")
+    def _prefill(self, group: list[Admit]) -> list[torch.Tensor]:  # (vocab,) or (p, vocab) each
+        """Prefill k new rows in one eager forward, their prompts right-padded to the longest and
+        written straight into the next k slots (a row's padding lands past its length, where the
+        mask hides it until its own tokens overwrite it). An echo row gets every prompt
+        position's logits, the others their last position's."""
+        k = len(group)
+        lens = [len(a.prompt) for a in group]
+        t = max(lens)
+        if t > self.max_len:
+            raise RuntimeError(f"a prompt of {t} tokens exceeds max_len {self.max_len}")
         if len(self.rids) + k > self.sizes[-1]:
             raise RuntimeError(f"{len(self.rids) + k} rows exceed max_batch {self.sizes[-1]}")
-        cache = DynamicCache(config=self.config)
-        ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)
-        self.bank.set_rows([a.slot for a in group])
-        keep = {} if group[0].echo else self.keep_kw
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **keep)
-        layers: list[Any] = list(cache.layers)
         if not self.layers:
-            self._allocate(layers)
+            self._allocate()
         first = len(self.rids)
-        for mine, new in zip(self.layers, layers, strict=True):
-            mine.keys[first : first + k, :, :p] = new.keys.to(mine.keys.dtype)
-            mine.values[first : first + k, :, :p] = new.values.to(mine.values.dtype)
+        ids = torch.tensor([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
+                           dtype=torch.long).to(self.device)  # fmt: skip
+        self.pos_buf[first : first + k] = 0
+        self.bank.set_rows([a.slot for a in group])
+        self.lo, self.b, self.le = first, k, t
+        echo = group[0].echo
+        if echo or not self.keep_kw:
+            logits = self._forward(ids)  # (k, t, vocab)
+            last = [logits[r, n - 1] for r, n in enumerate(lens)]
+        else:  # only the positions that end a prompt
+            ends = sorted({n - 1 for n in lens})
+            logits = self._forward(ids, torch.tensor(ends, device=self.device))  # (k, d, vocab)
+            last = [logits[r, ends.index(n - 1)] for r, n in enumerate(lens)]
         self.rids += [a.rid for a in group]
         self.slots += [a.slot for a in group]
-        self.lens += [p] * k
-        return out.logits if group[0].echo else out.logits[:, -1]
+        self.lens += lens
+        if echo:
+            return [logits[r, :n] for r, n in enumerate(lens)]
+        return last
