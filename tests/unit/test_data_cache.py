@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from quantmesh.train import cache as cache_module
 from quantmesh.train import data, readers
 from quantmesh.train.data import DataError, build_dataset, iterate_batches, shared_dataset
 from quantmesh.train.readers import Source, records
@@ -124,6 +127,18 @@ def test_the_cache_is_reused_until_a_file_or_an_argument_changes(tmp_path, monke
     assert builds[0] == n + 2
     assert len(list(cache.glob("*.safetensors"))) == builds[0]
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary left
+    # what a killed writer of this host left is removed by the next writer; another host's stays
+    (entry,) = [p for p in cache.glob("*.safetensors") if p.stat().st_mtime_ns == max(
+        q.stat().st_mtime_ns for q in cache.glob("*.safetensors"))]  # fmt: skip
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead = cache / f".{entry.name}.tmp-{cache_module._HOST}-{ended.pid}-0badf00d"
+    other = cache / f".{entry.name}.tmp-elsewhere-{ended.pid}-0badf00d"
+    dead.write_bytes(b"partial")
+    other.write_bytes(b"partial")
+    entry.unlink()
+    build()
+    assert entry.is_file() and not dead.exists() and other.exists()
 
 
 @needs_proc

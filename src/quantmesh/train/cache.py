@@ -143,8 +143,8 @@ def save(path: Path, key: str, tensors: dict[str, torch.Tensor], report: str) ->
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned: int64 views need it
     path.parent.mkdir(parents=True, exist_ok=True)
-    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
-    tmp = path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}")
+    _remove_dead_writers(path)
+    tmp = path.with_name(f".{path.name}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         with tmp.open("wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -157,6 +157,28 @@ def save(path: Path, key: str, tensors: dict[str, torch.Tensor], report: str) ->
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+_HOST = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+
+
+def _remove_dead_writers(path: Path) -> None:
+    """Remove what writers of `path` on this host that no longer run left (a killed one's
+    temporary file); another host's are left alone: it may still be writing."""
+    for tmp in path.parent.glob(f".{path.name}.tmp-{_HOST}-*"):
+        pid = tmp.name[len(f".{path.name}.tmp-{_HOST}-") :].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether it exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
 
 
 def load(path: Path, key: str) -> tuple[dict[str, torch.Tensor], str] | None:

@@ -1,14 +1,22 @@
 """Training data: read files in the formats fine-tuning data comes in, tokenize (conversations
 through the chat template), pack into fixed-length examples, batch.
 
-Pure data: no process groups here. Every rank builds the same examples from the same files (the
-pipeline is deterministic), then `iterate_batches` hands each dp rank its contiguous share of one
-global batch, so the global batches do not depend on how many dp ranks there are.
+Every rank trains on the same examples (the pipeline is deterministic): `iterate_batches` hands
+each dp rank its contiguous share of one global batch, so the global batches do not depend on how
+many dp ranks there are. `build_dataset` builds them in this process; with `cache_dir=` it keeps
+them in a file there (`train.cache`: safetensors, named by a hash of the files' paths, sizes and
+modification times, the tokenizer and every option) and maps that file, so the token ids are pages
+of the page cache rather than this process's memory, and a later build with the same inputs reads
+no data. `shared_dataset` (collective; what the finetune worker calls) has the local rank 0 of
+each host build that file while the other ranks wait on a gloo gather with a timeout, then every
+rank maps it: one host tokenizes once and holds the token ids once, however many ranks it runs.
+Cached or not, the examples are the same.
 
 Files (`readers`): .jsonl, .json (an array of records), .parquet, .arrow, folders saved by
 `datasets` (`save_to_disk`), folders of such shards, and plain text (.txt, .md: one document).
-Records are streamed (JSONL by line, Parquet / Arrow by record batch, datasets memory-mapped) and
-tokenized a chunk at a time; a rank holds the token ids, never the parsed records.
+Records are streamed (JSONL by line, a JSON array a record at a time, Parquet / Arrow by record
+batch, datasets memory-mapped) and tokenized a chunk at a time; the tokenizing process holds the
+token ids, never the parsed records.
 Record formats (`formats`): messages (OpenAI / TRL), prompt-completion (TRL, plain or
 conversational), alpaca, sharegpt, prompt-response and text, detected per record by its keys or
 named with `data_format=`.
@@ -19,6 +27,7 @@ the last assistant turn; "all" every token. Plain text is trained everywhere.
 
 Example:
     >>> ds = qm.build_dataset(["chat.jsonl"], tokenizer, seq_len=256, eval_fraction=0.05)  # doctest: +SKIP
+    >>> ds = qm.shared_dataset(["chat.jsonl"], tokenizer, 256, cache_dir="out/data-cache")  # doctest: +SKIP
     >>> print(ds.summary())  # doctest: +SKIP
     >>> for batch in qm.iterate_batches(ds.train, 4, dp_rank=0, dp_size=2, seed=0, epoch=0):  # doctest: +SKIP
     ...     loss = model(**batch).loss
@@ -133,8 +142,9 @@ class FileReport:
 
 @dataclass
 class PackedDataset:
-    """Examples, each {"input_ids": (seq_len,), "labels": (seq_len,)} LongTensors, and what the
-    files held (`summary()`).
+    """Examples, each {"input_ids": (seq_len,), "labels": (seq_len,)} LongTensors (rows of two
+    (n, seq_len) tensors: in memory, or mapped from the cache file), and what the files held
+    (`summary()`).
 
     Example:
         >>> ds = build_dataset(["a.txt"], tok, seq_len=128)  # doctest: +SKIP
@@ -555,9 +565,11 @@ def _cached(
     tokenizer: Any,
     options: dict[str, Any],
     cache_dir: Path,
+    key: str | None = None,
 ) -> PackedDataset:
-    """The examples of the cache entry of these inputs, built and written first if there is none."""
-    key = cache_key(sources, skipped, tokenizer, options)
+    """The examples of the cache entry of these inputs (`key`, if computed already), built and
+    written first if there is none."""
+    key = key or cache_key(sources, skipped, tokenizer, options)
     ds = _from_cache(cache_dir, key)
     if ds is not None:
         return ds
@@ -677,7 +689,7 @@ def shared_dataset(
         sources, skipped = expand(paths)
         key = cache_key(sources, skipped, tokenizer, options)
         if local_rank == 0:
-            ds = _cached(sources, skipped, tokenizer, options, cache_dir)
+            ds = _cached(sources, skipped, tokenizer, options, cache_dir, key)
     except Exception as e:
         error, failed = e, f"{type(e).__name__}: {e}"
     everyone: list[Any] = [None] * world

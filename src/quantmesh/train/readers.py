@@ -1,5 +1,6 @@
-"""Data files and folders -> records, streamed: JSONL line by line, Parquet and Arrow by record
-batch, a `datasets` folder (`save_to_disk`) memory-mapped; a plain text file is one record.
+"""Data files and folders -> records, streamed: JSONL line by line, a JSON array a record at a
+time (pieces of the file, each element decoded once whole), Parquet and Arrow by record batch, a
+`datasets` folder (`save_to_disk`) memory-mapped; a plain text file is one record.
 
 A path is a file, a folder saved by `datasets` (`dataset_info.json` + `state.json`, or a
 `dataset_dict.json` of splits: its "train" split), or a folder of shards: its data files
