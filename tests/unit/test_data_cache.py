@@ -255,6 +255,8 @@ def test_without_a_process_group_shared_dataset_is_the_cached_build(tmp_path, mo
     assert builds == [1]
     with pytest.raises(DataError, match="eval_fraction must be in"):
         shared_dataset(files, tok, 12, cache_dir=tmp_path / "c", eval_fraction=1.5)
+    with pytest.raises(DataError, match="timeout=0; pass the seconds to wait"):
+        shared_dataset(files, tok, 12, cache_dir=tmp_path / "c", timeout=0)
 
 
 # ------------------------------------------------------------------------------- JSON arrays

@@ -674,10 +674,12 @@ def shared_dataset(
     options: dict[str, Any] = dict(seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
                    data_format=data_format, train_on=train_on, packing=packing)  # fmt: skip
     cache_dir = Path(cache_dir)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return _cached(*expand(paths), tokenizer, options, cache_dir)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise DataError(f"timeout={timeout!r}; pass the seconds to wait, e.g. {SHARED_TIMEOUT}")
+    if local_rank is not None and (not isinstance(local_rank, int) or local_rank < 0):
+        raise DataError(f"local_rank={local_rank!r}; pass this rank's index on its host (>= 0)")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return _cached(*expand(paths), tokenizer, options, cache_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
