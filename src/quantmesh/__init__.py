@@ -40,6 +40,7 @@ _EXPORTS = {
     "checkpoint_blocks": "recompute",
     "chunked_loss_sum": "train.loss",
     "build_dataset": "train.data",
+    "shared_dataset": "train.data",
     "iterate_batches": "train.data",
     "DataError": "train.data",
     "greedy_decode": "decode",

@@ -136,6 +136,8 @@ def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
     assert {k.split(".layers.")[1].split(".")[0] for k in weights} == {"0", "1"}  # both stages
     assert cfg["peft_type"] == "LORA"
     assert (tmp_path / "out/checkpoints/step-000002/state/state.json").is_file()  # resumable
+    # one worker tokenized, into the run's cache, which both mapped
+    assert len(list((tmp_path / "out/data-cache").glob("*.safetensors"))) == 1
 
 
 @pytest.mark.slow

@@ -123,7 +123,7 @@ def demo_worker(payload: str) -> int:
 
     import quantmesh as qm
 
-    from ..train.data import build_dataset
+    from ..train.data import shared_dataset
     from ..train.loop import TrainConfig, train
     from .generate import GenerateConfig, generate_text
 
@@ -144,7 +144,8 @@ def demo_worker(payload: str) -> int:
     )
     tok = AutoTokenizer.from_pretrained(d["model"])
     say(f"[{time.perf_counter() - t0:4.0f} s] loaded on tp={mesh.tp}: {_split_summary(model)}")
-    data = build_dataset([d["corpus"]], tok, d["seq_len"], eval_fraction=0.01, seed=0)
+    data = shared_dataset([d["corpus"]], tok, d["seq_len"], cache_dir=out / "data-cache",
+                          eval_fraction=0.01, seed=0)  # fmt: skip
     held_out = data.eval[:EVAL_EXAMPLES]
     say(f"[{time.perf_counter() - t0:4.0f} s] corpus: {data.num_tokens} tokens, "
         f"{len(data.train)} examples of {d['seq_len']}")  # fmt: skip

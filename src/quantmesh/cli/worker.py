@@ -50,7 +50,7 @@ def finetune(payload: str) -> int:
 
     import quantmesh as qm
 
-    from ..train.data import build_dataset
+    from ..train.data import shared_dataset
     from ..train.loop import train
     from .finetune import FinetuneConfig
 
@@ -59,11 +59,14 @@ def finetune(payload: str) -> int:
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     # a user's mistake raises a QuantmeshError (DataError, TrainError, ...): worker_main reports it
-    # as one line with exit code 2, like every other command
-    dataset = build_dataset(
+    # as one line with exit code 2, like every other command. One rank per host reads and
+    # tokenizes into OUTPUT/data-cache (reused while the files and settings stay the same); every
+    # rank maps that file.
+    dataset = shared_dataset(
         cfg.data,
         tok,
         cfg.seq_len,
+        cache_dir=Path(cfg.output_dir).expanduser() / "data-cache",
         eval_fraction=cfg.eval_fraction,
         seed=cfg.seed,
         data_format=cfg.data_format,

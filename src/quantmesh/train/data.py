@@ -1,14 +1,22 @@
 """Training data: read files in the formats fine-tuning data comes in, tokenize (conversations
 through the chat template), pack into fixed-length examples, batch.
 
-Pure data: no process groups here. Every rank builds the same examples from the same files (the
-pipeline is deterministic), then `iterate_batches` hands each dp rank its contiguous share of one
-global batch, so the global batches do not depend on how many dp ranks there are.
+Every rank trains on the same examples (the pipeline is deterministic): `iterate_batches` hands
+each dp rank its contiguous share of one global batch, so the global batches do not depend on how
+many dp ranks there are. `build_dataset` builds them in this process; with `cache_dir=` it keeps
+them in a file there (`train.cache`: safetensors, named by a hash of the files' paths, sizes and
+modification times, the tokenizer and every option) and maps that file, so the token ids are pages
+of the page cache rather than this process's memory, and a later build with the same inputs reads
+no data. `shared_dataset` (collective; what the finetune worker calls) has the local rank 0 of
+each host build that file while the other ranks wait on a gloo gather with a timeout, then every
+rank maps it: one host tokenizes once and holds the token ids once, however many ranks it runs.
+Cached or not, the examples are the same.
 
 Files (`readers`): .jsonl, .json (an array of records), .parquet, .arrow, folders saved by
 `datasets` (`save_to_disk`), folders of such shards, and plain text (.txt, .md: one document).
-Records are streamed (JSONL by line, Parquet / Arrow by record batch, datasets memory-mapped) and
-tokenized a chunk at a time; a rank holds the token ids, never the parsed records.
+Records are streamed (JSONL by line, a JSON array a record at a time, Parquet / Arrow by record
+batch, datasets memory-mapped) and tokenized a chunk at a time; the tokenizing process holds the
+token ids, never the parsed records.
 Record formats (`formats`): messages (OpenAI / TRL), prompt-completion (TRL, plain or
 conversational), alpaca, sharegpt, prompt-response and text, detected per record by its keys or
 named with `data_format=`.
@@ -19,6 +27,7 @@ the last assistant turn; "all" every token. Plain text is trained everywhere.
 
 Example:
     >>> ds = qm.build_dataset(["chat.jsonl"], tokenizer, seq_len=256, eval_fraction=0.05)  # doctest: +SKIP
+    >>> ds = qm.shared_dataset(["chat.jsonl"], tokenizer, 256, cache_dir="out/data-cache")  # doctest: +SKIP
     >>> print(ds.summary())  # doctest: +SKIP
     >>> for batch in qm.iterate_batches(ds.train, 4, dp_rank=0, dp_size=2, seed=0, epoch=0):  # doctest: +SKIP
     ...     loss = model(**batch).loss
@@ -26,15 +35,24 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
+import socket
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .cache import cache_key
+from .cache import entry as cache_entry
+from .cache import load as cache_load
+from .cache import save as cache_save
 from .chat import IGNORE_INDEX, check_chat_tokenizer, encode_chats
 from .formats import (
     FORMATS,
@@ -59,6 +77,7 @@ __all__ = [
     "iterate_batches",
     "read_documents",
     "scan_data",
+    "shared_dataset",
     "steps_per_epoch",
 ]
 
@@ -123,8 +142,9 @@ class FileReport:
 
 @dataclass
 class PackedDataset:
-    """Examples, each {"input_ids": (seq_len,), "labels": (seq_len,)} LongTensors, and what the
-    files held (`summary()`).
+    """Examples, each {"input_ids": (seq_len,), "labels": (seq_len,)} LongTensors (rows of two
+    (n, seq_len) tensors: in memory, or mapped from the cache file), and what the files held
+    (`summary()`).
 
     Example:
         >>> ds = build_dataset(["a.txt"], tok, seq_len=128)  # doctest: +SKIP
@@ -383,6 +403,7 @@ def build_dataset(
     data_format: str = "auto",
     train_on: str = "assistant",
     packing: bool = True,
+    cache_dir: str | Path | None = None,
 ) -> PackedDataset:
     """Read, tokenize and pack the files into examples of exactly seq_len tokens.
 
@@ -394,11 +415,36 @@ def build_dataset(
     model shifts them) and are -100 elsewhere and on padding. eval_fraction of the examples,
     chosen by seed, go to `.eval`.
 
+    `cache_dir`: keep the examples in a file there (`train.cache`), keyed by the files (paths,
+    sizes, modification times), the tokenizer and these arguments; a later call with the same
+    key reads that file instead of the data. Either way the examples are then views of the file,
+    memory-mapped: pages of the page cache, not memory of this process. Without it, they are
+    tensors in memory. The examples are the same both ways. For many processes of one host, see
+    `shared_dataset`.
+
     Example:
         >>> ds = build_dataset(["plays.txt", "chat.parquet"], tok, 256, eval_fraction=0.05)  # doctest: +SKIP
         >>> ds.train[0]["input_ids"].shape, ds.train[0]["labels"].dtype  # doctest: +SKIP
         (torch.Size([256]), torch.int64)
+        >>> ds = build_dataset("chat.jsonl", tok, 256, cache_dir="out/data-cache")  # doctest: +SKIP
     """
+    paths = _check_args(paths, seq_len, eval_fraction, data_format, train_on)
+    options: dict[str, Any] = dict(seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
+                   data_format=data_format, train_on=train_on, packing=packing)  # fmt: skip
+    sources, skipped = expand(paths)
+    if cache_dir is None:
+        return _with_rows(*_build(sources, skipped, tokenizer, **options))
+    return _cached(sources, skipped, tokenizer, options, Path(cache_dir))
+
+
+def _check_args(
+    paths: str | Path | Sequence[str | Path],
+    seq_len: int,
+    eval_fraction: float,
+    data_format: str,
+    train_on: str,
+) -> list[str | Path]:
+    """The paths as a list; a DataError for any argument out of range."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
@@ -407,10 +453,27 @@ def build_dataset(
         raise DataError(f"seq_len must be an int >= 2 (an input and a target), got {seq_len!r}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}; e.g. 0.05")
+    if data_format != "auto" and data_format not in FORMATS:
+        raise DataError(f"data_format={data_format!r}; use auto or one of {', '.join(FORMATS)}")
     if train_on not in TRAIN_ON:
         raise DataError(f"train_on={train_on!r}; use one of {', '.join(TRAIN_ON)}")
+    return list(paths)
 
-    sources, skipped = expand(paths)
+
+def _build(
+    sources: list[Source],
+    skipped: list[Path],
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    eval_fraction: float,
+    seed: int,
+    data_format: str,
+    train_on: str,
+    packing: bool,
+) -> tuple[PackedDataset, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Read, tokenize, pack: the report (a PackedDataset without examples), input_ids and labels
+    ((n, seq_len) int64, in corpus order) and is_eval ((n,) bool)."""
     reports: list[FileReport] = []
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = _eos_id(tokenizer) if pad is None else int(pad)
@@ -443,6 +506,7 @@ def build_dataset(
     if packing:
         ids = torch.cat(stream_ids) if stream_ids else torch.zeros(0, dtype=torch.long)
         labels = torch.cat(stream_labels) if stream_labels else torch.zeros(0, dtype=torch.long)
+        del stream_ids, stream_labels
         chunks_ids, chunks_labels = _pack(ids, labels, seq_len, pad)
     else:
         both = torch.stack(rows) if rows else torch.zeros(0, 2, seq_len, dtype=torch.long)
@@ -465,12 +529,8 @@ def build_dataset(
     gen = torch.Generator().manual_seed(seed)
     is_eval = torch.zeros(n, dtype=torch.bool)
     is_eval[torch.randperm(n, generator=gen)[:n_eval]] = True
-    # Rows of the two (n, seq_len) tensors: views, so examples share one storage.
-    examples = [{"input_ids": chunks_ids[i], "labels": chunks_labels[i]} for i in range(n)]
-    flags = is_eval.tolist()
-    return PackedDataset(
-        train=[e for e, ev in zip(examples, flags, strict=True) if not ev],
-        eval=[e for e, ev in zip(examples, flags, strict=True) if ev],
+    report = PackedDataset(
+        train=[],
         seq_len=seq_len,
         num_documents=num_docs,
         num_tokens=num_tokens,
@@ -483,6 +543,199 @@ def build_dataset(
         truncated=truncated,
         dropped=dropped,
     )
+    return report, chunks_ids, chunks_labels, is_eval
+
+
+def _with_rows(
+    report: PackedDataset, ids: torch.Tensor, labels: torch.Tensor, is_eval: torch.Tensor
+) -> PackedDataset:
+    """The report with its examples: rows of the two (n, seq_len) tensors, views that share their
+    storage (in memory, or the mapped cache file)."""
+    examples = [{"input_ids": ids[i], "labels": labels[i]} for i in range(ids.shape[0])]
+    flags = is_eval.tolist()
+    report.train = [e for e, ev in zip(examples, flags, strict=True) if not ev]
+    report.eval = [e for e, ev in zip(examples, flags, strict=True) if ev]
+    return report
+
+
+# ------------------------------------------------------------------------------------------ cache
+def _cached(
+    sources: list[Source],
+    skipped: list[Path],
+    tokenizer: Any,
+    options: dict[str, Any],
+    cache_dir: Path,
+    key: str | None = None,
+) -> PackedDataset:
+    """The examples of the cache entry of these inputs (`key`, if computed already), built and
+    written first if there is none."""
+    key = key or cache_key(sources, skipped, tokenizer, options)
+    ds = _from_cache(cache_dir, key)
+    if ds is not None:
+        return ds
+    report, ids, labels, is_eval = _build(sources, skipped, tokenizer, **options)
+    if cache_key(sources, skipped, tokenizer, options) != key:
+        raise DataError(
+            "the data files changed while they were read (a size or modification time); run "
+            "again once nothing writes to them"
+        )
+    # (without packing, ids and labels are views into one (n, 2, seq_len) tensor: copied apart)
+    tensors = {"input_ids": ids.contiguous(), "labels": labels.contiguous(), "is_eval": is_eval}
+    cache_save(cache_entry(cache_dir, key), key, tensors, _report_json(report))
+    del tensors, ids, labels  # the copy in memory goes: the mapped file takes its place
+    ds = _from_cache(cache_dir, key)
+    if ds is None:
+        raise DataError(f"{cache_entry(cache_dir, key)}: written, then not readable as written")
+    return ds
+
+
+def _from_cache(cache_dir: Path, key: str) -> PackedDataset | None:
+    """The dataset of the entry `key`, its tensors mapped from the file; None if there is none."""
+    found = cache_load(cache_entry(cache_dir, key), key)
+    if found is None:
+        return None
+    t, report = found
+    return _with_rows(_report_from_json(report), t["input_ids"], t["labels"], t["is_eval"])
+
+
+def _report_json(report: PackedDataset) -> str:
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    del fields["train"], fields["eval"]
+    fields["files"] = [
+        {
+            "path": r.path,
+            "formats": list(r.formats.items()),  # (format, count) pairs: the order is kept
+            "tokens": r.tokens,
+            "trained": r.trained,
+            "unused_keys": sorted(r.unused_keys),
+            "conversations": r.conversations,
+            "added": list(r.added.items()),
+        }
+        for r in report.files
+    ]
+    return json.dumps(fields)
+
+
+def _report_from_json(text: str) -> PackedDataset:
+    fields = json.loads(text)
+    fields["files"] = [
+        FileReport(
+            path=r["path"],
+            formats=Counter(dict(r["formats"])),
+            tokens=r["tokens"],
+            trained=r["trained"],
+            unused_keys=set(r["unused_keys"]),
+            conversations=r["conversations"],
+            added=Counter(dict(r["added"])),
+        )
+        for r in fields["files"]
+    ]
+    return PackedDataset(train=[], **fields)
+
+
+SHARED_TIMEOUT = 7200.0
+"""Seconds `shared_dataset` waits, by default, for the local rank 0s to tokenize."""
+
+
+def shared_dataset(
+    paths: str | Path | Sequence[str | Path],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    cache_dir: str | Path,
+    local_rank: int | None = None,
+    timeout: float = SHARED_TIMEOUT,
+    eval_fraction: float = 0.0,
+    seed: int = 0,
+    data_format: str = "auto",
+    train_on: str = "assistant",
+    packing: bool = True,
+) -> PackedDataset:
+    """`build_dataset(..., cache_dir=cache_dir)`, the work done by one process per host.
+
+    Collective: every rank of the default process group calls it, with the same arguments. The
+    local rank 0 of each host builds the cache entry (or finds it) while the other ranks wait;
+    then they map the same file: a host tokenizes once and holds the token ids once, in its page
+    cache, however many ranks it runs. `cache_dir` must be a folder every rank of a host can read
+    (hosts may share it). `local_rank`: this rank's index on its host (default: torchrun's
+    LOCAL_RANK, else the global rank). The wait is one gather over a gloo group with `timeout`
+    seconds: a local rank 0 that fails (a bad record: its DataError names the file and the line)
+    makes every rank raise, and one that dies or overruns the timeout makes the others raise a
+    DataError saying so, never hang. Without a process group, or with one rank, this is
+    `build_dataset(..., cache_dir=cache_dir)`.
+
+    Example:
+        >>> mesh = qm.init_mesh(tp=2)  # doctest: +SKIP
+        >>> ds = shared_dataset(["chat.jsonl"], tok, 256, cache_dir="out/data-cache")  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    paths = _check_args(paths, seq_len, eval_fraction, data_format, train_on)
+    options: dict[str, Any] = dict(seq_len=seq_len, eval_fraction=eval_fraction, seed=seed,
+                   data_format=data_format, train_on=train_on, packing=packing)  # fmt: skip
+    cache_dir = Path(cache_dir)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise DataError(f"timeout={timeout!r}; pass the seconds to wait, e.g. {SHARED_TIMEOUT}")
+    if local_rank is not None and (not isinstance(local_rank, int) or local_rank < 0):
+        raise DataError(f"local_rank={local_rank!r}; pass this rank's index on its host (>= 0)")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return _cached(*expand(paths), tokenizer, options, cache_dir)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    # the group first: creating it waits for every rank, which all arrive now, not after the work
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    ds = error = None
+    key = failed = ""
+    try:  # any failure is told to every rank by the gather below, then raised
+        sources, skipped = expand(paths)
+        key = cache_key(sources, skipped, tokenizer, options)
+        if local_rank == 0:
+            ds = _cached(sources, skipped, tokenizer, options, cache_dir, key)
+    except Exception as e:
+        error, failed = e, f"{type(e).__name__}: {e}"
+    everyone: list[Any] = [None] * world
+    try:
+        mine = (rank, socket.gethostname(), local_rank, key, failed)
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:
+        raise DataError(
+            f"rank {rank} waited for the local rank 0 of each host to tokenize the data into "
+            f"{cache_dir}; one did not finish within timeout={timeout:g} s, or died (see its log): "
+            f"{str(e)[:200]}"
+        ) from None
+    finally:
+        dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    for r, _, _, _, why in everyone:
+        if why:
+            raise DataError(f"rank {r} could not build the dataset: {why}")
+    writers: dict[str, list[tuple[int, str]]] = {}
+    for r, host, lr, k, _ in everyone:
+        if lr == 0:
+            writers.setdefault(host, []).append((r, k))
+    for r, host, _, k, _ in everyone:
+        if len(writers.get(host, [])) != 1:
+            raise DataError(
+                f"host {host!r} has {len(writers.get(host, []))} ranks of local rank 0, which "
+                "tokenizes for the host; need one: pass each rank's index on its host as "
+                "local_rank (torchrun's LOCAL_RANK)"
+            )
+        if k != writers[host][0][1]:
+            raise DataError(
+                f"rank {r} passed other files, tokenizer or options to shared_dataset than rank "
+                f"{writers[host][0][0]} (local rank 0 of its host); every rank must pass the same"
+            )
+    if ds is None:
+        ds = _from_cache(cache_dir, key)
+    if ds is None:
+        raise DataError(
+            f"rank {rank}: the local rank 0 of host {socket.gethostname()!r} wrote the examples "
+            f"to {cache_dir}, but this rank does not find them there; pass a cache_dir that every "
+            "rank of a host reads alike"
+        )
+    return ds
 
 
 def _pack(

@@ -1,5 +1,6 @@
-"""Data files and folders -> records, streamed: JSONL line by line, Parquet and Arrow by record
-batch, a `datasets` folder (`save_to_disk`) memory-mapped; a plain text file is one record.
+"""Data files and folders -> records, streamed: JSONL line by line, a JSON array a record at a
+time (pieces of the file, each element decoded once whole), Parquet and Arrow by record batch, a
+`datasets` folder (`save_to_disk`) memory-mapped; a plain text file is one record.
 
 A path is a file, a folder saved by `datasets` (`dataset_info.json` + `state.json`, or a
 `dataset_dict.json` of splits: its "train" split), or a folder of shards: its data files
@@ -15,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -154,19 +156,7 @@ def records(src: Source) -> Iterator[tuple[int, Any]]:
     elif src.kind == "jsonl":
         yield from _jsonl(src.path)
     elif src.kind == "json":
-        text = _decode(src.path, src.path.read_bytes(), 0)
-        try:
-            items = json.loads(text)
-        except ValueError as e:
-            raise DataError(
-                f"{src.path}: expected a JSON array of records; got invalid JSON ({e})"
-            ) from None
-        if not isinstance(items, list):
-            raise DataError(
-                f"{src.path}: expected a JSON array of records (or JSONL: one per line); got a "
-                f"JSON {type(items).__name__}"
-            )
-        yield from enumerate(items)
+        yield from _json_array(src.path)
     else:
         yield from _tabular(src)
 
@@ -181,6 +171,117 @@ def _decode(path: Path, raw: bytes, line0: int) -> str:
             f"{e.start}{' of the line' if line0 else ''} that is not valid UTF-8; re-save the "
             "file as UTF-8"
         ) from None
+
+
+def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
+    """The records of a JSON array, one at a time: the file is read in pieces and each element
+    decoded as soon as it is whole (`JSONDecoder.raw_decode`), so a rank holds one record and
+    one piece of the file, never the whole of it."""
+    text = _JsonText(path)
+    decoder = json.JSONDecoder()
+    try:
+        if text.next_char() != "[":
+            raise text.error(0, "expected '[' (a JSON array of records, or JSONL: one per line)")
+        text.pos += 1
+        index = 0
+        sep = text.next_char()
+        if sep == "]":  # an empty array
+            text.pos += 1
+        while sep != "]":
+            while True:
+                try:
+                    obj, end = decoder.raw_decode(text.buf, text.pos)
+                except json.JSONDecodeError as e:
+                    if text.more():  # the element may go on past what was read
+                        continue
+                    text.pos = e.pos
+                    raise text.error(index, e.msg) from None
+                # a number that ends where the text read so far ends may go on after it
+                if end < len(text.buf) or not text.more():
+                    break
+            yield index, obj
+            index += 1
+            text.pos = end
+            sep = text.next_char()
+            if sep not in (",", "]"):
+                raise text.error(index - 1, "expected ',' or ']' after the record")
+            text.pos += 1
+            if sep == "," and text.next_char() == "]":
+                raise text.error(index, "expected a record after ','")
+        if text.next_char():
+            raise text.error(index, "extra data after the array")
+    finally:
+        text.close()
+
+
+_JSON_READ = 1 << 20  # bytes read at a time from a JSON array (more while one record is longer)
+
+
+class _JsonText:
+    """The text of a JSON file read so far: `buf[pos:]` is still to be parsed; `more()` reads on,
+    dropping the text before `pos`. Keeps the line and column of `pos` for errors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.buf = ""
+        self.pos = 0
+        self._file = path.open("rb")
+        self._decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        self._bytes = 0  # bytes read
+        self._byte_lines = 0  # newlines in the bytes read
+        self._lines = 0  # newlines in the text dropped
+        self._column = 0  # characters dropped since the last newline dropped
+        self._eof = False
+
+    def more(self) -> bool:
+        """Read on: at least as much as is pending, so that one long record is parsed a bounded
+        number of times; False at the end of the file."""
+        if self._eof:
+            return False
+        dropped = self.buf[: self.pos]
+        newlines = dropped.count("\n")
+        self._lines += newlines
+        self._column = (
+            len(dropped) - dropped.rfind("\n") - 1 if newlines else self._column + len(dropped)
+        )
+        self.buf, self.pos = self.buf[self.pos :], 0
+        raw = self._file.read(max(_JSON_READ, len(self.buf)))
+        try:
+            self.buf += self._decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:
+            data = e.object  # the bytes decoded: a partial character left from before, then raw
+            line = self._byte_lines + data.count(b"\n", 0, e.start) + 1
+            offset = self._bytes - (len(data) - len(raw)) + e.start
+            raise DataError(
+                f"{self.path} line {line}: expected UTF-8 text, found byte 0x{data[e.start]:02x} "
+                f"at offset {offset} that is not valid UTF-8; re-save the file as UTF-8"
+            ) from None
+        self._bytes += len(raw)
+        self._byte_lines += raw.count(b"\n")
+        self._eof = not raw
+        return True
+
+    def next_char(self) -> str:
+        """The next character that is not white space ("" at the end), `pos` moved onto it."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or not self.more():
+                return self.buf[self.pos : self.pos + 1]
+
+    def error(self, index: int, msg: str) -> DataError:
+        """Invalid JSON at `pos`, in record `index`."""
+        newlines = self.buf.count("\n", 0, self.pos)
+        line = self._lines + newlines + 1
+        column = (self.pos - self.buf.rfind("\n", 0, self.pos) - 1 if newlines
+                  else self._column + self.pos) + 1  # fmt: skip
+        return DataError(
+            f"{self.path} row {index}: expected a JSON array of records; got invalid JSON "
+            f"({msg}: line {line} column {column})"
+        )
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
