@@ -253,10 +253,14 @@ def _parallelize(
         ),
     )
 
-    if report is not None and report.reduce_grads:  # replicated weights that see split heads
+    # replicated weights that see split heads: those the probe found, and every per-head
+    # parameter read through this rank's heads (by rule, also without verify); one hook each
+    partial = list(report.reduce_grads) if report is not None else []
+    partial += [f"{o}.{n}" for o, views in resolved.head_views.items() for n in views]
+    if partial and mesh.tp > 1:
         from .verify import reduce_partial_grads
 
-        reduce_partial_grads(model, report.reduce_grads, mesh.tp_group)
+        reduce_partial_grads(model, partial, mesh.tp_group)
 
     # 5. data parallel: FSDP2 over every parameter (once all hold values), or DDP over the
     # trainable ones (at pp > 1, train_step sums them over dp)

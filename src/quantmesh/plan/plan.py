@@ -71,6 +71,9 @@ class Resolved:
     attr_updates: dict[str, dict[str, list[int]]] = field(
         default_factory=dict
     )  # owner -> attr -> per rank
+    head_views: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)
+    """owner -> parameter -> per rank (first head, end): a per-head parameter of an attention whose
+    heads the plan splits (gpt-oss's sinks), kept whole and read through this rank's heads."""
 
     def sharded(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.split is not None]
@@ -225,7 +228,7 @@ class Plan:
         for glob, attrs in self.attrs.items():
             for owner, per_rank in _value_updates(model, entries, tp, glob, attrs).items():
                 updates.setdefault(owner, {}).update(per_rank)
-        return Resolved(tp, entries, updates)
+        return Resolved(tp, entries, updates, _head_views(model, entries, tp))
 
     def _resolve_one(
         self, model: nn.Module, fqn: str, mod: nn.Module, style: Style, rule: str, tp: int
@@ -284,6 +287,12 @@ class Plan:
                 where = _globify(owner, model)
                 line = f"per-rank attribute: {where}.{a} = {'/'.join(map(str, vals))}"
                 if line not in lines:  # repeated blocks: one line for all of them
+                    lines.append(line)
+        for owner, views in res.head_views.items():
+            for a, ranges in views.items():
+                heads = "/".join(f"{lo}:{hi}" for lo, hi in ranges)
+                line = f"per-head parameter: {_globify(owner, model)}.{a} read at heads {heads}"
+                if line not in lines:
                     lines.append(line)
         return f"Plan for tp={tp}:\n" + "\n".join(lines)
 
@@ -581,6 +590,35 @@ def _attr_updates(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
         for a in SIZE_ATTRS:
             if getattr(owner, a, None) == h.q_size:
                 ups[a] = q_local
+    return out
+
+
+def _head_views(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
+    """Per-head parameters of attention modules whose q projection is split by heads: a direct
+    parameter of the head owner whose first dimension is the head count (gpt-oss's attention
+    sinks) is applied to the heads, so each rank reads the rows of its own heads. Where a rank's
+    heads are not one range the parameter is left alone (the probe then replicates the attention).
+    A structural guess like every split: verify_plan checks it."""
+    out: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    for e in entries.values():
+        h = e.heads
+        if e.split is None or h is None or e.style != Style.COLWISE or h.heads < 2:
+            continue
+        assert e.kind is not None  # a split module has a Kind
+        if e.kind.in_out(model.get_submodule(e.fqn))[1] != h.q_size:
+            continue  # k, v, or a packed q|k|v (its rows are not one range of heads per rank)
+        owner = model.get_submodule(h.owner)
+        names = [n for n, p in owner._parameters.items()
+                 if p is not None and p.dim() >= 1 and p.shape[0] == h.heads]  # fmt: skip
+        per_rank = []
+        for r in range(tp):
+            rs = e.split.ranges(r)
+            if len(rs) != 1 or rs[0][0] % h.head_dim or rs[0][1] % h.head_dim:
+                break
+            per_rank.append((rs[0][0] // h.head_dim, rs[0][1] // h.head_dim))
+        else:
+            if names:
+                out[h.owner] = {n: per_rank for n in names}
     return out
 
 

@@ -21,7 +21,7 @@ from .kinds import kind_of
 from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
 from .rng import RngRegions
 
-__all__ = ["apply_tp", "shared_params"]
+__all__ = ["apply_tp", "shared_params", "view_heads"]
 
 
 def shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -163,7 +163,31 @@ def apply_tp(
                     mod.__dict__.setdefault("_quantmesh_own", set()).add("config")
                 target, a = mod.config, a.split(".", 1)[1]
             setattr(target, a, per_rank[mesh.tp_rank])
+    for owner, views in resolved.head_views.items():
+        view_heads(model.get_submodule(owner), {n: r[mesh.tp_rank] for n, r in views.items()})
     return model
+
+
+def view_heads(module: nn.Module, views: dict[str, tuple[int, int]]) -> None:
+    """Make `module.<name>` read rows [first, end) of its parameter `name` (this rank's heads),
+    the parameter itself staying whole: state dict, loading, saving and optimizers see the one
+    full tensor; its gradient holds this rank's rows only, and parallelize sums it over tp. Done
+    with a subclass of the module's class (a property per name; nothing is set on the instance).
+
+    Example:
+        >>> view_heads(model.model.layers[0].self_attn, {"sinks": (0, 32)})  # doctest: +SKIP
+    """
+    cls = type(module)
+    base = cls.__dict__.get("_head_views_base", cls)  # viewed twice: subclass the original
+
+    def rows(name: str, first: int, end: int) -> property:
+        return property(lambda self: self._parameters[name][first:end])
+
+    props = {n: rows(n, a, b) for n, (a, b) in views.items()}
+    module.__class__ = type(base.__name__, (base,), {
+        **props, "__module__": base.__module__, "__qualname__": base.__qualname__,
+        "_head_views_base": base,
+    })  # fmt: skip
 
 
 def _build_experts(
