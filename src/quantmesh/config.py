@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .errors import QuantmeshError
 from .quant.names import BACKENDS, FORMATS, QUANTS
-
-if TYPE_CHECKING:
-    from .quant.base import QuantConfig
 
 __all__ = [
     "LR_SCHEDULES",
@@ -260,8 +256,8 @@ class ParallelConfig:
     quantization of the frozen base by name, FSDP. The rules between them are checked here.
 
     Example:
-        >>> ParallelConfig(tp=2, quant="nf4").quant_config()  # doctest: +SKIP
-        QuantConfig(format='nf4', backend='bitsandbytes', ...)
+        >>> ParallelConfig(tp=2, quant="nf4", quant_backend="torchao", fsdp=True).quant
+        'nf4'
     """
 
     tp: int = 1
@@ -295,14 +291,6 @@ class ParallelConfig:
         if self.fsdp:
             quant = None if self.quant == "none" else self.quant
             check_fsdp_options(pp=self.pp, quant=quant, backend=self.quant_backend)
-
-    def quant_config(self) -> QuantConfig | None:
-        """The QuantConfig of `quant` / `quant_backend` (None for quant="none")."""
-        from .quant.base import QuantConfig
-
-        if self.quant == "none":
-            return None
-        return QuantConfig(format=self.quant, backend=self.quant_backend)
 
 
 @dataclass(kw_only=True)
@@ -355,9 +343,7 @@ class TrainConfig:
                 f"micro_batch={self.micro_batch}, grad_accum={self.grad_accum}; both >= 1"
             )
         if self.schedule not in LR_SCHEDULES:
-            raise TrainError(
-                f"schedule={self.schedule!r}; use one of {', '.join(LR_SCHEDULES)}"
-            )
+            raise TrainError(f"schedule={self.schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
         if self.steps is not None and not _positive_int(self.steps):
             raise TrainError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
         if self.epochs is not None and not self.epochs > 0:

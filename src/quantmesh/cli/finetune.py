@@ -37,6 +37,7 @@ from . import flags
 from .errors import CliError, user_errors
 
 if TYPE_CHECKING:
+    from ..quant.base import QuantConfig
     from .plan_cmd import RunShape
 
 __all__ = [
@@ -244,6 +245,17 @@ class FinetuneConfig:
                 f" x --nnodes {n} = {world}; drop --dp (it is then {world // tp}) or fix one"
             )
         par.dp = world // tp
+
+    def quant_config(self) -> QuantConfig | None:
+        """The QuantConfig of --quant / --quant-backend (None for --quant none)."""
+        from ..quant.base import QuantConfig
+
+        par = self.parallel
+        return (
+            None
+            if par.quant == "none"
+            else QuantConfig(format=par.quant, backend=par.quant_backend)
+        )
 
     @property
     def world_size(self) -> int:
@@ -476,7 +488,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         tp=par.tp,
         dp=par.dp,
         pp=par.pp,
-        quant=folder_quant(cfg.model, par.quant_config()),
+        quant=folder_quant(cfg.model, cfg.quant_config()),
         lora=cfg.lora,
         fsdp=par.fsdp,
         offload_base=par.offload_base,

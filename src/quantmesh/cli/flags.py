@@ -27,7 +27,6 @@ import argparse
 import ast
 import dataclasses
 import difflib
-import functools
 import inspect
 import textwrap
 import types
@@ -70,15 +69,20 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-@functools.cache
+_DOCS: dict[type, dict[str, str]] = {}
+_OPTIONS: dict[type, tuple[Option, ...]] = {}
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """{field name: the string statement right under it} of dataclass `cls`, whitespace folded
     (the attribute docstrings this project writes); inherited fields included.
 
     Example:
-        >>> field_docs(Option)["name"]
-        'The flat name: the TOML key, the JSON key, the flag\\'s dest.'
+        >>> field_docs(Option)["kind"]
+        'int, float, str or bool (the element type of a list).'
     """
+    if cls in _DOCS:
+        return _DOCS[cls]
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__[:-1]):  # a base's docs first, a subclass's replace them
         if not dataclasses.is_dataclass(klass):
@@ -94,6 +98,7 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value.value, str)
             ):
                 docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    _DOCS[cls] = docs
     return docs
 
 
@@ -115,7 +120,6 @@ def _is_section(hint: Any) -> bool:
     return isinstance(hint, type) and dataclasses.is_dataclass(hint)
 
 
-@functools.cache
 def options(cls: type) -> tuple[Option, ...]:
     """Every option of config class `cls` (its plain fields, then its sections'), in field order.
     Raises TypeError for two options of one name or a field of a type no flag takes.
@@ -125,14 +129,19 @@ def options(cls: type) -> tuple[Option, ...]:
         >>> [o.name for o in options(LoraConfig)]
         ['r', 'alpha', 'dropout', 'targets', 'seed']
     """
+    if cls in _OPTIONS:
+        return _OPTIONS[cls]
     out: list[Option] = []
     _collect(cls, (), "", "", (), out)
     seen: dict[str, Option] = {}
     for o in out:
         if o.name in seen:
-            raise TypeError(f"{cls.__name__}: two options named {o.name!r} ({o.path}, {seen[o.name].path})")
+            raise TypeError(
+                f"{cls.__name__}: two options named {o.name!r} ({o.path}, {seen[o.name].path})"
+            )
         seen[o.name] = o
-    return tuple(out)
+    _OPTIONS[cls] = tuple(out)
+    return _OPTIONS[cls]
 
 
 def _collect(
@@ -238,9 +247,9 @@ def check_keys(cls: type, keys: Iterable[str], *, where: str = "") -> None:
 
     Example:
         >>> from quantmesh.config import TrainConfig
-        >>> check_keys(TrainConfig, ["lr", "lr_warmup"])  # doctest: +ELLIPSIS
+        >>> check_keys(TrainConfig, ["lr", "warmup"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        quantmesh.cli.errors.CliError: unknown key 'lr_warmup'; did you mean 'warmup_steps'? ...
+        quantmesh.cli.errors.CliError: unknown key 'warmup'; did you mean 'warmup_steps'? (valid keys: ...
     """
     names = [o.name for o in options(cls)]
     for key in keys:
@@ -253,9 +262,9 @@ def check_keys(cls: type, keys: Iterable[str], *, where: str = "") -> None:
 _WHAT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _checked(o: Option, value: Any) -> Any:
+def _checked(o: Option, value: Any, where: str = "") -> Any:
     """`value` as option `o` takes it (an int for a float, one string for a list of strings), or
-    CliError naming the option, the value and what it takes."""
+    CliError naming the option, the value and what it takes (after `where`: a file name)."""
     if value is None and o.optional:
         return None
 
@@ -284,7 +293,7 @@ def _checked(o: Option, value: Any) -> Any:
         what = _WHAT[o.kind]
         what = f"a list of {what.replace('an ', '').replace('a ', '')}s" if o.many else what
         unset = " (or leave it unset)" if o.optional else ""
-        raise CliError(f"{o.name}={value!r}; expected {what}{unset}") from None
+        raise CliError(f"{where}{o.name}={value!r}; expected {what}{unset}") from None
 
 
 def check_types(obj: Any) -> None:
@@ -305,7 +314,9 @@ def build(cls: type[T], settings: Mapping[str, Any], *, where: str = "") -> T:
         1.0
     """
     check_keys(cls, settings, where=where)
-    values = {o.name: _checked(o, settings[o.name]) for o in options(cls) if o.name in settings}
+    values = {
+        o.name: _checked(o, settings[o.name], where) for o in options(cls) if o.name in settings
+    }
     by_path = {o.path: o.name for o in options(cls)}
     return _construct(cls, (), values, by_path)
 

@@ -77,7 +77,7 @@ def finetune(payload: str) -> int:
     model = qm.from_pretrained(
         cfg.model,
         mesh,
-        quant=par.quant_config(),
+        quant=cfg.quant_config(),
         lora=cfg.lora,
         dtype=dtype,
         progress=rank0,

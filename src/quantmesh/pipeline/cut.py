@@ -51,6 +51,7 @@ __all__ = [
     "stage_plan",
 ]
 
+
 @dataclass
 class StageCut:
     """Where every part of a model goes: `blocks[s]` are stage s's block names, `owner` maps the

@@ -18,6 +18,7 @@ __all__ = ["QuantConfig", "QuantFormat", "QuantError", "get_format", "resolve_qu
 from ..config import QuantError, check_quant
 from .names import FORMATS
 
+
 @dataclass(kw_only=True)
 class QuantConfig:
     """How to quantize the frozen base of a model.
