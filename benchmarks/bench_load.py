@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from quantmesh.quant.names import QUANTS
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
@@ -46,7 +48,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--shard-gb", type=float, default=5.0, help="max size of one file")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the load step")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--quant", default="nf4", choices=["nf4", "fp4", "int8", "none"])
+    p.add_argument("--quant", default="nf4", choices=QUANTS)
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     a = qb.finish_args(p.parse_args(argv))
     if a.smoke:

@@ -39,6 +39,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from quantmesh.config import PP_SCHEDULES
+from quantmesh.quant.names import BACKENDS, QUANTS
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
@@ -53,8 +56,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--microbatches", type=int, default=1, help="micro-batches per step (qm.train_step)"
     )
-    p.add_argument("--pp-schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    p.add_argument("--quant", default="nf4", choices=["nf4", "fp4", "int8", "none"])
+    # one stage per rank here (no PipelineConfig(virtual=...)): every schedule but interleaved
+    p.add_argument(
+        "--pp-schedule", default="1f1b", choices=[s for s in PP_SCHEDULES if s != "interleaved1f1b"]
+    )
+    p.add_argument("--quant", default="nf4", choices=QUANTS)
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -99,7 +105,7 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--peak-json", default=None, help="matmul_peak.py's JSON, for MFU")
     p.add_argument(
-        "--quant-backend", default="bitsandbytes", choices=["bitsandbytes", "torchao"],
+        "--quant-backend", default=BACKENDS[0], choices=BACKENDS,
         help="library of the quantized base (torchao: the nf4 that --fsdp shards)",
     )  # fmt: skip
     p.add_argument("--fsdp", action="store_true", help="parallelize(fsdp=True): FSDP2 over dp")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from .errors import QuantmeshError
+from .config import FsdpError, check_fsdp_options
 from .plan.auto import blocks_of
 from .quant.base import QuantConfig
 from .state import FsdpConfig, parallel_state  # FsdpConfig: recorded in the state
@@ -49,10 +49,6 @@ __all__ = [
 ]
 
 
-class FsdpError(QuantmeshError, ValueError):
-    """An fsdp request that cannot be honoured exactly; the message names the fix."""
-
-
 def check_fsdp(qcfg: QuantConfig | None, data_parallel: bool, mesh: Mesh) -> None:
     """Raise FsdpError when fsdp cannot be applied exactly (before any allocation or collective).
 
@@ -62,23 +58,15 @@ def check_fsdp(qcfg: QuantConfig | None, data_parallel: bool, mesh: Mesh) -> Non
     """
     if not data_parallel:
         raise FsdpError("fsdp=True shards over dp; it needs data_parallel=True")
-    if mesh.pp > 1:
-        raise FsdpError(
-            f"fsdp=True with pp={mesh.pp}: sharding pipeline stages over dp is not implemented; "
-            "use pp=1 with fsdp (dp x tp), or pp > 1 without it"
-        )
+    check_fsdp_options(
+        pp=mesh.pp,
+        quant=qcfg.format if qcfg is not None else None,
+        backend=qcfg.backend if qcfg is not None else "bitsandbytes",
+    )
     if len(mesh.devices) > 1:
         raise FsdpError(
             f"fsdp=True with devices_per_rank={len(mesh.devices)}: a layer-split replica cannot "
             "also be sharded by FSDP; use one device per rank (tp and dp instead)"
-        )
-    if qcfg is not None and qcfg.backend == "bitsandbytes":
-        raise FsdpError(
-            f"fsdp=True cannot shard bitsandbytes {qcfg.format}: its weights keep their "
-            "statistics beside the tensor (Params4bit.quant_state / Int8Params.SCB), which FSDP2's "
-            "all-gather drops. Use torchao, whose tensors shard exactly: "
-            f"quant=qm.QuantConfig(format={qcfg.format if qcfg.format != 'fp4' else 'nf4'!r}, "
-            "backend='torchao') (CLI: --quant-backend torchao)"
         )
 
 

@@ -17,14 +17,13 @@ import fnmatch
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import QuantmeshError
+from .config import DEFAULT_TARGETS, LoraConfig, LoraError
 from .plan.styles import Style, slice_dim
 
 if TYPE_CHECKING:
@@ -39,63 +38,6 @@ __all__ = [
     "stack_sibling_adapters",
     "trainable_parameters",
 ]
-
-
-class LoraError(QuantmeshError, ValueError):
-    """A LoRA request that cannot be honoured; the message names the fix."""
-
-
-# "every projection": attention (q, k, v, o; DeepSeek's multi-head latent attention), MLP, and
-# the fused expert tensors of transformers' experts modules (gate_up_proj, down_proj)
-DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj",
-    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-    "gate_proj", "up_proj", "down_proj", "gate_up_proj",
-)  # fmt: skip
-
-
-@dataclass(kw_only=True)
-class LoraConfig:
-    """Low-rank adapters on linear layers (plain or quantized), sharded to follow the base layer.
-
-    Example:
-        >>> LoraConfig(r=16, alpha=32, dropout=0.05, targets=["q_proj", "v_proj"])
-        LoraConfig(r=16, alpha=32, ...)
-    """
-
-    r: int = 16
-    """Rank of the adapter (A is r x in, B is out x r)."""
-    alpha: float = 32
-    """Scale numerator: the adapter's output is multiplied by alpha / r."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (training only)."""
-    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    """Module names (a bare name matches any module of that name) or globs on full names; a
-    name also selects the expert tensors of that name (`gate_up_proj`, `down_proj` of an experts
-    module), and an experts module's own name selects all of its expert tensors. The default,
-    every projection of the common families (attention, MLA, MLP, experts), skips names a model
-    does not have; names given explicitly must each match something."""
-    seed: int = 0
-    """Seed of A's initialization; the same seed gives the same adapters at any tp size."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or self.r <= 0:
-            raise LoraError(f"LoRA rank r={self.r!r}; use a positive int such as 8 or 16")
-        if not 0.0 <= self.dropout < 1.0:
-            raise LoraError(f"LoRA dropout={self.dropout}; use a value in [0, 1)")
-        if isinstance(self.targets, str):
-            self.targets = [self.targets]
-        if not self.targets:
-            raise LoraError("LoRA targets is empty; name modules such as ['q_proj', 'v_proj']")
-        self.targets = list(self.targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
-
-    def matches(self, fqn: str) -> bool:
-        last = fqn.rsplit(".", 1)[-1]
-        return any(t == last or t == fqn or fnmatch.fnmatchcase(fqn, t) for t in self.targets)
 
 
 def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None = None) -> list[str]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .config import check_offload_base
 from .dp import apply_dp
 from .errors import QuantmeshError
 from .fsdp import FsdpError, apply_fsdp, check_fsdp
@@ -175,8 +176,7 @@ def _parallelize(
             f"replica's layers over its own devices or joins a tp group, not both; use tp=1"
         )
 
-    if offload_base and not fsdp:
-        raise ValueError("offload_base=True offloads FSDP's shards of the base; pass fsdp=True too")
+    check_offload_base(fsdp=fsdp, offload_base=offload_base)
     if fsdp:
         check_fsdp(qcfg, data_parallel, mesh)
 

@@ -209,8 +209,8 @@ def test_full_checkpointing_notes_what_fits_with_less_recompute(
             "--seq-len", "256", "--micro-batch", "8", "--checkpointing", "--nproc", "1"]  # fmt: skip
     cfg = finetune.config_from_args(build_parser().parse_args(argv))
     _, model = plan_cmd.load_skeleton(cfg.model)
-    mem = dict(model=model, lora=cfg.lora_config(), seq_len=256, micro_batch=8,
-               dtype=torch.float32, loss_chunk_tokens=cfg.loss_chunk_tokens)  # fmt: skip
+    mem = dict(model=model, lora=cfg.lora, seq_len=256, micro_batch=8,
+               dtype=torch.float32, loss_chunk_tokens=cfg.train.loss_chunk_tokens)  # fmt: skip
     free = 1 - plan_cmd.PARTIAL_MARGIN
     plain = estimate_memory(**mem).total
     k3 = estimate_memory(**mem, checkpointing=True, checkpointed_blocks=3).total

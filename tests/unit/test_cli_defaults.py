@@ -25,16 +25,19 @@ def test_finetune_compile_flags(extra: list[str], want: bool | None) -> None:
 
 def test_finetune_compiles_on_gpus_unless_told() -> None:
     def cfg(**kw) -> FinetuneConfig:
-        c = FinetuneConfig(model="m", data=["d.txt"], **kw)
+        c = FinetuneConfig.from_settings({"model": "m", "data": ["d.txt"], **kw})
         return FinetuneConfig.from_json(c.to_json())  # as the workers receive it
 
-    assert cfg().compile_on(cuda=True) and not cfg().compile_on(cuda=False)
-    assert not cfg(compile=False).compile_on(cuda=True)
-    assert cfg(compile=True).compile_on(cuda=False)
+    def on(c: FinetuneConfig, cuda: bool) -> bool:
+        return c.activations.compile_on(cuda)
+
+    assert on(cfg(), cuda=True) and not on(cfg(), cuda=False)
+    assert not on(cfg(compile=False), cuda=True)
+    assert on(cfg(compile=True), cuda=False)
     # with MLP tiles too (each tile compiled on its own: less memory than eager on one H200)
     tiled = {"checkpointing": True, "tile_tokens": 8192}
-    assert cfg(**tiled).compile_on(cuda=True)
-    assert not cfg(compile=False, **tiled).compile_on(cuda=True)
+    assert on(cfg(**tiled), cuda=True)
+    assert not on(cfg(compile=False, **tiled), cuda=True)
 
 
 @pytest.mark.parametrize(

@@ -476,7 +476,7 @@ def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tile
     mem = dict(model=m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=114688, micro_batch=1,
                dtype=torch.bfloat16, compiled=True, checkpointing=False,
                offload_activations=False, loss_chunk_tokens=1024, tile_tokens=None)  # fmt: skip
-    hints = plan_cmd.memory_alternatives(mem, fsdp=False, offload_base=False)
+    hints = plan_cmd.memory_alternatives(plan_cmd.RunShape(**mem))
     flags = [f for f, _ in hints]
     tiles = "--checkpointing --offload-activations --tile-tokens 8192"
     assert flags == ["--checkpointing", "--checkpointing --offload-activations", tiles,
@@ -489,7 +489,7 @@ def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tile
         plan_cmd.check_memory(estimate_memory(**mem), 1, what="training", hints=hints)
     assert f"Fix: {tiles} (about" in str(e.value)
     # forward only: nothing to propose
-    assert plan_cmd.memory_alternatives({**mem, "lora": None}, fsdp=False, offload_base=False) == []
+    assert plan_cmd.memory_alternatives(plan_cmd.RunShape(**{**mem, "lora": None})) == []
 
 
 def test_partial_checkpointing_terms_and_the_fewest_layers_that_fit(monkeypatch) -> None:
@@ -525,12 +525,12 @@ def test_partial_checkpointing_terms_and_the_fewest_layers_that_fit(monkeypatch)
     }
     # 4 fits with the margin to spare, 3 does not
     budget = int((totals[3] + totals[4]) / 2 / (1 - plan_cmd.PARTIAL_MARGIN))
-    assert plan_cmd.fewest_checkpointed(mem, budget, fsdp=False, offload_base=False) == (
+    assert plan_cmd.fewest_checkpointed(plan_cmd.RunShape(**mem), budget) == (
         4,
         totals[4],
     )
-    assert plan_cmd.fewest_checkpointed(mem, totals[5], fsdp=False, offload_base=False) is None
-    hints = plan_cmd.memory_alternatives(mem, fsdp=False, offload_base=False, budget=budget)
+    assert plan_cmd.fewest_checkpointed(plan_cmd.RunShape(**mem), totals[5]) is None
+    hints = plan_cmd.memory_alternatives(plan_cmd.RunShape(**mem), budget=budget)
     assert hints[0] == ("--checkpointing --checkpoint-blocks 4", totals[4])
     assert hints[1][0] == "--checkpointing"
     monkeypatch.setattr(plan_cmd, "device_budget", lambda n: ("cuda", budget, "test budget"))
@@ -540,8 +540,7 @@ def test_partial_checkpointing_terms_and_the_fewest_layers_that_fit(monkeypatch)
     assert "that many layers recomputed in backward" in str(e.value)
     # a partial run that does not fit: fewer kept layers first, then every layer
     part = {**mem, "checkpointing": True, "checkpointed_blocks": 2}
-    flags = [f for f, _ in plan_cmd.memory_alternatives(part, fsdp=False, offload_base=False,
-                                                        budget=budget)]  # fmt: skip
+    flags = [f for f, _ in plan_cmd.memory_alternatives(plan_cmd.RunShape(**part), budget=budget)]
     assert flags[:3] == ["--checkpointing --checkpoint-blocks 4", "--checkpointing",
                          "--checkpointing --offload-activations"]  # fmt: skip
 

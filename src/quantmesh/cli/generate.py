@@ -19,10 +19,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..quant.names import FORMATS
+from ..quant.names import QUANTS
 from .errors import CliError, user_errors
-
-QUANTS = ("none", *FORMATS)  # the choices of --quant
 
 __all__ = ["GenerateConfig", "add_parser", "check_adapter", "generate_text", "run"]
 

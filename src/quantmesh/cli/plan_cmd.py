@@ -11,16 +11,22 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..quant.names import BACKENDS, FORMATS
+from ..config import PP_SCHEDULES, LoraConfig, PipelineConfig
+from ..quant.names import BACKENDS, QUANTS
 from .errors import CliError, user_errors
 
-QUANTS = ("none", *FORMATS)  # the choices of --quant
+if TYPE_CHECKING:
+    from ..pipeline.memory import StageMemory
+    from ..plan.memory import MemoryEstimate
 
 __all__ = [
+    "RunShape",
     "add_parser",
     "check_memory",
     "device_budget",
@@ -115,6 +121,110 @@ def device_budget(nproc_local: int) -> tuple[str, int, str]:
     )
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RunShape:
+    """One run as the memory estimate sees it: the model (a meta skeleton), its layout over the
+    ranks, and what each step holds. `quantmesh plan` builds one from its flags (`shape_of_args`),
+    `quantmesh finetune` from its FinetuneConfig; every estimate and proposal here reads it, and a
+    proposal is this shape with a few fields changed (`but`).
+
+    Example:
+        >>> shape = RunShape(model=skeleton, lora=qm.LoraConfig(r=16), seq_len=4096)  # doctest: +SKIP
+        >>> shape.but(checkpointing=True).estimate().total < shape.estimate().total  # doctest: +SKIP
+        True
+    """
+
+    model: Any
+    """The model, built on the meta device (only shapes are read)."""
+    plan: Any = None
+    """Its tp Plan (None: auto_plan)."""
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    quant: Any = None
+    """None, a format name or a QuantConfig (as parallelize takes it)."""
+    lora: LoraConfig | None = None
+    """The adapters trained; None: a forward-only run."""
+    fsdp: bool = False
+    offload_base: bool = False
+    seq_len: int = 2048
+    micro_batch: int = 1
+    dtype: Any = None
+    """The weights' and activations' dtype: torch.bfloat16 on GPUs; None: float32."""
+    compiled: bool = False
+    checkpointing: bool = False
+    offload_activations: bool = False
+    loss_chunk_tokens: int = 0
+    tile_tokens: int | None = None
+    checkpointed_blocks: int | None = None
+    microbatches: int = 1
+    """At pp > 1: micro-batches per step, each of micro_batch rows."""
+    pp_schedule: str = "1f1b"
+    pipeline: PipelineConfig | None = None
+
+    def but(self, **changes: Any) -> RunShape:
+        """This shape with `changes` (a layout to propose)."""
+        return dataclasses.replace(self, **changes)
+
+    def _options(self) -> dict[str, Any]:
+        """What each step does, as estimate_memory's keywords."""
+        import torch
+
+        return dict(
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            dtype=self.dtype if self.dtype is not None else torch.float32,
+            compiled=self.compiled,
+            checkpointing=self.checkpointing,
+            offload_activations=self.offload_activations,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            tile_tokens=self.tile_tokens or None,
+            checkpointed_blocks=self.checkpointed_blocks,
+        )
+
+    def estimate(self) -> MemoryEstimate:
+        """quantmesh.plan.memory.estimate_memory of the whole model on one rank."""
+        from ..plan.memory import estimate_memory
+
+        return estimate_memory(
+            self.model,
+            tp=self.tp,
+            dp=self.dp,
+            plan=self.plan,
+            quant=self.quant,
+            lora=self.lora,
+            fsdp=self.fsdp,
+            offload_base=self.offload_base,
+            **self._options(),
+        )
+
+    def stages(self) -> list[StageMemory]:
+        """quantmesh.pipeline.memory.estimate_stages: one estimate per pp rank (the pipelined
+        step's loss is the plain one, whatever loss_chunk_tokens says: train_step)."""
+        from ..pipeline.memory import estimate_stages
+
+        return estimate_stages(
+            self.model,
+            pp=self.pp,
+            microbatches=self.microbatches,
+            schedule=self.pp_schedule,
+            pipeline=self.pipeline,
+            tp=self.tp,
+            dp=self.dp,
+            plan=self.plan,
+            quant=self.quant,
+            lora=self.lora,
+            **{**self._options(), "loss_chunk_tokens": 0},
+        )
+
+    def fullest(self) -> MemoryEstimate:
+        """The estimate of the rank that needs the most: the one rank at pp = 1, else the fullest
+        pp rank."""
+        if self.pp == 1:
+            return self.estimate()
+        return max((r.estimate for r in self.stages()), key=lambda e: e.total)
+
+
 TILE_TOKENS = 8192
 """The MLP tile proposed for long sequences (measured on one H200: docs/benchmarks.md)."""
 
@@ -126,75 +236,62 @@ estimated just under its GPU's cap ran out of memory, one layer more recomputed 
 (docs/benchmarks.md, "Figures the code relies on")."""
 
 
-def memory_alternatives(
-    mem: dict[str, Any], *, fsdp: bool, offload_base: bool, budget: int | None = None
-) -> list[tuple[str, int]]:
+def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[tuple[str, int]]:
     """[(flags, estimated bytes per rank)] of the layouts that need less memory than the training
-    run `mem` describes (estimate_memory's keywords), cheapest in speed first: with `budget`
-    (bytes per rank), the fewest checkpointed layers that fit it (`fewest_checkpointed`); then
-    checkpointing every layer, its saved inputs offloaded, MLP tiles (for sequences over two
-    tiles), then FSDP and FSDP with the base offloaded (each with the run's own activation
-    settings). Forward-only runs (no LoRA) get none.
+    run `shape`, cheapest in speed first: with `budget` (bytes per rank), the fewest checkpointed
+    layers that fit it (`fewest_checkpointed`); then checkpointing every layer, its saved inputs
+    offloaded, MLP tiles (for sequences over two tiles), then FSDP and FSDP with the base
+    offloaded (each with the run's own activation settings). Forward-only runs (no LoRA) get none.
 
     Example:
-        >>> memory_alternatives(mem, fsdp=False, offload_base=False, budget=2**34)[0]  # doctest: +SKIP
+        >>> memory_alternatives(shape, budget=2**34)[0]  # doctest: +SKIP
         ('--checkpointing --checkpoint-blocks 12', 17112760320)
     """
-    from ..plan.memory import estimate_memory
-
-    if mem.get("lora") is None:
+    if shape.lora is None:
         return []
-
-    def total(**kw: Any) -> int:
-        return estimate_memory(**{**mem, **kw}, fsdp=fsdp, offload_base=offload_base).total
-
     out: list[tuple[str, int]] = []
-    partial = mem.get("checkpointed_blocks") is not None
-    if budget is not None and (not mem.get("checkpointing") or partial):
-        fewest = fewest_checkpointed(mem, budget, fsdp=fsdp, offload_base=offload_base)
-        if fewest is not None and fewest[0] != mem.get("checkpointed_blocks"):
+    partial = shape.checkpointed_blocks is not None
+    if budget is not None and (not shape.checkpointing or partial):
+        fewest = fewest_checkpointed(shape, budget)
+        if fewest is not None and fewest[0] != shape.checkpointed_blocks:
             k, t = fewest
             out.append((f"--checkpointing --checkpoint-blocks {k}", t))
     steps: list[tuple[str, dict[str, Any]]] = []
     every = {"checkpointing": True, "checkpointed_blocks": None}
-    if not mem.get("checkpointing") or partial:
+    if not shape.checkpointing or partial:
         steps.append(("--checkpointing", every))
     ckpt_off = {**every, "offload_activations": True}
-    if not mem.get("offload_activations") or partial:
+    if not shape.offload_activations or partial:
         steps.append(("--checkpointing --offload-activations", ckpt_off))
-    if not mem.get("tile_tokens") and mem["seq_len"] * mem["micro_batch"] > 2 * TILE_TOKENS:
+    if not shape.tile_tokens and shape.seq_len * shape.micro_batch > 2 * TILE_TOKENS:
         flags = f"--checkpointing --offload-activations --tile-tokens {TILE_TOKENS}"
         steps.append((flags, {**ckpt_off, "tile_tokens": TILE_TOKENS}))
-    out += [(flags, total(**kw)) for flags, kw in steps]
-    if not fsdp:
+    out += [(flags, shape.but(**kw).estimate().total) for flags, kw in steps]
+    if not shape.fsdp:
         for flags, off in (("--fsdp", False), ("--fsdp --offload-base", True)):
-            out.append((flags, estimate_memory(**mem, fsdp=True, offload_base=off).total))
+            out.append((flags, shape.but(fsdp=True, offload_base=off).estimate().total))
     return out
 
 
-def fewest_checkpointed(
-    mem: dict[str, Any], budget: int, *, fsdp: bool, offload_base: bool
-) -> tuple[int, int] | None:
+def fewest_checkpointed(shape: RunShape, budget: int) -> tuple[int, int] | None:
     """(k, estimated bytes): the fewest decoder layers to checkpoint (of all but the last:
-    recompute.spread) for the training run `mem` to fit `budget` bytes per rank with
+    recompute.spread) for the training run `shape` to fit `budget` bytes per rank with
     PARTIAL_MARGIN to spare, with the run's offload and tile settings; None when even all but one
     do not. The estimate falls by one layer's activations per layer checkpointed, so a bisection
     finds it.
 
     Example:
-        >>> fewest_checkpointed(mem, 24 * 2**30, fsdp=False, offload_base=False)  # doctest: +SKIP
+        >>> fewest_checkpointed(shape, 24 * 2**30)  # doctest: +SKIP
         (14, 25518190592)
     """
     from ..plan.auto import blocks_of
-    from ..plan.memory import estimate_memory
 
-    n = len(blocks_of(mem["model"]))
-    if n < 2 or mem.get("lora") is None:
+    n = len(blocks_of(shape.model))
+    if n < 2 or shape.lora is None:
         return None
 
     def total(k: int) -> int:
-        kw = {**mem, "checkpointing": True, "checkpointed_blocks": k}
-        return estimate_memory(**kw, fsdp=fsdp, offload_base=offload_base).total
+        return shape.but(checkpointing=True, checkpointed_blocks=k).estimate().total
 
     fit = int(budget * (1 - PARTIAL_MARGIN))
     lo, hi = 1, n - 1
@@ -269,7 +366,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: memory per pp rank")
     p.add_argument("--microbatches", type=int, default=1, help="at --pp > 1 (default 1)")
-    p.add_argument("--pp-schedule", choices=("1f1b", "gpipe", "interleaved1f1b"), default="1f1b")
+    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="1f1b")
     p.add_argument("--pp-virtual", type=int, default=1, help="stages per rank (interleaved)")
     p.add_argument("--quant", choices=QUANTS, default="none")
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank; 0 = no training (default)")
@@ -364,9 +461,9 @@ def run(args: argparse.Namespace) -> int:
 def plan_report(model, args: argparse.Namespace) -> str:
     """The table and the estimate as printed by `quantmesh plan`."""
 
-    from ..lora import LoraConfig, lora_targets
+    from ..lora import lora_targets
     from ..plan.auto import auto_plan
-    from ..plan.memory import estimate_memory, format_bytes
+    from ..plan.memory import format_bytes
 
     plan = auto_plan(model, args.tp)
     table = plan.table(model, args.tp)
@@ -382,26 +479,15 @@ def plan_report(model, args: argparse.Namespace) -> str:
     from ..io.prequant import folder_quant
     from ..quant.base import QuantConfig
 
-    backend = getattr(args, "quant_backend", "bitsandbytes")
+    backend = getattr(args, "quant_backend", BACKENDS[0])
     asked = None if args.quant == "none" else QuantConfig(format=args.quant, backend=backend)
     # a folder saved quantized by bitsandbytes: its stored format unless --quant names it
     folder = getattr(args, "model", None)  # a preset name or a folder; absent in some callers
     quant = folder_quant(folder, asked) if folder else asked
     shown = "none" if quant is None else quant.format
     gpu = args.device == "cuda"
-    fsdp, offload = getattr(args, "fsdp", False), getattr(args, "offload_base", False)
-    if offload and not fsdp:
-        raise CliError("--offload-base needs --fsdp (it offloads FSDP's shards of the base)")
-    mem = dict(
-        model=model,
-        tp=args.tp,
-        dp=args.dp,
-        plan=plan,
-        quant=quant,
-        lora=lora,
-        **run_options(args, gpu),
-    )
-    est = estimate_memory(**mem, fsdp=fsdp, offload_base=offload)
+    shape = shape_of_args(model, args, plan=plan, quant=quant, lora=lora)
+    est = shape.estimate()  # offload_base without fsdp: FsdpError, the fix
     mode = (
         f"training LoRA r={args.lora_r} with AdamW"
         if lora
@@ -409,9 +495,9 @@ def plan_report(model, args: argparse.Namespace) -> str:
     )
     unit = "GPU" if gpu else "CPU rank"
     dtypes = "bf16 weights, bf16 autocast" if gpu else "fp32 weights and activations"
-    if _compiled(args, gpu):
+    if shape.compiled:
         dtypes += ", compiled blocks"
-    chunk = getattr(args, "loss_chunk_tokens", 0)
+    chunk = shape.loss_chunk_tokens
     lines = [
         table,
         "",
@@ -419,44 +505,70 @@ def plan_report(model, args: argparse.Namespace) -> str:
         f"quant={shown}; {mode}; seq {args.seq} x micro-batch {args.micro_batch}; {dtypes}):",
         est.table(),
         "Assumes: activation checkpointing "
-        + _checkpointing(args)
+        + _checkpointing(shape)
         + (f", the loss in chunks of {chunk} tokens" if lora and chunk else "")
         + ", SDPA attention, frozen base; excludes the CUDA "
         "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
     ]
     lines += [f"Note: {n}" for n in est.notes]
-    if getattr(args, "pp", 1) > 1:
-        lines += ["", stage_report(model, args, plan=plan, quant=quant, lora=lora)]
+    if shape.pp > 1:
+        lines += ["", stage_report(shape)]
     gib = getattr(args, "gpu_memory", None)
     budget = None if gib is None else int(gib * 2**30) - CUDA_RUNTIME_BYTES
-    pp = getattr(args, "pp", 1)
-    if pp > 1:  # each pp rank holds its stages: the fullest must fit (fsdp, partial: refused)
-        alternatives = (
-            stage_alternatives(model, args, plan=plan, quant=quant, lora=lora) if lora else []
-        )
+    if shape.pp > 1:  # each pp rank holds its stages: the fullest must fit (fsdp, partial: refused)
+        alternatives = stage_alternatives(shape) if lora else []
     else:
-        alternatives = memory_alternatives(mem, fsdp=fsdp, offload_base=offload, budget=budget)
+        alternatives = memory_alternatives(shape, budget=budget)
     if gib is not None and budget is not None:
-        if pp > 1:
-            stages = stage_estimates(model, args, plan=plan, quant=quant, lora=lora)
-            fullest = max(r.estimate.total for r in stages)
-            lines.append(_verdict(fullest, budget, gib, alternatives, stage=True))
-        else:
-            lines.append(_verdict(est.total, budget, gib, alternatives))
+        fullest = shape.fullest().total if shape.pp > 1 else est.total
+        lines.append(_verdict(fullest, budget, gib, alternatives, stage=shape.pp > 1))
     if alternatives:  # the ways out when this does not fit, side by side
         alt = [f"{flags}: {format_bytes(total)}" for flags, total in alternatives]
-        if pp > 1:
+        if shape.pp > 1:
             lines.append(f"If this does not fit, the fullest pp rank needs: {'; '.join(alt)}")
         else:
             lines.append(
                 f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}"
                 + (
                     "; with --fsdp a quantized base needs --quant-backend torchao)"
-                    if not fsdp
+                    if not shape.fsdp
                     else ")"
                 )
             )
     return "\n".join(lines)
+
+
+def shape_of_args(
+    model, args: argparse.Namespace, *, plan: Any, quant: Any, lora: LoraConfig | None
+) -> RunShape:
+    """The RunShape of `quantmesh plan`'s flags (those a caller's namespace lacks at their
+    defaults), for `model` under `plan` with `quant` and `lora` already resolved."""
+    import torch
+
+    gpu = getattr(args, "device", "cuda") == "cuda"
+    return RunShape(
+        model=model,
+        plan=plan,
+        tp=args.tp,
+        dp=args.dp,
+        pp=getattr(args, "pp", 1),
+        quant=quant,
+        lora=lora,
+        fsdp=getattr(args, "fsdp", False),
+        offload_base=getattr(args, "offload_base", False),
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        dtype=torch.bfloat16 if gpu else torch.float32,
+        compiled=_compiled(args, gpu),
+        checkpointing=getattr(args, "checkpointing", False),
+        offload_activations=getattr(args, "offload_activations", False),
+        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
+        tile_tokens=getattr(args, "tile_tokens", 0) or None,
+        checkpointed_blocks=getattr(args, "checkpoint_blocks", None),
+        microbatches=getattr(args, "microbatches", 1),
+        pp_schedule=getattr(args, "pp_schedule", "1f1b"),
+        pipeline=PipelineConfig(virtual=getattr(args, "pp_virtual", 1)),
+    )
 
 
 def _verdict(
@@ -486,89 +598,44 @@ def _verdict(
     return f"{who} does not fit {room}; {flags} does (about {format_bytes(t)}: {_why(flags)})."
 
 
-def _checkpointing(args: argparse.Namespace) -> str:
+def _checkpointing(shape: RunShape) -> str:
     """How many layers the run recomputes, for the report's assumptions."""
-    if not getattr(args, "checkpointing", False):
+    if not shape.checkpointing:
         return "off"
-    k = getattr(args, "checkpoint_blocks", None)
+    k = shape.checkpointed_blocks
     return "on" if k is None else f"on for {k} of the layers (--checkpoint-blocks)"
 
 
 def _compiled(args: argparse.Namespace, gpu: bool) -> bool:
     """Compiled blocks: as asked, else finetune's default (on GPUs, not on CPU:
-    FinetuneConfig.compile_on)."""
+    ActivationOptions.compile_on)."""
     c = getattr(args, "compile", None)
     return gpu if c is None else bool(c)
 
 
-def run_options(args: argparse.Namespace, gpu: bool) -> dict[str, Any]:
-    """The estimate's keywords for what a run does per step (sequence, micro-batch, activation
-    dtype, compiled blocks, checkpointing, offload, loss chunks, MLP tiles), from the CLI's args."""
-    import torch
-
-    return dict(
-        seq_len=args.seq,
-        micro_batch=args.micro_batch,
-        dtype=torch.bfloat16 if gpu else torch.float32,
-        compiled=_compiled(args, gpu),
-        checkpointing=getattr(args, "checkpointing", False),
-        offload_activations=getattr(args, "offload_activations", False),
-        loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
-        tile_tokens=getattr(args, "tile_tokens", 0) or None,
-        checkpointed_blocks=getattr(args, "checkpoint_blocks", None),
-    )
-
-
-def stage_estimates(model, args: argparse.Namespace, **kw: Any) -> list:
-    """quantmesh.pipeline.memory.estimate_stages for the run `args` describe."""
-
-    from ..pipeline.cut import PipelineConfig
-    from ..pipeline.memory import estimate_stages
-
-    gpu = getattr(args, "device", "cuda") == "cuda"
-    # the pipelined step's loss is the plain one (train_step), whatever --loss-chunk-tokens says
-    options = {**run_options(args, gpu), "loss_chunk_tokens": 0}
-    return estimate_stages(
-        model,
-        pp=args.pp,
-        microbatches=args.microbatches,
-        schedule=args.pp_schedule,
-        pipeline=PipelineConfig(virtual=args.pp_virtual),
-        tp=args.tp,
-        dp=args.dp,
-        **options,
-        **kw,
-    )
-
-
-def stage_alternatives(model, args: argparse.Namespace, **kw: Any) -> list[tuple[str, int]]:
+def stage_alternatives(shape: RunShape) -> list[tuple[str, int]]:
     """[(flags, the fullest pp rank's estimated bytes)] of the layouts that need less memory at
     pp > 1: checkpointing, and its inputs offloaded (partial checkpointing and fsdp are refused
     with pp).
 
     Example:
-        >>> stage_alternatives(model, args, plan=plan, quant="nf4", lora=lora)  # doctest: +SKIP
+        >>> stage_alternatives(shape)  # doctest: +SKIP
         [('--checkpointing', 5948061696), ('--checkpointing --offload-activations', 5411190784)]
     """
     steps: list[tuple[str, dict[str, Any]]] = []
-    if not getattr(args, "checkpointing", False):
+    if not shape.checkpointing:
         steps.append(("--checkpointing", {"checkpointing": True}))
-    if not getattr(args, "offload_activations", False):
+    if not shape.offload_activations:
         flags = "--checkpointing --offload-activations"
         steps.append((flags, {"checkpointing": True, "offload_activations": True}))
-    out = []
-    for flags, change in steps:
-        changed = argparse.Namespace(**{**vars(args), **change})
-        stages = stage_estimates(model, changed, **kw)
-        out.append((flags, max(r.estimate.total for r in stages)))
-    return out
+    return [(flags, shape.but(**change).fullest().total) for flags, change in steps]
 
 
-def stage_report(model, args: argparse.Namespace, **kw: Any) -> str:
+def stage_report(shape: RunShape) -> str:
     """One row per pp rank: its stages, blocks, micro-batches in flight, and memory by part."""
     from ..plan.memory import format_bytes
 
-    rows = stage_estimates(model, args, **kw)
+    rows = shape.stages()
     head = ("pp rank", "stages", "blocks", "in flight", "weights", "activations", "logits", "total")
     body = [
         (
@@ -590,8 +657,8 @@ def stage_report(model, args: argparse.Namespace, **kw: Any) -> str:
 
     return "\n".join(
         [
-            f"Pipeline: pp={args.pp} ({args.pp_schedule}, {args.microbatches} micro-batches of "
-            f"{args.micro_batch}); per pp rank (the estimate above is for the whole model):",
+            f"Pipeline: pp={shape.pp} ({shape.pp_schedule}, {shape.microbatches} micro-batches "
+            f"of {shape.micro_batch}); per pp rank (the estimate above is for the whole model):",
             line(head),
             *[line(b) for b in body],
             "Activations: the per-layer figure x the rank's layers x the stage forwards the "

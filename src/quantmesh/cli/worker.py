@@ -55,7 +55,8 @@ def finetune(payload: str) -> int:
     from .finetune import FinetuneConfig
 
     cfg = FinetuneConfig.from_json(payload)
-    mesh = qm.init_mesh(tp=cfg.tp, pp=cfg.pp, dp=-1)
+    par, act = cfg.parallel, cfg.activations
+    mesh = qm.init_mesh(tp=par.tp, pp=par.pp, dp=-1)
     rank0 = mesh.rank == 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     # a user's mistake raises a QuantmeshError (DataError, TrainError, ...): worker_main reports it
@@ -68,7 +69,7 @@ def finetune(payload: str) -> int:
         cfg.seq_len,
         cache_dir=Path(cfg.output_dir).expanduser() / "data-cache",
         eval_fraction=cfg.eval_fraction,
-        seed=cfg.seed,
+        seed=cfg.train.seed,
         data_format=cfg.data_format,
         train_on=cfg.train_on,
         packing=cfg.packing,
@@ -80,27 +81,27 @@ def finetune(payload: str) -> int:
         cfg.model,
         mesh,
         quant=cfg.quant_config(),
-        lora=cfg.lora_config(),
+        lora=cfg.lora,
         dtype=dtype,
         progress=rank0,
-        pipeline=qm.PipelineConfig(virtual=cfg.pp_virtual) if cfg.pp > 1 else None,
-        fsdp=cfg.fsdp,
-        offload_base=cfg.offload_base,
+        pipeline=cfg.pipeline if par.pp > 1 else None,
+        fsdp=par.fsdp,
+        offload_base=par.offload_base,
     )
-    if cfg.checkpointing:
+    if act.checkpointing:
         qm.checkpoint_blocks(
             model,
-            offload=cfg.offload_activations,
-            tile_tokens=cfg.tile_tokens or None,
-            blocks=cfg.checkpoint_blocks,
+            offload=act.offload_activations,
+            tile_tokens=act.tile_tokens or None,
+            blocks=act.checkpoint_blocks,
         )
-    if cfg.compile_on(mesh.device.type == "cuda"):
+    if act.compile_on(mesh.device.type == "cuda"):
         n = qm.compile_blocks(model)
         if rank0:
             print(
                 f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
             )
-    result = train(model, dataset, cfg.train_config(), output_dir=cfg.output_dir, resume=cfg.resume)
+    result = train(model, dataset, cfg.train, output_dir=cfg.output_dir, resume=cfg.resume)
     if rank0:
         out = Path(cfg.output_dir)
         last = result.losses[-1] if result.losses else float("nan")

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..errors import QuantmeshError
+from ..config import PipelineConfig, PipelineError
 from ..plan.auto import blocks_of
 from ..plan.plan import Resolved
 from ..plan.styles import balanced_counts
@@ -50,36 +50,6 @@ __all__ = [
     "plan_stages",
     "stage_plan",
 ]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-class PipelineError(QuantmeshError, ValueError):
-    """A model or a call the pipeline cannot run as asked; the message names the fix."""
-
-
-@dataclass(kw_only=True)
-class PipelineConfig:
-    """How `qm.parallelize` cuts a model into the mesh's pp stages.
-
-    Example:
-        >>> PipelineConfig(stages=[3, 1]).stages   # 3 blocks on stage 0, 1 on stage 1
-        [3, 1]
-    """
-
-    stages: list[int] | None = None
-    """Blocks per stage, in order (sums to the model's block count); None = balanced by compute:
-    consecutive runs of blocks whose largest stage cost is least, a block's cost being its matmul
-    weights (the FLOPs per token of a frozen base are proportional to them) and the last stage's
-    also the output head's (equal blocks and a small head: equal counts, extras on the first
-    stages)."""
-    virtual: int = 1
-    """Stages per rank: pp x virtual stages, stage s on pp rank s % pp (for
-    schedule="interleaved1f1b", which needs virtual >= 2)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.virtual, int) or self.virtual < 1:
-            raise PipelineError(f"PipelineConfig(virtual={self.virtual!r}); use an int >= 1")
 
 
 @dataclass

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import PP_SCHEDULES, PipelineConfig
 from ..plan.auto import auto_plan, blocks_of
 from ..plan.memory import MemoryEstimate, estimate_memory
 from ..plan.plan import Plan
-from .cut import SCHEDULES, PipelineConfig, StandIn, drop_others, plan_stages
+from .cut import StandIn, drop_others, plan_stages
 
 __all__ = ["StageMemory", "estimate_stages", "in_flight"]
 
@@ -65,7 +66,7 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int
         return min(microbatches, pp - rank)
     if schedule == "interleaved1f1b":
         return min(microbatches * virtual, 2 * (pp - 1 - rank) + (virtual - 1) * pp + 1)
-    raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
+    raise ValueError(f"schedule={schedule!r}; use one of {', '.join(PP_SCHEDULES)}")
 
 
 def estimate_stages(

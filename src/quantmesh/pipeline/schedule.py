@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import check_pp_schedule
 from ..train.data import IGNORE_INDEX
 from .cut import StageCut
 from .stage import StageModule
@@ -85,17 +86,8 @@ class PipelineRuntime:
             ScheduleInterleaved1F1B,
         )
 
+        check_pp_schedule(name, pp=self.cut.ranks, virtual=len(self.stages))
         several = len(self.stages) > 1
-        if several != (name == "interleaved1f1b"):
-            raise ValueError(
-                f"schedule={name!r} with {len(self.stages)} stage(s) per rank: "
-                + (
-                    "use schedule='interleaved1f1b' (PipelineConfig(virtual=...) > 1)"
-                    if several
-                    else "interleaved1f1b needs stages on every rank: "
-                    "parallelize with pipeline=qm.PipelineConfig(virtual=2)"
-                )
-            )
         stages = [
             PipelineStage(r, s, self.cut.pp, self.device, group=self.group)
             for r, s in zip(self.runners, self.stages, strict=True)

@@ -131,10 +131,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..config import check_offload_base
 from .styles import Style
 
 if TYPE_CHECKING:
-    from ..lora import LoraConfig
+    from ..config import LoraConfig
     from ..quant.base import QuantConfig, QuantFormat
     from .plan import Entry, Plan, Resolved
 
@@ -325,8 +326,7 @@ def estimate_memory(
         raise ValueError(f"seq_len={seq_len}, micro_batch={micro_batch}; both must be >= 1")
     if dp < 1 or tp < 1:
         raise ValueError(f"tp={tp}, dp={dp}; both must be >= 1")
-    if offload_base and not fsdp:
-        raise ValueError("offload_base=True offloads FSDP's shards of the base; pass fsdp=True")
+    check_offload_base(fsdp=fsdp, offload_base=offload_base)
     if checkpointed_blocks is not None and checkpointed_blocks < 1:
         raise ValueError(
             f"checkpointed_blocks={checkpointed_blocks}; expected >= 1 (or None: all blocks)"

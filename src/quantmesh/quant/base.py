@@ -15,12 +15,8 @@ from torch import nn
 
 __all__ = ["QuantConfig", "QuantFormat", "QuantError", "get_format", "resolve_quant"]
 
-from ..errors import QuantmeshError
-from .names import BACKENDS, FORMATS
-
-
-class QuantError(QuantmeshError, ValueError):
-    """A quantization request that cannot be honoured; the message names the fix."""
+from ..config import QuantError, check_quant
+from .names import FORMATS
 
 
 @dataclass(kw_only=True)
@@ -51,18 +47,7 @@ class QuantConfig:
     target that is not a linear layer is an error (only linears have quantized forms)."""
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise QuantError(
-                f"quant format {self.format!r} is unknown; use one of {', '.join(FORMATS)}"
-            )
-        if self.backend not in BACKENDS:
-            raise QuantError(
-                f"quant backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}"
-            )
-        if self.backend == "torchao" and self.format == "fp4":
-            raise QuantError(
-                "torchao has no fp4 format here; use format='nf4' or backend='bitsandbytes'"
-            )
+        check_quant(self.format, self.backend)
         if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
             raise QuantError(f"blocksize={self.blocksize}; use a power of two from 32 to 4096")
         self.skip = list(self.skip)
@@ -88,7 +73,8 @@ def resolve_quant(quant: str | QuantConfig | None) -> QuantConfig | None:
         return quant
     if isinstance(quant, str):
         return QuantConfig(format=quant)
-    raise QuantError(f"quant={quant!r}; use None, 'nf4', 'fp4', 'int8' or qm.QuantConfig(...)")
+    names = ", ".join(map(repr, FORMATS))
+    raise QuantError(f"quant={quant!r}; use None, {names} or qm.QuantConfig(...)")
 
 
 class QuantFormat(abc.ABC):

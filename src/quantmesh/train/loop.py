@@ -29,77 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import TrainConfig, TrainError
 from ..io.adapter import save_adapter
 from ..io.full import clip_grad_norm_
 from ..io.resume import load_state, save_state
 from ..lora import trainable_parameters
 from ..state import parallel_state
 from .loss import chunked_loss_sum, plain_loss_sum
-from .step import TrainError, autocast, eval_loss_sum, train_step
+from .step import autocast, eval_loss_sum, train_step
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "lr_at", "train"]
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """How to train: batch, schedule, length, evaluation and checkpoints.
-
-    Example:
-        >>> TrainConfig(steps=30, lr=2e-3, warmup_steps=3).schedule
-        'cosine'
-    """
-
-    micro_batch: int = 1
-    """Examples per forward pass on each dp rank."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    lr: float = 2e-4
-    """Peak learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
-    schedule: str = "cosine"
-    """After warm-up: "cosine" or "linear" decay to 0 at the last step, or "constant"."""
-    steps: int | None = None
-    """Optimizer steps; None = `epochs` passes over the training examples."""
-    epochs: float | None = None
-    """Passes over the data when steps is None (default 1)."""
-    eval_every: int = 0
-    """Evaluate every N steps and at the end; 0 = only at the end (when there is eval data)."""
-    save_every: int = 0
-    """Checkpoint (adapter + resumable state) every N steps; 0 = only at the end."""
-    seed: int = 0
-    """Seed of the data order and of the per-step RNG."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping by global norm; 0 = off."""
-    progress: bool = True
-    """A tqdm bar on global rank 0."""
-    pp_schedule: str = "1f1b"
-    """At pp > 1: the pipeline schedule of each step's grad_accum micro-batches, "1f1b" (needs
-    grad_accum >= pp) or "gpipe", or "interleaved1f1b" (several stages per rank)."""
-    loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
-    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits.
-    At pp > 1 the pipeline's last stage computes the plain loss whatever this says."""
-
-    def __post_init__(self) -> None:
-        if self.micro_batch < 1 or self.grad_accum < 1:
-            raise TrainError(
-                f"micro_batch={self.micro_batch}, grad_accum={self.grad_accum}; both >= 1"
-            )
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise TrainError(f"schedule={self.schedule!r}; use cosine, linear or constant")
-        if self.steps is not None and self.steps < 1:
-            raise TrainError(f"steps={self.steps}; expected >= 1 (or None for epochs)")
-        if not self.lr > 0:
-            raise TrainError(f"lr={self.lr}; expected > 0")
-        if self.pp_schedule not in ("1f1b", "gpipe", "interleaved1f1b"):
-            raise TrainError(
-                f"pp_schedule={self.pp_schedule!r}; use 1f1b, gpipe or interleaved1f1b"
-            )
-        if self.loss_chunk_tokens < 0:
-            raise TrainError(f"loss_chunk_tokens={self.loss_chunk_tokens}; expected >= 0 (0 = off)")
 
 
 @dataclass

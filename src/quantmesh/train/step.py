@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import QuantmeshError
-from ..pipeline.cut import SCHEDULES, PipelineError
+from ..config import TrainError, check_pp_schedule
+from ..pipeline.cut import PipelineError
 from ..pipeline.schedule import PipelineRuntime, causal_lm_targets, ce_sum, leak_error
 from ..pipeline.stage import call_model, logits_of
 from ..state import parallel_state
@@ -48,11 +48,6 @@ from .data import IGNORE_INDEX
 from .loss import chunked_loss_sum
 
 __all__ = ["TrainError", "autocast", "eval_loss_sum", "train_step"]
-
-
-class TrainError(QuantmeshError, ValueError):
-    """A training request that cannot run as given (batch, micro-batches, schedule, run length);
-    the message names the fix."""
 
 
 def autocast(device: torch.device) -> Any:
@@ -82,13 +77,7 @@ def _check(batch: Any, microbatches: int, schedule: str, pp: int) -> None:
             f"batch of {b} rows does not split into microbatches={microbatches} equal parts; use "
             f"a batch size that is a multiple of the micro-batch count"
         )
-    if schedule not in SCHEDULES:
-        raise TrainError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if pp > 1 and schedule in ("1f1b", "interleaved1f1b") and microbatches < pp:
-        raise TrainError(
-            f"schedule={schedule!r} needs microbatches >= pp ranks ({microbatches} < {pp}); use "
-            f"microbatches={pp} or more, or schedule='gpipe'"
-        )
+    check_pp_schedule(schedule, pp=pp, microbatches=microbatches)
 
 
 def train_step(
