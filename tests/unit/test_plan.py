@@ -387,3 +387,30 @@ def test_segmented_split_keeps_segments_together() -> None:
         ((0, 6), (8, 10), (12, 14)),
         ((6, 8), (10, 12), (14, 16)),
     )
+
+
+def test_per_head_parameters_are_read_through_each_ranks_heads() -> None:
+    """gpt-oss's attention sinks (one per head) stay whole and are read at the heads a rank holds:
+    6 heads in 3 KV groups of 2 over 2 ranks give heads 0:4 and 4:6 (2 + 1 groups)."""
+    from quantmesh.tp.apply import view_heads
+    from tests.zoo import ZOO
+
+    model = ZOO["gpt_oss"].build(0)
+    res = qm.auto_plan(model, 2).resolve(model, 2)
+    attns = [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert res.head_views == {a: {"sinks": [(0, 4), (4, 6)]} for a in attns}
+    table = qm.auto_plan(model, 2).table(model, 2)
+    assert "per-head parameter: model.layers.*.self_attn.sinks read at heads 0:4/4:6" in table
+    attn = model.get_submodule(attns[0])
+    full = attn.sinks.detach().clone()
+    view_heads(attn, {"sinks": (4, 6)})
+    assert torch.equal(attn.sinks, full[4:6])  # the forward reads this rank's rows
+    assert [n for n, _ in attn.named_parameters()].count("sinks") == 1  # the state stays whole
+    assert attn.state_dict()["sinks"].shape == (6,)
+    attn.sinks.sum().backward()  # the gradient reaches this rank's rows of the one parameter
+    assert attn._parameters["sinks"].grad.tolist() == [0, 0, 0, 0, 1, 1]
+    view_heads(attn, {"sinks": (0, 4)})  # viewed again: the original class is subclassed once
+    assert type(attn).__mro__[1] is type(ZOO["gpt_oss"].build(0).get_submodule(attns[0]))
+    # an attention without per-head parameters gets no view
+    llama = M.llama(heads=8, kv_heads=4)
+    assert qm.auto_plan(llama, 2).resolve(llama, 2).head_views == {}
