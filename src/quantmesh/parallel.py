@@ -33,7 +33,7 @@ from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
 from .quant.bnb import format_of
 from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from .state import ParallelState, attach_state, parallel_state
-from .tp.apply import apply_tp, shared_params
+from .tp.apply import apply_tp, norm_params, shared_params
 from .tp.experts import expert_lora_targets, find_experts, unhandled_3d
 from .tp.kinds import kind_of
 from .tp.rng import RngRegions
@@ -257,6 +257,9 @@ def _parallelize(
     # parameter read through this rank's heads (by rule, also without verify); one hook each
     partial = list(report.reduce_grads) if report is not None else []
     partial += [f"{o}.{n}" for o, views in resolved.head_views.items() for n in views]
+    partial += [
+        f"{f}.{n}" for f in resolved.split_norms for n in norm_params(model.get_submodule(f))
+    ]
     if partial and mesh.tp > 1:
         from .verify import reduce_partial_grads
 

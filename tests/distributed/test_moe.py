@@ -260,11 +260,9 @@ def test_rank_holds_its_share_of_the_base_and_the_estimate_says_so() -> None:
         assert f["estimate"] == f["held"], (name, f)
         if not f["verify_kept"]:  # 1/2 + the replicated rest (norms, routers, embeddings' rest)
             assert f["fraction"] <= 0.62, (name, f)
-    # OLMoE normalizes q and k over all heads at once: the probe keeps its attention whole
-    assert facts["olmoe"]["verify_kept"] and facts["olmoe"]["fraction"] <= 0.7, facts["olmoe"]
-    # gpt-oss's attention sinks (one per head) are read through each rank's heads: it splits
-    assert not facts["gpt_oss"]["verify_kept"], facts["gpt_oss"]
-    assert sum(not f["verify_kept"] for f in facts.values()) >= 5, facts
+    # none is kept whole: OLMoE's q / k norms over all heads take their statistic over tp, and
+    # gpt-oss's attention sinks (one per head) are read through each rank's heads
+    assert all(not f["verify_kept"] for f in facts.values()), facts
 
 
 def test_refusals_name_the_fix() -> None:

@@ -414,3 +414,20 @@ def test_per_head_parameters_are_read_through_each_ranks_heads() -> None:
     # an attention without per-head parameters gets no view
     llama = M.llama(heads=8, kv_heads=4)
     assert qm.auto_plan(llama, 2).resolve(llama, 2).head_views == {}
+
+
+def test_norms_over_a_split_width_take_their_statistic_over_tp() -> None:
+    """OLMoE's q_norm / k_norm normalize q and k over all heads at once: the plan lists them as
+    split norms at the features each rank holds (the forward's exactness: the zoo, at tp 2 and 3)."""
+    from tests.zoo import ZOO
+
+    model = ZOO["olmoe"].build(0)  # 6 heads of 8: 48 features, 3 heads a rank
+    res = qm.auto_plan(model, 2).resolve(model, 2)
+    norms = {f"model.layers.{i}.self_attn.{n}": [(0, 24), (24, 48)] for i in range(2)
+             for n in ("q_norm", "k_norm")}  # fmt: skip
+    assert res.split_norms == norms
+    table = qm.auto_plan(model, 2).table(model, 2)
+    assert "split norm: model.layers.*.self_attn.q_norm over features 0:24/24:48" in table
+    # a per-head norm (Qwen3: the width of one head) is not one: replicated, gradient reduced
+    qwen3 = ZOO["qwen3_moe"].build(0)
+    assert qm.auto_plan(qwen3, 2).resolve(qwen3, 2).split_norms == {}

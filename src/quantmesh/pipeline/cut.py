@@ -400,6 +400,7 @@ def stage_plan(
     entries = {k: e for k, e in resolved.entries.items() if k in present}
     attrs = {k: v for k, v in resolved.attr_updates.items() if k in present}
     views = {k: v for k, v in resolved.head_views.items() if k in present}
-    return Resolved(resolved.tp, entries, attrs, views), {
+    norms = {k: v for k, v in resolved.split_norms.items() if k in present}
+    return Resolved(resolved.tp, entries, attrs, views, norms), {
         k: v for k, v in wrap.items() if k in present
     }

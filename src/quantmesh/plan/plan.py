@@ -74,6 +74,10 @@ class Resolved:
     head_views: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)
     """owner -> parameter -> per rank (first head, end): a per-head parameter of an attention whose
     heads the plan splits (gpt-oss's sinks), kept whole and read through this rank's heads."""
+    split_norms: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """norm -> per rank (first feature, end): an RMS norm over the features a split layer writes
+    (OLMoE's q_norm over all heads), its weight read at this rank's features and its statistic
+    summed over tp."""
 
     def sharded(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.split is not None]
@@ -228,7 +232,8 @@ class Plan:
         for glob, attrs in self.attrs.items():
             for owner, per_rank in _value_updates(model, entries, tp, glob, attrs).items():
                 updates.setdefault(owner, {}).update(per_rank)
-        return Resolved(tp, entries, updates, _head_views(model, entries, tp))
+        views = _head_views(model, entries, tp)
+        return Resolved(tp, entries, updates, views, _split_norms(model, entries, tp))
 
     def _resolve_one(
         self, model: nn.Module, fqn: str, mod: nn.Module, style: Style, rule: str, tp: int
@@ -288,6 +293,11 @@ class Plan:
                 line = f"per-rank attribute: {where}.{a} = {'/'.join(map(str, vals))}"
                 if line not in lines:  # repeated blocks: one line for all of them
                     lines.append(line)
+        for norm, ranges in res.split_norms.items():
+            feats = "/".join(f"{lo}:{hi}" for lo, hi in ranges)
+            line = f"split norm: {_globify(norm, model)} over features {feats}, statistic over tp"
+            if line not in lines:
+                lines.append(line)
         for owner, views in res.head_views.items():
             for a, ranges in views.items():
                 heads = "/".join(f"{lo}:{hi}" for lo, hi in ranges)
@@ -619,6 +629,39 @@ def _head_views(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
         else:
             if names:
                 out[h.owner] = {n: per_rank for n in names}
+    return out
+
+
+def _split_norms(model: nn.Module, entries: dict[str, Entry], tp: int) -> dict:
+    """Norms over the whole output of a split colwise layer: a sibling module (same parent) whose
+    name says norm, holding a one-dimensional weight of that layer's output width and an epsilon
+    (OLMoE's and OLMo-2's q_norm / k_norm over all heads at once). Each rank then normalizes its
+    own features with the statistic of all of them (`quantmesh.tp.apply.split_norm`). Where a
+    rank's features are not one range the norm is left alone (the probe then replicates). A
+    structural guess like every split: verify_plan checks it (a norm that centers, as LayerNorm
+    does, comes out not exact and its layers are replicated)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for e in entries.values():
+        if e.split is None or e.style != Style.COLWISE:
+            continue
+        assert e.kind is not None  # a split module has a Kind
+        width = e.kind.in_out(model.get_submodule(e.fqn))[1]
+        parent, _, _ = e.fqn.rpartition(".")
+        for name, child in model.get_submodule(parent).named_children():
+            fqn = f"{parent}.{name}" if parent else name
+            w = child._parameters.get("weight")
+            if (
+                fqn in out
+                or "norm" not in type(child).__name__.lower()
+                or w is None
+                or tuple(w.shape) != (width,)
+                or next(child.children(), None) is not None
+                or not any(isinstance(v, float) and "eps" in k for k, v in vars(child).items())
+            ):
+                continue
+            per_rank = [e.split.ranges(r) for r in range(tp)]
+            if all(len(rs) == 1 for rs in per_rank):
+                out[fqn] = [rs[0] for rs in per_rank]
     return out
 
 

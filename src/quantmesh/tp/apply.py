@@ -21,7 +21,7 @@ from .kinds import kind_of
 from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
 from .rng import RngRegions
 
-__all__ = ["apply_tp", "shared_params", "view_heads"]
+__all__ = ["apply_tp", "norm_params", "shared_params", "split_norm", "view_heads"]
 
 
 def shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -165,7 +165,52 @@ def apply_tp(
             setattr(target, a, per_rank[mesh.tp_rank])
     for owner, views in resolved.head_views.items():
         view_heads(model.get_submodule(owner), {n: r[mesh.tp_rank] for n, r in views.items()})
+    for norm, ranges in resolved.split_norms.items():
+        split_norm(model.get_submodule(norm), ranges[mesh.tp_rank], mesh.tp_group)
     return model
+
+
+def norm_params(module: nn.Module) -> list[str]:
+    """The parameters `split_norm` reads per rank: every 1-D one of the norm's width."""
+    w = module._parameters["weight"]
+    assert w is not None  # plan._split_norms checked it
+    return [n for n, p in module._parameters.items() if p is not None and p.shape == w.shape]
+
+
+def split_norm(module: nn.Module, features: tuple[int, int], group: Any) -> None:
+    """An RMS norm over features tp splits: each rank normalizes its features [first, end) with
+    the statistic of all of them, reading its rows of the (whole) weight. The norm's own forward
+    runs on x * s and its output is divided by s, where s**2 = mean(x**2 over every rank's
+    features) / mean(x**2 over this rank's): any norm of the form g(weight) * x / rms(x) gives
+    exactly its whole-width output on this rank's features (a centering norm does not: the
+    probe finds it). The sum of squares is all-reduced forward and backward (each rank's loss
+    reads it); the weight's gradient holds this rank's rows, summed over tp by parallelize.
+
+    Example:
+        >>> split_norm(model.model.layers[0].self_attn.q_norm, (0, 2048), mesh.tp_group)  # doctest: +SKIP
+    """
+    from .collectives import copy_to_tp, reduce_from_tp
+
+    first, end = features
+    width = int(module._parameters["weight"].shape[0])  # type: ignore[union-attr]
+    base = type(module)
+
+    def rows(name: str) -> property:
+        return property(lambda self: self._parameters[name][first:end])
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        xf = x.float()
+        local = xf.pow(2).sum(-1, keepdim=True)
+        whole = copy_to_tp(reduce_from_tp(local, group), group)
+        ratio = (whole / width) / (local / (end - first)).clamp_min(torch.finfo(xf.dtype).tiny)
+        s = torch.where(local > 0, ratio.sqrt(), torch.ones_like(ratio))  # x == 0: any s works
+        y: torch.Tensor = base.forward(self, (xf * s).to(x.dtype), *args, **kwargs)
+        return y / s.to(y.dtype)
+
+    module.__class__ = type(base.__name__, (base,), {
+        **{n: rows(n) for n in norm_params(module)}, "forward": forward,
+        "__module__": base.__module__, "__qualname__": base.__qualname__,
+    })  # fmt: skip
 
 
 def view_heads(module: nn.Module, views: dict[str, tuple[int, int]]) -> None:
