@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -214,6 +214,16 @@ class ShardedModule(nn.Module):
                 self._sync_from_local()
                 continue
             self.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
+
+    def write_local(self, write: Callable[[nn.Module], None]) -> None:
+        """Let `write` fill the local module in place (a quantized format loading codes as they
+        were stored), then register its parameters on the layer again.
+
+        Example:
+            >>> m.write_local(lambda local: fmt.load_state(local, cb, scb))  # doctest: +SKIP
+        """
+        write(self.local)
+        self._sync_from_local()
 
     def mark_loaded(self) -> None:
         """Every base parameter was written (load_checkpoint says so)."""
