@@ -14,20 +14,35 @@ picks the same token. Sampling (temperature, top-p) runs inside the compiled ste
 noise of each step is drawn outside it from a generator seeded alike on every rank and handed in,
 and `quantmesh.sampling.pick_tokens` turns it into an exact draw (Gumbel-max), so ranks agree
 without a collective and the eager and compiled steps pick the same token from the same noise.
+
+LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the steps
+(`AdapterStack`): the first prefill finds them (`stack_sibling_adapters`) and gives each member a
+`StackedLora` (`set_adapter`), the same adapter taking its delta from the stack while decoding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .lora import AdapterStack, stack_sibling_adapters
+from .lora import LoraAdapter
+from .plan.styles import Style
 from .sampling import pick_tokens, sample_tokens, uniform_noise
+from .tp.layers import ShardedModule, sharded_modules
 
-__all__ = ["fast_decode", "greedy_decode"]
+__all__ = [
+    "AdapterStack",
+    "StackedLora",
+    "fast_decode",
+    "greedy_decode",
+    "stack_sibling_adapters",
+]
 
 CACHE_STEP = 256  # the static cache's length is a multiple of this
 
@@ -173,8 +188,8 @@ def fast_decode(
 
     LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the
     steps: one matmul for their A's and one for their B's (block-diagonal) instead of two per
-    adapter (`quantmesh.lora.AdapterStack`; it keeps a copy of those adapters, refreshed at every
-    call). `fuse_adapters=False` runs each adapter on its own.
+    adapter (`quantmesh.decode.AdapterStack`; it keeps a copy of those adapters, refreshed at
+    every call). `fuse_adapters=False` runs each adapter on its own.
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
@@ -338,3 +353,186 @@ def greedy_decode(
         check_every=check_every,
         fuse_adapters=fuse_adapters,
     )
+
+
+# ---- sibling adapters stacked for the decode step ---------------------------------------------------
+
+
+class AdapterStack:
+    """The adapters of sibling layers that read one tensor (q, k, v; gate, up), as two matmuls.
+
+    `x @ [A_1; ...; A_n]^T` gives every sibling's (..., r) at once, and that times the
+    block-diagonal of B_1 ... B_n every sibling's (..., out_i): each sibling then adds its own slice,
+    times its own scale. The zero blocks add exact zeros, so each slice is that sibling's
+    `B_i(A_i(x))`, up to the order in which the matmul sums. Made for the decode step, where
+    2n small matmuls per group cost more in launches than their bytes (`fast_decode` builds the
+    stacks from its eager prefill and refreshes them before each call).
+
+    The stack holds copies of the weights (`refresh` copies them in again, in place) and is used
+    only while `active`, without autograd, and by siblings that get the very tensor the first one
+    got; any other call takes the sibling's own adapter (`StackedLora`).
+
+    Example:
+        >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP
+        ...     model(input_ids=ids)   # one eager forward: who reads what
+        >>> len(stacks)                # q/k/v and gate/up of each block  # doctest: +SKIP
+        4
+    """
+
+    def __init__(self, members: list[ShardedModule]) -> None:
+        self.members = members
+        self.ranks = [_lora(m).r for m in members]
+        self.outs = [int(_lora(m).lora_B.weight.shape[0]) for m in members]
+        self.out_at = [sum(self.outs[:i]) for i in range(len(members))]
+        self.active = False
+        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
+        self.out: torch.Tensor | None = None  # (..., sum of outs): every sibling's B(A(x))
+        self.a = torch.empty(0)
+        self.b = torch.empty(0)
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the members' current A and B in (in place, so a captured CUDA graph reads them)."""
+        w = _lora(self.members[0]).lora_A.weight
+        r_at = [sum(self.ranks[:i]) for i in range(len(self.members) + 1)]
+        a_shape = (r_at[-1], int(w.shape[1]))
+        b_shape = (sum(self.outs), r_at[-1])
+        if self.a.shape != a_shape or self.a.dtype != w.dtype or self.a.device != w.device:
+            self.a = torch.empty(a_shape, dtype=w.dtype, device=w.device)
+            self.b = torch.zeros(b_shape, dtype=w.dtype, device=w.device)
+            if w.device.type == "cuda":  # fixed addresses: CUDA graphs read them, never copy them
+                torch._dynamo.mark_static_address(self.a)
+                torch._dynamo.mark_static_address(self.b)
+        for i, m in enumerate(self.members):
+            ad = _lora(m)
+            self.a[r_at[i] : r_at[i + 1]].copy_(ad.lora_A.weight)
+            o = self.out_at[i]
+            self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]].copy_(ad.lora_B.weight)
+
+    def delta(
+        self, i: int, x: torch.Tensor, cast: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Member `i`'s `B(A(x))` (..., out_i), or None when `x` is not the tensor the first member
+        got in this forward; `cast` turns x into what the adapters take (`Adapter.cast_in`)."""
+        d = None
+        if i == 0:
+            self.x = x
+            a = F.linear(cast(x), self.a)  # (..., sum of ranks)
+            self.out = F.linear(a, self.b)  # (..., sum of outs)
+        if self.x is x and self.out is not None:
+            o = self.out_at[i]
+            d = self.out[..., o : o + self.outs[i]]
+        if i == len(self.members) - 1:  # the last sibling: hold no tensor past this forward
+            self.x = self.out = None
+        return d
+
+
+class StackedLora(LoraAdapter):
+    """A stack member's adapter: the very A, B, dropout and scale of its `LoraAdapter`, whose
+    delta comes from its group's `AdapterStack` (times its own scale) while the stack is active,
+    without autograd and without an active dropout, for the tensor the group's first member got;
+    otherwise it runs as the plain adapter. Saved, loaded and trained as one (it is one).
+
+    Example:
+        >>> layer.set_adapter(StackedLora(layer.lora, stack, 0))  # doctest: +SKIP
+    """
+
+    def __init__(self, base: LoraAdapter, stack: AdapterStack, index: int) -> None:
+        super().__init__(base.lora_A, base.lora_B, base.lora_dropout, base.scale)
+        self.stack, self.index = stack, index
+
+    def retuned(self, *, scale: float, dropout: float) -> StackedLora:
+        """Another scale and dropout; still in its stack."""
+        return StackedLora(super().retuned(scale=scale, dropout=dropout), self.stack, self.index)
+
+    def plain(self) -> LoraAdapter:
+        """The same adapter, out of any stack."""
+        return LoraAdapter(self.lora_A, self.lora_B, self.lora_dropout, self.scale)
+
+    def shortcut(self, x: torch.Tensor) -> torch.Tensor | None:
+        drop = self.lora_dropout
+        if (
+            not self.stack.active
+            or torch.is_grad_enabled()
+            or (drop.training and not isinstance(drop, nn.Identity))
+        ):
+            return None  # stacked adapters: without autograd or dropout only (decoding)
+        d = self.stack.delta(self.index, x, self.cast_in)  # one matmul pair for the siblings
+        return None if d is None else d * self.scale
+
+
+def _lora(m: ShardedModule) -> LoraAdapter:
+    ad = m.lora
+    assert ad is not None  # stack members carry a LoraAdapter (_stackable)
+    return ad
+
+
+def _stackable(m: ShardedModule) -> bool:
+    """A layer whose adapter sees the whole input as it comes (not a rowwise shard of it), with
+    plain weights (FSDP's sharded DTensors are gathered only inside the forward)."""
+    from torch.distributed.tensor import DTensor
+
+    ad = m.lora
+    return (
+        ad is not None
+        and not isinstance(ad.lora_A.weight, DTensor)
+        and not isinstance(ad.lora_B.weight, DTensor)
+        and m.style not in (Style.ROWWISE, Style.VOCAB)
+    )
+
+
+@contextlib.contextmanager
+def stack_sibling_adapters(model: nn.Module) -> Iterator[list[AdapterStack]]:
+    """Find, during the one eager forward run inside the block, the adapter layers that read the
+    same tensor one after another, and give each such group an `AdapterStack` (inactive): each
+    member's adapter becomes a `StackedLora` of it. The list it yields is filled when the block
+    ends.
+
+    A layer called more than once in that forward, or whose adapter has another dtype than the
+    first of its run, is left out; a run whose adapters sit on several devices gets no stack.
+    Earlier stacks of the model are dropped first (their members' adapters made plain again).
+
+    Example:
+        >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP
+        ...     model(input_ids=ids)
+    """
+    layers = sharded_modules(model).values()
+    for old in layers:
+        if isinstance(old.lora, StackedLora):
+            old.set_adapter(old.lora.plain())
+    mods = [m for m in layers if _stackable(m)]
+    runs: list[list[ShardedModule]] = []
+    seen: dict[int, int] = {}
+    last: list[torch.Tensor | None] = [None]
+
+    def pre(mod: ShardedModule, args: tuple) -> None:
+        x = args[0] if args else None
+        seen[id(mod)] = seen.get(id(mod), 0) + 1
+        if not isinstance(x, torch.Tensor):
+            last[0] = None
+            return
+        w = _lora(mod).lora_A.weight
+        first = runs[-1][0] if runs and last[0] is x else None
+        if first is not None and _lora(first).lora_A.weight.dtype == w.dtype:
+            runs[-1].append(mod)
+        else:
+            runs.append([mod])
+            last[0] = x
+
+    handles = [m.register_forward_pre_hook(pre) for m in mods]
+    stacks: list[AdapterStack] = []
+    try:
+        yield stacks
+    finally:
+        for h in handles:
+            h.remove()
+        last[0] = None
+    for run in runs:
+        members = [m for m in run if seen[id(m)] == 1]
+        if len(members) < 2 or len({_lora(m).lora_A.weight.device for m in members}) > 1:
+            continue
+        stack = AdapterStack(members)
+        for i, m in enumerate(members):
+            m.set_adapter(StackedLora(_lora(m), stack, i))
+        stacks.append(stack)

@@ -74,8 +74,8 @@ def _adapters(block: nn.Module) -> list[nn.Module]:
     """The LoRA A/B linears inside `block`, in module order."""
     out: list[nn.Module] = []
     for m in block.modules():
-        if isinstance(m, ShardedModule) and m.lora_scale is not None:
-            out += [m.lora_A, m.lora_B]
+        if isinstance(m, ShardedModule) and (ad := m.lora) is not None:
+            out += [ad.lora_A, ad.lora_B]
     return out
 
 

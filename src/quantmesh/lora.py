@@ -1,4 +1,4 @@
-"""TP-aware LoRA: A and B sharded as derived from the base layer's style.
+"""TP-aware LoRA: the adapter types, and A and B sharded as derived from the base layer's style.
 
   colwise base (output split):  A (r, in) whole, applied before the copy-to-tp op; B (out_local, r)
   rowwise base (input split):   A (r, in_local) split on in; its partial sums are reduced together
@@ -8,34 +8,36 @@
 A is drawn from the full logical (r, in) tensor with a generator seeded by (seed, module name), then
 sliced: tp=1 and tp=4 start from identical adapters. B starts at zero (PEFT's default), so a fresh
 adapter leaves the model's outputs unchanged.
+
+A layer owns one `Adapter` (`LoraAdapter`: A, B, dropout, scale, rank) and runs it in two halves
+around its own collectives (`down`, then `up`); the layer holds it through one method,
+`set_adapter` (tp/layers.py). Nothing here knows the layer: `attach_lora` reads the few facts it
+needs of any `LoraHost`. `ExpertAdapter` is the per-expert adapter of a fused experts tensor.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import math
 import zlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import DEFAULT_TARGETS, LoraConfig, LoraError
-from .plan.styles import Style, slice_dim
-
-if TYPE_CHECKING:
-    from .tp.layers import ShardedModule
+from .plan.styles import FeatureSplit, Style, slice_dim
 
 __all__ = [
-    "AdapterStack",
+    "Adapter",
+    "ExpertAdapter",
+    "LoraAdapter",
     "LoraConfig",
     "LoraError",
+    "LoraHost",
     "attach_lora",
+    "lora_splits",
     "lora_targets",
-    "stack_sibling_adapters",
     "trainable_parameters",
 ]
 
@@ -80,40 +82,237 @@ def _init_A(fqn: str, r: int, in_full: int, seed: int) -> torch.Tensor:
     return a
 
 
+class Adapter(nn.Module):
+    """What a layer runs of its adapter, in two halves around the layer's own collectives:
+    `down(drop(x))` gives (..., r) (a partial sum when the layer's input is split), the layer
+    reduces or copies it over tp, and `up(a)` gives the scaled delta (..., out) it adds to its
+    output. `shortcut(x)` may give that whole delta another way (stacked decode adapters), or None.
+
+    A layer holds its adapter hidden and registers the adapter's child modules as its own, under
+    their names (`lora_A`, `lora_B`, `lora_dropout`): parameter names are PEFT's. Tensors of the
+    adapter's own (a bank's buffers) move with the layer (`.to()`), not through its state dict.
+
+    Example:
+        >>> layer.set_adapter(LoraAdapter.new(torch.zeros(8, 64), 128, scale=2.0))  # doctest: +SKIP
+        >>> layer.adapter.r  # doctest: +SKIP
+        8
+    """
+
+    @property
+    def r(self) -> int:
+        """The rank: the width of `down`'s output."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype `down` reads and `up` takes."""
+        raise NotImplementedError
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's input dropout (none by default)."""
+        return x
+
+    def cast_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's input: under autocast the matmul casts it anyway, so no fp32 copy of x
+        (it would be kept for backward, once per adapter); otherwise in the adapter's dtype."""
+        if torch.is_autocast_enabled(x.device.type):
+            return x
+        return x.to(self.dtype)
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., r): A on `x` (already through `drop`)."""
+        raise NotImplementedError
+
+    def up(self, a: torch.Tensor) -> torch.Tensor:
+        """(..., r) -> (..., out): B on the (reduced) output of `down`, times the scale."""
+        raise NotImplementedError
+
+    def shortcut(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole scaled delta of `x` computed another way, or None (the layer then runs
+        `drop`, `down` and `up`)."""
+        return None
+
+
+class LoraAdapter(Adapter):
+    """One layer's trainable LoRA: `lora_A` (r, in), `lora_B` (out, r), `lora_dropout` on the
+    input, and `scale` (alpha / r); its delta is `B(A(dropout(x))) * scale`.
+
+    Example:
+        >>> ad = LoraAdapter.new(torch.randn(8, 64), 128, scale=2.0, dropout=0.05)
+        >>> (ad.r, tuple(ad.lora_B.weight.shape))
+        (8, (128, 8))
+    """
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+
+    def __init__(
+        self, lora_A: nn.Linear, lora_B: nn.Linear, lora_dropout: nn.Module, scale: float
+    ) -> None:
+        super().__init__()
+        self.lora_A, self.lora_B, self.lora_dropout = lora_A, lora_B, lora_dropout
+        self.scale = float(scale)
+
+    @classmethod
+    def new(
+        cls,
+        a: torch.Tensor,
+        out: int,
+        *,
+        scale: float,
+        dropout: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> LoraAdapter:
+        """A fresh adapter: A holds `a` (r, in), B (out, r) is zero."""
+        dev = a.device if device is None else device
+        r, in_f = a.shape
+        lora_A = nn.Linear(in_f, r, bias=False, device=dev, dtype=dtype)
+        lora_B = nn.Linear(r, out, bias=False, device=dev, dtype=dtype)
+        with torch.no_grad():
+            lora_A.weight.copy_(a)
+            lora_B.weight.zero_()
+        return cls(lora_A, lora_B, _dropout(dropout), scale)
+
+    def retuned(self, *, scale: float, dropout: float) -> LoraAdapter:
+        """The same A and B (the very modules) with another scale and dropout."""
+        return LoraAdapter(self.lora_A, self.lora_B, _dropout(dropout), scale)
+
+    @property
+    def r(self) -> int:
+        return int(self.lora_A.weight.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lora_A.weight.dtype
+
+    @property
+    def dropout(self) -> float:
+        """The input dropout's probability (0 for none)."""
+        d = self.lora_dropout
+        return float(d.p) if isinstance(d, nn.Dropout) else 0.0
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        xd: torch.Tensor = self.lora_dropout(x)
+        return xd
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        a: torch.Tensor = self.lora_A(self.cast_in(x))
+        return a
+
+    def up(self, a: torch.Tensor) -> torch.Tensor:
+        b: torch.Tensor = self.lora_B(a)
+        return b * self.scale
+
+
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+class LoraHost(Protocol):
+    """What `attach_lora` reads of a layer (tp/layers.py's ShardedModule is one): its name, how
+    its features are split over tp, and the one method that gives it an adapter."""
+
+    fqn: str
+    style: Style
+    split: FeatureSplit | None
+    tp_rank: int
+    in_full: int
+    out_full: int
+    out_local: int
+
+    def set_adapter(self, adapter: Adapter | None) -> None: ...
+
+
+def lora_splits(style: Style, split: FeatureSplit | None) -> dict[str, tuple[int, FeatureSplit]]:
+    """{adapter tensor: (dim, split)} of the factors a layer of `style` splits over tp: a rowwise
+    base splits A on its input features, any other split base B on its output features; an
+    unsplit one neither.
+
+    Example:
+        >>> lora_splits(Style.ROWWISE, split)  # doctest: +SKIP
+        {'lora_A.weight': (1, split)}
+    """
+    if split is None:
+        return {}
+    if style == Style.ROWWISE:
+        return {"lora_A.weight": (1, split)}
+    return {"lora_B.weight": (0, split)}
+
+
 def attach_lora(
-    module: ShardedModule,
+    module: LoraHost,
     config: LoraConfig,
     *,
     device: torch.device | str,
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Give a ShardedModule `lora_A`, `lora_B` and `lora_dropout`, sharded to follow its style.
+    """Give a layer a fresh `LoraAdapter` of `config`, sharded to follow its style
+    (`module.set_adapter`; a layer that is not linear refuses it).
 
     Example:
         >>> attach_lora(sharded_q_proj, LoraConfig(r=8), device="cpu")  # doctest: +SKIP
     """
-    if not module.kind.linear_like:
-        raise LoraError(
-            f"{module.fqn} is a {module.kind.name}; LoRA applies to linear layers only; remove it "
-            f"from LoraConfig(targets=...)"
-        )
-    r = config.r
-    a_full = _init_A(module.fqn, r, module.in_full, config.seed)  # (r, in)
-    if module.style == Style.ROWWISE:
+    a = _init_A(module.fqn, config.r, module.in_full, config.seed)  # (r, in)
+    out_b = module.out_local  # colwise: B split on out; replicate: whole
+    if module.style == Style.ROWWISE:  # A split on in (r, in_local), B whole (lora_splits)
         assert module.split is not None  # rowwise splits its input
-        a = slice_dim(a_full, 1, module.split.ranges(module.tp_rank))  # (r, in_local)
+        a = slice_dim(a, 1, module.split.ranges(module.tp_rank))
         out_b = module.out_full
-    else:
-        a = a_full
-        out_b = module.out_local  # colwise: B split on out; replicate: whole
-    module.lora_A = nn.Linear(a.shape[1], r, bias=False, device=device, dtype=dtype)
-    module.lora_B = nn.Linear(r, out_b, bias=False, device=device, dtype=dtype)
-    with torch.no_grad():
-        module.lora_A.weight.copy_(a)
-        module.lora_B.weight.zero_()
-    module.lora_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
-    module.lora_scale = config.scaling
-    module.lora_r = r
+    module.set_adapter(
+        LoraAdapter.new(
+            a, out_b, scale=config.scaling, dropout=config.dropout, device=device, dtype=dtype
+        )  # fmt: skip
+    )
+
+
+class ExpertAdapter(nn.Module):
+    """LoRA of one expert tensor in PEFT's `target_parameters` layout: `lora_A` (E*r, in) and
+    `lora_B` (out, E*r), expert e's delta `B[:, e::E] @ A[e*r:(e+1)*r]` (out, in) times `scale`.
+
+    Example:
+        >>> ad = ExpertAdapter.new(torch.randn(4 * 2, 16), 32, experts=4, r=2, scale=1.0)
+        >>> tuple(ad.delta(ad.lora_A.weight, ad.lora_B.weight, False).shape)
+        (4, 32, 16)
+    """
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+
+    def __init__(
+        self, lora_A: nn.Linear, lora_B: nn.Linear, experts: int, r: int, scale: float
+    ) -> None:
+        super().__init__()
+        self.experts, self.r, self.scale = experts, r, float(scale)
+        self.lora_A, self.lora_B = lora_A, lora_B
+
+    @classmethod
+    def new(
+        cls, a: torch.Tensor, b_rows: int, *, experts: int, r: int, scale: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> ExpertAdapter:  # fmt: skip
+        """A fresh adapter: A holds `a` (E*r, in), B (b_rows, E*r) is zero."""
+        lora_A = nn.Linear(a.shape[1], a.shape[0], bias=False, device=a.device, dtype=dtype)
+        lora_B = nn.Linear(a.shape[0], b_rows, bias=False, device=a.device, dtype=dtype)
+        with torch.no_grad():
+            lora_A.weight.copy_(a)
+            lora_B.weight.zero_()
+        return cls(lora_A, lora_B, experts, r, scale)
+
+    def retuned(self, *, scale: float) -> ExpertAdapter:
+        """The same A and B (the very modules) with another scale."""
+        return ExpertAdapter(self.lora_A, self.lora_B, self.experts, self.r, scale)
+
+    def delta(self, a: torch.Tensor, b: torch.Tensor, transposed: bool) -> torch.Tensor:
+        """Every expert's delta (E, out, in), or (E, in, out) for a transposed layout, from the
+        factors `a`, `b` (this adapter's weights, as the layer hands them over), unscaled."""
+        e, r = self.experts, self.r
+        a3 = a.reshape(e, r, a.shape[-1])  # (E, r, in)
+        b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
+        if transposed:
+            return torch.bmm(a3.transpose(1, 2), b3.transpose(1, 2))  # (E, in, out)
+        return torch.bmm(b3, a3)  # (E, out, in)
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -123,142 +322,3 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
         >>> opt = torch.optim.AdamW(qm.trainable_parameters(model), lr=2e-4)  # doctest: +SKIP
     """
     return [p for p in model.parameters() if p.requires_grad]
-
-
-class AdapterStack:
-    """The adapters of sibling layers that read one tensor (q, k, v; gate, up), as two matmuls.
-
-    `x @ [A_1; ...; A_n]^T` gives every sibling's (..., r) at once, and that times the
-    block-diagonal of B_1 ... B_n every sibling's (..., out_i): each sibling then adds its own slice,
-    times its own scale. The zero blocks add exact zeros, so each slice is that sibling's
-    `B_i(A_i(x))`, up to the order in which the matmul sums. Made for the decode step, where
-    2n small matmuls per group cost more in launches than their bytes (`fast_decode` builds the
-    stacks from its eager prefill and refreshes them before each call).
-
-    The stack holds copies of the weights (`refresh` copies them in again, in place) and is used
-    only while `active`, without autograd, and by siblings that get the very tensor the first one
-    got; any other call takes the sibling's own adapter.
-
-    Example:
-        >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP
-        ...     model(input_ids=ids)   # one eager forward: who reads what
-        >>> len(stacks)                # q/k/v and gate/up of each block  # doctest: +SKIP
-        4
-    """
-
-    def __init__(self, members: list[ShardedModule]) -> None:
-        self.members = members
-        self.ranks = [int(m.lora_A.weight.shape[0]) for m in members]
-        self.outs = [int(m.lora_B.weight.shape[0]) for m in members]
-        self.out_at = [sum(self.outs[:i]) for i in range(len(members))]
-        self.active = False
-        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
-        self.out: torch.Tensor | None = None  # (..., sum of outs): every sibling's B(A(x))
-        self.a = torch.empty(0)
-        self.b = torch.empty(0)
-        self.refresh()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Copy the members' current A and B in (in place, so a captured CUDA graph reads them)."""
-        w = self.members[0].lora_A.weight
-        r_at = [sum(self.ranks[:i]) for i in range(len(self.members) + 1)]
-        a_shape = (r_at[-1], int(w.shape[1]))
-        b_shape = (sum(self.outs), r_at[-1])
-        if self.a.shape != a_shape or self.a.dtype != w.dtype or self.a.device != w.device:
-            self.a = torch.empty(a_shape, dtype=w.dtype, device=w.device)
-            self.b = torch.zeros(b_shape, dtype=w.dtype, device=w.device)
-            if w.device.type == "cuda":  # fixed addresses: CUDA graphs read them, never copy them
-                torch._dynamo.mark_static_address(self.a)
-                torch._dynamo.mark_static_address(self.b)
-        for i, m in enumerate(self.members):
-            self.a[r_at[i] : r_at[i + 1]].copy_(m.lora_A.weight)
-            o = self.out_at[i]
-            self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]].copy_(m.lora_B.weight)
-
-    def delta(
-        self, i: int, x: torch.Tensor, cast: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor | None:
-        """Member `i`'s `B(A(x))` (..., out_i), or None when `x` is not the tensor the first member
-        got in this forward; `cast` turns x into what the adapters take (`_lora_in`)."""
-        d = None
-        if i == 0:
-            self.x = x
-            a = F.linear(cast(x), self.a)  # (..., sum of ranks)
-            self.out = F.linear(a, self.b)  # (..., sum of outs)
-        if self.x is x and self.out is not None:
-            o = self.out_at[i]
-            d = self.out[..., o : o + self.outs[i]]
-        if i == len(self.members) - 1:  # the last sibling: hold no tensor past this forward
-            self.x = self.out = None
-        return d
-
-
-def _stackable(m: nn.Module) -> bool:
-    """A layer whose adapter sees the whole input as it comes (not a rowwise shard of it), with
-    plain weights (FSDP's sharded DTensors are gathered only inside the forward)."""
-    from torch.distributed.tensor import DTensor
-
-    a, b = getattr(m, "lora_A", None), getattr(m, "lora_B", None)
-    return (
-        getattr(m, "lora_scale", None) is not None
-        and isinstance(a, nn.Linear)
-        and isinstance(b, nn.Linear)
-        and not isinstance(a.weight, DTensor)
-        and not isinstance(b.weight, DTensor)
-        and getattr(m, "style", None) not in (Style.ROWWISE, Style.VOCAB)
-    )
-
-
-@contextlib.contextmanager
-def stack_sibling_adapters(model: nn.Module) -> Iterator[list[AdapterStack]]:
-    """Find, during the one eager forward run inside the block, the adapter layers that read the
-    same tensor one after another, and give each such group an `AdapterStack` (attached to its
-    members as `lora_stack`, inactive). The list it yields is filled when the block ends.
-
-    A layer called more than once in that forward, or whose adapter has another dtype than the
-    first of its run, is left out; a run whose adapters sit on several devices gets no stack.
-    Earlier stacks of the model are dropped first.
-
-    Example:
-        >>> with stack_sibling_adapters(model) as stacks:  # doctest: +SKIP
-        ...     model(input_ids=ids)
-    """
-    mods: list[Any] = [m for m in model.modules() if _stackable(m)]  # ShardedModules
-    for old in model.modules():
-        if getattr(old, "lora_stack", None) is not None:
-            cast(Any, old).lora_stack = None
-    runs: list[list[Any]] = []
-    seen: dict[int, int] = {}
-    last: list[torch.Tensor | None] = [None]
-
-    def pre(mod: Any, args: tuple) -> None:
-        x = args[0] if args else None
-        seen[id(mod)] = seen.get(id(mod), 0) + 1
-        if not isinstance(x, torch.Tensor):
-            last[0] = None
-            return
-        w = mod.lora_A.weight
-        first = runs[-1][0] if runs and last[0] is x else None
-        if first is not None and first.lora_A.weight.dtype == w.dtype:
-            runs[-1].append(mod)
-        else:
-            runs.append([mod])
-            last[0] = x
-
-    handles = [m.register_forward_pre_hook(pre) for m in mods]
-    stacks: list[AdapterStack] = []
-    try:
-        yield stacks
-    finally:
-        for h in handles:
-            h.remove()
-        last[0] = None
-    for run in runs:
-        members = [m for m in run if seen[id(m)] == 1]
-        if len(members) < 2 or len({m.lora_A.weight.device for m in members}) > 1:
-            continue
-        stack = AdapterStack(members)
-        for i, m in enumerate(members):
-            m.lora_stack, m.lora_stack_index = stack, i
-        stacks.append(stack)

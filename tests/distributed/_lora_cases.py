@@ -55,7 +55,7 @@ def whole_lora(
 
     out = {}
     for name, m in model.named_modules():
-        if not isinstance(m, ShardedModule) or m.lora_scale is None:
+        if not isinstance(m, ShardedModule) or m.lora is None:
             continue
         split = tp_sharded(m)
         for pname in ("lora_A.weight", "lora_B.weight"):
@@ -134,7 +134,7 @@ def _replicated_digest(model, mesh) -> dict:
     compare cannot pass as "equal". Collective: every rank calls it."""
     ok, compared = True, 0
     for m in model.modules():
-        if not isinstance(m, ShardedModule) or m.lora_scale is None:
+        if not isinstance(m, ShardedModule) or m.lora is None:
             continue
         sharded = tp_sharded(m)
         for pname in ("lora_A.weight", "lora_B.weight"):
@@ -175,7 +175,7 @@ def peft_compare(rank: int, quant) -> dict:
     full_b = {}
     with torch.no_grad():  # nonzero B (a fresh adapter is a no-op), sliced as each style holds it
         for name, m in ours.named_modules():
-            if isinstance(m, ShardedModule) and m.lora_scale is not None:
+            if isinstance(m, ShardedModule) and m.lora is not None:
                 b = torch.randn(m.out_full, 4, generator=g) * 0.1
                 full_b[name] = b
                 if "lora_B.weight" in tp_sharded(m):

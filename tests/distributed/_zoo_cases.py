@@ -249,7 +249,7 @@ def _set_b(model: nn.Module) -> None:
                     if key in split:
                         b = torch.cat([b[a:z] for a, z in split[key][1].ranges(m.tp_rank)])
                     ad.lora_B.weight.copy_(b)
-            if not isinstance(m, ShardedModule) or m.lora_scale is None:
+            if not isinstance(m, ShardedModule) or m.lora is None:
                 continue
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             b = torch.randn(m.out_full, LORA_R, generator=g) * 0.5

@@ -38,7 +38,7 @@ def _nonzero_b(model: nn.Module) -> None:
             params = (
                 [f"expert_lora.{t}.lora_B.weight" for t in m.expert_lora]
                 if isinstance(m, ShardedExperts)
-                else (["lora_B.weight"] if m.lora_scale is not None else [])
+                else (["lora_B.weight"] if m.lora is not None else [])
             )
             for pname in params:
                 p = m.get_parameter(pname)

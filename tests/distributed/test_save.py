@@ -149,7 +149,7 @@ def _full_opt(model, opt, key: str) -> dict:
     out = {}
     for fqn, m in sharded_modules(model).items():
         for name in ("lora_A.weight", "lora_B.weight"):
-            if m.lora_scale is not None:
+            if m.lora is not None:
                 out[f"{fqn}.{name}"] = full_tensor(m, name, opt.state[m.get_parameter(name)][key])
     return out
 

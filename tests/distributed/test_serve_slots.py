@@ -33,10 +33,10 @@ def _compiled_vs_eager(rank: int) -> dict:
     bank = AdapterBank(model, slots=3)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():  # adapters that change the output, the base in slot 0
-        for m in bank.mods.values():
-            for w in (m.lora_A.weight, m.lora_B.weight):
+        for ad in bank.banked.values():  # each layer's banked adapter
+            for w in (ad.a_bank, ad.b_bank):
                 w.copy_(0.1 * torch.randn(w.shape, generator=g))
-            m.lora_A.weight[0].zero_()
+            ad.a_bank[0].zero_()
         bank.scales[1:] = [1.0, 2.0]
         bank.scale_t[1:] = torch.tensor([1.0, 2.0])
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)

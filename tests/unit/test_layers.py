@@ -22,8 +22,6 @@ DESIGN = REPO / "docs" / "design.md"
 # or for annotations only (`if TYPE_CHECKING:`), so no import cycle exists at run time; an entry
 # that no longer matches any import fails `test_every_exception_is_still_needed`.
 EXCEPTIONS = {
-    ("lora.py", "tp/layers.py"): "annotations only (ShardedModule); who owns a sharded layer's "
-    "adapter is still open, and with it which of the two modules the adapter code lives in",
     ("peftmodel.py", "io/full.py"): "lazy: tp_sharded (a rank's slice of a full tensor) still "
     "lives in io/full.py; its home is the tp layer",
     ("verify.py", "io/full.py"): "lazy: tp_sharded and gather_param, as for peftmodel.py",

@@ -20,13 +20,13 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..fsdp import fill_from_whole
-from ..lora import LoraConfig, LoraError
+from ..lora import LoraAdapter, LoraConfig, LoraError
 from ..peftmodel import inner_model
 from ..state import parallel_state
 from ..tp.experts import ShardedExperts
@@ -62,7 +62,14 @@ def _shape_problems(
 
 
 def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
-    return {f: m for f, m in sharded_modules(model).items() if m.lora_scale is not None}
+    """{fqn: layer} of the layers holding a trainable LoraAdapter."""
+    return {f: m for f, m in sharded_modules(model).items() if m.lora is not None}
+
+
+def _lora(m: ShardedModule) -> LoraAdapter:
+    ad = m.lora
+    assert ad is not None  # one of _lora_modules
+    return ad
 
 
 def _expert_modules(model: nn.Module) -> dict[str, ShardedExperts]:
@@ -107,7 +114,7 @@ def _file_params(
 
 def _expert_shapes(m: ShardedExperts, t: str) -> dict[str, tuple[int, int]]:
     """Whole shapes of tensor `t`'s adapter: A (E*r, in), B (out, E*r)."""
-    ad = cast(Any, m.expert_lora[t])  # an ExpertAdapter
+    ad = m.expert_adapters()[t]
     er = int(ad.lora_A.weight.shape[0])
     spec = m.tensors[t]
     full = m.full_shapes[t]
@@ -162,12 +169,10 @@ def _adapter_config(
     experts = _expert_modules(model) if experts is None else experts
     ranks: list[tuple[str, int, float]] = []  # (module, r, scale) of every adapter
     for f, m in mods.items():
-        assert m.lora_scale is not None  # mods: the modules with adapters
-        ranks.append((f, int(m.lora_A.weight.shape[0]), m.lora_scale))
+        ranks.append((f, _lora(m).r, _lora(m).scale))
     for f, e in experts.items():
-        assert e.expert_lora_scale is not None  # set with the adapters
-        for t, ad in e.expert_lora.items():
-            ranks.append((f"{f}.{t}", cast(Any, ad).r, e.expert_lora_scale))
+        for t, ead in e.expert_adapters().items():
+            ranks.append((f"{f}.{t}", ead.r, ead.scale))
     first_name, r, scale = ranks[0]
     for f, r_f, s_f in ranks:
         if r_f != r or not math.isclose(s_f, scale):
@@ -176,7 +181,7 @@ def _adapter_config(
                 f"scale={scale}; a PEFT adapter_config holds one r and one alpha: save adapters "
                 "of one rank"
             )
-    drop = next(iter(mods.values())).lora_dropout if mods else nn.Identity()
+    dropout = _lora(next(iter(mods.values()))).dropout if mods else 0.0
     if base is None:
         cfg = getattr(model, "config", None)
         base = getattr(cfg, "_name_or_path", None) or getattr(model, "name_or_path", None) or None
@@ -188,7 +193,7 @@ def _adapter_config(
         "inference_mode": True,
         "r": r,
         "lora_alpha": _alpha(model, scale, r),
-        "lora_dropout": float(drop.p) if isinstance(drop, nn.Dropout) else 0.0,
+        "lora_dropout": dropout,
         "target_modules": _peft_targets(model, set(mods)) if mods else [],
         "target_parameters": sorted(f"{f}.{t}" for f, e in experts.items() for t in e.expert_lora)
         or None,
@@ -392,8 +397,8 @@ def _check_adapter(
         problems.append(f"model LoRA modules absent from the adapter: {extra[:10]}")
     for fqn in sorted(in_file & set(mods)):
         m = mods[fqn]
-        if m.lora_A.weight.shape[0] != r:
-            problems.append(f"{fqn}: model r={m.lora_A.weight.shape[0]}, adapter r={r}")
+        if _lora(m).r != r:
+            problems.append(f"{fqn}: model r={_lora(m).r}, adapter r={r}")
             continue
         problems += _shape_problems(fqn, r, m.in_full, m.out_full, keys, reader)
     if problems:
@@ -440,11 +445,11 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                     ranges = fs.ranges(m.tp_rank) if fs is not None else None
                     fill_from_whole(dest, reader.read(key, dim, ranges, dtype=dest.dtype,
                                                       device=dest.device))  # fmt: skip
-                for m in mods.values():
-                    m.lora_scale = alpha / r
-                    m.lora_dropout = (nn.Dropout(p) if p > 0 else nn.Identity()).train(m.training)
+                for m in mods.values():  # the same A and B, the adapter's scale and dropout
+                    m.set_adapter(_lora(m).retuned(scale=alpha / r, dropout=p))
                 for e in experts.values():
-                    e.expert_lora_scale = alpha / r
+                    for t, ead in e.expert_adapters().items():
+                        e.set_expert_adapter(t, ead.retuned(scale=alpha / r))
         st = parallel_state(model, required=False)
         if st is not None and st.lora is not None:
             st.lora = dataclasses.replace(st.lora, alpha=alpha, dropout=p)

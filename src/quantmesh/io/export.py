@@ -48,11 +48,11 @@ __all__ = ["export"]
 def _merged(m: ShardedModule, name: str, local: torch.Tensor, merge: bool) -> torch.Tensor:
     """Full tensor `name` of `m` in checkpoint layout, LoRA merged into the weight. Collective."""
     t = full_tensor(m, name, local)
-    if name != "weight" or not merge or m.lora_scale is None:
+    if name != "weight" or not merge or m.lora is None:
         return t
     a = full_tensor(m, "lora_A.weight").float()  # (r, in)
     b = full_tensor(m, "lora_B.weight").float()  # (out, r)
-    delta = (b @ a) * m.lora_scale  # (out, in)
+    delta = (b @ a) * m.lora.scale  # (out, in)
     if m.kind.name == "Conv1D":  # checkpoint layout (in, out)
         delta = delta.t()
     return (t.float() + delta).to(t.dtype)
@@ -95,8 +95,7 @@ def _tie_views(model: nn.Module, t: _Target, merge: bool) -> bool:
     if not merge:
         return True
     return all(
-        not (isinstance(mod, ShardedModule) and mod.lora_scale is not None)
-        for mod, _, _ in t.owners
+        not (isinstance(mod, ShardedModule) and mod.lora is not None) for mod, _, _ in t.owners
     )
 
 

@@ -171,9 +171,9 @@ def _targets(model: nn.Module) -> list[_Target]:
             t = _Target(_join(fqn, name), m.full_shape(name), dim, ranges, [(m, name, "sharded")],
                         dtype, m.device_hint, module=m, name=name)  # fmt: skip
             add(t, p)
-        if m.lora_scale is not None:
+        if (ad := m.lora) is not None:
             split = tp_sharded(m)
-            r = m.lora_A.weight.shape[0]
+            r = ad.r
             for name, full in (
                 ("lora_A.weight", (r, m.in_full)),
                 ("lora_B.weight", (m.out_full, r)),
@@ -436,7 +436,7 @@ def _load(
     for m in sharded_modules(model).values():
         names = [_join(m.fqn, n) for n in m.param_slices()]
         if all(n in written for n in names):
-            m.loaded = True
+            m.mark_loaded()
     st = parallel_state(model, required=False)
     if st is not None:
         st.uninitialized -= written

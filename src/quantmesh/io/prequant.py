@@ -226,9 +226,8 @@ def fill_stored(
         counter[0] += cb.numel() + scb.numel() * 4
         cb, scb = slice_int8(cb, scb, sdim, ranges)
         if fmt is not None and sharded is not None:
-            fmt.load_state(sharded.local, cb, scb, device=sharded.device_hint,
-                           dtype=sharded.float_dtype)  # fmt: skip
-            sharded._sync_from_local()
+            dev, dt = sharded.device_hint, sharded.float_dtype
+            sharded.write_local(lambda local: fmt.load_state(local, cb, scb, device=dev, dtype=dt))
             return counter[0], "int8 rows and scales as stored"
         from ..quant.bnb import _bnb
 
@@ -240,8 +239,8 @@ def fill_stored(
     if fmt is not None and sharded is not None:
         if aligned_4bit(sw.shape, sw.blocksize, sdim, ranges or ()):
             packed, part = slice_4bit(qs, sdim, ranges, read)
-            fmt.load_state(sharded.local, packed, part, device=sharded.device_hint)
-            sharded._sync_from_local()
+            dev = sharded.device_hint
+            sharded.write_local(lambda local: fmt.load_state(local, packed, part, device=dev))
             whole = sdim is None or part is qs
             return counter[0], "codes as stored" if whole else "codes cut on block boundaries"
         w = dequantize_4bit_slice(qs, sdim, ranges, read)  # exact stored values of this part

@@ -1,9 +1,9 @@
 """AdapterBank: many PEFT LoRA adapters on one parallelized base, chosen per batch row.
 
-Every ShardedModule that carries LoRA gets, instead of its one `lora_A` / `lora_B`, a bank of
-`slots` adapters stacked on a leading dimension, sharded exactly as the module's own adapter was
-(colwise base: A whole, B split on its rows; rowwise base: A split on its columns, B whole; see
-lora.py). Slot 0 is the base model: zeros. The rows of a batch read the slot ids set with
+Every ShardedModule that carries LoRA gets, in place of its one `LoraAdapter`, a banked adapter
+(`set_adapter`): `slots` adapters stacked on a leading dimension, sharded exactly as the module's
+own adapter was (colwise base: A whole, B split on its rows; rowwise base: A split on its columns,
+B whole; see lora.py's `lora_splits`). Slot 0 is the base model: zeros. The rows of a batch read the slot ids set with
 `set_rows`; a batch whose rows all use one slot runs the same `F.linear` calls as a model with that
 one adapter loaded (`quantmesh generate --adapter`). A mixed batch runs one matmul per factor over
 the span of slots it uses, whatever the number of rows: A of every slot in the span at once (each
@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..io.adapter import _adapter_weights, _peft_key, _read_adapter_config, _shape_problems
-from ..io.full import tp_sharded
 from ..io.reader import open_checkpoint
-from ..lora import LoraError
+from ..lora import Adapter, LoraError, lora_splits
 from ..tp.layers import ShardedModule, sharded_modules
 
 __all__ = ["AdapterBank", "AdapterInfo"]
@@ -50,55 +49,62 @@ class AdapterInfo:
     modules: tuple[str, ...]
 
 
-class _BankedA(nn.Module):
-    """Stands in for `lora_A`: (..., in) -> (..., r) with each row's own A."""
+class _BankedLora(Adapter):
+    """One layer's adapters of every slot, in the interface of a layer's adapter: each row of a
+    batch reads its own slot's A and B, and its B output is times its slot's scale. No dropout.
 
-    weight: torch.Tensor  # (slots, r, in_local or in) - `weight` so ShardedModule reads its dtype
+    `a_bank` (slots, r, in_local or in) and `b_bank` (out_local or out, slots, r): a span of slots
+    is one (w * r, in) A and one (out, w * r) B."""
 
-    def __init__(self, bank: AdapterBank, weight: torch.Tensor) -> None:
+    a_bank: torch.Tensor
+    b_bank: torch.Tensor
+
+    def __init__(self, bank: AdapterBank, a_bank: torch.Tensor, b_bank: torch.Tensor) -> None:
         super().__init__()
         self.bank = [bank]  # a list: not a child module
-        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("a_bank", a_bank, persistent=False)
+        self.register_buffer("b_bank", b_bank, persistent=False)
+        if a_bank.device.type == "cuda":  # not the layer's buffers: CUDA graphs read them in place
+            torch._dynamo.mark_static_address(a_bank, guard=False)
+            torch._dynamo.mark_static_address(b_bank, guard=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, in) -> (b, t, r)
-        bank = self.bank[0]
+    @property
+    def r(self) -> int:
+        return int(self.a_bank.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a_bank.dtype
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, in) -> (b, t, r)
+        x = self.cast_in(x)
+        bank, w = self.bank[0], self.a_bank
         if bank.uniform == 0:  # the base everywhere: no adapter work (y + 0 is y)
-            return x.new_zeros(*x.shape[:-1], self.weight.shape[1])
+            return x.new_zeros(*x.shape[:-1], w.shape[1])
         if bank.uniform is not None:
-            return F.linear(x, self.weight[bank.uniform])
+            return F.linear(x, w[bank.uniform])
         # every slot in use at once: (b, t, in) @ (w * r, in)^T, then each row keeps its own block
         lo, hi = bank.span
-        r = self.weight.shape[1]
-        both = F.linear(x, self.weight[lo:hi].reshape(-1, self.weight.shape[2]))  # (b, t, w * r)
+        r = w.shape[1]
+        both = F.linear(x, w[lo:hi].reshape(-1, w.shape[2]))  # (b, t, w * r)
         both = both.view(*x.shape[:-1], hi - lo, r)  # (b, t, w, r)
         pick = bank.rel.view(-1, *([1] * (x.dim() - 1)), 1).expand(*x.shape[:-1], 1, r)
         return both.gather(-2, pick).squeeze(-2)  # (b, t, r)
 
-
-class _BankedB(nn.Module):
-    """Stands in for `lora_B`: (..., r) -> (..., out) with each row's own B, times its scale."""
-
-    weight: torch.Tensor  # (out, slots, r): a span of slots is one (out, w * r) matrix
-
-    def __init__(self, bank: AdapterBank, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.bank = [bank]
-        self.register_buffer("weight", weight, persistent=False)
-
-    def forward(self, a: torch.Tensor) -> torch.Tensor:  # (b, t, r) -> (b, t, out)
-        bank = self.bank[0]
-        out_f, _, r = self.weight.shape
+    def up(self, a: torch.Tensor) -> torch.Tensor:  # (b, t, r) -> (b, t, out), times the scales
+        bank, w = self.bank[0], self.b_bank
+        out_f, _, r = w.shape
         if bank.uniform == 0:
             return a.new_zeros(*a.shape[:-1], out_f)
         if bank.uniform is not None:
-            return F.linear(a, self.weight[:, bank.uniform]) * bank.scales[bank.uniform]
+            return F.linear(a, w[:, bank.uniform]) * bank.scales[bank.uniform]
         # each row's a in its slot's block of a (b, t, w * r) vector, zeros elsewhere: one matmul
         # with the span's B (the zero blocks add exact zeros)
         lo, hi = bank.span
         z = a.new_zeros(*a.shape[:-1], hi - lo, r)  # (b, t, w, r)
         pick = bank.rel.view(-1, *([1] * (a.dim() - 1)), 1).expand(*a.shape[:-1], 1, r)
         z.scatter_(-2, pick, a.unsqueeze(-2))
-        y = F.linear(z.flatten(-2), self.weight[:, lo:hi].reshape(out_f, -1))  # (b, t, out)
+        y = F.linear(z.flatten(-2), w[:, lo:hi].reshape(out_f, -1))  # (b, t, out)
         scale = bank.scale_t.index_select(0, bank.ids).to(y.dtype)  # (b,)
         return y * scale.view(-1, *([1] * (y.dim() - 1)))
 
@@ -108,7 +114,8 @@ class AdapterBank:
 
     The model must have been parallelized with `lora=LoraConfig(r=R, targets=...)`: the modules and
     the rank R of that config are the bank's (adapters of rank <= R on any subset of those
-    modules fit). Building the bank replaces each module's adapter (its values are discarded).
+    modules fit). Building the bank replaces each module's adapter by a banked one (`set_adapter`;
+    the LoraAdapter's values are discarded).
 
     Example:
         >>> model = qm.from_pretrained(path, mesh, lora=qm.LoraConfig(r=16))  # doctest: +SKIP
@@ -128,13 +135,14 @@ class AdapterBank:
                 "serve adapters on the attention / dense projections, or generate with "
                 "`quantmesh generate --adapter` (one adapter)"
             )
+        loras = {f: ad for f, m in sharded_modules(model).items() if (ad := m.lora) is not None}
         self.mods: dict[str, ShardedModule] = {
-            f: m for f, m in sharded_modules(model).items() if m.lora_scale is not None
+            f: m for f, m in sharded_modules(model).items() if f in loras
         }
         self.slots = slots
-        self.r = max((int(m.lora_A.weight.shape[0]) for m in self.mods.values()), default=0)
+        self.r = max((ad.r for ad in loras.values()), default=0)
         self.scales = [0.0] * slots  # host copy, for the uniform path
-        dev = next((m.lora_A.weight.device for m in self.mods.values()), torch.device("cpu"))
+        dev = next((ad.lora_A.weight.device for ad in loras.values()), torch.device("cpu"))
         self.scale_t = torch.zeros(slots, device=dev)  # (slots,)
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)  # (batch,) slot of each row
         self.span = (0, 1)  # the slots [lo, hi) a mixed batch uses
@@ -142,16 +150,15 @@ class AdapterBank:
         self.uniform: int | None = 0
         self.device = dev
         self._fixed: torch.Tensor | None = None  # (max rows,) row slots of compiled steps
-        for m in self.mods.values():
-            a, b = m.lora_A.weight, m.lora_B.weight  # (r, in_x), (out_x, r)
+        self.banked: dict[str, _BankedLora] = {}
+        for f, m in self.mods.items():
+            a, b = loras[f].lora_A.weight, loras[f].lora_B.weight  # (r, in_x), (out_x, r)
             bank_a = a.new_zeros(slots, *a.shape).requires_grad_(False)  # (slots, r, in_x)
             bank_b = b.new_zeros(b.shape[0], slots, b.shape[1]).requires_grad_(
                 False
             )  # (out_x, slots, r)
-            m.lora_A = _BankedA(self, bank_a)  # type: ignore[assignment]
-            m.lora_B = _BankedB(self, bank_b)  # type: ignore[assignment]
-            m.lora_dropout = nn.Identity()
-            m.lora_scale = 1.0  # the per-adapter scale is applied by _BankedB
+            self.banked[f] = _BankedLora(self, bank_a, bank_b)
+            m.set_adapter(self.banked[f])  # the per-adapter scales are applied by its `up`
 
     # ---- rows ---------------------------------------------------------------------------------
     def set_rows(self, slots: list[int], fixed: int | None = None) -> None:
@@ -253,12 +260,12 @@ class AdapterBank:
         r = info.r
         with open_checkpoint(_adapter_weights(Path(info.path)), key_map=_peft_key) as reader:
             for fqn, m in self.mods.items():
-                a_bank, b_bank = m.lora_A.weight, m.lora_B.weight
+                a_bank, b_bank = self.banked[fqn].a_bank, self.banked[fqn].b_bank
                 a_bank[slot].zero_()
                 b_bank[:, slot].zero_()
                 if fqn not in info.modules:
                     continue
-                split = tp_sharded(m)  # the layout of the module's own (replaced) adapter
+                split = lora_splits(m.style, m.split)  # the module's own (replaced) adapter's
                 for name, dest in (("lora_A.weight", a_bank[slot, :r, :]),
                                    ("lora_B.weight", b_bank[:, slot, :r])):  # fmt: skip
                     dim, fs = split.get(name, (None, None))

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..layersplit import device_of
-from ..plan.styles import Style, slice_dim
-from ..quant.kinds import is_quantized_linear
+from ..lora import _init_A, attach_lora
+from ..plan.styles import Style
 from .experts import ShardedExperts
 from .kinds import kind_of
 from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
@@ -52,28 +52,6 @@ def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) 
                 mod._parameters[pname] = src
 
 
-def _keep_buffers(orig: nn.Module, m: ShardedModule, device: Any) -> None:
-    """A replaced module keeps every buffer of the original: its names, their order and each one's
-    persistence (a non-persistent buffer, like Gemma's embed_scale, stays out of the state dict).
-    Buffers the local module holds are the wrapper's too (the same tensors); one the local module
-    does not hold (a linear subclass whose forward is nn.Linear's) stays on the wrapper, moved to
-    `device`; buffers only the local module has (a quantized format's scales) come last, as it
-    registered them."""
-    local = m.__dict__.get("local")
-    held = local._buffers if local is not None else {}
-    for name, b in orig._buffers.items():
-        if name in held:  # the one the local module's forward reads
-            m._buffers[name] = held[name]
-        elif name not in m._buffers:
-            m._buffers[name] = b if b is None or b.device.type == "meta" else b.to(device)
-    own = local._non_persistent_buffers_set if local is not None else set()
-    order = [*orig._buffers, *(n for n in m._buffers if n not in orig._buffers)]
-    m._buffers = {n: m._buffers[n] for n in order}
-    m._non_persistent_buffers_set = set(orig._non_persistent_buffers_set) | {
-        n for n in own if n not in orig._buffers
-    }
-
-
 def apply_tp(
     model: nn.Module,
     mesh,
@@ -90,8 +68,6 @@ def apply_tp(
     Example:
         >>> apply_tp(model, mesh, plan.resolve(model, mesh.tp), wrap=..., placement={"": dev})  # doctest: +SKIP
     """
-    from ..lora import attach_lora
-
     shared = shared_params(model)
     # modules whose weights are tied (an embedding and its head)
     tied = [[f for f, p in g if p == "weight"] for g in shared]
@@ -120,19 +96,8 @@ def apply_tp(
             dtype=dtype,
             fmt=wrap[fqn].get("fmt"),
         )
-        if orig.weight.device.type != "meta":
-            for name, sl in m.param_slices().items():
-                t = getattr(orig, name)
-                if name == "weight" and is_quantized_linear(orig):  # cut as stored where it can
-                    dim, ranges = sl if sl is not None else (None, None)
-                    m.fmt.cut_from(m.local, orig, dim, ranges, device)
-                    m._sync_from_local()
-                    continue
-                m.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
-            m.loaded = True
-        else:
-            m.loaded = False
-        _keep_buffers(orig, m, device)
+        m.fill_from(orig)  # when it holds values (not on meta)
+        m.keep_buffers(orig, device)
         if lora is not None and wrap[fqn].get("lora"):
             attach_lora(m, lora, device=device)
         parent_name, _, child = fqn.rpartition(".")
@@ -144,14 +109,12 @@ def apply_tp(
             continue  # none of them was wrapped
         for n in names:
             if n in built and built[n] is not first and first.fmt is None and built[n].fmt is None:
-                built[n].local._parameters["weight"] = first.local._parameters["weight"]
-                built[n]._sync_from_local()
+                built[n].tie_weight(first)
     _retie_unwrapped(model, shared, built)
     _materialize_rest(model, placement, dtype)
     track = _has_dropout(model)  # without dropout, the RNG-region bookkeeping is pure overhead
     for m in built.values():
-        m.track_rng = track and not isinstance(m, ShardedExperts)
-        m.rng = rng
+        m.set_rng(rng, track)  # the experts never track: their routed computation is whole
     share_colwise_copies(model)  # q, k, v (gate, up) share one input copy under compile too
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
@@ -240,8 +203,6 @@ def _build_experts(
 ) -> ShardedExperts:
     """Swap experts module `fqn` for a ShardedExperts holding this rank's slices (filled from the
     original's values when it has them), with per-expert adapters on `spec["lora_tensors"]`."""
-    from ..lora import _init_A
-
     orig = model.get_submodule(fqn)
     device = device_of(placement, fqn)
     tensors = spec["experts"]
@@ -249,15 +210,8 @@ def _build_experts(
         orig, fqn, tensors, rank=mesh.tp_rank, tp=mesh.tp, group=mesh.tp_group, device=device,
         dtype=dtype, fmt=spec.get("fmt"),
     )  # fmt: skip
-    first = orig._parameters[tensors[0].name]
-    assert first is not None  # expert_tensors checked it
-    m.loaded = first.device.type != "meta"
-    if m.loaded:
-        for name, sl in m.param_slices().items():
-            t = orig._parameters[name]
-            assert t is not None  # listed by expert_tensors
-            m.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
-    _keep_buffers(orig, m, device)
+    m.fill_from(orig)  # when it holds values (not on meta)
+    m.keep_buffers(orig, device)
     names = spec.get("lora_tensors") or []
     if lora is not None and names:
         a_full = {}

@@ -64,11 +64,8 @@ def vocab_parallel_logits(head: nn.Module) -> Iterator[tuple[int, Any]]:
 
     assert isinstance(head, ShardedModule) and head.split is not None and splits_vocab(head)
     ((start, _),) = head.split.ranges(head.tp_rank)
-    head.local_output = True
-    try:
+    with head.local_columns():
         yield start, head.group
-    finally:
-        head.local_output = False
 
 
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:

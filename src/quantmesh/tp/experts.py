@@ -35,10 +35,20 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..plan.styles import FeatureSplit, Ranges, Style, balanced_counts, segmented_split, unit_split
+from ..lora import ExpertAdapter
+from ..plan.styles import (
+    FeatureSplit,
+    Ranges,
+    Style,
+    balanced_counts,
+    segmented_split,
+    slice_dim,
+    unit_split,
+)
 from .collectives import copy_to_tp, reduce_from_tp
 from .kinds import ExpertTensor, Kind, expert_tensors
-from .layers import ShardedModule
+from .layers import ShardedModule, _refuse_adapter_setattr
+from .rng import RngRegions
 
 __all__ = [
     "ExpertTensor",
@@ -141,29 +151,6 @@ def expert_lora_targets(
     return out
 
 
-class ExpertAdapter(nn.Module):
-    """LoRA of one expert tensor in PEFT's `target_parameters` layout: `lora_A` (E*r, in) and
-    `lora_B` (out, E*r), expert e's delta `B[:, e::E] @ A[e*r:(e+1)*r]` (out, in) times the scale."""
-
-    def __init__(self, a: torch.Tensor, b_rows: int, experts: int, r: int, dtype: torch.dtype):
-        super().__init__()
-        self.experts, self.r = experts, r
-        self.lora_A = nn.Linear(a.shape[1], a.shape[0], bias=False, device=a.device, dtype=dtype)
-        self.lora_B = nn.Linear(a.shape[0], b_rows, bias=False, device=a.device, dtype=dtype)
-        with torch.no_grad():
-            self.lora_A.weight.copy_(a)
-            self.lora_B.weight.zero_()
-
-    def delta(self, a: torch.Tensor, b: torch.Tensor, transposed: bool) -> torch.Tensor:
-        """Every expert's delta (E, out, in), or (E, in, out) for a transposed layout."""
-        e, r = self.experts, self.r
-        a3 = a.reshape(e, r, a.shape[-1])  # (E, r, in)
-        b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
-        if transposed:
-            return torch.bmm(a3.transpose(1, 2), b3.transpose(1, 2))  # (E, in, out)
-        return torch.bmm(b3, a3)  # (E, out, in)
-
-
 class ShardedExperts(ShardedModule):
     """An experts module holding this rank's slice of every expert tensor (quantized or float),
     with optional per-expert LoRA; the model's own experts forward runs on them.
@@ -181,8 +168,7 @@ class ShardedExperts(ShardedModule):
     qlocal: dict[str, nn.Module]  # tensor name -> the quantized linear holding (E*a, b)
     local_shapes: dict[str, tuple[int, ...]]
     full_shapes: dict[str, tuple[int, ...]]
-    expert_lora: nn.ModuleDict
-    expert_lora_scale: float | None
+    expert_lora: nn.ModuleDict  # tensor name -> ExpertAdapter (attach_expert_lora)
     transposed: bool
     num_experts: int
     inter: int
@@ -266,12 +252,12 @@ class ShardedExperts(ShardedModule):
             self.add_module(name, child)
         self.device_hint = device
         self.track_rng = False  # no dropout region of its own: the routed computation is whole
-        self.lora_scale = None  # plain LoRA: none (per-expert adapters: expert_lora)
+        self.rng = RngRegions()
+        self.loaded = False
+        object.__setattr__(self, "_adapter", None)  # plain LoRA: none (per-expert: expert_lora)
         self.copy_share = None
-        self.lora_stack = None
         self.local_output = False
         self.expert_lora = nn.ModuleDict()
-        self.expert_lora_scale = None
         self.padding_idx = None
         self.in_local = self.out_local = 0
         return self
@@ -282,6 +268,7 @@ class ShardedExperts(ShardedModule):
             self._parameters[name] = q._parameters["weight"]
 
     def __setattr__(self, name: str, value: Any) -> None:
+        _refuse_adapter_setattr(name)
         nn.Module.__setattr__(self, name, value)
 
     def _apply(self, fn, recurse=True):
@@ -301,6 +288,24 @@ class ShardedExperts(ShardedModule):
     @property
     def has_bias(self) -> bool:
         return False  # per-expert biases are named tensors of their own (param_slices)
+
+    @torch.no_grad()
+    def fill_from(self, orig: nn.Module) -> None:
+        """Fill this rank's slices of every expert tensor (and bias) from `orig`, the experts
+        module this one replaces, when it holds values (not on meta). Sets `loaded`."""
+        first = orig._parameters[next(iter(self.tensors))]
+        assert first is not None  # expert_tensors checked it
+        self.loaded = first.device.type != "meta"
+        if not self.loaded:
+            return
+        for name, sl in self.param_slices().items():
+            t = orig._parameters[name]
+            assert t is not None  # listed by expert_tensors
+            self.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
+
+    def set_rng(self, rng: RngRegions, track: bool) -> None:
+        """The model's RngRegions; never tracked: the routed computation is whole."""
+        self.rng, self.track_rng = rng, False
 
     # ---- slices: the loader's and the savers' contract ----------------------------------------
     def _slice_of(self, name: str) -> tuple[int, FeatureSplit] | None:
@@ -400,8 +405,19 @@ class ShardedExperts(ShardedModule):
                     out_rows = sp.size(self.tp_rank)
                 else:  # input split: A's columns follow it, B whole
                     a = torch.cat([a[:, x:y] for x, y in sp.ranges(self.tp_rank)], dim=1)
-            self.expert_lora[name] = ExpertAdapter(a, out_rows, self.num_experts, r, dtype)
-        self.expert_lora_scale = scale
+            self.expert_lora[name] = ExpertAdapter.new(
+                a, out_rows, experts=self.num_experts, r=r, scale=scale, dtype=dtype
+            )
+
+    def set_expert_adapter(self, name: str, adapter: ExpertAdapter) -> None:
+        """Replace the adapter of expert tensor `name` (one it has; its place and name kept)."""
+        if name not in self.expert_lora:
+            raise KeyError(f"{self.fqn}.{name} has no adapter to replace")
+        self.expert_lora[name] = adapter
+
+    def expert_adapters(self) -> dict[str, ExpertAdapter]:
+        """{tensor name: its adapter}, in registration order."""
+        return {t: cast(ExpertAdapter, ad) for t, ad in self.expert_lora.items()}
 
     # ---- forward ------------------------------------------------------------------------------
     def _effective(self) -> dict[str, torch.Tensor]:
@@ -426,8 +442,7 @@ class ShardedExperts(ShardedModule):
                         a = copy_to_tp(a, g)
                     else:
                         b = copy_to_tp(b, g)
-                assert self.expert_lora_scale is not None
-                w = w + (ad.delta(a, b, self.transposed) * self.expert_lora_scale).to(w.dtype)
+                w = w + (ad.delta(a, b, self.transposed) * ad.scale).to(w.dtype)
             out[name] = w
             if t.bias is not None:
                 bias = cast(torch.Tensor, self._parameters[t.bias])

@@ -3,21 +3,26 @@
 The wrapper sits in the model tree under the original name and registers the local module's
 parameters under their original names, so `state_dict()` keys never change (no wrapper prefixes). The
 local module may be nn.Linear, transformers' Conv1D, nn.Embedding, nn.Conv2d, or a quantized linear
-built by a QuantFormat; this file never names a format. LoRA adapters, when attached, live here too
-(`lora_A`, `lora_B`), sharded as derived from the base style (see lora.py).
+built by a QuantFormat; this file never names a format. A layer owns one adapter (lora.py's
+`Adapter`: a trainable `LoraAdapter`, or another object of that interface, such as the server's
+bank), given, replaced and removed only through `set_adapter`; its child modules (`lora_A`,
+`lora_B`, `lora_dropout`) are registered on the layer under their own names, so parameter names are
+PEFT's. Everything else a layer holds is set by its own methods too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from ..lora import AdapterStack
-from ..plan.styles import FeatureSplit, Ranges, Style
+from ..lora import Adapter, LoraAdapter, LoraError, lora_splits
+from ..plan.styles import FeatureSplit, Ranges, Style, slice_dim
+from ..quant.kinds import is_quantized_linear
 from .collectives import (
     CopyShare,
     copy_to_tp,
@@ -48,8 +53,8 @@ class ShardedModule(nn.Module):
         ...                         split, rank=0, group=g, device="cpu")  # doctest: +SKIP
     """
 
-    # Set by build() (and lora.attach_lora for the adapters); declared here for type checkers,
-    # which otherwise read every attribute of an nn.Module as `Tensor | Module`.
+    # Set by build() and the methods below (never from outside); declared here for type
+    # checkers, which otherwise read every attribute of an nn.Module as `Tensor | Module`.
     fqn: str
     kind: Kind
     style: Style
@@ -68,16 +73,9 @@ class ShardedModule(nn.Module):
     device_hint: torch.device
     track_rng: bool
     rng: RngRegions
-    lora_scale: float | None
-    lora_r: int
-    loaded: bool  # set by load_checkpoint once every base parameter was written
+    loaded: bool  # every base parameter written (fill_from, or load_checkpoint: mark_loaded)
     copy_share: CopyShare | None
-    lora_stack: AdapterStack | None  # set by lora.stack_sibling_adapters (decoding)
-    lora_stack_index: int
     local_output: bool  # colwise_gather at tp > 1: hand back this rank's columns, ungathered
-    lora_A: nn.Linear
-    lora_B: nn.Linear
-    lora_dropout: nn.Module
 
     def __init__(self) -> None:
         super().__init__()
@@ -148,13 +146,134 @@ class ShardedModule(nn.Module):
                 requires_grad=cast(nn.Parameter, orig.bias).requires_grad,
             )
         self.device_hint = torch.device(device)
-        self.track_rng = True  # apply_tp turns it off when the model has no active dropout
-        self.rng = RngRegions()  # apply_tp gives every layer of a model the model's one instance
-        self.lora_scale = None  # set by lora.attach_lora, with lora_A / lora_B
+        self.track_rng = True  # set_rng: off when the model has no active dropout
+        self.rng = RngRegions()  # set_rng: every layer of a model gets the model's one instance
+        self.loaded = False  # fill_from / mark_loaded
         self.copy_share = None  # set by share_colwise_copies
-        self.lora_stack = None  # set by stack_sibling_adapters
-        self.local_output = False  # set by vocab_parallel_logits (the loss)
+        self.local_output = False  # local_columns (the vocab-parallel loss)
+        object.__setattr__(self, "_adapter", None)  # set_adapter
         return self
+
+    # ---- the adapter ----------------------------------------------------------------------------
+    @property
+    def adapter(self) -> Adapter | None:
+        """This layer's adapter (set by `set_adapter`), or None."""
+        return cast("Adapter | None", self.__dict__.get("_adapter"))
+
+    @property
+    def lora(self) -> LoraAdapter | None:
+        """The adapter when it is a trainable `LoraAdapter` (what is saved, loaded, merged and
+        trained), else None (no adapter, or a server's bank)."""
+        ad = self.adapter
+        return ad if isinstance(ad, LoraAdapter) else None
+
+    def set_adapter(self, adapter: Adapter | None) -> None:
+        """Attach, replace or (None) remove this layer's adapter: the one way a layer's adapter
+        changes. The adapter is held hidden and its child modules become the layer's, under their
+        own names (`lora_A`, `lora_B`, `lora_dropout`), so every parameter keeps PEFT's name; the
+        previous adapter's children leave. Its A and B must be sharded as `lora_splits` says for
+        this layer's style (`lora.attach_lora` makes such adapters).
+
+        Example:
+            >>> layer.set_adapter(layer.lora.retuned(scale=2.0, dropout=0.0))  # doctest: +SKIP
+        """
+        if adapter is not None and not self.kind.linear_like:
+            raise LoraError(
+                f"{self.fqn} is a {self.kind.name}; LoRA applies to linear layers only; remove it "
+                f"from LoraConfig(targets=...)"
+            )
+        old = self.adapter
+        if old is not None:
+            for name in old._modules:
+                self._modules.pop(name, None)
+        object.__setattr__(self, "_adapter", adapter)
+        if adapter is not None:
+            for name, child in adapter.named_children():
+                self.add_module(name, child)
+            adapter.train(self.training)
+
+    # ---- filling, ties, random regions ------------------------------------------------------------
+    @torch.no_grad()
+    def fill_from(self, orig: nn.Module) -> None:
+        """Fill this rank's slices from `orig`, the module this layer replaces, when it holds
+        values (not on meta); quantized weights are cut as stored where the format can. Sets
+        `loaded`.
+
+        Example:
+            >>> m.fill_from(model.get_submodule(m.fqn))  # doctest: +SKIP
+        """
+        w = cast(torch.Tensor, orig.weight)
+        self.loaded = w.device.type != "meta"
+        if not self.loaded:
+            return
+        for name, sl in self.param_slices().items():
+            t = getattr(orig, name)
+            if name == "weight" and is_quantized_linear(orig):  # cut as stored where it can
+                dim, ranges = sl if sl is not None else (None, None)
+                self.fmt.cut_from(self.local, orig, dim, ranges, self.device_hint)
+                self._sync_from_local()
+                continue
+            self.load_param(name, slice_dim(t.detach(), *sl) if sl is not None else t.detach())
+
+    def write_local(self, write: Callable[[nn.Module], None]) -> None:
+        """Let `write` fill the local module in place (a quantized format loading codes as they
+        were stored), then register its parameters on the layer again.
+
+        Example:
+            >>> m.write_local(lambda local: fmt.load_state(local, cb, scb))  # doctest: +SKIP
+        """
+        write(self.local)
+        self._sync_from_local()
+
+    def mark_loaded(self) -> None:
+        """Every base parameter was written (load_checkpoint says so)."""
+        self.loaded = True
+
+    def keep_buffers(self, orig: nn.Module, device: Any) -> None:
+        """Keep every buffer of `orig` (the module this layer replaces): its names, their order
+        and each one's persistence (a non-persistent buffer, like Gemma's embed_scale, stays out
+        of the state dict). Buffers the local module holds are the layer's too (the same
+        tensors); one the local module does not hold (a linear subclass whose forward is
+        nn.Linear's) stays on the layer, moved to `device`; buffers only the local module has (a
+        quantized format's scales) come last, as it registered them."""
+        local = self.__dict__.get("local")
+        held = local._buffers if local is not None else {}
+        for name, b in orig._buffers.items():
+            if name in held:  # the one the local module's forward reads
+                self._buffers[name] = held[name]
+            elif name not in self._buffers:
+                self._buffers[name] = b if b is None or b.device.type == "meta" else b.to(device)
+        own = local._non_persistent_buffers_set if local is not None else set()
+        order = [*orig._buffers, *(n for n in self._buffers if n not in orig._buffers)]
+        self._buffers = {n: self._buffers[n] for n in order}
+        self._non_persistent_buffers_set = set(orig._non_persistent_buffers_set) | {
+            n for n in own if n not in orig._buffers
+        }
+
+    def tie_weight(self, other: ShardedModule) -> None:
+        """Hold `other`'s weight (the same Parameter): tied weights split alike stay one tensor."""
+        self.local._parameters["weight"] = other.local._parameters["weight"]
+        self._sync_from_local()
+
+    def set_rng(self, rng: RngRegions, track: bool) -> None:
+        """The model's one `RngRegions`, and whether this layer keeps dropout masks aligned over
+        tp (apply_tp: only when the model has active dropout; the bookkeeping costs otherwise)."""
+        self.rng, self.track_rng = rng, track
+
+    @contextlib.contextmanager
+    def local_columns(self) -> Iterator[None]:
+        """Within it, a colwise_gather layer at tp > 1 hands back this rank's columns of its
+        output, ungathered (the vocab-parallel loss reads them).
+
+        Example:
+            >>> with head.local_columns():  # doctest: +SKIP
+            ...     z_local = head(h)
+        """
+        self.local_output = True
+        try:
+            yield
+        finally:
+            self.local_output = False
 
     # ---- parameters shared with the hidden local module --------------------------------------
     def _sync_from_local(self) -> None:
@@ -170,6 +289,7 @@ class ShardedModule(nn.Module):
         """Set as nn.Module does; a Parameter under a name the local module shares is set there
         too. FSDP2 swaps sharded and gathered parameters through setattr (this override makes it
         take that path), and the local module's forward must see the one it set."""
+        _refuse_adapter_setattr(name)
         super().__setattr__(name, value)
         local = self.__dict__.get("local")
         if (
@@ -187,11 +307,15 @@ class ShardedModule(nn.Module):
         super()._apply(fn, recurse)  # own params (rowwise bias) and children (LoRA)
         self.local._apply(fn)
         self._sync_from_local()
+        if self.adapter is not None:  # its own tensors (a bank's); its children were done above
+            self.adapter._apply(fn, recurse=False)
         return self
 
     def train(self, mode: bool = True):
         super().train(mode)
         self.local.train(mode)
+        if self.adapter is not None:
+            self.adapter.train(mode)
         return self
 
     # ---- slices: where each parameter comes from in the full (checkpoint-layout) tensor -------
@@ -220,11 +344,8 @@ class ShardedModule(nn.Module):
         for name, sl in self.param_slices().items():
             if sl is not None:
                 out[name] = (sl[0], self.split)
-        if self.lora_scale is not None:
-            if self.style == Style.ROWWISE:
-                out["lora_A.weight"] = (1, self.split)
-            else:
-                out["lora_B.weight"] = (0, self.split)
+        if self.lora is not None:
+            out.update(lora_splits(self.style, self.split))
         return out
 
     def checkpoint_tensors(self, *, dequantize: bool = True) -> dict[str, torch.Tensor]:
@@ -239,9 +360,9 @@ class ShardedModule(nn.Module):
                 p = self._parameters[name]
                 assert p is not None, f"{self.fqn}.{name} is None"
                 out[name] = p.detach()
-        if self.lora_scale is not None:
-            out["lora_A.weight"] = self.lora_A.weight.detach()
-            out["lora_B.weight"] = self.lora_B.weight.detach()
+        if (ad := self.lora) is not None:
+            out["lora_A.weight"] = ad.lora_A.weight.detach()
+            out["lora_B.weight"] = ad.lora_B.weight.detach()
         return out
 
     @property
@@ -300,13 +421,6 @@ class ShardedModule(nn.Module):
             p.copy_(value.to(dtype=p.dtype))
 
     # ---- forward ------------------------------------------------------------------------------
-    def _lora_in(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapter's input: under autocast the matmul casts it anyway, so no fp32 copy of x
-        (it would be kept for backward, once per adapter); otherwise in the adapter's dtype."""
-        if torch.is_autocast_enabled(x.device.type):
-            return x
-        return x.to(self.lora_A.weight.dtype)
-
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         st, g, tp = self.style, self.group, self.tp
         if st == Style.VOCAB:
@@ -316,36 +430,27 @@ class ShardedModule(nn.Module):
         # colwise / colwise_gather / replicate: the input is whole on every rank
         dev = self.device_hint
         rng = tp > 1 and self.track_rng and self.training  # dropout anywhere: keep masks aligned
-        stack = self.lora_stack
-        if stack is not None and not (
-            stack.active
-            and not torch.is_grad_enabled()
-            and (not self.training or isinstance(self.lora_dropout, nn.Identity))
-        ):
-            stack = None  # stacked adapters: without autograd or dropout only (decoding)
-        if self.lora_scale is not None and stack is None:
+        ad = self.adapter
+        # the adapter's whole delta another way (stacked sibling adapters, decoding), or None
+        d = ad.shortcut(x) if ad is not None else None
+        if ad is not None and d is None:
             if rng:  # x is whole: its dropout mask must be the same on every rank (RngRegions)
                 with self.rng.replicated(dev):
-                    xd = self.lora_dropout(x)
+                    xd = ad.drop(x)
             else:
-                xd = self.lora_dropout(x)
+                xd = ad.drop(x)
         if rng:  # the output is split: random draws from here on are this rank's own
             self.rng.enter(dev, self.tp_rank)
         y = self.local(copy_to_tp_once(x, g, self.copy_share) if tp > 1 else x, *args, **kwargs)
-        if self.lora_scale is not None:
-            d = None
-            if stack is not None:  # one matmul pair for the siblings that read x (or None)
-                d = stack.delta(self.lora_stack_index, x, self._lora_in)
+        if ad is not None:
             if d is None:
-                if stack is not None:
-                    xd = x  # the dropout is the identity here (eval, or none)
                 # A is whole and sees the whole input, so its gradient is complete on every
                 # rank; the copy-to-tp op sits after A, where the tensor is only r wide.
-                a = self.lora_A(self._lora_in(xd))  # (..., r)
+                a = ad.down(xd)  # (..., r)
                 if tp > 1:
                     a = copy_to_tp(a, g)
-                d = self.lora_B(a)
-            y = y + (d * self.lora_scale).to(y.dtype)  # (..., out_local)
+                d = ad.up(a)  # B, times the scale
+            y = y + d.to(y.dtype)  # (..., out_local)
         bias: torch.Tensor | None = (
             self._parameters.get("bias") if st == Style.COLWISE_GATHER else None
         )
@@ -380,14 +485,15 @@ class ShardedModule(nn.Module):
             self.rng.enter(self.device_hint, self.tp_rank)
         y = self.local(x, *args, **kwargs)  # (..., out) partial sum over this rank's inputs
         a = None
-        if self.lora_scale is not None:
-            a = self.lora_A(self._lora_in(self.lora_dropout(x)))  # (..., r) partial
+        ad = self.adapter
+        if ad is not None:
+            a = ad.down(ad.drop(x))  # (..., r) partial
             if tp > 1:  # one all-reduce carries both partial sums
                 both = reduce_from_tp(torch.cat([y, a.to(y.dtype)], dim=-1), g)
                 y, a = both.split([y.shape[-1], a.shape[-1]], dim=-1)
                 # a copy, not a view: lora_B saves its input for backward, and a view would keep
                 # the whole (..., out + r) reduction buffer alive until then
-                a = a.to(self.lora_A.weight.dtype, copy=True)
+                a = a.to(ad.dtype, copy=True)
         elif tp > 1:
             y = reduce_from_tp(y, g)
         if rng:  # y is whole again: back to the shared random stream
@@ -398,7 +504,8 @@ class ShardedModule(nn.Module):
             shape[fd] = -1
             y = y + bias.view(shape).to(y.dtype)
         if a is not None:  # B is whole and sees the summed A output: complete gradients
-            y = y + (self.lora_B(a) * self.lora_scale).to(y.dtype)
+            assert ad is not None  # a comes from it
+            y = y + ad.up(a).to(y.dtype)
         return y
 
     def _vocab_forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -416,6 +523,11 @@ class ShardedModule(nn.Module):
             f"{self.kind.name}({self.in_full} -> {self.out_full}), style={self.style}, "
             f"local=({self.in_local} -> {self.out_local}), tp {self.tp_rank}/{self.tp}{q}"
         )
+
+
+def _refuse_adapter_setattr(name: str) -> None:
+    if name in ("adapter", "lora", "_adapter"):
+        raise AttributeError(f"a layer's {name} is set by its set_adapter method only")
 
 
 def _clear_shares(shares: list[CopyShare], module: nn.Module, args, output) -> None:

@@ -1,0 +1,113 @@
+"""The adapter a sharded layer owns: set, replaced and removed through `set_adapter` only, with
+PEFT's parameter names, on one rank (no process group: an unsplit layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from quantmesh.lora import Adapter, LoraAdapter, LoraConfig, LoraError, attach_lora
+from quantmesh.tp.kinds import kind_of
+from quantmesh.tp.layers import ShardedModule
+
+
+def _layer(orig: nn.Module) -> ShardedModule:
+    kind = kind_of(orig)
+    assert kind is not None  # a Linear or an Embedding
+    m = ShardedModule.build(orig, "m", kind, "replicate", None, rank=0, group=None,
+                            device=torch.device("cpu"))  # fmt: skip
+    m.fill_from(orig)
+    return m
+
+
+def _adapted() -> tuple[nn.Linear, ShardedModule]:
+    torch.manual_seed(0)
+    orig = nn.Linear(8, 6)
+    m = _layer(orig)
+    attach_lora(m, LoraConfig(r=2, alpha=6), device="cpu")
+    lora = m.lora
+    assert lora is not None  # attached
+    with torch.no_grad():
+        lora.lora_B.weight.normal_()  # B starts at zero: make the delta show
+    return orig, m
+
+
+def test_the_adapter_keeps_peft_names_and_adds_its_delta() -> None:
+    orig, m = _adapted()
+    assert list(m.state_dict()) == ["weight", "bias", "lora_A.weight", "lora_B.weight"]
+    assert [n for n, _ in m.named_modules()] == ["", "lora_A", "lora_B", "lora_dropout"]
+    lora = m.lora
+    assert lora is not None and m.adapter is lora and (lora.r, lora.scale) == (2, 3.0)
+    x = torch.randn(4, 8)
+    want = orig(x) + lora.lora_B(lora.lora_A(x)) * 3.0
+    assert torch.equal(m(x), want)
+
+
+def test_a_retuned_adapter_shares_its_factors_and_a_removed_one_leaves() -> None:
+    orig, m = _adapted()
+    old = m.lora
+    assert old is not None
+    m.set_adapter(old.retuned(scale=0.5, dropout=0.25))
+    new = m.lora
+    assert new is not None and new is not old
+    assert new.lora_A is old.lora_A and new.lora_B is old.lora_B  # the same parameters
+    assert isinstance(m.lora_dropout, nn.Dropout) and new.dropout == 0.25
+    assert list(m.state_dict()) == ["weight", "bias", "lora_A.weight", "lora_B.weight"]
+    m.eval()
+    assert not new.lora_dropout.training  # the layer's mode reaches the adapter
+    x = torch.randn(4, 8)
+    assert torch.equal(m(x), orig(x) + new.lora_B(new.lora_A(x)) * 0.5)
+    m.set_adapter(None)
+    assert m.adapter is None and list(m.state_dict()) == ["weight", "bias"]
+    assert list(m.children()) == []
+    assert torch.equal(m(x), orig(x))
+
+
+def test_only_set_adapter_sets_it() -> None:
+    _, m = _adapted()
+    for name in ("adapter", "lora"):
+        with pytest.raises(AttributeError, match="set_adapter"):
+            setattr(m, name, LoraAdapter.new(torch.zeros(2, 8), 6, scale=1.0))
+
+
+def test_a_layer_that_is_not_linear_refuses_an_adapter() -> None:
+    m = _layer(nn.Embedding(10, 4))
+    with pytest.raises(LoraError, match="LoRA applies to linear layers only"):
+        attach_lora(m, LoraConfig(r=2), device="cpu")
+    assert m.adapter is None
+
+
+class _Buffered(Adapter):
+    """An adapter of tensors of its own (as the server's bank has): they move with the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("a_t", torch.ones(2, 8), persistent=False)
+        self.register_buffer("b_t", torch.ones(6, 2), persistent=False)
+
+    @property
+    def r(self) -> int:
+        return 2
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.a_t.dtype
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.a_t.t()
+
+    def up(self, a: torch.Tensor) -> torch.Tensor:
+        return a @ self.b_t.t()
+
+
+def test_an_adapter_of_its_own_tensors_moves_with_the_layer() -> None:
+    orig = nn.Linear(8, 6)
+    m = _layer(orig)
+    m.set_adapter(_Buffered())
+    assert list(m.state_dict()) == ["weight", "bias"]  # not saved, not a parameter
+    m.double()
+    ad = m.adapter
+    assert isinstance(ad, _Buffered) and ad.a_t.dtype == ad.b_t.dtype == torch.float64
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert torch.equal(m(x), orig.double()(x) + (x @ ad.a_t.t()) @ ad.b_t.t())
