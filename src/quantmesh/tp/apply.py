@@ -8,6 +8,7 @@ Modules left alone are materialized on their device (meta -> uninitialized, to b
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,10 +157,7 @@ def split_norm(module: nn.Module, features: tuple[int, int], group: Any) -> None
 
     first, end = features
     width = int(module._parameters["weight"].shape[0])  # type: ignore[union-attr]
-    base = type(module)
-
-    def rows(name: str) -> property:
-        return property(lambda self: self._parameters[name][first:end])
+    base = type(module).__dict__.get("_rows_base", type(module))
 
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         xf = x.float()
@@ -170,10 +168,7 @@ def split_norm(module: nn.Module, features: tuple[int, int], group: Any) -> None
         y: torch.Tensor = base.forward(self, (xf * s).to(x.dtype), *args, **kwargs)
         return y / s.to(y.dtype)
 
-    module.__class__ = type(base.__name__, (base,), {
-        **{n: rows(n) for n in norm_params(module)}, "forward": forward,
-        "__module__": base.__module__, "__qualname__": base.__qualname__,
-    })  # fmt: skip
+    _read_rows(module, {n: features for n in norm_params(module)}, forward=forward)
 
 
 def view_heads(module: nn.Module, views: dict[str, tuple[int, int]]) -> None:
@@ -185,16 +180,23 @@ def view_heads(module: nn.Module, views: dict[str, tuple[int, int]]) -> None:
     Example:
         >>> view_heads(model.model.layers[0].self_attn, {"sinks": (0, 32)})  # doctest: +SKIP
     """
-    cls = type(module)
-    base = cls.__dict__.get("_head_views_base", cls)  # viewed twice: subclass the original
+    _read_rows(module, views)
+
+
+def _read_rows(
+    module: nn.Module, views: dict[str, tuple[int, int]], **methods: Callable[..., Any]
+) -> None:
+    """Give `module` a subclass of its class in which attribute `name` reads rows [first, end) of
+    the parameter `name` (a property each), plus `methods`; a module given one before gets a new
+    subclass of its original class."""
+    base = type(module).__dict__.get("_rows_base", type(module))
 
     def rows(name: str, first: int, end: int) -> property:
         return property(lambda self: self._parameters[name][first:end])
 
-    props = {n: rows(n, a, b) for n, (a, b) in views.items()}
     module.__class__ = type(base.__name__, (base,), {
-        **props, "__module__": base.__module__, "__qualname__": base.__qualname__,
-        "_head_views_base": base,
+        **{n: rows(n, a, b) for n, (a, b) in views.items()}, **methods,
+        "__module__": base.__module__, "__qualname__": base.__qualname__, "_rows_base": base,
     })  # fmt: skip
 
 
