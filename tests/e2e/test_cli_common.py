@@ -39,6 +39,32 @@ def cli(
     )
 
 
+def refused(argv: list[str], capsys, monkeypatch) -> str:
+    """Run the CLI's `main(argv)` in this process; it must exit with code 2 before launching any
+    worker (a launch is replaced by a tripwire). Returns its stderr, one `quantmesh: error:` line.
+
+    A check that the launching process makes needs no process of its own: the tests keep one real
+    CLI start per command for the exit code and message as a user sees them.
+    """
+    import pytest
+
+    from quantmesh.cli import runner
+    from quantmesh.cli.main import main
+
+    def tripwire(*a, **k):
+        raise AssertionError(f"workers were launched for {argv}")
+
+    monkeypatch.setattr(runner, "run_workers", tripwire)
+    capsys.readouterr()  # what the test printed before
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("quantmesh: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
 def make_tokenizer():
     """A word-level tokenizer over CORPUS's words, with EOS, pad, unk and a ChatML template.
 

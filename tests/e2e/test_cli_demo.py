@@ -1,5 +1,6 @@
 """`quantmesh demo` (what `make demo` runs), shortened with --steps: the held-out loss falls and
-every product is written. Needs PyPI the first time (the assets are cached afterwards)."""
+every product is written. The assets come from the session's `demo_assets` cache (tests/conftest.py:
+prepared from PyPI once, and checked by tests/unit/test_assets.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from .test_cli_common import cli
 
 
 @pytest.mark.slow
-def test_demo_short_run_learns_and_writes_its_results(tmp_path: Path) -> None:
+def test_demo_short_run_learns_and_writes_its_results(tmp_path: Path, demo_assets: Path) -> None:
     out = tmp_path / "demo"
     t0 = time.monotonic()
     proc = cli("demo", "--steps", "4", "--max-new-tokens", "8", "--output-dir", str(out),
-               timeout=420)  # fmt: skip
+               timeout=420, env={"QUANTMESH_CACHE": str(demo_assets)})  # fmt: skip
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout

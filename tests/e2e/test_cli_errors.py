@@ -14,10 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantmesh.cli import runner
-from quantmesh.cli.main import main
-
-from .test_cli_common import CORPUS, cli, make_tiny_llama
+from .test_cli_common import CORPUS, cli, make_tiny_llama, refused
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +25,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _fails(argv: list[str], capsys, monkeypatch) -> str:
-    """Run the CLI in process; it must exit with code 2 before launching; returns its stderr."""
-
-    def tripwire(*a, **k):
-        raise AssertionError(f"workers were launched for {argv}")
-
-    monkeypatch.setattr(runner, "run_workers", tripwire)
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2, err
-    assert err.startswith("quantmesh: error: "), err
-    assert "Traceback" not in err
-    return err
+_fails = refused  # main() in this process, a tripwire on the launch
 
 
 def test_missing_model_folder(tiny: Path, capsys, monkeypatch) -> None:

@@ -1,4 +1,9 @@
-"""`quantmesh serve` refuses what it can check before any worker starts: one line, exit code 2."""
+"""`quantmesh serve` refuses what it can check before any worker starts: one line, exit code 2.
+
+One refusal runs as a user starts the command (its own process); the others call the CLI's
+`main()` in this process (`refused`: the launch is a tripwire), since every check runs in the
+launching process before any worker could start.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli_common import cli, make_adapter, make_tiny_llama
+from quantmesh.cli.main import main
+
+from .test_cli_common import cli, make_adapter, make_tiny_llama, refused
 
 
-@pytest.mark.slow  # six CLI starts
-def test_serve_refuses_bad_setups_before_starting(tmp_path: Path) -> None:
+@pytest.mark.slow  # one CLI start
+def test_serve_refuses_bad_setups_before_starting(tmp_path: Path, capsys, monkeypatch) -> None:
     proc = cli("serve", str(tmp_path / "missing"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = cli("serve", str(tmp_path), "--adapter", "no-equals-sign")
-    assert proc.returncode == 2 and "NAME=DIR" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit) as e:  # argparse's own usage error
+        main(["serve", str(tmp_path), "--adapter", "no-equals-sign"])
+    assert e.value.code == 2 and "NAME=DIR" in capsys.readouterr().err
     model = make_tiny_llama(tmp_path / "tiny")
     adapter = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj"], seed=0)
-    proc = cli("serve", str(model), "--adapter", f"a={adapter}", "--max-lora-rank", "2")
-    assert proc.returncode == 2 and "raise --max-lora-rank to 4" in proc.stderr, proc.stderr
-    proc = cli("serve", str(model), "--adapter", f"a={tmp_path / 'nope'}")
-    assert (
-        proc.returncode == 2 and "--adapter a=" in proc.stderr and "does not exist" in proc.stderr
-    )
-    proc = cli("serve", str(model), "--adapter-dir", str(tmp_path / "none"))
-    assert (
-        proc.returncode == 2
-        and "--adapter-dir" in proc.stderr
-        and "no such directory" in proc.stderr
-    )
-    proc = cli("serve", str(model), "--api-key", "")
-    assert proc.returncode == 2 and "--api-key is empty" in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    err = refused(["serve", str(model), "--adapter", f"a={adapter}", "--max-lora-rank", "2"],
+                  capsys, monkeypatch)  # fmt: skip
+    assert "raise --max-lora-rank to 4" in err, err
+    err = refused(["serve", str(model), "--adapter", f"a={tmp_path / 'nope'}"], capsys, monkeypatch)
+    assert "--adapter a=" in err and "does not exist" in err
+    err = refused(["serve", str(model), "--adapter-dir", str(tmp_path / "none")], capsys,
+                  monkeypatch)  # fmt: skip
+    assert "--adapter-dir" in err and "no such directory" in err
+    err = refused(["serve", str(model), "--api-key", ""], capsys, monkeypatch)
+    assert "--api-key is empty" in err, err

