@@ -20,7 +20,10 @@ D, H, HD, V = 32, 4, 8, 64
 class Attn(nn.Module):
     """Multi-head self-attention with knobs for the cases the planner cannot see from structure."""
 
-    def __init__(self, heads: int = H, shared_norm: bool = False, head_scale: bool = False):
+    def __init__(
+        self, heads: int = H, shared_norm: bool = False, head_scale: bool = False,
+        slopes: bool = False,
+    ):  # fmt: skip
         super().__init__()
         self.num_heads, self.head_dim = heads, HD
         self.q_proj = nn.Linear(D, heads * HD)
@@ -29,8 +32,11 @@ class Attn(nn.Module):
         self.o_proj = nn.Linear(heads * HD, D)
         # one norm shared by every head, applied to this rank's heads: partial gradients per rank
         self.q_norm = nn.LayerNorm(HD) if shared_norm else None
-        # one scale per head, applied with the full head count: a shape error once heads split
+        # one scale per head: read at the heads a rank holds (plan.head_views), its gradient summed
         self.head_scale = nn.Parameter(torch.ones(heads)) if head_scale else None
+        # one slope per head built in the forward (as ALiBi's): with the head count set per rank,
+        # every rank computes the first heads' slopes, so the split is not exact and is replicated
+        self.slopes = slopes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -42,6 +48,8 @@ class Attn(nn.Module):
         att = torch.einsum("bthd,bshd->bhts", q, k) / HD**0.5  # (B, h, T, T)
         if self.head_scale is not None:
             att = att * self.head_scale.view(1, -1, 1, 1)
+        if self.slopes:
+            att = att * 2.0 ** -torch.arange(1, self.num_heads + 1).view(1, -1, 1, 1)
         y = torch.einsum("bhts,bshd->bthd", att.softmax(-1), v).reshape(b, t, -1)
         return self.o_proj(y)
 
@@ -104,6 +112,7 @@ CASES = {
     "plain": lambda: Net(Attn),
     "shared_norm": lambda: Net(lambda: Attn(shared_norm=True)),
     "head_scale": lambda: Net(lambda: Attn(head_scale=True)),
+    "slopes": lambda: Net(lambda: Attn(slopes=True)),
     "odd_names": lambda: Net(OddNames),
     "uneven_heads": lambda: Net(lambda: Attn(heads=3)),
 }
@@ -160,6 +169,7 @@ def _rank(rank: int) -> dict:
             "exact_as_planned": st.verify.exact,
             "attrs": st.verify.attrs,
             "n_head": getattr(model.layers[0].attn, "n_head", None),
+            "views": st.plan.head_views,
         }
     # a custom model no probe input can be made for: it says so
     with warnings.catch_warnings(record=True) as w:
@@ -173,7 +183,7 @@ def _rank(rank: int) -> dict:
     facts["made_warned"] = [str(x.message) for x in w if "not verified" in str(x.message)]
     facts["made_verified"] = parallel_state(made).verify.verified
     # the report on its own
-    report = qm.verify_plan(Net(lambda: Attn(head_scale=True)), mesh, inputs=(_ids(0),))
+    report = qm.verify_plan(Net(lambda: Attn(slopes=True)), mesh, inputs=(_ids(0),))
     facts["report"] = str(report)
     return facts
 
@@ -205,7 +215,14 @@ def test_shared_norm_keeps_the_split_and_reduces_its_gradient(facts: dict) -> No
     )
 
 
-@pytest.mark.parametrize("case", ["head_scale"])
+def test_a_per_head_parameter_is_read_at_each_ranks_heads(facts: dict) -> None:
+    f = facts["head_scale"]
+    assert f["exact_as_planned"], f
+    assert "layers.0.attn.q_proj" in f["split"] and "layers.0.attn.o_proj" in f["split"], f
+    assert f["views"]["layers.0.attn"] == {"head_scale": [(0, 2), (2, 4)]}, f
+
+
+@pytest.mark.parametrize("case", ["slopes"])
 def test_a_split_that_fails_is_replicated_with_the_reason(facts: dict, case: str) -> None:
     f = facts[case]
     assert not f["exact_as_planned"]
