@@ -93,7 +93,7 @@ import torch.distributed as dist
 runpy.run_path(sys.argv[1], run_name="__main__")  # builds the mesh, prints this rank's coordinates
 works = [dist.all_reduce(torch.ones(200_000), async_op=True) for _ in range(50)]
 del works
-os.write(1, f"script done {dist.get_rank()}\n".encode())  # one write: ranks' lines never interleave
+os.write(1, f"script done {dist.get_rank()}\\n".encode())  # one write: ranks' lines never interleave
 """
 
 
