@@ -35,8 +35,9 @@ format: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -m "not cuda" --durations=25 tests
 
-# The inner loop: lint, then every test but the slow ones (the CLI end-to-end runs, the demo, the
-# benchmark smokes, the compiled-code spawns). `make test` stays the full suite.
+# The inner loop: lint, then every test but the slow ones (the CLI end-to-end runs, the demo and
+# its assets, the benchmark smokes, CPU compiles, the tp=4, recompute and hf launches of 4 ranks,
+# the MoE folder loads, the 512 MiB load). `make test` stays the full suite: it runs every slow test.
 test-fast: lint
 	$(PY) -m pytest -q -m "not cuda and not slow" tests
 

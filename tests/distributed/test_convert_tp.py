@@ -24,6 +24,8 @@ from ._io_cases import hf_logits, llama_dir, logits
 
 # summation order of fp32 partial sums over two ranks, relative to the largest logit (the loading
 # itself is checked bit for bit: against the fused folder's model)
+pytestmark = pytest.mark.slow  # three spawns loading six MoE folders: left out by make test-fast
+
 REL_TOL = 1e-5
 VOCAB = 64
 

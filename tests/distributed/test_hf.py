@@ -20,6 +20,7 @@ from ._io_cases import gpt2_dir, gpt2_legacy_dir, hf_logits, llama_dir, logits, 
 # summation-order differences of fp32 logits, relative to the largest logit: see test_load.py
 REL_TOL = 2e-6
 LAYOUTS = [(1, 4), (2, 2), (4, 1)]  # (dp, tp) on 4 ranks
+slow = pytest.mark.slow  # the launch of 4 ranks (`facts`): left out by make test-fast
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -65,6 +66,7 @@ def facts(dirs):
     return run_ranks(_facts, 4, dirs, timeout=240)
 
 
+@slow
 def test_llama_and_gpt2_match_transformers_on_dp_x_tp(facts, dirs):
     from transformers import AutoModelForCausalLM
 
@@ -81,6 +83,7 @@ def test_llama_and_gpt2_match_transformers_on_dp_x_tp(facts, dirs):
             assert torch.equal(b, want[n]), n
 
 
+@slow
 def test_fp32_is_layout_invariant(facts, dirs):
     want = hf_logits(dirs["aligned"], token_ids())
     for f in facts:
@@ -88,6 +91,7 @@ def test_fp32_is_layout_invariant(facts, dirs):
             assert _err(f["fp32"][tp], want) <= REL_TOL, tp
 
 
+@slow
 def test_nf4_same_logits_at_tp_1_2_4(facts):
     for f in facts:
         # double_quant off, cuts on block boundaries: identical codes and scales at every tp, so
@@ -107,6 +111,7 @@ def test_nf4_same_logits_at_tp_1_2_4(facts):
               f"{[round(_err(f['nf4'][tp], f['nf4'][1]), 5) for tp in (2, 4)]}")  # fmt: skip
 
 
+@slow
 def test_nf4_matches_transformers_bitsandbytes_on_cpu(facts, dirs):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -133,6 +138,7 @@ def test_nf4_matches_transformers_bitsandbytes_on_cpu(facts, dirs):
 NF4_HALF_GAP = (1 - 0.6961928009986877) / 2
 
 
+@slow
 @pytest.mark.parametrize("name, slack", [("nf4_flat", 1e-6), ("nf4", 0.02)])
 def test_nf4_weights_within_the_nf4_bound(facts, dirs, name, slack):
     from safetensors.torch import load_file

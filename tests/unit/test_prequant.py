@@ -200,6 +200,7 @@ def test_4bit_rows_that_cut_blocks_compute_with_the_flat_blocks_on_cpu():
     torch.testing.assert_close(x.grad, torch.ones(5, 32) @ flat, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # a CPU compile (inductor's first compile in a process costs the most)
 def test_4bit_rows_that_cut_blocks_compute_with_the_flat_blocks_when_compiled_too():
     """Compiled (CPU) the layer took bitsandbytes' kernel and its per-row statistics: the forward
     was off by ~9 and the input gradient by ~3 against the flat blocks. Now the same path as eager."""
