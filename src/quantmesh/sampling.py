@@ -18,7 +18,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["nucleus_logits", "penalize", "pick_tokens", "sample_tokens", "uniform_noise"]
+__all__ = [
+    "counter_noise",
+    "nucleus_logits",
+    "penalize",
+    "pick_tokens",
+    "sample_tokens",
+    "uniform_noise",
+]
 
 
 def _per_row(v: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -136,6 +143,48 @@ def uniform_noise(
     u = torch.rand(batch, vocab, generator=generator, device=device)
     tiny = torch.finfo(torch.float32).tiny
     return u.clamp_(min=tiny, max=1.0 - torch.finfo(torch.float32).eps / 2)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 `x` in [0, 2**32) and a 32-bit constant, in two 16-bit halves
+    so that no int64 product overflows (wrapping is undefined in C; the halves stay < 2**49)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xor-shift-multiply rounds; constants from the public
+    "lowbias32" search): every input bit moves every output bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform noise in (0, 1) for `pick_tokens`, a pure function of each row's (seed, counter):
+    (batch,) int64 seeds (>= 0) and counters (e.g. the tokens a row generated so far) ->
+    (batch, vocab) float32, on their device.
+
+    A counter-based generator: element j of row r is a hash of (seeds[r], counters[r], j), so the
+    draw of a row depends on nothing else in the batch, is the same on every device (integer ops
+    only; CPU and GPU give equal bits), needs no generator state, and traces into a compiled
+    step. 24 bits per value: (h + 0.5) / 2**24 is strictly inside (0, 1).
+
+    Example:
+        >>> u = counter_noise(torch.tensor([7, 7]), torch.tensor([0, 1]), 4)
+        >>> u.shape, bool((u > 0).all() and (u < 1).all()), bool((u[0] != u[1]).any())
+        (torch.Size([2, 4]), True, True)
+    """
+    s = seeds.to(torch.long).reshape(-1, 1)
+    c = counters.to(torch.long).reshape(-1, 1)
+    key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(c & _M32)))  # (batch, 1)
+    j = _mix32(torch.arange(vocab, device=s.device, dtype=torch.long))[None, :]
+    h = _mix32(_mix32(key ^ j) ^ key)  # (batch, vocab)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
 def sample_tokens(

@@ -98,3 +98,13 @@ def test_compiled_slot_step_is_the_eager_step(attn: str) -> None:
         clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - ref).abs().amax(dim=1)
         assert clear.float().mean() > 0.5, (name, clear.float().mean())  # the check has teeth
         assert (got.argmax(1) == ref.argmax(1))[clear].all(), name
+
+
+def test_counter_noise_gives_the_same_bits_on_the_gpu() -> None:
+    from quantmesh.sampling import counter_noise
+
+    seeds = torch.tensor([0, 7, 2**40 + 3, 2**62 - 1])
+    counters = torch.tensor([0, 1, 300, 2**31])
+    cpu = counter_noise(seeds, counters, 50_000)
+    gpu = counter_noise(seeds.cuda(), counters.cuda(), 50_000).cpu()
+    assert torch.equal(cpu, gpu)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from quantmesh.sampling import (
+    counter_noise,
     nucleus_logits,
     penalize,
     pick_tokens,
@@ -31,6 +32,27 @@ def _close(freq: torch.Tensor, p: torch.Tensor) -> None:
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 1.7])
 def test_draws_follow_the_tempered_softmax(temperature: float) -> None:
     _close(_freqs(temperature, 1.0), torch.softmax(LOGITS.double() / temperature, -1))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_counter_noise_draws_follow_the_tempered_softmax(temperature: float) -> None:
+    # N rows: one seed, counters 0..N-1 (a reply's successive tokens) and N seeds at counter 0
+    for seeds, counters in ((torch.full((N,), 12345), torch.arange(N)),
+                            (torch.arange(N), torch.zeros(N, dtype=torch.long))):  # fmt: skip
+        noise = counter_noise(seeds, counters, LOGITS.numel())
+        assert noise.dtype == torch.float32 and bool((noise > 0).all() and (noise < 1).all())
+        toks = pick_tokens(LOGITS.expand(N, -1), noise, temperature, 1.0)
+        freq = torch.bincount(toks, minlength=LOGITS.numel()).double() / N
+        _close(freq, torch.softmax(LOGITS.double() / temperature, -1))
+
+
+def test_counter_noise_is_a_pure_function_of_seed_counter_and_column() -> None:
+    a = counter_noise(torch.tensor([3, 2**40 + 3, 3]), torch.tensor([5, 5, 6]), 1000)
+    b = counter_noise(torch.tensor([2**40 + 3]), torch.tensor([5]), 1000)
+    assert torch.equal(a[1:2], b)  # the row alone gives the same bits
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])  # the seed's high bits count
+    # a wider vocabulary extends a row, its first columns unchanged
+    assert torch.equal(counter_noise(torch.tensor([3]), torch.tensor([5]), 1500)[0, :1000], a[0])
 
 
 def test_top_p_draws_only_from_the_renormalized_nucleus() -> None:

@@ -1,11 +1,13 @@
-"""serve's TextStream (text released as it becomes final, stop strings) and sample_token."""
+"""serve's TextStream (text released as it becomes final, stop strings) and choose_tokens (the
+scheduler's batched draw)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantmesh.serve.engine import sample_token
+from quantmesh.sampling import penalize
+from quantmesh.serve.scheduler import Job, Sampling, choose_tokens
 from quantmesh.serve.text import TextStream
 from tests.e2e.test_cli_common import make_tokenizer
 
@@ -49,15 +51,40 @@ def test_a_possible_stop_prefix_is_held_back(tok) -> None:
     assert not stopped and released + text == "To be, or arrows"
 
 
-def test_sample_token_top_p_and_seed() -> None:
+def _job(seed: int, generated: int = 0, prompt: tuple[int, ...] = (0,), **kw) -> Job:
+    job = Job(0, list(prompt), 0, Sampling(max_tokens=8, **kw), lambda e: None, None, seed)  # type: ignore[arg-type]
+    job.generated = generated
+    return job
+
+
+def test_choose_tokens_top_p_seed_and_independence_from_the_batch() -> None:
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
-    g = torch.Generator().manual_seed(0)
-    # top_p below the top token's probability keeps only that token
-    assert {sample_token(logits, 1.0, 0.3, g) for _ in range(50)} == {1}
-    draws = [sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(s)) for s in range(40)]
+    # top_p below the top token's probability keeps only that token, whatever the noise
+    low = [_job(s, temperature=1.0, top_p=0.3) for s in range(50)]
+    assert set(choose_tokens(logits.expand(50, -1), low)) == {1}
+    jobs = [_job(s, temperature=1.0) for s in range(40)]
+    draws = choose_tokens(logits.expand(40, -1), jobs)
     assert set(draws) >= {1, 2}  # both likely tokens come up
-    again = [sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(s)) for s in range(40)]
-    assert again == draws
+    assert choose_tokens(logits.expand(40, -1), jobs) == draws  # the seed decides
+    # one row alone, or beside other rows and settings: the same token
+    alone = [choose_tokens(logits[None], [j])[0] for j in jobs]
+    assert alone == draws
+    mixed = [_job(99, temperature=0.0), *jobs[:5], _job(7, temperature=0.5, top_k=2)]
+    assert choose_tokens(logits.expand(7, -1), mixed)[1:6] == draws[:5]
+    # the count of generated tokens moves the noise: a seeded reply is not one token repeated
+    later = choose_tokens(logits.expand(40, -1), [_job(s, 1, temperature=1.0) for s in range(40)])
+    assert later != draws
+    # greedy rows take the argmax
+    assert choose_tokens(logits.expand(2, -1), [_job(1), _job(2)]) == [1, 1]
+
+
+def test_choose_tokens_penalizes_its_rows_only() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]] * 2)
+    rep = _job(0, prompt=(1,), repetition_penalty=2.0)  # token 1 seen in the prompt: 3.0 -> 1.5
+    plain = _job(0)
+    assert choose_tokens(logits, [rep, plain]) == [2, 1]
+    want = penalize(logits[:1], torch.tensor([[False, True, False, False]]), torch.zeros(1, 4), 2.0)
+    assert int(want.argmax()) == 2
 
 
 def _byte_level_bpe():

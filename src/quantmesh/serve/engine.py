@@ -35,10 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QuantmeshError
-from ..sampling import sample_tokens
 from .bank import AdapterBank
 
-__all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
+__all__ = ["Admit", "Batch", "Plan", "ServeError"]
 
 
 class ServeError(QuantmeshError, RuntimeError):
@@ -233,22 +232,3 @@ def _same_length_runs(admit: list[Admit]) -> list[list[Admit]]:
         else:
             runs.append([a])
     return runs
-
-
-def sample_token(
-    logits: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator,
-    top_k: int = 0,
-    min_p: float = 0.0,
-) -> int:
-    """One token drawn from `logits` (vocab,) with temperature, top-k, nucleus (top-p) and min-p
-    filtering (`quantmesh.sampling`, as the fast decode loop draws).
-
-    Example:
-        >>> sample_token(torch.tensor([0.0, 9.0]), 1.0, 1.0, torch.Generator().manual_seed(0))
-        1
-    """
-    row = logits.float().cpu().reshape(1, -1)  # (1, vocab): the request's generator is on CPU
-    return int(sample_tokens(row, temperature, top_p, generator, top_k, min_p)[0])

@@ -4,9 +4,11 @@ The HTTP side (serve/app.py, on the event loop's thread) calls `submit`, `cancel
 and `remove_adapter`; those only queue work under a lock. The loop (its own thread) turns the queue
 into a Plan per step: rows that finished or whose client left are dropped, the rest are fed their
 last token, waiting requests are admitted up to `max_batch` (first come, first served), adapter
-loads go first. After the step it picks each row's next token (greedy: argmax; sampled: the
-request's own generator, so a seed gives the same reply whatever else is in the batch; penalties,
-top-k, top-p and min-p as `quantmesh.sampling` applies them), releases text through a TextStream
+loads go first. After the step it picks every row's next token at once on the device
+(`choose_tokens`: greedy rows the argmax; sampled rows a Gumbel-max draw whose noise is a pure
+function of the request's seed and its count of generated tokens, so a seed gives the same reply
+whatever else is in the batch; penalties, top-k, top-p and min-p as `quantmesh.sampling` applies
+them; one read-back per step), releases text through a TextStream
 and reports to the request's `emit` callback. Only this rank picks tokens: the other tp ranks are
 fed them in the next Plan, so every setting is consistent across ranks by construction.
 
@@ -36,8 +38,8 @@ from typing import Any
 import torch
 
 from ..errors import QuantmeshError
-from ..sampling import penalize
-from .engine import Admit, Batch, Plan, sample_token
+from ..sampling import counter_noise, penalize, pick_tokens
+from .engine import Admit, Batch, Plan
 from .ranks import Lockstep
 from .text import TextStream
 
@@ -92,7 +94,7 @@ class Job:
     sampling: Sampling
     emit: Callable[[Event], None]
     stream: TextStream
-    generator: torch.Generator | None = None
+    seed: int = 0  # the noise of its draws: counter_noise(seed, tokens generated so far)
     generated: int = 0
     last: int = -1  # the token to feed next
     finish: str | None = None
@@ -164,14 +166,11 @@ class Scheduler:
                 if adapter not in self.names:
                     raise UnknownModel(adapter)
                 slot = self.names[adapter]
-            gen = None
-            if sampling.temperature > 0:
-                seed = sampling.seed
-                if seed is None:
-                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed))
-                gen = torch.Generator().manual_seed(seed)
+            seed = sampling.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed))
             job = Job(next(self._ids), prompt, slot, sampling, emit,
-                      TextStream(self.tokenizer, sampling.stop), gen)  # fmt: skip
+                      TextStream(self.tokenizer, sampling.stop), seed % 2**63)  # fmt: skip
             self.users[slot] = self.users.get(slot, 0) + 1
             self.jobs[job.rid] = job
             self.waiting.append(job)
@@ -298,7 +297,6 @@ class Scheduler:
         if not rows:
             return
         all_logits = torch.cat(logits)  # (rows, vocab)
-        greedy = all_logits.argmax(dim=-1).tolist()  # one read-back per step
         with self.cv:  # the batch's rows first: a client that heard of its row finds it running
             jobs = [self.jobs[r] for r in rows]
             self.order = rows
@@ -307,6 +305,7 @@ class Scheduler:
                 self.steps += 1
                 self.rows += len(plan.order)
         n_old = len(plan.order)
+        pick: list[int] = []  # the rows that get a token this step
         for i, job in enumerate(jobs):
             if job.finish is not None or job.cancelled:
                 continue
@@ -317,28 +316,16 @@ class Scheduler:
             if s.max_tokens == 0:  # the prompt's logprobs were all it asked for
                 self._finish(job, "length")
                 continue
-            row = all_logits[i]
-            if s.penalized or s.logprobs is not None:
-                row = row.float().cpu()
-            chosen = row
-            if s.penalized:
-                if job.seen is None:
-                    job.seen = torch.zeros(row.shape[-1], dtype=torch.bool)
-                    job.seen[torch.tensor(job.prompt)] = True
-                    job.counts = torch.zeros(row.shape[-1])
-                assert job.counts is not None  # set with `seen`
-                chosen = penalize(row[None], job.seen[None], job.counts[None],
-                                  s.repetition_penalty, s.presence_penalty,
-                                  s.frequency_penalty)[0]  # fmt: skip
-            if job.generator is not None:
-                tok = sample_token(chosen, s.temperature, s.top_p, job.generator, s.top_k, s.min_p)
-            elif s.penalized:
-                tok = int(chosen.argmax())
-            else:
-                tok = greedy[i]
+            pick.append(i)
+        if not pick:
+            return
+        picked = [jobs[i] for i in pick]
+        rows_logits = all_logits if len(pick) == len(jobs) else all_logits[pick]
+        toks = choose_tokens(rows_logits, picked)
+        entries = _batch_logprobs(rows_logits, picked, toks)
+        for job, tok, entry in zip(picked, toks, entries, strict=True):
             if job.counts is not None:
                 job.counts[tok] += 1
-            entry = _token_logprobs(row, tok, s.logprobs) if s.logprobs is not None else None
             self._emit_token(job, tok, entry)
 
     def _emit_token(self, job: Job, tok: int, entry: Logprob | None) -> None:
@@ -371,12 +358,63 @@ Logprob = tuple[int, float | None, list[tuple[int, float]]]
 likely first)."""
 
 
-def _token_logprobs(logits: torch.Tensor, tok: int, k: int) -> Logprob:
-    """The model's own logprob of `tok` (log_softmax of the raw logits, float32) and the top k."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (vocab,)
-    top = lp.topk(k) if k > 0 else None
-    alts = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
-    return tok, float(lp[tok]), alts
+def choose_tokens(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
+    """Each row's next token, every row at once on the logits' device, one read-back: the
+    penalties of the rows that have them (`penalize`), then one `pick_tokens` over the batch with
+    each row's temperature, top-p, top-k and min-p, its noise `counter_noise(seed, tokens
+    generated)`; a row at temperature 0 takes the argmax. A row's token depends on its own
+    logits, settings, seed and count only, never on the rest of the batch.
+
+    Example:
+        >>> choose_tokens(logits, [job_a, job_b])  # doctest: +SKIP
+        [17, 4]
+    """
+    samp = [j.sampling for j in jobs]
+    pen = [i for i, s in enumerate(samp) if s.penalized]
+    if not pen and all(s.temperature == 0 for s in samp):
+        return logits.argmax(dim=-1).tolist()
+    dev = logits.device
+    z = logits.float()
+    if pen:
+        for i in pen:
+            j = jobs[i]
+            if j.seen is None:
+                j.seen = torch.zeros(z.shape[-1], dtype=torch.bool)
+                j.seen[torch.tensor(j.prompt)] = True
+                j.counts = torch.zeros(z.shape[-1])
+        seen = torch.stack([jobs[i].seen for i in pen]).to(dev)  # type: ignore[misc]
+        counts = torch.stack([jobs[i].counts for i in pen]).to(dev)  # type: ignore[misc]
+        knobs = torch.tensor([[samp[i].repetition_penalty, samp[i].presence_penalty,
+                               samp[i].frequency_penalty] for i in pen], device=dev)  # fmt: skip
+        at = torch.tensor(pen, device=dev)
+        z[at] = penalize(z[at], seen, counts, knobs[:, 0], knobs[:, 1], knobs[:, 2])
+    cfg = torch.tensor([[s.temperature, s.top_p, s.top_k, s.min_p] for s in samp], device=dev)
+    seeds = torch.tensor([j.seed for j in jobs], dtype=torch.long, device=dev)
+    counters = torch.tensor([j.generated for j in jobs], dtype=torch.long, device=dev)
+    noise = counter_noise(seeds, counters, z.shape[-1])
+    return pick_tokens(z, noise, cfg[:, 0], cfg[:, 1], cfg[:, 2], cfg[:, 3]).tolist()
+
+
+def _batch_logprobs(logits: torch.Tensor, jobs: list[Job], toks: list[int]) -> list[Logprob | None]:
+    """The logprob entry of each row that asked for logprobs (None for the others): the model's
+    own log_softmax of the raw logits (float32) at the chosen token and the row's top k, computed
+    for those rows together, one read-back."""
+    want = [i for i, j in enumerate(jobs) if j.sampling.logprobs is not None]
+    out: list[Logprob | None] = [None] * len(jobs)
+    if not want:
+        return out
+    lp = torch.log_softmax(logits[want].float(), dim=-1)  # (w, vocab)
+    own = lp.gather(-1, torch.tensor([toks[i] for i in want], device=lp.device)[:, None])[:, 0]
+    kmax = max(jobs[i].sampling.logprobs or 0 for i in want)
+    top = lp.topk(kmax, dim=-1) if kmax > 0 else None
+    own_l = own.tolist()
+    ids = top.indices.tolist() if top is not None else []
+    vals = top.values.tolist() if top is not None else []
+    for w, i in enumerate(want):
+        k = jobs[i].sampling.logprobs or 0
+        alts = list(zip(ids[w][:k], vals[w][:k], strict=True)) if k > 0 else []
+        out[i] = (toks[i], own_l[w], alts)
+    return out
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], k: int) -> list[Logprob]:
