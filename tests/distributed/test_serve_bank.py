@@ -7,7 +7,8 @@ Covers the bank's slices on colwise and rowwise layers, an adapter of lower rank
 lengths, two rows with different adapters prefilled together, rows joining a running batch and
 rows leaving it (the span of slots in use then starts at 1). Both engines: `Batch` (a growing
 cache) and `SlotBatch` (fixed KV slots, run eagerly here; rows padded to a ladder size, rows after
-a leaving one shifted down).
+a leaving one shifted down), the latter also with prompts prefilled in chunks between decode
+steps.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
         m = qm.from_pretrained(model_dir, mesh, lora=adapter_lora_config(path), progress=False)
         qm.load_adapter(m, path)
         refs.append(m.eval())
-    if engine == "slots":  # eager on CPU: the same code the GPU compiles, small ladder
-        batch = SlotBatch(served, bank, max_batch=5, max_len=64, ladder=(1, 2))
+    if engine != "dynamic":  # eager on CPU: the same code the GPU compiles, small ladder
+        chunk = 3 if engine == "chunked" else None
+        batch = SlotBatch(served, bank, max_batch=5, max_len=64, ladder=(1, 2), chunk=chunk)
     else:
         batch = Batch(served, bank)
     seqs = {rid: list(p) for rid, p in enumerate(PROMPTS)}
@@ -63,28 +65,51 @@ def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
         return tok
 
     # rows 0, 3 (prefilled together: one prompt length) and 1 start; row 2 and row 4 (echo: every
-    # prompt position's logits) join after two steps; row 1 leaves after three
+    # prompt position's logits) join after two steps; row 1 leaves after four. "chunked" prefills
+    # rows 2 and 4 in pieces of at most 3 tokens over four steps, decoding the others meanwhile:
+    # at step 3 the rows mid-prefill sit in the padding slots of a batch of 5 (3 rows decode), at
+    # step 4 row 1 leaves from in front of a row mid-prefill (which shifts down a slot)
     first = [Admit(0, PROMPTS[0], 1), Admit(3, PROMPTS[3], 2), Admit(1, PROMPTS[1], 0)]
     _, pre, _ = batch.execute(Plan(admit=first))
     last = {a.rid: check(a.rid, row) for a, row in zip(first, pre, strict=True)}
-    order = [0, 3, 1]
-    for step in range(5):
-        admit = [Admit(2, PROMPTS[2], 2), Admit(4, PROMPTS[4], 1, echo=True)] if step == 2 else []
-        drop = [1] if step == 3 else []
+    p2, p4 = PROMPTS[2], PROMPTS[4]
+    if engine == "chunked":
+        schedule = {
+            2: [Admit(2, p2[:3], 2, last=False)],
+            3: [Admit(2, p2[3:6], 2, start=3, last=False)],
+            4: [Admit(2, p2[6:], 2, start=6), Admit(4, p4[:2], 1, echo=True, last=False)],
+            5: [Admit(4, p4[2:], 1, echo=True, start=2)],
+        }
+    else:
+        schedule = {2: [Admit(2, p2, 2), Admit(4, p4, 1, echo=True)]}
+    order: list[int] = [0, 3, 1]
+    filling: list[int] = []
+    for step in range(7):
+        admit = schedule.get(step, [])
+        drop = [1] if step == 4 else []
         order = [r for r in order if r not in drop]
         out, pre, _ = batch.execute(
-            Plan(drop=drop, order=order, feed=[last[r] for r in order], admit=admit)
+            Plan(
+                drop=drop,
+                order=order,
+                feed=[last[r] for r in order],
+                admit=admit,
+                filling=list(filling),
+            )  # fmt: skip
         )
-        for r, row in zip(order, out, strict=True):
+        for r, row in zip(order, out if out is not None else [], strict=True):
             last[r] = check(r, row)
-        for a, row in zip(admit, pre, strict=True):
-            last[a.rid] = check(a.rid, row)
-        order = order + [a.rid for a in admit]
+        ended = [a.rid for a in admit if a.last]
+        for r, row in zip(ended, pre, strict=True):
+            last[r] = check(r, row)
+        order = order + ended
+        filling = [r for r in filling if r not in ended]
+        filling += [a.rid for a in admit if not a.start and not a.last]
     return {"worst": worst, "agree": agree, "steps": {r: len(s) for r, s in seqs.items()}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["dynamic", "slots"])
+@pytest.mark.parametrize("engine", ["dynamic", "slots", "chunked"])
 def test_mixed_adapter_batch_equals_each_adapter_alone(tmp_path: Path, engine: str) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     a = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj", "v_proj"], seed=1)
@@ -93,4 +118,6 @@ def test_mixed_adapter_batch_equals_each_adapter_alone(tmp_path: Path, engine: s
     for res in results:
         assert res["agree"], res
         assert res["worst"] < 1e-4, res  # fp32: only the order of sums differs
+        # every row was prefilled and decoded (the chunked ones too): prompt + its tokens checked
+        assert all(res["steps"][r] > len(p) + 1 for r, p in enumerate(PROMPTS)), res
     assert results[0] == results[1]

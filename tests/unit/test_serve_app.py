@@ -38,11 +38,16 @@ class _Bank:
 
 
 class _NextTokenBatch:
-    """Plays Batch: each row's next token is its last token + 1; records the plans."""
+    """Plays Batch: each row's next token is its last token + 1; records the plans. With `chunk`,
+    prompts come in chunks as to SlotBatch: a row mid-prefill holds a slot and returns nothing
+    until its last chunk (an echo row then gets its whole prompt's logits)."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, chunk: int | None = None) -> None:
         self.vocab, self.bank, self.device = vocab, _Bank(), torch.device("cpu")
+        self.chunk = chunk
         self.rows: list[int] = []
+        self.filling: list[int] = []
+        self.seen: dict[int, list[int]] = {}  # prompt tokens received per row mid-prefill
         self.plans: list[Plan] = []
 
     def _onehot(self, tok: int) -> torch.Tensor:
@@ -55,15 +60,25 @@ class _NextTokenBatch:
             self.plans.append(plan)
             time.sleep(0.02)  # a step takes time: requests sent together overlap
         self.rows = [r for r in self.rows if r not in plan.drop]
-        assert self.rows == plan.order
+        self.filling = [r for r in self.filling if r not in plan.drop]
+        assert self.rows == plan.order and self.filling == plan.filling
         step = torch.stack([self._onehot(t) for t in plan.feed]) if plan.order else None
-        pre = [  # an echo row gets every prompt position's logits, as Batch gives them
-            torch.stack([self._onehot(t) for t in a.prompt])
-            if a.echo
-            else self._onehot(a.prompt[-1])
-            for a in plan.admit
-        ]
-        self.rows += [a.rid for a in plan.admit]
+        pre = []
+        for a in plan.admit:
+            assert self.chunk is None or len(a.prompt) <= self.chunk
+            got = self.seen.setdefault(a.rid, [])
+            assert len(got) == a.start  # chunks in order, none lost
+            got += a.prompt
+            if not a.start and not a.last:
+                self.filling.append(a.rid)
+            if not a.last:
+                continue
+            assert not self.filling or self.filling[0] == a.rid  # first come, first decoding
+            self.filling = self.filling[1:] if self.filling[:1] == [a.rid] else self.filling
+            self.rows.append(a.rid)
+            whole = self.seen.pop(a.rid)  # an echo row: every prompt position's logits
+            pre.append(torch.stack([self._onehot(t) for t in whole]) if a.echo
+                       else self._onehot(whole[-1]))  # fmt: skip
         return step, pre, ["" for _ in plan.loads]
 
 
@@ -73,8 +88,8 @@ def tok():
 
 
 @contextlib.contextmanager
-def _serving(tok, **info):
-    batch = _NextTokenBatch(len(tok))
+def _serving(tok, chunk: int | None = None, **info):
+    batch = _NextTokenBatch(len(tok), chunk)
     sched = Scheduler(batch, Lockstep(None, torch.device("cpu")), tok,  # type: ignore[arg-type]
                       eos_ids=[tok.eos_token_id], max_batch=4, heartbeat_s=0.05)  # fmt: skip
     loop = threading.Thread(target=sched.run, daemon=True)
@@ -156,6 +171,40 @@ def test_requests_share_steps_and_leave(served, tok) -> None:
         assert r["choices"][0]["text"] == _following(tok, "the", r["usage"]["completion_tokens"])
     assert max(len(p.order) for p in batch.plans) > 1  # some steps decoded several rows
     assert max(len(p.order) + len(p.admit) for p in batch.plans) <= 4  # --max-batch
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(tok) -> None:
+    with _serving(tok, chunk=3) as (client, _, batch):
+        results: dict[str, dict] = {}
+        start = threading.Barrier(4)
+        prompts = {"short": "the", "long": "To be, or not to be, that is", "mid": "To be, or not",
+                   "echo": "To be, or not to be"}  # fmt: skip
+
+        def ask(name: str) -> None:
+            extra = {"echo": True, "logprobs": 0} if name == "echo" else {}
+            start.wait()
+            results[name] = client.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompts[name], "max_tokens": 6, "temperature": 0,
+                **extra}).json()  # fmt: skip
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    for name, prompt in prompts.items():
+        body = results[name]
+        assert body["usage"]["prompt_tokens"] == len(tok(prompt)["input_ids"]), body
+        text = body["choices"][0]["text"]
+        want = _following(tok, prompt, 6)
+        assert text == (prompt + want if name == "echo" else want), body
+    echo = results["echo"]["choices"][0]["logprobs"]
+    assert len(echo["tokens"]) == len(tok(prompts["echo"])["input_ids"]) + 6
+    assert echo["token_logprobs"][0] is None
+    assert all(len(a.prompt) <= 3 for p in batch.plans for a in p.admit)
+    # a prompt cut in chunks: some step decoded rows while another row was mid-prefill
+    assert any(p.order and p.filling for p in batch.plans)
+    assert any(not a.last for p in batch.plans for a in p.admit)
 
 
 def test_errors_in_openai_shape(served) -> None:

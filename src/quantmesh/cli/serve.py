@@ -82,6 +82,10 @@ class ServeConfig:
     """The decode engine: dynamic (eager, a growing cache: any device) or slots (fixed KV slots,
     the step compiled and CUDA-graphed per batch size on GPUs, eager on CPU). slots is opt-in
     until it is measured on a GPU (docs/benchmarks.md)."""
+    prefill_chunk: int | None = None
+    """Prompt tokens prefilled per step (slots engine; default 512): a longer prompt is
+    prefilled in chunks between decode steps, so that it does not stall the rows decoding. 0:
+    whole prompts. The dynamic engine prefills whole prompts only."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -107,6 +111,14 @@ class ServeConfig:
                 raise CliError(f"{flag} {v}; expected >= 1")
         if self.engine not in ENGINES:
             raise CliError(f"--engine {self.engine}; use one of {', '.join(ENGINES)}")
+        if self.prefill_chunk is not None:
+            if self.prefill_chunk < 0:
+                raise CliError(f"--prefill-chunk {self.prefill_chunk}; expected >= 0 (0: off)")
+            if self.engine != "slots" and self.prefill_chunk:
+                raise CliError(
+                    f"--prefill-chunk {self.prefill_chunk} needs --engine slots (the dynamic "
+                    "engine prefills whole prompts)"
+                )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise CliError(f"--max-tokens {self.max_tokens}; expected >= 1")
         if self.adapter_dir is not None and not Path(self.adapter_dir).expanduser().is_dir():
@@ -177,6 +189,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dynamic (default): eager, a growing KV cache; slots: fixed KV slots, the "
                    "decode step compiled and CUDA-graphed per batch size on GPUs (opt-in: not yet "
                    "measured on a GPU)")  # fmt: skip
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="slots engine: prompt tokens prefilled per step, longer prompts in "
+                   "chunks between decode steps (default 512; 0: whole prompts)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -198,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank, lora_targets=targets,
             max_model_len=args.max_model_len, grace_s=args.grace, adapter_dir=args.adapter_dir,
             max_request_bytes=args.max_request_bytes, max_tokens=args.max_tokens,
-            max_choices=args.max_choices, engine=args.engine,
+            max_choices=args.max_choices, engine=args.engine, prefill_chunk=args.prefill_chunk,
         )  # fmt: skip
         check(cfg)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -296,8 +311,9 @@ def serve_worker(payload: str) -> int:
     lockstep = Lockstep(mesh.tp_group, mesh.device)
     max_len = cfg.max_model_len or int(config.max_position_embeddings)
     if cfg.engine == "slots":
+        chunk = 512 if cfg.prefill_chunk is None else cfg.prefill_chunk
         slots_batch = SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
-                                agree=lockstep.agree)  # fmt: skip
+                                agree=lockstep.agree, chunk=chunk or None)  # fmt: skip
         # every rank compiles the same steps in the same order (their tp collectives meet)
         say = (
             (lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True))

@@ -46,13 +46,17 @@ class ServeError(QuantmeshError, RuntimeError):
 
 @dataclass
 class Admit:
-    """A new row: its request id, prompt token ids and adapter slot; `echo`: keep the logits of
-    every prompt position, not only the last."""
+    """A new row, or the next chunk of a row's prompt: its request id, the prompt's token ids (of
+    this chunk) and adapter slot; `echo`: keep the logits of every prompt position, not only the
+    last. A prompt prefilled in chunks (engines with a `chunk`) comes in several Admits: `start`
+    tokens of it are in the cache already, `last` marks the chunk that ends it."""
 
     rid: int
     prompt: list[int]
     slot: int
     echo: bool = False
+    start: int = 0
+    last: bool = True
 
 
 @dataclass
@@ -66,7 +70,9 @@ class Plan:
     feed: list[int] = field(default_factory=list)
     """The next input token of each row of `order`."""
     admit: list[Admit] = field(default_factory=list)
-    """New rows, prefilled after the step, in this order."""
+    """New rows and prompt chunks, prefilled after the step, in this order."""
+    filling: list[int] = field(default_factory=list)
+    """Rows mid-prefill (a prompt in chunks, not yet decoding), after `order` in slot order."""
     loads: list[tuple[int, str]] = field(default_factory=list)
     """(slot, adapter folder) to load before anything else."""
     stop: bool = False
@@ -112,15 +118,19 @@ class Batch:
         self.rids: list[int] = []
         self.slots: list[int] = []
         self.lens: list[int] = []  # real tokens in the cache, per row
+        self.pending = 0  # the last rows, mid-prefill (their prompts' last chunk still to come)
+        self.chunk: int | None = None
+        """Prompt tokens prefilled per step, in chunks (None: whole prompts at admission)."""
         self.cache: Any = None  # a transformers DynamicCache, or None while empty
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, T)
 
     # ---- the plan -----------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: Plan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[str]]:
-        """Run one plan. Returns (the step's logits (B, vocab) for `plan.order`, or None; each
-        admitted row's prefill logits, (vocab,) or (prompt length, vocab) for an `echo` row; an
-        error message per load, "" when it worked)."""
+        """Run one plan. Returns (the step's logits (B, vocab) for `plan.order`, or None; the
+        prefill logits of each admission that ends its prompt (`last`), in plan order, (vocab,)
+        or (prompt length, vocab) for an `echo` row; an error message per load, "" when it
+        worked)."""
         errors = []
         for slot, path in plan.loads:
             try:
@@ -137,12 +147,13 @@ class Batch:
         if plan.drop:
             self._drop(set(plan.drop))
         # a bug or a lost message, not a user's mistake: RuntimeError, not ServeError
-        if self.rids != plan.order:
+        if self.rids != plan.order + plan.filling:
             raise RuntimeError(
-                f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned {plan.order}"
+                f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned "
+                f"{plan.order + plan.filling}"
             )
         with self._autocast():
-            step = self._step(plan.feed) if self.rids else None
+            step = self._step(plan.feed) if len(self.rids) > self.pending else None
             pre = []
             for group in self._groups(plan.admit):
                 pre += self._prefill(group)
@@ -195,6 +206,8 @@ class Batch:
         echo rows (a group is all echo or none) return every position's logits."""
         from transformers import DynamicCache
 
+        if any(a.start or not a.last for a in group):
+            raise RuntimeError("this engine prefills whole prompts (its chunk is None)")
         cache = DynamicCache(config=self.config)
         k, p = len(group), len(group[0].prompt)
         ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)

@@ -95,6 +95,7 @@ class Job:
     emit: Callable[[Event], None]
     stream: TextStream
     seed: int = 0  # the noise of its draws: counter_noise(seed, tokens generated so far)
+    filled: int = 0  # prompt tokens in the KV cache (a prompt prefilled in chunks)
     generated: int = 0
     last: int = -1  # the token to feed next
     finish: str | None = None
@@ -125,6 +126,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.jobs: dict[int, Job] = {}  # submitted and not yet dropped from the batch
         self.order: list[int] = []  # rows in the batch, in batch order
+        self.filling: list[int] = []  # rows mid-prefill (a prompt in chunks), after `order`
         self.loads: list[tuple[int, str, Callable[[str], None]]] = []
         self.names: dict[str, int] = dict(adapters or {})  # adapter name -> slot
         self.users: dict[int, int] = {}  # slot -> requests using it
@@ -142,7 +144,7 @@ class Scheduler:
         """{"running": rows in the batch, "waiting": requests not yet admitted, and since the
         start: "peak_batch" (the most rows one decode step ran), "decode_steps", "decoded_rows"}."""
         with self.cv:
-            return {"running": len(self.order), "waiting": len(self.waiting),
+            return {"running": len(self.order) + len(self.filling), "waiting": len(self.waiting),
                     "peak_batch": self.peak, "decode_steps": self.steps,
                     "decoded_rows": self.rows}  # fmt: skip
 
@@ -259,7 +261,7 @@ class Scheduler:
 
     def _next_plan(self) -> tuple[Plan, list[tuple[int, str, Callable[[str], None]]]]:
         with self.cv:
-            if not (self.order or self.waiting or self.loads or self.stopping):
+            if not (self.order or self.filling or self.waiting or self.loads or self.stopping):
                 self.cv.wait(timeout=self.heartbeat_s)
             if self.stopping:
                 for j in self.jobs.values():
@@ -270,40 +272,68 @@ class Scheduler:
                     done("the server is shutting down")
                 self.loads = []
                 return Plan(stop=True), []
-            drop = [r for r in self.order if self.jobs[r].finish or self.jobs[r].cancelled]
+            held = self.order + self.filling
+            drop = [r for r in held if self.jobs[r].finish or self.jobs[r].cancelled]
             for r in drop:
                 self._release(self.jobs.pop(r))
             self.order = [r for r in self.order if r not in drop]
+            self.filling = [r for r in self.filling if r not in drop]
+            # prompt tokens this step: the engine's chunk (None: whole prompts), first come first
+            # served: the row mid-prefill, then new rows while slots and tokens are left
+            budget = self.batch.chunk or sum(len(j.prompt) for j in self.jobs.values()) + 1
             admit: list[Admit] = []
-            while self.waiting and len(self.order) + len(admit) < self.max_batch:
+            for r in self.filling:
+                job = self.jobs[r]
+                if budget > 0:
+                    admit.append(self._chunk(job, budget))
+                    budget -= len(admit[-1].prompt)
+            new = 0
+            while self.waiting and budget > 0 and len(held) - len(drop) + new < self.max_batch:
                 job = self.waiting.popleft()
                 if job.cancelled:
                     self._release(self.jobs.pop(job.rid))
                     continue
-                admit.append(Admit(job.rid, job.prompt, job.slot, echo=job.sampling.echo))
+                admit.append(self._chunk(job, budget))
+                budget -= len(admit[-1].prompt)
+                new += 1
             loads, self.loads = self.loads, []
             plan = Plan(drop=drop, order=list(self.order), feed=[self.jobs[r].last for r in self.order],
-                        admit=admit, loads=[(s, p) for s, p, _ in loads])  # fmt: skip
+                        admit=admit, loads=[(s, p) for s, p, _ in loads],
+                        filling=list(self.filling))  # fmt: skip
             return plan, loads
+
+    @staticmethod
+    def _chunk(job: Job, budget: int) -> Admit:
+        """The next piece of a job's prompt, at most `budget` tokens."""
+        n = min(len(job.prompt) - job.filled, budget)
+        return Admit(job.rid, job.prompt[job.filled : job.filled + n], job.slot,
+                     echo=job.sampling.echo, start=job.filled,
+                     last=job.filled + n == len(job.prompt))  # fmt: skip
 
     def _release(self, job: Job) -> None:
         self.users[job.slot] -= 1
 
     def _after(self, plan: Plan, step: torch.Tensor | None, pre: list[torch.Tensor]) -> None:
-        rows = list(plan.order) + [a.rid for a in plan.admit]
+        ended = [a.rid for a in plan.admit if a.last]  # prompts prefilled whole: they decode now
+        for a in plan.admit:
+            self.jobs[a.rid].filled = a.start + len(a.prompt)
+        rows = list(plan.order) + ended
+        filling = [r for r in plan.filling if r not in ended]
+        filling += [a.rid for a in plan.admit if not a.start and not a.last]
         logits = [step] if step is not None else []
         if pre:  # an echo row's prefill holds every prompt position: its last one predicts
             logits.append(torch.stack([p[-1] if p.dim() == 2 else p for p in pre]))
-        if not rows:
-            return
-        all_logits = torch.cat(logits)  # (rows, vocab)
         with self.cv:  # the batch's rows first: a client that heard of its row finds it running
+            self.filling = filling
+            if not rows:
+                return
             jobs = [self.jobs[r] for r in rows]
             self.order = rows
             self.peak = max(self.peak, len(plan.order))
             if plan.order:
                 self.steps += 1
                 self.rows += len(plan.order)
+        all_logits = torch.cat(logits)  # (rows, vocab)
         n_old = len(plan.order)
         pick: list[int] = []  # the rows that get a token this step
         for i, job in enumerate(jobs):

@@ -77,11 +77,13 @@ class _SlotLayer:
         lo, b, le = o.lo, o.b, o.le
         rows, pos = o.rows[lo : lo + b], o.pos_buf[lo : lo + b]
         t = key_states.shape[2]
-        if t == 1:  # a decode step: (b, heads, 1, dim) -> each row's column `pos`
-            self.keys[rows, :, pos] = key_states[:, :, 0].to(self.keys.dtype)
-            self.values[rows, :, pos] = value_states[:, :, 0].to(self.values.dtype)
-        else:  # a prefill: row r's t tokens -> its columns pos[r] .. pos[r] + t - 1
-            cols = pos[:, None] + torch.arange(t, device=pos.device)  # (b, t)
+        if t == 1:  # a decode step: (b, heads, 1, dim) -> each row's column (a padding row's:
+            col = o.col_buf[lo : lo + b]  # the scratch column, past max_len)
+            self.keys[rows, :, col] = key_states[:, :, 0].to(self.keys.dtype)
+            self.values[rows, :, col] = value_states[:, :, 0].to(self.values.dtype)
+        else:  # a prefill: row r's t tokens -> its columns pos[r] .. pos[r] + t - 1 (a padded
+            # chunk's tail past max_len lands in the scratch column)
+            cols = (pos[:, None] + torch.arange(t, device=pos.device)).clamp(max=o.max_len)
             self.keys[rows[:, None], :, cols] = key_states.transpose(1, 2).to(self.keys.dtype)
             self.values[rows[:, None], :, cols] = value_states.transpose(1, 2).to(self.values.dtype)
         return self.keys[lo : lo + b, :, :le], self.values[lo : lo + b, :, :le]
@@ -112,7 +114,9 @@ class SlotBatch(Batch):
 
     `max_batch`: rows at most (the slots); `max_len`: tokens a row may hold (prompt and reply);
     `compile`: compile and CUDA-graph the step (default: on CUDA devices); `ladder`: batch sizes
-    compiled (each capped by max_batch). Raises ServeError when the model cannot be served this way.
+    compiled (each capped by max_batch); `chunk`: prompt tokens prefilled per step (the scheduler
+    splits longer prompts, so that a long prompt does not stall the rows decoding; None: whole
+    prompts). Raises ServeError when the model cannot be served this way.
 
     Example:
         >>> batch = SlotBatch(model, bank, max_batch=8, max_len=1024, compile=False)  # doctest: +SKIP
@@ -129,10 +133,15 @@ class SlotBatch(Batch):
         mode: str | None = "reduce-overhead",
         ladder: tuple[int, ...] = LADDER,
         agree: Callable[[list[bool]], list[bool]] | None = None,
+        chunk: int | None = None,
     ) -> None:
         super().__init__(model, bank, agree=agree)
         if max_batch < 1 or max_len < 2:
             raise ServeError(f"max_batch={max_batch}, max_len={max_len}; expected >= 1 and >= 2")
+        if chunk is not None and chunk < 1:
+            raise ServeError(f"a prefill chunk of {chunk} tokens; expected >= 1 (or None: whole)")
+        self.chunk = chunk
+        self.parts: dict[int, list[torch.Tensor]] = {}  # echo rows mid-prefill: chunks' logits
         attn = getattr(self.config, "_attn_implementation", None) or "eager"
         if attn not in ("sdpa", "eager"):
             raise ServeError(
@@ -152,6 +161,7 @@ class SlotBatch(Batch):
         s = self.sizes[-1]
         self.ids_buf = torch.zeros(s, 1, dtype=torch.long, device=self.device)
         self.pos_buf = torch.zeros(s, dtype=torch.long, device=self.device)
+        self.col_buf = torch.zeros(s, dtype=torch.long, device=self.device)  # decode's columns
         self.rows = torch.arange(s, device=self.device)
         self.layers: list[_SlotLayer] = []  # allocated at the first prefill
         self.slot_cache: Any = None
@@ -159,7 +169,7 @@ class SlotBatch(Batch):
         self.run: Callable[[], torch.Tensor] = self._decode
         if self.compiled:
             _static_statistics(model)
-            for t in (self.ids_buf, self.pos_buf, self.rows):
+            for t in (self.ids_buf, self.pos_buf, self.col_buf, self.rows):
                 torch._dynamo.mark_static_address(t, guard=False)
             # one compiled graph per (b, le): past dynamo's default limit, it would fall back to
             # eager without a word
@@ -195,22 +205,26 @@ class SlotBatch(Batch):
         return self._forward(self.ids_buf[: self.b])[:, -1]
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (rows, vocab)
-        n = len(self.rids)
+        n = len(self.rids) - self.pending  # the rows mid-prefill (after these) do not decode
         b = _ladder(n, self.sizes)
-        need = max(self.lens) + 1
+        lens = self.lens[:n]
+        need = max(lens) + 1
         if need > self.max_len:
             raise RuntimeError(f"a row needs {need} KV columns, more than max_len {self.max_len}")
         le = _ladder(need, self.lens_ladder)
         pad = [0] * (b - n)
-        host = torch.tensor([feed + pad, self.lens + pad], dtype=torch.long)
+        # padding rows (whose slots may hold rows mid-prefill) write to the scratch column
+        host = torch.tensor([feed + pad, lens + pad, lens + [self.max_len] * (b - n)],
+                            dtype=torch.long)  # fmt: skip
         self.ids_buf[:b, 0].copy_(host[0], non_blocking=True)
         self.pos_buf[:b].copy_(host[1], non_blocking=True)
-        self.bank.set_rows(self.slots + pad, fixed=self.sizes[-1])
+        self.col_buf[:b].copy_(host[2], non_blocking=True)
+        self.bank.set_rows(self.slots[:n] + pad, fixed=self.sizes[-1])
         self.lo, self.b, self.le = 0, b, le
         logits = self.run()[:n]
         if self.compiled:  # a graph's output is rewritten by its next replay
             logits = logits.clone()
-        self.lens = [x + 1 for x in self.lens]
+        self.lens[:n] = [x + 1 for x in lens]
         return logits
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
@@ -246,13 +260,18 @@ class SlotBatch(Batch):
             for layer in self.layers:
                 for t in (layer.keys, layer.values):
                     t[dst, :, :m] = t[src, :, :m]  # the right side is a copy: overlaps are safe
+        first_pending = len(self.rids) - self.pending
+        self.pending = sum(1 for i in keep if i >= first_pending)
+        for r in drop:
+            self.parts.pop(r, None)
         self.rids = [self.rids[i] for i in keep]
         self.slots = [self.slots[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
 
     def _allocate(self) -> None:
         """The slot tensors, shaped after the cache layers of a one-token forward (this rank's kv
-        heads, the cache's dtype), before the first prefill."""
+        heads, the cache's dtype), before the first prefill: max_len columns and one scratch
+        column (where padding rows and padded chunks write)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
@@ -262,8 +281,8 @@ class SlotBatch(Batch):
         layers: list[Any] = list(cache.layers)
         shapes = [(layer.keys, layer.values) for layer in layers]
         s = self.sizes[-1]
-        need = sum(s * self.max_len * (k[0, :, 0].numel() * k.shape[-1] + v[0, :, 0].numel()
-                                       * v.shape[-1]) * k.element_size() for k, v in shapes)  # fmt: skip
+        need = sum(s * (self.max_len + 1) * (k[0, :, 0].numel() + v[0, :, 0].numel())
+                   * k.element_size() for k, v in shapes)  # fmt: skip
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             if need > 0.9 * free:
@@ -273,8 +292,8 @@ class SlotBatch(Batch):
                     "--max-model-len"
                 )
         for k, v in shapes:
-            keys = k.new_zeros(s, k.shape[1], self.max_len, k.shape[3])
-            values = v.new_zeros(s, v.shape[1], self.max_len, v.shape[3])
+            keys = k.new_zeros(s, k.shape[1], self.max_len + 1, k.shape[3])
+            values = v.new_zeros(s, v.shape[1], self.max_len + 1, v.shape[3])
             if self.compiled:
                 torch._dynamo.mark_static_address(keys, guard=False)
                 torch._dynamo.mark_static_address(values, guard=False)
@@ -292,36 +311,57 @@ class SlotBatch(Batch):
         return runs
 
     def _prefill(self, group: list[Admit]) -> list[torch.Tensor]:  # (vocab,) or (p, vocab) each
-        """Prefill k new rows in one eager forward, their prompts right-padded to the longest and
-        written straight into the next k slots (a row's padding lands past its length, where the
-        mask hides it until its own tokens overwrite it). An echo row gets every prompt
-        position's logits, the others their last position's."""
+        """Prefill k rows' prompts (or chunks of them) in one eager forward, right-padded to the
+        longest and written straight into the rows' slots from each one's `start` on (a row's
+        padding lands past its length, where the mask hides it until its own tokens overwrite
+        it). A new row takes the next slot; a chunk continues its row, mid-prefill in the last
+        slots. Returns the logits of the admissions that end their prompts: an echo row's every
+        prompt position (its chunks' together), the others' last position."""
         k = len(group)
         lens = [len(a.prompt) for a in group]
         t = max(lens)
-        if t > self.max_len:
-            raise RuntimeError(f"a prompt of {t} tokens exceeds max_len {self.max_len}")
-        if len(self.rids) + k > self.sizes[-1]:
-            raise RuntimeError(f"{len(self.rids) + k} rows exceed max_batch {self.sizes[-1]}")
+        if max(a.start + n for a, n in zip(group, lens, strict=True)) > self.max_len:
+            raise RuntimeError(f"a prompt exceeds max_len {self.max_len}")
+        new = sum(1 for a in group if a.start == 0)
+        if len(self.rids) + new > self.sizes[-1]:
+            raise RuntimeError(f"{len(self.rids) + new} rows exceed max_batch {self.sizes[-1]}")
         if not self.layers:
             self._allocate()
-        first = len(self.rids)
+        lo = len(self.rids) - self.pending  # the group's rows: the slots from the first pending on
+        for i, a in enumerate(group):
+            at = self.rids.index(a.rid) if a.start else len(self.rids)
+            if at != lo + i or (a.start and (self.lens[at] != a.start or self.slots[at] != a.slot)):
+                raise RuntimeError(f"prefill out of order: row {a.rid} is not the next mid-prefill")
+            if not a.start:  # a new row: mid-prefill until its last chunk
+                self.rids.append(a.rid)
+                self.slots.append(a.slot)
+                self.lens.append(0)
+                self.pending += 1
         ids = torch.tensor([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
                            dtype=torch.long).to(self.device)  # fmt: skip
-        self.pos_buf[first : first + k] = 0
+        starts = torch.tensor([a.start for a in group])
+        self.pos_buf[lo : lo + k].copy_(starts)
+        self.col_buf[lo : lo + k].copy_(starts)  # a one-token chunk writes as a decode step does
         self.bank.set_rows([a.slot for a in group])
-        self.lo, self.b, self.le = first, k, t
+        self.lo, self.b = lo, k
+        self.le = max(a.start + n for a, n in zip(group, lens, strict=True))
         echo = group[0].echo
+        ends = sorted({n - 1 for a, n in zip(group, lens, strict=True) if a.last})
         if echo or not self.keep_kw:
             logits = self._forward(ids)  # (k, t, vocab)
-            last = [logits[r, n - 1] for r, n in enumerate(lens)]
-        else:  # only the positions that end a prompt
-            ends = sorted({n - 1 for n in lens})
-            logits = self._forward(ids, torch.tensor(ends, device=self.device))  # (k, d, vocab)
-            last = [logits[r, ends.index(n - 1)] for r, n in enumerate(lens)]
-        self.rids += [a.rid for a in group]
-        self.slots += [a.slot for a in group]
-        self.lens += lens
-        if echo:
-            return [logits[r, :n] for r, n in enumerate(lens)]
-        return last
+            at_end = [n - 1 for n in lens]
+        else:  # only the positions that end a prompt (or one, when none does)
+            logits = self._forward(ids, torch.tensor(ends or [0], device=self.device))
+            at_end = [ends.index(n - 1) if a.last else 0 for a, n in zip(group, lens, strict=True)]
+        out: list[torch.Tensor] = []
+        for r, (a, n) in enumerate(zip(group, lens, strict=True)):
+            self.lens[lo + r] += n
+            if echo:
+                self.parts.setdefault(a.rid, []).append(logits[r, :n])
+            if not a.last:
+                continue
+            if lo + r != len(self.rids) - self.pending:
+                raise RuntimeError(f"row {a.rid} ends its prompt behind a row mid-prefill")
+            self.pending -= 1
+            out.append(torch.cat(self.parts.pop(a.rid)) if echo else logits[r, at_end[r]])
+        return out
