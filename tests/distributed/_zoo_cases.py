@@ -198,7 +198,7 @@ def layout_diff(got: list[str], want: list[str]) -> str:
 
 def replicated_reasons(model: nn.Module) -> dict[str, str]:
     """{module: the planner's reason} for every plan entry that is not split."""
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     entries = parallel_state(model).plan.entries
     return {fqn: e.reason for fqn, e in entries.items() if e.split is None}
@@ -357,7 +357,7 @@ def _vs_whole(model: nn.Module, ref: nn.Module, sd: dict, inputs: dict) -> dict:
     Information, not a check: per-shard quantization is a choice, its error is the format's."""
     import bitsandbytes.functional as bnbf
 
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
     from quantmesh.tp.layers import ShardedModule
 
     qcfg = parallel_state(model).quant

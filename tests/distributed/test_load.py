@@ -102,7 +102,7 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     f["split_keys"] = sorted(
         f"{n}.{p}" for n, mod in sharded_modules(m).items() for p in tp_sharded(mod)
     )
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     f["uninit_left"] = sorted(parallel_state(m).uninitialized)
 

@@ -124,7 +124,7 @@ def job_bytes(mesh) -> dict:
     """What a rank holds of each MoE model's base (fp32, no adapters), against one process, and
     what estimate_memory says it holds."""
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
     from tests.zoo import ZOO
 
     out = {}

@@ -160,7 +160,7 @@ def _parallelize(model: nn.Module, mesh) -> list[str]:
 
 def _rank(rank: int) -> dict:
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
     from tests.distributed._zoo_cases import layout, layout_diff
 
     mesh = qm.init_mesh(tp=2)

@@ -135,7 +135,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _rank(rank: int) -> dict:
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     mesh = qm.init_mesh(tp=2)
     facts: dict = {}

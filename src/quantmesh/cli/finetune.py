@@ -425,7 +425,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     import torch
 
     from ..io.prequant import folder_quant
-    from ..lora import lora_targets
+    from ..lora.adapter import lora_targets
     from ..plan.auto import auto_plan, blocks_of
     from ..train.data import scan_data
     from ..train.loop import resolve_resume

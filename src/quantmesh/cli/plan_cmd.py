@@ -67,8 +67,8 @@ def load_skeleton(model_dir: str | Path):
         raise CliError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..empty import empty_model
     from ..io.prequant import folder_quant
+    from ..parallel.empty import empty_model
 
     folder_quant(path, None)  # a quantization method quantmesh cannot read: QuantError, the fix
 
@@ -461,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
 def plan_report(model, args: argparse.Namespace) -> str:
     """The table and the estimate as printed by `quantmesh plan`."""
 
-    from ..lora import lora_targets
+    from ..lora.adapter import lora_targets
     from ..plan.auto import auto_plan
     from ..plan.memory import format_bytes
 

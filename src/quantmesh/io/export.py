@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..state import parallel_state
+from ..parallel.state import parallel_state
 from ..tp.layers import ShardedModule
 from .full import _refuse_fsdp, module_tensors
 from .load import _Target, _targets

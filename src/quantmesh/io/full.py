@@ -7,8 +7,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..parallel.state import parallel_state
 from ..plan.styles import FeatureSplit
-from ..state import parallel_state
 from ..tp.collectives import all_gather_uneven
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import QuantmeshError
-from ..sampling import sample_tokens
+from ..infer.sampling import sample_tokens
 from .bank import AdapterBank
 
 __all__ = ["Admit", "Batch", "Plan", "ServeError", "sample_token"]
@@ -244,7 +244,7 @@ def sample_token(
     min_p: float = 0.0,
 ) -> int:
     """One token drawn from `logits` (vocab,) with temperature, top-k, nucleus (top-p) and min-p
-    filtering (`quantmesh.sampling`, as the fast decode loop draws).
+    filtering (`quantmesh.infer.sampling`, as the fast decode loop draws).
 
     Example:
         >>> sample_token(torch.tensor([0.0, 9.0]), 1.0, 1.0, torch.Generator().manual_seed(0))

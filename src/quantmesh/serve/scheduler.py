@@ -6,7 +6,7 @@ into a Plan per step: rows that finished or whose client left are dropped, the r
 last token, waiting requests are admitted up to `max_batch` (first come, first served), adapter
 loads go first. After the step it picks each row's next token (greedy: argmax; sampled: the
 request's own generator, so a seed gives the same reply whatever else is in the batch; penalties,
-top-k, top-p and min-p as `quantmesh.sampling` applies them), releases text through a TextStream
+top-k, top-p and min-p as `quantmesh.infer.sampling` applies them), releases text through a TextStream
 and reports to the request's `emit` callback. Only this rank picks tokens: the other tp ranks are
 fed them in the next Plan, so every setting is consistent across ranks by construction.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantmeshError
-from ..sampling import penalize
+from ..infer.sampling import penalize
 from .engine import Admit, Batch, Plan, sample_token
 from .ranks import Lockstep
 from .text import TextStream

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layersplit import device_of
-from ..lora import _init_A, attach_lora
+from ..lora.adapter import _init_A, attach_lora
+from ..parallel.layersplit import device_of
 from ..plan.styles import Style
 from .experts import ShardedExperts
 from .kinds import kind_of

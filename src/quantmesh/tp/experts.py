@@ -35,7 +35,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..lora import ExpertAdapter
+from ..lora.adapter import ExpertAdapter
 from ..plan.styles import (
     FeatureSplit,
     Ranges,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .lora import LoraConfig, LoraError
+from .adapter import LoraConfig, LoraError
 
 __all__ = [
     "PeftAdapters",
@@ -167,8 +167,8 @@ def restore_adapters(model: nn.Module, adapters: PeftAdapters) -> None:
     Example:
         >>> restore_adapters(peft_model, adapters)  # doctest: +SKIP
     """
-    from .io.full import tp_sharded
-    from .plan.styles import slice_dim
+    from ..io.full import tp_sharded
+    from ..plan.styles import slice_dim
 
     inner = inner_model(model)
     for fqn, tensors in adapters.weights.items():
