@@ -910,7 +910,7 @@ def check_dropout(mesh, lora: bool = False) -> dict:
     import copy
 
     import quantmesh as qm
-    from quantmesh.io.full import tp_sharded
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     ref = nmt()

@@ -51,7 +51,7 @@ _EXPORTS = {
     "PipelineError": "config",
     "split_layers": "parallel.layersplit",
     "full_state_dict": "io.full",
-    "clip_grad_norm_": "io.full",
+    "clip_grad_norm_": "train.clip",
     "load_checkpoint": "io.load",
     "from_pretrained": "io.hf",
     "save_adapter": "io.adapter",

@@ -12,8 +12,8 @@ from torch import nn
 
 import quantmesh as qm
 from quantmesh.io.adapter import expert_adapter_keys
-from quantmesh.io.full import gather_param, tp_sharded
 from quantmesh.tp.experts import ShardedExperts
+from quantmesh.tp.gather import gather_param, tp_sharded
 from quantmesh.tp.layers import ShardedModule
 
 from ._spawns import JobSpawns

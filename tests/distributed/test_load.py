@@ -83,8 +83,8 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     from safetensors.torch import load_file
 
     import quantmesh as qm
-    from quantmesh.io.full import tp_sharded
     from quantmesh.io.load import LoadError
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import sharded_modules
 
     mesh = qm.init_mesh(tp=2)

@@ -30,9 +30,9 @@ from ..lora.peft import inner_model
 from ..parallel.fsdp import fill_from_whole
 from ..parallel.state import parallel_state
 from ..tp.experts import ShardedExperts
+from ..tp.gather import tp_sharded
 from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
-from .full import tp_sharded
 from .reader import CheckpointReader, open_checkpoint
 from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, gathers_here
 

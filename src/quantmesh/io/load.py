@@ -39,8 +39,8 @@ from torch import nn
 
 from ..errors import QuantmeshError
 from ..parallel.state import parallel_state
+from ..tp.gather import tp_sharded
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
-from .full import tp_sharded
 from .prequant import StoredWeight, check_target, fill_stored, stored_weights
 from .reader import CheckpointReader, KeyMap, Ranges, open_checkpoint
 

@@ -387,7 +387,7 @@ def _probe(
     groups: _ProbeGroups,
 ) -> _Outcome:
     """Run `probe` sharded by `plan` on the probe's tp group; compare with the reference."""
-    from ..io.full import gather_param, tp_sharded
+    from ..tp.gather import gather_param, tp_sharded
     from ..tp.layers import sharded_modules
     from .parallelize import parallelize
 
