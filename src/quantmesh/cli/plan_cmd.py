@@ -1,7 +1,7 @@
 """`quantmesh plan MODEL --tp N`: the plan table and the bytes per GPU, from config.json alone.
 
 No weights are read and no workers start: the model is built on the meta device from its config,
-planned, and measured by `quantmesh.memory.estimate_memory`. The helpers here (the skeleton, the
+planned, and measured by `quantmesh.plan.memory.estimate_memory`. The helpers here (the skeleton, the
 memory check) are shared by `finetune` and `generate`, which run them before launching.
 
 Example:
@@ -226,7 +226,7 @@ class RunShape:
 
 
 TILE_TOKENS = 8192
-"""The MLP tile proposed for long sequences (measured on one H200: docs/benchmarks.md)."""
+"""The MLP tile proposed for long sequences (docs/benchmarks.md, "Figures the code relies on")."""
 
 
 PARTIAL_MARGIN = 0.10

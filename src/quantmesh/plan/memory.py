@@ -615,7 +615,7 @@ def _for_rank(
         est.notes.append(
             "checkpointing: block inputs"
             + (" in host memory" if offload else "")
-            + " + one block's activations (within 10% of H200 peaks, eager and compiled)"
+            + " + one block's activations (held against GPU peaks, eager and compiled: docs/benchmarks.md)"
         )
     if chunk > 0 and lora is not None and tokens > chunk:
         # One chunk's logits at a time (12 bytes per logit at its backward), plus the labelled
