@@ -143,7 +143,7 @@ def build(a, mesh, cfg, *, dtype, gen_device=None):
     t1 = time.perf_counter()
     info = qb.fill_random(model, seed=a.seed, gen_device=gen_device)
     if a.fsdp:  # filled outside load_checkpoint (which would shard it): shard it here
-        from quantmesh.fsdp import apply_fsdp
+        from quantmesh.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, mesh, offload=a.offload_base)
     qb.sync(mesh.device)

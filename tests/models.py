@@ -841,7 +841,7 @@ def check_case(name: str, mesh, plan=None, floors: bool = False) -> dict:
     got = dict(model.named_parameters(remove_duplicate=False))
     facts["ties"] = [g for g in groups.values() if len(g) > 1]
     facts["ties_broken"] = [g for g in facts["ties"] if len({id(got[n]) for n in g}) > 1]
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     res = parallel_state(model).plan
     facts["attrs"] = {
@@ -910,7 +910,7 @@ def check_dropout(mesh, lora: bool = False) -> dict:
     import copy
 
     import quantmesh as qm
-    from quantmesh.io.full import tp_sharded
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     ref = nmt()

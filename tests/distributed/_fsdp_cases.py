@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 import quantmesh as qm
-import quantmesh.fsdp as qm_fsdp
-from quantmesh.fsdp import local_of
+import quantmesh.parallel.fsdp as qm_fsdp
+from quantmesh.parallel.fsdp import local_of
+from quantmesh.parallel.state import parallel_state
 from quantmesh.plan.auto import blocks_of
-from quantmesh.state import parallel_state
 from quantmesh.tp.layers import ShardedModule
 
 from ._lora_cases import GLOBAL_BATCH, TARGETS, batches, tiny_llama, whole_lora

@@ -12,8 +12,8 @@ from torch import nn
 
 import quantmesh as qm
 from quantmesh.io.adapter import expert_adapter_keys
-from quantmesh.io.full import gather_param, tp_sharded
 from quantmesh.tp.experts import ShardedExperts
+from quantmesh.tp.gather import gather_param, tp_sharded
 from quantmesh.tp.layers import ShardedModule
 
 from ._spawns import JobSpawns
@@ -51,7 +51,7 @@ def whole_lora(
     """{module.lora_A.weight / lora_B.weight: the whole tensor} of every adapter: its gradient
     (`what="grad"`; `missing_as_zero`: zeros where there is none) or its weight ("param"), gathered
     over dp (an FSDP shard) and tp; on CPU, on every rank. Collective: every rank calls it."""
-    from quantmesh.fsdp import whole
+    from quantmesh.parallel.fsdp import whole
 
     out = {}
     for name, m in model.named_modules():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import quantmesh as qm
-from quantmesh.io.full import gather_param, tp_sharded
+from quantmesh.tp.gather import gather_param, tp_sharded
 from quantmesh.tp.layers import ShardedModule
 
 from ..models import llama, tiny_gpt

@@ -68,7 +68,7 @@ def full_grads(model: nn.Module, only_trainable: bool = False) -> dict[str, torc
     """Every parameter's whole gradient: split ones all-gathered over tp (collective: every rank
     calls it; the order is the model's, the same on every rank). A missing gradient is gathered as
     zeros, so that a rank never skips a collective its peers enter, and reported as None."""
-    from quantmesh.io.full import gather_param, tp_sharded
+    from quantmesh.tp.gather import gather_param, tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     mods = dict(model.named_modules())
@@ -156,7 +156,7 @@ def _ref64(ref: nn.Module, inputs: dict) -> tuple[nn.Module, float]:
 def split_fraction(model: nn.Module, ref: nn.Module) -> float:
     """Elements of the reference's parameters that are split over tp / all its elements (tied
     parameters counted once)."""
-    from quantmesh.io.full import tp_sharded
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     ref_p = dict(ref.named_parameters(remove_duplicate=False))
@@ -198,7 +198,7 @@ def layout_diff(got: list[str], want: list[str]) -> str:
 
 def replicated_reasons(model: nn.Module) -> dict[str, str]:
     """{module: the planner's reason} for every plan entry that is not split."""
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     entries = parallel_state(model).plan.entries
     return {fqn: e.reason for fqn, e in entries.items() if e.split is None}
@@ -233,8 +233,8 @@ def job_main(name: str, mesh) -> dict:
 def _set_b(model: nn.Module) -> None:
     """Nonzero B (a fresh adapter is a no-op and gives A no gradient), drawn whole per module and
     sliced as this rank holds it."""
-    from quantmesh.io.full import tp_sharded
     from quantmesh.tp.experts import ShardedExperts
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     with torch.no_grad():
@@ -357,7 +357,7 @@ def _vs_whole(model: nn.Module, ref: nn.Module, sd: dict, inputs: dict) -> dict:
     Information, not a check: per-shard quantization is a choice, its error is the format's."""
     import bitsandbytes.functional as bnbf
 
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
     from quantmesh.tp.layers import ShardedModule
 
     qcfg = parallel_state(model).quant

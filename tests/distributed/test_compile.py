@@ -468,7 +468,7 @@ def _stacked(rank: int) -> dict:
     stacked slice (eager hits); and that the compiled step reads the stacks (stale ones change
     its tokens)."""
     import quantmesh as qm
-    from quantmesh.decode import AdapterStack
+    from quantmesh.infer.decode import AdapterStack
 
     mesh = qm.init_mesh(tp=2)
     from tests.models import nonzero_lora_b_

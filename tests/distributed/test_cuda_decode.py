@@ -35,7 +35,7 @@ NEW = 96
 
 def _teacher_forced(model, ids, tokens, compile_mode):
     """(eager logits, compiled logits) of every step fed `tokens`, one static cache each."""
-    from quantmesh.decode import _Decoder
+    from quantmesh.infer.decode import _Decoder
 
     eager = _Decoder(model, 1, 256, compile=False, mode=None)
     comp = _Decoder(model, 1, 256, compile=False, mode=None)
@@ -53,7 +53,7 @@ def _teacher_forced(model, ids, tokens, compile_mode):
 
 def _decode(rank: int) -> dict:
     import quantmesh as qm
-    from quantmesh.decode import _Decoder
+    from quantmesh.infer.decode import _Decoder
     from tests.models import llama
 
     mesh = qm.init_mesh()

@@ -107,7 +107,7 @@ def test_compiled_slot_step_is_the_eager_step(attn: str) -> None:
 
 
 def test_counter_noise_gives_the_same_bits_on_the_gpu() -> None:
-    from quantmesh.sampling import counter_noise
+    from quantmesh.infer.sampling import counter_noise
 
     seeds = torch.tensor([0, 7, 2**40 + 3, 2**62 - 1])
     counters = torch.tensor([0, 1, 300, 2**31])

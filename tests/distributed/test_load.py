@@ -83,8 +83,8 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     from safetensors.torch import load_file
 
     import quantmesh as qm
-    from quantmesh.io.full import tp_sharded
     from quantmesh.io.load import LoadError
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import sharded_modules
 
     mesh = qm.init_mesh(tp=2)
@@ -102,7 +102,7 @@ def _facts(rank: int, llama: str, gpt2: str) -> dict:
     f["split_keys"] = sorted(
         f"{n}.{p}" for n, mod in sharded_modules(m).items() for p in tp_sharded(mod)
     )
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     f["uninit_left"] = sorted(parallel_state(m).uninitialized)
 

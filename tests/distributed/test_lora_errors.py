@@ -23,7 +23,7 @@ def test_lora_dropout_range():
 
 
 def test_lora_target_matching_nothing_names_the_linears():
-    from quantmesh.lora import lora_targets
+    from quantmesh.lora.adapter import lora_targets
 
     with pytest.raises(
         qm.LoraError,

@@ -2,7 +2,7 @@
 
 Spawning ranks dominates the cost (8 ranks take several seconds on 2 cores), so each world size is
 spawned once and its rank function builds every mesh shape for that size; the tests below read the
-cached facts. The expected coordinates are computed here independently of quantmesh.mesh: the axes
+cached facts. The expected coordinates are computed here independently of quantmesh.parallel.mesh: the axes
 are (dp, pp, tp) with tp innermost, so a tp group is a block of consecutive ranks.
 
 There is no GPU on CI: the CUDA device checks run either as plain functions on fabricated inputs, or
@@ -24,7 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from quantmesh.mesh import MeshError, _check_device_ownership, _local_devices, resolve_sizes
+from quantmesh.parallel.mesh import (
+    MeshError,
+    _check_device_ownership,
+    _local_devices,
+    resolve_sizes,
+)
 from quantmesh.testing import run_ranks
 
 # (dp, tp, pp) per world size; covers the shapes (4,1) (2,2) (1,4) (2,4) (-1,2), plus pp.

@@ -26,8 +26,8 @@ ARCH_BIASED = "gpt_oss"  # experts transposed, interleaved gate/up, biases
 
 def _nonzero_b(model: nn.Module) -> None:
     """Every adapter's B drawn whole (seeded by name) and sliced as this rank holds it."""
-    from quantmesh.io.full import tp_sharded
     from quantmesh.tp.experts import ShardedExperts
+    from quantmesh.tp.gather import tp_sharded
     from quantmesh.tp.layers import ShardedModule
 
     with torch.no_grad():
@@ -124,7 +124,7 @@ def job_bytes(mesh) -> dict:
     """What a rank holds of each MoE model's base (fp32, no adapters), against one process, and
     what estimate_memory says it holds."""
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
     from tests.zoo import ZOO
 
     out = {}

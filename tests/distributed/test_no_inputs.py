@@ -127,7 +127,7 @@ class MaskedModel(TokenModel):
 
 
 def _grad_err(model: nn.Module, ref: nn.Module) -> float:
-    from quantmesh.io.full import gather_param, tp_sharded
+    from quantmesh.tp.gather import gather_param, tp_sharded
     from quantmesh.tp.layers import sharded_modules
 
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -160,7 +160,7 @@ def _parallelize(model: nn.Module, mesh) -> list[str]:
 
 def _rank(rank: int) -> dict:
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
     from tests.distributed._zoo_cases import layout, layout_diff
 
     mesh = qm.init_mesh(tp=2)

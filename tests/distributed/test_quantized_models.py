@@ -128,7 +128,7 @@ def _build(which: str, path: str) -> nn.Module:
 
 def _ranks(rank: int, which: str, path: str, out: str) -> dict:
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     mesh = qm.init_mesh(dp=2, tp=2)
     model = _build(which, path)

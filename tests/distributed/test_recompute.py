@@ -70,7 +70,7 @@ def _step(
     total, n = loss_sum(model, {"input_ids": ids, "labels": ids}, chunk)
     (total / n).backward()
     tiled = [b.__dict__.get("_quantmesh_tiled") for b in model.model.layers]
-    from quantmesh.recompute import is_checkpointed
+    from quantmesh.blocks.recompute import is_checkpointed
 
     recomputed = [is_checkpointed(b) for b in model.model.layers]
     return {

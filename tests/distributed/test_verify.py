@@ -123,7 +123,7 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    from quantmesh.io.full import gather_param, tp_sharded
+    from quantmesh.tp.gather import gather_param, tp_sharded
     from quantmesh.tp.layers import sharded_modules
 
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -135,7 +135,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _rank(rank: int) -> dict:
     import quantmesh as qm
-    from quantmesh.state import parallel_state
+    from quantmesh.parallel.state import parallel_state
 
     mesh = qm.init_mesh(tp=2)
     facts: dict = {}

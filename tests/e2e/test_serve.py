@@ -416,7 +416,7 @@ def test_batched_prompts_and_n_equal_one_at_a_time(server, reference) -> None:
 def test_sampling_settings_change_the_draw_as_defined(server, reference) -> None:
     import torch
 
-    from quantmesh.sampling import penalize
+    from quantmesh.infer.sampling import penalize
 
     model, tok, _ = reference
     greedy = server.client.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=8,

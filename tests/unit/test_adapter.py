@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantmesh.lora import Adapter, LoraAdapter, LoraConfig, LoraError, attach_lora
+from quantmesh.lora.adapter import Adapter, LoraAdapter, LoraConfig, LoraError, attach_lora
 from quantmesh.tp.kinds import kind_of
 from quantmesh.tp.layers import ShardedModule
 

@@ -64,7 +64,7 @@ def test_every_error_for_a_mistake_derives_from_quantmesh_error() -> None:
 @pytest.mark.parametrize(
     ("name", "base"),
     [
-        ("mesh.MeshError", ValueError),
+        ("parallel.mesh.MeshError", ValueError),
         ("plan.plan.PlanError", ValueError),
         ("config.PipelineError", ValueError),
         ("config.QuantError", ValueError),
@@ -75,7 +75,7 @@ def test_every_error_for_a_mistake_derives_from_quantmesh_error() -> None:
         ("config.TrainError", ValueError),
         ("config.ConfigError", ValueError),
         ("io.reader.CheckpointKeyError", KeyError),
-        ("state.NotParallelizedError", RuntimeError),
+        ("parallel.state.NotParallelizedError", RuntimeError),
     ],
 )
 def test_the_built_in_base_stays(name: str, base: type[BaseException]) -> None:
@@ -91,7 +91,7 @@ def test_the_base_is_public() -> None:
 
 
 def _fsdp_error() -> BaseException:
-    from quantmesh.fsdp import FsdpError
+    from quantmesh.parallel.fsdp import FsdpError
 
     return FsdpError("fsdp=True with pp=2: not implemented; use pp=1 with fsdp\nmore detail")
 

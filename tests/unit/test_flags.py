@@ -176,7 +176,8 @@ def test_the_cli_s_rule_names_match_the_library_s() -> None:
         config.check_pp_schedule("1f1b", pp=4, microbatches=2)
     config.check_pp_schedule("gpipe", pp=4, microbatches=1)
     config.check_pp_schedule("interleaved1f1b", pp=2, microbatches=2)  # virtual not known here
-    from quantmesh import fsdp, lora
+    from quantmesh.lora import adapter as lora
+    from quantmesh.parallel import fsdp
     from quantmesh.pipeline import cut
     from quantmesh.quant import base
     from quantmesh.train import loop, step

@@ -1,4 +1,4 @@
-"""What parallelize refuses of a peft-wrapped model, before touching it (quantmesh.peftmodel)."""
+"""What parallelize refuses of a peft-wrapped model, before touching it (quantmesh.lora.peft)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from quantmesh.lora import LoraConfig, LoraError
-from quantmesh.peftmodel import inner_model, is_peft_model, unwrap_peft
+from quantmesh.lora.adapter import LoraConfig, LoraError
+from quantmesh.lora.peft import inner_model, is_peft_model, unwrap_peft
 
 
 class Tiny(nn.Module):
@@ -66,7 +66,7 @@ def test_lora_argument_with_peft_adapters_is_refused():
 def test_rewrap_puts_peft_layers_back():
     import peft
 
-    from quantmesh.peftmodel import rewrap
+    from quantmesh.lora.peft import rewrap
 
     pm = peft.get_peft_model(Tiny(), peft.LoraConfig(r=2, target_modules=["up", "down"]))
     before = dict(inner_model(pm).named_children())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import quantmesh as qm
-from quantmesh.recompute import is_checkpointed, spread
+from quantmesh.blocks.recompute import is_checkpointed, spread
 from tests.models import Stack
 
 

@@ -1,11 +1,11 @@
-"""quantmesh.sampling: Gumbel-max draws follow the tempered nucleus distribution exactly."""
+"""quantmesh.infer.sampling: Gumbel-max draws follow the tempered nucleus distribution exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quantmesh.sampling import (
+from quantmesh.infer.sampling import (
     counter_noise,
     nucleus_logits,
     penalize,
@@ -111,7 +111,7 @@ def test_noise_stays_strictly_inside_zero_one() -> None:
     ],
 )
 def test_fast_decode_refuses_bad_settings_before_touching_the_model(kw: dict, match: str) -> None:
-    from quantmesh.decode import fast_decode
+    from quantmesh.infer.decode import fast_decode
 
     with pytest.raises(ValueError, match=match):
         fast_decode(torch.nn.Identity(), torch.zeros(2, 3, dtype=torch.long), 4, **kw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantmesh.sampling import penalize
+from quantmesh.infer.sampling import penalize
 from quantmesh.serve.scheduler import Job, Sampling, choose_tokens
 from quantmesh.serve.text import TextStream
 from tests.e2e.test_cli_common import make_tokenizer

@@ -197,7 +197,7 @@ def demo_worker(payload: str) -> int:
 
 def _split_summary(model) -> str:
     """'q_proj 6+3 heads, k/v_proj 2+1 KV heads' from the resolved plan of the first layer."""
-    from ..state import parallel_state
+    from ..parallel.state import parallel_state
 
     res = parallel_state(model).plan
     parts = []

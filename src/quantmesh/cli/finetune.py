@@ -102,8 +102,8 @@ class ActivationOptions:
 
     def compile_on(self, cuda: bool) -> bool:
         """Whether the blocks are compiled on this device: as asked, else on CUDA (with MLP tiles
-        too: each tile is compiled on its own, and a compiled tiled block was measured below the
-        eager one's memory on one H200)."""
+        too: each tile is compiled on its own, and a compiled tiled block peaked below the eager
+        one: docs/benchmarks.md, "Figures the code relies on")."""
         return cuda if self.compile is None else self.compile
 
 
@@ -425,7 +425,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     import torch
 
     from ..io.prequant import folder_quant
-    from ..lora import lora_targets
+    from ..lora.adapter import lora_targets
     from ..plan.auto import auto_plan, blocks_of
     from ..train.data import scan_data
     from ..train.loop import resolve_resume

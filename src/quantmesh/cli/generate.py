@@ -188,7 +188,7 @@ def check_adapter(model, adapter: str | Path) -> None:
         >>> check_adapter(skeleton, "out/adapter")  # doctest: +SKIP
     """
     from ..io.adapter import adapter_lora_config
-    from ..lora import LoraError
+    from ..lora.adapter import LoraError
     from ..tp.kinds import expert_tensors, kind_of
 
     path = Path(adapter).expanduser()
@@ -263,7 +263,7 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
     import torch
     from transformers import TextStreamer
 
-    from ..state import parallel_state
+    from ..parallel.state import parallel_state
 
     mesh = parallel_state(model).mesh
     device = mesh.device
@@ -281,7 +281,7 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
         else torch.autocast("cpu", enabled=False)
     )
     if cfg.use_fast(device.type == "cuda"):
-        from ..decode import fast_decode
+        from ..infer.decode import fast_decode
 
         eos = model.generation_config.eos_token_id
         eos = tokenizer.eos_token_id if eos is None else eos

@@ -1,7 +1,7 @@
 """`quantmesh plan MODEL --tp N`: the plan table and the bytes per GPU, from config.json alone.
 
 No weights are read and no workers start: the model is built on the meta device from its config,
-planned, and measured by `quantmesh.memory.estimate_memory`. The helpers here (the skeleton, the
+planned, and measured by `quantmesh.plan.memory.estimate_memory`. The helpers here (the skeleton, the
 memory check) are shared by `finetune` and `generate`, which run them before launching.
 
 Example:
@@ -67,8 +67,8 @@ def load_skeleton(model_dir: str | Path):
         raise CliError(f"{path / 'config.json'} is not valid JSON ({e})") from None
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..empty import empty_model
     from ..io.prequant import folder_quant
+    from ..parallel.empty import empty_model
 
     folder_quant(path, None)  # a quantization method quantmesh cannot read: QuantError, the fix
 
@@ -226,7 +226,7 @@ class RunShape:
 
 
 TILE_TOKENS = 8192
-"""The MLP tile proposed for long sequences (measured on one H200: docs/benchmarks.md)."""
+"""The MLP tile proposed for long sequences (docs/benchmarks.md, "Figures the code relies on")."""
 
 
 PARTIAL_MARGIN = 0.10
@@ -461,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
 def plan_report(model, args: argparse.Namespace) -> str:
     """The table and the estimate as printed by `quantmesh plan`."""
 
-    from ..lora import lora_targets
+    from ..lora.adapter import lora_targets
     from ..plan.auto import auto_plan
     from ..plan.memory import format_bytes
 

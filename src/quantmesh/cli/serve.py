@@ -253,7 +253,7 @@ def check(cfg: ServeConfig) -> None:
                 f"raise --max-lora-rank to {r}"
             )
     if cfg.lora_targets:
-        from ..lora import LoraConfig, lora_targets
+        from ..lora.adapter import LoraConfig, lora_targets
 
         lora_targets(model, LoraConfig(targets=cfg.lora_targets))  # raises when one matches nothing
     auto_plan(model, cfg.tp).resolve(model, cfg.tp)
@@ -265,7 +265,7 @@ def check(cfg: ServeConfig) -> None:
 def _lora(cfg: ServeConfig, model) -> tuple[Any, dict[str, int]]:
     """The LoraConfig of the bank (union of targets, largest rank) and the slots of --adapter."""
     from ..io.adapter import adapter_lora_config
-    from ..lora import LoraConfig
+    from ..lora.adapter import LoraConfig
 
     found = {n: adapter_lora_config(p) for n, p in cfg.adapters.items()}
     targets = cfg.lora_targets

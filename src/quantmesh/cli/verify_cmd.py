@@ -80,7 +80,7 @@ def build_model(spec: str) -> tuple[Any, Any]:
     import transformers
     from transformers import AutoConfig
 
-    from ..empty import empty_model
+    from ..parallel.empty import empty_model
 
     config = AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]

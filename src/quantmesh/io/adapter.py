@@ -25,14 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fsdp import fill_from_whole
-from ..lora import LoraAdapter, LoraConfig, LoraError
-from ..peftmodel import inner_model
-from ..state import parallel_state
+from ..lora.adapter import LoraAdapter, LoraConfig, LoraError
+from ..lora.peft import inner_model
+from ..parallel.fsdp import fill_from_whole
+from ..parallel.state import parallel_state
 from ..tp.experts import ShardedExperts
+from ..tp.gather import tp_sharded
 from ..tp.layers import ShardedModule, sharded_modules
 from . import save as saving  # saving._save_file is looked up at call time (tests stop it)
-from .full import tp_sharded
 from .reader import CheckpointReader, open_checkpoint
 from .save import _owned, _Rank0Writer, agreed, collective_save, full_tensor, gathers_here
 

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..state import parallel_state
+from ..parallel.state import parallel_state
+from ..tp.gather import module_tensors
 from ..tp.layers import ShardedModule
-from .full import _refuse_fsdp, module_tensors
+from .full import _refuse_fsdp
 from .load import _Target, _targets
 from .save import (
     ShardWriter,

@@ -32,20 +32,20 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..empty import empty_model
-from ..lora import LoraConfig
-from ..parallel import parallelize
+from ..lora.adapter import LoraConfig
+from ..parallel.empty import empty_model
+from ..parallel.parallelize import parallelize
+from ..parallel.state import parallel_state
 from ..pipeline.cut import PipelineConfig
 from ..plan.plan import Plan
 from ..quant.base import QuantConfig, QuantError
-from ..state import parallel_state
 from .convert import Piece, check_converter
 from .load import _targets, expected_keys, load_checkpoint
 from .prequant import folder_quant, stored_weights
 from .reader import open_checkpoint
 
 if TYPE_CHECKING:
-    from ..mesh import Mesh
+    from ..parallel.mesh import Mesh
 
 __all__ = ["from_pretrained", "hf_key_map"]
 

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import QuantmeshError
-from ..state import parallel_state
+from ..parallel.state import parallel_state
+from ..tp.gather import tp_sharded
 from ..tp.layers import ShardedModule, inside_sharded, sharded_modules
-from .full import tp_sharded
 from .prequant import StoredWeight, check_target, fill_stored, stored_weights
 from .reader import CheckpointReader, KeyMap, Ranges, open_checkpoint
 
@@ -333,7 +333,7 @@ def _fsdp_stream(
     items = list(sources.items())
     if st is None or not st.fsdp or st.sharded is not None or not strict:
         return items, None
-    from ..fsdp import BlockSharder
+    from ..parallel.fsdp import BlockSharder
     from ..plan.auto import blocks_of
 
     names = [n for n, _ in blocks_of(model)]
@@ -540,7 +540,7 @@ def _shard_when_filled(model: nn.Module) -> None:
         dist.all_reduce(ready, op=dist.ReduceOp.MIN)
     if not int(ready):
         return  # a later load_checkpoint fills the rest, then shards
-    from ..fsdp import apply_fsdp
+    from ..parallel.fsdp import apply_fsdp
 
     err = None
     try:

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fsdp import fill_from_whole, like_param, whole
-from ..state import parallel_state
+from ..parallel.fsdp import fill_from_whole, like_param, whole
+from ..parallel.state import parallel_state
+from ..tp.gather import tp_sharded
 from ..tp.layers import sharded_modules
-from .full import tp_sharded
 from .load import _coll_device, _rank
 from .reader import open_checkpoint
 from .save import (

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fsdp import is_sharded, whole
-from ..state import parallel_state
+from ..parallel.fsdp import is_sharded, whole
+from ..parallel.state import parallel_state
+from ..tp.gather import gather_param, tp_sharded
 from ..tp.layers import ShardedModule
 from .atomic import atomic_dir
-from .full import gather_param, tp_sharded
 from .load import _rank, all_ranks_ok
 
 __all__ = [

@@ -18,7 +18,7 @@ from torch import nn
 from .cut import PipelineError, StandIn
 
 if TYPE_CHECKING:
-    from ..mesh import Mesh
+    from ..parallel.mesh import Mesh
 
 __all__ = ["elsewhere_keys", "module_names", "gather_stages", "stage_lora_config"]
 

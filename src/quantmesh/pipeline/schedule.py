@@ -25,7 +25,7 @@ from .cut import StageCut
 from .stage import StageModule
 
 if TYPE_CHECKING:
-    from ..mesh import Mesh
+    from ..parallel.mesh import Mesh
 
 __all__ = ["PipelineRuntime", "build_runtime", "causal_lm_targets", "ce_sum"]
 

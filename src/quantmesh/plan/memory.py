@@ -85,7 +85,7 @@ rank 0 more), in bytes:
                loss instead holds one chunk of this rank's columns of a colwise_gather head:
                chunk x vocab / tp logits, tp/cross_entropy.py.)
   transient    the largest linear's weight dequantized for a matmul (quantized formats)
-  fsdp         with `fsdp=True` (FSDP2 over dp, fsdp.py) the parts above change so: weights,
+  fsdp         with `fsdp=True` (FSDP2 over dp, parallel/fsdp.py) the parts above change so: weights,
                adapters, their gradients and AdamW states are split over dp (each / dp); no DDP
                buckets; `gathered` adds what FSDP holds whole at the peak (the start of backward):
                the root group (embeddings, final norm, head: FSDP2 keeps the root gathered
@@ -467,7 +467,7 @@ def _for_rank(
     compiled: bool = False,
     memory_modes: tuple[bool, bool, int, int | None, int | None] = (False, False, 0, None, None),
 ) -> MemoryEstimate:
-    from ..lora import lora_targets
+    from ..lora.adapter import lora_targets
     from ..tp.experts import expert_lora_targets, find_experts, local_sizes
     from ..tp.kinds import kind_of
 
@@ -615,7 +615,7 @@ def _for_rank(
         est.notes.append(
             "checkpointing: block inputs"
             + (" in host memory" if offload else "")
-            + " + one block's activations (within 10% of H200 peaks, eager and compiled)"
+            + " + one block's activations (held against GPU peaks, eager and compiled: docs/benchmarks.md)"
         )
     if chunk > 0 and lora is not None and tokens > chunk:
         # One chunk's logits at a time (12 bytes per logit at its backward), plus the labelled

@@ -1,7 +1,7 @@
 """A 4-bit matmul for a few rows (decoding): x (M <= 64, K) @ W^T, W in bitsandbytes' packed
-4-bit layout, read once, never written out in float. Opt-in (`ENABLED`, off by default): on one
-H200 it is not yet faster than bitsandbytes' own kernels (docs/benchmarks.md, "4-bit matmul for a
-few rows"), so the library's path stays bitsandbytes' until it is.
+4-bit layout, read once, never written out in float. Opt-in (`ENABLED`, off by default): it is
+not yet faster than bitsandbytes' own kernels (the figures: docs/benchmarks.md, "Figures the code
+relies on"), so the library's path stays bitsandbytes' until it is.
 
 bitsandbytes' `matmul_4bit` runs its gemv kernel at 1 row and dequantizes the whole weight to
 bf16 (then a dense matmul) from a few rows on. This Triton kernel streams the packed codes and the
@@ -22,7 +22,7 @@ is recording, the compute dtype is bf16 or fp16 and the input has at most `MAX_R
 (`rows_kernel_applies`); everything else (CPU, training, longer inputs) keeps bitsandbytes' path.
 It is one torch custom op, `quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA
 graphs) traces it without a graph break. Tiles per row count: `choose_config`, the fastest of
-those measured on an H200.
+those timed (docs/benchmarks.md, "Figures the code relies on").
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ __all__ = ["ENABLED", "MAX_ROWS", "choose_config", "matmul_4bit_rows", "rows_ker
 
 MAX_ROWS = 64  # inputs with more rows keep bitsandbytes' path (dequantize + matmul)
 # True: QuantLinear4bit takes the kernel where it applies. Off by default: slower than
-# bitsandbytes' kernels on an H200 as measured so far (benchmarks turn it on to compare the two).
+# bitsandbytes' kernels (docs/benchmarks.md, "Figures the code relies on"; benchmarks turn it on
+# to compare the two).
 ENABLED = False
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
@@ -104,7 +105,8 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 def choose_config(rows: int) -> dict[str, int]:
     """The kernel's tiles at `rows` rows: BLOCK_N output features per program, BLOCK_K inputs
     per step, SPLIT_K programs along K (their fp32 partial sums added after), DOT 1: `tl.dot`,
-    0: a reduction along K; the fastest of those timed on an H200 for the 7B shapes.
+    0: a reduction along K; the fastest of those timed for the 7B shapes (docs/benchmarks.md,
+    "Figures the code relies on").
 
     Example:
         >>> choose_config(1)["DOT"]

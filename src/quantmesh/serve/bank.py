@@ -3,7 +3,7 @@
 Every ShardedModule that carries LoRA gets, in place of its one `LoraAdapter`, a banked adapter
 (`set_adapter`): `slots` adapters stacked on a leading dimension, sharded exactly as the module's
 own adapter was (colwise base: A whole, B split on its rows; rowwise base: A split on its columns,
-B whole; see lora.py's `lora_splits`). Slot 0 is the base model: zeros. The rows of a batch read the slot ids set with
+B whole; see lora/adapter.py's `lora_splits`). Slot 0 is the base model: zeros. The rows of a batch read the slot ids set with
 `set_rows`; a batch whose rows all use one slot runs the same `F.linear` calls as a model with that
 one adapter loaded (`quantmesh generate --adapter`). A mixed batch runs one matmul per factor over
 the span of slots it uses, whatever the number of rows: A of every slot in the span at once (each
@@ -33,7 +33,7 @@ from torch import nn
 
 from ..io.adapter import _adapter_weights, _peft_key, _read_adapter_config, _shape_problems
 from ..io.reader import open_checkpoint
-from ..lora import Adapter, LoraError, lora_splits
+from ..lora.adapter import Adapter, LoraError, lora_splits
 from ..tp.layers import ShardedModule, sharded_modules
 
 __all__ = ["AdapterBank", "AdapterInfo"]

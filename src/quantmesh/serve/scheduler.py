@@ -7,7 +7,7 @@ last token, waiting requests are admitted up to `max_batch` (first come, first s
 loads go first. After the step it picks every row's next token at once on the device
 (`choose_tokens`: greedy rows the argmax; sampled rows a Gumbel-max draw whose noise is a pure
 function of the request's seed and its count of generated tokens, so a seed gives the same reply
-whatever else is in the batch; penalties, top-k, top-p and min-p as `quantmesh.sampling` applies
+whatever else is in the batch; penalties, top-k, top-p and min-p as `quantmesh.infer.sampling` applies
 them; one read-back per step), releases text through a TextStream
 and reports to the request's `emit` callback. Only this rank picks tokens: the other tp ranks are
 fed them in the next Plan, so every setting is consistent across ranks by construction.
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantmeshError
-from ..sampling import counter_noise, penalize, pick_tokens
+from ..infer.sampling import counter_noise, penalize, pick_tokens
 from .engine import Admit, Batch, Plan
 from .ranks import Lockstep
 from .text import TextStream

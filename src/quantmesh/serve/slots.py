@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..decode import CACHE_STEP, _static_statistics
+from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layersplit import device_of
-from ..lora import _init_A, attach_lora
+from ..lora.adapter import _init_A, attach_lora
+from ..parallel.layersplit import device_of
 from ..plan.styles import Style
 from .experts import ShardedExperts
 from .kinds import kind_of
@@ -117,14 +117,15 @@ def apply_tp(
     for m in built.values():
         m.set_rng(rng, track)  # the experts never track: their routed computation is whole
     share_colwise_copies(model)  # q, k, v (gate, up) share one input copy under compile too
+    own_config: set[str] = set()  # owners given their own copy of the config in this loop
     for owner, attrs in resolved.attr_updates.items():
         mod = model.get_submodule(owner)
         for a, per_rank in attrs.items():
             target: Any = mod  # the module, or its own copy of its config
             if a.startswith("config."):  # this module's own copy: the model's config stays whole
-                if "config" not in vars(mod).get("_quantmesh_own", ()):
+                if owner not in own_config:
                     mod.config = copy.copy(mod.config)
-                    mod.__dict__.setdefault("_quantmesh_own", set()).add("config")
+                    own_config.add(owner)
                 target, a = mod.config, a.split(".", 1)[1]
             setattr(target, a, per_rank[mesh.tp_rank])
     for owner, views in resolved.head_views.items():

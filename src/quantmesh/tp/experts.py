@@ -35,7 +35,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..lora import ExpertAdapter
+from ..lora.adapter import ExpertAdapter
 from ..plan.styles import (
     FeatureSplit,
     Ranges,
@@ -208,7 +208,7 @@ class ShardedExperts(ShardedModule):
         self.splits = (
             {t.name: _inter_split(orig, t, self.inter, tp) for t in tensors} if self.tp > 1 else {}
         )
-        self.split = self.splits.get(second.name)  # non-None: split over tp (io/full.py)
+        self.split = self.splits.get(second.name)  # non-None: split over tp (tp/gather.py)
         w1 = cast(torch.Tensor, orig._parameters[first.name])
         dt: torch.dtype = dtype or w1.dtype
         self.float_dtype = dt

@@ -3,7 +3,7 @@
 The wrapper sits in the model tree under the original name and registers the local module's
 parameters under their original names, so `state_dict()` keys never change (no wrapper prefixes). The
 local module may be nn.Linear, transformers' Conv1D, nn.Embedding, nn.Conv2d, or a quantized linear
-built by a QuantFormat; this file never names a format. A layer owns one adapter (lora.py's
+built by a QuantFormat; this file never names a format. A layer owns one adapter (lora/adapter.py's
 `Adapter`: a trainable `LoraAdapter`, or another object of that interface, such as the server's
 bank), given, replaced and removed only through `set_adapter`; its child modules (`lora_A`,
 `lora_B`, `lora_dropout`) are registered on the layer under their own names, so parameter names are
@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..lora import Adapter, LoraAdapter, LoraError, lora_splits
+from ..lora.adapter import Adapter, LoraAdapter, LoraError, lora_splits
 from ..plan.styles import FeatureSplit, Ranges, Style, slice_dim
 from ..quant.kinds import is_quantized_linear
 from .collectives import (

@@ -31,10 +31,10 @@ from torch import nn
 
 from ..config import TrainConfig, TrainError
 from ..io.adapter import save_adapter
-from ..io.full import clip_grad_norm_
 from ..io.resume import load_state, save_state
-from ..lora import trainable_parameters
-from ..state import parallel_state
+from ..lora.adapter import trainable_parameters
+from ..parallel.state import parallel_state
+from .clip import clip_grad_norm_
 from .loss import chunked_loss_sum, plain_loss_sum
 from .step import autocast, eval_loss_sum, train_step
 

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import TrainError, check_pp_schedule
+from ..parallel.state import parallel_state
 from ..pipeline.cut import PipelineError
 from ..pipeline.schedule import PipelineRuntime, causal_lm_targets, ce_sum, leak_error
 from ..pipeline.stage import call_model, logits_of
-from ..state import parallel_state
 from .data import IGNORE_INDEX
 from .loss import chunked_loss_sum
 
@@ -165,7 +165,7 @@ def _accumulated(
     loss_sum: LossSum,
     st: Any,
 ) -> torch.Tensor:
-    from ..dp import no_sync
+    from ..parallel.dp import no_sync
 
     scale = st.mesh.dp if st is not None and st.dp else 1  # DDP averages over dp
     total = torch.zeros((), dtype=torch.float32, device=ids.device)

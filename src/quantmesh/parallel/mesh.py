@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .errors import QuantmeshError
+from ..errors import QuantmeshError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .plan.auto import auto_plan, blocks_of
-from .plan.plan import Plan, Resolved, _globify, size_candidates
-from .plan.styles import Style
-from .tp.kinds import kind_of
+from ..plan.auto import auto_plan, blocks_of
+from ..plan.plan import Plan, Resolved, _globify, size_candidates
+from ..plan.styles import Style
+from ..tp.kinds import kind_of
 
 if TYPE_CHECKING:
     from .mesh import Mesh
@@ -155,7 +155,7 @@ def _reduced_copy(model: nn.Module, keep: int | None = 1) -> nn.Module:
 def _float_linears(probe: nn.Module) -> None:
     """Quantized linears of the probe (a model quantized already) become float nn.Linear on meta:
     the probe checks the split, which does not depend on the weight's storage."""
-    from .quant.kinds import is_quantized_linear
+    from ..quant.kinds import is_quantized_linear
 
     for fqn, mod in list(probe.named_modules()):
         if fqn and is_quantized_linear(mod):
@@ -387,9 +387,9 @@ def _probe(
     groups: _ProbeGroups,
 ) -> _Outcome:
     """Run `probe` sharded by `plan` on the probe's tp group; compare with the reference."""
-    from .io.full import gather_param, tp_sharded
-    from .parallel import parallelize
-    from .tp.layers import sharded_modules
+    from ..tp.gather import gather_param, tp_sharded
+    from ..tp.layers import sharded_modules
+    from .parallelize import parallelize
 
     group = groups.get()
     dev = mesh.device

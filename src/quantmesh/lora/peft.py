@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .lora import LoraConfig, LoraError
+from .adapter import LoraConfig, LoraError
 
 __all__ = [
     "PeftAdapters",
@@ -167,13 +167,12 @@ def restore_adapters(model: nn.Module, adapters: PeftAdapters) -> None:
     Example:
         >>> restore_adapters(peft_model, adapters)  # doctest: +SKIP
     """
-    from .io.full import tp_sharded
-    from .plan.styles import slice_dim
+    from ..plan.styles import slice_dim
 
     inner = inner_model(model)
     for fqn, tensors in adapters.weights.items():
         m: Any = inner.get_submodule(fqn)
-        split = tp_sharded(m)
+        split = m.tp_splits()  # a ShardedModule's {name: (dim, split)} of its split tensors
         for name, full in tensors.items():
             cut = split.get(name)
             part = full if cut is None else slice_dim(full, cut[0], cut[1].ranges(m.tp_rank))

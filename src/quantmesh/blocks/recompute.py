@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .plan.auto import blocks_of
+from ..plan.auto import blocks_of
 
 __all__ = ["checkpoint_blocks"]
 
@@ -209,7 +209,7 @@ def _compile_kwargs(block: nn.Module) -> dict[str, Any] | None:
 def _tp_dropout(block: nn.Module) -> bool:
     """Whether `block` holds sharded layers at tp > 1 that keep dropout masks aligned (RNG
     regions: eager bookkeeping that breaks a compiled graph)."""
-    from .tp.layers import ShardedModule
+    from ..tp.layers import ShardedModule
 
     return any(isinstance(m, ShardedModule) and m.tp > 1 and m.track_rng for m in block.modules())
 

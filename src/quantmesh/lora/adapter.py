@@ -25,8 +25,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .config import DEFAULT_TARGETS, LoraConfig, LoraError
-from .plan.styles import FeatureSplit, Style, slice_dim
+from ..config import DEFAULT_TARGETS, LoraConfig, LoraError
+from ..plan.styles import FeatureSplit, Style, slice_dim
 
 __all__ = [
     "Adapter",

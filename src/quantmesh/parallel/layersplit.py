@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .plan.auto import blocks_of
-from .plan.styles import balanced_counts
+from ..plan.auto import blocks_of
+from ..plan.styles import balanced_counts
 
 __all__ = ["layer_placement", "split_layers", "device_of"]
 

@@ -1,5 +1,4 @@
-"""parallelize (in parallel.py, so that importing this module never shadows `qm.parallelize`): the
-one ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
+"""parallelize: the one ordered pipeline. plan -> (quant, LoRA, TP in one pass) -> DP.
 
 Everything is validated first (plan against the model, quant and LoRA targets), before any allocation
 or collective. Then each planned / quantized / adapted module becomes a ShardedModule holding this
@@ -17,26 +16,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .config import check_offload_base
+from ..config import check_offload_base
+from ..errors import QuantmeshError
+from ..lora.adapter import LoraConfig, LoraError, lora_targets
+from ..lora.peft import inner_model, restore_adapters, rewrap, unwrap_peft
+from ..pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
+from ..pipeline.schedule import build_runtime
+from ..plan.auto import auto_plan
+from ..plan.plan import Plan, Resolved, _globify, size_candidates
+from ..plan.styles import Style
+from ..quant.base import QuantConfig, QuantError, get_format, resolve_quant
+from ..quant.bnb import format_of
+from ..quant.kinds import check_quantizable, is_quantized_linear, quantizable
+from ..tp.apply import apply_tp, norm_params, shared_params
+from ..tp.experts import expert_lora_targets, find_experts, unhandled_3d
+from ..tp.kinds import kind_of
+from ..tp.rng import RngRegions
 from .dp import apply_dp
-from .errors import QuantmeshError
 from .fsdp import FsdpError, apply_fsdp, check_fsdp
 from .layersplit import install_moves, layer_placement
-from .lora import LoraConfig, LoraError, lora_targets
-from .peftmodel import inner_model, restore_adapters, rewrap, unwrap_peft
-from .pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
-from .pipeline.schedule import build_runtime
-from .plan.auto import auto_plan
-from .plan.plan import Plan, Resolved, _globify, size_candidates
-from .plan.styles import Style
-from .quant.base import QuantConfig, QuantError, get_format, resolve_quant
-from .quant.bnb import format_of
-from .quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from .state import ParallelState, attach_state, parallel_state
-from .tp.apply import apply_tp, norm_params, shared_params
-from .tp.experts import expert_lora_targets, find_experts, unhandled_3d
-from .tp.kinds import kind_of
-from .tp.rng import RngRegions
 
 if TYPE_CHECKING:
     from .mesh import Mesh

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from .plan.auto import blocks_of
+from ..plan.auto import blocks_of
 
 __all__ = ["compile_blocks"]
 
@@ -43,7 +43,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
             f"{type(model).__name__} has no repeated blocks (no nn.ModuleList with children) to "
             "compile; call torch.compile(model) on the whole model instead"
         )
-    from .tp.layers import ShardedModule
+    from ..tp.layers import ShardedModule
 
     if any(isinstance(m, ShardedModule) and m.tp > 1 and m.track_rng for m in model.modules()):
         warnings.warn(

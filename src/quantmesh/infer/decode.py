@@ -12,7 +12,7 @@ end, so it runs ahead of the GPU.
 On tp ranks every rank runs the same loop in lock step: the LM head gathers the logits, so each rank
 picks the same token. Sampling (temperature, top-p) runs inside the compiled step too: the uniform
 noise of each step is drawn outside it from a generator seeded alike on every rank and handed in,
-and `quantmesh.sampling.pick_tokens` turns it into an exact draw (Gumbel-max), so ranks agree
+and `quantmesh.infer.sampling.pick_tokens` turns it into an exact draw (Gumbel-max), so ranks agree
 without a collective and the eager and compiled steps pick the same token from the same noise.
 
 LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the steps
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import LoraAdapter
-from .plan.styles import Style
+from ..lora.adapter import LoraAdapter
+from ..plan.styles import Style
+from ..tp.layers import ShardedModule, sharded_modules
 from .sampling import pick_tokens, sample_tokens, uniform_noise
-from .tp.layers import ShardedModule, sharded_modules
 
 __all__ = [
     "AdapterStack",
@@ -188,7 +188,7 @@ def fast_decode(
 
     LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the
     steps: one matmul for their A's and one for their B's (block-diagonal) instead of two per
-    adapter (`quantmesh.decode.AdapterStack`; it keeps a copy of those adapters, refreshed at
+    adapter (`quantmesh.infer.decode.AdapterStack`; it keeps a copy of those adapters, refreshed at
     every call). `fuse_adapters=False` runs each adapter on its own.
 
     Example:
@@ -212,7 +212,7 @@ def fast_decode(
             f"temperature={temperature}, top_p={top_p}; expected temperature >= 0 (0 = greedy) "
             "and 0 < top_p <= 1"
         )
-    from .state import parallel_state
+    from ..parallel.state import parallel_state
 
     st = parallel_state(model, required=False)
     if st is not None and st.mesh.pp > 1:

@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, overload
 
-from .errors import QuantmeshError
+from ..errors import QuantmeshError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .lora import LoraConfig
+    from ..lora.adapter import LoraConfig
+    from ..pipeline.schedule import PipelineRuntime
+    from ..plan.plan import Resolved
+    from ..quant.base import QuantConfig
+    from ..tp.rng import RngRegions
     from .mesh import Mesh
-    from .pipeline.schedule import PipelineRuntime
-    from .plan.plan import Resolved
-    from .quant.base import QuantConfig
-    from .tp.rng import RngRegions
     from .verify import VerifyReport
 
 __all__ = ["FsdpConfig", "ParallelState", "NotParallelizedError", "parallel_state", "attach_state"]

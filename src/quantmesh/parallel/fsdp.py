@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from .config import FsdpError, check_fsdp_options
-from .plan.auto import blocks_of
-from .quant.base import QuantConfig
+from ..config import FsdpError, check_fsdp_options
+from ..plan.auto import blocks_of
+from ..quant.base import QuantConfig
+from ..tp.layers import ShardedModule
 from .state import FsdpConfig, parallel_state  # FsdpConfig: recorded in the state
-from .tp.layers import ShardedModule
 
 if TYPE_CHECKING:
     from .mesh import Mesh
