@@ -168,6 +168,39 @@ def job_compiled(mesh) -> dict:
     }
 
 
+def job_routed(mesh) -> dict:
+    """One token (decoding): nf4 experts with adapters run on the experts it routes to only, and
+    give the whole path's logits and gradients."""
+    import quantmesh as qm
+    from quantmesh.tp.experts import ShardedExperts
+    from tests.zoo import ZOO
+
+    out = {}
+    for name in ("mixtral", "gpt_oss"):
+        case = ZOO[name]
+        model = copy.deepcopy(case.build(0))
+        qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=2, alpha=4))
+        _nonzero_b(model)
+        experts = [m for m in model.modules() if isinstance(m, ShardedExperts)]
+        ids = case.inputs()["input_ids"][:1, :1]
+        runs = {}
+        for routed in (True, False):
+            for m in experts:
+                m.routed_only, m.last_routed = routed, 0
+            y = model(input_ids=ids).logits
+            y.float().pow(2).mean().backward()
+            grads = [p.grad.clone() for p in qm.trainable_parameters(model)]
+            model.zero_grad()
+            runs[routed] = (y.detach(), grads, [m.last_routed for m in experts])
+        (y1, g1, n1), (y0, g0, n0) = runs[True], runs[False]
+        out[name] = {
+            "logits": _rel(y1, y0),
+            "grads": max(_rel(a, b) for a, b in zip(g1, g0, strict=True) if b.abs().max() > 0),
+            "routed": n1, "whole": n0, "experts": experts[0].num_experts,
+        }  # fmt: skip
+    return out
+
+
 def job_refusals(mesh) -> dict:
     import quantmesh as qm
     from tests.zoo import ZOO
@@ -207,6 +240,7 @@ def _jobs(rank: int, world: int, folder: str) -> dict:
         "bytes": job_bytes(mesh),
         "refusals": job_refusals(mesh),
         "compiled": job_compiled(mesh),
+        "routed": job_routed(mesh),
     }
 
 
@@ -263,6 +297,14 @@ def test_rank_holds_its_share_of_the_base_and_the_estimate_says_so() -> None:
     # none is kept whole: OLMoE's q / k norms over all heads take their statistic over tp, and
     # gpt-oss's attention sinks (one per head) are read through each rank's heads
     assert all(not f["verify_kept"] for f in facts.values()), facts
+
+
+def test_a_token_runs_only_the_experts_it_routes_to_and_gives_the_whole_paths_values() -> None:
+    for name, r in results()["tp2"][0]["routed"].items():
+        assert r["whole"] == [0] * len(r["whole"]), (name, r)  # the whole path: no routed run
+        # top-2 of 4 experts: every block ran on the 2 it routes to
+        assert r["routed"] == [2] * len(r["routed"]) and r["experts"] == 4, (name, r)
+        assert r["logits"] < 1e-5 and r["grads"] < 1e-5, (name, r)
 
 
 def test_refusals_name_the_fix() -> None:

@@ -371,3 +371,14 @@ def test_few_row_kernel_is_opt_in_and_cuda_only():
         finally:
             k4.ENABLED = False
     assert k4.choose_config(1)["DOT"] == 0 and k4.choose_config(64)["DOT"] == 1
+
+
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_compute_units_equals_the_whole_weights_rows(key):
+    # 4 experts of 16 rows (an (E*a, b) expert store): some of them, in the order asked
+    fmt, m, _ = _quantized(key, bias=False)
+    whole = fmt.compute_weight(m).view(4, 16, IN)
+    for idx in ([2], [0, 3], [1, 2, 3], [0, 1, 2, 3]):
+        got = fmt.compute_units(m, 4, torch.tensor(idx))
+        assert got.shape == (16 * len(idx), IN)
+        assert torch.equal(got.view(len(idx), 16, IN), whole[idx]), (key, idx)

@@ -304,12 +304,21 @@ class ExpertAdapter(nn.Module):
         """The same A and B (the very modules) with another scale."""
         return ExpertAdapter(self.lora_A, self.lora_B, self.experts, self.r, scale)
 
-    def delta(self, a: torch.Tensor, b: torch.Tensor, transposed: bool) -> torch.Tensor:
+    def delta(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        transposed: bool,
+        experts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Every expert's delta (E, out, in), or (E, in, out) for a transposed layout, from the
-        factors `a`, `b` (this adapter's weights, as the layer hands them over), unscaled."""
+        factors `a`, `b` (this adapter's weights, as the layer hands them over), unscaled; with
+        `experts` (ids), those experts' only, in that order."""
         e, r = self.experts, self.r
         a3 = a.reshape(e, r, a.shape[-1])  # (E, r, in)
         b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
+        if experts is not None:
+            a3, b3 = a3.index_select(0, experts), b3.index_select(0, experts)
         if transposed:
             return torch.bmm(a3.transpose(1, 2), b3.transpose(1, 2))  # (E, in, out)
         return torch.bmm(b3, a3)  # (E, out, in)

@@ -115,6 +115,19 @@ class QuantFormat(abc.ABC):
         tensor (experts), not a linear's forward."""
         return self.dequantize(module)
 
+    def compute_units(self, module: nn.Module, units: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight as `compute_weight` gives them, for some of its `units` equal
+        groups of rows only (the experts of an (E*a, b) expert store): (len(index) * a, b).
+        By default the whole weight is computed and the groups picked; a format that can read
+        the groups' codes alone overrides it (fewer bytes read and dequantized).
+
+        Example:
+            >>> fmt.compute_units(q, 8, torch.tensor([1, 5])).shape  # doctest: +SKIP
+            torch.Size([2 * 96, 64])
+        """
+        w = self.compute_weight(module)
+        return w.view(units, -1, w.shape[-1]).index_select(0, index).flatten(0, 1)
+
     @abc.abstractmethod
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """Average bytes per weight element, statistics included (for the memory planner).

@@ -406,6 +406,25 @@ class Bnb4bitFormat(_BnbFormat):
         packed, qs = _packed_state(module)
         return _flat_weight(packed, *_flat_args(qs))
 
+    def compute_units(self, module: nn.Module, units: int, index: torch.Tensor) -> torch.Tensor:
+        """The rows of some of `units` equal groups (experts): only their codes are dequantized
+        when a group is whole blocks (the absmax, one float per block, is computed whole: 1/32
+        of the codes' bytes at blocksize 64). Equal to `compute_weight`'s rows.
+
+        Example:
+            >>> fmt.compute_units(q, 4, torch.tensor([2])).shape  # doctest: +SKIP
+            torch.Size([16, 64])
+        """
+        packed, qs = _packed_state(module)
+        absmax, bs, qt, out_f, in_f, dtype = _flat_args(qs)
+        per = out_f * in_f // units  # elements of one group
+        if out_f % units or per % bs or per % 2:
+            return super().compute_units(module, units, index)
+        codes = packed.reshape(units, per // 2).index_select(0, index)
+        scales = absmax.reshape(units, per // bs).index_select(0, index)
+        rows = len(index) * (out_f // units)
+        return _flat_weight(codes.reshape(-1, 1), scales.reshape(-1), bs, qt, rows, in_f, dtype)
+
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """0.5 for the codes, plus the absmax: fp32 per block, or (double quant) uint8 per block and
         fp32 per 256 blocks. Per-tensor constants (code books, ~1 KiB a layer) are left out.
@@ -646,6 +665,25 @@ class Bnb8bitFormat(_BnbFormat):
         if scb is None:
             raise RuntimeError(_not_quantized(module))
         out = F.int8_vectorwise_dequant(w.data, scb.to(w.device))
+        return out.to(getattr(module, "orig_dtype", torch.float32))
+
+    def compute_units(self, module: nn.Module, units: int, index: torch.Tensor) -> torch.Tensor:
+        """The rows of some of `units` equal groups (experts): only their int8 rows and row
+        scales are read. Equal to `compute_weight`'s rows.
+
+        Example:
+            >>> fmt.compute_units(q, 4, torch.tensor([2])).shape  # doctest: +SKIP
+            torch.Size([16, 64])
+        """
+        F = _bnb().functional
+        w = module.weight
+        scb = getattr(w, "SCB", None)
+        if scb is None:
+            raise RuntimeError(_not_quantized(module))
+        data = cast(torch.Tensor, w.data)
+        cb = data.view(units, -1, data.shape[-1]).index_select(0, index).flatten(0, 1)
+        rows = scb.to(w.device).view(units, -1).index_select(0, index).flatten()
+        out = F.int8_vectorwise_dequant(cb, rows)
         return out.to(getattr(module, "orig_dtype", torch.float32))
 
     def bytes_per_param(self, in_features: int | None = None) -> float:

@@ -23,6 +23,13 @@ the module says `is_transposed`; a bias per expert where it has them). The rules
 The model's own experts forward runs unchanged on the rank's effective tensors (dequantized,
 plus the adapters' deltas) through `torch.func.functional_call`; with a quantized base or adapters
 it runs under activation checkpointing, so that no dequantized expert weight is kept for backward.
+
+**Only the experts a batch routes to are dequantized.** When the tokens of a forward reach fewer
+than all experts (decoding, small batches), the forward runs on those experts alone: their codes
+dequantized (`QuantFormat.compute_units`), their adapters' deltas and biases picked, the routing
+ids renumbered to them, the module's `num_experts` set to their count for the call. The model's
+loop visits the same experts in the same order, so the output is the whole path's exactly. Eager
+only (a compiled block keeps the whole path: the count is data-dependent).
 """
 
 from __future__ import annotations
@@ -173,6 +180,8 @@ class ShardedExperts(ShardedModule):
     num_experts: int
     inter: int
     split_reason: str | None  # why the experts are whole at tp > 1
+    routed_only: bool  # run only the experts a forward routes to (eager; see the module doc)
+    last_routed: int
 
     @classmethod
     def build_experts(
@@ -258,6 +267,8 @@ class ShardedExperts(ShardedModule):
         self.copy_share = None
         self.local_output = False
         self.expert_lora = nn.ModuleDict()
+        self.routed_only = hasattr(orig, "num_experts")
+        self.last_routed = 0  # experts the last routed-only forward ran on (0: none yet)
         self.padding_idx = None
         self.in_local = self.out_local = 0
         return self
@@ -420,18 +431,26 @@ class ShardedExperts(ShardedModule):
         return {t: cast(ExpertAdapter, ad) for t, ad in self.expert_lora.items()}
 
     # ---- forward ------------------------------------------------------------------------------
-    def _effective(self) -> dict[str, torch.Tensor]:
+    def _effective(self, hit: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The tensors the experts forward reads: dequantized, plus the adapters' deltas; the
-        second projection's bias on tp rank 0 only."""
+        second projection's bias on tp rank 0 only. With `hit` (sorted expert ids): those
+        experts' only, in that order."""
         out: dict[str, torch.Tensor] = {}
         g = self.group
         for name, t in self.tensors.items():
+            shape = self.local_shapes[name]
             if name in self.qlocal:
                 assert self.fmt is not None  # quantized tensors have a format
-                w = self.fmt.compute_weight(self.qlocal[name]).view(self.local_shapes[name])
+                q = self.qlocal[name]
+                if hit is None:
+                    w = self.fmt.compute_weight(q).view(shape)
+                else:
+                    w = self.fmt.compute_units(q, shape[0], hit).view(len(hit), *shape[1:])
                 w = w.to(self.float_dtype)
             else:
                 w = cast(torch.Tensor, self._parameters[name])
+                if hit is not None:
+                    w = w.index_select(0, hit)
             ad = cast(
                 ExpertAdapter | None, self.expert_lora[name] if name in self.expert_lora else None
             )
@@ -442,10 +461,12 @@ class ShardedExperts(ShardedModule):
                         a = copy_to_tp(a, g)
                     else:
                         b = copy_to_tp(b, g)
-                w = w + (ad.delta(a, b, self.transposed) * ad.scale).to(w.dtype)
+                w = w + (ad.delta(a, b, self.transposed, hit) * ad.scale).to(w.dtype)
             out[name] = w
             if t.bias is not None:
                 bias = cast(torch.Tensor, self._parameters[t.bias])
+                if hit is not None:
+                    bias = bias.index_select(0, hit)
                 if not t.first and self.tp > 1:  # added to a partial sum: once, on rank 0
                     bias = copy_to_tp(bias, g) if bias.requires_grad else bias
                     bias = bias * (1.0 if self.tp_rank == 0 else 0.0)
@@ -453,7 +474,45 @@ class ShardedExperts(ShardedModule):
         return out
 
     def _run(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return torch.func.functional_call(self.local, self._effective(), (x, *args), kwargs)
+        routed = self._routed(args, kwargs)
+        if routed is None:
+            return torch.func.functional_call(self.local, self._effective(), (x, *args), kwargs)
+        hit, args, kwargs = routed
+        self.last_routed = len(hit)
+        local = cast(Any, self.local)
+        whole = local.num_experts
+        local.num_experts = len(hit)  # the model's loop (and its one_hot) counts these
+        try:
+            return torch.func.functional_call(local, self._effective(hit), (x, *args), kwargs)
+        finally:
+            local.num_experts = whole
+
+    def _routed(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict] | None:
+        """(the experts hit, sorted; the arguments with the routing ids renumbered to them) when
+        the forward's one integer tensor (the routing ids) reaches fewer than all experts; None:
+        run every expert (compiling, no or several integer arguments, all experts hit, an id out
+        of range)."""
+        if not self.routed_only or torch.compiler.is_compiling():
+            return None
+        where: list[int | str] = [i for i, v in enumerate(args) if _is_ids(v)]
+        where += [k for k, v in kwargs.items() if _is_ids(v)]
+        if len(where) != 1:
+            return None
+        at = where[0]
+        ids = args[at] if isinstance(at, int) else kwargs[at]
+        e = self.num_experts
+        hit = torch.unique(ids)  # sorted
+        ends = hit[[0, -1]].tolist() if hit.numel() else [0, e]
+        if hit.numel() >= e or ends[0] < 0 or ends[1] >= e:
+            return None
+        lut = torch.zeros(e, dtype=ids.dtype, device=ids.device)
+        lut[hit] = torch.arange(len(hit), dtype=ids.dtype, device=ids.device)
+        new = lut[ids]
+        if isinstance(at, int):
+            args = (*args[:at], new, *args[at + 1 :])
+        else:
+            kwargs = {**kwargs, at: new}
+        return hit, args, kwargs
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.tp > 1:  # every float input (hidden state, routing weights) meets split features
@@ -480,3 +539,8 @@ class ShardedExperts(ShardedModule):
         q = f", quant={self.fmt.name}" if self.fmt is not None else ""
         shapes = ", ".join(f"{k}={tuple(v)}" for k, v in self.local_shapes.items())
         return f"Experts({self.num_experts}), local: {shapes}, tp {self.tp_rank}/{self.tp}{q}"
+
+
+def _is_ids(v: Any) -> bool:
+    """An integer tensor: the routing ids among an experts forward's arguments."""
+    return isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool
