@@ -41,10 +41,11 @@ def exit_fast(fn: Callable[[], int | None]) -> NoReturn:
     import atexit
     import threading
 
+    code: int | str | None
     try:
         code = fn()
     except SystemExit as e:
-        code = e.code  # type: ignore[assignment]  # an int, None or a message, as for sys.exit
+        code = e.code  # an int, None or a message, as for sys.exit
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
