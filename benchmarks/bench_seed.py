@@ -695,4 +695,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from quantmesh.cli.runner import exit_fast  # no module teardown: seconds at exit
+
+    exit_fast(main)

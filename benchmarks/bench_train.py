@@ -646,4 +646,6 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from quantmesh.cli.runner import exit_fast  # no module teardown: seconds at exit
+
+    exit_fast(main)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 
 import torch
@@ -293,4 +292,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from quantmesh.cli.runner import exit_fast  # no module teardown: seconds at exit
+
+    exit_fast(main)

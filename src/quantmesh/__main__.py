@@ -1,8 +1,6 @@
 """`python -m quantmesh ...` and `torchrun ... -m quantmesh ...`: the `quantmesh` command."""
 
-import sys
-
-from .cli.main import main
+from .cli.main import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -59,5 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def run() -> NoReturn:
+    """The `quantmesh` console script (and `python -m quantmesh`): `main()`, then the process ends
+    at once (runner.exit_fast) instead of tearing down torch's modules for seconds.
+
+    Example:
+        $ quantmesh plan --model ./m --nproc 4
+    """
+    from .runner import exit_fast
+
+    exit_fast(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

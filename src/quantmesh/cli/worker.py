@@ -201,4 +201,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .runner import exit_fast
+
+    exit_fast(main)
