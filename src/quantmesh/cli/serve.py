@@ -233,6 +233,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def missing_server_packages() -> list[str]:
+    """The server's own packages (the `serve` extra and what fastapi needs) not importable here,
+    found before any model is loaded.
+
+    Example:
+        >>> missing_server_packages()  # doctest: +SKIP
+        []
+    """
+    import importlib.util
+
+    mods = ("fastapi", "pydantic", "uvicorn", "sse_starlette")
+    return [m for m in mods if importlib.util.find_spec(m) is None]
+
+
 def check(cfg: ServeConfig) -> None:
     """Everything checkable before a worker starts: the model, the tp plan, each adapter."""
     from ..io.adapter import adapter_lora_config
@@ -240,6 +254,12 @@ def check(cfg: ServeConfig) -> None:
     from .generate import check_adapter
     from .plan_cmd import load_skeleton
 
+    missing = missing_server_packages()
+    if missing:
+        raise CliError(
+            f"quantmesh serve needs {', '.join(missing)}, not installed here: pip install "
+            "'quantmesh[serve]' (fastapi, uvicorn, sse-starlette)"
+        )
     config, model = load_skeleton(cfg.model)
     for name, path in cfg.adapters.items():
         try:
