@@ -659,13 +659,7 @@ class Bnb8bitFormat(_BnbFormat):
             >>> fmt.dequantize(m).shape  # doctest: +SKIP
             torch.Size([8, 16])
         """
-        F = _bnb().functional
-        w = module.weight
-        scb = getattr(w, "SCB", None)
-        if scb is None:
-            raise RuntimeError(_not_quantized(module))
-        out = F.int8_vectorwise_dequant(w.data, scb.to(w.device))
-        return out.to(getattr(module, "orig_dtype", torch.float32))
+        return _int8_rows(module)
 
     def compute_units(self, module: nn.Module, units: int, index: torch.Tensor) -> torch.Tensor:
         """The rows of some of `units` equal groups (experts): only their int8 rows and row
@@ -675,16 +669,7 @@ class Bnb8bitFormat(_BnbFormat):
             >>> fmt.compute_units(q, 4, torch.tensor([2])).shape  # doctest: +SKIP
             torch.Size([16, 64])
         """
-        F = _bnb().functional
-        w = module.weight
-        scb = getattr(w, "SCB", None)
-        if scb is None:
-            raise RuntimeError(_not_quantized(module))
-        data = cast(torch.Tensor, w.data)
-        cb = data.view(units, -1, data.shape[-1]).index_select(0, index).flatten(0, 1)
-        rows = scb.to(w.device).view(units, -1).index_select(0, index).flatten()
-        out = F.int8_vectorwise_dequant(cb, rows)
-        return out.to(getattr(module, "orig_dtype", torch.float32))
+        return _int8_rows(module, units, index)
 
     def bytes_per_param(self, in_features: int | None = None) -> float:
         """1 byte per weight plus an fp32 scale per row, amortized over `in_features`
@@ -722,3 +707,20 @@ def _float_absmax(F: Any, qs: Any) -> torch.Tensor:
     if not qs.nested:
         return qs.absmax
     return F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset
+
+
+def _int8_rows(
+    module: nn.Module, units: int = 1, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """CB * SCB / 127 in the dtype the shard had: every row, or the rows of the groups `index` of
+    `units` equal groups of rows (only their int8 rows and scales read)."""
+    w = module.weight
+    scb = getattr(w, "SCB", None)
+    if scb is None:
+        raise RuntimeError(_not_quantized(module))
+    cb, scales = cast(torch.Tensor, w.data), scb.to(w.device)
+    if index is not None:
+        cb = cb.view(units, -1, cb.shape[-1]).index_select(0, index).flatten(0, 1)
+        scales = scales.view(units, -1).index_select(0, index).flatten()
+    out = _bnb().functional.int8_vectorwise_dequant(cb, scales)
+    return out.to(getattr(module, "orig_dtype", torch.float32))
