@@ -114,19 +114,24 @@ def build_model(a: argparse.Namespace, root: Path) -> tuple[Path, list[Path]]:
     log(f"building {folder} (random weights, seed {a.seed})")
     with qm.empty_model():
         model = LlamaForCausalLM(cfg)
-    gen = torch.Generator().manual_seed(a.seed)
+    # drawn on the GPU where there is one (a 7B shape on one CPU thread takes minutes)
+    dev = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(a.seed)
     state = {}
+    t0 = time.perf_counter()
     for name, p in model.named_parameters():
         if tied and name == "lm_head.weight":
             continue
         std = 0.02 if p.dim() == 2 else 0.0
-        t = torch.empty(p.shape, dtype=torch.float32)
+        t = torch.empty(p.shape, dtype=torch.float32, device=dev)
         t = t.normal_(0.0, std, generator=gen) if p.dim() == 2 else t.fill_(1.0)
-        state[name] = t.to(torch.bfloat16)
+        state[name] = t.to(torch.bfloat16).cpu()
+    gen = torch.Generator().manual_seed(a.seed)  # the adapters: small, on the CPU
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg.save_pretrained(folder)
     tok.save_pretrained(folder)
+    log(f"weights drawn ({dev}) and written in {time.perf_counter() - t0:.0f} s")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for path in adapters:
         path.mkdir(parents=True, exist_ok=True)
@@ -268,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log(f"server {url}; warm-up")
         for name in names:
+            t0 = time.perf_counter()
             complete(url, {"model": name, "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0})
+            log(f"warm-up request ({name}): {time.perf_counter() - t0:.1f} s")
         for mix in a.mixes.split(","):
             for conc in concs:
                 r = phase(a, url, names, conc, mix == "mixed")

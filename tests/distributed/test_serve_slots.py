@@ -73,3 +73,46 @@ def test_compiled_slot_step_traces_whole_and_equals_eager() -> None:
         # 1 left and the long row passed 256 tokens
         assert res["graphs"] == 3, res
         assert res["worst"] < 1e-4, res  # fp32: the same kernels, traced
+
+
+def _warm_then_serve(rank: int) -> dict:
+    from torch._dynamo.utils import counters
+
+    import quantmesh as qm
+    from quantmesh.serve.bank import AdapterBank
+    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.slots import SlotBatch
+    from tests.models import llama
+
+    mesh = qm.init_mesh(tp=1)
+    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=1, tie=False, seed=3)
+    model.config.max_position_embeddings = 1024
+    model.config._attn_implementation = "sdpa"
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
+    model.eval()
+    bank = AdapterBank(model, slots=3)
+    batch = SlotBatch(model, bank, max_batch=2, max_len=300, ladder=(1,), compile=True,
+                      backend="aot_eager")  # fmt: skip
+    batch.warm_up()  # as `quantmesh serve` calls it: outside `execute`, grad mode on here
+    warmed = counters["stats"]["unique_graphs"]
+    order: list[int] = []
+    last: dict[int, int] = {}
+    admit = {0: [Admit(0, [1, 2, 3], 1)], 2: [Admit(1, [3, 4, 5], 2)]}
+    for step in range(5):  # a batch of 1, then of 2 rows with two adapters
+        plan = Plan(drop=[], order=list(order), feed=[last[r] for r in order],
+                    admit=admit.get(step, []))  # fmt: skip
+        s, pre, _ = batch.execute(plan)
+        rows = (list(s) if s is not None else []) + pre
+        order = order + [a.rid for a in plan.admit]
+        last = dict(zip(order, [int(r.argmax()) for r in rows], strict=True))
+    return {"warmed": warmed, "served": counters["stats"]["unique_graphs"], "sizes": batch.sizes}
+
+
+def test_warm_up_compiles_the_graphs_serving_runs() -> None:
+    """`warm_up` compiles each batch size once, under the state `execute` runs in (no autograd,
+    autocast on GPUs): serving then compiles nothing. A warm-up under other guards made every
+    graph compile again at the first requests (a minute of a 7B server's first replies)."""
+    (res,) = run_ranks(_warm_then_serve, 1, timeout=300)
+    assert res["sizes"] == (1, 2), res
+    assert res["warmed"] == 2, res  # one static graph per size (dynamic=False)
+    assert res["served"] == res["warmed"], res

@@ -7,6 +7,7 @@ launching process before any worker could start.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,11 +42,7 @@ def test_serve_refuses_bad_setups_before_starting(tmp_path: Path, capsys, monkey
     err = refused(["serve", str(model), "--engine", "slots", "--prefill-chunk", "-1"], capsys,
                   monkeypatch)  # fmt: skip
     assert "--prefill-chunk -1; expected >= 0" in err, err
-    # the server's packages are checked before a model is loaded
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "uvicorn" else real(name, *a))  # fmt: skip
+    # the server's packages are imported before a model is loaded
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` raises ImportError
     err = refused(["serve", str(model)], capsys, monkeypatch)
     assert "needs uvicorn, not installed here" in err and "quantmesh[serve]" in err, err

@@ -234,17 +234,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def missing_server_packages() -> list[str]:
-    """The server's own packages (the `serve` extra and what fastapi needs) not importable here,
-    found before any model is loaded.
+    """The server's own packages (the `serve` extra and what fastapi needs) that do not import
+    here, each with the reason when it is not the package itself missing (a dependency of it, a
+    version that does not match), found before any model is loaded. They are imported, not just
+    looked up: an installed fastapi without its own dependencies is found but fails to import.
 
     Example:
         >>> missing_server_packages()  # doctest: +SKIP
         []
     """
-    import importlib.util
+    import importlib
 
-    mods = ("fastapi", "pydantic", "uvicorn", "sse_starlette")
-    return [m for m in mods if importlib.util.find_spec(m) is None]
+    missing = []
+    for m in ("fastapi", "pydantic", "uvicorn", "sse_starlette"):
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            plain = isinstance(e, ModuleNotFoundError) and e.name == m
+            missing.append(m if plain else f"{m} ({type(e).__name__}: {e})")
+    return missing
 
 
 def check(cfg: ServeConfig) -> None:

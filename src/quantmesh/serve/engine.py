@@ -125,7 +125,6 @@ class Batch:
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, T)
 
     # ---- the plan -----------------------------------------------------------------------------
-    @torch.no_grad()
     def execute(self, plan: Plan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[str]]:
         """Run one plan. Returns (the step's logits (B, vocab) for `plan.order`, or None; the
         prefill logits of each admission that ends its prompt (`last`), in plan order, (vocab,)
@@ -152,18 +151,23 @@ class Batch:
                 f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned "
                 f"{plan.order + plan.filling}"
             )
-        with self._autocast():
+        with self._running():
             step = self._step(plan.feed) if len(self.rids) > self.pending else None
             pre = []
             for group in self._groups(plan.admit):
                 pre += self._prefill(group)
         return step, pre, errors
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        # as `quantmesh generate`: bf16 on GPUs (the fp32 adapters cast in the matmuls)
+    def _running(self) -> contextlib.AbstractContextManager:
+        """The global state every forward of the batch runs under: no autograd, and bf16 autocast
+        on GPUs (as `quantmesh generate`; the fp32 adapters cast in the matmuls). One place, so
+        that a compiled step warmed up outside `execute` meets the same dynamo guards (grad mode
+        and autocast are part of them: a step compiled under other settings compiles again)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
         if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        return stack
 
     def _groups(self, admit: list[Admit]) -> list[list[Admit]]:
         """The admissions prefilled together: consecutive prompts of one length and one `echo`."""

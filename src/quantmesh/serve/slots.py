@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +117,9 @@ class SlotBatch(Batch):
     `compile`: compile and CUDA-graph the step (default: on CUDA devices); `ladder`: batch sizes
     compiled (each capped by max_batch); `chunk`: prompt tokens prefilled per step (the scheduler
     splits longer prompts, so that a long prompt does not stall the rows decoding; None: whole
-    prompts). Raises ServeError when the model cannot be served this way.
+    prompts); `backend`: torch.compile's (tests trace with "aot_eager": the same graphs, no code
+    generated; `mode` applies to inductor only). Raises ServeError when the model cannot be
+    served this way.
 
     Example:
         >>> batch = SlotBatch(model, bank, max_batch=8, max_len=1024, compile=False)  # doctest: +SKIP
@@ -134,6 +137,7 @@ class SlotBatch(Batch):
         ladder: tuple[int, ...] = LADDER,
         agree: Callable[[list[bool]], list[bool]] | None = None,
         chunk: int | None = None,
+        backend: str = "inductor",
     ) -> None:
         super().__init__(model, bank, agree=agree)
         if max_batch < 1 or max_len < 2:
@@ -178,7 +182,12 @@ class SlotBatch(Batch):
             for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
                 if hasattr(cfg, name) and getattr(cfg, name) < graphs:
                     setattr(cfg, name, graphs)
-            self.run = torch.compile(self._decode, mode=mode, fullgraph=True)
+            # dynamic=False: each batch size its own static graph (after a second size dynamo
+            # would otherwise trace one graph with a symbolic batch)
+            kw: dict[str, Any] = {"mode": mode} if backend == "inductor" else {}
+            self.run = torch.compile(
+                self._decode, backend=backend, fullgraph=True, dynamic=False, **kw
+            )
 
     # ---- the step -----------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, logits_to_keep: Any = None) -> torch.Tensor:
@@ -239,15 +248,19 @@ class SlotBatch(Batch):
             return
         if self.rids:
             raise RuntimeError("warm_up runs before any request")
-        self._prefill([Admit(-1, [0], 0)])
-        saved = (self.rids, self.slots, self.lens)
-        for b in self.sizes:
-            if progress is not None:
-                progress(f"compiling the decode step for batches of {b}")
-            self.rids, self.slots, self.lens = [-1] * b, [0] * b, [1] * b
-            self._step([0] * b)
-        self.rids, self.slots, self.lens = saved
-        self._drop({-1})
+        t0 = time.perf_counter()
+        with self._running():  # the guards of the serving steps (grad mode, autocast)
+            self._prefill([Admit(-1, [0], 0)])
+            saved = (self.rids, self.slots, self.lens)
+            for b in self.sizes:
+                if progress is not None:
+                    progress(f"compiling the decode step for batches of {b}")
+                self.rids, self.slots, self.lens = [-1] * b, [0] * b, [1] * b
+                self._step([0] * b)
+            self.rids, self.slots, self.lens = saved
+            self._drop({-1})
+        if progress is not None:
+            progress(f"compiled {len(self.sizes)} decode steps in {time.perf_counter() - t0:.0f} s")
 
     # ---- rows ---------------------------------------------------------------------------------
     def _drop(self, drop: set[int]) -> None:
