@@ -9,6 +9,10 @@ rows leaving it (the span of slots in use then starts at 1). Both engines: `Batc
 cache) and `SlotBatch` (fixed KV slots, run eagerly here; rows padded to a ladder size, rows after
 a leaving one shifted down), the latter also with prompts prefilled in chunks between decode
 steps.
+
+A mixture of experts (Qwen3-MoE, its folder as transformers saves it) serves adapters on its expert
+tensors (PEFT's `target_parameters`) per row the same way, on the experts each batch routes to
+(eager) and on every (slot, expert) pair (the path a compiled step takes).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ PROMPTS = [[5, 9, 11, 30, 2], [7, 8], [12, 40, 41, 13, 14, 15, 16, 3], [6, 21, 2
            [9, 33, 17]]  # fmt: skip
 
 
-def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
+def _ranks(
+    rank: int, model_dir: str, adapters: list[str], engine: str, targets: list[str] = EVERY,
+    routed: bool = True,
+) -> dict:  # fmt: skip
     import quantmesh as qm
     from quantmesh.io.adapter import adapter_lora_config
     from quantmesh.serve.bank import AdapterBank
@@ -34,8 +41,13 @@ def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
     from quantmesh.serve.slots import SlotBatch
 
     mesh = qm.init_mesh(tp=2, dp=1)
-    lora = qm.LoraConfig(r=8, targets=EVERY)
+    from quantmesh.tp.experts import ShardedExperts
+
+    lora = qm.LoraConfig(r=8, targets=targets)
     served = qm.from_pretrained(model_dir, mesh, lora=lora, progress=False).eval()
+    experts = [m for m in served.modules() if isinstance(m, ShardedExperts)]
+    for m in experts:
+        m.routed_only = routed  # off: every (slot, expert) pair, as a compiled step runs them
     bank = AdapterBank(served, slots=3)
     for slot, path in enumerate(adapters, 1):
         bank.load(slot, path)
@@ -105,7 +117,9 @@ def _ranks(rank: int, model_dir: str, adapters: list[str], engine: str) -> dict:
         order = order + ended
         filling = [r for r in filling if r not in ended]
         filling += [a.rid for a in admit if not a.start and not a.last]
-    return {"worst": worst, "agree": agree, "steps": {r: len(s) for r, s in seqs.items()}}
+    routed_to = max((m.last_routed for m in experts), default=0)
+    return {"worst": worst, "agree": agree, "steps": {r: len(s) for r, s in seqs.items()},
+            "routed_to": routed_to}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -120,4 +134,30 @@ def test_mixed_adapter_batch_equals_each_adapter_alone(tmp_path: Path, engine: s
         assert res["worst"] < 1e-4, res  # fp32: only the order of sums differs
         # every row was prefilled and decoded (the chunked ones too): prompt + its tokens checked
         assert all(res["steps"][r] > len(p) + 1 for r, p in enumerate(PROMPTS)), res
+    assert results[0] == results[1]
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine", "routed"), [("dynamic", True), ("slots", False)])
+def test_expert_adapters_are_served_per_row(tmp_path: Path, engine: str, routed: bool) -> None:
+    from tests.moe_folders import moe_dir
+
+    model = moe_dir("qwen3_moe", tmp_path / "moe")
+    a = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj"], seed=1,
+                     parameters=["mlp.experts.down_proj"])  # fmt: skip
+    b = make_adapter(model, tmp_path / "b", r=8, targets=["q_proj", "v_proj"], seed=2,
+                     parameters=EXPERTS)  # fmt: skip
+    targets = ["q_proj", "v_proj"] + [f"*{t}" for t in EXPERTS]
+    results = run_ranks(_ranks, 2, str(model), [str(a), str(b)], engine, targets, routed,
+                        timeout=240)  # fmt: skip
+    for res in results:
+        assert res["agree"], res
+        assert res["worst"] < 1e-4, res
+        assert all(res["steps"][r] > len(p) + 1 for r, p in enumerate(PROMPTS)), res
+        # routed: the last forward built only the (slot, expert) pairs it hit (fewer than the
+        # 3 slots x 4 experts); whole: the routed path never ran
+        assert (0 < res["routed_to"] < 12) if routed else res["routed_to"] == 0, res
     assert results[0] == results[1]

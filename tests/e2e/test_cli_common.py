@@ -121,8 +121,12 @@ def make_tiny_llama(path: Path, *, seed: int = 0, layers: int = 2) -> Path:
     return path
 
 
-def make_adapter(model: Path, out: Path, *, r: int, targets: list[str], seed: int) -> Path:
-    """A PEFT LoRA adapter of `model` with random A and B (so it changes the replies)."""
+def make_adapter(
+    model: Path, out: Path, *, r: int, targets: list[str], seed: int,
+    parameters: list[str] | None = None,
+) -> Path:  # fmt: skip
+    """A PEFT LoRA adapter of `model` with random A and B (so it changes the replies); with
+    `parameters`, on those expert tensors too (PEFT's `target_parameters`)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -130,7 +134,14 @@ def make_adapter(model: Path, out: Path, *, r: int, targets: list[str], seed: in
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model)
     peft_model = get_peft_model(
-        base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+        base,
+        LoraConfig(
+            r=r,
+            lora_alpha=2 * r,
+            target_modules=targets,
+            init_lora_weights=False,
+            target_parameters=parameters,
+        ),  # fmt: skip
     )
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

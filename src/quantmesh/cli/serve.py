@@ -282,8 +282,11 @@ def check(cfg: ServeConfig) -> None:
             )
     if cfg.lora_targets:
         from ..lora.adapter import LoraConfig, lora_targets
+        from ..tp.experts import find_experts
 
-        lora_targets(model, LoraConfig(targets=cfg.lora_targets))  # raises when one matches nothing
+        tensors = [f"{f}.{t.name}" for f, ts in find_experts(model).items() for t in ts]
+        # raises when one matches nothing (expert tensors count: adapters on them are served too)
+        lora_targets(model, LoraConfig(targets=cfg.lora_targets), extra=tensors)
     auto_plan(model, cfg.tp).resolve(model, cfg.tp)
     limit = getattr(config, "max_position_embeddings", None)
     if cfg.max_model_len is None and limit is None:

@@ -91,12 +91,32 @@ def expert_adapter_keys(m: ShardedExperts) -> dict[str, tuple[str, str]]:
         ['m.experts.base_layer.lora_A.weight', 'm.experts.base_layer.lora_B.weight',
          'm.experts.lora_A.weight', 'm.experts.lora_B.weight']
     """
-    order = [t for t in m.tensors if t in m.expert_lora]  # the module's registration order
+    return peft_expert_keys(m.fqn, [t for t in m.tensors if t in m.expert_lora])
+
+
+def peft_expert_keys(fqn: str, order: list[str]) -> dict[str, tuple[str, str]]:
+    """{PEFT key without prefix: (tensor name, "lora_A" / "lora_B")} of the adapters of tensors
+    `order` (in the module's registration order) of module `fqn`.
+
+    Example:
+        >>> sorted(peft_expert_keys("e", ["up", "down"]))
+        ['e.base_layer.lora_A.weight', 'e.base_layer.lora_B.weight', 'e.lora_A.weight', 'e.lora_B.weight']
+    """
     out = {}
     for i, t in enumerate(order):
         for ab in ("lora_A", "lora_B"):
-            out[f"{m.fqn}.{'base_layer.' * (len(order) - 1 - i)}{ab}.weight"] = (t, ab)
+            out[f"{fqn}.{'base_layer.' * (len(order) - 1 - i)}{ab}.weight"] = (t, ab)
     return out
+
+
+def targets_parameter(target_parameters: list[str], name: str) -> bool:
+    """True when PEFT's `target_parameters` select parameter `name` (a full name or a suffix).
+
+    Example:
+        >>> targets_parameter(["mlp.experts.down_proj"], "model.layers.0.mlp.experts.down_proj")
+        True
+    """
+    return any(name == t or name.endswith(f".{t}") for t in target_parameters if t)
 
 
 def _file_params(

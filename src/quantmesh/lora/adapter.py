@@ -12,7 +12,7 @@ adapter leaves the model's outputs unchanged.
 A layer owns one `Adapter` (`LoraAdapter`: A, B, dropout, scale, rank) and runs it in two halves
 around its own collectives (`down`, then `up`); the layer holds it through one method,
 `set_adapter` (tp/layers.py). Nothing here knows the layer: `attach_lora` reads the few facts it
-needs of any `LoraHost`. `ExpertAdapter` is the per-expert adapter of a fused experts tensor.
+needs of any `LoraHost`. `ExpertAdapter` is the per-expert adapter of a fused experts tensor (an `ExpertLora`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -31,11 +32,13 @@ from ..plan.styles import FeatureSplit, Style, slice_dim
 __all__ = [
     "Adapter",
     "ExpertAdapter",
+    "ExpertLora",
     "LoraAdapter",
     "LoraConfig",
     "LoraError",
     "LoraHost",
     "attach_lora",
+    "expert_products",
     "lora_splits",
     "lora_targets",
     "trainable_parameters",
@@ -267,7 +270,36 @@ def attach_lora(
     )
 
 
-class ExpertAdapter(nn.Module):
+class ExpertLora(nn.Module):
+    """What an experts module runs of an expert tensor's adapter: `weight_delta` gives the
+    scaled weight deltas of some experts, `route` may renumber the routing ids onto more experts
+    than the module has (a bank of adapters: one copy of every expert per adapter slot, chosen
+    per row). The experts module holds it through `set_expert_adapter`.
+
+    Example:
+        >>> experts.set_expert_adapter("down_proj", ExpertAdapter.new(a, 32, experts=4, r=2,
+        ...                                                          scale=1.0))  # doctest: +SKIP
+    """
+
+    def route(self, ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """(the routing ids renumbered, the number of experts they count) or None: the module's
+        own ids and experts (the default)."""
+        return None
+
+    def weight_delta(
+        self,
+        transposed: bool,
+        experts: torch.Tensor | None,
+        factors: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The scaled deltas (n, out, in), or (n, in, out) for a transposed layout, of experts
+        `experts` (ids, as `route` numbers them), or of every expert (None). `factors(a, b)`
+        gives the factors the computation reads (a tp layer wraps the whole one so that its
+        gradient is reduced)."""
+        raise NotImplementedError
+
+
+class ExpertAdapter(ExpertLora):
     """LoRA of one expert tensor in PEFT's `target_parameters` layout: `lora_A` (E*r, in) and
     `lora_B` (out, E*r), expert e's delta `B[:, e::E] @ A[e*r:(e+1)*r]` (out, in) times `scale`.
 
@@ -304,6 +336,15 @@ class ExpertAdapter(nn.Module):
         """The same A and B (the very modules) with another scale."""
         return ExpertAdapter(self.lora_A, self.lora_B, self.experts, self.r, scale)
 
+    def weight_delta(
+        self,
+        transposed: bool,
+        experts: torch.Tensor | None,
+        factors: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        a, b = factors(self.lora_A.weight, self.lora_B.weight)
+        return self.delta(a, b, transposed, experts) * self.scale
+
     def delta(
         self,
         a: torch.Tensor,
@@ -319,9 +360,20 @@ class ExpertAdapter(nn.Module):
         b3 = b.reshape(b.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
         if experts is not None:
             a3, b3 = a3.index_select(0, experts), b3.index_select(0, experts)
-        if transposed:
-            return torch.bmm(a3.transpose(1, 2), b3.transpose(1, 2))  # (E, in, out)
-        return torch.bmm(b3, a3)  # (E, out, in)
+        return expert_products(a3, b3, transposed)
+
+
+def expert_products(a3: torch.Tensor, b3: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """B @ A per expert: `a3` (n, r, in), `b3` (n, out, r) -> (n, out, in), or (n, in, out) for
+    a transposed layout.
+
+    Example:
+        >>> expert_products(torch.ones(2, 1, 3), torch.ones(2, 4, 1), False).shape
+        torch.Size([2, 4, 3])
+    """
+    if transposed:
+        return torch.bmm(a3.transpose(1, 2), b3.transpose(1, 2))  # (n, in, out)
+    return torch.bmm(b3, a3)  # (n, out, in)
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -11,6 +11,11 @@ row then keeps its own r outputs), and B of the span on a vector that holds each
 its slot's block and zeros elsewhere. The adapter weights are read once per step, not once per
 row.
 
+Adapters on expert tensors (PEFT's `target_parameters`) are banked too: a slot's copy of an
+expert is an expert of its own (`_BankedExpertLora.route` renumbers each token's routing ids by its
+row's slot), so the experts module's own loop runs every (slot, expert) pair on its tokens; see
+tp/experts.py.
+
 Adapters of lower rank than the bank's are zero-padded (exact: the padded products are zeros);
 adapters may target any subset of the bank's modules (the others get zeros in that slot). Each
 adapter's own scale (lora_alpha / r) is applied per row after B, as the plain layer does.
@@ -24,16 +29,33 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..io.adapter import _adapter_weights, _peft_key, _read_adapter_config, _shape_problems
-from ..io.reader import open_checkpoint
-from ..lora.adapter import Adapter, LoraError, lora_splits
+from ..io.adapter import (
+    _adapter_weights,
+    _is_expert_key,
+    _peft_key,
+    _read_adapter_config,
+    _shape_problems,
+    peft_expert_keys,
+    targets_parameter,
+)
+from ..io.reader import CheckpointReader, open_checkpoint
+from ..lora.adapter import (
+    Adapter,
+    ExpertLora,
+    LoraError,
+    expert_products,
+    lora_splits,
+)
+from ..tp.experts import ShardedExperts
 from ..tp.layers import ShardedModule, sharded_modules
 
 __all__ = ["AdapterBank", "AdapterInfo"]
@@ -109,6 +131,61 @@ class _BankedLora(Adapter):
         return y * scale.view(-1, *([1] * (y.dim() - 1)))
 
 
+class _BankedExpertLora(ExpertLora):
+    """One expert tensor's adapters of every slot: `a_bank` (slots, E, r, in_x) and `b_bank`
+    (slots, E, out_x, r), this rank's slices. Expert e of a row on slot s is expert s * E + e of
+    slots * E (`route`); its delta is slot s's B_e @ A_e times slot s's scale."""
+
+    a_bank: torch.Tensor
+    b_bank: torch.Tensor
+
+    def __init__(self, bank: AdapterBank, a_bank: torch.Tensor, b_bank: torch.Tensor) -> None:
+        super().__init__()
+        self.bank = [bank]  # a list: not a child module
+        self.experts = int(a_bank.shape[1])
+        self.register_buffer("a_bank", a_bank, persistent=False)
+        self.register_buffer("b_bank", b_bank, persistent=False)
+        if a_bank.device.type == "cuda":
+            torch._dynamo.mark_static_address(a_bank, guard=False)
+            torch._dynamo.mark_static_address(b_bank, guard=False)
+
+    def route(self, ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        bank, e = self.bank[0], self.experts
+        if bank.uniform == 0:
+            return None  # the base everywhere: the module's own experts
+        units = bank.slots * e
+        if bank.uniform is not None:
+            slot: torch.Tensor | int = bank.uniform
+        else:
+            rows = bank.ids
+            if ids.dim() == 0 or ids.shape[0] % rows.shape[0]:
+                raise RuntimeError(
+                    f"an experts forward got routing ids of shape {tuple(ids.shape)}, which do not "
+                    f"split into the batch's {rows.shape[0]} rows (tokens row-major first): the "
+                    "adapter bank cannot tell each token's adapter"
+                )
+            per = rows.repeat_interleave(ids.shape[0] // rows.shape[0])  # (tokens,)
+            slot = per.view(-1, *([1] * (ids.dim() - 1)))
+        valid = (ids >= 0) & (ids < e)  # other ids (a "no expert" marker) stay past the end
+        return torch.where(valid, ids + e * slot, units), units
+
+    def weight_delta(
+        self,
+        transposed: bool,
+        experts: torch.Tensor | None,
+        factors: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Slot `experts // E`'s delta of expert `experts % E`, times that slot's scale (the
+        bank's buffers need no gradient: `factors` is not applied)."""
+        e = self.experts
+        if experts is None:  # the module's own experts: slot 0's (zeros)
+            experts = torch.arange(e, device=self.a_bank.device)
+        slot, ex = experts // e, experts % e
+        d = expert_products(self.a_bank[slot, ex], self.b_bank[slot, ex], transposed)
+        scale = self.bank[0].scale_t.index_select(0, slot).to(d.dtype)
+        return d * scale.view(-1, 1, 1)
+
+
 class AdapterBank:
     """`slots` adapters (slot 0: the base) on every LoRA-carrying module of a parallelized model.
 
@@ -125,24 +202,33 @@ class AdapterBank:
     def __init__(self, model: nn.Module, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots}; expected >= 1 (slot 0 is the base model)")
-        experts = [
-            f for f, m in sharded_modules(model).items() if len(getattr(m, "expert_lora", ()))
-        ]
-        if experts:  # per-row weight deltas of experts: not banked, and never silently dropped
-            raise ValueError(
-                f"adapters on expert tensors ({experts[0]}, ...) cannot be served per request "
-                "yet: an expert adapter is a weight delta that the bank does not switch per row; "
-                "serve adapters on the attention / dense projections, or generate with "
-                "`quantmesh generate --adapter` (one adapter)"
+        experts = {
+            f: m.expert_adapters()
+            for f, m in sharded_modules(model).items()
+            if isinstance(m, ShardedExperts) and len(m.expert_lora) > 0
+        }
+        unrouted = [f for f, m in sharded_modules(model).items()
+                    if f in experts and not hasattr(m.local, "num_experts")]  # fmt: skip
+        if unrouted:  # never silently wrong: a bank needs the module's count of experts
+            raise LoraError(
+                f"{unrouted[0]} has adapters on its expert tensors but no `num_experts` attribute: "
+                "a bank of adapters renumbers the experts per row through it; serve adapters on "
+                "the attention / dense projections, or generate with one adapter"
             )
         loras = {f: ad for f, m in sharded_modules(model).items() if (ad := m.lora) is not None}
         self.mods: dict[str, ShardedModule] = {
             f: m for f, m in sharded_modules(model).items() if f in loras
         }
         self.slots = slots
-        self.r = max((ad.r for ad in loras.values()), default=0)
+        self.experts: dict[str, ShardedExperts] = {
+            f: cast(ShardedExperts, m) for f, m in sharded_modules(model).items() if f in experts
+        }
+        self.r = max([ad.r for ad in loras.values()]
+                     + [ad.r for ads in experts.values() for ad in ads.values()], default=0)  # fmt: skip
         self.scales = [0.0] * slots  # host copy, for the uniform path
-        dev = next((ad.lora_A.weight.device for ad in loras.values()), torch.device("cpu"))
+        firsts = [ad.lora_A.weight for ad in loras.values()]
+        firsts += [ad.lora_A.weight for ads in experts.values() for ad in ads.values()]
+        dev = firsts[0].device if firsts else torch.device("cpu")
         self.scale_t = torch.zeros(slots, device=dev)  # (slots,)
         self.ids = torch.zeros(1, dtype=torch.long, device=dev)  # (batch,) slot of each row
         self.span = (0, 1)  # the slots [lo, hi) a mixed batch uses
@@ -159,6 +245,17 @@ class AdapterBank:
             )  # (out_x, slots, r)
             self.banked[f] = _BankedLora(self, bank_a, bank_b)
             m.set_adapter(self.banked[f])  # the per-adapter scales are applied by its `up`
+        self.banked_experts: dict[str, dict[str, _BankedExpertLora]] = {}
+        for f, ads in experts.items():
+            self.banked_experts[f] = {}
+            for t, ead in ads.items():
+                a, b = ead.lora_A.weight, ead.lora_B.weight  # (E*r, in_x), (out_x, E*r)
+                e, r = ead.experts, ead.r
+                bank_a = a.new_zeros(slots, e, r, a.shape[1])
+                bank_b = b.new_zeros(slots, e, b.shape[0], r)
+                banked = _BankedExpertLora(self, bank_a, bank_b)
+                self.banked_experts[f][t] = banked
+                self.experts[f].set_expert_adapter(t, banked)
 
     # ---- rows ---------------------------------------------------------------------------------
     def set_rows(self, slots: list[int], fixed: int | None = None) -> None:
@@ -209,7 +306,7 @@ class AdapterBank:
             )
         cfg = _read_adapter_config(folder)
         r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-        if not self.mods:
+        if not self.mods and not self.experts:
             raise LoraError(
                 "the server has no LoRA modules; restart it with --adapter NAME=DIR or "
                 "--lora-targets to serve adapters"
@@ -219,10 +316,13 @@ class AdapterBank:
                 f"adapter {str(folder)!r} has r={r}, more than the server's --max-lora-rank "
                 f"{self.r}; restart with --max-lora-rank {r}"
             )
+        params = [str(t) for t in cfg.get("target_parameters") or []]
+        owners = [t.rpartition(".")[0] for t in params]
         problems = []
         with open_checkpoint(_adapter_weights(folder), key_map=_peft_key) as reader:
             keys = set(reader.keys())
-            fqns = sorted({k.rsplit(".", 2)[0] for k in keys if ".lora_" in k})
+            expert_keys = {k for k in keys if ".lora_" in k and _is_expert_key(k, owners)}
+            fqns = sorted({k.rsplit(".", 2)[0] for k in keys - expert_keys if ".lora_" in k})
             other = sorted(k for k in keys if ".lora_A." not in k and ".lora_B." not in k)
             if other:
                 problems.append(f"tensors other than lora_A/lora_B: {other[:5]}")
@@ -237,6 +337,31 @@ class AdapterBank:
                 if m is None:
                     continue
                 problems += _shape_problems(f, r, m.in_full, m.out_full, keys, reader)
+            tensors = self._expert_targets(params)
+            wanted = set()
+            for f, names in tensors.items():
+                e = self.experts[f]
+                for key, (t, ab) in peft_expert_keys(f, names).items():
+                    wanted.add(key)
+                    if t not in self.banked_experts[f]:
+                        problems.append(
+                            f"expert tensor {f}.{t}: the server has no LoRA on it (restart with "
+                            "--lora-targets naming it)"
+                        )
+                        continue
+                    spec, full = e.tensors[t], e.full_shapes[t]
+                    er = e.num_experts * r
+                    want = (er, full[spec.in_dim]) if ab == "lora_A" else (full[spec.out_dim], er)
+                    if key not in keys:
+                        problems.append(f"{key} missing (the adapter of expert tensor {f}.{t})")
+                    elif tuple(reader.shape(key)) != want:
+                        problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+            stray = sorted(expert_keys - wanted)
+            if stray:
+                problems.append(
+                    f"expert adapters the server has no LoRA on: {stray[:5]} (restart with "
+                    "--lora-targets naming their tensors)"
+                )
         if problems:
             base = cfg.get("base_model_name_or_path")
             raise LoraError(
@@ -244,7 +369,18 @@ class AdapterBank:
                 + "; ".join(problems[:5])
                 + f". It was trained on {base!r}; serve that model, or an adapter trained on this one"
             )
-        return AdapterInfo(path=str(folder), r=r, scale=alpha / r, modules=tuple(fqns))
+        modules = tuple(fqns) + tuple(f"{f}.{t}" for f, names in tensors.items() for t in names)
+        return AdapterInfo(path=str(folder), r=r, scale=alpha / r, modules=modules)
+
+    def _expert_targets(self, params: list[str]) -> dict[str, list[str]]:
+        """{experts module: the tensors PEFT's `target_parameters` select, in the module's
+        registration order (the nesting of its file keys)}."""
+        out = {}
+        for f, e in self.experts.items():
+            names = [t for t in e.tensors if targets_parameter(params, f"{f}.{t}")]
+            if names:
+                out[f] = names
+        return out
 
     @torch.no_grad()
     def load(self, slot: int, path: str | os.PathLike) -> AdapterInfo:
@@ -272,6 +408,35 @@ class AdapterBank:
                     ranges = fs.ranges(m.tp_rank) if fs is not None else None
                     dest.copy_(reader.read(f"{fqn}.{name}", dim, ranges, dtype=dest.dtype,
                                            device=dest.device))  # fmt: skip
+            for fqn, banked in self.banked_experts.items():
+                self._load_experts(slot, info, fqn, banked, reader)
         self.scales[slot] = info.scale
         self.scale_t[slot] = info.scale
         return info
+
+    def _load_experts(
+        self, slot: int, info: AdapterInfo, fqn: str, banked: dict[str, _BankedExpertLora],
+        reader: CheckpointReader,
+    ) -> None:  # fmt: skip
+        """Slot `slot` of experts module `fqn`'s banked tensors from the adapter file: this rank's
+        slice of A (E*r, in) and B (out, E*r) laid out per expert; zeros where not targeted."""
+        e = self.experts[fqn]
+        names = [t for t in e.tensors if f"{fqn}.{t}" in info.modules]
+        keys = {v: k for k, v in peft_expert_keys(fqn, names).items()}
+        n, r = e.num_experts, info.r
+        for t, b in banked.items():
+            b.a_bank[slot].zero_()
+            b.b_bank[slot].zero_()
+            if t not in names:
+                continue
+            spec, split = e.tensors[t], e.splits.get(t)
+            ranges = split.ranges(e.tp_rank) if split is not None else None
+            # the factor on the split side follows the split (as attach_expert_lora cuts it)
+            a = reader.read(keys[(t, "lora_A")], None if spec.first else 1,
+                            None if spec.first else ranges, dtype=b.a_bank.dtype,
+                            device=b.a_bank.device)  # fmt: skip
+            w = reader.read(keys[(t, "lora_B")], 0 if spec.first else None,
+                            ranges if spec.first else None, dtype=b.b_bank.dtype,
+                            device=b.b_bank.device)  # fmt: skip
+            b.a_bank[slot, :, :r] = a.view(n, r, -1)  # (E*r, in) -> (E, r, in)
+            b.b_bank[slot, :, :, :r] = w.view(w.shape[0], r, n).permute(2, 0, 1)  # (E, out, r)

@@ -30,19 +30,26 @@ dequantized (`QuantFormat.compute_units`), their adapters' deltas and biases pic
 ids renumbered to them, the module's `num_experts` set to their count for the call. The model's
 loop visits the same experts in the same order, so the output is the whole path's exactly. Eager
 only (a compiled block keeps the whole path: the count is data-dependent).
+
+**Many adapters, one per row (serving): each slot's copy of an expert is an expert of its own.**
+An adapter bank (serve/bank.py) renumbers the routing ids: expert e of a row on slot s becomes
+expert `s * E + e` of `slots * E` (`ExpertLora.route`), whose weight is expert e's plus slot s's
+delta. The model's loop then runs each (slot, expert) pair on its own tokens, unchanged; eager,
+only the pairs a batch hits are built; compiled, every pair (slots times the experts' weights).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..lora.adapter import ExpertAdapter
+from ..lora.adapter import ExpertAdapter, ExpertLora
 from ..plan.styles import (
     FeatureSplit,
     Ranges,
@@ -175,7 +182,7 @@ class ShardedExperts(ShardedModule):
     qlocal: dict[str, nn.Module]  # tensor name -> the quantized linear holding (E*a, b)
     local_shapes: dict[str, tuple[int, ...]]
     full_shapes: dict[str, tuple[int, ...]]
-    expert_lora: nn.ModuleDict  # tensor name -> ExpertAdapter (attach_expert_lora)
+    expert_lora: nn.ModuleDict  # tensor name -> ExpertLora (attach_expert_lora, a bank's)
     transposed: bool
     num_experts: int
     inter: int
@@ -420,99 +427,150 @@ class ShardedExperts(ShardedModule):
                 a, out_rows, experts=self.num_experts, r=r, scale=scale, dtype=dtype
             )
 
-    def set_expert_adapter(self, name: str, adapter: ExpertAdapter) -> None:
-        """Replace the adapter of expert tensor `name` (one it has; its place and name kept)."""
+    def set_expert_adapter(self, name: str, adapter: ExpertLora) -> None:
+        """Replace the adapter of expert tensor `name` (one it has; its place and name kept):
+        a retuned ExpertAdapter, or a bank's adapter of many (serve/bank.py)."""
         if name not in self.expert_lora:
             raise KeyError(f"{self.fqn}.{name} has no adapter to replace")
         self.expert_lora[name] = adapter
 
     def expert_adapters(self) -> dict[str, ExpertAdapter]:
-        """{tensor name: its adapter}, in registration order."""
-        return {t: cast(ExpertAdapter, ad) for t, ad in self.expert_lora.items()}
+        """{tensor name: its adapter}, in registration order (trained adapters: not a bank's)."""
+        out = {}
+        for t, ad in self.expert_lora.items():
+            if not isinstance(ad, ExpertAdapter):
+                raise TypeError(
+                    f"{self.fqn}.{t} holds {type(ad).__name__}, not one adapter (a server's bank "
+                    "of adapters is not saved or loaded as one)"
+                )
+            out[t] = ad
+        return out
 
     # ---- forward ------------------------------------------------------------------------------
-    def _effective(self, hit: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def _effective(
+        self, hit: torch.Tensor | None = None, units: int = 0
+    ) -> dict[str, torch.Tensor]:
         """The tensors the experts forward reads: dequantized, plus the adapters' deltas; the
-        second projection's bias on tp rank 0 only. With `hit` (sorted expert ids): those
-        experts' only, in that order."""
+        second projection's bias on tp rank 0 only. With `hit` (expert ids, sorted): those
+        experts' only, in that order. `units` > the module's experts: the ids are an adapter
+        bank's (`ExpertLora.route`), expert `hit % E` of one adapter slot each."""
         out: dict[str, torch.Tensor] = {}
         g = self.group
+        e = self.num_experts
+        if units > e and hit is None:
+            hit = torch.arange(units, device=self.device_hint)
+        base = hit if hit is None or units <= e else hit % e  # the base expert of each id
         for name, t in self.tensors.items():
             shape = self.local_shapes[name]
             if name in self.qlocal:
                 assert self.fmt is not None  # quantized tensors have a format
                 q = self.qlocal[name]
-                if hit is None:
+                if base is None:
                     w = self.fmt.compute_weight(q).view(shape)
                 else:
-                    w = self.fmt.compute_units(q, shape[0], hit).view(len(hit), *shape[1:])
+                    w = self.fmt.compute_units(q, shape[0], base).view(len(base), *shape[1:])
                 w = w.to(self.float_dtype)
             else:
                 w = cast(torch.Tensor, self._parameters[name])
-                if hit is not None:
-                    w = w.index_select(0, hit)
+                if base is not None:
+                    w = w.index_select(0, base)
             ad = cast(
-                ExpertAdapter | None, self.expert_lora[name] if name in self.expert_lora else None
+                ExpertLora | None, self.expert_lora[name] if name in self.expert_lora else None
             )
             if ad is not None:
-                a, b = ad.lora_A.weight, ad.lora_B.weight
-                if self.tp > 1:  # the whole factor meets split features: reduce its gradient
-                    if t.first:
-                        a = copy_to_tp(a, g)
-                    else:
-                        b = copy_to_tp(b, g)
-                w = w + (ad.delta(a, b, self.transposed, hit) * ad.scale).to(w.dtype)
+                factors = self._factors(t)
+                w = w + ad.weight_delta(self.transposed, hit, factors).to(w.dtype)
             out[name] = w
             if t.bias is not None:
                 bias = cast(torch.Tensor, self._parameters[t.bias])
-                if hit is not None:
-                    bias = bias.index_select(0, hit)
+                if base is not None:
+                    bias = bias.index_select(0, base)
                 if not t.first and self.tp > 1:  # added to a partial sum: once, on rank 0
                     bias = copy_to_tp(bias, g) if bias.requires_grad else bias
                     bias = bias * (1.0 if self.tp_rank == 0 else 0.0)
                 out[t.bias] = bias
         return out
 
+    def _factors(
+        self, t: ExpertTensor
+    ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter factors as tensor `t`'s delta reads them: at tp > 1 the whole factor meets
+        split features, so it goes through copy_to_tp (its gradient reduced)."""
+        g, tp = self.group, self.tp
+
+        def factors(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if tp > 1:
+                if t.first:
+                    a = copy_to_tp(a, g)
+                else:
+                    b = copy_to_tp(b, g)
+            return a, b
+
+        return factors
+
     def _run(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         routed = self._routed(args, kwargs)
         if routed is None:
             return torch.func.functional_call(self.local, self._effective(), (x, *args), kwargs)
-        hit, args, kwargs = routed
-        self.last_routed = len(hit)
+        hit, units, args, kwargs = routed
         local = cast(Any, self.local)
         whole = local.num_experts
-        local.num_experts = len(hit)  # the model's loop (and its one_hot) counts these
+        if hit is not None:
+            self.last_routed = len(hit)
+        local.num_experts = units if hit is None else len(hit)  # the model's loop counts these
         try:
-            return torch.func.functional_call(local, self._effective(hit), (x, *args), kwargs)
+            return torch.func.functional_call(
+                local, self._effective(hit, units), (x, *args), kwargs
+            )
         finally:
             local.num_experts = whole
 
-    def _routed(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict] | None:
-        """(the experts hit, sorted; the arguments with the routing ids renumbered to them) when
-        the forward's one integer tensor (the routing ids) reaches fewer than all experts; None:
-        run every expert (compiling, no or several integer arguments, all experts hit, an id out
-        of range)."""
-        if not self.routed_only or torch.compiler.is_compiling():
-            return None
+    def _bank_route(self, ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The routing ids as an adapter bank numbers them (one copy of every expert per slot,
+        chosen by each token's row), or None: no bank, or every row on the base. The module's
+        banked adapters are one bank's: the first says it."""
+        for ad in self.expert_lora.values():
+            if not isinstance(ad, ExpertAdapter):
+                return cast(ExpertLora, ad).route(ids)
+        return None
+
+    def _routed(
+        self, args: tuple, kwargs: dict
+    ) -> tuple[torch.Tensor | None, int, tuple, dict] | None:
+        """(the experts hit, sorted, or None: all; how many experts the ids count; the arguments
+        with the routing ids renumbered) when the forward's one integer tensor (the routing ids)
+        reaches fewer than all experts or an adapter bank renumbers them; None: run every expert
+        as the module has them (compiling, no or several integer arguments, all experts hit, an id
+        out of range)."""
         where: list[int | str] = [i for i, v in enumerate(args) if _is_ids(v)]
         where += [k for k, v in kwargs.items() if _is_ids(v)]
+        banked = any(not isinstance(ad, ExpertAdapter) for ad in self.expert_lora.values())
+        if banked and len(where) != 1:
+            raise RuntimeError(
+                f"{self.fqn}: an adapter bank picks experts per row through the routing ids, "
+                f"but this experts forward takes {len(where)} integer tensors, not one"
+            )
         if len(where) != 1:
             return None
         at = where[0]
         ids = args[at] if isinstance(at, int) else kwargs[at]
         e = self.num_experts
+        bank = self._bank_route(ids) if banked else None
+        if bank is not None:
+            ids, e = bank
+        if not self.routed_only or torch.compiler.is_compiling():
+            if bank is None:
+                return None
+            return None, e, *_with(args, kwargs, at, ids)
         hit = torch.unique(ids)  # sorted
         ends = hit[[0, -1]].tolist() if hit.numel() else [0, e]
         if hit.numel() >= e or ends[0] < 0 or ends[1] >= e:
-            return None
+            if bank is None:
+                return None
+            return None, e, *_with(args, kwargs, at, ids)
         lut = torch.zeros(e, dtype=ids.dtype, device=ids.device)
         lut[hit] = torch.arange(len(hit), dtype=ids.dtype, device=ids.device)
-        new = lut[ids]
-        if isinstance(at, int):
-            args = (*args[:at], new, *args[at + 1 :])
-        else:
-            kwargs = {**kwargs, at: new}
-        return hit, args, kwargs
+        return hit, e, *_with(args, kwargs, at, lut[ids])
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.tp > 1:  # every float input (hidden state, routing weights) meets split features
@@ -539,6 +597,13 @@ class ShardedExperts(ShardedModule):
         q = f", quant={self.fmt.name}" if self.fmt is not None else ""
         shapes = ", ".join(f"{k}={tuple(v)}" for k, v in self.local_shapes.items())
         return f"Experts({self.num_experts}), local: {shapes}, tp {self.tp_rank}/{self.tp}{q}"
+
+
+def _with(args: tuple, kwargs: dict, at: int | str, value: Any) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with the argument at `at` (a position or a name) replaced."""
+    if isinstance(at, int):
+        return (*args[:at], value, *args[at + 1 :]), kwargs
+    return args, {**kwargs, at: value}
 
 
 def _is_ids(v: Any) -> bool:
