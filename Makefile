@@ -36,16 +36,19 @@ format: $(STAMP)
 # the order tests/conftest.py sets (the CLI runs, then the other modules with slow tests, first;
 # --no-loadscope-reorder: xdist would hand out the modules with the most tests first, leaving the
 # long CLI modules, which hold few tests each, to the end). TEST_WORKERS=0: serially.
+# QUANTMESH_COMPILE_BACKEND=aot_eager: the CPU compiles trace (dynamo, AOT autograd: what our code
+# meets) without inductor's code generation, most of a cold run's compile time; the tests of
+# inductor's own choices (what compiled blocks save, compiled tiles' memory and gradients) name it.
 TEST_WORKERS ?= 2
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not cuda" --durations=25 tests
+	QUANTMESH_COMPILE_BACKEND=aot_eager $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not cuda" --durations=25 tests
 
 # The inner loop: lint, then every test but the slow ones (the CLI end-to-end runs, the demo and
 # its assets, the benchmark smokes, CPU compiles, the tp=4, recompute and hf launches of 4 ranks,
 # the MoE folder loads, the 512 MiB load). `make test` stays the full suite: it runs every slow test.
 test-fast: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not cuda and not slow" tests
+	QUANTMESH_COMPILE_BACKEND=aot_eager $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not cuda and not slow" tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -48,6 +48,7 @@ __all__ = [
     "check_offload_base",
     "check_pp_schedule",
     "check_quant",
+    "compile_options",
 ]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -55,6 +56,32 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 (several stages per rank, `PipelineConfig(virtual=...)`)."""
 LR_SCHEDULES = ("cosine", "linear", "constant")
 """The learning rate after warm-up: cosine or linear decay to 0 at the last step, or constant."""
+COMPILE_BACKEND_ENV = "QUANTMESH_COMPILE_BACKEND"
+"""The environment variable naming torch.compile's backend for every compile quantmesh makes."""
+
+
+def compile_options(mode: str | None = None, backend: str | None = None) -> dict:
+    """torch.compile's `backend` (and `mode`) for a compile quantmesh makes (`compile_blocks`,
+    the decode step of `fast_decode` and `generate --fast`, the server's slot steps, `finetune
+    --compile`): `backend` when given, else $QUANTMESH_COMPILE_BACKEND, else "inductor". A mode
+    (CUDA graphs, autotuning) is inductor's: another backend compiles without it, as documented
+    under that variable. `make test` sets "aot_eager" on CPU ranks: dynamo's tracing and AOT
+    autograd's graphs (what quantmesh's code meets) without inductor's C++ code generation; the
+    tests of inductor's own choices (what compiled blocks save, compiled tiles' memory and
+    gradients) name "inductor" themselves.
+
+    Example:
+        >>> compile_options("reduce-overhead", backend="inductor")
+        {'backend': 'inductor', 'mode': 'reduce-overhead'}
+        >>> compile_options("reduce-overhead", backend="aot_eager")
+        {'backend': 'aot_eager'}
+    """
+    import os
+
+    backend = backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    if backend == "inductor" and mode is not None:
+        return {"backend": backend, "mode": mode}
+    return {"backend": backend}
 
 
 class ConfigError(QuantmeshError, ValueError):

@@ -2,6 +2,9 @@
 
 fullgraph=True: a graph break anywhere in a block (the sharded layers, their collectives, the
 quantized matmul, the adapters) fails the test instead of silently running part of it eagerly.
+The backend is `make test`'s $QUANTMESH_COMPILE_BACKEND (aot_eager: dynamo and AOT autograd, what
+our code meets); inductor's generated code runs in tests/unit/test_tiles_compiled.py (gradients)
+and tests/unit/test_memory.py (what the compiled nf4 blocks save).
 
 Compiling dominates the cost, then spawning: every case runs in one spawn of 2 ranks (`_spawn`,
 cached for the module), each case after `_fresh()` (no compiled graph, counter or patched
@@ -309,7 +312,9 @@ def _decode(rank: int) -> dict:
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
     eager = model.generate(ids, **kw)
-    cc = CompileConfig(fullgraph=True, mode="default")
+    from quantmesh.config import compile_options
+
+    cc = CompileConfig(fullgraph=True, mode="default", backend=compile_options()["backend"])
     cc._compile_all_devices = True  # transformers compiles on accelerators only by default
     static = model.generate(ids, cache_implementation="static", compile_config=cc, **kw)
     return {

@@ -4,7 +4,9 @@ writes, the per-row mask, the bank's fixed row ids, the tp collectives) and give
 logits, while rows join (one of them with a 250-token prompt, so the keys cross the 256-column
 ladder step), change the batch size and leave. The GPU's CUDA graphs (mode="reduce-overhead") are
 tests/distributed/test_cuda_serve.py; this one runs in `make test` (backend aot_eager: the same
-trace, no code generation).
+trace, no code generation). A mixture of experts with adapters on its experts in the bank traces
+whole too and equals the eager step (whose values tests/distributed/test_serve_bank.py checks
+against each adapter alone).
 """
 
 from __future__ import annotations
@@ -116,3 +118,61 @@ def test_warm_up_compiles_the_graphs_serving_runs() -> None:
     assert res["sizes"] == (1, 2), res
     assert res["warmed"] == 2, res  # one static graph per size (dynamic=False)
     assert res["served"] == res["warmed"], res
+
+
+def _moe_compiled_vs_eager(rank: int) -> dict:
+    """Qwen3-MoE, nf4, adapters on the expert tensors in the bank: the compiled step builds every
+    (slot, expert) pair, the eager one the pairs its rows hit."""
+    from torch._dynamo.utils import counters
+
+    import quantmesh as qm
+    from quantmesh.serve.bank import AdapterBank
+    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.slots import SlotBatch
+    from tests.zoo import ZOO
+
+    mesh = qm.init_mesh(tp=1)
+    model = ZOO["qwen3_moe"].build(0)
+    model.config.max_position_embeddings = 1024
+    model.config._attn_implementation = "sdpa"
+    model.config._experts_implementation = "grouped_mm"  # the experts forward compiled blocks run
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
+    model.eval()
+    bank = AdapterBank(model, slots=3)
+    g = torch.Generator().manual_seed(11)
+    banked = [*bank.banked.values(), *(b for d in bank.banked_experts.values() for b in d.values())]
+    with torch.no_grad():
+        for ad in banked:
+            for w in (ad.a_bank, ad.b_bank):
+                w.copy_(0.1 * torch.randn(w.shape, generator=g))
+            ad.a_bank[0].zero_()
+        bank.scales[1:] = [1.0, 2.0]
+        bank.scale_t[1:] = torch.tensor([1.0, 2.0])
+    eager = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(2,), compile=False)
+    comp = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(2,), compile=False)
+    comp.run = torch.compile(comp._decode, backend="aot_eager", fullgraph=True)
+    order: list[int] = []
+    last: dict[int, int] = {}
+    worst, steps = 0.0, 0
+    for step in range(4):
+        plan = Plan(drop=[], order=list(order), feed=[last[r] for r in order],
+                    admit=[Admit(0, [5, 9, 11], 1), Admit(1, [3, 4, 5], 2)] if step == 0 else [])  # fmt: skip
+        rows = []
+        for batch in (eager, comp):
+            s, pre, _ = batch.execute(plan)
+            rows.append((list(s) if s is not None else []) + pre)
+            steps += s is not None
+        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(*rows, strict=True)))
+        order = order + [a.rid for a in plan.admit]
+        last = dict(zip(order, [int(r.argmax()) for r in rows[0]], strict=True))
+    return {"worst": worst, "breaks": dict(counters["graph_break"]), "steps": steps,
+            "graphs": counters["stats"]["unique_graphs"], "banked": len(bank.banked_experts)}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_compiled_slot_step_serves_expert_adapters_like_eager() -> None:
+    (res,) = run_ranks(_moe_compiled_vs_eager, 1, timeout=300)
+    assert res["banked"] == 2, res  # both layers' experts carry banked adapters
+    assert res["breaks"] == {} and res["graphs"] == 1, res
+    assert res["steps"] == 2 * 3, res
+    assert res["worst"] < 1e-4, res

@@ -46,3 +46,32 @@ def test_serve_refuses_bad_setups_before_starting(tmp_path: Path, capsys, monkey
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` raises ImportError
     err = refused(["serve", str(model)], capsys, monkeypatch)
     assert "needs uvicorn, not installed here" in err and "quantmesh[serve]" in err, err
+
+
+@pytest.mark.slow  # a MoE folder, a peft adapter, three checks of the CLI
+def test_serve_takes_expert_adapters_and_expert_targets(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A mixture of experts with an adapter on its expert tensors (PEFT's `target_parameters`):
+    every check passes and the workers are launched with the bank's targets (the per-row serving
+    itself: tests/distributed/test_serve_bank.py). `--lora-targets` may name expert tensors."""
+    from quantmesh.cli import runner
+    from quantmesh.cli.plan_cmd import load_skeleton
+    from quantmesh.cli.serve import ServeConfig, _lora
+    from tests.moe_folders import moe_dir
+
+    model = moe_dir("qwen3_moe", tmp_path / "moe")
+    adapter = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj"], seed=0,
+                           parameters=["mlp.experts.down_proj"])  # fmt: skip
+    launched: list[list[str]] = []
+    monkeypatch.setattr(runner, "run_workers", lambda n, argv: launched.append(argv) or 0)
+    assert main(["serve", str(model), "--adapter", f"a={adapter}"]) == 0
+    assert main(["serve", str(model), "--lora-targets", "q_proj,*experts.gate_up_proj"]) == 0
+    assert len(launched) == 2
+    with pytest.raises(SystemExit):  # a suffix is not a glob: the message shows both forms
+        main(["serve", str(model), "--lora-targets", "experts.gate_up"])
+    err = capsys.readouterr().err
+    assert "expert tensors: down_proj, gate_up_proj (or a glob such as '*experts." in err, err
+    cfg = ServeConfig(model=str(model), adapters={"a": str(adapter)})
+    lora, slots = _lora(cfg, load_skeleton(str(model))[1])
+    assert "*mlp.experts.down_proj" in lora.targets and slots == {"a": 1}

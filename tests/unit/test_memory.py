@@ -321,7 +321,8 @@ def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float)
     DDPOptimizer.__init__ = scaled
     dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES / bucket_scale)
     model = _recipe_model(cfg)
-    assert qm.compile_blocks(model) == cfg["num_hidden_layers"]
+    # inductor's min-cut partitioner chooses what is saved: the estimate models its choice
+    assert qm.compile_blocks(model, backend="inductor") == cfg["num_hidden_layers"]
     saved: dict[int, int] = {}
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
     # The root's forward (not model.model): DDP's hooks are on the root, and DDPOptimizer splits

@@ -30,7 +30,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
 
     Call it after `qm.parallelize` (and after loading weights, or before: compiling is lazy and
     happens on the first forward). Keyword arguments go to `torch.compile` (e.g. `fullgraph=True` to
-    fail on any graph break, `mode="max-autotune"`). Returns the number of blocks compiled.
+    fail on any graph break, `mode="max-autotune"`); without `backend`, $QUANTMESH_COMPILE_BACKEND
+    or inductor (`quantmesh.config.compile_options`). Returns the number of blocks compiled.
 
     Example:
         >>> qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16))  # doctest: +SKIP
@@ -53,8 +54,12 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
             "and LoraConfig) for the fastest compiled steps.",
             stacklevel=2,
         )
+    from ..config import compile_options
     from .recompute import COMPILE_KWARGS, install, is_checkpointed
 
+    if "backend" not in compile_kwargs:
+        rest = {k: v for k, v in compile_kwargs.items() if k != "mode"}
+        compile_kwargs = {**rest, **compile_options(compile_kwargs.get("mode"))}
     for _, block in blocks:
         block.__dict__[COMPILE_KWARGS] = dict(compile_kwargs)
         if is_checkpointed(block):  # compile inside the checkpoint, which stays eager

@@ -84,7 +84,10 @@ class _Decoder:
         self.model = model
         if compile:
             _static_statistics(model)
-        self.run = torch.compile(self.step, mode=mode, fullgraph=True) if compile else self.step
+        from ..config import compile_options
+
+        opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says otherwise
+        self.run = torch.compile(self.step, fullgraph=True, **opts) if compile else self.step
 
     def logits(
         self, tok: torch.Tensor, **extra: Any

@@ -70,9 +70,15 @@ def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None =
             what = (
                 f"the default LoRA targets ({t}) match" if default else f"LoRA target {t!r} matches"
             )
+            tensors = ""
+            if extra:  # expert tensors: by leaf name, full name or a glob
+                glob = "*" + ".".join(extra[0].split(".")[-2:])
+                kinds = sorted({e.rsplit(".", 1)[-1] for e in extra})
+                tensors = f"; expert tensors: {', '.join(kinds)} (or a glob such as {glob!r})"
             raise LoraError(
                 f"{what} no module of {type(model).__name__}; linear layer "
-                f"names in this model: {', '.join(leaves[:20])}; pass LoraConfig(targets=[...])"
+                f"names in this model: {', '.join(leaves[:20])}{tensors}; pass "
+                "LoraConfig(targets=[...])"
             )
     return found
 

@@ -117,8 +117,8 @@ class SlotBatch(Batch):
     `compile`: compile and CUDA-graph the step (default: on CUDA devices); `ladder`: batch sizes
     compiled (each capped by max_batch); `chunk`: prompt tokens prefilled per step (the scheduler
     splits longer prompts, so that a long prompt does not stall the rows decoding; None: whole
-    prompts); `backend`: torch.compile's (tests trace with "aot_eager": the same graphs, no code
-    generated; `mode` applies to inductor only). Raises ServeError when the model cannot be
+    prompts); `backend`: torch.compile's (None: `quantmesh.config.compile_options`'s, inductor
+    unless $QUANTMESH_COMPILE_BACKEND names another; `mode` applies to inductor only). Raises ServeError when the model cannot be
     served this way.
 
     Example:
@@ -137,7 +137,7 @@ class SlotBatch(Batch):
         ladder: tuple[int, ...] = LADDER,
         agree: Callable[[list[bool]], list[bool]] | None = None,
         chunk: int | None = None,
-        backend: str = "inductor",
+        backend: str | None = None,
     ) -> None:
         super().__init__(model, bank, agree=agree)
         if max_batch < 1 or max_len < 2:
@@ -184,10 +184,10 @@ class SlotBatch(Batch):
                     setattr(cfg, name, graphs)
             # dynamic=False: each batch size its own static graph (after a second size dynamo
             # would otherwise trace one graph with a symbolic batch)
-            kw: dict[str, Any] = {"mode": mode} if backend == "inductor" else {}
-            self.run = torch.compile(
-                self._decode, backend=backend, fullgraph=True, dynamic=False, **kw
-            )
+            from ..config import compile_options
+
+            opts = compile_options(mode, backend)
+            self.run = torch.compile(self._decode, fullgraph=True, dynamic=False, **opts)
 
     # ---- the step -----------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, logits_to_keep: Any = None) -> torch.Tensor:
