@@ -45,15 +45,16 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 PER_EXPERT = [n for n in ARCHS if n != "gpt_oss"]  # folders with one tensor per expert
 
 
-def moe_dir(name: str, root: Path, seed: int = 0) -> Path:
-    """`save_pretrained` of a random tiny `name` model into `root` (created); returns `root`."""
+def moe_dir(name: str, root: Path, seed: int = 0, **overrides: object) -> Path:
+    """`save_pretrained` of a random tiny `name` model into `root` (created), its config's fields
+    changed by `overrides`; returns `root`."""
     import transformers as tf
 
     config_cls, model_cls, fields = ARCHS[name]
     shared = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                   eos_token_id=2, pad_token_id=0)  # fmt: skip
-    cfg = getattr(tf, config_cls)(**{**shared, **fields})
+    cfg = getattr(tf, config_cls)(**{**shared, **fields, **overrides})
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)

@@ -141,11 +141,18 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engine", "routed"), [("dynamic", True), ("slots", False)])
-def test_expert_adapters_are_served_per_row(tmp_path: Path, engine: str, routed: bool) -> None:
+@pytest.mark.parametrize(
+    ("arch", "engine", "routed"),
+    [("qwen3_moe", "dynamic", True), ("qwen3_moe", "slots", False), ("gpt_oss", "dynamic", True)],
+)  # gpt-oss: experts transposed, gate/up interleaved, a bias per expert
+def test_expert_adapters_are_served_per_row(
+    tmp_path: Path, arch: str, engine: str, routed: bool
+) -> None:
     from tests.moe_folders import moe_dir
 
-    model = moe_dir("qwen3_moe", tmp_path / "moe")
+    # the server batches full-attention caches only: gpt-oss's sliding layers made full
+    full = {"layer_types": ["full_attention"] * 2} if arch == "gpt_oss" else {}
+    model = moe_dir(arch, tmp_path / "moe", **full)
     a = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj"], seed=1,
                      parameters=["mlp.experts.down_proj"])  # fmt: skip
     b = make_adapter(model, tmp_path / "b", r=8, targets=["q_proj", "v_proj"], seed=2,

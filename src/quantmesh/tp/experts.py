@@ -457,9 +457,15 @@ class ShardedExperts(ShardedModule):
         out: dict[str, torch.Tensor] = {}
         g = self.group
         e = self.num_experts
-        if units > e and hit is None:
-            hit = torch.arange(units, device=self.device_hint)
-        base = hit if hit is None or units <= e else hit % e  # the base expert of each id
+        # the base experts read (`base`, None: all) and, for a bank's ids, each id's place among
+        # them (`spread`): every base expert is dequantized once, however many slots use it
+        base, spread = hit, None
+        if units > e:
+            if hit is None:  # every (slot, expert): all experts, tiled slot after slot
+                hit = torch.arange(units, device=self.device_hint)
+                spread = torch.arange(e, device=self.device_hint).repeat(units // e)
+            else:
+                base, spread = torch.unique(hit % e, return_inverse=True)
         for name, t in self.tensors.items():
             shape = self.local_shapes[name]
             if name in self.qlocal:
@@ -474,6 +480,8 @@ class ShardedExperts(ShardedModule):
                 w = cast(torch.Tensor, self._parameters[name])
                 if base is not None:
                     w = w.index_select(0, base)
+            if spread is not None:
+                w = w.index_select(0, spread)
             ad = cast(
                 ExpertLora | None, self.expert_lora[name] if name in self.expert_lora else None
             )
@@ -485,6 +493,8 @@ class ShardedExperts(ShardedModule):
                 bias = cast(torch.Tensor, self._parameters[t.bias])
                 if base is not None:
                     bias = bias.index_select(0, base)
+                if spread is not None:
+                    bias = bias.index_select(0, spread)
                 if not t.first and self.tp > 1:  # added to a partial sum: once, on rank 0
                     bias = copy_to_tp(bias, g) if bias.requires_grad else bias
                     bias = bias * (1.0 if self.tp_rank == 0 else 0.0)
