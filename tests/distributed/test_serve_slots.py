@@ -17,12 +17,47 @@ import torch
 from quantmesh.testing import run_ranks
 
 
+def _random_adapters(bank, banked: list, g: torch.Generator) -> None:
+    """Adapters that change the output in slots 1 and 2 (scales 1 and 2), the base in slot 0."""
+    with torch.no_grad():
+        for ad in banked:
+            for w in (ad.a_bank, ad.b_bank):
+                w.copy_(0.1 * torch.randn(w.shape, generator=g))
+            ad.a_bank[0].zero_()
+        bank.scales[1:] = [1.0, 2.0]
+        bank.scale_t[1:] = torch.tensor([1.0, 2.0])
+
+
+def _eager_and_compiled(eager, comp, steps: int, admit: dict, drop: dict) -> tuple[float, int]:
+    """Run both batches through the same plans (rows admitted and dropped at the given steps,
+    each fed its greedy token): (the largest |logit difference|, decode steps run)."""
+    from quantmesh.serve.engine import Plan
+
+    order: list[int] = []
+    last: dict[int, int] = {}
+    worst, decoded = 0.0, 0
+    for step in range(steps):
+        gone = drop.get(step, [])
+        order = [r for r in order if r not in gone]
+        plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
+                    admit=admit.get(step, []))  # fmt: skip
+        rows = []
+        for batch in (eager, comp):
+            s, pre, _ = batch.execute(plan)
+            rows.append((list(s) if s is not None else []) + pre)
+            decoded += s is not None
+        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(*rows, strict=True)))
+        order = order + [a.rid for a in plan.admit]
+        last = dict(zip(order, [int(r.argmax()) for r in rows[0]], strict=True))
+    return worst, decoded
+
+
 def _compiled_vs_eager(rank: int) -> dict:
     from torch._dynamo.utils import counters
 
     import quantmesh as qm
     from quantmesh.serve.bank import AdapterBank
-    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
     from tests.models import llama
 
@@ -34,34 +69,13 @@ def _compiled_vs_eager(rank: int) -> dict:
     model.eval()
     bank = AdapterBank(model, slots=3)
     g = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # adapters that change the output, the base in slot 0
-        for ad in bank.banked.values():  # each layer's banked adapter
-            for w in (ad.a_bank, ad.b_bank):
-                w.copy_(0.1 * torch.randn(w.shape, generator=g))
-            ad.a_bank[0].zero_()
-        bank.scales[1:] = [1.0, 2.0]
-        bank.scale_t[1:] = torch.tensor([1.0, 2.0])
+    _random_adapters(bank, list(bank.banked.values()), g)
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     comp = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     comp.run = torch.compile(comp._decode, backend="aot_eager", fullgraph=True)
     long = torch.randint(0, 128, (250,), generator=g).tolist()
-    order: list[int] = []
-    last: dict[int, int] = {}
-    worst, steps = 0.0, 0
-    for step in range(12):
-        admit = {0: [Admit(0, long, 1), Admit(1, [3, 4, 5], 0)], 3: [Admit(2, [7, 8], 2)]}
-        drop = [1] if step == 6 else []
-        order = [r for r in order if r not in drop]
-        plan = Plan(drop=drop, order=list(order), feed=[last[r] for r in order],
-                    admit=admit.get(step, []))  # fmt: skip
-        rows = []
-        for batch in (eager, comp):
-            s, pre, _ = batch.execute(plan)
-            rows.append((list(s) if s is not None else []) + pre)
-            steps += s is not None
-        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(*rows, strict=True)))
-        order = order + [a.rid for a in plan.admit]
-        last = dict(zip(order, [int(r.argmax()) for r in rows[0]], strict=True))
+    admit = {0: [Admit(0, long, 1), Admit(1, [3, 4, 5], 0)], 3: [Admit(2, [7, 8], 2)]}
+    worst, steps = _eager_and_compiled(eager, comp, 12, admit, {6: [1]})
     return {"worst": worst, "breaks": dict(counters["graph_break"]), "steps": steps,
             "graphs": counters["stats"]["unique_graphs"], "sizes": comp.sizes}  # fmt: skip
 
@@ -127,7 +141,7 @@ def _moe_compiled_vs_eager(rank: int) -> dict:
 
     import quantmesh as qm
     from quantmesh.serve.bank import AdapterBank
-    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
     from tests.zoo import ZOO
 
@@ -139,32 +153,13 @@ def _moe_compiled_vs_eager(rank: int) -> dict:
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
     model.eval()
     bank = AdapterBank(model, slots=3)
-    g = torch.Generator().manual_seed(11)
     banked = [*bank.banked.values(), *(b for d in bank.banked_experts.values() for b in d.values())]
-    with torch.no_grad():
-        for ad in banked:
-            for w in (ad.a_bank, ad.b_bank):
-                w.copy_(0.1 * torch.randn(w.shape, generator=g))
-            ad.a_bank[0].zero_()
-        bank.scales[1:] = [1.0, 2.0]
-        bank.scale_t[1:] = torch.tensor([1.0, 2.0])
+    _random_adapters(bank, banked, torch.Generator().manual_seed(11))
     eager = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(2,), compile=False)
     comp = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(2,), compile=False)
     comp.run = torch.compile(comp._decode, backend="aot_eager", fullgraph=True)
-    order: list[int] = []
-    last: dict[int, int] = {}
-    worst, steps = 0.0, 0
-    for step in range(4):
-        plan = Plan(drop=[], order=list(order), feed=[last[r] for r in order],
-                    admit=[Admit(0, [5, 9, 11], 1), Admit(1, [3, 4, 5], 2)] if step == 0 else [])  # fmt: skip
-        rows = []
-        for batch in (eager, comp):
-            s, pre, _ = batch.execute(plan)
-            rows.append((list(s) if s is not None else []) + pre)
-            steps += s is not None
-        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(*rows, strict=True)))
-        order = order + [a.rid for a in plan.admit]
-        last = dict(zip(order, [int(r.argmax()) for r in rows[0]], strict=True))
+    admit = {0: [Admit(0, [5, 9, 11], 1), Admit(1, [3, 4, 5], 2)]}
+    worst, steps = _eager_and_compiled(eager, comp, 4, admit, {})
     return {"worst": worst, "breaks": dict(counters["graph_break"]), "steps": steps,
             "graphs": counters["stats"]["unique_graphs"], "banked": len(bank.banked_experts)}  # fmt: skip
 

@@ -33,6 +33,7 @@ __all__ = [
     "Adapter",
     "ExpertAdapter",
     "ExpertLora",
+    "Factors",
     "LoraAdapter",
     "LoraConfig",
     "LoraError",
@@ -276,6 +277,10 @@ def attach_lora(
     )
 
 
+Factors = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(A, B) -> the (A, B) an expert delta reads: a tp layer wraps the whole factor (copy_to_tp)."""
+
+
 class ExpertLora(nn.Module):
     """What an experts module runs of an expert tensor's adapter: `weight_delta` gives the
     scaled weight deltas of some experts, `route` may renumber the routing ids onto more experts
@@ -296,7 +301,7 @@ class ExpertLora(nn.Module):
         self,
         transposed: bool,
         experts: torch.Tensor | None,
-        factors: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        factors: Factors,
     ) -> torch.Tensor:
         """The scaled deltas (n, out, in), or (n, in, out) for a transposed layout, of experts
         `experts` (ids, as `route` numbers them), or of every expert (None). `factors(a, b)`
@@ -346,7 +351,7 @@ class ExpertAdapter(ExpertLora):
         self,
         transposed: bool,
         experts: torch.Tensor | None,
-        factors: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        factors: Factors,
     ) -> torch.Tensor:
         a, b = factors(self.lora_A.weight, self.lora_B.weight)
         return self.delta(a, b, transposed, experts) * self.scale

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -51,6 +50,7 @@ from ..io.reader import CheckpointReader, open_checkpoint
 from ..lora.adapter import (
     Adapter,
     ExpertLora,
+    Factors,
     LoraError,
     expert_products,
     lora_splits,
@@ -173,7 +173,7 @@ class _BankedExpertLora(ExpertLora):
         self,
         transposed: bool,
         experts: torch.Tensor | None,
-        factors: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        factors: Factors,
     ) -> torch.Tensor:
         """Slot `experts // E`'s delta of expert `experts % E`, times that slot's scale (the
         bank's buffers need no gradient: `factors` is not applied)."""

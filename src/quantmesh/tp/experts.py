@@ -42,14 +42,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..lora.adapter import ExpertAdapter, ExpertLora
+from ..lora.adapter import ExpertAdapter, ExpertLora, Factors
 from ..plan.styles import (
     FeatureSplit,
     Ranges,
@@ -501,9 +500,7 @@ class ShardedExperts(ShardedModule):
                 out[t.bias] = bias
         return out
 
-    def _factors(
-        self, t: ExpertTensor
-    ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    def _factors(self, t: ExpertTensor) -> Factors:
         """The adapter factors as tensor `t`'s delta reads them: at tp > 1 the whole factor meets
         split features, so it goes through copy_to_tp (its gradient reduced)."""
         g, tp = self.group, self.tp
