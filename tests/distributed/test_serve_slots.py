@@ -161,13 +161,19 @@ def _moe_compiled_vs_eager(rank: int) -> dict:
     admit = {0: [Admit(0, [5, 9, 11], 1), Admit(1, [3, 4, 5], 2)]}
     worst, steps = _eager_and_compiled(eager, comp, 4, admit, {})
     return {"worst": worst, "breaks": dict(counters["graph_break"]), "steps": steps,
-            "graphs": counters["stats"]["unique_graphs"], "banked": len(bank.banked_experts)}  # fmt: skip
+            "graphs": counters["stats"]["unique_graphs"], "banked": len(bank.banked_experts),
+            "pair_bytes": bank.pair_bytes(),
+            "sizes": [getattr(model.config, k) for k in ("num_experts", "hidden_size",
+                                                         "moe_intermediate_size")]}  # fmt: skip
 
 
 @pytest.mark.slow
 def test_compiled_slot_step_serves_expert_adapters_like_eager() -> None:
     (res,) = run_ranks(_moe_compiled_vs_eager, 1, timeout=300)
     assert res["banked"] == 2, res  # both layers' experts carry banked adapters
+    e, h, i = res["sizes"]
+    # 3 slots x (gate_up (E, 2I, H) + down (E, H, I)) fp32 weights, and as many delta elements
+    assert res["pair_bytes"] == 2 * 3 * (e * 2 * i * h + e * h * i) * 4, res["pair_bytes"]
     assert res["breaks"] == {} and res["graphs"] == 1, res
     assert res["steps"] == 2 * 3, res
     assert res["worst"] < 1e-4, res

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,6 +257,22 @@ class AdapterBank:
                 banked = _BankedExpertLora(self, bank_a, bank_b)
                 self.banked_experts[f][t] = banked
                 self.experts[f].set_expert_adapter(t, banked)
+
+    def pair_bytes(self) -> int:
+        """Bytes of the largest experts layer's (slot, expert) weights built whole, as a compiled
+        step builds them (every slot's copy of every expert, each with its delta): what it holds
+        at once beyond the base, per layer. 0 without expert adapters.
+
+        Example:
+            >>> bank.pair_bytes()  # doctest: +SKIP
+            1207959552
+        """
+        out = 0
+        for e in self.experts.values():
+            elems = sum(math.prod(e.local_shapes[t]) for t in e.tensors)
+            size = torch.empty((), dtype=e.float_dtype).element_size()
+            out = max(out, 2 * self.slots * elems * size)  # the weights and their deltas
+        return out
 
     # ---- rows ---------------------------------------------------------------------------------
     def set_rows(self, slots: list[int], fixed: int | None = None) -> None:

@@ -296,13 +296,21 @@ class SlotBatch(Batch):
         s = self.sizes[-1]
         need = sum(s * (self.max_len + 1) * (k[0, :, 0].numel() + v[0, :, 0].numel())
                    * k.element_size() for k, v in shapes)  # fmt: skip
+        pairs = self.bank.pair_bytes() if self.compiled else 0
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            if need > 0.9 * free:
+            if need + pairs > 0.9 * free:
+                also = (
+                    f", and the compiled step's expert adapters {pairs / 2**30:.1f} GiB a layer "
+                    f"({self.bank.slots} slots x every expert; --max-adapters sets the slots, "
+                    "--engine dynamic builds only the experts a step routes to)"
+                    if pairs
+                    else ""
+                )
                 raise ServeError(
-                    f"the KV slots ({s} rows x {self.max_len} tokens) need {need / 2**30:.1f} GiB "
-                    f"and {free / 2**30:.1f} GiB are free on {self.device}; lower --max-batch or "
-                    "--max-model-len"
+                    f"the KV slots ({s} rows x {self.max_len} tokens) need {need / 2**30:.1f} GiB"
+                    f"{also}, and {free / 2**30:.1f} GiB are free on {self.device}; lower "
+                    "--max-batch or --max-model-len"
                 )
         for k, v in shapes:
             keys = k.new_zeros(s, k.shape[1], self.max_len + 1, k.shape[3])
