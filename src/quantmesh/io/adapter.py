@@ -53,12 +53,20 @@ def _shape_problems(
     adapter file (`keys`: its tensor names; `reader`: gives their shapes)."""
     problems = []
     for name, want in (("lora_A.weight", (r, in_full)), ("lora_B.weight", (out_full, r))):
-        key = f"{fqn}.{name}"
-        if key not in keys:
-            problems.append(f"{key} missing")
-        elif tuple(reader.shape(key)) != want:
-            problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+        problems += _key_problems(f"{fqn}.{name}", want, keys, reader)
     return problems
+
+
+def _key_problems(
+    key: str, want: tuple[int, ...], keys: Any, reader: Any, of: str = ""
+) -> list[str]:
+    """[what is wrong with tensor `key` of an adapter file]: missing, or not of shape `want`
+    (`of`: what the tensor is, said when it is missing)."""
+    if key not in keys:
+        return [f"{key} missing{of}"]
+    if tuple(reader.shape(key)) != want:
+        return [f"{key}: adapter {tuple(reader.shape(key))}, model {want}"]
+    return []
 
 
 def _lora_modules(model: nn.Module) -> dict[str, ShardedModule]:
@@ -132,10 +140,14 @@ def _file_params(
             yield key, e, f"expert_lora.{t}.{ab}.weight"
 
 
-def _expert_shapes(m: ShardedExperts, t: str) -> dict[str, tuple[int, int]]:
-    """Whole shapes of tensor `t`'s adapter: A (E*r, in), B (out, E*r)."""
-    ad = m.expert_adapters()[t]
-    er = int(ad.lora_A.weight.shape[0])
+def expert_shapes(m: ShardedExperts, t: str, r: int) -> dict[str, tuple[int, int]]:
+    """Whole shapes of tensor `t`'s adapter of rank `r`: A (E*r, in), B (out, E*r).
+
+    Example:
+        >>> expert_shapes(experts, "down_proj", 2)["lora_A"]  # doctest: +SKIP
+        (8, 24)
+    """
+    er = m.num_experts * r
     spec = m.tensors[t]
     full = m.full_shapes[t]
     return {"lora_A": (er, full[spec.in_dim]), "lora_B": (full[spec.out_dim], er)}
@@ -390,11 +402,10 @@ def _check_adapter(
         for key, (t, ab) in expert_adapter_keys(e).items():
             expert_keys[key] = (e, t, ab)
     for key, (e, t, ab) in expert_keys.items():
-        want = _expert_shapes(e, t)[ab]
-        if key not in keys:
-            problems.append(f"{key} missing (the adapter of expert tensor {e.fqn}.{t})")
-        elif tuple(reader.shape(key)) != want:
-            problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+        want = expert_shapes(e, t, e.expert_adapters()[t].r)[ab]
+        problems += _key_problems(
+            key, want, keys, reader, f" (the adapter of expert tensor {e.fqn}.{t})"
+        )
     owners = [t.rpartition(".")[0] for t in cfg.get("target_parameters") or []]
     if extra_experts := sorted(
         k for k in keys if _is_expert_key(k, owners) and k not in expert_keys

@@ -32,7 +32,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +40,11 @@ from torch import nn
 from ..io.adapter import (
     _adapter_weights,
     _is_expert_key,
+    _key_problems,
     _peft_key,
     _read_adapter_config,
     _shape_problems,
+    expert_shapes,
     peft_expert_keys,
     targets_parameter,
 )
@@ -203,27 +204,21 @@ class AdapterBank:
     def __init__(self, model: nn.Module, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots}; expected >= 1 (slot 0 is the base model)")
-        experts = {
-            f: m.expert_adapters()
-            for f, m in sharded_modules(model).items()
-            if isinstance(m, ShardedExperts) and len(m.expert_lora) > 0
+        layers = sharded_modules(model)
+        self.experts: dict[str, ShardedExperts] = {
+            f: m for f, m in layers.items() if isinstance(m, ShardedExperts) and len(m.expert_lora)
         }
-        unrouted = [f for f, m in sharded_modules(model).items()
-                    if f in experts and not hasattr(m.local, "num_experts")]  # fmt: skip
+        experts = {f: m.expert_adapters() for f, m in self.experts.items()}
+        unrouted = [f for f, m in self.experts.items() if not hasattr(m.local, "num_experts")]
         if unrouted:  # never silently wrong: a bank needs the module's count of experts
             raise LoraError(
                 f"{unrouted[0]} has adapters on its expert tensors but no `num_experts` attribute: "
                 "a bank of adapters renumbers the experts per row through it; serve adapters on "
                 "the attention / dense projections, or generate with one adapter"
             )
-        loras = {f: ad for f, m in sharded_modules(model).items() if (ad := m.lora) is not None}
-        self.mods: dict[str, ShardedModule] = {
-            f: m for f, m in sharded_modules(model).items() if f in loras
-        }
+        loras = {f: ad for f, m in layers.items() if (ad := m.lora) is not None}
+        self.mods: dict[str, ShardedModule] = {f: m for f, m in layers.items() if f in loras}
         self.slots = slots
-        self.experts: dict[str, ShardedExperts] = {
-            f: cast(ShardedExperts, m) for f, m in sharded_modules(model).items() if f in experts
-        }
         self.r = max([ad.r for ad in loras.values()]
                      + [ad.r for ads in experts.values() for ad in ads.values()], default=0)  # fmt: skip
         self.scales = [0.0] * slots  # host copy, for the uniform path
@@ -270,8 +265,9 @@ class AdapterBank:
         out = 0
         for e in self.experts.values():
             elems = sum(math.prod(e.local_shapes[t]) for t in e.tensors)
-            size = torch.empty((), dtype=e.float_dtype).element_size()
-            out = max(out, 2 * self.slots * elems * size)  # the weights and their deltas
+            out = max(
+                out, 2 * self.slots * elems * e.float_dtype.itemsize
+            )  # the weights and their deltas
         return out
 
     # ---- rows ---------------------------------------------------------------------------------
@@ -366,13 +362,9 @@ class AdapterBank:
                             "--lora-targets naming it)"
                         )
                         continue
-                    spec, full = e.tensors[t], e.full_shapes[t]
-                    er = e.num_experts * r
-                    want = (er, full[spec.in_dim]) if ab == "lora_A" else (full[spec.out_dim], er)
-                    if key not in keys:
-                        problems.append(f"{key} missing (the adapter of expert tensor {f}.{t})")
-                    elif tuple(reader.shape(key)) != want:
-                        problems.append(f"{key}: adapter {tuple(reader.shape(key))}, model {want}")
+                    want = expert_shapes(e, t, r)[ab]
+                    of = f" (the adapter of expert tensor {f}.{t})"
+                    problems += _key_problems(key, want, keys, reader, of)
             stray = sorted(expert_keys - wanted)
             if stray:
                 problems.append(

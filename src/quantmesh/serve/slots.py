@@ -118,8 +118,8 @@ class SlotBatch(Batch):
     compiled (each capped by max_batch); `chunk`: prompt tokens prefilled per step (the scheduler
     splits longer prompts, so that a long prompt does not stall the rows decoding; None: whole
     prompts); `backend`: torch.compile's (None: `quantmesh.config.compile_options`'s, inductor
-    unless $QUANTMESH_COMPILE_BACKEND names another; `mode` applies to inductor only). Raises ServeError when the model cannot be
-    served this way.
+    unless $QUANTMESH_COMPILE_BACKEND names another; `mode` applies to inductor only). Raises
+    ServeError when the model cannot be served this way.
 
     Example:
         >>> batch = SlotBatch(model, bank, max_batch=8, max_len=1024, compile=False)  # doctest: +SKIP

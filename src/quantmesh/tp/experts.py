@@ -532,27 +532,20 @@ class ShardedExperts(ShardedModule):
         finally:
             local.num_experts = whole
 
-    def _bank_route(self, ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """The routing ids as an adapter bank numbers them (one copy of every expert per slot,
-        chosen by each token's row), or None: no bank, or every row on the base. The module's
-        banked adapters are one bank's: the first says it."""
-        for ad in self.expert_lora.values():
-            if not isinstance(ad, ExpertAdapter):
-                return cast(ExpertLora, ad).route(ids)
-        return None
-
     def _routed(
         self, args: tuple, kwargs: dict
     ) -> tuple[torch.Tensor | None, int, tuple, dict] | None:
         """(the experts hit, sorted, or None: all; how many experts the ids count; the arguments
         with the routing ids renumbered) when the forward's one integer tensor (the routing ids)
-        reaches fewer than all experts or an adapter bank renumbers them; None: run every expert
-        as the module has them (compiling, no or several integer arguments, all experts hit, an id
-        out of range)."""
+        reaches fewer than all experts or an adapter bank renumbers them (one copy of every expert
+        per slot, chosen by each token's row); None: run every expert as the module has them
+        (compiling, no or several integer arguments, all experts hit, an id out of range)."""
         where: list[int | str] = [i for i, v in enumerate(args) if _is_ids(v)]
         where += [k for k, v in kwargs.items() if _is_ids(v)]
-        banked = any(not isinstance(ad, ExpertAdapter) for ad in self.expert_lora.values())
-        if banked and len(where) != 1:
+        # the module's banked adapters are one bank's: the first says how the rows route
+        banked = next((ad for ad in self.expert_lora.values() if not isinstance(ad, ExpertAdapter)),
+                      None)  # fmt: skip
+        if banked is not None and len(where) != 1:
             raise RuntimeError(
                 f"{self.fqn}: an adapter bank picks experts per row through the routing ids, "
                 f"but this experts forward takes {len(where)} integer tensors, not one"
@@ -562,22 +555,19 @@ class ShardedExperts(ShardedModule):
         at = where[0]
         ids = args[at] if isinstance(at, int) else kwargs[at]
         e = self.num_experts
-        bank = self._bank_route(ids) if banked else None
+        bank = cast(ExpertLora, banked).route(ids) if banked is not None else None
         if bank is not None:
             ids, e = bank
-        if not self.routed_only or torch.compiler.is_compiling():
-            if bank is None:
-                return None
-            return None, e, *_with(args, kwargs, at, ids)
-        hit = torch.unique(ids)  # sorted
-        ends = hit[[0, -1]].tolist() if hit.numel() else [0, e]
-        if hit.numel() >= e or ends[0] < 0 or ends[1] >= e:
-            if bank is None:
-                return None
-            return None, e, *_with(args, kwargs, at, ids)
-        lut = torch.zeros(e, dtype=ids.dtype, device=ids.device)
-        lut[hit] = torch.arange(len(hit), dtype=ids.dtype, device=ids.device)
-        return hit, e, *_with(args, kwargs, at, lut[ids])
+        if self.routed_only and not torch.compiler.is_compiling():
+            hit = torch.unique(ids)  # sorted
+            ends = hit[[0, -1]].tolist() if hit.numel() else [0, e]
+            if hit.numel() < e and ends[0] >= 0 and ends[1] < e:
+                lut = torch.zeros(e, dtype=ids.dtype, device=ids.device)
+                lut[hit] = torch.arange(len(hit), dtype=ids.dtype, device=ids.device)
+                return hit, e, *_with(args, kwargs, at, lut[ids])
+        if bank is None:
+            return None
+        return None, e, *_with(args, kwargs, at, ids)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.tp > 1:  # every float input (hidden state, routing weights) meets split features
