@@ -168,3 +168,48 @@ def test_expert_adapters_are_served_per_row(
         # 3 slots x 4 experts); whole: the routed path never ran
         assert (0 < res["routed_to"] < 12) if routed else res["routed_to"] == 0, res
     assert results[0] == results[1]
+
+
+def _bank_dtypes(rank: int, model_dir: str, adapters: list[str], targets: list[str]) -> dict:
+    import quantmesh as qm
+    from quantmesh.serve.bank import AdapterBank
+
+    mesh = qm.init_mesh(tp=1, dp=1)
+    lora = qm.LoraConfig(r=8, targets=targets)
+    ids = torch.tensor([PROMPTS[0], PROMPTS[3], PROMPTS[0]])
+    out: dict = {}
+    for dtype in (None, torch.bfloat16):
+        model = qm.from_pretrained(model_dir, mesh, lora=lora, progress=False).eval()
+        bank = AdapterBank(model, slots=3, dtype=dtype)
+        for slot, path in enumerate(adapters, 1):
+            bank.load(slot, path)
+        bank.set_rows([1, 2, 0])
+        with torch.no_grad():
+            out[f"plain {dtype}"] = model(input_ids=ids).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # as the engines run on GPUs
+                out[f"autocast {dtype}"] = model(input_ids=ids).logits
+    return {
+        "same": torch.equal(out["autocast None"], out["autocast torch.bfloat16"]),
+        "plain_differ": float((out["plain None"] - out["plain torch.bfloat16"]).abs().max()),
+        "adapted": float((out["autocast None"][0] - out["autocast None"][2]).abs().max()),
+    }
+
+
+@pytest.mark.slow
+def test_a_bank_in_the_autocast_dtype_gives_the_same_logits(tmp_path: Path) -> None:
+    """The server holds its bank in bf16 on GPUs (`engine.autocast_dtype`): under bf16 autocast
+    every matmul reading the bank (dense adapters' linears, experts' B @ A) casts it to bf16
+    anyway, so the logits are bit-identical to an fp32 bank's (here on CPU autocast, a Qwen3-MoE
+    with adapters on q/v and on both expert tensors). Without autocast they differ: the test
+    sees the dtype."""
+    from tests.moe_folders import moe_dir
+
+    model = moe_dir("qwen3_moe", tmp_path / "moe")
+    a = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj"], seed=1,
+                     parameters=["mlp.experts.down_proj"])  # fmt: skip
+    b = make_adapter(model, tmp_path / "b", r=8, targets=["q_proj", "v_proj"], seed=2,
+                     parameters=EXPERTS)  # fmt: skip
+    targets = ["q_proj", "v_proj"] + [f"*{t}" for t in EXPERTS]
+    (res,) = run_ranks(_bank_dtypes, 1, str(model), [str(a), str(b)], targets, timeout=180)
+    assert res["same"], res
+    assert res["plain_differ"] > 0 and res["adapted"] > 0, res

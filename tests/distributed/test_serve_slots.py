@@ -179,3 +179,46 @@ def test_compiled_slot_step_serves_expert_adapters_like_eager() -> None:
     assert res["breaks"] == {} and res["graphs"] == 1, res
     assert res["steps"] == 2 * 3, res
     assert res["worst"] < 1e-4, res
+
+
+def _memory_check(rank: int) -> dict:
+    import quantmesh as qm
+    from quantmesh.serve.bank import AdapterBank
+    from quantmesh.serve.engine import Admit, Plan, ServeError
+    from quantmesh.serve.slots import SlotBatch
+    from tests.models import llama
+
+    mesh = qm.init_mesh(tp=1)
+    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=2, tie=False, seed=3)
+    qm.parallelize(model, mesh, lora=qm.LoraConfig(r=4))
+    model.eval()
+    batch = SlotBatch(model, AdapterBank(model, slots=2), max_batch=4, max_len=300,
+                      ladder=(1,), compile=False)  # fmt: skip
+    out: dict = {"cpu": batch.memory_problem()}  # no check off GPUs
+    batch._kv_shapes()  # the probe forward, on the CPU; then the check as on a GPU
+    # 2 layers x 4 rows x (512 columns + scratch) x (4 kv heads x 8 dims, keys and values) x fp32
+    need = 2 * 4 * 513 * 2 * 32 * 4
+    free = [0]
+    torch.cuda.mem_get_info = lambda device=None: (free[0], 1 << 40)  # type: ignore[assignment]
+    batch.device = torch.device("cuda", 0)
+    edge = need * 10 // 9  # 90% of it is need, to a byte; one column less is 2,048 bytes less
+    for name, f in (("fits", edge + 2), ("short", edge - 2)):
+        free[0] = f
+        out[name] = batch.memory_problem()
+    try:
+        batch.execute(Plan(admit=[Admit(0, [1, 2], 0)]))
+    except ServeError as e:  # refused before any slot is allocated
+        out["refused"], out["layers"] = str(e), len(batch.layers)
+    return out
+
+
+def test_kv_slots_are_checked_against_free_gpu_memory_before_allocating() -> None:
+    """`memory_problem` counts every layer's slots (rows x columns + scratch x kv heads x head
+    dim, keys and values) against 90% of the free memory, names the flags that lower them, and
+    `quantmesh serve --engine auto` falls back to the dynamic engine on it (said at start)."""
+    (res,) = run_ranks(_memory_check, 1, timeout=120)
+    assert res["cpu"] is None and res["fits"] is None, res
+    need_gib = 2 * 4 * 513 * 2 * 32 * 4 / 2**30
+    assert res["short"].startswith(f"the KV slots (4 rows x 512 tokens) need {need_gib:.1f} GiB")
+    assert "lower --max-batch or --max-model-len" in res["short"], res
+    assert res["refused"] == res["short"] and res["layers"] == 0, res

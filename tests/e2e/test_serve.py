@@ -58,7 +58,7 @@ class Server:
             [*CLI, "serve", *args, "--port", "0"], cwd=REPO, env=env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
-        line = self._first_line(timeout)
+        self.line = line = self._first_line(timeout)
         self.url = line.split(" on ", 1)[1].split()[0]
         deadline = time.time() + 60
         while True:
@@ -147,6 +147,8 @@ def chat(client, model: str, prompt: str, **kw) -> str:
 
 
 def test_models_and_health(server) -> None:
+    # --engine auto on CPU ranks: the dynamic engine (the slot engine's gain is CUDA graphs)
+    assert server.line.rstrip().endswith("(tp 2, engine dynamic)"), server.line
     ids = [m.id for m in server.client.models.list().data]
     assert ids == ["tiny", "a", "b"]
     health = server.get("/health")

@@ -37,8 +37,9 @@ def test_serve_refuses_bad_setups_before_starting(tmp_path: Path, capsys, monkey
     assert "--adapter-dir" in err and "no such directory" in err
     err = refused(["serve", str(model), "--api-key", ""], capsys, monkeypatch)
     assert "--api-key is empty" in err, err
-    err = refused(["serve", str(model), "--prefill-chunk", "64"], capsys, monkeypatch)
-    assert "--prefill-chunk 64 needs --engine slots" in err, err
+    err = refused(["serve", str(model), "--engine", "dynamic", "--prefill-chunk", "64"], capsys,
+                  monkeypatch)  # fmt: skip
+    assert "--prefill-chunk 64 needs --engine slots or auto" in err, err
     err = refused(["serve", str(model), "--engine", "slots", "--prefill-chunk", "-1"], capsys,
                   monkeypatch)  # fmt: skip
     assert "--prefill-chunk -1; expected >= 0" in err, err

@@ -31,7 +31,7 @@ __all__ = ["ServeConfig", "add_parser", "run", "serve_worker"]
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 API_KEY_ENV = "QUANTMESH_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-ENGINES = ("dynamic", "slots")
+ENGINES = ("auto", "dynamic", "slots")
 
 
 @dataclass(kw_only=True)
@@ -78,10 +78,11 @@ class ServeConfig:
     """The most tokens one choice may ask to generate (default: up to the context length)."""
     max_choices: int = 256
     """Prompts times n in one request, at most."""
-    engine: str = "dynamic"
-    """The decode engine: dynamic (eager, a growing cache: any device) or slots (fixed KV slots,
-    the step compiled and CUDA-graphed per batch size on GPUs, eager on CPU). slots is opt-in
-    until it is measured on a GPU (docs/benchmarks.md)."""
+    engine: str = "auto"
+    """The decode engine: slots (fixed KV slots, the step compiled and CUDA-graphed on GPUs,
+    eager on CPU), dynamic (eager, a growing cache), or auto: slots on GPUs when its KV slots
+    fit (3-6x the dynamic engine's tokens/s on one H200, docs/benchmarks.md), else dynamic,
+    saying why."""
     prefill_chunk: int | None = None
     """Prompt tokens prefilled per step (slots engine; default 512): a longer prompt is
     prefilled in chunks between decode steps, so that it does not stall the rows decoding. 0:
@@ -114,10 +115,10 @@ class ServeConfig:
         if self.prefill_chunk is not None:
             if self.prefill_chunk < 0:
                 raise CliError(f"--prefill-chunk {self.prefill_chunk}; expected >= 0 (0: off)")
-            if self.engine != "slots" and self.prefill_chunk:
+            if self.engine == "dynamic" and self.prefill_chunk:
                 raise CliError(
-                    f"--prefill-chunk {self.prefill_chunk} needs --engine slots (the dynamic "
-                    "engine prefills whole prompts)"
+                    f"--prefill-chunk {self.prefill_chunk} needs --engine slots or auto (the "
+                    "dynamic engine prefills whole prompts)"
                 )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise CliError(f"--max-tokens {self.max_tokens}; expected >= 1")
@@ -185,10 +186,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="most tokens one choice may generate (default: the context length)")  # fmt: skip
     p.add_argument("--max-choices", type=int, default=256,
                    help="prompts x n in one request, at most (default 256)")  # fmt: skip
-    p.add_argument("--engine", choices=ENGINES, default="dynamic",
-                   help="dynamic (default): eager, a growing KV cache; slots: fixed KV slots, the "
-                   "decode step compiled and CUDA-graphed per batch size on GPUs (opt-in: not yet "
-                   "measured on a GPU)")  # fmt: skip
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="slots: fixed KV slots, the decode step compiled and CUDA-graphed on "
+                   "GPUs; dynamic: eager, a growing KV cache; auto (default): slots on GPUs when "
+                   "the KV slots fit, else dynamic (said at start)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="slots engine: prompt tokens prefilled per step, longer prompts in "
                    "chunks between decode steps (default 512; 0: whole prompts)")  # fmt: skip
@@ -321,7 +322,7 @@ def serve_worker(payload: str) -> int:
     import quantmesh as qm
 
     from ..serve.bank import AdapterBank
-    from ..serve.engine import Batch
+    from ..serve.engine import Batch, autocast_dtype
     from ..serve.ranks import Lockstep, follow
     from ..serve.slots import SlotBatch
 
@@ -336,25 +337,43 @@ def serve_worker(payload: str) -> int:
     quant = None if cfg.quant == "none" else cfg.quant
     model = qm.from_pretrained(cfg.model, mesh, quant=quant, lora=lora, dtype=dtype, progress=False)
     model.eval()
-    bank = AdapterBank(model, slots=cfg.slots)
+    bank = AdapterBank(model, slots=cfg.slots, dtype=autocast_dtype(mesh.device))
     for name, slot in slots.items():
         bank.load(slot, cfg.adapters[name])
     lockstep = Lockstep(mesh.tp_group, mesh.device)
     max_len = cfg.max_model_len or int(config.max_position_embeddings)
-    if cfg.engine == "slots":
+    say = (
+        (lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True))
+        if mesh.tp_rank == 0
+        else None
+    )
+    engine = cfg.engine
+    if engine == "auto":  # the slot engine's gain is its CUDA graphs: on GPUs, where it fits
+        engine = "slots" if mesh.device.type == "cuda" else "dynamic"
+    batch: Batch | None = None
+    if engine == "slots":
         chunk = 512 if cfg.prefill_chunk is None else cfg.prefill_chunk
         slots_batch = SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
                                 agree=lockstep.agree, chunk=chunk or None)  # fmt: skip
-        # every rank compiles the same steps in the same order (their tp collectives meet)
-        say = (
-            (lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True))
-            if mesh.tp_rank == 0
-            else None
-        )
-        slots_batch.warm_up(say)
-        batch: Batch = slots_batch
-    else:
+        problem = slots_batch.memory_problem()
+        fits = lockstep.agree([problem is None])[0]  # every rank takes the same engine
+        if fits:
+            # every rank compiles the same steps in the same order (their tp collectives meet)
+            slots_batch.warm_up(say)
+            batch = slots_batch
+        elif cfg.engine == "slots":
+            raise CliError(problem or "the KV slots do not fit another tp rank's GPU memory")
+        else:
+            engine = "dynamic"
+            why = problem or "they do not fit another tp rank's GPU memory"
+            if say is not None:
+                say(f"engine dynamic (eager, growing KV caches), not slots: {why} to use the "
+                    "faster slot engine")  # fmt: skip
+    if batch is None:
         batch = Batch(model, bank, agree=lockstep.agree)
+        if cfg.prefill_chunk and say is not None:  # never silently ignored
+            say(f"--prefill-chunk {cfg.prefill_chunk} is not used: the dynamic engine prefills "
+                "whole prompts")  # fmt: skip
     if mesh.tp_rank != 0:
         # rank 0 decides when to stop (after its graceful shutdown); a follower that left on the
         # launcher's SIGTERM or SIGINT (Ctrl-C, forwarded) would break the in-flight steps
@@ -363,11 +382,18 @@ def serve_worker(payload: str) -> int:
         follow(batch, lockstep)
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    return _serve(cfg, batch, lockstep, tok, model, slots, max_len)
+    return _serve(cfg, batch, lockstep, tok, model, slots, max_len, engine)
 
 
 def _serve(
-    cfg: ServeConfig, batch, lockstep, tok, model, slots: dict[str, int], max_len: int
+    cfg: ServeConfig,
+    batch,
+    lockstep,
+    tok,
+    model,
+    slots: dict[str, int],
+    max_len: int,
+    engine: str,
 ) -> int:
     import math
     import socket
@@ -437,7 +463,8 @@ def _serve(
         ) from None
     host, port = sock.getsockname()[:2]
     names = ", ".join([cfg.base_name, *slots]) if slots else cfg.base_name
-    print(f"quantmesh serve: {names} on http://{host}:{port} (tp {cfg.tp})", flush=True)
+    print(f"quantmesh serve: {names} on http://{host}:{port} (tp {cfg.tp}, engine {engine})",
+          flush=True)  # fmt: skip
     server.run(sockets=[sock])
     sched.stop()
     loop.join(timeout=60)

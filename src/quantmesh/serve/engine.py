@@ -37,7 +37,18 @@ from torch import nn
 from ..errors import QuantmeshError
 from .bank import AdapterBank
 
-__all__ = ["Admit", "Batch", "Plan", "ServeError"]
+__all__ = ["Admit", "Batch", "Plan", "ServeError", "autocast_dtype"]
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype the engines run their forwards under on `device` (bf16 on GPUs, as
+    `quantmesh generate`; None: no autocast, on CPU).
+
+    Example:
+        >>> autocast_dtype(torch.device("cpu")) is None
+        True
+    """
+    return torch.bfloat16 if device.type == "cuda" else None
 
 
 class ServeError(QuantmeshError, RuntimeError):
@@ -159,14 +170,15 @@ class Batch:
         return step, pre, errors
 
     def _running(self) -> contextlib.AbstractContextManager:
-        """The global state every forward of the batch runs under: no autograd, and bf16 autocast
-        on GPUs (as `quantmesh generate`; the fp32 adapters cast in the matmuls). One place, so
+        """The global state every forward of the batch runs under: no autograd, and autocast in
+        `autocast_dtype` (bf16 on GPUs, as `quantmesh generate`). One place, so
         that a compiled step warmed up outside `execute` meets the same dynamo guards (grad mode
         and autocast are part of them: a step compiled under other settings compiles again)."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
-        if self.device.type == "cuda":
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        dtype = autocast_dtype(self.device)
+        if dtype is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
         return stack
 
     def _groups(self, admit: list[Admit]) -> list[list[Admit]]:

@@ -168,6 +168,7 @@ class SlotBatch(Batch):
         self.col_buf = torch.zeros(s, dtype=torch.long, device=self.device)  # decode's columns
         self.rows = torch.arange(s, device=self.device)
         self.layers: list[_SlotLayer] = []  # allocated at the first prefill
+        self._shapes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # `_kv_shapes`
         self.slot_cache: Any = None
         self.lo = self.b = self.le = 0  # the rows a forward runs: slots lo..lo+b-1, keys [:le]
         self.run: Callable[[], torch.Tensor] = self._decode
@@ -283,44 +284,68 @@ class SlotBatch(Batch):
         self.slots = [self.slots[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
 
-    def _allocate(self) -> None:
-        """The slot tensors, shaped after the cache layers of a one-token forward (this rank's kv
-        heads, the cache's dtype), before the first prefill: max_len columns and one scratch
-        column (where padding rows and padded chunks write)."""
+    def _kv_shapes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each attention layer's keys and values of a one-token forward (this rank's kv heads,
+        the cache's dtype): the shapes the slots take."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.config)
-        self.bank.set_rows([0])
-        self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                   use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)  # fmt: skip
-        layers: list[Any] = list(cache.layers)
-        shapes = [(layer.keys, layer.values) for layer in layers]
+        if self._shapes is None:
+            cache = DynamicCache(config=self.config)
+            self.bank.set_rows([0])
+            with self._running():
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                           use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)  # fmt: skip
+            layers: list[Any] = list(cache.layers)
+            self._shapes = [(layer.keys, layer.values) for layer in layers]
+        return self._shapes
+
+    def memory_problem(self) -> str | None:
+        """Why the KV slots (max_batch rows of max_len tokens, one scratch column) and what the
+        compiled step builds for expert adapters do not fit 90% of the free GPU memory, naming
+        the flags that lower them; None when they fit (always on CPU: no check there).
+
+        Example:
+            >>> SlotBatch(model, bank, max_batch=32, max_len=4096).memory_problem()  # doctest: +SKIP
+            'the KV slots (32 rows x 4096 tokens) need 64.0 GiB, and 40.1 GiB are free on cuda:0; ...'
+        """
+        if self.device.type != "cuda":
+            return None
         s = self.sizes[-1]
         need = sum(s * (self.max_len + 1) * (k[0, :, 0].numel() + v[0, :, 0].numel())
-                   * k.element_size() for k, v in shapes)  # fmt: skip
+                   * k.element_size() for k, v in self._kv_shapes())  # fmt: skip
         pairs = self.bank.pair_bytes() if self.compiled else 0
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if need + pairs > 0.9 * free:
-                also = (
-                    f", and the compiled step's expert adapters {pairs / 2**30:.1f} GiB a layer "
-                    f"({self.bank.slots} slots x every expert; --max-adapters sets the slots, "
-                    "--engine dynamic builds only the experts a step routes to)"
-                    if pairs
-                    else ""
-                )
-                raise ServeError(
-                    f"the KV slots ({s} rows x {self.max_len} tokens) need {need / 2**30:.1f} GiB"
-                    f"{also}, and {free / 2**30:.1f} GiB are free on {self.device}; lower "
-                    "--max-batch or --max-model-len"
-                )
-        for k, v in shapes:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need + pairs <= 0.9 * free:
+            return None
+        also = (
+            f", and the compiled step's expert adapters {pairs / 2**30:.1f} GiB a layer "
+            f"({self.bank.slots} slots x every expert; --max-adapters sets the slots, "
+            "--engine dynamic builds only the experts a step routes to)"
+            if pairs
+            else ""
+        )
+        return (
+            f"the KV slots ({s} rows x {self.max_len} tokens) need {need / 2**30:.1f} GiB"
+            f"{also}, and {free / 2**30:.1f} GiB are free on {self.device}; lower "
+            "--max-batch or --max-model-len"
+        )
+
+    def _allocate(self) -> None:
+        """The slot tensors, shaped after the cache layers of a one-token forward, before the
+        first prefill: max_len columns and one scratch column (where padding rows and padded
+        chunks write). Refused (ServeError) when they do not fit: `memory_problem`."""
+        problem = self.memory_problem()
+        if problem is not None:
+            raise ServeError(problem)
+        s = self.sizes[-1]
+        for k, v in self._kv_shapes():
             keys = k.new_zeros(s, k.shape[1], self.max_len + 1, k.shape[3])
             values = v.new_zeros(s, v.shape[1], self.max_len + 1, v.shape[3])
             if self.compiled:
                 torch._dynamo.mark_static_address(keys, guard=False)
                 torch._dynamo.mark_static_address(values, guard=False)
             self.layers.append(_SlotLayer(self, keys, values))
+        self._shapes = None  # the probe's tensors are not kept
         self.slot_cache = SlotCache(self.layers)
 
     def _groups(self, admit: list[Admit]) -> list[list[Admit]]:
