@@ -113,26 +113,42 @@ def _warm_then_serve(rank: int) -> dict:
     warmed = counters["stats"]["unique_graphs"]
     order: list[int] = []
     last: dict[int, int] = {}
-    admit = {0: [Admit(0, [1, 2, 3], 1)], 2: [Admit(1, [3, 4, 5], 2)]}
-    for step in range(5):  # a batch of 1, then of 2 rows with two adapters
-        plan = Plan(drop=[], order=list(order), feed=[last[r] for r in order],
+    # a 250-token row alone, past 256 key columns at step 7; a second row (another adapter)
+    # joins at step 9 (2 rows x 512 columns); the long row leaves at step 12 (1 row x 256)
+    admit = {0: [Admit(0, [i % 128 for i in range(250)], 1)], 9: [Admit(1, [3, 4, 5], 2)]}
+    seen = set()
+    compiled = batch.run
+
+    def run() -> torch.Tensor:  # each decode step's (rows, key columns)
+        seen.add((batch.b, batch.le))
+        return compiled()
+
+    batch.run = run
+    for step in range(15):
+        gone = [0] if step == 12 else []
+        order = [r for r in order if r not in gone]
+        plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
                     admit=admit.get(step, []))  # fmt: skip
         s, pre, _ = batch.execute(plan)
         rows = (list(s) if s is not None else []) + pre
         order = order + [a.rid for a in plan.admit]
         last = dict(zip(order, [int(r.argmax()) for r in rows], strict=True))
-    return {"warmed": warmed, "served": counters["stats"]["unique_graphs"], "sizes": batch.sizes}
+    return {"warmed": warmed, "served": counters["stats"]["unique_graphs"], "sizes": batch.sizes,
+            "seen": sorted(seen)}  # fmt: skip
 
 
 def test_warm_up_compiles_the_graphs_serving_runs() -> None:
-    """`warm_up` compiles each batch size once, under the state `execute` runs in (no autograd,
-    autocast on GPUs): serving then compiles nothing. A warm-up under other guards made every
-    graph compile again at the first requests (a minute of a 7B server's first replies)."""
+    """`warm_up` compiles what serving runs, under the state `execute` runs in (no autograd,
+    autocast on GPUs): serving then compiles nothing, whatever its batch sizes and key lengths.
+    A warm-up under other guards made every graph compile again at the first requests, and one
+    at the shortest key length only left the first row past 256 tokens to compile (minutes of a
+    7B server) while every row waited."""
     (res,) = run_ranks(_warm_then_serve, 1, timeout=300)
     assert res["sizes"] == (1, 2, 4), res
-    # a static graph for one row, then one with a symbolic batch for 2 and 4 (three sizes
-    # compiled as three graphs took over six minutes for a 7B step)
-    assert res["warmed"] == 2, res
+    # one row x 256 columns static; one row x a symbolic key length; a symbolic batch and key
+    # length for the rest (one static graph per size took over six minutes for a 7B step)
+    assert res["warmed"] == 3, res
+    assert res["seen"] == [(1, 256), (1, 512), (2, 512)], res  # serving crossed both ladders
     assert res["served"] == res["warmed"], res
 
 

@@ -9,8 +9,10 @@ executed so that a decode step can be one CUDA-graph replay, as `qm.fast_decode`
 - A decode step runs on the first `b` slots, `b` the smallest size of a ladder (1, 4, 16, 64, ...,
   and `max_batch`) that holds the rows; the extra rows are padding (token 0, position 0, the base
   adapter) whose outputs are dropped. The keys are read up to `le` columns, the smallest of 256,
-  512, 1024, ... (up to max_len) past every row's length. Each (b, le) is one compiled graph
-  (`torch.compile(mode="reduce-overhead")`: CUDA graphs), built on first use or by `warm_up`.
+  512, 1024, ... (up to max_len) past every row's length. The step is compiled
+  (`torch.compile(mode="reduce-overhead")`: CUDA graphs) as three graphs, all by `warm_up`: one
+  row at the shortest key length (static), one row at any key length, and any batch at any key
+  length (symbolic sizes); each (b, le) pair is captured as a CUDA graph of its own on first use.
 - Each row writes its new key and value at its own column (its length) and reads the columns
   before it: the step gets each row's position, a boolean (b, 1, 1, le) attention mask built from
   it, and a `SlotCache` whose layers write per row. The row's adapter comes from the bank's
@@ -183,10 +185,10 @@ class SlotBatch(Batch):
             for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
                 if hasattr(cfg, name) and getattr(cfg, name) < graphs:
                     setattr(cfg, name, graphs)
-            # dynamic=None: a static graph for one row (bitsandbytes' 1-row kernel), then at the
-            # second size one graph with a symbolic batch that every larger size reuses; CUDA
-            # graphs are still captured per size. One static graph per size (dynamic=False)
-            # compiled a 7B step four times: over six minutes at start on one H200.
+            # dynamic=None: a static graph for the first (b, le), then graphs with the sizes
+            # that changed made symbolic (`warm_up`: three in all); CUDA graphs are still
+            # captured per shape. One static graph per batch size (dynamic=False) compiled a 7B
+            # step four times at start: over six minutes on one H200.
             from ..config import compile_options
 
             opts = compile_options(mode, backend)
@@ -240,9 +242,12 @@ class SlotBatch(Batch):
         return logits
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile (and capture) the step for every batch size of the ladder at the shortest
-        key length, so that the first requests do not wait for compilation. Needs a prefilled
-        row for the cache's shapes: it prefills (and drops) a one-token row.
+        """Compile (and capture) the step for every batch size of the ladder at the two shortest
+        key lengths, so that no request waits for a compilation: dynamo compiles a static graph
+        for one row, then one whose key length is symbolic, then one whose batch and key length
+        both are; every later (batch, key length) pair reuses one of the three (CUDA graphs are
+        captured per shape, without compiling). Needs a prefilled row for the cache's shapes: it
+        prefills (and drops) a one-token row.
 
         Example:
             >>> batch.warm_up(print)  # doctest: +SKIP
@@ -252,18 +257,22 @@ class SlotBatch(Batch):
         if self.rids:
             raise RuntimeError("warm_up runs before any request")
         t0 = time.perf_counter()
+        first = self.lens_ladder[0]
         with self._running():  # the guards of the serving steps (grad mode, autocast)
             self._prefill([Admit(-1, [0], 0)])
             saved = (self.rids, self.slots, self.lens)
             for b in self.sizes:
-                if progress is not None:
-                    progress(f"compiling the decode step for batches of {b}")
-                self.rids, self.slots, self.lens = [-1] * b, [0] * b, [1] * b
-                self._step([0] * b)
+                for le in self.lens_ladder[:2]:
+                    if progress is not None:
+                        progress(f"compiling the decode step for {b} rows x {le} key columns")
+                    # rows of 1 token read `first` columns; rows of `first` tokens the next step
+                    length = 1 if le == first else first
+                    self.rids, self.slots, self.lens = [-1] * b, [0] * b, [length] * b
+                    self._step([0] * b)
             self.rids, self.slots, self.lens = saved
             self._drop({-1})
         if progress is not None:
-            progress(f"compiled {len(self.sizes)} decode steps in {time.perf_counter() - t0:.0f} s")
+            progress(f"compiled the decode steps in {time.perf_counter() - t0:.0f} s")
 
     # ---- rows ---------------------------------------------------------------------------------
     def _drop(self, drop: set[int]) -> None:
