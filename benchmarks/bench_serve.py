@@ -19,7 +19,7 @@ Usage (one GPU; the lead's session):
     python benchmarks/bench_serve.py --shape smollm2 --out .bench/serve
     python benchmarks/bench_serve.py --shape 7b --quant nf4 --out .bench/serve
     python benchmarks/bench_serve.py --smoke --out .bench/smoke  # tiny, CPU, tp=2: checks the script
-Writes OUT/result_serve_<shape>_<quant>_tp<N>.json.
+Writes OUT/result_serve_<shape>_<quant>_tp<N>_<engine>_<cuda graphs>.json.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help="where model folders are built (default OUT)")
     p.add_argument("--engine", default="dynamic", help="the server's --engine: dynamic, slots")
     p.add_argument("--max-model-len", type=int, default=1024, help="the server's context length")
+    p.add_argument("--cuda-graphs", default="trees", help="the server's --cuda-graphs: trees, "
+                   "captured")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, tp=2, small phases")
     a = p.parse_args(argv)
     if a.smoke:
@@ -165,7 +167,7 @@ def start_server(a: argparse.Namespace, folder: Path, adapters: list[Path], max_
     cmd = [sys.executable, "-m", "quantmesh.cli.main", "serve", str(folder), "--tp", str(a.tp),
            "--quant", a.quant, "--port", "0", "--max-batch", str(max_batch),
            "--max-adapters", str(max(1, len(adapters))), "--engine", a.engine,
-           "--max-model-len", str(a.max_model_len)]  # fmt: skip
+           "--max-model-len", str(a.max_model_len), "--cuda-graphs", a.cuda_graphs]  # fmt: skip
     for i, p in enumerate(adapters):
         cmd += ["--adapter", f"ad{i}={p}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -268,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"shape": a.shape, "tp": a.tp, "quant": a.quant, "adapters": len(adapters),
                  "rank": a.rank, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                  "requests_per_client": a.requests, "engine": a.engine,
+                 "cuda_graphs": a.cuda_graphs,
                  "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
-    path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}.json"
+    path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{a.cuda_graphs}.json"
     try:
         log(f"server {url}; warm-up")
         for name in names:

@@ -57,6 +57,13 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 """The learning rate after warm-up: cosine or linear decay to 0 at the last step, or constant."""
 COMPILE_BACKEND_ENV = "QUANTMESH_COMPILE_BACKEND"
+
+CUDA_GRAPHS = ("trees", "captured")
+"""How the server's compiled slot step becomes CUDA graphs: "trees", inductor's CUDA graph trees
+(mode reduce-overhead; dynamo's guards and the graph's input checks run on the host every step:
+about 7 ms of a 7B step, docs/benchmarks.md); "captured", compiled without them and captured per
+(batch, key length) into a `torch.cuda.CUDAGraph` that each step replays with no host work (not
+yet measured on a GPU)."""
 """The environment variable naming torch.compile's backend for every compile quantmesh makes."""
 
 

@@ -1,8 +1,9 @@
 """The serving engine's compiled, CUDA-graphed decode step (`SlotBatch`) is its eager step, on one
 GPU: nf4 base, three adapter slots (the base and two random adapters) mixed in one batch, bf16.
 
-One script of plans runs on three engines over the same model: the eager growing-cache `Batch`, the
-eager `SlotBatch` and the compiled `SlotBatch`, each fed the eager Batch's greedy tokens (teacher
+One script of plans runs on four engines over the same model: the eager growing-cache `Batch`, the
+eager `SlotBatch`, and the compiled `SlotBatch` with inductor's CUDA graph trees and with its own
+captured graphs (`graphs="captured"`), each fed the eager Batch's greedy tokens (teacher
 forcing: a near-tie cannot make them drift apart). The script crosses every boundary the slots
 have: rows of different lengths and adapters, padding rows (3 rows run at batch 4), a batch size
 change (5 rows: batch 8), a row leaving from the middle (the rows after it shift down a slot), a
@@ -49,6 +50,9 @@ def _script(rank: int, attn: str) -> dict:
         "dynamic": Batch(model, bank),
         "eager": SlotBatch(model, bank, max_batch=8, max_len=512, ladder=(1, 4), compile=False),
         "compiled": SlotBatch(model, bank, max_batch=8, max_len=512, ladder=(1, 4)),
+        "captured": SlotBatch(
+            model, bank, max_batch=8, max_len=512, ladder=(1, 4), graphs="captured"
+        ),  # fmt: skip
     }
     gen = torch.Generator().manual_seed(5)
 
@@ -90,7 +94,7 @@ def test_compiled_slot_step_is_the_eager_step(attn: str) -> None:
     out = run_ranks(_script, 1, attn, timeout=600)[0]
     ref = out["dynamic"]  # (rows over all steps, vocab)
     rels = {}
-    for name in ("eager", "compiled"):
+    for name in ("eager", "compiled", "captured"):
         got = out[name]
         assert got.shape == ref.shape, name
         rels[name] = ((got - ref).norm(dim=1) / ref.norm(dim=1)).max().item()

@@ -40,6 +40,9 @@ def test_serve_refuses_bad_setups_before_starting(tmp_path: Path, capsys, monkey
     err = refused(["serve", str(model), "--engine", "dynamic", "--prefill-chunk", "64"], capsys,
                   monkeypatch)  # fmt: skip
     assert "--prefill-chunk 64 needs --engine slots or auto" in err, err
+    err = refused(["serve", str(model), "--engine", "dynamic", "--cuda-graphs", "captured"],
+                  capsys, monkeypatch)  # fmt: skip
+    assert "--cuda-graphs captured needs --engine slots or auto" in err, err
     err = refused(["serve", str(model), "--engine", "slots", "--prefill-chunk", "-1"], capsys,
                   monkeypatch)  # fmt: skip
     assert "--prefill-chunk -1; expected >= 0" in err, err

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import CUDA_GRAPHS
 from .errors import CliError, user_errors
 from .generate import QUANTS
 
@@ -83,6 +84,10 @@ class ServeConfig:
     eager on CPU), dynamic (eager, a growing cache), or auto: slots on GPUs when its KV slots
     fit (3-6x the dynamic engine's tokens/s on one H200, docs/benchmarks.md), else dynamic,
     saying why."""
+    cuda_graphs: str = "trees"
+    """Slot engine on GPUs: how its compiled step becomes CUDA graphs. trees: inductor's CUDA
+    graph trees (measured); captured: one torch.cuda.CUDAGraph per (batch, key length) replayed
+    with no host work per step (not yet measured on a GPU)."""
     prefill_chunk: int | None = None
     """Prompt tokens prefilled per step (slots engine; default 512): a longer prompt is
     prefilled in chunks between decode steps, so that it does not stall the rows decoding. 0:
@@ -112,6 +117,13 @@ class ServeConfig:
                 raise CliError(f"{flag} {v}; expected >= 1")
         if self.engine not in ENGINES:
             raise CliError(f"--engine {self.engine}; use one of {', '.join(ENGINES)}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise CliError(f"--cuda-graphs {self.cuda_graphs}; use one of {', '.join(CUDA_GRAPHS)}")
+        if self.engine == "dynamic" and self.cuda_graphs != "trees":
+            raise CliError(
+                f"--cuda-graphs {self.cuda_graphs} needs --engine slots or auto (the dynamic "
+                "engine runs eagerly)"
+            )
         if self.prefill_chunk is not None:
             if self.prefill_chunk < 0:
                 raise CliError(f"--prefill-chunk {self.prefill_chunk}; expected >= 0 (0: off)")
@@ -190,6 +202,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="slots: fixed KV slots, the decode step compiled and CUDA-graphed on "
                    "GPUs; dynamic: eager, a growing KV cache; auto (default): slots on GPUs when "
                    "the KV slots fit, else dynamic (said at start)")  # fmt: skip
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default="trees",
+                   help="slot engine on GPUs: trees (default): inductor's CUDA graph trees; "
+                   "captured: one CUDA graph per batch size and key length, replayed with no "
+                   "host work per step (not yet measured on a GPU)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="slots engine: prompt tokens prefilled per step, longer prompts in "
                    "chunks between decode steps (default 512; 0: whole prompts)")  # fmt: skip
@@ -215,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, grace_s=args.grace, adapter_dir=args.adapter_dir,
             max_request_bytes=args.max_request_bytes, max_tokens=args.max_tokens,
             max_choices=args.max_choices, engine=args.engine, prefill_chunk=args.prefill_chunk,
+            cuda_graphs=args.cuda_graphs,
         )  # fmt: skip
         check(cfg)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -354,7 +371,8 @@ def serve_worker(payload: str) -> int:
     if engine == "slots":
         chunk = 512 if cfg.prefill_chunk is None else cfg.prefill_chunk
         slots_batch = SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
-                                agree=lockstep.agree, chunk=chunk or None)  # fmt: skip
+                                agree=lockstep.agree, chunk=chunk or None,
+                                graphs=cfg.cuda_graphs)  # fmt: skip
         problem = slots_batch.memory_problem()
         fits = lockstep.agree([problem is None])[0]  # every rank takes the same engine
         if fits:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import CUDA_GRAPHS
 from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
@@ -120,7 +121,8 @@ class SlotBatch(Batch):
     compiled (each capped by max_batch); `chunk`: prompt tokens prefilled per step (the scheduler
     splits longer prompts, so that a long prompt does not stall the rows decoding; None: whole
     prompts); `backend`: torch.compile's (None: `quantmesh.config.compile_options`'s, inductor
-    unless $QUANTMESH_COMPILE_BACKEND names another; `mode` applies to inductor only). Raises
+    unless $QUANTMESH_COMPILE_BACKEND names another; `mode` applies to inductor only); `graphs`:
+    how the compiled step becomes CUDA graphs on GPUs (`quantmesh.config.CUDA_GRAPHS`). Raises
     ServeError when the model cannot be served this way.
 
     Example:
@@ -140,8 +142,11 @@ class SlotBatch(Batch):
         agree: Callable[[list[bool]], list[bool]] | None = None,
         chunk: int | None = None,
         backend: str | None = None,
+        graphs: str = "trees",
     ) -> None:
         super().__init__(model, bank, agree=agree)
+        if graphs not in CUDA_GRAPHS:
+            raise ServeError(f"graphs={graphs!r}; expected one of {', '.join(CUDA_GRAPHS)}")
         if max_batch < 1 or max_len < 2:
             raise ServeError(f"max_batch={max_batch}, max_len={max_len}; expected >= 1 and >= 2")
         if chunk is not None and chunk < 1:
@@ -174,25 +179,31 @@ class SlotBatch(Batch):
         self.slot_cache: Any = None
         self.lo = self.b = self.le = 0  # the rows a forward runs: slots lo..lo+b-1, keys [:le]
         self.run: Callable[[], torch.Tensor] = self._decode
+        self.compiled_step: Callable[[], torch.Tensor] = self._decode
+        # graphs="captured": (b, le) -> a CUDA graph of the compiled step and its output
+        self.captured: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None  # one memory pool for every captured graph
         if self.compiled:
             _static_statistics(model)
             for t in (self.ids_buf, self.pos_buf, self.col_buf, self.rows):
                 torch._dynamo.mark_static_address(t, guard=False)
-            # one compiled graph per (b, le): past dynamo's default limit, it would fall back to
-            # eager without a word
-            graphs = len(self.sizes) * len(self.lens_ladder) + 8
+            # at most one compiled graph per (b, le): past dynamo's default limit, it would fall
+            # back to eager without a word
+            most = len(self.sizes) * len(self.lens_ladder) + 8
             cfg = torch._dynamo.config
             for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-                if hasattr(cfg, name) and getattr(cfg, name) < graphs:
-                    setattr(cfg, name, graphs)
+                if hasattr(cfg, name) and getattr(cfg, name) < most:
+                    setattr(cfg, name, most)
             # dynamic=None: a static graph for the first (b, le), then graphs with the sizes
             # that changed made symbolic (`warm_up`: three in all); CUDA graphs are still
             # captured per shape. One static graph per batch size (dynamic=False) compiled a 7B
             # step four times at start: over six minutes on one H200.
             from ..config import compile_options
 
-            opts = compile_options(mode, backend)
-            self.run = torch.compile(self._decode, fullgraph=True, dynamic=None, **opts)
+            capture = graphs == "captured" and self.device.type == "cuda"
+            opts = compile_options(None if capture else mode, backend)
+            self.compiled_step = torch.compile(self._decode, fullgraph=True, dynamic=None, **opts)
+            self.run = self._replay if capture else self.compiled_step
 
     # ---- the step -----------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, logits_to_keep: Any = None) -> torch.Tensor:
@@ -217,6 +228,34 @@ class SlotBatch(Batch):
 
     def _decode(self) -> torch.Tensor:  # -> (b, vocab); compiled per (b, le)
         return self._forward(self.ids_buf[: self.b])[:, -1]
+
+    def _replay(self) -> torch.Tensor:  # graphs="captured": the step as one graph replay
+        key = (self.b, self.le)
+        if key not in self.captured:
+            self.captured[key] = self._capture()
+        graph, out = self.captured[key]
+        graph.replay()
+        return out
+
+    def _capture(self) -> tuple[Any, torch.Tensor]:
+        """The compiled step for the current (b, le), captured into a CUDA graph. It runs twice
+        on a side stream first (a capture must not compile, autotune or synchronize); the step
+        is idempotent (the same keys written at the same columns), so a capture in the middle
+        of serving changes nothing. Every graph shares one memory pool: a step's output is
+        cloned before the next replay."""
+        dev = self.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.compiled_step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.compiled_step()
+        return graph, out
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (rows, vocab)
         n = len(self.rids) - self.pending  # the rows mid-prefill (after these) do not decode

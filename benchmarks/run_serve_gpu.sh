@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The server's GPU measurements, one stage per device call (each fits its 10-minute limit):
+#
+#   bash benchmarks/run_serve_gpu.sh STAGE [GRAPHS]     GRAPHS: trees (default) or captured
+#
+#   serve    benchmarks/bench_serve.py on the 7B nf4 shape, slot engine, 1/8/32/64 clients, one
+#            adapter and mixed, then the yardstick in the same call: qm.fast_decode, batch 1
+#            (bench_decode.py --mode qlora --greedy --no-peer --new 128)
+#   profile  benchmarks/slot_step_profile.py: one decode step through SlotBatch.execute against
+#            its replays alone, with kernel tables, at 1 and 64 rows
+#   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
+#
+# Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
+# DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
+set -u
+STAGE=${1:?stage: serve, profile or test}
+GRAPHS=${2:-trees}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+OUT=${OUT:-$ROOT/.bench/serve-gpu}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(($(date +%s) - T0))s] $*"; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/qm-site .whl/*.whl .whl/extra/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/qm-site:$ROOT/src
+else
+  export PYTHONPATH=$ROOT/src
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+case "$STAGE" in
+  serve)
+    say "bench_serve ($GRAPHS)"
+    timeout 450 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
+      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
+      --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn"
+    say "fast_decode yardstick"
+    timeout 120 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
+      --out "$OUT" 2>&1 | tail -3 ;;
+  profile)
+    timeout 560 python3 benchmarks/slot_step_profile.py --batch 64 --cuda-graphs "$GRAPHS" \
+      --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" ;;
+  test)
+    timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, test)" >&2; exit 2 ;;
+esac
+say done

@@ -1,0 +1,150 @@
+"""Where a slot-engine decode step's time goes: the step through `SlotBatch.execute` (as the server
+runs it, reading each step's greedy tokens back) against the compiled step's replays alone, and a
+torch.profiler table of its GPU kernels, at 1 row and at --batch rows.
+
+The model is `bench_serve.py`'s (random weights, a word-level tokenizer, N random r16 adapters,
+built once under --models), loaded as `quantmesh serve` loads it (nf4 base, the bank in bf16), no
+HTTP server: the difference between the two timings is the host's time per step.
+
+Usage (one GPU):
+    python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs trees --out DIR
+    python benchmarks/slot_step_profile.py --smoke --out DIR       # tiny, CPU: checks the script
+Writes DIR/slot_step_<cuda graphs>.json and DIR/slot_step_<cuda graphs>_b<rows>.txt (the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serve  # noqa: E402
+
+import quantmesh as qm  # noqa: E402
+from quantmesh.serve.bank import AdapterBank  # noqa: E402
+from quantmesh.serve.engine import Admit, Plan, autocast_dtype  # noqa: E402
+from quantmesh.serve.slots import SlotBatch  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=64, help="the second measurement's rows")
+    p.add_argument("--cuda-graphs", default="trees", help="trees or captured")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--models", default=".bench/models")
+    p.add_argument("--out", default=".bench/slot-step")
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    shape = bench_serve.parse(["--smoke"] if a.smoke else ["--shape", "7b", "--quant", "nf4"])
+    folder, adapters = bench_serve.build_model(shape, Path(a.models))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"cuda_graphs": a.cuda_graphs, "batch": a.batch, "shape": shape.shape}
+    path = out / f"slot_step_{a.cuda_graphs}.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(res, indent=1))
+
+    t0 = time.perf_counter()
+    mesh = qm.init_mesh(tp=1)
+    dev = mesh.device
+    model = qm.from_pretrained(
+        str(folder), mesh, quant=None if a.smoke else "nf4", progress=False,
+        lora=qm.LoraConfig(r=shape.rank, targets=bench_serve.TARGETS),
+        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+    ).eval()  # fmt: skip
+    bank = AdapterBank(model, slots=len(adapters) + 1, dtype=autocast_dtype(dev))
+    for i, ad in enumerate(adapters):
+        bank.load(i + 1, str(ad))
+    res["load_s"] = time.perf_counter() - t0
+    b_max = 4 if a.smoke else a.batch
+    batch = SlotBatch(model, bank, max_batch=b_max, max_len=1024, ladder=(1, b_max),
+                      graphs=a.cuda_graphs)  # fmt: skip
+    t0 = time.perf_counter()
+    batch.warm_up(print)
+    res["warm_up_s"] = time.perf_counter() - t0
+    save()
+    g = torch.Generator().manual_seed(0)
+    state: dict = {"order": [], "last": {}}
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(plan: Plan) -> None:
+        s, pre, _ = batch.execute(plan)
+        rows = (list(s) if s is not None else []) + pre
+        state["order"] = state["order"] + [x.rid for x in plan.admit]
+        state["last"] = dict(zip(state["order"], [int(r.argmax()) for r in rows], strict=True))
+
+    def steps(n: int) -> float:  # ms per step through execute, each reading its tokens back
+        t = time.perf_counter()
+        for _ in range(n):
+            run(Plan(order=list(state["order"]), feed=[state["last"][r] for r in state["order"]]))
+        sync()
+        return (time.perf_counter() - t) / n * 1e3
+
+    def replays(n: int, b: int) -> float:  # ms per compiled step alone, back to back
+        with batch._running():
+            batch.lo, batch.b, batch.le = 0, b, 256
+            sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                batch.run()
+            sync()
+        return (time.perf_counter() - t) / n * 1e3
+
+    def profile(n: int, tag: str) -> None:
+        if dev.type != "cuda":
+            return
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps(n)
+        ka = prof.key_averages()
+        top = sorted(((e.key, e.device_time_total / n, e.count / n) for e in ka
+                      if e.device_time_total > 0), key=lambda x: -x[1])[:30]  # fmt: skip
+        res[f"profile_{tag}"] = {
+            "gpu_us_per_step": sum(e.self_device_time_total for e in ka) / n, "top": top,
+        }  # fmt: skip
+        table = ka.table(sort_by="self_device_time_total", row_limit=40)
+        (out / f"slot_step_{a.cuda_graphs}_{tag}.txt").write_text(table)
+
+    def prompt() -> list[int]:
+        return torch.randint(10, 1000, (32,), generator=g).tolist()
+
+    with torch.no_grad():
+        run(Plan(admit=[Admit(0, prompt(), 1)]))
+        steps(4)
+        res["b1_execute_ms"] = steps(a.steps)
+        res["b1_replay_ms"] = replays(a.steps, 1)
+        save()
+        profile(10, "b1")
+        save()
+        if b_max > 1:
+            adm = [Admit(i, prompt(), 1 + i % len(adapters)) for i in range(1, b_max)]
+            last = state["last"]
+            t0 = time.perf_counter()
+            run(Plan(order=list(state["order"]), feed=[last[r] for r in state["order"]], admit=adm))
+            sync()
+            res[f"prefill_{b_max - 1}_rows_ms"] = (time.perf_counter() - t0) * 1e3
+            steps(3)
+            res[f"b{b_max}_execute_ms"] = steps(max(4, a.steps // 2))
+            res[f"b{b_max}_replay_ms"] = replays(max(4, a.steps // 2), b_max)
+            save()
+            profile(5, f"b{b_max}")
+    save()
+    print(json.dumps({k: v for k, v in res.items() if not k.startswith("profile_")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    from quantmesh.cli.runner import exit_fast
+
+    exit_fast(main)
