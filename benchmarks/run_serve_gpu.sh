@@ -8,12 +8,14 @@
 #            (bench_decode.py --mode qlora --greedy --no-peer --new 128)
 #   profile  benchmarks/slot_step_profile.py: one decode step through SlotBatch.execute against
 #            its replays alone, with kernel tables, at 1 and 64 rows
+#   peers    the batch peers: peft + bitsandbytes with transformers' static-cache `generate`
+#            and qm.fast_decode, 32 rows decoded at once (bench_decode.py --mode qlora --batch 32)
 #   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
 #
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
-STAGE=${1:?stage: serve, profile or test}
+STAGE=${1:?stage: serve, profile, peers or test}
 GRAPHS=${2:-trees}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
@@ -43,8 +45,11 @@ case "$STAGE" in
   profile)
     timeout 560 python3 benchmarks/slot_step_profile.py --batch 64 --cuda-graphs "$GRAPHS" \
       --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" ;;
+  peers)
+    timeout 560 python3 benchmarks/bench_decode.py --mode qlora --greedy --batch 32 --new 64 \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12 ;;
   test)
     timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
-  *) echo "unknown stage: $STAGE (serve, profile, test)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, peers, test)" >&2; exit 2 ;;
 esac
 say done
