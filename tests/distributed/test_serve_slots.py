@@ -238,3 +238,86 @@ def test_kv_slots_are_checked_against_free_gpu_memory_before_allocating() -> Non
     assert res["short"].startswith(f"the KV slots (4 rows x 512 tokens) need {need_gib:.1f} GiB")
     assert "lower --max-batch or --max-model-len" in res["short"], res
     assert res["refused"] == res["short"] and res["layers"] == 0, res
+
+
+class _FakeGraph:
+    """A CPU stand-in for `torch.cuda.CUDAGraph`: a capture records the step it ran, the batch's
+    (rows, key columns) then and the tensor it returned; a replay runs the step again at those
+    shapes (a graph's are baked in) and writes its result into that same tensor, as a graph's
+    replay rewrites its static output."""
+
+    recording: list = []
+
+    def __init__(self) -> None:
+        self.fn = self.out = self.batch = None
+        self.shape = (0, 0)
+
+    def replay(self) -> None:
+        saved = (self.batch.b, self.batch.le)
+        self.batch.b, self.batch.le = self.shape
+        self.out.copy_(self.fn())
+        self.batch.b, self.batch.le = saved
+
+
+def _captured_vs_eager(rank: int) -> dict:
+    import contextlib
+
+    import quantmesh as qm
+    from quantmesh.serve.bank import AdapterBank
+    from quantmesh.serve.engine import Admit
+    from quantmesh.serve.slots import SlotBatch
+    from tests.models import llama
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        _FakeGraph.recording.append(g)
+        yield
+        _FakeGraph.recording.pop()
+
+    fake = {"Stream": lambda device=None: Stream(), "stream": lambda s: contextlib.nullcontext(),
+            "current_stream": lambda device=None: Stream(), "graph_pool_handle": lambda: None,
+            "CUDAGraph": _FakeGraph, "graph": graph}  # fmt: skip
+    for name, value in fake.items():
+        setattr(torch.cuda, name, value)
+    mesh = qm.init_mesh(tp=1)
+    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=2, tie=False, seed=3)
+    model.config.max_position_embeddings = 1024
+    model.config._attn_implementation = "sdpa"
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
+    model.eval()
+    bank = AdapterBank(model, slots=3)
+    _random_adapters(bank, list(bank.banked.values()), torch.Generator().manual_seed(11))
+    eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
+    capt = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False,
+                     graphs="captured")  # fmt: skip
+    # as on a GPU: compiled, the step run through `_replay` (the device check aside)
+    capt.compiled = True
+    step = torch.compile(capt._decode, backend="aot_eager", fullgraph=True)
+
+    def recorded() -> torch.Tensor:
+        out = step()
+        if _FakeGraph.recording:
+            g = _FakeGraph.recording[-1]
+            g.fn, g.out, g.batch, g.shape = step, out, capt, (capt.b, capt.le)
+        return out
+
+    capt.compiled_step, capt.run = recorded, capt._replay
+    long = torch.randint(0, 128, (250,), generator=torch.Generator().manual_seed(4)).tolist()
+    admit = {0: [Admit(0, long, 1), Admit(1, [3, 4, 5], 0)], 3: [Admit(2, [7, 8], 2)]}
+    worst, steps = _eager_and_compiled(eager, capt, 12, admit, {6: [1]})
+    return {"worst": worst, "steps": steps, "captured": sorted(capt.captured)}
+
+
+def test_captured_graphs_replay_the_step_of_each_shape() -> None:
+    """`graphs="captured"` keeps one graph per (rows, key columns) and replays it: its logits equal
+    the eager step's while rows join, leave and cross 256 key columns. The CUDA graph is a CPU
+    stand-in here (a replay runs the step into the captured output tensor, which `_step` clones
+    before the next replay); tests/distributed/test_cuda_serve.py runs the real one on a GPU."""
+    (res,) = run_ranks(_captured_vs_eager, 1, timeout=300)
+    assert res["steps"] == 2 * 11, res
+    assert res["captured"] == [(2, 256), (2, 512), (4, 256)], res
+    assert res["worst"] < 1e-4, res
