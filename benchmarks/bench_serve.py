@@ -13,7 +13,8 @@ usage counts, so an early EOS is not counted as generated), p50 / p99 request la
 the first text (requests are streamed), the mean
 rows per decode step (from the server's /health counters), and the ratios of the issue's targets:
 tokens/s at the highest concurrency over concurrency 1 (target >= 10x) and mixed over single at the
-highest concurrency (target >= 0.85). The client is the standard library only (urllib, threads).
+highest concurrency (target >= 0.85); and the server's start (launch to healthy: load, quantize,
+the slot engine's compiles). The client is the standard library only (urllib, threads).
 
 Usage (one GPU; the lead's session):
     python benchmarks/bench_serve.py --shape smollm2 --out .bench/serve
@@ -265,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     folder, adapters = build_model(a, Path(a.models or out))
     concs = [int(c) for c in a.concurrency.split(",")]
+    t0 = time.perf_counter()
     proc, url = start_server(a, folder, adapters, max(concs))
+    start_s = time.perf_counter() - t0  # load, quantize, and the slot engine's compiles
     names = [f"ad{i}" for i in range(len(adapters))] or [folder.name]
     res: dict = {"shape": a.shape, "tp": a.tp, "quant": a.quant, "adapters": len(adapters),
                  "rank": a.rank, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                  "requests_per_client": a.requests, "engine": a.engine,
-                 "cuda_graphs": a.cuda_graphs,
+                 "cuda_graphs": a.cuda_graphs, "server_start_s": start_s,
                  "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
     path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{a.cuda_graphs}.json"
     try:
