@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ..config import CUDA_GRAPHS
 from .errors import CliError, user_errors
 from .generate import QUANTS
 
-__all__ = ["ServeConfig", "add_parser", "run", "serve_worker"]
+__all__ = ["ServeConfig", "add_parser", "choose_engine", "run", "serve_worker"]
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 API_KEY_ENV = "QUANTMESH_API_KEY"
@@ -364,34 +365,13 @@ def serve_worker(payload: str) -> int:
         if mesh.tp_rank == 0
         else None
     )
-    engine = cfg.engine
-    if engine == "auto":  # the slot engine's gain is its CUDA graphs: on GPUs, where it fits
-        engine = "slots" if mesh.device.type == "cuda" else "dynamic"
-    batch: Batch | None = None
-    if engine == "slots":
-        chunk = 512 if cfg.prefill_chunk is None else cfg.prefill_chunk
-        slots_batch = SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
-                                agree=lockstep.agree, chunk=chunk or None,
-                                graphs=cfg.cuda_graphs)  # fmt: skip
-        problem = slots_batch.memory_problem()
-        fits = lockstep.agree([problem is None])[0]  # every rank takes the same engine
-        if fits:
-            # every rank compiles the same steps in the same order (their tp collectives meet)
-            slots_batch.warm_up(say)
-            batch = slots_batch
-        elif cfg.engine == "slots":
-            raise CliError(problem or "the KV slots do not fit another tp rank's GPU memory")
-        else:
-            engine = "dynamic"
-            why = problem or "they do not fit another tp rank's GPU memory"
-            if say is not None:
-                say(f"engine dynamic (eager, growing KV caches), not slots: {why} to use the "
-                    "faster slot engine")  # fmt: skip
-    if batch is None:
-        batch = Batch(model, bank, agree=lockstep.agree)
-        if cfg.prefill_chunk and say is not None:  # never silently ignored
-            say(f"--prefill-chunk {cfg.prefill_chunk} is not used: the dynamic engine prefills "
-                "whole prompts")  # fmt: skip
+    chunk = 512 if cfg.prefill_chunk is None else cfg.prefill_chunk
+    batch, engine = choose_engine(
+        cfg, mesh.device.type,
+        lambda: SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
+                          agree=lockstep.agree, chunk=chunk or None, graphs=cfg.cuda_graphs),
+        lambda: Batch(model, bank, agree=lockstep.agree), lockstep.agree, say,
+    )  # fmt: skip
     if mesh.tp_rank != 0:
         # rank 0 decides when to stop (after its graceful shutdown); a follower that left on the
         # launcher's SIGTERM or SIGINT (Ctrl-C, forwarded) would break the in-flight steps
@@ -401,6 +381,51 @@ def serve_worker(payload: str) -> int:
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     return _serve(cfg, batch, lockstep, tok, model, slots, max_len, engine)
+
+
+def choose_engine(
+    cfg: ServeConfig,
+    device_type: str,
+    slot_batch: Callable[[], Any],
+    dynamic_batch: Callable[[], Any],
+    agree: Callable[[list[bool]], list[bool]],
+    say: Callable[[str], None] | None,
+) -> tuple[Any, str]:
+    """The serving batch and its engine's name. `--engine auto`: the slot engine on GPUs (its gain
+    is its CUDA graphs) when it can serve the model and its KV slots fit every tp rank's GPU, and
+    the dynamic engine otherwise, saying why; `--engine slots` refuses what auto falls back on.
+    Every rank takes the same engine (`agree`), then warms the slot engine up (its compiles'
+    collectives meet).
+
+    Example:
+        >>> choose_engine(cfg, "cpu", make_slots, make_dynamic, agree, print)  # doctest: +SKIP
+        (<Batch>, 'dynamic')
+    """
+    from ..serve.engine import ServeError
+
+    engine = cfg.engine
+    if engine == "auto":
+        engine = "slots" if device_type == "cuda" else "dynamic"
+    if engine == "slots":
+        try:
+            batch = slot_batch()
+            problem = batch.memory_problem()
+        except ServeError as e:
+            if cfg.engine == "slots":
+                raise
+            batch, problem = None, str(e)
+        if agree([problem is None])[0]:
+            batch.warm_up(say)
+            return batch, "slots"
+        why = problem or "it does not fit another tp rank"
+        if cfg.engine == "slots":
+            raise CliError(why)
+        if say is not None:
+            say(f"engine dynamic (eager, growing KV caches), not the faster slot engine: {why}")
+    if cfg.prefill_chunk and say is not None:  # never silently ignored
+        say(f"--prefill-chunk {cfg.prefill_chunk} is not used: the dynamic engine prefills whole "
+            "prompts")  # fmt: skip
+    return dynamic_batch(), "dynamic"
 
 
 def _serve(

@@ -1,0 +1,87 @@
+"""`quantmesh serve`'s choice of engine (`cli.serve.choose_engine`), over stand-in batches: which
+engine each setting and device gets, what is said when auto falls back, what `--engine slots`
+refuses, and that the tp ranks take one engine together."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantmesh.cli.errors import CliError
+from quantmesh.cli.serve import ServeConfig, choose_engine
+from quantmesh.serve.engine import ServeError
+
+
+class _Slots:
+    """A stand-in SlotBatch: `problem` is what its memory check says."""
+
+    def __init__(self, problem: str | None = None) -> None:
+        self.problem = problem
+        self.warmed = False
+
+    def memory_problem(self) -> str | None:
+        return self.problem
+
+    def warm_up(self, say) -> None:
+        self.warmed = True
+
+
+def _choose(engine: str, device: str, slots=None, others_fit: bool = True, **cfg):
+    said: list[str] = []
+    made: list[str] = []
+
+    def slot_batch():
+        made.append("slots")
+        if isinstance(slots, Exception):
+            raise slots
+        return slots or _Slots()
+
+    def dynamic_batch():
+        made.append("dynamic")
+        return "dynamic batch"
+
+    def agree(ok: list[bool]) -> list[bool]:  # another tp rank's answer ANDed in
+        return [k and others_fit for k in ok]
+
+    out = choose_engine(ServeConfig(model="m", engine=engine, **cfg), device, slot_batch,
+                        dynamic_batch, agree, said.append)  # fmt: skip
+    return out, made, said
+
+
+def test_auto_takes_the_slot_engine_on_gpus_where_it_fits() -> None:
+    (batch, name), made, said = _choose("auto", "cuda")
+    assert name == "slots" and batch.warmed and made == ["slots"] and said == []
+    (batch, name), made, said = _choose("auto", "cpu", prefill_chunk=64)
+    assert (batch, name) == ("dynamic batch", "dynamic") and made == ["dynamic"]  # never built
+    assert said == ["--prefill-chunk 64 is not used: the dynamic engine prefills whole prompts"]
+
+
+@pytest.mark.parametrize(
+    ("slots", "others_fit", "why"),
+    [
+        (_Slots("the KV slots (32 rows x 4096 tokens) need 64.0 GiB, ...; lower --max-batch"), True,
+         "the KV slots (32 rows x 4096 tokens) need 64.0 GiB"),
+        (ServeError("the model runs attention with 'flex_attention'; ..."), True,
+         "the model runs attention with 'flex_attention'"),
+        (None, False, "it does not fit another tp rank"),
+    ],
+)  # fmt: skip
+def test_auto_falls_back_to_the_dynamic_engine_and_says_why(slots, others_fit, why) -> None:
+    (batch, name), made, said = _choose("auto", "cuda", slots=slots, others_fit=others_fit)
+    assert (batch, name) == ("dynamic batch", "dynamic") and made == ["slots", "dynamic"]
+    assert len(said) == 1 and said[0].startswith(
+        "engine dynamic (eager, growing KV caches), not the faster slot engine: " + why
+    ), said
+    assert not isinstance(slots, _Slots) or not slots.warmed
+
+
+def test_engine_slots_refuses_what_auto_falls_back_on() -> None:
+    with pytest.raises(CliError, match="need 64.0 GiB"):
+        _choose("slots", "cuda", slots=_Slots("the KV slots need 64.0 GiB"))
+    with pytest.raises(ServeError, match="flex_attention"):
+        _choose("slots", "cuda", slots=ServeError("attention with 'flex_attention'"))
+    with pytest.raises(CliError, match="another tp rank"):
+        _choose("slots", "cuda", others_fit=False)
+    (batch, name), made, _ = _choose("slots", "cpu")  # asked for: eager on CPU
+    assert name == "slots" and made == ["slots"]
+    (batch, name), made, _ = _choose("dynamic", "cuda")
+    assert name == "dynamic" and made == ["dynamic"]
