@@ -28,6 +28,26 @@ def _random_adapters(bank, banked: list, g: torch.Generator) -> None:
         bank.scale_t[1:] = torch.tensor([1.0, 2.0])
 
 
+def _nf4_llama(tp: int, layers: int, g: torch.Generator | None = None, adapters: bool = True):
+    """A tiny sdpa Llama, nf4 + LoRA r=4 at `tp`, and a 3-slot bank (random adapters in slots 1
+    and 2, drawn from `g` (default seeded 11), unless `adapters` is False): (model, bank)."""
+    import quantmesh as qm
+    from quantmesh.serve.bank import AdapterBank
+    from tests.models import llama
+
+    mesh = qm.init_mesh(tp=tp)
+    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=layers, tie=False, seed=3)
+    model.config.max_position_embeddings = 1024
+    model.config._attn_implementation = "sdpa"
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
+    model.eval()
+    bank = AdapterBank(model, slots=3)
+    if adapters:
+        g = torch.Generator().manual_seed(11) if g is None else g
+        _random_adapters(bank, list(bank.banked.values()), g)
+    return model, bank
+
+
 def _eager_and_compiled(eager, comp, steps: int, admit: dict, drop: dict) -> tuple[float, int]:
     """Run both batches through the same plans (rows admitted and dropped at the given steps,
     each fed its greedy token): (the largest |logit difference|, decode steps run)."""
@@ -55,21 +75,11 @@ def _eager_and_compiled(eager, comp, steps: int, admit: dict, drop: dict) -> tup
 def _compiled_vs_eager(rank: int) -> dict:
     from torch._dynamo.utils import counters
 
-    import quantmesh as qm
-    from quantmesh.serve.bank import AdapterBank
     from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
-    from tests.models import llama
 
-    mesh = qm.init_mesh(tp=2)
-    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=2, tie=False, seed=3)
-    model.config.max_position_embeddings = 1024
-    model.config._attn_implementation = "sdpa"
-    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
-    model.eval()
-    bank = AdapterBank(model, slots=3)
     g = torch.Generator().manual_seed(11)
-    _random_adapters(bank, list(bank.banked.values()), g)
+    model, bank = _nf4_llama(tp=2, layers=2, g=g)  # the prompts below continue g
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     comp = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     comp.run = torch.compile(comp._decode, backend="aot_eager", fullgraph=True)
@@ -94,19 +104,10 @@ def test_compiled_slot_step_traces_whole_and_equals_eager() -> None:
 def _warm_then_serve(rank: int) -> dict:
     from torch._dynamo.utils import counters
 
-    import quantmesh as qm
-    from quantmesh.serve.bank import AdapterBank
     from quantmesh.serve.engine import Admit, Plan
     from quantmesh.serve.slots import SlotBatch
-    from tests.models import llama
 
-    mesh = qm.init_mesh(tp=1)
-    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=1, tie=False, seed=3)
-    model.config.max_position_embeddings = 1024
-    model.config._attn_implementation = "sdpa"
-    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
-    model.eval()
-    bank = AdapterBank(model, slots=3)
+    model, bank = _nf4_llama(tp=1, layers=1, adapters=False)
     batch = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=True,
                       backend="aot_eager")  # fmt: skip
     batch.warm_up()  # as `quantmesh serve` calls it: outside `execute`, grad mode on here
@@ -262,11 +263,8 @@ class _FakeGraph:
 def _captured_vs_eager(rank: int) -> dict:
     import contextlib
 
-    import quantmesh as qm
-    from quantmesh.serve.bank import AdapterBank
     from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
-    from tests.models import llama
 
     class Stream:
         def wait_stream(self, other) -> None:
@@ -283,14 +281,7 @@ def _captured_vs_eager(rank: int) -> dict:
             "CUDAGraph": _FakeGraph, "graph": graph}  # fmt: skip
     for name, value in fake.items():
         setattr(torch.cuda, name, value)
-    mesh = qm.init_mesh(tp=1)
-    model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=2, tie=False, seed=3)
-    model.config.max_position_embeddings = 1024
-    model.config._attn_implementation = "sdpa"
-    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
-    model.eval()
-    bank = AdapterBank(model, slots=3)
-    _random_adapters(bank, list(bank.banked.values()), torch.Generator().manual_seed(11))
+    model, bank = _nf4_llama(tp=1, layers=2)
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     capt = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False,
                      graphs="captured")  # fmt: skip
