@@ -99,3 +99,31 @@ def test_an_unpicklable_result_fails_fast_instead_of_waiting_for_the_timeout() -
 def test_an_unpicklable_function_is_refused_before_spawning() -> None:
     with pytest.raises(TypeError, match="module-level function"):
         run_ranks(lambda rank: rank, 2, timeout=10)
+
+
+def _join(rank: int) -> int:
+    import quantmesh as qm
+
+    qm.init_mesh()  # rank 0 binds the group's store at MASTER_PORT
+    return rank
+
+
+def test_a_port_taken_between_picking_and_binding_is_picked_again(monkeypatch) -> None:
+    """run_ranks picks a free port, then rank 0 binds it: another process (a second pytest
+    worker) can take it in between. The launch then fails with EADDRINUSE and is retried on a
+    new port; any other failure is reported at once."""
+    import socket
+
+    import quantmesh.testing as testing
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    free = testing._free_port
+    monkeypatch.setattr(testing, "_free_port", lambda: ports.pop() if ports else free())
+    try:
+        assert run_ranks(_join, 2, timeout=120) == [0, 1]
+    finally:
+        taken.close()
+    assert ports == []  # the taken port was tried first
