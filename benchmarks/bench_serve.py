@@ -37,6 +37,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from quantmesh.config import CUDA_GRAPHS
+
 REPO = Path(__file__).resolve().parents[1]
 
 # (hidden, intermediate, layers, heads, kv heads, vocab, tied) of each shape
@@ -69,8 +71,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help="where model folders are built (default OUT)")
     p.add_argument("--engine", default="dynamic", help="the server's --engine: dynamic, slots")
     p.add_argument("--max-model-len", type=int, default=1024, help="the server's context length")
-    p.add_argument("--cuda-graphs", default="trees", help="the server's --cuda-graphs: trees, "
-                   "captured")  # fmt: skip
+    p.add_argument("--cuda-graphs", default=CUDA_GRAPHS[0], choices=CUDA_GRAPHS,
+                   help=f"the server's --cuda-graphs (default {CUDA_GRAPHS[0]}; passed with an "
+                   "engine other than dynamic)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, tp=2, small phases")
     a = p.parse_args(argv)
     if a.smoke:
@@ -168,7 +171,9 @@ def start_server(a: argparse.Namespace, folder: Path, adapters: list[Path], max_
     cmd = [sys.executable, "-m", "quantmesh.cli.main", "serve", str(folder), "--tp", str(a.tp),
            "--quant", a.quant, "--port", "0", "--max-batch", str(max_batch),
            "--max-adapters", str(max(1, len(adapters))), "--engine", a.engine,
-           "--max-model-len", str(a.max_model_len), "--cuda-graphs", a.cuda_graphs]  # fmt: skip
+           "--max-model-len", str(a.max_model_len)]  # fmt: skip
+    if a.engine != "dynamic":
+        cmd += ["--cuda-graphs", a.cuda_graphs]
     for i, p in enumerate(adapters):
         cmd += ["--adapter", f"ad{i}={p}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -248,6 +253,8 @@ def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: b
     lat = sorted(x for _, x, _ in results)
     ttft = sorted(x for x, _, _ in results)
     tokens = sum(n for _, _, n in results)
+    # a stream's time per token after its first (the decode rate a client sees)
+    itl = sorted((t - f) / (n - 1) for f, t, n in results if n > 1)
 
     def pct(xs: list[float]) -> list[float]:
         return statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else xs * 99
@@ -257,6 +264,7 @@ def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: b
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "p50_s": q[49], "p99_s": q[98], "ttft_p50_s": qf[49], "ttft_p99_s": qf[98],
             "decode_steps": steps,
+            "itl_p50_ms": statistics.median(itl) * 1e3 if itl else None,
             "mean_batch": mean_batch}  # fmt: skip
 
 
@@ -269,18 +277,21 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     proc, url = start_server(a, folder, adapters, max(concs))
     start_s = time.perf_counter() - t0  # load, quantize, and the slot engine's compiles
+    graphs = "eager" if a.engine == "dynamic" else a.cuda_graphs
     names = [f"ad{i}" for i in range(len(adapters))] or [folder.name]
     res: dict = {"shape": a.shape, "tp": a.tp, "quant": a.quant, "adapters": len(adapters),
                  "rank": a.rank, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                  "requests_per_client": a.requests, "engine": a.engine,
-                 "cuda_graphs": a.cuda_graphs, "server_start_s": start_s,
+                 "cuda_graphs": graphs, "server_start_s": start_s,
                  "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
-    path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{a.cuda_graphs}.json"
+    path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{graphs}.json"
     try:
         log(f"server {url}; warm-up")
         for name in names:
             t0 = time.perf_counter()
-            complete(url, {"model": name, "prompt": "w1 w2 w3", "max_tokens": 4, "temperature": 0})
+            # the phases' prompt length: the first prefill of a shape pays one-off costs
+            prompt = " ".join(f"w{i + 1}" for i in range(a.prompt_tokens))
+            complete(url, {"model": name, "prompt": prompt, "max_tokens": 4, "temperature": 0})
             log(f"warm-up request ({name}): {time.perf_counter() - t0:.1f} s")
         for mix in a.mixes.split(","):
             for conc in concs:

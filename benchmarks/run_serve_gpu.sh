@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server's GPU measurements, one stage per device call (each fits its 10-minute limit):
 #
-#   bash benchmarks/run_serve_gpu.sh STAGE [GRAPHS]     GRAPHS: trees (default) or captured
+#   bash benchmarks/run_serve_gpu.sh STAGE [GRAPHS]     GRAPHS: captured (default) or trees
 #
 #   serve    benchmarks/bench_serve.py on the 7B nf4 shape, slot engine, 1/8/32/64 clients, one
 #            adapter and mixed, then the yardstick in the same call: qm.fast_decode, batch 1
@@ -16,7 +16,7 @@
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
 STAGE=${1:?stage: serve, profile, peers or test}
-GRAPHS=${2:-trees}
+GRAPHS=${2:-captured}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT=${OUT:-$ROOT/.bench/serve-gpu}

@@ -7,7 +7,7 @@ built once under --models), loaded as `quantmesh serve` loads it (nf4 base, the 
 HTTP server: the difference between the two timings is the host's time per step.
 
 Usage (one GPU):
-    python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs trees --out DIR
+    python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs captured --out DIR
     python benchmarks/slot_step_profile.py --smoke --out DIR       # tiny, CPU: checks the script
 Writes DIR/slot_step_<cuda graphs>.json and DIR/slot_step_<cuda graphs>_b<rows>.txt (the tables).
 """
@@ -34,7 +34,7 @@ from quantmesh.serve.slots import SlotBatch  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="the second measurement's rows")
-    p.add_argument("--cuda-graphs", default="trees", help="trees or captured")
+    p.add_argument("--cuda-graphs", default="captured", help="captured or trees")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--models", default=".bench/models")
     p.add_argument("--out", default=".bench/slot-step")

@@ -56,14 +56,13 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 (several stages per rank, `PipelineConfig(virtual=...)`)."""
 LR_SCHEDULES = ("cosine", "linear", "constant")
 """The learning rate after warm-up: cosine or linear decay to 0 at the last step, or constant."""
+CUDA_GRAPHS = ("captured", "trees")
+"""How the server's compiled slot step becomes CUDA graphs (the first is the default):
+"captured", compiled without CUDA graph trees and captured per (batch, key length) into a
+`torch.cuda.CUDAGraph` that each step replays with no host work; "trees", inductor's CUDA graph
+trees (mode reduce-overhead: dynamo's guards and the graph's input checks run on the host every
+step). A 7B nf4 step at one row on one H200: 7.5 ms captured, 15.2 ms trees (docs/benchmarks.md)."""
 COMPILE_BACKEND_ENV = "QUANTMESH_COMPILE_BACKEND"
-
-CUDA_GRAPHS = ("trees", "captured")
-"""How the server's compiled slot step becomes CUDA graphs: "trees", inductor's CUDA graph trees
-(mode reduce-overhead; dynamo's guards and the graph's input checks run on the host every step:
-about 7 ms of a 7B step, docs/benchmarks.md); "captured", compiled without them and captured per
-(batch, key length) into a `torch.cuda.CUDAGraph` that each step replays with no host work (not
-yet measured on a GPU)."""
 """The environment variable naming torch.compile's backend for every compile quantmesh makes."""
 
 

@@ -27,7 +27,7 @@ def test_bench_serve_smoke_tp2_on_cpu_ranks(tmp_path: Path) -> None:
            "--engine", "slots", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "result_serve_tiny_none_tp2_slots_trees.json").read_text())
+    res = json.loads((tmp_path / "result_serve_tiny_none_tp2_slots_captured.json").read_text())
     assert res["engine"] == "slots" and res["server_start_s"] > 0
     assert [(p["mix"], p["concurrency"]) for p in res["phases"]] == [
         ("single", 1), ("single", 4), ("mixed", 1), ("mixed", 4)

@@ -85,10 +85,11 @@ class ServeConfig:
     eager on CPU), dynamic (eager, a growing cache), or auto: slots on GPUs when its KV slots
     fit (3-6x the dynamic engine's tokens/s on one H200, docs/benchmarks.md), else dynamic,
     saying why."""
-    cuda_graphs: str = "trees"
-    """Slot engine on GPUs: how its compiled step becomes CUDA graphs. trees: inductor's CUDA
-    graph trees (measured); captured: one torch.cuda.CUDAGraph per (batch, key length) replayed
-    with no host work per step (not yet measured on a GPU)."""
+    cuda_graphs: str | None = None
+    """Slot engine on GPUs: how its compiled step becomes CUDA graphs. captured (default): one
+    torch.cuda.CUDAGraph per (batch, key length), replayed with no host work per step (a 7B
+    step at one row: 7.5 ms against 15.2 with trees, docs/benchmarks.md); trees: inductor's
+    CUDA graph trees. Only for the slot engine: the dynamic engine runs eagerly."""
     prefill_chunk: int | None = None
     """Prompt tokens prefilled per step (slots engine; default 512): a longer prompt is
     prefilled in chunks between decode steps, so that it does not stall the rows decoding. 0:
@@ -118,9 +119,9 @@ class ServeConfig:
                 raise CliError(f"{flag} {v}; expected >= 1")
         if self.engine not in ENGINES:
             raise CliError(f"--engine {self.engine}; use one of {', '.join(ENGINES)}")
-        if self.cuda_graphs not in CUDA_GRAPHS:
+        if self.cuda_graphs is not None and self.cuda_graphs not in CUDA_GRAPHS:
             raise CliError(f"--cuda-graphs {self.cuda_graphs}; use one of {', '.join(CUDA_GRAPHS)}")
-        if self.engine == "dynamic" and self.cuda_graphs != "trees":
+        if self.engine == "dynamic" and self.cuda_graphs is not None:
             raise CliError(
                 f"--cuda-graphs {self.cuda_graphs} needs --engine slots or auto (the dynamic "
                 "engine runs eagerly)"
@@ -203,10 +204,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="slots: fixed KV slots, the decode step compiled and CUDA-graphed on "
                    "GPUs; dynamic: eager, a growing KV cache; auto (default): slots on GPUs when "
                    "the KV slots fit, else dynamic (said at start)")  # fmt: skip
-    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default="trees",
-                   help="slot engine on GPUs: trees (default): inductor's CUDA graph trees; "
-                   "captured: one CUDA graph per batch size and key length, replayed with no "
-                   "host work per step (not yet measured on a GPU)")  # fmt: skip
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, default=None,
+                   help="slot engine on GPUs: captured (default): one CUDA graph per batch size "
+                   "and key length, replayed with no host work per step; trees: inductor's CUDA "
+                   "graph trees")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="slots engine: prompt tokens prefilled per step, longer prompts in "
                    "chunks between decode steps (default 512; 0: whole prompts)")  # fmt: skip
@@ -369,7 +370,8 @@ def serve_worker(payload: str) -> int:
     batch, engine = choose_engine(
         cfg, mesh.device.type,
         lambda: SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
-                          agree=lockstep.agree, chunk=chunk or None, graphs=cfg.cuda_graphs),
+                          agree=lockstep.agree, chunk=chunk or None,
+                          graphs=cfg.cuda_graphs or CUDA_GRAPHS[0]),
         lambda: Batch(model, bank, agree=lockstep.agree), lockstep.agree, say,
     )  # fmt: skip
     if mesh.tp_rank != 0:

@@ -9,10 +9,11 @@ executed so that a decode step can be one CUDA-graph replay, as `qm.fast_decode`
 - A decode step runs on the first `b` slots, `b` the smallest size of a ladder (1, 4, 16, 64, ...,
   and `max_batch`) that holds the rows; the extra rows are padding (token 0, position 0, the base
   adapter) whose outputs are dropped. The keys are read up to `le` columns, the smallest of 256,
-  512, 1024, ... (up to max_len) past every row's length. The step is compiled
-  (`torch.compile(mode="reduce-overhead")`: CUDA graphs) as three graphs, all by `warm_up`: one
-  row at the shortest key length (static), one row at any key length, and any batch at any key
-  length (symbolic sizes); each (b, le) pair is captured as a CUDA graph of its own on first use.
+  512, 1024, ... (up to max_len) past every row's length. The step is compiled as three graphs,
+  all by `warm_up`: one row at the shortest key length (static), one row at any key length, and
+  any batch at any key length (symbolic sizes); each (b, le) pair is captured as a CUDA graph of
+  its own (`graphs="captured"`, the default: a `torch.cuda.CUDAGraph` replayed with no host work;
+  `graphs="trees"`: inductor's CUDA graph trees, `mode="reduce-overhead"`).
 - Each row writes its new key and value at its own column (its length) and reads the columns
   before it: the step gets each row's position, a boolean (b, 1, 1, le) attention mask built from
   it, and a `SlotCache` whose layers write per row. The row's adapter comes from the bank's
@@ -142,7 +143,7 @@ class SlotBatch(Batch):
         agree: Callable[[list[bool]], list[bool]] | None = None,
         chunk: int | None = None,
         backend: str | None = None,
-        graphs: str = "trees",
+        graphs: str = "captured",
     ) -> None:
         super().__init__(model, bank, agree=agree)
         if graphs not in CUDA_GRAPHS:
