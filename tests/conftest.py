@@ -14,11 +14,19 @@ import pytest
 from quantmesh import testing
 
 # Rank processes (quantmesh.testing.run_ranks) fork from a server that imported these once. Most
-# spawns of the suite quantize (bitsandbytes) or compare against peft: importing them there, not in
-# every rank of every spawn, saves about 2 s of CPU per rank (the import is what a rank would do).
-testing.PRELOAD.extend(
-    m for m in ("bitsandbytes", "bitsandbytes.functional", "peft") if m not in testing.PRELOAD
+# spawns of the suite quantize (bitsandbytes), build a Llama and parallelize it, or compare against
+# peft: importing them there, not in every rank of every spawn, saves seconds of CPU per spawn (a
+# 2-rank spawn building and parallelizing a 1-layer nf4 Llama: 1.8-2.0 s with bitsandbytes
+# preloaded, 0.7-0.9 s with Llama's modeling too; the import is what a rank would do).
+PRELOAD = (
+    "bitsandbytes",
+    "bitsandbytes.functional",
+    "peft",
+    "transformers.models.llama.modeling_llama",
+    "quantmesh.parallel.parallelize",
+    "quantmesh.io.load",
 )
+testing.PRELOAD.extend(m for m in PRELOAD if m not in testing.PRELOAD)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
