@@ -102,8 +102,9 @@ def test_compiled_slot_step_is_the_eager_step(attn: str) -> None:
     for name, rel in rels.items():
         got = out[name]
         # bf16 through other attention kernels: 0.052 seen for the eager slot step (whose fp32
-        # logits equal the dynamic engine's on CPU); a wrong slot or mask: errors of order 1
-        assert rel < 0.1, (name, rel)
+        # logits equal the dynamic engine's on CPU), 0.0994 for the compiled step with eager
+        # attention (one H200, 2026-12-03); a wrong slot or mask: errors of order 1
+        assert rel < 0.2, (name, rel)
         top2 = ref.topk(2, dim=1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - ref).abs().amax(dim=1)
         assert clear.float().mean() > 0.5, (name, clear.float().mean())  # the check has teeth
