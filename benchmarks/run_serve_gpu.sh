@@ -3,9 +3,9 @@
 #
 #   bash benchmarks/run_serve_gpu.sh STAGE [GRAPHS]     GRAPHS: captured (default) or trees
 #
-#   serve    benchmarks/bench_serve.py on the 7B nf4 shape, slot engine, 1/8/32/64 clients, one
-#            adapter and mixed, then the yardstick in the same call: qm.fast_decode, batch 1
-#            (bench_decode.py --mode qlora --greedy --no-peer --new 128)
+#   serve    the yardstick, qm.fast_decode at batch 1 (bench_decode.py --mode qlora --greedy
+#            --no-peer --new 128), then in the same call benchmarks/bench_serve.py on the 7B nf4
+#            shape, slot engine, 1/8/32/64 clients, one adapter and mixed
 #   profile  benchmarks/slot_step_profile.py: one decode step through SlotBatch.execute against
 #            its replays alone, with kernel tables, at 1 and 64 rows
 #   peers    the batch peers: peft + bitsandbytes with transformers' static-cache `generate`
@@ -34,14 +34,15 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 case "$STAGE" in
   serve)
+    # the yardstick first: the server's start (six to seven minutes for 7B) takes the rest
+    say "fast_decode yardstick"
+    timeout 100 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
+      --out "$OUT" 2>&1 | tail -3
     say "bench_serve ($GRAPHS)"
-    timeout 450 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
+    timeout 480 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
       --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
       --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn"
-    say "fast_decode yardstick"
-    timeout 120 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
-      --out "$OUT" 2>&1 | tail -3 ;;
+      | grep -v "Warning\|warnings.warn" ;;
   profile)
     timeout 560 python3 benchmarks/slot_step_profile.py --batch 64 --cuda-graphs "$GRAPHS" \
       --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" ;;
