@@ -2,6 +2,8 @@
 # The server's GPU measurements, one stage per device call (each fits its 10-minute limit):
 #
 #   bash benchmarks/run_serve_gpu.sh STAGE [GRAPHS]     GRAPHS: captured (default) or trees
+#                                                      (profile also takes none: no CUDA graphs,
+#                                                      its kernels named by op and input shapes)
 #
 #   serve    the yardstick, qm.fast_decode at batch 1 (bench_decode.py --mode qlora --greedy
 #            --no-peer --new 128), then in the same call benchmarks/bench_serve.py on the 7B nf4

@@ -8,6 +8,7 @@ HTTP server: the difference between the two timings is the host's time per step.
 
 Usage (one GPU):
     python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs captured --out DIR
+    python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs none --out DIR  # ops named
     python benchmarks/slot_step_profile.py --smoke --out DIR       # tiny, CPU: checks the script
 Writes DIR/slot_step_<cuda graphs>.json and DIR/slot_step_<cuda graphs>_b<rows>.txt (the tables).
 """
@@ -34,7 +35,9 @@ from quantmesh.serve.slots import SlotBatch  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="the second measurement's rows")
-    p.add_argument("--cuda-graphs", default="captured", help="captured or trees")
+    p.add_argument("--cuda-graphs", default="captured", choices=("captured", "trees", "none"),
+                   help="captured, trees, or none: the compiled step without CUDA graphs, whose "
+                   "profile names the op (and input shapes) behind every kernel")  # fmt: skip
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--models", default=".bench/models")
     p.add_argument("--out", default=".bench/slot-step")
@@ -63,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         bank.load(i + 1, str(ad))
     res["load_s"] = time.perf_counter() - t0
     b_max = 4 if a.smoke else a.batch
+    graphs = "trees" if a.cuda_graphs == "none" else a.cuda_graphs
+    mode = None if a.cuda_graphs == "none" else "reduce-overhead"  # none: inductor, no graphs
     batch = SlotBatch(model, bank, max_batch=b_max, max_len=1024, ladder=(1, b_max),
-                      graphs=a.cuda_graphs)  # fmt: skip
+                      graphs=graphs, mode=mode)  # fmt: skip
     t0 = time.perf_counter()
     batch.warm_up(print)
     res["warm_up_s"] = time.perf_counter() - t0
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with torch_profile(activities=acts, record_shapes=True) as prof:
             steps(n)
         ka = prof.key_averages()
         top = sorted(((e.key, e.device_time_total / n, e.count / n) for e in ka
@@ -114,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_us_per_step": sum(e.self_device_time_total for e in ka) / n, "top": top,
         }  # fmt: skip
         table = ka.table(sort_by="self_device_time_total", row_limit=40)
-        (out / f"slot_step_{a.cuda_graphs}_{tag}.txt").write_text(table)
+        # by op and input shapes: names the matmul behind a kernel where no graph hides it
+        shapes = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="device_time_total", row_limit=40
+        )
+        (out / f"slot_step_{a.cuda_graphs}_{tag}.txt").write_text(table + "\n\n" + shapes)
 
     def prompt() -> list[int]:
         return torch.randint(10, 1000, (32,), generator=g).tolist()
