@@ -85,3 +85,25 @@ def test_engine_slots_refuses_what_auto_falls_back_on() -> None:
     assert name == "slots" and made == ["slots"]
     (batch, name), made, _ = _choose("dynamic", "cuda")
     assert name == "dynamic" and made == ["dynamic"]
+
+
+def test_cuda_graphs_default_to_captured_and_are_refused_with_the_dynamic_engine_when_given() -> (
+    None
+):
+    """`--cuda-graphs` unset means the slot engine's default (captured, the first of
+    CUDA_GRAPHS); given with `--engine dynamic`, which runs eagerly, it is refused, not ignored;
+    unset, the dynamic engine starts."""
+    import inspect
+
+    from quantmesh.config import CUDA_GRAPHS
+    from quantmesh.serve.slots import SlotBatch
+
+    assert CUDA_GRAPHS[0] == "captured"
+    assert inspect.signature(SlotBatch).parameters["graphs"].default == CUDA_GRAPHS[0]
+    assert ServeConfig(model="m", engine="dynamic").cuda_graphs is None
+    for graphs in CUDA_GRAPHS:
+        with pytest.raises(CliError, match=f"--cuda-graphs {graphs} needs --engine slots or auto"):
+            ServeConfig(model="m", engine="dynamic", cuda_graphs=graphs)
+        assert ServeConfig(model="m", engine="auto", cuda_graphs=graphs).cuda_graphs == graphs
+    with pytest.raises(CliError, match="--cuda-graphs none; use one of captured, trees"):
+        ServeConfig(model="m", cuda_graphs="none")
