@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve  # noqa: E402
 
 import quantmesh as qm  # noqa: E402
+from quantmesh.config import CUDA_GRAPHS  # noqa: E402
 from quantmesh.serve.bank import AdapterBank  # noqa: E402
 from quantmesh.serve.engine import Admit, Plan, autocast_dtype  # noqa: E402
 from quantmesh.serve.slots import SlotBatch  # noqa: E402
@@ -35,7 +36,7 @@ from quantmesh.serve.slots import SlotBatch  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="the second measurement's rows")
-    p.add_argument("--cuda-graphs", default="captured", choices=("captured", "trees", "none"),
+    p.add_argument("--cuda-graphs", default=CUDA_GRAPHS[0], choices=(*CUDA_GRAPHS, "none"),
                    help="captured, trees, or none: the compiled step without CUDA graphs, whose "
                    "profile names the op (and input shapes) behind every kernel")  # fmt: skip
     p.add_argument("--steps", type=int, default=40)
@@ -66,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         bank.load(i + 1, str(ad))
     res["load_s"] = time.perf_counter() - t0
     b_max = 4 if a.smoke else a.batch
-    graphs = "trees" if a.cuda_graphs == "none" else a.cuda_graphs
-    mode = None if a.cuda_graphs == "none" else "reduce-overhead"  # none: inductor, no graphs
-    batch = SlotBatch(model, bank, max_batch=b_max, max_len=1024, ladder=(1, b_max),
-                      graphs=graphs, mode=mode)  # fmt: skip
+    # none: the graph-trees path without its mode, i.e. inductor with no CUDA graphs at all
+    how = (
+        {"graphs": "trees", "mode": None} if a.cuda_graphs == "none" else {"graphs": a.cuda_graphs}
+    )
+    batch = SlotBatch(model, bank, max_batch=b_max, max_len=1024, ladder=(1, b_max), **how)
     t0 = time.perf_counter()
     batch.warm_up(print)
     res["warm_up_s"] = time.perf_counter() - t0

@@ -143,7 +143,7 @@ class SlotBatch(Batch):
         agree: Callable[[list[bool]], list[bool]] | None = None,
         chunk: int | None = None,
         backend: str | None = None,
-        graphs: str = "captured",
+        graphs: str = CUDA_GRAPHS[0],
     ) -> None:
         super().__init__(model, bank, agree=agree)
         if graphs not in CUDA_GRAPHS:
