@@ -30,6 +30,7 @@ import qmbench as qb  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
 ROWS = [1, 2, 4, 8, 16, 32, 64]
+SWEEP_ROWS = (1, 8, 32, 64)  # --sweep times its candidates at these row counts
 
 
 def bench_us(fn, iters: int = 200) -> float:
@@ -61,20 +62,27 @@ def dequant_mm(x: torch.Tensor, packed: torch.Tensor, qs) -> torch.Tensor:
     return x @ F.dequantize_4bit(packed, qs).t()
 
 
-def candidates(rows: int) -> list[dict[str, int]]:
-    """The tiles tried by --sweep at `rows` rows."""
-    out = []
+def candidates(rows: int) -> list[dict]:
+    """The tiles tried by --sweep at `rows` rows: the block kernel (`KERNEL="blocks"`: a 3-D tile
+    of whole 64-blocks, one absmax per block) and, for comparison, `choose_config`'s row-kernel
+    tile."""
+    out: list[dict] = []
+    blk = dict(KERNEL="blocks", num_warps=4, num_stages=3)
     if rows == 1:
-        for n, k, s in itertools.product((8, 16, 32), (512, 1024, 2048), (1, 2)):
-            out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=0, SPLIT_K=s, num_warps=4, num_stages=2))
-        for n, k in ((16, 1024), (32, 1024)):
-            out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=0, SPLIT_K=1, num_warps=8, num_stages=2))
-    elif rows <= 8:
-        for n, k in itertools.product((8, 16, 32), (256, 512)):
-            out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=0, SPLIT_K=1, num_warps=4, num_stages=2))
-    for n, k, s in itertools.product((32, 64), (128, 256), (1, 2)):
-        out.append(dict(BLOCK_N=n, BLOCK_K=k, DOT=1, SPLIT_K=s, num_warps=4, num_stages=3))
+        for n, nb, s in itertools.product((8, 16, 32), (4, 8), (1, 4)):
+            out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=s, DOT=0, ROUND=0))
+        for n, nb, s in ((16, 4, 1), (16, 8, 4)):
+            out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=s, DOT=0, ROUND=1))
+        out.append(dict(blk, BLOCK_N=16, NB=4, SPLIT_K=1, DOT=0, ROUND=0, num_stages=1))
+    for n, nb, s in itertools.product((32, 64), (2, 4), (2, 8)):
+        out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=s, DOT=1))
+    out.append(dict(blk, BLOCK_N=128, NB=2, SPLIT_K=4, DOT=1, num_warps=8))
     return out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref|| in fp64."""
+    return float((y.double() - ref).norm() / ref.norm())
 
 
 def torchao_int4(w: torch.Tensor):
@@ -100,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--sweep", action="store_true", help="also time every candidate tile")
     p.add_argument("--smoke", action="store_true", help="one small shape, rows 1 and 4, no peers")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the sweep stops after this")
     a = p.parse_args(argv)
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
@@ -135,15 +144,24 @@ def main(argv=None) -> int:
                             r["torchao_int4_us"] = round(bench_us(partial(ao, x)), 2)
                         except Exception as e:
                             r["torchao_int4_error"] = f"{type(e).__name__}: {e}"[:200]
-                if a.sweep:
+                if a.sweep and rows in SWEEP_ROWS:
                     best = None
+                    ref = x.double() @ F.dequantize_4bit(packed, qs).double().t()
+                    r["sweep"] = []
                     for cfg in candidates(rows):
+                        if time.time() - t_start > a.budget_s:
+                            r["sweep_cut"] = f"the {a.budget_s} s budget ran out"
+                            break
+                        fn = partial(k4._launch, x, flat, *stats, 64, "nf4", out_f, cfg)
                         try:
-                            us = bench_us(
-                                partial(k4._launch, x, flat, *stats, 64, "nf4", out_f, cfg), 100
-                            )
+                            y = fn()  # poisoned nothing: a fresh output each call, checked
+                            err = rel_err(y, ref)
+                            us = bench_us(fn, 100)
                         except Exception as e:  # a tile the compiler refuses: skipped, counted
                             r.setdefault("sweep_errors", []).append(f"{cfg}: {e}"[:160])
+                            continue
+                        r["sweep"].append({"cfg": cfg, "us": round(us, 2), "rel_err": err})
+                        if err > 2e-2:  # wrong: never the best
                             continue
                         if best is None or us < best[0]:
                             best = (us, cfg)

@@ -9,7 +9,7 @@ of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1 it writes fp32 partial sums (y
 import triton
 import triton.language as tl
 
-__all__ = ["rows_4bit"]
+__all__ = ["blocks_4bit", "rows_4bit"]
 
 
 @triton.jit
@@ -87,3 +87,75 @@ def rows_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr,
     y_at = y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
     y_mask = (rm[:, None] < M) & n_mask[None, :]
     tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def blocks_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr,
+                M, N, NBLK, KH, stride_xm, steps,
+                BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, NB: tl.constexpr, DOT: tl.constexpr,
+                ROUND: tl.constexpr):  # fmt: skip
+    # x (M, K) @ W^T for K a multiple of the blocksize BS: the weight read as a 3-D tile of
+    # (BLOCK_N features, NB blocks of BS inputs, BS / 2 bytes), each block's absmax a (BLOCK_N, NB)
+    # tile broadcast over its bytes (no per-byte statistics loads, no reshape before the
+    # scale). One program: BLOCK_N features, `steps` steps of NB blocks from block
+    # pid_k * steps * NB on; fp32 partial sums per pid_k (y: SPLIT, M, N) or, with one share of
+    # K, the result in y's dtype. DOT: tl.dot over all M rows (BLOCK_M >= 16); else M == 1, a
+    # reduction along K, where ROUND = 0 scales each block's sum by its absmax once (the code
+    # values times x summed in fp32; the weight is not rounded to the compute dtype first) and
+    # ROUND = 1 rounds each weight as dequantize_4bit writes it.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rb = tl.arange(0, NB)
+    HB: tl.constexpr = BS // 2  # bytes per block
+    rj = tl.arange(0, HB)
+    off = 0.0
+    if NESTED:
+        off = tl.load(off_ptr)
+    if DOT:
+        rm = tl.arange(0, BLOCK_M)
+        m_mask = rm < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    b_first = pid_k * steps * NB
+    for step in range(0, steps):
+        b0 = b_first + step * NB
+        blk_in_row = b0 + rb  # (NB,) this step's blocks of a row
+        b_mask = blk_in_row < NBLK
+        nb_mask = n_mask[:, None] & b_mask[None, :]  # (BLOCK_N, NB)
+        q_at = q_ptr + rn[:, None, None] * KH + (blk_in_row * HB)[None, :, None] + rj[None, None, :]
+        q = tl.load(q_at, mask=nb_mask[:, :, None], other=0).to(tl.int32)
+        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, rn[:, None] * NBLK + blk_in_row[None, :],
+                      nb_mask, NESTED, BS2)  # fmt: skip
+        hi = tl.load(lut_ptr + (q >> 4))  # even inputs
+        lo = tl.load(lut_ptr + (q & 15))  # odd inputs
+        ke = blk_in_row[:, None] * BS + 2 * rj[None, :]  # (NB, HB): the even inputs' indices
+        if DOT:
+            a3 = a[:, :, None]
+            w_hi = tl.reshape((hi * a3).to(x_ptr.dtype.element_ty), (BLOCK_N, NB * HB))
+            w_lo = tl.reshape((lo * a3).to(x_ptr.dtype.element_ty), (BLOCK_N, NB * HB))
+            x_mask = m_mask[:, None, None] & b_mask[None, :, None]
+            x_at = x_ptr + rm[:, None, None] * stride_xm + ke[None, :, :]
+            xe = tl.reshape(tl.load(x_at, mask=x_mask, other=0.0), (BLOCK_M, NB * HB))
+            xo = tl.reshape(tl.load(x_at + 1, mask=x_mask, other=0.0), (BLOCK_M, NB * HB))
+            acc = tl.dot(xe, tl.trans(w_hi), acc)
+            acc = tl.dot(xo, tl.trans(w_lo), acc)
+        else:
+            xe = tl.load(x_ptr + ke, mask=b_mask[:, None], other=0.0).to(tl.float32)[None, :, :]
+            xo = tl.load(x_ptr + ke + 1, mask=b_mask[:, None], other=0.0).to(tl.float32)[None, :, :]
+            if ROUND:
+                a3 = a[:, :, None]
+                w_hi = (hi * a3).to(x_ptr.dtype.element_ty).to(tl.float32)
+                w_lo = (lo * a3).to(x_ptr.dtype.element_ty).to(tl.float32)
+                acc1 += tl.sum(tl.sum(w_hi * xe + w_lo * xo, axis=2), axis=1)
+            else:
+                part = tl.sum(hi * xe + lo * xo, axis=2)  # (BLOCK_N, NB): per block, unscaled
+                acc1 += tl.sum(part * a, axis=1)
+    if DOT:
+        y_at = y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.store(y_ptr + pid_k * N + rn, acc1.to(y_ptr.dtype.element_ty), mask=n_mask)

@@ -135,7 +135,12 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
             offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
             cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
-    """Run the kernel with tiles `cfg` (the benchmark calls it with each candidate)."""
+    """Run the kernel with tiles `cfg` (the benchmark calls it with each candidate): the block
+    kernel (`cfg["KERNEL"] == "blocks"`) where `in` is a multiple of the blocksize, else the row
+    kernel."""
+    if cfg.get("KERNEL") == "blocks" and x.shape[1] % blocksize == 0:
+        return _launch_blocks(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                              quant_type, out_f, cfg)  # fmt: skip
     from .bnb import _bnb
 
     _bnb()  # registers torch.ops.bitsandbytes
@@ -164,6 +169,47 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         BS=blocksize, BS2=256, NESTED=nested, ALIGNED=aligned, BLOCK_M=bm,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], DOT=cfg["DOT"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return y[0] if split == 1 else y.sum(0).to(x.dtype)
+
+
+def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                   nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                   offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+                   cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
+    """The block kernel (`_triton4.blocks_4bit`): `in` a multiple of `blocksize`. cfg: BLOCK_N
+    features and NB blocks a step per program, SPLIT_K shares of K (fp32 partial sums added
+    after), DOT (tl.dot over the rows; else one row), ROUND (one row: round each weight as
+    dequantize_4bit does), num_warps, num_stages (software pipelining of the loop)."""
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes
+    triton, _ = _triton()
+    from ._triton4 import blocks_4bit as kernel
+
+    x = x.contiguous()
+    rows, in_f = x.shape
+    if not cfg["DOT"] and rows != 1:
+        raise ValueError(f"the block kernel's reduction path takes one row, not {rows}")
+    nested = nested_absmax is not None
+    nblk = in_f // blocksize
+    per_step = cfg["NB"]
+    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(nblk, per_step)))
+    steps = triton.cdiv(triton.cdiv(nblk, per_step), split)  # steps of NB blocks per program
+    bm = max(16, triton.next_power_of_2(rows)) if cfg["DOT"] else 1
+    y = torch.empty(
+        (split, rows, out_f), dtype=torch.float32 if split > 1 else x.dtype, device=x.device
+    )
+    dummy = absmax
+    grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), split)
+    kernel[grid](
+        x, packed, absmax,
+        nested_absmax if nested else dummy, nested_code if nested else dummy,
+        offset if nested else dummy, _code_values(quant_type, x.device), y,
+        rows, out_f, nblk, in_f // 2, x.stride(0), steps,
+        BS=blocksize, NESTED=nested, BS2=256, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], NB=per_step,
+        DOT=cfg["DOT"], ROUND=cfg.get("ROUND", 1), num_stages=cfg.get("num_stages", 2),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
 

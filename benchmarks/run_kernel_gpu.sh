@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The 4-bit kernel's GPU measurements (quant/kernel4.py), one stage per device call:
+#
+#   bash benchmarks/run_kernel_gpu.sh STAGE
+#
+#   sweep    benchmarks/nf4_rows_bench.py --sweep: one nf4 linear of each 7B shape at 1..64 rows,
+#            the kernel's candidate tiles (checked against dequantize + matmul) against
+#            bitsandbytes, dequantize + matmul, bf16 and torchao's int4, CUDA-graphed
+#   test     the kernel's and the decode loop's CUDA tests
+#   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
+#            process (bench_decode.py --kernel), at batch 1 and at batch 32
+#
+# Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
+# make them). Results under $OUT (default .bench/kernel-gpu).
+set -u
+STAGE=${1:?stage: sweep, test or decode}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+OUT=${OUT:-$ROOT/.bench/kernel-gpu}
+mkdir -p "$OUT"
+T0=$(date +%s)
+say() { echo "[$(($(date +%s) - T0))s] $*"; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/qm-site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/qm-site:$ROOT/src
+else
+  export PYTHONPATH=$ROOT/src
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+case "$STAGE" in
+  sweep)
+    timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -40 ;;
+  test)
+    timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py 2>&1 | tail -15
+    timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
+  decode)
+    timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
+    timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
+      --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
+  *) echo "unknown stage: $STAGE (sweep, test, decode)" >&2; exit 2 ;;
+esac
+say done
