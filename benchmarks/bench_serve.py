@@ -46,6 +46,8 @@ SHAPES = {
     "tiny": (72, 96, 2, 9, 3, 2000, True),
     "smollm2": (576, 1536, 30, 9, 3, 49152, True),  # SmolLM2-135M
     "7b": (4096, 11008, 32, 32, 32, 32000, False),  # Llama-2-7B
+    # its widths at 4 of its 32 layers: per-layer kernels as 7b's, a fraction of the compiling
+    "7b4": (4096, 11008, 4, 32, 32, 32000, False),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

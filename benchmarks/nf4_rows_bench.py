@@ -85,6 +85,31 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
+def ours_dq(r: dict, x: torch.Tensor, flat: torch.Tensor, stats: tuple, qs, packed) -> None:
+    """quantmesh's Triton dequantize (each blocks-per-program tried), alone and + matmul, into
+    `r`; its weights compared bit for bit with bitsandbytes' dequantize_4bit."""
+    import bitsandbytes.functional as F
+
+    from quantmesh.quant import kernel4 as k4
+
+    shape = tuple(int(d) for d in qs.shape)
+    if x.shape[0] == 1:  # the weights alone: once per shape
+        r["bnb_dequant_us"] = round(bench_us(partial(F.dequantize_4bit, packed, qs)), 2)
+        same = torch.equal(
+            k4.dequantize_4bit(flat, *stats, 64, "nf4", shape, x.dtype),
+            F.dequantize_4bit(packed, qs),
+        )
+        r["ours_dequant_equal_bnb"] = bool(same)
+        for nbk in (8, 32, 128):
+            fn = partial(k4.dequantize_4bit, flat, *stats, 64, "nf4", shape, x.dtype, nbk)
+            r[f"ours_dequant_nbk{nbk}_us"] = round(bench_us(fn), 2)
+
+    def mm() -> torch.Tensor:
+        return x @ k4.dequantize_4bit(flat, *stats, 64, "nf4", shape, x.dtype).t()
+
+    r["ours_dequant_mm_us"] = round(bench_us(mm), 2)
+
+
 def torchao_int4(w: torch.Tensor):
     """A Linear with torchao's int4 weight-only weight (group 128), or the error text."""
     try:
@@ -137,6 +162,7 @@ def main(argv=None) -> int:
                     r["bnb_us"] = round(bench_us(partial(bnb.matmul_4bit, x, packed.t(), qs)), 2)
                     r["dequant_mm_us"] = round(bench_us(partial(dequant_mm, x, packed, qs)), 2)
                     r["bf16_mm_us"] = round(bench_us(partial(torch.matmul, x, w.t())), 2)
+                    ours_dq(r, x, flat, stats, qs, packed)
                     if isinstance(ao, str):
                         r["torchao_int4_error"] = ao
                     elif ao is not None:

@@ -7,13 +7,17 @@
 #            the kernel's candidate tiles (checked against dequantize + matmul) against
 #            bitsandbytes, dequantize + matmul, bf16 and torchao's int4, CUDA-graphed
 #   test     the kernel's and the decode loop's CUDA tests
+#   probe    Nsight Compute's counters (speed of light, memory, warp stalls) for one call of
+#            each 4-bit kernel on the q_proj shape (benchmarks/nf4_kernel_probe.py), then the
+#            slot engine's 64-row step on 7b's layers (4 of them) profiled without CUDA graphs,
+#            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
 #            process (bench_decode.py --kernel), at batch 1 and at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, test or decode}
+STAGE=${1:?stage: sweep, probe, test or decode}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT=${OUT:-$ROOT/.bench/kernel-gpu}
@@ -36,11 +40,21 @@ case "$STAGE" in
   test)
     timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py 2>&1 | tail -15
     timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
+  probe)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    timeout 200 "$NCU" --clock-control none -k "regex:4bit|Dequantize" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+      python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu.txt" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Stall|Issued Ipc|Executed Ipc" "$OUT/ncu.txt" | head -90
+    say "slot step, 7b4, no CUDA graphs"
+    timeout 330 python3 benchmarks/slot_step_profile.py --shape 7b4 --batch 64 --cuda-graphs none \
+      --steps 10 --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -5
+    grep -A45 "Input Shapes" "$OUT"/slot_step_none_b64.txt | cut -c1-220 | head -50 ;;
   decode)
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
-  *) echo "unknown stage: $STAGE (sweep, test, decode)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, test, decode)" >&2; exit 2 ;;
 esac
 say done

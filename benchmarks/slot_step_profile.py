@@ -9,6 +9,7 @@ HTTP server: the difference between the two timings is the host's time per step.
 Usage (one GPU):
     python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs captured --out DIR
     python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs none --out DIR  # ops named
+    python benchmarks/slot_step_profile.py --shape 7b4 ...    # 7b's layers, 4 of them: quicker
     python benchmarks/slot_step_profile.py --smoke --out DIR       # tiny, CPU: checks the script
 Writes DIR/slot_step_<cuda graphs>.json and DIR/slot_step_<cuda graphs>_b<rows>.txt (the tables).
 """
@@ -39,12 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graphs", default=CUDA_GRAPHS[0], choices=(*CUDA_GRAPHS, "none"),
                    help="captured, trees, or none: the compiled step without CUDA graphs, whose "
                    "profile names the op (and input shapes) behind every kernel")  # fmt: skip
+    p.add_argument("--shape", default="7b", choices=sorted(bench_serve.SHAPES),
+                   help="bench_serve.py's model shape (7b4: 7b's layers, 4 of them)")  # fmt: skip
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--models", default=".bench/models")
     p.add_argument("--out", default=".bench/slot-step")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
-    shape = bench_serve.parse(["--smoke"] if a.smoke else ["--shape", "7b", "--quant", "nf4"])
+    shape = bench_serve.parse(["--smoke"] if a.smoke else ["--shape", a.shape, "--quant", "nf4"])
     folder, adapters = bench_serve.build_model(shape, Path(a.models))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1 it writes fp32 partial sums (y
 import triton
 import triton.language as tl
 
-__all__ = ["blocks_4bit", "rows_4bit"]
+__all__ = ["blocks_4bit", "dequant_4bit", "rows_4bit"]
 
 
 @triton.jit
@@ -159,3 +159,28 @@ def blocks_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
         tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     else:
         tl.store(y_ptr + pid_k * N + rn, acc1.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def dequant_4bit(q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, w_ptr, n_bytes,
+                 BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr,
+                 NBK: tl.constexpr):  # fmt: skip
+    # The whole 4-bit weight written out in w's dtype, as dequantize_4bit writes it (fp32 code
+    # value x fp32 absmax, rounded once): one program, NBK blocks of BS values, each read as a
+    # (NBK, BS / 2) tile of bytes with one absmax per block; the two nibbles of each byte joined
+    # (high first) into BS contiguous values per block.
+    HB: tl.constexpr = BS // 2
+    blk = tl.program_id(0) * NBK + tl.arange(0, NBK)
+    rj = tl.arange(0, HB)
+    at = blk[:, None] * HB + rj[None, :]  # (NBK, HB) byte offsets
+    mask = at < n_bytes
+    q = tl.load(q_ptr + at, mask=mask, other=0).to(tl.int32)
+    off = 0.0
+    if NESTED:
+        off = tl.load(off_ptr)
+    a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, blk, blk * HB < n_bytes, NESTED, BS2)
+    hi = tl.load(lut_ptr + (q >> 4)) * a[:, None]
+    lo = tl.load(lut_ptr + (q & 15)) * a[:, None]
+    w = tl.reshape(tl.join(hi, lo), (NBK, BS)).to(w_ptr.dtype.element_ty)
+    ro = blk[:, None] * BS + tl.arange(0, BS)[None, :]
+    tl.store(w_ptr + ro, w, mask=ro < 2 * n_bytes)

@@ -214,6 +214,37 @@ def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
 
 
+def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
+                    nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                    offset: torch.Tensor | None, blocksize: int, quant_type: str,
+                    shape: tuple[int, int], dtype: torch.dtype, nbk: int = 32) -> torch.Tensor:  # fmt: skip
+    """The 4-bit weight (`shape`) in `dtype`, as bitsandbytes' `dequantize_4bit` writes it, by the
+    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program); for many rows,
+    dequantize + matmul. CUDA with Triton only.
+
+    Example:
+        >>> w = dequantize_4bit(flat, qs.absmax, None, None, None, 64, "nf4", (4096, 4096),
+        ...                     torch.bfloat16)  # doctest: +SKIP
+    """
+    from .bnb import _bnb
+
+    _bnb()
+    triton, _ = _triton()
+    from ._triton4 import dequant_4bit as kernel
+
+    n_bytes = packed.numel()
+    w = torch.empty(shape, dtype=dtype, device=packed.device)
+    nested = nested_absmax is not None
+    dummy = absmax
+    n_blocks = triton.cdiv(2 * n_bytes, blocksize)
+    kernel[(triton.cdiv(n_blocks, nbk),)](
+        packed, absmax, nested_absmax if nested else dummy, nested_code if nested else dummy,
+        offset if nested else dummy, _code_values(quant_type, packed.device), w, n_bytes,
+        BS=blocksize, NESTED=nested, BS2=256, NBK=nbk, num_warps=4,
+    )  # fmt: skip
+    return w
+
+
 @functools.cache
 def _code_values(quant_type: str, device: torch.device) -> torch.Tensor:
     """(16,) fp32: the value of each 4-bit code, from bitsandbytes' own dequantization (absmax 1),

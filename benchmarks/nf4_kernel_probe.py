@@ -1,0 +1,47 @@
+"""One call of each 4-bit kernel on the 7B q_proj shape (4096 x 4096, nf4 with double quant,
+bf16), for a hardware-counter profiler to read (Nsight Compute: `ncu --section SpeedOfLight ...
+python benchmarks/nf4_kernel_probe.py`): bitsandbytes' 1-row kernel and its dequantize,
+quantmesh's block kernel at 1 row and its dequantize. Each runs twice (the first compiles).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+
+def main() -> None:
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    from quantmesh.quant import kernel4 as k4
+
+    torch.manual_seed(0)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    packed, qs = F.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+    flat = packed.reshape(-1).view(torch.uint8)
+    stats = (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float())
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    one = dict(KERNEL="blocks", BLOCK_N=16, NB=8, SPLIT_K=1, DOT=0, ROUND=0, num_warps=4,
+               num_stages=3)  # fmt: skip
+    calls = {
+        "bnb_gemv": partial(bnb.matmul_4bit, x, packed.t(), qs),
+        "bnb_dequant": partial(F.dequantize_4bit, packed, qs),
+        "ours_blocks_1row": partial(k4._launch, x, flat, *stats, 64, "nf4", 4096, one),
+        "ours_dequant": partial(
+            k4.dequantize_4bit, flat, *stats, 64, "nf4", (4096, 4096), torch.bfloat16
+        ),  # fmt: skip
+    }
+    with torch.no_grad():
+        for name, fn in calls.items():
+            for _ in range(2):
+                torch.cuda.nvtx.range_push(name)
+                fn()
+                torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+            print(name, "ran")
+
+
+if __name__ == "__main__":
+    main()
