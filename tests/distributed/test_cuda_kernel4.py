@@ -169,3 +169,64 @@ def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compile
     assert float((y_grad.float() - y_bnb.float()).norm() / scale) < 4e-3
     for yc in ys:  # the same kernel and tiles: the same bits, compiled and graphed
         assert torch.equal(yc, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("blocksize", [64, 128])
+@pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (33, 96), (257, 320), (130, 1000)])
+def test_triton_dequantize_writes_bitsandbytes_weights(shape, blocksize, nested, dtype):
+    """kernel4.dequantize_4bit (the many-row path's weight) is bit for bit bitsandbytes' own."""
+    _need_cuda()
+    import bitsandbytes.functional as F
+
+    from quantmesh.quant import kernel4 as k4
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(*shape, device="cuda", generator=g) * 0.02).to(dtype)
+    packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested)
+    want = F.dequantize_4bit(packed, qs)
+    assert want.dtype == dtype
+    flat = packed.reshape(-1).view(torch.uint8)
+    stats = (
+        (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float())
+        if nested
+        else (qs.absmax, None, None, None)
+    )
+    for nbk in (1, 32, 128):
+        got = k4.dequantize_4bit(flat, *stats, blocksize, "nf4", shape, dtype, nbk)
+        assert torch.equal(got, want), (shape, blocksize, nested, dtype, nbk)
+
+
+def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_compile():
+    """From DEQUANT_MIN_ROWS rows on, without autograd, QuantLinear4bit multiplies by the Triton
+    dequantize's weight (on by default); eager, compiled and CUDA-graphed alike, equal to
+    bitsandbytes' path (taken with autograd on) within bf16 rounding; a 3-D input with strides
+    that do not fold (one position per row) gives the same result."""
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format
+
+    fmt = bnb_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(4096, 1000, bias=True, device="cuda", dtype=torch.bfloat16)
+    fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    with torch.no_grad():
+        m.bias.normal_()
+    qs = m.weight.quant_state
+    heads = torch.randn(64, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    x = heads.transpose(1, 2).reshape(64, 1, 4096)  # as an attention output reaches o_proj
+    y_bnb = m(x).detach()  # autograd on: bitsandbytes' path
+    assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+    with torch.no_grad():
+        assert k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+        assert not k4.dequant_kernel_applies(x[:4], qs, torch.bfloat16)  # bitsandbytes' below 8
+        assert not k4.dequant_kernel_applies(x.cpu(), qs, torch.bfloat16)
+        y = m(x)
+        step = torch.compile(m.forward, fullgraph=True, mode="reduce-overhead")
+        ys = [step(x).clone() for _ in range(4)]  # warm-up, recording, replays
+    assert y.shape == (64, 1, 1000) and y.dtype == torch.bfloat16
+    scale = y_bnb.float().norm()
+    assert float((y.float() - y_bnb.float()).norm() / scale) < 4e-3
+    for yc in ys:
+        assert float((yc.float() - y.float()).norm() / scale) < 4e-3

@@ -27,7 +27,12 @@ import torch
 from torch import nn
 
 from .base import QuantConfig, QuantError, QuantFormat
-from .kernel4 import matmul_4bit_rows, rows_kernel_applies
+from .kernel4 import (
+    dequant_kernel_applies,
+    matmul_4bit_dequant,
+    matmul_4bit_rows,
+    rows_kernel_applies,
+)
 from .kinds import compute_dtype_for
 
 __all__ = [
@@ -159,9 +164,16 @@ def _classes() -> dict[str, type]:
             if rows_kernel_applies(x, qs, cd):  # decoding: a few rows, no autograd, CUDA
                 y = matmul_4bit_rows(x.to(cd), self.weight.data, qs)  # codes read once
                 return (y if bias is None else y + bias).to(x.dtype)
-            # (..., in) @ (out, in)^T -> (..., out); the kernel dequantizes blocks in `cd`
-            y = bnb.matmul_4bit(x.to(cd), self.weight, quant_state=qs, bias=bias)
-            return y.to(x.dtype)
+            if dequant_kernel_applies(x, qs, cd):  # many rows, no autograd, CUDA
+                y = matmul_4bit_dequant(x.to(cd), self.weight.data, qs)
+                return (y if bias is None else y + bias).to(x.dtype)
+            # (rows, in) @ (out, in)^T -> (rows, out); the kernel dequantizes blocks in `cd`. The
+            # rows flattened first: a 3-D input whose strides do not fold (an attention output
+            # of one position per row) made the compiled matmul a batched one against the weight
+            # expanded per row (docs/benchmarks.md, "Figures the code relies on")
+            x2 = x.reshape(-1, x.shape[-1]).to(cd)
+            y = bnb.matmul_4bit(x2, self.weight, quant_state=qs, bias=bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
     class QuantLinear8bit(bnb.nn.Linear8bitLt):  # type: ignore[name-defined]  # bnb: a module
         """bitsandbytes Linear8bitLt (LLM.int8), filled by `Bnb8bitFormat.quantize_into`."""

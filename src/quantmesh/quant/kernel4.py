@@ -33,13 +33,28 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENABLED", "MAX_ROWS", "choose_config", "matmul_4bit_rows", "rows_kernel_applies"]
+__all__ = [
+    "DEQUANT_MIN_ROWS",
+    "ENABLED",
+    "MAX_ROWS",
+    "choose_config",
+    "dequant_kernel_applies",
+    "dequantize_4bit",
+    "matmul_4bit_dequant",
+    "matmul_4bit_rows",
+    "rows_kernel_applies",
+]
 
 MAX_ROWS = 64  # inputs with more rows keep bitsandbytes' path (dequantize + matmul)
 # True: QuantLinear4bit takes the kernel where it applies. Off by default: slower than
 # bitsandbytes' kernels (docs/benchmarks.md, "Figures the code relies on"; benchmarks turn it on
 # to compare the two).
 ENABLED = False
+# From this many rows on, inputs without autograd on CUDA take `matmul_4bit_dequant`: Triton's
+# dequantize (bit-equal to bitsandbytes', about twice as fast) + one matmul. Below it,
+# bitsandbytes' own kernels win (its 1-row kernel; 2 and 4 rows: docs/benchmarks.md, "Figures
+# the code relies on").
+DEQUANT_MIN_ROWS = 8
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
 
@@ -99,6 +114,63 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
         y = _rows_op(x2, flat, qs.absmax, None, None, None, int(qs.blocksize),
                      str(qs.quant_type), out_f)  # fmt: skip
     return y.reshape(*x.shape[:-1], out_f)
+
+
+def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
+    """Whether `matmul_4bit_dequant` computes x @ W^T for the QuantState `qs`: on CUDA with
+    Triton, no autograd recording, bf16/fp16 compute, at least `DEQUANT_MIN_ROWS` rows, and
+    statistics of the kinds the kernel reads (nested blocks of 256). Unlike the rows kernel it
+    is on by default: it writes the same weights as bitsandbytes' dequantize_4bit, faster.
+
+    Example:
+        >>> dequant_kernel_applies(torch.ones(64, 4096), qs, torch.bfloat16)  # CPU  # doctest: +SKIP
+        False
+    """
+    if x.device.type != "cuda" or torch.is_grad_enabled() or not _HAS_TRITON:
+        return False
+    if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
+        return False
+    in_f = int(qs.shape[1])
+    if x.shape[-1] != in_f or x.numel() // max(in_f, 1) < DEQUANT_MIN_ROWS:
+        return False
+    if int(qs.shape[0]) * in_f >= _INT32_LIMIT:
+        return False
+    return not (qs.nested and int(qs.state2.blocksize) != 256)
+
+
+def matmul_4bit_dequant(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype: W written out by Triton's dequantize (the
+    same values as bitsandbytes' dequantize_4bit), then one matmul; check
+    `dequant_kernel_applies` first. One custom op for the weight, so `torch.compile` traces it.
+
+    Example:
+        >>> y = matmul_4bit_dequant(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
+    """
+    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
+    flat = packed.reshape(-1).view(torch.uint8)
+    if qs.nested:
+        s2 = qs.state2
+        offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(qs.offset)
+        w = _dequant_op(flat, qs.absmax, s2.absmax, s2.code, offset.to(x.device, torch.float32),
+                        int(qs.blocksize), str(qs.quant_type), out_f, in_f, x.dtype)  # fmt: skip
+    else:
+        w = _dequant_op(flat, qs.absmax, None, None, None, int(qs.blocksize), str(qs.quant_type),
+                        out_f, in_f, x.dtype)  # fmt: skip
+    return (x.reshape(-1, in_f) @ w.t()).reshape(*x.shape[:-1], out_f)
+
+
+@torch.library.custom_op("quantmesh::dequantize_4bit", mutates_args=())
+def _dequant_op(packed: torch.Tensor, absmax: torch.Tensor, nested_absmax: torch.Tensor | None,
+                nested_code: torch.Tensor | None, offset: torch.Tensor | None, blocksize: int,
+                quant_type: str, out_f: int, in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    return dequantize_4bit(packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                           quant_type, (out_f, in_f), dtype)  # fmt: skip
+
+
+@_dequant_op.register_fake
+def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f, in_f,
+      dtype):  # fmt: skip
+    return packed.new_empty((out_f, in_f), dtype=dtype)
 
 
 # ---- tiles ------------------------------------------------------------------------------------
@@ -217,7 +289,7 @@ def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
                     nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                     offset: torch.Tensor | None, blocksize: int, quant_type: str,
-                    shape: tuple[int, int], dtype: torch.dtype, nbk: int = 32) -> torch.Tensor:  # fmt: skip
+                    shape: tuple[int, int], dtype: torch.dtype, nbk: int = 128) -> torch.Tensor:  # fmt: skip
     """The 4-bit weight (`shape`) in `dtype`, as bitsandbytes' `dequantize_4bit` writes it, by the
     Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program); for many rows,
     dequantize + matmul. CUDA with Triton only.
