@@ -174,8 +174,9 @@ def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compile
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize("blocksize", [64, 128])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (33, 96), (257, 320), (130, 1000)])
-def test_triton_dequantize_writes_bitsandbytes_weights(shape, blocksize, nested, dtype):
+def test_triton_dequantize_writes_bitsandbytes_weights(shape, quant_type, blocksize, nested, dtype):
     """kernel4.dequantize_4bit (the many-row path's weight) is bit for bit bitsandbytes' own."""
     _need_cuda()
     import bitsandbytes.functional as F
@@ -184,7 +185,9 @@ def test_triton_dequantize_writes_bitsandbytes_weights(shape, blocksize, nested,
 
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(*shape, device="cuda", generator=g) * 0.02).to(dtype)
-    packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested)
+    packed, qs = F.quantize_4bit(
+        w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type
+    )
     want = F.dequantize_4bit(packed, qs)
     assert want.dtype == dtype
     flat = packed.reshape(-1).view(torch.uint8)
@@ -194,8 +197,8 @@ def test_triton_dequantize_writes_bitsandbytes_weights(shape, blocksize, nested,
         else (qs.absmax, None, None, None)
     )
     for nbk in (1, 32, 128):
-        got = k4.dequantize_4bit(flat, *stats, blocksize, "nf4", shape, dtype, nbk)
-        assert torch.equal(got, want), (shape, blocksize, nested, dtype, nbk)
+        got = k4.dequantize_4bit(flat, *stats, blocksize, quant_type, shape, dtype, nbk)
+        assert torch.equal(got, want), (shape, quant_type, blocksize, nested, dtype, nbk)
 
 
 def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_compile():

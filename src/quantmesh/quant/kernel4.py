@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Any
 
 import torch
 
 __all__ = [
+    "DEQUANT_ENABLED",
     "DEQUANT_MIN_ROWS",
     "ENABLED",
     "MAX_ROWS",
@@ -55,6 +57,8 @@ ENABLED = False
 # bitsandbytes' own kernels win (its 1-row kernel; 2 and 4 rows: docs/benchmarks.md, "Figures
 # the code relies on").
 DEQUANT_MIN_ROWS = 8
+# False (or QUANTMESH_TRITON_DEQUANT=0 in the environment): bitsandbytes' path at every row count
+DEQUANT_ENABLED = os.environ.get("QUANTMESH_TRITON_DEQUANT", "1") != "0"
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
 
@@ -126,7 +130,9 @@ def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype)
         >>> dequant_kernel_applies(torch.ones(64, 4096), qs, torch.bfloat16)  # CPU  # doctest: +SKIP
         False
     """
-    if x.device.type != "cuda" or torch.is_grad_enabled() or not _HAS_TRITON:
+    if not DEQUANT_ENABLED or x.device.type != "cuda" or torch.is_grad_enabled():
+        return False
+    if not _HAS_TRITON:
         return False
     if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
         return False
