@@ -27,7 +27,6 @@ those timed (docs/benchmarks.md, "Figures the code relies on").
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from typing import Any
@@ -212,7 +211,7 @@ def _(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_ty
 def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
             offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
-            cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
+            cfg: dict[str, Any]) -> torch.Tensor:  # fmt: skip
     """Run the kernel with tiles `cfg` (the benchmark calls it with each candidate): the block
     kernel (`cfg["KERNEL"] == "blocks"`) where `in` is a multiple of the blocksize, else the row
     kernel."""
@@ -254,7 +253,7 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                    nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                    offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
-                   cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
+                   cfg: dict[str, Any]) -> torch.Tensor:  # fmt: skip
     """The block kernel (`_triton4.blocks_4bit`): `in` a multiple of `blocksize`. cfg: BLOCK_N
     features and NB blocks a step per program, SPLIT_K shares of K (fp32 partial sums added
     after), DOT (tl.dot over the rows; else one row), ROUND (one row: round each weight as
@@ -323,13 +322,23 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
     return w
 
 
-@functools.cache
 def _code_values(quant_type: str, device: torch.device) -> torch.Tensor:
     """(16,) fp32: the value of each 4-bit code, from bitsandbytes' own dequantization (absmax 1),
-    so that the kernel's weights are the ones `dequantize_4bit` writes."""
+    so that the kernel's weights are the ones `dequantize_4bit` writes. Kept per device once
+    made outside a CUDA graph capture; one made during a capture lives in the graph's memory
+    pool, which later replays may reuse, so it is made afresh (inside the graph) and not kept."""
+    key = (quant_type, str(device))
+    if key in _CODE_VALUES:
+        return _CODE_VALUES[key]
     codes = torch.arange(16, dtype=torch.uint8, device=device)
     packed = ((codes[0::2] << 4) | codes[1::2]).reshape(-1, 1)  # 0x01, 0x23, ..., 0xef
     ones = torch.ones(1, dtype=torch.float32, device=device)
-    return torch.ops.bitsandbytes.dequantize_4bit(
+    values = torch.ops.bitsandbytes.dequantize_4bit(
         packed, ones, 64, quant_type, [1, 16], torch.float32
     ).reshape(16)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _CODE_VALUES[key] = values
+    return values
+
+
+_CODE_VALUES: dict[tuple[str, str], torch.Tensor] = {}  # (quant type, device) -> code values
