@@ -177,7 +177,9 @@ def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compile
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (33, 96), (257, 320), (130, 1000)])
 def test_triton_dequantize_writes_bitsandbytes_weights(shape, quant_type, blocksize, nested, dtype):
-    """kernel4.dequantize_4bit (the many-row path's weight) is bit for bit bitsandbytes' own."""
+    """kernel4.dequantize_4bit (the many-row path's weight) is bitsandbytes' own: bit for bit in
+    bf16 (the product of fp32 code value and fp32 absmax, rounded once); within one rounding in
+    fp16, which bitsandbytes' kernel computes differently (seen on an H200)."""
     _need_cuda()
     import bitsandbytes.functional as F
 
@@ -198,12 +200,17 @@ def test_triton_dequantize_writes_bitsandbytes_weights(shape, quant_type, blocks
     )
     for nbk in (1, 32, 128):
         got = k4.dequantize_4bit(flat, *stats, blocksize, quant_type, shape, dtype, nbk)
-        assert torch.equal(got, want), (shape, quant_type, blocksize, nested, dtype, nbk)
+        what = (shape, quant_type, blocksize, nested, dtype, nbk)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want), what
+        else:  # one fp16 rounding apart at most
+            ulp = want.float().abs().clamp_min(2.0**-14) * 2.0**-10
+            assert ((got.float() - want.float()).abs() <= ulp).all(), what
 
 
 def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_compile():
     """From DEQUANT_MIN_ROWS rows on, without autograd, QuantLinear4bit multiplies by the Triton
-    dequantize's weight (on by default); eager, compiled and CUDA-graphed alike, equal to
+    dequantize's weight once turned on; eager, compiled and CUDA-graphed alike, equal to
     bitsandbytes' path (taken with autograd on) within bf16 rounding; a 3-D input with strides
     that do not fold (one position per row) gives the same result."""
     _need_cuda()
@@ -220,7 +227,20 @@ def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_com
     heads = torch.randn(64, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     x = heads.transpose(1, 2).reshape(64, 1, 4096)  # as an attention output reaches o_proj
     y_bnb = m(x).detach()  # autograd on: bitsandbytes' path
-    assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+    with torch.no_grad():
+        assert not k4.DEQUANT_ENABLED and not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+        y_off = m(x)  # opt-in: bitsandbytes' path, the input flattened first
+    k4.DEQUANT_ENABLED = True
+    try:
+        _many_rows(m, x, qs, y_bnb, y_off)
+    finally:
+        k4.DEQUANT_ENABLED = False
+
+
+def _many_rows(m, x, qs, y_bnb, y_off):
+    import quantmesh.quant.kernel4 as k4
+
+    assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)  # autograd on
     with torch.no_grad():
         assert k4.dequant_kernel_applies(x, qs, torch.bfloat16)
         assert not k4.dequant_kernel_applies(x[:4], qs, torch.bfloat16)  # bitsandbytes' below 8
@@ -231,5 +251,6 @@ def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_com
     assert y.shape == (64, 1, 1000) and y.dtype == torch.bfloat16
     scale = y_bnb.float().norm()
     assert float((y.float() - y_bnb.float()).norm() / scale) < 4e-3
+    assert float((y_off.float() - y_bnb.float()).norm() / scale) < 4e-3
     for yc in ys:
         assert float((yc.float() - y.float()).norm() / scale) < 4e-3

@@ -373,6 +373,32 @@ def test_few_row_kernel_is_opt_in_and_cuda_only():
     assert k4.choose_config(1)["DOT"] == 0 and k4.choose_config(64)["DOT"] == 1
 
 
+def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
+    """kernel4's many-row dequantize: off by default, never on CPU or under autograd; and a 3-D
+    input whose strides do not fold into (rows, in) (one position per row, as an attention
+    output reaches o_proj) gives what its contiguous copy gives, row for row."""
+    from quantmesh.quant import kernel4 as k4
+
+    fmt = get_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(128, 32, bias=True, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(m, torch.randn(32, 128, generator=torch.Generator().manual_seed(0)))
+    qs = m.weight.quant_state
+    heads = torch.randn(16, 4, 1, 32, generator=torch.Generator().manual_seed(1))
+    x = heads.transpose(1, 2).reshape(16, 1, 128)  # strides (128, 32, 1): not a plain view
+    assert k4.DEQUANT_ENABLED is False
+    with torch.no_grad():
+        assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+        k4.DEQUANT_ENABLED = True
+        try:
+            assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)  # a CPU tensor
+        finally:
+            k4.DEQUANT_ENABLED = False
+        y = m(x)
+        assert y.shape == (16, 1, 32)
+        torch.testing.assert_close(y, m(x.contiguous()), rtol=0, atol=0)
+        torch.testing.assert_close(y[:, 0], m(x[:, 0].contiguous()), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_compute_units_equals_the_whole_weights_rows(key):
     # 4 experts of 16 rows (an (E*a, b) expert store): some of them, in the order asked
