@@ -64,19 +64,22 @@ def dequant_mm(x: torch.Tensor, packed: torch.Tensor, qs) -> torch.Tensor:
 
 def candidates(rows: int) -> list[dict]:
     """The tiles tried by --sweep at `rows` rows: the block kernel (`KERNEL="blocks"`: a 3-D tile
-    of whole 64-blocks, one absmax per block) and, for comparison, `choose_config`'s row-kernel
-    tile."""
+    of whole 64-blocks, one absmax per block). At 1 row, small programs (1 to 4 features, one or
+    two warps: many programs in flight, few registers; Nsight Compute found the 16-feature tiles
+    at 124 registers and 12% occupancy) beside the call-1 sweep's best tiles; at more rows, the
+    `tl.dot` path's best two of call 1 (for reference: 3-30x slower than dequantize + matmul)."""
     out: list[dict] = []
     blk = dict(KERNEL="blocks", num_warps=4, num_stages=3)
     if rows == 1:
-        for n, nb, s in itertools.product((8, 16, 32), (4, 8), (1, 4)):
-            out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=s, DOT=0, ROUND=0))
-        for n, nb, s in ((16, 4, 1), (16, 8, 4)):
-            out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=s, DOT=0, ROUND=1))
-        out.append(dict(blk, BLOCK_N=16, NB=4, SPLIT_K=1, DOT=0, ROUND=0, num_stages=1))
-    for n, nb, s in itertools.product((32, 64), (2, 4), (2, 8)):
-        out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=s, DOT=1))
+        for n, nb, w, st in itertools.product((1, 2, 4), (8, 16), (1, 2), (1, 3)):
+            out.append(dict(blk, BLOCK_N=n, NB=nb, SPLIT_K=1, DOT=0, ROUND=0, num_warps=w,
+                            num_stages=st))  # fmt: skip
+        out.append(dict(blk, BLOCK_N=16, NB=8, SPLIT_K=1, DOT=0, ROUND=0))
+        out.append(dict(blk, BLOCK_N=32, NB=4, SPLIT_K=4, DOT=0, ROUND=0))
+        out.append(dict(blk, BLOCK_N=2, NB=8, SPLIT_K=1, DOT=0, ROUND=1, num_warps=1))
+        return out
     out.append(dict(blk, BLOCK_N=128, NB=2, SPLIT_K=4, DOT=1, num_warps=8))
+    out.append(dict(blk, BLOCK_N=64, NB=2, SPLIT_K=2, DOT=1))
     return out
 
 
@@ -100,9 +103,9 @@ def ours_dq(r: dict, x: torch.Tensor, flat: torch.Tensor, stats: tuple, qs, pack
             F.dequantize_4bit(packed, qs),
         )
         r["ours_dequant_equal_bnb"] = bool(same)
-        for nbk in (8, 32, 128):
-            fn = partial(k4.dequantize_4bit, flat, *stats, 64, "nf4", shape, x.dtype, nbk)
-            r[f"ours_dequant_nbk{nbk}_us"] = round(bench_us(fn), 2)
+        for nbk, warps in ((32, 4), (128, 4), (128, 8), (256, 8), (512, 8)):
+            fn = partial(k4.dequantize_4bit, flat, *stats, 64, "nf4", shape, x.dtype, nbk, warps)
+            r[f"ours_dequant_nbk{nbk}_w{warps}_us"] = round(bench_us(fn), 2)
 
     def mm() -> torch.Tensor:
         return x @ k4.dequantize_4bit(flat, *stats, 64, "nf4", shape, x.dtype).t()

@@ -296,9 +296,10 @@ def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
                     nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                     offset: torch.Tensor | None, blocksize: int, quant_type: str,
-                    shape: tuple[int, int], dtype: torch.dtype, nbk: int = 128) -> torch.Tensor:  # fmt: skip
+                    shape: tuple[int, int], dtype: torch.dtype, nbk: int = 128,
+                    num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """The 4-bit weight (`shape`) in `dtype`, as bitsandbytes' `dequantize_4bit` writes it, by the
-    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program); for many rows,
+    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program, `num_warps` warps each); for many rows,
     dequantize + matmul. CUDA with Triton only.
 
     Example:
@@ -319,7 +320,7 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
     kernel[(triton.cdiv(n_blocks, nbk),)](
         packed, absmax, nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, packed.device), w, n_bytes,
-        BS=blocksize, NESTED=nested, BS2=256, NBK=nbk, num_warps=4,
+        BS=blocksize, NESTED=nested, BS2=256, NBK=nbk, num_warps=num_warps,
     )  # fmt: skip
     return w
 
