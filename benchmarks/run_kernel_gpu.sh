@@ -11,13 +11,16 @@
 #            each 4-bit kernel on the q_proj shape (benchmarks/nf4_kernel_probe.py), then the
 #            slot engine's 64-row step on 7b's layers (4 of them) profiled without CUDA graphs,
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
+#   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
+#            (QUANTMESH_TRITON_DEQUANT=1: its fp32 part failed once so) and once off, then the
+#            kernel tests with it on
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
 #            process (bench_decode.py --kernel), at batch 1 and at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, test or decode}
+STAGE=${1:?stage: sweep, probe, dequant, test or decode}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
 OUT=${OUT:-$ROOT/.bench/kernel-gpu}
@@ -50,11 +53,20 @@ case "$STAGE" in
     timeout 330 python3 benchmarks/slot_step_profile.py --shape 7b4 --batch 64 --cuda-graphs none \
       --steps 10 --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -5
     grep -A45 "Input Shapes" "$OUT"/slot_step_none_b64.txt | cut -c1-220 | head -50 ;;
+  dequant)
+    for on in 1 1 0; do
+      say "decode test, QUANTMESH_TRITON_DEQUANT=$on"
+      QUANTMESH_TRITON_DEQUANT=$on timeout 110 python3 -m pytest -q -m cuda \
+        tests/distributed/test_cuda_decode.py -k eager_step --tb=short 2>&1 \
+        | grep -E "Error|assert|passed|failed" | head -8
+    done
+    QUANTMESH_TRITON_DEQUANT=1 timeout 150 python3 -m pytest -q -m cuda \
+      tests/distributed/test_cuda_kernel4.py 2>&1 | tail -6 ;;
   decode)
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, test, decode)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, decode)" >&2; exit 2 ;;
 esac
 say done
