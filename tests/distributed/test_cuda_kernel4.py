@@ -227,14 +227,16 @@ def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_com
     heads = torch.randn(64, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     x = heads.transpose(1, 2).reshape(64, 1, 4096)  # as an attention output reaches o_proj
     y_bnb = m(x).detach()  # autograd on: bitsandbytes' path
-    with torch.no_grad():
-        assert not k4.DEQUANT_ENABLED and not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
-        y_off = m(x)  # opt-in: bitsandbytes' path, the input flattened first
-    k4.DEQUANT_ENABLED = True
+    saved = k4.DEQUANT_ENABLED  # off by default (QUANTMESH_TRITON_DEQUANT=1 turns it on)
     try:
+        k4.DEQUANT_ENABLED = False
+        with torch.no_grad():
+            assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+            y_off = m(x)  # bitsandbytes' path, the input flattened first
+        k4.DEQUANT_ENABLED = True
         _many_rows(m, x, qs, y_bnb, y_off)
     finally:
-        k4.DEQUANT_ENABLED = False
+        k4.DEQUANT_ENABLED = saved
 
 
 def _many_rows(m, x, qs, y_bnb, y_off):
