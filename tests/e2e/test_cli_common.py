@@ -3,11 +3,19 @@
 The model is shaped like SmolLM2 where it matters for tensor parallelism (9 heads, 3 KV heads, tied
 embeddings) but tiny (hidden 72, 2 layers), with a word-level tokenizer built offline over a few
 sentences and a ChatML chat template.
+
+`cli()` starts the launching `quantmesh` process forked from the suite's fork server (torch,
+transformers, bitsandbytes and peft already imported: quantmesh.testing.PRELOAD), in its own
+session, working folder, environment, stdout and stderr; it runs what the console script runs
+(`main(argv)`, ended by `runner.exit_fast`) and launches its workers through torchrun as a user's
+would, each a fresh interpreter. `cli(..., fresh=True)` starts a fresh interpreter for the launching
+process too: the tests of what a user sees at a command's start (its exit code and message) use it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +35,68 @@ CORPUS = (
 
 
 def cli(
-    *args: str, timeout: float = 170, env: dict | None = None, cwd: Path = REPO
+    *args: str, timeout: float = 170, env: dict | None = None, cwd: Path = REPO, fresh: bool = False
 ) -> subprocess.CompletedProcess:
     """Run `quantmesh ARGS` (from the repository root by default) as a user would; never longer
-    than `timeout` seconds."""
+    than `timeout` seconds (then subprocess.TimeoutExpired, as subprocess.run raises).
+
+    The launching process is forked from the suite's fork server (its imports done once per
+    worker, seconds of CPU per command), or with `fresh=True` a new interpreter
+    (`python -m quantmesh.cli.main`)."""
     full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         full.pop(k, None)  # the CLI launches its own workers: nothing from outside may leak in
-    return subprocess.run(
-        [*CLI, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
-    )
+    if fresh:
+        return subprocess.run(
+            [*CLI, *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
+        )
+    return _forked_cli(list(args), timeout, full, cwd)
+
+
+def _forked_cli(
+    argv: list[str], timeout: float, env: dict[str, str], cwd: Path
+) -> subprocess.CompletedProcess:
+    import tempfile
+
+    from quantmesh import testing
+
+    ctx = testing._context()
+    with tempfile.TemporaryDirectory(prefix="quantmesh-cli-") as d:
+        out, err = Path(d, "stdout"), Path(d, "stderr")
+        proc = ctx.Process(target=_cli_child, args=(argv, str(cwd), env, str(out), str(err)))
+        proc.start()
+        proc.join(timeout)
+        timed_out = proc.exitcode is None
+        if timed_out:  # SIGTERM first: torchrun's agent stops the workers it started
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.join(15)
+            if proc.exitcode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.join()
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if timed_out:
+        raise subprocess.TimeoutExpired([*CLI, *argv], timeout, stdout, stderr)
+    return subprocess.CompletedProcess([*CLI, *argv], proc.exitcode, stdout, stderr)
+
+
+def _cli_child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """The launching process: what `python -m quantmesh.cli.main ARGV` runs, in a new session."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.argv = [CLI[-1], *argv]
+
+    from quantmesh.cli.main import main
+    from quantmesh.cli.runner import exit_fast
+
+    exit_fast(lambda: main(argv))
 
 
 def refused(argv: list[str], capsys, monkeypatch) -> str:

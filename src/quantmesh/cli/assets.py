@@ -154,7 +154,7 @@ def _convert_gguf(gguf: Path, out: Path, *, progress: bool) -> dict:
 
     Returns facts for the marker file (architecture, layers, chat template present or not).
     """
-    with _hub_offline(), _progress_bars(progress):
+    with _hub_offline(), _progress_bars(progress), _gguf_parsed_once():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -400,6 +400,41 @@ def _hub_offline() -> Iterator[None]:
             env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
             was = (env or "").upper() in {"1", "ON", "YES", "TRUE"}
             constants.HF_HUB_OFFLINE = old_const if old_const is not None else was
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, each GGUF file is parsed once and each tensor-name map built once.
+
+    transformers reads a Llama GGUF three times (the tokenizer's config, the model's config, the
+    weights), each time with a new `gguf.GGUFReader` that parses every metadata field again (the
+    49k-token vocabulary and its merges: seconds each), and while mapping tensor names it builds
+    `gguf.get_tensor_name_map(arch, layers)` anew for every submodule of the model (hundreds of
+    times, the same map). Both are pure functions of their arguments over a file that is only
+    read, so the block hands back the first result: the same conversion, a third of the parsing.
+    Both are looked up in the `gguf` module at each call, which is where they are swapped.
+    """
+    import functools
+
+    import gguf as gguf_module
+
+    gguf: Any = gguf_module  # its functions are swapped below: not checked as types
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: Any = "r") -> Any:
+        key = (os.path.realpath(path), str(mode))
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+        readers.clear()
 
 
 @contextlib.contextmanager

@@ -56,9 +56,10 @@ ENABLED = False
 # twice as fast) + one matmul. Below it, bitsandbytes' own kernels win (its 1-row kernel; 2 and 4
 # rows: docs/benchmarks.md, "Figures the code relies on").
 DEQUANT_MIN_ROWS = 8
-# Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): faster, but with it on
-# the CUDA decode test of an fp32 model failed once (two eager decodes disagreed), and the cause is
-# not yet found (docs/benchmarks.md, "Many rows"); off, bitsandbytes' path at every row count.
+# Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): faster, but with it
+# on the CUDA decode test of an fp32 model failed in two runs (two eager decodes disagreed), and
+# the cause is not yet found (docs/benchmarks.md, "Many rows"); off, bitsandbytes' path at every
+# row count.
 DEQUANT_ENABLED = os.environ.get("QUANTMESH_TRITON_DEQUANT", "0") == "1"
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
