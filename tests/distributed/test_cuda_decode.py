@@ -2,7 +2,10 @@
 nf4 base + LoRA (non-zero adapters), bf16.
 
 Teacher-forced: the eager and the compiled step are fed the same tokens (the eager loop's own), so
-one near-tie cannot make the two runs drift apart and hide or fake a difference. "Within bf16
+one near-tie cannot make the two runs drift apart and hide or fake a difference. They run with the
+sibling adapters stacked, as the loop's steps do, so that the eager teacher-forced step is the
+loop's step to the last bit (each adapter on its own sums in another order: with random weights'
+near-ties, enough to pick another token). "Within bf16
 rounding" is measured, not assumed: the same architecture unquantized, run eagerly in bf16 and in
 fp32 on the same tokens, gives the size of bf16's own error over these layers (3-6% of the logits'
 norm on CPU); the compiled step must stay within 1.5x of it. Then the whole compiled greedy_decode
@@ -34,7 +37,12 @@ NEW = 96
 
 
 def _teacher_forced(model, ids, tokens, compile_mode):
-    """(eager logits, compiled logits) of every step fed `tokens`, one static cache each."""
+    """(eager logits, compiled logits) of every step fed `tokens`, one static cache each. The
+    steps run with the sibling adapters stacked, as the greedy loop's steps do (`fast_decode`):
+    the stacked adapters sum in another order than each adapter on its own, so without them the
+    teacher-forced steps would not be the loop's steps to the last bit. The stacks are the ones
+    the last prefill built (each prefill's stacking replaces the model's earlier stacks), shared
+    by both decoders' steps."""
     from quantmesh.infer.decode import _Decoder
 
     eager = _Decoder(model, 1, 256, compile=False, mode=None)
@@ -43,12 +51,26 @@ def _teacher_forced(model, ids, tokens, compile_mode):
     le, lc = [], []
     with torch.no_grad():
         eager.prefill(ids)
-        comp.prefill(ids)
-        for i in range(tokens.shape[1] - 1):
-            tok = tokens[:, i : i + 1]
-            le.append(eager.logits(tok).float().cpu())
-            lc.append(step(tok).float().clone().cpu())
+        comp.prefill(ids)  # the model's stacks from here on: comp's
+        comp.stacked(True)
+        try:
+            for i in range(tokens.shape[1] - 1):
+                tok = tokens[:, i : i + 1]
+                le.append(eager.logits(tok).float().cpu())
+                lc.append(step(tok).float().clone().cpu())
+        finally:
+            comp.stacked(False)
     return torch.cat(le), torch.cat(lc)  # (steps, vocab) each
+
+
+def _first_mismatch(logits: torch.Tensor, tokens: torch.Tensor) -> str:
+    """Where the logits' argmax first differs from `tokens`, and that step's top-2 gap."""
+    bad = (logits.argmax(1) != tokens).nonzero()
+    if not len(bad):
+        return "none"
+    i = int(bad[0, 0])
+    top2 = logits[i].topk(2).values
+    return f"step {i} of {len(tokens)}, top-2 gap {float(top2[0] - top2[1]):.3g}"
 
 
 def _decode(rank: int) -> dict:
@@ -115,7 +137,10 @@ def test_compiled_decode_step_is_the_eager_step_on_nf4_lora():
     for name in ("bf16", "fp32"):
         r = out[name]
         # the teacher-forced eager logits' argmax are the eager loop's own tokens (positions 1..)
-        assert (r["eager_logits"].argmax(1) == r["eager_tokens"][1:]).all(), name
+        assert (r["eager_logits"].argmax(1) == r["eager_tokens"][1:]).all(), (
+            name,
+            _first_mismatch(r["eager_logits"], r["eager_tokens"][1:]),
+        )
         upto, _ = _until_first_tie(r)
         assert (r["compiled_tokens"][:upto] == r["eager_tokens"][:upto]).all(), (name, upto)
     # bf16: the compiled step within bf16's own error (measured on the same layers and tokens)
