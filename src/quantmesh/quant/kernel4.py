@@ -22,7 +22,14 @@ is recording, the compute dtype is bf16 or fp16 and the input has at most `MAX_R
 (`rows_kernel_applies`); everything else (CPU, training, longer inputs) keeps bitsandbytes' path.
 It is one torch custom op, `quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA
 graphs) traces it without a graph break. Tiles per row count: `choose_config`, the fastest of
-those timed (docs/benchmarks.md, "Figures the code relies on").
+those timed (docs/benchmarks.md, "Figures the code relies on"). The block kernel
+(`_triton4.blocks_4bit`: whole 64-blocks, one absmax per block) is timed beside it by the
+benchmarks (`_launch` with `KERNEL="blocks"`), not used by the library.
+
+Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
+bit for bit), about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`),
+inputs of `DEQUANT_MIN_ROWS` rows or more without autograd on CUDA are multiplied by it
+(`matmul_4bit_dequant`, the custom op `quantmesh::dequantize_4bit` + one matmul).
 """
 
 from __future__ import annotations
@@ -300,8 +307,8 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
                     shape: tuple[int, int], dtype: torch.dtype, nbk: int = 128,
                     num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """The 4-bit weight (`shape`) in `dtype`, as bitsandbytes' `dequantize_4bit` writes it, by the
-    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program, `num_warps` warps each); for many rows,
-    dequantize + matmul. CUDA with Triton only.
+    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program, `num_warps` warps each);
+    for many rows, dequantize + matmul. CUDA with Triton only (or Triton's interpreter).
 
     Example:
         >>> w = dequantize_4bit(flat, qs.absmax, None, None, None, 64, "nf4", (4096, 4096),
