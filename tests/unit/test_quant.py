@@ -401,6 +401,21 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
         torch.testing.assert_close(y[:, 0], m(x[:, 0].contiguous()), rtol=0, atol=0)
 
 
+def test_dequant_switch_refuses_a_value_it_does_not_know():
+    """QUANTMESH_TRITON_DEQUANT takes 1 or 0 (or nothing): another value is refused, by name, when
+    the module loads, instead of being read as off."""
+    from quantmesh.quant import kernel4 as k4
+
+    for value, want in (("1", True), ("0", False), ("", False)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("QUANTMESH_TRITON_DEQUANT", value)
+            assert k4._env_switch("QUANTMESH_TRITON_DEQUANT") is want
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QUANTMESH_TRITON_DEQUANT", "yes")
+        with pytest.raises(QuantError, match=r"QUANTMESH_TRITON_DEQUANT='yes'; expected 1 \(on\)"):
+            k4._env_switch("QUANTMESH_TRITON_DEQUANT")
+
+
 @pytest.mark.parametrize("key", list(CONFIGS))
 def test_compute_units_equals_the_whole_weights_rows(key):
     # 4 experts of 16 rows (an (E*a, b) expert store): some of them, in the order asked

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ..config import QuantError
+
 __all__ = [
     "DEQUANT_ENABLED",
     "DEQUANT_MIN_ROWS",
@@ -67,7 +69,17 @@ DEQUANT_MIN_ROWS = 8
 # on the CUDA decode test of an fp32 model failed in two runs (two eager decodes disagreed), and
 # the cause is not yet found (docs/benchmarks.md, "Many rows"); off, bitsandbytes' path at every
 # row count.
-DEQUANT_ENABLED = os.environ.get("QUANTMESH_TRITON_DEQUANT", "0") == "1"
+
+
+def _env_switch(name: str) -> bool:
+    """An on/off environment variable: unset, "" or "0" off, "1" on; anything else refused."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise QuantError(f"{name}={value!r}; expected 1 (on) or 0 (off)")
+    return value == "1"
+
+
+DEQUANT_ENABLED = _env_switch("QUANTMESH_TRITON_DEQUANT")
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
 
