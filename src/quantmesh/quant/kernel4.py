@@ -105,19 +105,35 @@ def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) ->
         >>> rows_kernel_applies(torch.ones(1, 64), qs, torch.bfloat16)  # CPU: no  # doctest: +SKIP
         False
     """
-    if not ENABLED or x.device.type != "cuda" or torch.is_grad_enabled():
-        return False
-    if compute_dtype not in (torch.bfloat16, torch.float16):
-        return False
+    rows = _rows_kernels_take(x, qs, compute_dtype) if ENABLED else 0
+    return 1 <= rows <= MAX_ROWS and int(qs.shape[1]) % 2 == 0
+
+
+def _rows_kernels_take(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> int:
+    """The rows of `x` when quantmesh's Triton kernels can compute x @ W^T for `qs` (CUDA with
+    Triton, no autograd recording, bf16/fp16 compute, nf4/fp4 codes indexed in int32, nested
+    statistics in blocks of 256), else 0. The row kernel and the dequantize each add their own
+    bounds."""
+    if x.device.type != "cuda" or torch.is_grad_enabled() or not _HAS_TRITON:
+        return 0
+    if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
+        return 0
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
-    rows = x.numel() // max(in_f, 1)
-    if x.shape[-1] != in_f or rows < 1 or rows > MAX_ROWS or in_f % 2:
-        return False
-    if out_f * in_f >= _INT32_LIMIT or qs.quant_type not in ("nf4", "fp4"):
-        return False
+    if x.shape[-1] != in_f or out_f * in_f >= _INT32_LIMIT:
+        return 0
     if qs.nested and int(qs.state2.blocksize) != 256:
-        return False
-    return _HAS_TRITON
+        return 0
+    return x.numel() // max(in_f, 1)
+
+
+def _statistics(qs: Any, device: torch.device) -> tuple[Any, ...]:
+    """(absmax, nested absmax, nested code, offset) of the QuantState `qs` as the kernels take
+    them: the last three None without double quant; the offset an fp32 tensor on `device`."""
+    if not qs.nested:
+        return qs.absmax, None, None, None
+    s2 = qs.state2
+    offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(qs.offset)
+    return qs.absmax, s2.absmax, s2.code, offset.to(device, torch.float32)
 
 
 def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
@@ -128,16 +144,9 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
         >>> y = matmul_4bit_rows(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
-    x2 = x.reshape(-1, in_f)
     flat = packed.reshape(-1).view(torch.uint8)
-    if qs.nested:
-        s2 = qs.state2
-        offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(qs.offset)
-        y = _rows_op(x2, flat, qs.absmax, s2.absmax, s2.code, offset.to(x.device, torch.float32),
-                     int(qs.blocksize), str(qs.quant_type), out_f)  # fmt: skip
-    else:
-        y = _rows_op(x2, flat, qs.absmax, None, None, None, int(qs.blocksize),
-                     str(qs.quant_type), out_f)  # fmt: skip
+    y = _rows_op(x.reshape(-1, in_f), flat, *_statistics(qs, x.device), int(qs.blocksize),
+                 str(qs.quant_type), out_f)  # fmt: skip
     return y.reshape(*x.shape[:-1], out_f)
 
 
@@ -151,18 +160,8 @@ def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype)
         >>> dequant_kernel_applies(torch.ones(64, 4096), qs, torch.bfloat16)  # CPU  # doctest: +SKIP
         False
     """
-    if not DEQUANT_ENABLED or x.device.type != "cuda" or torch.is_grad_enabled():
-        return False
-    if not _HAS_TRITON:
-        return False
-    if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
-        return False
-    in_f = int(qs.shape[1])
-    if x.shape[-1] != in_f or x.numel() // max(in_f, 1) < DEQUANT_MIN_ROWS:
-        return False
-    if int(qs.shape[0]) * in_f >= _INT32_LIMIT:
-        return False
-    return not (qs.nested and int(qs.state2.blocksize) != 256)
+    rows = _rows_kernels_take(x, qs, compute_dtype) if DEQUANT_ENABLED else 0
+    return rows >= DEQUANT_MIN_ROWS
 
 
 def matmul_4bit_dequant(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
@@ -175,14 +174,8 @@ def matmul_4bit_dequant(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch
     """
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
     flat = packed.reshape(-1).view(torch.uint8)
-    if qs.nested:
-        s2 = qs.state2
-        offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(qs.offset)
-        w = _dequant_op(flat, qs.absmax, s2.absmax, s2.code, offset.to(x.device, torch.float32),
-                        int(qs.blocksize), str(qs.quant_type), out_f, in_f, x.dtype)  # fmt: skip
-    else:
-        w = _dequant_op(flat, qs.absmax, None, None, None, int(qs.blocksize), str(qs.quant_type),
-                        out_f, in_f, x.dtype)  # fmt: skip
+    w = _dequant_op(flat, *_statistics(qs, x.device), int(qs.blocksize), str(qs.quant_type),
+                    out_f, in_f, x.dtype)  # fmt: skip
     return (x.reshape(-1, in_f) @ w.t()).reshape(*x.shape[:-1], out_f)
 
 
