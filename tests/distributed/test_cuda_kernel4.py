@@ -133,9 +133,8 @@ def test_tp_shards_cut_from_a_quantized_weight(nested):
             _check(y, x, part_codes, part, torch.bfloat16, (dim, ranges, rows, part.nested))
 
 
-def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compiles():
-    _need_cuda()
-    import quantmesh.quant.kernel4 as k4
+def _nf4_linear():
+    """A QuantLinear4bit (4096 -> 1000, nf4, bf16) with a random weight and bias, on the GPU."""
     from quantmesh.quant.base import QuantConfig
     from quantmesh.quant.bnb import bnb_format
 
@@ -144,6 +143,14 @@ def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compile
     fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
     with torch.no_grad():
         m.bias.normal_()
+    return m
+
+
+def test_quant_linear_takes_the_kernel_when_enabled_without_autograd_and_compiles():
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+
+    m = _nf4_linear()
     qs = m.weight.quant_state
     x = torch.randn(2, 3, 4096, device="cuda", dtype=torch.bfloat16)  # 6 rows
     with torch.no_grad():
@@ -215,14 +222,8 @@ def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_com
     that do not fold (one position per row) gives the same result."""
     _need_cuda()
     import quantmesh.quant.kernel4 as k4
-    from quantmesh.quant.base import QuantConfig
-    from quantmesh.quant.bnb import bnb_format
 
-    fmt = bnb_format(QuantConfig(format="nf4"))
-    m = fmt.new_linear(4096, 1000, bias=True, device="cuda", dtype=torch.bfloat16)
-    fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
-    with torch.no_grad():
-        m.bias.normal_()
+    m = _nf4_linear()
     qs = m.weight.quant_state
     heads = torch.randn(64, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     x = heads.transpose(1, 2).reshape(64, 1, 4096)  # as an attention output reaches o_proj
