@@ -21,21 +21,8 @@
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
 STAGE=${1:?stage: sweep, probe, dequant, test or decode}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 2
-OUT=${OUT:-$ROOT/.bench/kernel-gpu}
-mkdir -p "$OUT"
-T0=$(date +%s)
-say() { echo "[$(($(date +%s) - T0))s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/qm-site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/qm-site:$ROOT/src
-else
-  export PYTHONPATH=$ROOT/src
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
   sweep)
     timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \

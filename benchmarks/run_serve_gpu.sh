@@ -19,21 +19,8 @@
 set -u
 STAGE=${1:?stage: serve, profile, peers or test}
 GRAPHS=${2:-captured}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 2
-OUT=${OUT:-$ROOT/.bench/serve-gpu}
-mkdir -p "$OUT"
-T0=$(date +%s)
-say() { echo "[$(($(date +%s) - T0))s] $*"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/qm-site .whl/*.whl .whl/extra/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/qm-site:$ROOT/src
-else
-  export PYTHONPATH=$ROOT/src
-fi
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+# shellcheck source=benchmarks/gpu_env.sh
+source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
 case "$STAGE" in
   serve)
     # the yardstick first: the server's start (six to seven minutes for 7B) takes the rest
