@@ -306,6 +306,45 @@ def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
 
 
+def _launch_gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+                 cfg: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+    """x (M, in) @ W^T by the fused kernel (`_triton4.gemm_4bit`): the weight dequantized tile by
+    tile in registers and multiplied by `tl.dot`, never written out; `in` a multiple of
+    `blocksize`. cfg: BLOCK_M rows (at least 16) and BLOCK_N features a program, NB blocks a
+    step, SPLIT_K shares of K (fp32 partial sums added after), JOIN (one dot over joined nibbles,
+    else two over x's even and odd inputs), num_warps, num_stages."""
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes
+    triton, _ = _triton()
+    from ._triton4 import gemm_4bit as kernel
+
+    x = x.contiguous()
+    rows, in_f = x.shape
+    nested = nested_absmax is not None
+    nblk = in_f // blocksize
+    per_step = cfg["NB"]
+    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(nblk, per_step)))
+    steps = triton.cdiv(triton.cdiv(nblk, per_step), split)  # steps of NB blocks per program
+    bm = cfg["BLOCK_M"]
+    y = torch.empty(
+        (split, rows, out_f), dtype=torch.float32 if split > 1 else x.dtype, device=x.device
+    )
+    dummy = absmax
+    grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), split, triton.cdiv(rows, bm))
+    kernel[grid](
+        x, packed, absmax,
+        nested_absmax if nested else dummy, nested_code if nested else dummy,
+        offset if nested else dummy, _code_values(quant_type, x.device), y,
+        rows, out_f, nblk, in_f // 2, x.stride(0), steps,
+        BS=blocksize, NESTED=nested, BS2=256, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], NB=per_step,
+        JOIN=cfg.get("JOIN", 1), num_stages=cfg.get("num_stages", 2), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return y[0] if split == 1 else y.sum(0).to(x.dtype)
+
+
 def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
                     nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                     offset: torch.Tensor | None, blocksize: int, quant_type: str,
@@ -334,6 +373,7 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
         packed, absmax, nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, packed.device), w, n_bytes,
         BS=blocksize, NESTED=nested, BS2=256, NBK=nbk, num_warps=num_warps,
+        enable_fp_fusion=False,  # the nested absmax as bitsandbytes makes it: x * y, then + offset
     )  # fmt: skip
     return w
 
