@@ -11,12 +11,6 @@ For each 7B shape (out, in) = 4096x4096, 11008x4096, 4096x11008 and each row cou
 nf4 with double quant, bf16 compute, random weights. bytes = the packed codes + statistics; GB/s =
 bytes / time. Usage: python benchmarks/nf4_rows_bench.py --out DIR [--sweep] [--smoke]
 Writes DIR/nf4_rows.json.
-
---gemm instead times the fused kernel (`kernel4._launch_gemm`: the weight dequantized tile by
-tile in registers, then `tl.dot`) at 8, 16, 32 and 64 rows against bitsandbytes' matmul_4bit and
-our dequantize + matmul: every candidate tile (`gemm_candidates`) on the first shape, the best
-four of each row count on the others; each checked against dequantize + matmul in fp64. Writes
-DIR/nf4_gemm.json.
 """
 
 from __future__ import annotations
@@ -89,85 +83,6 @@ def candidates(rows: int) -> list[dict]:
     return out
 
 
-GEMM_ROWS = (8, 16, 32, 64)
-
-
-def gemm_candidates(rows: int, out_f: int) -> list[dict]:
-    """The fused kernel's tiles tried at `rows` rows: BLOCK_N features and NB 64-blocks a step,
-    the nibbles joined into one `tl.dot` or two dots over the even and odd inputs, 2 or 3
-    pipeline stages; SPLIT_K chosen so that about two programs run per multiprocessor (132 on
-    an H200)."""
-    bm = max(16, 1 << (rows - 1).bit_length())
-    out = []
-    for bn, nb, join, st in itertools.product((32, 64, 128), (1, 2), (1, 0), (2, 3)):
-        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, NB=nb, SPLIT_K=gemm_split(out_f, bn), JOIN=join,
-                        num_warps=4, num_stages=st))  # fmt: skip
-    return out
-
-
-def gemm_split(out_f: int, block_n: int) -> int:
-    """Shares of K so that about two programs run per multiprocessor (132 on an H200)."""
-    return max(1, min(8, -(-264 // -(-out_f // block_n))))
-
-
-def gemm_sweep(a, shapes) -> int:
-    """--gemm: the fused kernel's tiles against bitsandbytes and dequantize + matmul."""
-    import bitsandbytes as bnb
-    import bitsandbytes.functional as F
-
-    from quantmesh.quant import kernel4 as k4
-
-    R: dict = {"bench": "nf4_gemm", "ok": False, "versions": qb.versions(), "results": []}
-    path = os.path.join(a.out, "nf4_gemm.json")
-    t_start = time.time()
-    best_of: dict[int, list[dict]] = {}
-    with qb.record_errors(R), torch.no_grad():
-        torch.manual_seed(0)
-        for i, (out_f, in_f) in enumerate(shapes):
-            w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
-            packed, qs = F.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
-            flat = packed.reshape(-1).view(torch.uint8)
-            stats = (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float())
-            shape = (out_f, in_f)
-            for rows in GEMM_ROWS if not a.smoke else (4,):
-                x = torch.randn(rows, in_f, device="cuda", dtype=torch.bfloat16)
-                r: dict = {"out": out_f, "in": in_f, "rows": rows}
-                r["bnb_us"] = round(bench_us(partial(bnb.matmul_4bit, x, packed.t(), qs)), 2)
-
-                def dq_mm(x=x, stats=stats, flat=flat, shape=shape) -> torch.Tensor:
-                    return x @ k4.dequantize_4bit(flat, *stats, 64, "nf4", shape, x.dtype).t()
-
-                r["ours_dequant_mm_us"] = round(bench_us(dq_mm), 2)
-                ref = x.double() @ F.dequantize_4bit(packed, qs).double().t()
-                cands = gemm_candidates(rows, out_f) if i == 0 else best_of.get(rows, [])
-                r["sweep"] = []
-                for cfg in cands:
-                    if time.time() - t_start > a.budget_s:
-                        r["sweep_cut"] = f"the {a.budget_s} s budget ran out"
-                        break
-                    cfg = dict(cfg, SPLIT_K=gemm_split(out_f, cfg["BLOCK_N"]))
-                    fn = partial(k4._launch_gemm, x, flat, *stats, 64, "nf4", out_f, cfg)
-                    try:
-                        err = rel_err(fn(), ref)
-                        us = bench_us(fn, 100)
-                    except Exception as e:  # a tile the compiler refuses: skipped, counted
-                        r.setdefault("sweep_errors", []).append(f"{cfg}: {e}"[:160])
-                        continue
-                    r["sweep"].append({"cfg": cfg, "us": round(us, 2), "rel_err": err})
-                ok = sorted((c for c in r["sweep"] if c["rel_err"] < 2e-2), key=lambda c: c["us"])
-                if ok:
-                    r["gemm_best_us"], r["gemm_best_cfg"] = ok[0]["us"], ok[0]["cfg"]
-                if i == 0:
-                    best_of[rows] = [c["cfg"] for c in ok[:4]]
-                R["results"].append(r)
-                qb.log(json.dumps({k: v for k, v in r.items() if k != "sweep"}))
-                qb.write_json(path, R)
-        R["ok"] = True
-    R["wall_s"] = round(time.time() - t_start, 1)
-    qb.write_json(path, R)
-    return 0 if R["ok"] else 1
-
-
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """||y - ref|| / ||ref|| in fp64."""
     return float((y.double() - ref).norm() / ref.norm())
@@ -222,10 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time every candidate tile")
     p.add_argument("--smoke", action="store_true", help="one small shape, rows 1 and 4, no peers")
     p.add_argument("--budget-s", type=float, default=420.0, help="the sweep stops after this")
-    p.add_argument("--gemm", action="store_true", help="the fused kernel's tiles (see above)")
     a = p.parse_args(argv)
-    if a.gemm:
-        return gemm_sweep(a, SHAPES if not a.smoke else [(256, 512)])
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 

@@ -12,25 +12,19 @@
 #            slot engine's 64-row step on 7b's layers (4 of them) profiled without CUDA graphs,
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
 #   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
-#            (QUANTMESH_TRITON_DEQUANT=1: its fp32 part failed once so) and once off, then the
-#            kernel tests with it on
-#   gemm     benchmarks/nf4_rows_bench.py --gemm: the fused kernel's tiles (dequantized in
-#            registers, tl.dot) at 8..64 rows against bitsandbytes and dequantize + matmul
+#            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
 #            process (bench_decode.py --kernel), at batch 1 and at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, gemm, probe, dequant, test or decode}
+STAGE=${1:?stage: sweep, probe, dequant, test or decode}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
   sweep)
     timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -40 ;;
-  gemm)
-    timeout 560 python3 benchmarks/nf4_rows_bench.py --gemm --budget-s 470 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -40 ;;
   test)
     timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py 2>&1 | tail -15
@@ -59,6 +53,6 @@ case "$STAGE" in
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
-  *) echo "unknown stage: $STAGE (sweep, gemm, probe, dequant, test, decode)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, decode)" >&2; exit 2 ;;
 esac
 say done

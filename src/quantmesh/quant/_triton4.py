@@ -9,7 +9,7 @@ of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1 it writes fp32 partial sums (y
 import triton
 import triton.language as tl
 
-__all__ = ["blocks_4bit", "dequant_4bit", "gemm_4bit", "rows_4bit"]
+__all__ = ["blocks_4bit", "dequant_4bit", "rows_4bit"]
 
 
 @triton.jit
@@ -184,60 +184,3 @@ def dequant_4bit(q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, w_ptr, n_b
     w = tl.reshape(tl.join(hi, lo), (NBK, BS)).to(w_ptr.dtype.element_ty)
     ro = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     tl.store(w_ptr + ro, w, mask=ro < 2 * n_bytes)
-
-
-@triton.jit
-def gemm_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr,
-              M, N, NBLK, KH, stride_xm, steps,
-              BS: tl.constexpr, NESTED: tl.constexpr, BS2: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, NB: tl.constexpr, JOIN: tl.constexpr):  # fmt: skip
-    # x (M, K) @ W^T for K = NBLK * BS: the weight dequantized tile by tile in registers, never
-    # written out. One program: BLOCK_M rows (axis 2), BLOCK_N features (axis 0), `steps` steps
-    # of NB whole blocks from block pid_k * steps * NB on (axis 1); fp32 partial sums per pid_k
-    # (y: SPLIT, M, N) or, with one share of K, the result in y's dtype. Each step reads a
-    # (BLOCK_N, NB, BS / 2) tile of bytes and one absmax per block, and makes the weights as
-    # dequantize_4bit writes them (the fp32 code value x absmax, rounded to x's dtype once).
-    # JOIN: the two nibbles of each byte joined into a (BLOCK_N, NB * BS) tile and one tl.dot
-    # with x's contiguous (BLOCK_M, NB * BS) tile; else two tl.dot, the high nibbles with x's
-    # even inputs and the low ones with its odd inputs.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    HB: tl.constexpr = BS // 2
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = rm < M
-    rb = tl.arange(0, NB)
-    rj = tl.arange(0, HB)
-    off = 0.0
-    if NESTED:
-        off = tl.load(off_ptr)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_first = pid_k * steps * NB
-    for step in range(0, steps):
-        blk = b_first + step * NB + rb  # (NB,) this step's blocks of a row
-        b_mask = blk < NBLK
-        nb_mask = n_mask[:, None] & b_mask[None, :]  # (BLOCK_N, NB)
-        q_at = q_ptr + rn[:, None, None] * KH + (blk * HB)[None, :, None] + rj[None, None, :]
-        q = tl.load(q_at, mask=nb_mask[:, :, None], other=0).to(tl.int32)
-        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, rn[:, None] * NBLK + blk[None, :],
-                      nb_mask, NESTED, BS2)[:, :, None]  # fmt: skip
-        hi = (tl.load(lut_ptr + (q >> 4)) * a).to(x_ptr.dtype.element_ty)
-        lo = (tl.load(lut_ptr + (q & 15)) * a).to(x_ptr.dtype.element_ty)
-        if JOIN:
-            w = tl.reshape(tl.join(hi, lo), (BLOCK_N, NB * BS))
-            k_in = tl.reshape(blk[:, None] * BS + tl.arange(0, BS)[None, :], (NB * BS,))
-            x_mask = m_mask[:, None] & (k_in < NBLK * BS)[None, :]
-            xt = tl.load(x_ptr + rm[:, None] * stride_xm + k_in[None, :], mask=x_mask, other=0.0)
-            acc = tl.dot(xt, tl.trans(w), acc)
-        else:
-            ke = tl.reshape(blk[:, None] * BS + 2 * rj[None, :], (NB * HB,))  # the even inputs
-            x_mask = m_mask[:, None] & (ke < NBLK * BS)[None, :]
-            x_at = x_ptr + rm[:, None] * stride_xm + ke[None, :]
-            xe = tl.load(x_at, mask=x_mask, other=0.0)
-            xo = tl.load(x_at + 1, mask=x_mask, other=0.0)
-            acc = tl.dot(xe, tl.trans(tl.reshape(hi, (BLOCK_N, NB * HB))), acc)
-            acc = tl.dot(xo, tl.trans(tl.reshape(lo, (BLOCK_N, NB * HB))), acc)
-    y_at = y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(y_at, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])

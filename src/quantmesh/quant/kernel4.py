@@ -65,10 +65,11 @@ ENABLED = False
 # twice as fast) + one matmul. Below it, bitsandbytes' own kernels win (its 1-row kernel; 2 and 4
 # rows: docs/benchmarks.md, "Figures the code relies on").
 DEQUANT_MIN_ROWS = 8
-# Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): faster, but with it
-# on the CUDA decode test of an fp32 model failed in two runs (two eager decodes disagreed), and
-# the cause is not yet found (docs/benchmarks.md, "Many rows"); off, bitsandbytes' path at every
-# row count.
+# Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): 1.5x faster on the GPU
+# per call, but Triton's launcher costs more host time per call than bitsandbytes' op, and a
+# step that is not replayed from a CUDA graph pays it on every linear (the 64-row step of 4 7B
+# layers: 8.5 -> 15.4 ms of host time); the server with it on is not yet measured
+# (docs/benchmarks.md, "Many rows"). Off: bitsandbytes' path at every row count.
 
 
 def _env_switch(name: str) -> bool:
@@ -302,45 +303,6 @@ def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         BS=blocksize, NESTED=nested, BS2=256, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], NB=per_step,
         DOT=cfg["DOT"], ROUND=cfg.get("ROUND", 1), num_stages=cfg.get("num_stages", 2),
         num_warps=cfg["num_warps"],
-    )  # fmt: skip
-    return y[0] if split == 1 else y.sum(0).to(x.dtype)
-
-
-def _launch_gemm(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
-                 cfg: dict[str, Any]) -> torch.Tensor:  # fmt: skip
-    """x (M, in) @ W^T by the fused kernel (`_triton4.gemm_4bit`): the weight dequantized tile by
-    tile in registers and multiplied by `tl.dot`, never written out; `in` a multiple of
-    `blocksize`. cfg: BLOCK_M rows (at least 16) and BLOCK_N features a program, NB blocks a
-    step, SPLIT_K shares of K (fp32 partial sums added after), JOIN (one dot over joined nibbles,
-    else two over x's even and odd inputs), num_warps, num_stages."""
-    from .bnb import _bnb
-
-    _bnb()  # registers torch.ops.bitsandbytes
-    triton, _ = _triton()
-    from ._triton4 import gemm_4bit as kernel
-
-    x = x.contiguous()
-    rows, in_f = x.shape
-    nested = nested_absmax is not None
-    nblk = in_f // blocksize
-    per_step = cfg["NB"]
-    split = max(1, min(cfg["SPLIT_K"], triton.cdiv(nblk, per_step)))
-    steps = triton.cdiv(triton.cdiv(nblk, per_step), split)  # steps of NB blocks per program
-    bm = cfg["BLOCK_M"]
-    y = torch.empty(
-        (split, rows, out_f), dtype=torch.float32 if split > 1 else x.dtype, device=x.device
-    )
-    dummy = absmax
-    grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), split, triton.cdiv(rows, bm))
-    kernel[grid](
-        x, packed, absmax,
-        nested_absmax if nested else dummy, nested_code if nested else dummy,
-        offset if nested else dummy, _code_values(quant_type, x.device), y,
-        rows, out_f, nblk, in_f // 2, x.stride(0), steps,
-        BS=blocksize, NESTED=nested, BS2=256, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], NB=per_step,
-        JOIN=cfg.get("JOIN", 1), num_stages=cfg.get("num_stages", 2), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
 
