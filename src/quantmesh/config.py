@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import os
 from dataclasses import dataclass, field
 
 from .errors import QuantmeshError
@@ -49,6 +50,7 @@ __all__ = [
     "check_pp_schedule",
     "check_quant",
     "compile_options",
+    "env_switch",
 ]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -82,8 +84,6 @@ def compile_options(mode: str | None = None, backend: str | None = None) -> dict
         >>> compile_options("reduce-overhead", backend="aot_eager")
         {'backend': 'aot_eager'}
     """
-    import os
-
     backend = backend or os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
     if backend == "inductor" and mode is not None:
         return {"backend": backend, "mode": mode}
@@ -92,6 +92,20 @@ def compile_options(mode: str | None = None, backend: str | None = None) -> dict
 
 class ConfigError(QuantmeshError, ValueError):
     """An option out of its range (a mesh size below 1); the message names the fix."""
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: "1" on, "0" off, unset or "" `default`; anything else is
+    refused (ConfigError naming the variable), never read as either.
+
+    Example:
+        >>> env_switch("QUANTMESH_NO_SUCH_SWITCH", default=True)
+        True
+    """
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{name}={value!r}; expected 1 (on) or 0 (off)")
+    return default if value == "" else value == "1"
 
 
 class QuantError(QuantmeshError, ValueError):

@@ -114,7 +114,8 @@ def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: 
 def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
     """--pp 2: each worker holds one decoder layer; 1F1B over 2 micro-batches; the first step's
     loss is the same masked token-mean; the adapter is saved as one PEFT folder, the resumable
-    state as one folder."""
+    state as one folder. Its workers are fresh interpreters (QUANTMESH_FORK_WORKERS=0), as on a
+    host with CUDA: the suite's one worker command started that way (the others fork)."""
     model_dir = make_tiny_llama(tmp_path / "tiny")
     data = tmp_path / "instructions.jsonl"
     _instructions(data)
@@ -122,6 +123,7 @@ def test_pipelined_finetune_pp2_logs_the_global_loss(tmp_path: Path) -> None:
         "finetune", "--model", str(model_dir), "--data", str(data), "--nproc", "2", "--pp", "2",
         "--micro-batch", "1", "--microbatches", "2", "--pp-schedule", "1f1b", "--seq-len", "32",
         "--steps", "2", "--lr", "1e-2", "--output-dir", str(tmp_path / "out"),
+        env={"QUANTMESH_FORK_WORKERS": "0"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp=1 x pp=2 x dp=1" in proc.stderr

@@ -401,19 +401,21 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
         torch.testing.assert_close(y[:, 0], m(x[:, 0].contiguous()), rtol=0, atol=0)
 
 
-def test_dequant_switch_refuses_a_value_it_does_not_know():
-    """QUANTMESH_TRITON_DEQUANT takes 1 or 0 (or nothing): another value is refused, by name, when
-    the module loads, instead of being read as off."""
-    from quantmesh.quant import kernel4 as k4
+def test_env_switches_refuse_a_value_they_do_not_know():
+    """An on/off environment variable (QUANTMESH_TRITON_DEQUANT, QUANTMESH_FORK_WORKERS) takes 1 or
+    0, or nothing for its default: another value is refused, by name, instead of being read as
+    either."""
+    from quantmesh.config import ConfigError, env_switch
 
-    for value, want in (("1", True), ("0", False), ("", False)):
+    for value, default, want in (("1", False, True), ("0", True, False), ("", False, False),
+                                 ("", True, True)):  # fmt: skip
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("QUANTMESH_TRITON_DEQUANT", value)
-            assert k4._env_switch("QUANTMESH_TRITON_DEQUANT") is want
+            assert env_switch("QUANTMESH_TRITON_DEQUANT", default) is want
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QUANTMESH_TRITON_DEQUANT", "yes")
-        with pytest.raises(QuantError, match=r"QUANTMESH_TRITON_DEQUANT='yes'; expected 1 \(on\)"):
-            k4._env_switch("QUANTMESH_TRITON_DEQUANT")
+        mp.setenv("QUANTMESH_FORK_WORKERS", "yes")
+        with pytest.raises(ConfigError, match=r"QUANTMESH_FORK_WORKERS='yes'; expected 1 \(on\)"):
+            env_switch("QUANTMESH_FORK_WORKERS", True)
 
 
 @pytest.mark.parametrize("key", list(CONFIGS))

@@ -2,14 +2,43 @@
 
 A failing worker ends all workers (torchrun's agent, no restarts); we print one short line naming the
 failed rank and exit non-zero. The worker's own traceback has already gone to stderr.
+
+A target is a script or module run by a fresh interpreter per worker, or a function (`fn`) run
+by workers forked from a fork server that has imported `quantmesh.cli.preload` (torch,
+transformers, bitsandbytes) once for all of them: on hosts without CUDA only
+(`forked_workers_apply`), where it saves every rank but one its imports.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["launch"]
+__all__ = ["forked_workers_apply", "launch"]
+
+
+def forked_workers_apply() -> bool:
+    """Whether workers start as forks of a fork server holding their imports: on hosts without
+    CUDA (a process that has imported bitsandbytes has initialized CUDA where there is one, and
+    cannot hand it to its forks), where the platform forks (Linux, macOS), unless
+    QUANTMESH_FORK_WORKERS=0 asks for fresh interpreters.
+
+    Example:
+        >>> isinstance(forked_workers_apply(), bool)
+        True
+    """
+    import multiprocessing as mp
+
+    from ..config import env_switch
+
+    if not env_switch("QUANTMESH_FORK_WORKERS", default=True):
+        return False
+    import torch
+
+    return "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available()
 
 
 def launch(
@@ -20,8 +49,12 @@ def launch(
     nnodes: str = "1",
     rdzv_endpoint: str | None = None,
     node_rank: int | None = None,
+    fn: Callable[..., Any] | None = None,
+    fn_args: tuple = (),
 ) -> int:
-    """Run `target` (a script and its args, or a module with `module=True`) on `nproc` workers.
+    """Run `target` (a script and its args, or a module with `module=True`) on `nproc` workers,
+    or with `fn`, `fn(*fn_args)` on `nproc` workers forked from a fork server that has imported
+    `quantmesh.cli.preload` (check `forked_workers_apply` first; `target` is then unused).
 
     Returns the exit code (0 when every worker succeeded).
 
@@ -37,16 +70,22 @@ def launch(
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
         if node_rank is not None:
             argv += [f"--node-rank={node_rank}"]
+    elif fn is not None:  # what --standalone means to torchrun's run(): a store on a free port
+        argv += ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
     else:
         argv += ["--standalone"]
-    if module:
+    if fn is not None:
+        argv += ["--start-method=forkserver"]
+    elif module:
         argv += ["-m"]
-    argv += target
-    args = get_args_parser().parse_args(argv)
+    args = get_args_parser().parse_args(argv + (target if fn is None else ["-"]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", "")
     try:
-        run(args)
+        if fn is None:
+            run(args)
+        else:
+            _run_forked(args, fn, fn_args)
     except ChildFailedError as e:
         # {global rank: ProcessFailure}. The agent SIGTERMs the survivors after the first failure,
         # so they show up here too, with negative exit codes and often the same (whole-second)
@@ -61,3 +100,16 @@ def launch(
         )
         return first.exitcode if first.exitcode > 0 else 1
     return 0
+
+
+def _run_forked(args: Any, fn: Callable[..., Any], fn_args: tuple) -> None:
+    """torchrun's agent with a function for its workers, started by the fork server (its
+    environment and stdio are this process's when the first worker starts it)."""
+    import multiprocessing as mp
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    mp.set_forkserver_preload(["quantmesh.cli.preload"])
+    config, _, _ = config_from_args(args)
+    elastic_launch(config=config, entrypoint=fn)(*fn_args)

@@ -114,7 +114,13 @@ def run_workers(nproc: int, module_args: list[str], **launch_kw) -> int:
     """
     import tempfile
 
-    from .launch import launch
+    from .launch import forked_workers_apply, launch
+
+    if module_args[0] == "quantmesh.cli.worker" and forked_workers_apply():
+        # our own workers, on a host without CUDA: forks of one fork server holding their imports
+        from .worker import forked
+
+        launch_kw.update(fn=forked, fn_args=tuple(module_args[1:]))
 
     with tempfile.TemporaryDirectory(prefix="quantmesh-errors-") as err_dir:
         os.environ[ERROR_DIR_ENV] = err_dir

@@ -15,23 +15,31 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "run_in_place", "setup_worker"]
+__all__ = ["forked", "main", "name_process", "run_in_place", "setup_worker", "worker_environment"]
 
 
-def setup_worker() -> None:
-    """Quiet the libraries' import-time chatter (printed once per rank), size CPU threads, and
-    let CUDA memory grow in place (expandable segments) unless told otherwise."""
+def worker_environment() -> None:
+    """The environment a worker's libraries read when imported, and their import-time chatter
+    (printed once per rank) quieted: before any of them is imported, in a worker or in the fork
+    server workers start from (`quantmesh.cli.preload`)."""
     # Models and tokenizers come from local folders (checked by the launching command); never let
     # a typo turn into minutes of hub retries on every rank.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # CUDA memory in segments that grow in place: near a card's limit the default allocator's
     # cached blocks of the wrong sizes ran a run out of memory that expandable segments train
-    # (docs/benchmarks.md, "Figures the code relies on"). A user's own setting wins. Read when CUDA first allocates, so it is set before
-    # anything does.
+    # (docs/benchmarks.md, "Figures the code relies on"). A user's own setting wins. Read when
+    # CUDA first allocates, so it is set before anything does.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from .errors import quiet_libraries
 
     quiet_libraries()
+
+
+def setup_worker() -> None:
+    """The worker's environment (`worker_environment`), its CPU threads sized to its share of the
+    host's cores, and its process named after its rank (`qm-rank0`, ... in ps and top)."""
+    worker_environment()
+    name_process(f"qm-rank{os.environ.get('RANK', '0')}")
     import torch
 
     if not torch.cuda.is_available():
@@ -189,6 +197,39 @@ def run_in_place(kind: str, payload: str) -> int:
     if rc == 0 and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return rc
+
+
+def forked(kind: str, payload: str) -> int:
+    """A worker forked from the launcher's fork server (cli/launch.py): `run_in_place`, and a
+    failure's exit code as the process's own, as a worker run by `python -m` would end.
+
+    Example:
+        >>> launch(2, [], fn=forked, fn_args=("generate", payload))  # doctest: +SKIP
+        0
+    """
+    rc = run_in_place(kind, payload)
+    if rc:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(rc)
+    return 0
+
+
+def name_process(name: str) -> None:
+    """Name this process (Linux: what ps, top and psutil show; 15 characters at most); a no-op
+    where the platform has no such call.
+
+    Example:
+        >>> name_process("qm-rank0")
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,12 +35,11 @@ inputs of `DEQUANT_MIN_ROWS` rows or more without autograd on CUDA are multiplie
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import Any
 
 import torch
 
-from ..config import QuantError
+from ..config import env_switch
 
 __all__ = [
     "DEQUANT_ENABLED",
@@ -72,15 +71,7 @@ DEQUANT_MIN_ROWS = 8
 # (docs/benchmarks.md, "Many rows"). Off: bitsandbytes' path at every row count.
 
 
-def _env_switch(name: str) -> bool:
-    """An on/off environment variable: unset, "" or "0" off, "1" on; anything else refused."""
-    value = os.environ.get(name, "")
-    if value not in ("", "0", "1"):
-        raise QuantError(f"{name}={value!r}; expected 1 (on) or 0 (off)")
-    return value == "1"
-
-
-DEQUANT_ENABLED = _env_switch("QUANTMESH_TRITON_DEQUANT")
+DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
 
