@@ -1,5 +1,5 @@
-"""`quantmesh demo` (what `make demo` runs), shortened with --steps: the held-out loss falls and
-every product is written. The assets come from the session's `demo_assets` cache (tests/conftest.py:
+"""`quantmesh demo` (what `make demo` runs), shortened with --steps and --seq-len: the held-out
+loss falls and every product is written. The assets come from the session's `demo_assets` cache (tests/conftest.py:
 prepared from PyPI once, and checked by tests/unit/test_assets.py)."""
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from .test_cli_common import cli
 def test_demo_short_run_learns_and_writes_its_results(tmp_path: Path, demo_assets: Path) -> None:
     out = tmp_path / "demo"
     t0 = time.monotonic()
-    proc = cli("demo", "--steps", "4", "--max-new-tokens", "8", "--output-dir", str(out),
-               timeout=420, env={"QUANTMESH_CACHE": str(demo_assets)})  # fmt: skip
+    # shortened: 4 steps of 64-token examples (the demo's own: 30 of 128)
+    proc = cli("demo", "--steps", "4", "--seq-len", "64", "--max-new-tokens", "8",
+               "--output-dir", str(out), timeout=420,
+               env={"QUANTMESH_CACHE": str(demo_assets)})  # fmt: skip
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout

@@ -29,9 +29,6 @@ def test_a_dead_rank_ends_the_server(tmp_path) -> None:
                     if child.name().startswith("qm-rank"):
                         ranks[int(child.name().removeprefix("qm-rank"))] = child
         assert sorted(ranks) == [0, 1], ranks
-        # on a host without CUDA the workers are forks of the launcher's fork server
-        for r in ranks.values():
-            assert "forkserver" in " ".join(r.parent().cmdline()), r.parent().cmdline()
         box: dict = {}
 
         def request() -> None:

@@ -78,3 +78,35 @@ def test_workers_let_cuda_memory_grow_in_place_unless_told(monkeypatch) -> None:
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     finally:
         hf_logging.set_verbosity(level)
+
+
+def test_our_workers_fork_on_a_host_without_cuda_except_the_servers(monkeypatch) -> None:
+    """run_workers starts finetune, generate, demo and verify workers as forks of a fork server
+    (launch(fn=worker.forked)) on a host without CUDA; serve's workers, a user's script and any
+    worker with QUANTMESH_FORK_WORKERS=0 run in fresh interpreters (launch's module path)."""
+    import torch
+
+    from quantmesh.cli import launch, runner, worker
+
+    seen: list[dict] = []
+
+    def fake_launch(nproc, target, **kw):
+        seen.append(dict(kw, target=target))
+        return 0
+
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("QUANTMESH_FORK_WORKERS", raising=False)
+    for kind in worker.KINDS:
+        assert runner.run_workers(2, ["quantmesh.cli.worker", kind, "{}"]) == 0
+        forked = seen[-1].get("fn") is worker.forked
+        assert forked is (kind != "serve"), kind
+        if forked:
+            assert seen[-1]["fn_args"] == (kind, "{}")
+    monkeypatch.setenv("QUANTMESH_FORK_WORKERS", "0")
+    runner.run_workers(2, ["quantmesh.cli.worker", "finetune", "{}"])
+    assert "fn" not in seen[-1] and seen[-1]["module"] is True
+    monkeypatch.delenv("QUANTMESH_FORK_WORKERS")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    runner.run_workers(2, ["quantmesh.cli.worker", "finetune", "{}"])
+    assert "fn" not in seen[-1]

@@ -115,12 +115,11 @@ def run_workers(nproc: int, module_args: list[str], **launch_kw) -> int:
     import tempfile
 
     from .launch import forked_workers_apply, launch
+    from .worker import FORKABLE, forked
 
-    if module_args[0] == "quantmesh.cli.worker" and forked_workers_apply():
-        # our own workers, on a host without CUDA: forks of one fork server holding their imports
-        from .worker import forked
-
-        launch_kw.update(fn=forked, fn_args=tuple(module_args[1:]))
+    if module_args[0] == "quantmesh.cli.worker" and module_args[1] in FORKABLE:
+        if forked_workers_apply():  # on a host without CUDA: forks of one fork server
+            launch_kw.update(fn=forked, fn_args=tuple(module_args[1:]))
 
     with tempfile.TemporaryDirectory(prefix="quantmesh-errors-") as err_dir:
         os.environ[ERROR_DIR_ENV] = err_dir
