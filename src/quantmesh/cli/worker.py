@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 __all__ = [
@@ -221,7 +222,13 @@ def forked(kind: str, payload: str) -> int:
         >>> launch(2, [], fn=forked, fn_args=("generate", payload))  # doctest: +SKIP
         0
     """
-    rc = run_in_place(kind, payload)
+    try:
+        rc = run_in_place(kind, payload)
+    except KeyboardInterrupt:
+        rc = 130
+    except Exception:  # noqa: BLE001 - before worker_main could report it (the worker's imports)
+        traceback.print_exc()  # as a fresh interpreter prints it, for the launcher's "above"
+        rc = 1
     if rc:
         sys.stdout.flush()
         sys.stderr.flush()
