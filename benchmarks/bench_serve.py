@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                  "cuda_graphs": graphs, "server_start_s": start_s,
                  "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
     path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{graphs}.json"
+    path.write_text(json.dumps(res, indent=1))  # the start's time, should a phase be cut off
     try:
-        log(f"server {url}; warm-up")
+        log(f"server {url} started in {start_s:.0f} s; warm-up")
         for name in names:
             t0 = time.perf_counter()
             # the phases' prompt length: the first prefill of a shape pays one-off costs
