@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -190,7 +191,10 @@ def _launch(call: bytes, world_size: int, timeout: float, env: dict[str, str] | 
         for r, p in enumerate(procs):
             if p.is_alive() and r not in errors and r not in results:
                 assert p.pid is not None  # started
-                os.kill(p.pid, signal.SIGUSR1)  # dump its stack into its log
+                # dump its stack into its log; a fork server's child may end and be reaped by
+                # the server between is_alive() and the signal
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGUSR1)
         time.sleep(0.5)
         for p in procs:
             if p.is_alive():
