@@ -21,10 +21,10 @@ __all__ = ["forked_workers_apply", "launch"]
 
 
 def forked_workers_apply() -> bool:
-    """Whether workers start as forks of a fork server holding their imports: on hosts without
-    CUDA (a process that has imported bitsandbytes has initialized CUDA where there is one, and
-    cannot hand it to its forks), where the platform forks (Linux, macOS), unless
-    QUANTMESH_FORK_WORKERS=0 asks for fresh interpreters.
+    """Whether workers start as forks of a fork server holding their imports: on Linux hosts
+    without CUDA (a process that has imported bitsandbytes has initialized CUDA where there is
+    one, and cannot hand it to its forks; elsewhere the libraries' device back-ends are not known
+    to survive a fork), unless QUANTMESH_FORK_WORKERS=0 asks for fresh interpreters.
 
     Example:
         >>> isinstance(forked_workers_apply(), bool)
@@ -38,7 +38,11 @@ def forked_workers_apply() -> bool:
         return False
     import torch
 
-    return "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available()
+    return (
+        sys.platform == "linux"
+        and "forkserver" in mp.get_all_start_methods()
+        and not torch.cuda.is_available()
+    )
 
 
 def launch(
