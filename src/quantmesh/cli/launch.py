@@ -5,7 +5,7 @@ failed rank and exit non-zero. The worker's own traceback has already gone to st
 
 A target is a script or module run by a fresh interpreter per worker, or a function (`fn`) run
 by workers forked from a fork server that has imported `quantmesh.cli.preload` (torch,
-transformers, bitsandbytes) once for all of them: on hosts without CUDA only
+transformers, bitsandbytes) once for all of them: on Linux hosts without CUDA only
 (`forked_workers_apply`), where it saves every rank but one its imports.
 """
 

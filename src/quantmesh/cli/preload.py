@@ -1,7 +1,7 @@
-"""What every worker imports, imported once by the fork server that workers start from on hosts
-without CUDA (cli/launch.py): each worker is then a fork of a process that already holds torch,
-transformers and bitsandbytes, instead of a fresh interpreter importing them (several seconds of
-CPU per rank, paid by every rank of every launch).
+"""What every worker imports, imported once by the fork server that workers start from on Linux
+hosts without CUDA (cli/launch.py): each worker is then a fork of a process that already holds
+torch, transformers and bitsandbytes, instead of a fresh interpreter importing them (several
+seconds of CPU per rank, paid by every rank of every launch).
 
 Imported for its effect, by name, through `multiprocessing.set_forkserver_preload`. Not on hosts
 with CUDA: bitsandbytes initializes CUDA when it is imported, and a process that has initialized

@@ -118,7 +118,7 @@ def run_workers(nproc: int, module_args: list[str], **launch_kw) -> int:
     from .worker import FORKABLE, forked
 
     if module_args[0] == "quantmesh.cli.worker" and module_args[1] in FORKABLE:
-        if forked_workers_apply():  # on a host without CUDA: forks of one fork server
+        if forked_workers_apply():  # on a Linux host without CUDA: forks of one fork server
             launch_kw.update(fn=forked, fn_args=tuple(module_args[1:]))
 
     with tempfile.TemporaryDirectory(prefix="quantmesh-errors-") as err_dir:
