@@ -188,7 +188,7 @@ KINDS = {"finetune": finetune, "generate": generate, "demo": demo, "verify": ver
 # The kinds that may run as forks of the launcher's fork server (cli/launch.py). Not serve: it
 # ends with exit code 0 after the launcher's SIGTERM or Ctrl-C (drained), and torchrun's agent,
 # shutting down, does not collect a forked worker's result, so each would wait out the agent's
-# 30 s before being killed (measured: the server smoke test 23 -> 52 s).
+# 30 s before being killed (docs/design.md, "On a Linux host without CUDA, workers are forks").
 FORKABLE = ("finetune", "generate", "demo", "verify")
 
 
