@@ -82,6 +82,7 @@ def launch(
         argv += ["--start-method=forkserver"]
     elif module:
         argv += ["-m"]
+    # torchrun's parser asks for a script; a function's workers run none ("-" stands in for it)
     args = get_args_parser().parse_args(argv + (target if fn is None else ["-"]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", "")

@@ -69,8 +69,6 @@ DEQUANT_MIN_ROWS = 8
 # step that is not replayed from a CUDA graph pays it on every linear (the 64-row step of 4 7B
 # layers: 8.5 -> 15.4 ms of host time); the server with it on is not yet measured
 # (docs/benchmarks.md, "Many rows"). Off: bitsandbytes' path at every row count.
-
-
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 
