@@ -1,10 +1,12 @@
 """Mixture-of-experts LoRA training on one GPU: quantmesh (nf4 experts) against transformers +
-bitsandbytes + peft (experts left in bf16: bitsandbytes quantizes linears only), same call.
+bitsandbytes + peft (experts left in bf16: bitsandbytes quantizes linears only) and against
+Unsloth's MoE path (its `FastLanguageModel` with `load_in_4bit`), same call.
 
 The model is Qwen3-30B-A3B-shaped (hidden 2048, 128 experts of 768, top-8, 32 heads / 4 KV heads,
 vocabulary 151,936) at `--layers` of its 48 layers, random weights. Both sides train LoRA r=16
-(alpha 32) on q/k/v/o and on every expert tensor (peft: `target_parameters`), bf16 autocast,
-AdamW, `--warmup` + `--steps` steps of `--mb` rows of `--seq` tokens.
+(alpha 32) on q/k/v/o and on every expert tensor (peft and Unsloth: `target_parameters`), bf16
+autocast, AdamW, `--warmup` + `--steps` steps of `--mb` rows of `--seq` tokens. The peers load a
+folder written by transformers' `save_pretrained` (`--model-dir`, written once and reused).
 
 Reports tokens/s, peak GPU memory, quantmesh's memory estimate for the same run, and the
 estimate at full depth (48 layers) at tp=1 and tp=2.
@@ -12,6 +14,8 @@ estimate at full depth (48 layers) at tp=1 and tp=2.
 Usage (one GPU):
     python benchmarks/bench_moe.py --mode qm --out DIR [--compile]
     python benchmarks/bench_moe.py --mode peft --out DIR
+    python benchmarks/bench_moe.py --mode unsloth --out DIR [--unsloth-gc off]
+      (Unsloth is imported before transformers, so each mode runs in its own process)
     python benchmarks/bench_moe.py --mode qm --smoke --out DIR   (tiny shapes, CPU)
 Writes DIR/result_moe_<mode>.json; a failure is recorded there, not raised.
 """
@@ -32,13 +36,17 @@ import qmbench as qb  # noqa: E402
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mode", choices=["qm", "peft"], required=True)
+    p.add_argument("--mode", choices=["qm", "peft", "unsloth"], required=True)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--mb", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="qm: compile_blocks")
+    p.add_argument("--unsloth-gc", choices=["unsloth", "off"], default="unsloth",
+                   help="unsloth: its gradient checkpointing (default) or none")
+    p.add_argument("--model-dir", default=None,
+                   help="peers: the saved model folder (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -106,20 +114,50 @@ def run_qm(a, device) -> tuple:
     return model, qm.trainable_parameters(model)
 
 
+def word_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer of exactly `vocab_size` entries (the peers' loaders read one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab.update({"<unk>": vocab_size - 2, "<eos>": vocab_size - 1})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   pad_token="<unk>", model_max_length=1 << 16)  # fmt: skip
+
+
+
+def saved_model(a, device) -> str:
+    """The model as a user's checkpoint is: transformers' `save_pretrained` of random weights, in
+    bf16, with a tokenizer; written once into `--model-dir` and reused by later modes."""
+    from transformers import Qwen3MoeForCausalLM
+
+    path = a.model_dir or tempfile.mkdtemp(prefix="moe-")
+    if os.path.exists(os.path.join(path, ".complete")):
+        return path
+    cfg = config(a)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    word_tokenizer(cfg.vocab_size).save_pretrained(path)
+    del model
+    open(os.path.join(path, ".complete"), "w").write("ok\n")
+    return path
+
+
 def run_peft(a, device) -> tuple:
     import peft
     from transformers import BitsAndBytesConfig, Qwen3MoeForCausalLM
 
-    cfg = config(a)
-    with tempfile.TemporaryDirectory() as tmp:  # quantized on load, as a user's checkpoint is
-        torch.manual_seed(0)
-        Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
-        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                 bnb_4bit_use_double_quant=True,
-                                 bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
-        model = Qwen3MoeForCausalLM.from_pretrained(
-            tmp, quantization_config=bnb, dtype=torch.bfloat16, device_map={"": device}
-        )
+    path = saved_model(a, device)  # quantized on load, as a user's checkpoint is
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    model = Qwen3MoeForCausalLM.from_pretrained(
+        path, quantization_config=bnb, dtype=torch.bfloat16, device_map={"": device}
+    )
     lc = peft.LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
@@ -127,6 +165,38 @@ def run_peft(a, device) -> tuple:
     model = peft.get_peft_model(model, lc)
     model.train()
     return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def run_unsloth(a, device) -> tuple:
+    """Unsloth's own loader and adapter call, on the same saved folder (4-bit unless --smoke)."""
+    from unsloth import FastLanguageModel  # imported by main() before transformers
+
+    path = saved_model(a, device)
+    gc_mode = "unsloth" if a.unsloth_gc == "unsloth" else False
+    model, _tok = FastLanguageModel.from_pretrained(
+        model_name=path, max_seq_length=a.seq, dtype=torch.bfloat16, load_in_4bit=not a.smoke,
+        use_gradient_checkpointing=gc_mode, local_files_only=True,
+    )  # fmt: skip
+    model = FastLanguageModel.get_peft_model(
+        model, r=16, lora_alpha=32, lora_dropout=0, bias="none",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        use_gradient_checkpointing=gc_mode, random_state=0,
+    )  # fmt: skip
+    model.train()
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def expert_storage(model) -> dict:
+    """How the first layer's experts are stored: float or packed (quantized) bytes."""
+    for name, p in model.named_parameters():
+        if "experts" in name and "lora" not in name:
+            return {"name": name, "dtype": str(p.dtype), "shape": list(p.shape),
+                    "class": type(p).__name__}  # fmt: skip
+    for name, b in model.named_buffers():
+        if "experts" in name:
+            return {"name": name, "dtype": str(b.dtype), "shape": list(b.shape)}
+    return {}
 
 
 def main(argv=None) -> int:
@@ -137,9 +207,21 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     R: dict = {"mode": a.mode, "layers": a.layers, "seq": a.seq, "mb": a.mb,
                "compile": a.compile, "env": qb.env_report()}  # fmt: skip
+    name = f"result_moe_{a.mode}{'_compiled' if a.compile else ''}"
+    if a.mode == "unsloth":
+        R["unsloth_gc"] = a.unsloth_gc
+        name += "" if a.unsloth_gc == "unsloth" else "_nogc"
     with qb.record_errors(R):
-        R["estimate"] = estimates(a)
-        model, params = (run_qm if a.mode == "qm" else run_peft)(a, device)
+        if a.mode == "unsloth":
+            import unsloth  # noqa: F401  (it patches transformers and peft: first)
+
+            R["versions"] = qb.versions()
+        else:
+            R["estimate"] = estimates(a)
+        run = {"qm": run_qm, "peft": run_peft, "unsloth": run_unsloth}[a.mode]
+        model, params = run(a, device)
+        R["experts_stored_as"] = expert_storage(model)
+        R["trainable_parameters"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=1e-4)
         vocab = config(a).vocab_size
         g = torch.Generator().manual_seed(0)
@@ -162,10 +244,9 @@ def main(argv=None) -> int:
         R["tokens_per_s"] = round(a.steps * a.mb * a.seq / dt, 1)
         R["losses"] = [round(float(x), 4) for x in losses]
         R["memory"] = qb.gpu_mem(device)
-    qb.write_json(
-        os.path.join(a.out, f"result_moe_{a.mode}{'_compiled' if a.compile else ''}.json"), R
-    )
-    print({k: R.get(k) for k in ("tokens_per_s", "memory", "estimate", "error")})
+    qb.write_json(os.path.join(a.out, name + ".json"), R)
+    keys = ("tokens_per_s", "memory", "estimate", "experts_stored_as", "trainable_parameters", "error")
+    print({k: R.get(k) for k in keys})
     return 0
 
 
