@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
+from bench_train import hf_loss, profile_steps  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -43,10 +44,28 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="qm: compile_blocks")
-    p.add_argument("--unsloth-gc", choices=["unsloth", "off"], default="unsloth",
-                   help="unsloth: its gradient checkpointing (default) or none")
-    p.add_argument("--model-dir", default=None,
-                   help="peers: the saved model folder (default: a temporary one)")
+    p.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        help="qm: the chunked loss (qm.train_step, N tokens per chunk); 0: the model's",
+    )
+    p.add_argument(
+        "--checkpoint",
+        choices=["none", "blocks", "offload"],
+        default="none",
+        help="qm: checkpoint_blocks (offload: its activations to the host)",
+    )
+    p.add_argument("--profile", action="store_true", help="GPU time by kernel of 2 more steps")
+    p.add_argument(
+        "--unsloth-gc",
+        choices=["unsloth", "off"],
+        default="unsloth",
+        help="unsloth: its gradient checkpointing (default) or none",
+    )
+    p.add_argument(
+        "--model-dir", default=None, help="peers: the saved model folder (default: a temporary one)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -94,6 +113,8 @@ def estimates(a) -> dict:
         est = qm.estimate_memory(
             skeleton(config(a, layers)), tp=tp, quant="nf4", lora=lora, seq_len=a.seq,
             micro_batch=a.mb, dtype=torch.bfloat16, compiled=a.compile,
+            checkpointing=a.checkpoint != "none", offload_activations=a.checkpoint == "offload",
+            loss_chunk_tokens=a.loss_chunk,
         )  # fmt: skip
         out[name] = {"total_GiB": round(est.total / 2**30, 2),
                      "weights_GiB": round(est.weights / 2**30, 2)}  # fmt: skip
@@ -110,6 +131,8 @@ def run_qm(a, device) -> tuple:
     qb.fill_random(model, seed=0)
     if a.compile:
         qm.compile_blocks(model)
+    if a.checkpoint != "none":
+        qm.checkpoint_blocks(model, offload=a.checkpoint == "offload")
     model.train()
     return model, qm.trainable_parameters(model)
 
@@ -125,7 +148,6 @@ def word_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
                                    pad_token="<unk>", model_max_length=1 << 16)  # fmt: skip
-
 
 
 def saved_model(a, device) -> str:
@@ -187,6 +209,17 @@ def run_unsloth(a, device) -> tuple:
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
+def chunked_loss(chunk_tokens: int):
+    """The training loop's step: qm.train_step with the chunked loss (it runs backward itself)."""
+    import quantmesh as qm
+
+    def loss_fn(model, ids):
+        return qm.train_step(model, {"input_ids": ids}, chunk_tokens=chunk_tokens)
+
+    loss_fn.backpropagated = True  # type: ignore[attr-defined]
+    return loss_fn
+
+
 def expert_storage(model) -> dict:
     """How the first layer's experts are stored: float or packed (quantized) bytes."""
     for name, p in model.named_parameters():
@@ -208,6 +241,9 @@ def main(argv=None) -> int:
     R: dict = {"mode": a.mode, "layers": a.layers, "seq": a.seq, "mb": a.mb,
                "compile": a.compile, "env": qb.env_report()}  # fmt: skip
     name = f"result_moe_{a.mode}{'_compiled' if a.compile else ''}"
+    name += f"_chunk{a.loss_chunk}" if a.loss_chunk else ""
+    name += f"_{a.checkpoint}" if a.checkpoint != "none" else ""
+    R.update(loss_chunk=a.loss_chunk, checkpoint=a.checkpoint)
     if a.mode == "unsloth":
         R["unsloth_gc"] = a.unsloth_gc
         name += "" if a.unsloth_gc == "unsloth" else "_nogc"
@@ -226,16 +262,19 @@ def main(argv=None) -> int:
         vocab = config(a).vocab_size
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (a.mb, a.seq), generator=g).to(device)
+        loss_fn = chunked_loss(a.loss_chunk) if a.mode == "qm" and a.loss_chunk else hf_loss
         qb.reset_peaks(device)
+        autocast = device.type == "cuda"
         losses = []
         t0 = 0.0
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
                 qb.sync(device)
                 t0 = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_fn(model, ids)
+            if not getattr(loss_fn, "backpropagated", False):
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
@@ -244,8 +283,17 @@ def main(argv=None) -> int:
         R["tokens_per_s"] = round(a.steps * a.mb * a.seq / dt, 1)
         R["losses"] = [round(float(x), 4) for x in losses]
         R["memory"] = qb.gpu_mem(device)
+        if a.profile:
+            R["profile"] = profile_steps(model, opt, ids, device, autocast, loss_fn)
     qb.write_json(os.path.join(a.out, name + ".json"), R)
-    keys = ("tokens_per_s", "memory", "estimate", "experts_stored_as", "trainable_parameters", "error")
+    keys = (
+        "tokens_per_s",
+        "memory",
+        "estimate",
+        "experts_stored_as",
+        "trainable_parameters",
+        "error",
+    )
     print({k: R.get(k) for k in keys})
     return 0
 

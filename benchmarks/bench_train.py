@@ -418,7 +418,8 @@ def profile_steps(model, opt, ids, device, autocast, loss_fn):
         for _ in range(2):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_fn(model, ids)
-            loss.backward()
+            if not getattr(loss_fn, "backpropagated", False):  # qm.train_step ran backward
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         qb.sync(device)

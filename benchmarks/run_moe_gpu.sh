@@ -5,7 +5,9 @@
 #   bash benchmarks/run_moe_gpu.sh [STAGE ...]
 #
 # STAGE: unsloth (Unsloth's MoE path, its checkpointing), unsloth-nogc, peft (transformers +
-# bitsandbytes + peft), qm (quantmesh, eager blocks), qm-compiled; default: unsloth peft qm-compiled.
+# bitsandbytes + peft), qm (quantmesh, eager blocks), qm-compiled, or qm:FLAG,FLAG... (bench_moe.py's
+# flags, e.g. qm:--compile,--loss-chunk=1024,--checkpoint=offload,--profile); default:
+# unsloth peft qm-compiled.
 # The peers read one folder written by transformers' save_pretrained (made by the first of them).
 # Each stage is its own process with its own time limit (STAGE_S, default 240 s) and writes
 # OUT/result_moe_*.json. Unsloth's wheels are looked for in .whl-unsloth/ (pandas and pillow from
@@ -27,6 +29,7 @@ unsloth_site() {  # Unsloth and what it needs beside the image, in a site of its
 
 for stage in "${stages[@]}"; do
   say "stage $stage"
+  log="$OUT/${stage//[^a-z0-9-]/_}.log"
   case $stage in
     unsloth|unsloth-nogc)
       unsloth_site || continue
@@ -34,14 +37,17 @@ for stage in "${stages[@]}"; do
       (cd /tmp && mkdir -p u-work && cd u-work &&  # Unsloth writes its compiled cache into the cwd
         HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 HF_HOME=/tmp/u-home \
         PYTHONPATH=/tmp/u-site:$ROOT/src timeout "$STAGE_S" python3 "$ROOT/benchmarks/bench_moe.py" \
-          --mode unsloth --unsloth-gc $gc --model-dir "$MODEL" --out "$OUT" > "$OUT/$stage.log" 2>&1)
+          --mode unsloth --unsloth-gc $gc --model-dir "$MODEL" --out "$OUT" > "$log" 2>&1)
       ;;
-    peft) timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode peft --model-dir "$MODEL" --out "$OUT" > "$OUT/$stage.log" 2>&1 ;;
-    qm) timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode qm --out "$OUT" > "$OUT/$stage.log" 2>&1 ;;
-    qm-compiled) timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode qm --compile --out "$OUT" > "$OUT/$stage.log" 2>&1 ;;
+    peft) timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode peft --model-dir "$MODEL" --out "$OUT" > "$log" 2>&1 ;;
+    qm) timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode qm --out "$OUT" > "$log" 2>&1 ;;
+    qm-compiled) timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode qm --compile --out "$OUT" > "$log" 2>&1 ;;
+    qm:*)
+      IFS=, read -r -a flags <<< "${stage#qm:}"
+      timeout "$STAGE_S" python3 benchmarks/bench_moe.py --mode qm "${flags[@]}" --out "$OUT" > "$log" 2>&1 ;;
     *) say "unknown stage $stage"; continue ;;
   esac
   say "stage $stage: rc=$?"
-  tail -3 "$OUT/$stage.log"
+  tail -1 "$log"
 done
 say done
