@@ -491,25 +491,38 @@ def _task(root: Path, name: str, docs: list[dict], spec: str) -> None:
     )
 
 
-def _lm_eval(tmp: Path, tasks: str, model: str, args: str, *extra: str) -> tuple[dict, dict]:
-    """Run `lm-eval run` as a user would (offline: local json data); (results, samples by task)."""
-    out = tmp / f"out-{model}"
+_LM_EVAL = """
+import json, os, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+spec = json.load(open(sys.argv[1]))
+tasks = TaskManager(include_path=spec["include"], include_defaults=False)  # ours alone: no index
+out = []
+for run in spec["runs"]:
+    r = simple_evaluate(task_manager=tasks, log_samples=True, bootstrap_iters=0, **run)
+    out.append({"results": r["results"], "samples": r["samples"]})
+json.dump(out, open(spec["out"], "w"), default=str)
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown: seconds
+"""
+
+
+def _lm_eval(tmp: Path, runs: list[dict]) -> list[tuple[dict, dict]]:
+    """Run lm-eval's `simple_evaluate` as a user's script would (offline: local json data), every
+    run in one process; [(results, samples by task)] per run."""
+    spec = tmp / "lm_eval.json"
+    out = tmp / "lm_eval_out.json"
+    spec.write_text(json.dumps({"include": str(tmp), "out": str(out), "runs": runs}))
     env = dict(os.environ, OPENAI_API_KEY=KEY, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_HOME=str(tmp / "hf"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "run", "--model", model, "--model_args", args,
-         "--tasks", tasks, "--include_path", str(tmp), "--output_path", str(out),
-         "--log_samples", *extra],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _LM_EVAL, str(spec)], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    samples = {}
-    for f in out.rglob("samples_*.jsonl"):
-        task = f.name.removeprefix("samples_").rsplit("_", 1)[0]
-        samples[task] = sorted((json.loads(ln) for ln in f.read_text().splitlines()),
-                               key=lambda d: d["doc_id"])  # fmt: skip
-    return results, samples
+    got = []
+    for r in json.loads(out.read_text()):
+        samples = {t: sorted(docs, key=lambda d: d["doc_id"]) for t, docs in r["samples"].items()}
+        got.append((r["results"], samples))
+    return got
 
 
 def test_lm_eval_scores_through_the_server(server, reference, assets, tmp_path) -> None:
@@ -556,22 +569,22 @@ def test_lm_eval_scores_through_the_server(server, reference, assets, tmp_path) 
     _task(tmp_path, "qm_chat_gen", chat_gen, gen_spec)
 
     base = f"model=tiny,tokenizer={assets['model']},tokenizer_backend=huggingface,max_retries=1"
-    results, samples = _lm_eval(
-        tmp_path, "qm_mc,qm_gen", "local-completions",
-        f"base_url={server.url}/v1/completions,{base},tokenized_requests=True",
-        "--batch_size", "4",
+    (results, samples), (chat_results, chat_samples) = _lm_eval(
+        tmp_path,
+        [
+            {"model": "local-completions", "tasks": ["qm_mc", "qm_gen"], "batch_size": 4,
+             "model_args": f"base_url={server.url}/v1/completions,{base},tokenized_requests=True"},
+            {"model": "local-chat-completions", "tasks": ["qm_chat_gen"],
+             "apply_chat_template": True,
+             "model_args": f"base_url={server.url}/v1/chat/completions,model=tiny,max_retries=1"},
+        ],
     )  # fmt: skip
     assert results["qm_mc"]["acc,none"] == 0.5
     assert results["qm_gen"]["exact_match,none"] == 0.5
     for doc, lls in zip(samples["qm_mc"], expect_ll, strict=True):  # the scores themselves
         got = [float(r[0][0]) for r in doc["resps"]]  # [[(loglikelihood, is_greedy)]] a choice
         assert got == pytest.approx(lls, abs=TOL)
-    results, samples = _lm_eval(
-        tmp_path, "qm_chat_gen", "local-chat-completions",
-        f"base_url={server.url}/v1/chat/completions,model=tiny,max_retries=1",
-        "--apply_chat_template",
-    )  # fmt: skip
-    assert results["qm_chat_gen"]["exact_match,none"] == 0.5, samples
+    assert chat_results["qm_chat_gen"]["exact_match,none"] == 0.5, chat_samples
 
 
 def test_ctrl_c_drains_and_a_second_ctrl_c_stops(server) -> None:
