@@ -67,7 +67,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=4, help="requests per client per phase")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--mixes", default="single,mixed")
+    p.add_argument("--mixes", default="single,mixed", help="comma-separated: single, mixed")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=".bench/serve")
     p.add_argument("--models", default=None, help="where model folders are built (default OUT)")
@@ -78,6 +78,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "engine other than dynamic)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, tp=2, small phases")
     a = p.parse_args(argv)
+    unknown = set(a.mixes.split(",")) - {"single", "mixed"}
+    if unknown:
+        p.error(f"--mixes {a.mixes}: unknown {sorted(unknown)}; expected single and/or mixed")
     if a.smoke:
         a.shape, a.tp, a.adapters, a.rank = "tiny", 2, 2, 4
         a.concurrency, a.requests, a.prompt_tokens, a.max_tokens = "1,4", 2, 8, 6
