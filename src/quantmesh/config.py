@@ -380,8 +380,9 @@ class TrainConfig:
     """At pp > 1: the pipeline schedule of each step's grad_accum micro-batches: 1f1b (needs
     grad_accum >= pp) or gpipe with one stage per rank, interleaved1f1b with several."""
     loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk, each recomputed in
-    backward: at most this many rows of logits at once); 0 = the plain loss on the whole logits.
+    """Tokens per chunk of the loss (head + cross-entropy run chunk by chunk: at most this many
+    rows of logits at once; a frozen head's gradient is made in the forward, a trained or tp-split
+    head's chunks are recomputed in backward); 0 = the plain loss on the whole logits.
     At pp > 1 the pipeline's last stage computes the plain loss whatever this says."""
 
     def __post_init__(self) -> None:

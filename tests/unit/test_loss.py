@@ -33,6 +33,33 @@ def test_chunked_equals_plain_loss_and_gradients() -> None:
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
+def test_a_frozen_head_passes_once_per_chunk_and_gives_the_plain_gradients() -> None:
+    """A head that does not train (a LoRA run's): each chunk's gradient is made in the forward,
+    and backward never runs the head again."""
+    ids = token_ids(100, batch=2, length=21)
+    labels = ids.clone()
+    labels[1, 3:9] = -100
+    ref = llama()
+    ref.get_output_embeddings().requires_grad_(False)
+    total, n = plain_loss_sum(ref, ids, labels)
+    (total / n).backward()
+    model = llama()
+    head = model.get_output_embeddings()
+    head.requires_grad_(False)
+    calls = []
+    head.register_forward_hook(lambda *_: calls.append(1))
+    got, m = chunked_loss_sum(model, ids, labels, chunk_tokens=4)
+    ran = len(calls)
+    (got / m).backward()
+    assert len(calls) == ran, "backward ran the head again"
+    assert m == n
+    torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-5)
+    grads, want = _grads(model), _grads(ref)
+    assert len(grads) == len(want) > 0
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
 class _RowCounter:
     """Records the most rows (tokens) the output head saw in one call."""
 

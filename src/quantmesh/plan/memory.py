@@ -618,8 +618,10 @@ def _for_rank(
             + " + one block's activations (held against GPU peaks, eager and compiled: docs/benchmarks.md)"
         )
     if chunk > 0 and lora is not None and tokens > chunk:
-        # One chunk's logits at a time (12 bytes per logit at its backward), plus the labelled
-        # tokens' final hidden states kept for the chunks' recompute. A head split over tp
+        # One chunk's logits at a time (12 bytes per logit with their gradient), plus one tensor
+        # of the labelled tokens' hidden-state size kept for backward (a frozen head: their
+        # gradient, made in the forward; else the hidden states, for the chunks' recompute;
+        # train/loss.py). A head split over tp
         # (colwise_gather) is not gathered: this rank's columns only (tp/cross_entropy.py).
         logits = chunk * _head_columns(model, resolved, widths, dims.vocab) * 12
         logits += tokens * dims.hidden * a

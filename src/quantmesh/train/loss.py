@@ -1,7 +1,11 @@
 """Causal-LM loss without the whole logits: the head and cross-entropy run one chunk of tokens at a
-time, each chunk recomputed in backward, so at most `chunk_tokens` rows of fp32 logits exist at once.
-A head split over tp (colwise_gather) is not gathered: each rank computes the loss from its own
-columns (tp/cross_entropy.py), so a rank holds chunk_tokens x V / tp logits.
+time, so at most `chunk_tokens` rows of fp32 logits exist at once. A frozen head (no parameter
+that needs a gradient: the usual LoRA run) has each chunk's gradient with respect to its hidden
+states made in the forward, right after the chunk's loss, and kept (the size of the hidden states
+the recompute would keep): backward only scales it, with no second pass through the head. A head
+that trains, or one split over tp, recomputes each chunk in backward instead. A head split over
+tp (colwise_gather) is not gathered: each rank computes the loss from its own columns
+(tp/cross_entropy.py), so a rank holds chunk_tokens x V / tp logits.
 
 The model's own forward runs with its output head swapped for a pass-through (its root forward and
 every hook stay in place: DDP's, the tp RNG regions'), which hands back the final hidden states; the
@@ -87,6 +91,42 @@ def _chunk_ce(head: nn.Module, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(head(h).float(), t, reduction="sum")  # (n, V) lives only here
 
 
+class _FrozenHeadLoss(torch.autograd.Function):
+    """The summed cross-entropy of a frozen head's logits, chunk by chunk, its gradient with
+    respect to the hidden states made in the forward: one pass through the head, not two."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        h: torch.Tensor,
+        t: torch.Tensor,
+        head: nn.Module,
+        chunk_tokens: int,
+    ) -> torch.Tensor:
+        total = h.new_zeros((), dtype=torch.float32)
+        grad = torch.empty_like(h)
+        for s in range(0, h.shape[0], chunk_tokens):
+            with torch.enable_grad():
+                x = h[s : s + chunk_tokens].detach().requires_grad_()
+                loss = F.cross_entropy(head(x).float(), t[s : s + chunk_tokens], reduction="sum")
+                (grad[s : s + chunk_tokens],) = torch.autograd.grad(loss, x)
+            total += loss.detach()
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        (grad,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * g.to(grad.dtype), None, None, None
+
+
+def _frozen(head: nn.Module) -> bool:
+    """A head whose own parameters need no gradient, and which is not split over tp."""
+    return not splits_vocab(head) and not any(p.requires_grad for p in head.parameters())
+
+
 def _chunked(
     model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
 ) -> tuple[torch.Tensor, int]:
@@ -96,6 +136,8 @@ def _chunked(
     keep = (target != IGNORE_INDEX).nonzero().squeeze(1)  # labelled positions only
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)  # (n, H)
     t = target.index_select(0, keep)
+    if h.requires_grad and _frozen(head):
+        return _FrozenHeadLoss.apply(h, t, head, chunk_tokens), int(keep.numel())
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, h.shape[0], chunk_tokens):
         total = total + checkpoint(
