@@ -96,7 +96,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
     respect to the hidden states made in the forward: one pass through the head, not two."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         h: torch.Tensor,
         t: torch.Tensor,
@@ -115,7 +115,7 @@ class _FrozenHeadLoss(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors  # type: ignore[attr-defined]
