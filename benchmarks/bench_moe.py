@@ -58,6 +58,11 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="GPU time by kernel of 2 more steps")
     p.add_argument(
+        "--weight-deltas",
+        action="store_true",
+        help="qm: expert adapters as weight deltas (the reference path), not on the activations",
+    )
+    p.add_argument(
         "--unsloth-gc",
         choices=["unsloth", "off"],
         default="unsloth",
@@ -129,6 +134,11 @@ def run_qm(a, device) -> tuple:
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
                    dtype=torch.bfloat16)  # fmt: skip
     qb.fill_random(model, seed=0)
+    from quantmesh.tp.experts import ShardedExperts
+
+    for m in model.modules():
+        if isinstance(m, ShardedExperts):
+            m.adapters_on_activations = not a.weight_deltas
     if a.compile:
         qm.compile_blocks(model)
     if a.checkpoint != "none":
@@ -220,6 +230,17 @@ def chunked_loss(chunk_tokens: int):
     return loss_fn
 
 
+def expert_path(model, device) -> str:
+    """Which path the expert adapters take: on the activations (the grouped forward) or as weight
+    deltas, as one experts module decides for a token batch of this run's kind."""
+    from quantmesh.tp.experts import ShardedExperts
+
+    m = next(m for m in model.modules() if isinstance(m, ShardedExperts))
+    ids = torch.zeros(2, 1, dtype=torch.long, device=device)
+    route = m._grouped_routing(torch.zeros(2, 1, device=device), (ids, ids.float()), {})
+    return "activations" if route is not None else "weight deltas"
+
+
 def expert_storage(model) -> dict:
     """How the first layer's experts are stored: float or packed (quantized) bytes."""
     for name, p in model.named_parameters():
@@ -243,6 +264,7 @@ def main(argv=None) -> int:
     name = f"result_moe_{a.mode}{'_compiled' if a.compile else ''}"
     name += f"_chunk{a.loss_chunk}" if a.loss_chunk else ""
     name += f"_{a.checkpoint}" if a.checkpoint != "none" else ""
+    name += "_deltas" if a.weight_deltas else ""
     R.update(loss_chunk=a.loss_chunk, checkpoint=a.checkpoint)
     if a.mode == "unsloth":
         R["unsloth_gc"] = a.unsloth_gc
@@ -257,6 +279,8 @@ def main(argv=None) -> int:
         run = {"qm": run_qm, "peft": run_peft, "unsloth": run_unsloth}[a.mode]
         model, params = run(a, device)
         R["experts_stored_as"] = expert_storage(model)
+        if a.mode == "qm":
+            R["expert_adapters"] = expert_path(model, device)
         R["trainable_parameters"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=1e-4)
         vocab = config(a).vocab_size

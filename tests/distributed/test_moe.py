@@ -152,7 +152,9 @@ def job_compiled(mesh) -> dict:
     for compiled in (False, True):
         model = copy.deepcopy(case.build(0))
         model.config._experts_implementation = "grouped_mm"  # the path compiled blocks take
-        qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=2, alpha=4))
+        # r=4: a row of 4 fp32 values is the 16 bytes grouped matmuls take, so the adapters run
+        # on the activations (ShardedExperts._grouped_forward), traced whole
+        qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4, alpha=8))
         _nonzero_b(model)
         if compiled:
             assert qm.compile_blocks(model, fullgraph=True, backend="aot_eager") == 2
@@ -166,6 +168,54 @@ def job_compiled(mesh) -> dict:
         "grads": max(float((a - b).abs().max()) for a, b in zip(g0, g1, strict=True)),
         "n_grads": len(g0),
     }
+
+
+def job_activations(mesh) -> dict:
+    """The grouped experts forward with the adapters on the activations, against the weight-delta
+    path (the reference), on every architecture: logits and every gradient, tp=2."""
+    import quantmesh as qm
+    from quantmesh.tp.experts import ShardedExperts
+    from tests.zoo import ZOO
+
+    calls = []
+    grouped = ShardedExperts._grouped_forward
+
+    def counted(self, *a):  # noqa: ANN001, ANN202
+        calls.append(1)
+        return grouped(self, *a)
+
+    ShardedExperts._grouped_forward = counted  # type: ignore[method-assign]
+    out = {}
+    try:
+        for name in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"):
+            case = ZOO[name]
+            model = copy.deepcopy(case.build(0))
+            model.config._experts_implementation = "grouped_mm"
+            qm.parallelize(model, mesh, lora=qm.LoraConfig(r=4, alpha=8))
+            _nonzero_b(model)
+            experts = [m for m in model.modules() if isinstance(m, ShardedExperts)]
+            runs = {}
+            for on in (True, False):
+                for m in experts:
+                    m.adapters_on_activations = on
+                del calls[:]
+                y = model(**case.inputs()).logits
+                y.float().pow(2).mean().backward()
+                params = qm.trainable_parameters(model)
+                runs[on] = (y.detach(), [p.grad.clone() for p in params], len(calls))
+                for p in params:
+                    p.grad = None
+            (y1, g1, n1), (y0, g0, n0) = runs[True], runs[False]
+            out[name] = {
+                "logits": _rel(y1, y0),
+                "grads": max(_rel(a, b) for a, b in zip(g1, g0, strict=True)),
+                "n_grads": len(g0),
+                "grouped_calls": (n1, n0),
+                "experts": len(experts),
+            }
+    finally:
+        ShardedExperts._grouped_forward = grouped  # type: ignore[method-assign]
+    return out
 
 
 def job_routed(mesh) -> dict:
@@ -241,6 +291,7 @@ def _jobs(rank: int, world: int, folder: str) -> dict:
         "refusals": job_refusals(mesh),
         "compiled": job_compiled(mesh),
         "routed": job_routed(mesh),
+        "activations": job_activations(mesh),
     }
 
 
@@ -334,6 +385,16 @@ def test_pipeline_stages_cut_through_moe_blocks() -> None:
     (one,) = run_ranks(_pp_loss, 1, 1, timeout=300)
     two = run_ranks(_pp_loss, 2, 2, timeout=300)
     assert two == [one, one], (one, two)
+
+
+def test_grouped_experts_add_their_adapters_on_the_activations_like_the_weight_deltas() -> None:
+    for rank in results()["tp2"]:
+        for name, f in rank["activations"].items():
+            assert f["experts"] > 0 and f["n_grads"] > 0, (name, f)
+            # on the new path the grouped forward ran twice per experts module (forward, and its
+            # recompute in backward: activation checkpointing), never on the old one
+            assert f["grouped_calls"] == (2 * f["experts"], 0), (name, f)
+            assert f["logits"] < 1e-5 and f["grads"] < 1e-4, (name, f)
 
 
 def test_compiled_blocks_trace_nf4_experts_with_adapters() -> None:

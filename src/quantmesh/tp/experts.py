@@ -24,6 +24,17 @@ The model's own experts forward runs unchanged on the rank's effective tensors (
 plus the adapters' deltas) through `torch.func.functional_call`; with a quantized base or adapters
 it runs under activation checkpointing, so that no dequantized expert weight is kept for backward.
 
+**On transformers' grouped path, an expert adapter meets the activations, not the weight.** A
+weight delta W_e + s B_e A_e is exact but costs a merged copy of every expert and, in backward, a
+weight-sized gradient of each expert tensor before it reaches A and B. Where the module runs
+transformers' `grouped_mm` experts forward (what compiled blocks and GPUs run), the same forward
+runs here with each grouped projection followed by its adapter's x A_e^T B_e^T s (two grouped
+matmuls of rank r): `_grouped_forward`, the semantics of transformers' experts interface
+(sorting by expert, the module's own gate or activation, biases, routing weights), the module's
+flags read as that interface reads them. The weight-delta path stays for everything else
+(the eager loop, a decoding step on the routed experts, an adapter bank) and is the reference:
+both are tested equal (`adapters_on_activations = False` selects it).
+
 **Only the experts a batch routes to are dequantized.** When the tokens of a forward reach fewer
 than all experts (decoding, small batches), the forward runs on those experts alone: their codes
 dequantized (`QuantFormat.compute_units`), their adapters' deltas and biases picked, the routing
@@ -62,6 +73,17 @@ from .collectives import copy_to_tp, reduce_from_tp
 from .kinds import ExpertTensor, Kind, expert_tensors
 from .layers import ShardedModule, _refuse_adapter_setattr
 from .rng import RngRegions
+
+
+def _transformers_grouped_mm() -> Any:
+    """transformers' grouped matmul dispatcher (torch's grouped_mm where it runs: the device, the
+    dtype under compile, alignment; else its own fallback op), or None if it has none."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return getattr(moe, "_grouped_mm", None)
+
 
 __all__ = [
     "ExpertTensor",
@@ -188,6 +210,8 @@ class ShardedExperts(ShardedModule):
     split_reason: str | None  # why the experts are whole at tp > 1
     routed_only: bool  # run only the experts a forward routes to (eager; see the module doc)
     last_routed: int
+    adapters_on_activations: bool  # grouped path: adapters on the activations (module doc)
+    grouped_mm: Any  # transformers' grouped matmul (_transformers_grouped_mm), None: none
 
     @classmethod
     def build_experts(
@@ -275,6 +299,8 @@ class ShardedExperts(ShardedModule):
         self.expert_lora = nn.ModuleDict()
         self.routed_only = hasattr(orig, "num_experts")
         self.last_routed = 0  # experts the last routed-only forward ran on (0: none yet)
+        self.adapters_on_activations = True
+        self.grouped_mm = _transformers_grouped_mm()
         self.padding_idx = None
         self.in_local = self.out_local = 0
         return self
@@ -447,10 +473,10 @@ class ShardedExperts(ShardedModule):
 
     # ---- forward ------------------------------------------------------------------------------
     def _effective(
-        self, hit: torch.Tensor | None = None, units: int = 0
+        self, hit: torch.Tensor | None = None, units: int = 0, deltas: bool = True
     ) -> dict[str, torch.Tensor]:
-        """The tensors the experts forward reads: dequantized, plus the adapters' deltas; the
-        second projection's bias on tp rank 0 only. With `hit` (expert ids, sorted): those
+        """The tensors the experts forward reads: dequantized, plus the adapters' deltas (unless
+        `deltas` is False); the second projection's bias on tp rank 0 only. With `hit` (expert ids, sorted): those
         experts' only, in that order. `units` > the module's experts: the ids are an adapter
         bank's (`ExpertLora.route`), expert `hit % E` of one adapter slot each."""
         out: dict[str, torch.Tensor] = {}
@@ -484,7 +510,7 @@ class ShardedExperts(ShardedModule):
             ad = cast(
                 ExpertLora | None, self.expert_lora[name] if name in self.expert_lora else None
             )
-            if ad is not None:
+            if ad is not None and deltas:
                 factors = self._factors(t)
                 w = w + ad.weight_delta(self.transposed, hit, factors).to(w.dtype)
             out[name] = w
@@ -518,6 +544,9 @@ class ShardedExperts(ShardedModule):
     def _run(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         routed = self._routed(args, kwargs)
         if routed is None:
+            routing = self._grouped_routing(x, args, kwargs)
+            if routing is not None:
+                return self._grouped_forward(x, *routing)
             return torch.func.functional_call(self.local, self._effective(), (x, *args), kwargs)
         hit, units, args, kwargs = routed
         local = cast(Any, self.local)
@@ -531,6 +560,88 @@ class ShardedExperts(ShardedModule):
             )
         finally:
             local.num_experts = whole
+
+    def _grouped_routing(
+        self, x: torch.Tensor, args: tuple, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(routing ids, routing weights) when this forward adds the adapters on the activations
+        (module doc): transformers' grouped experts forward, adapters of one expert tensor or
+        both, each rank r of a width grouped matmuls take (16-byte rows), no expert parallelism;
+        else None (the weight-delta path)."""
+        local = cast(Any, self.local)
+        cfg = getattr(local, "config", None)
+        ads = list(self.expert_lora.values())
+        if (
+            not self.adapters_on_activations
+            or self.grouped_mm is None
+            or getattr(cfg, "_experts_implementation", None) != "grouped_mm"
+            or getattr(local, "_is_expert_parallel", False)
+            or not hasattr(local, "has_gate")
+            or not ads
+            or not all(isinstance(ad, ExpertAdapter) for ad in ads)
+            or kwargs
+            or len(args) != 2
+        ):
+            return None
+        ids, weights = args if _is_ids(args[0]) else args[::-1]
+        if not _is_ids(ids) or not (
+            isinstance(weights, torch.Tensor) and weights.is_floating_point()
+        ):
+            return None
+        size = torch.finfo(self.float_dtype).bits // 8
+        if any(cast(ExpertAdapter, ad).r * size % 16 for ad in ads):
+            return None
+        return ids, weights
+
+    def _grouped_forward(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """transformers' grouped experts forward (its experts interface's semantics) on the
+        dequantized experts, each expert tensor's adapter added to its projection's output."""
+        local = cast(Any, self.local)
+        e = self.num_experts
+        w = self._effective(deltas=False)
+        k, tokens = top_k_index.size(-1), x.size(0)
+        ids_g, perm = torch.sort(top_k_index.reshape(-1))  # grouped by expert
+        xs = x[perm // k]
+        routing = top_k_weights.reshape(-1)[perm]
+        # histc: no data-dependent output size (CUDA graphs); float on CPU, integers on CUDA
+        counts = ids_g.float() if x.device.type in ("cpu", "mps") else ids_g.int()
+        offs = torch.cumsum(torch.histc(counts, bins=e, min=0, max=e - 1), 0, dtype=torch.int32)
+        first, second = sorted(self.tensors.values(), key=lambda t: not t.first)
+        h = self._grouped_linear(xs, first, w, offs, ids_g)
+        h = local._apply_gate(h) if local.has_gate else local.act_fn(h)
+        y = self._grouped_linear(h, second, w, offs, ids_g)
+        if getattr(local, "has_post_expert_norm", False):
+            y = local.post_expert_norm(y)
+        y = y * routing.unsqueeze(-1)
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.numel(), device=perm.device)
+        return y[back].view(tokens, k, -1).sum(dim=1).to(x.dtype)
+
+    def _grouped_linear(
+        self,
+        xs: torch.Tensor,
+        t: ExpertTensor,
+        w: dict[str, torch.Tensor],
+        offs: torch.Tensor,
+        ids_g: torch.Tensor,
+    ) -> torch.Tensor:
+        """One projection of the rows `xs` (grouped by expert): base, bias, then the adapter."""
+        gmm = self.grouped_mm
+        weight = w[t.name]
+        y = gmm(xs, weight if self.transposed else weight.transpose(-2, -1), offs)
+        if t.bias is not None:
+            y = y + w[t.bias][ids_g]
+        if t.name in self.expert_lora:
+            ad = cast(ExpertAdapter, self.expert_lora[t.name])
+            a, b = self._factors(t)(ad.lora_A.weight, ad.lora_B.weight)
+            e, r = self.num_experts, ad.r
+            a3 = a.reshape(e, r, a.shape[-1]).transpose(1, 2)  # (E, in, r): A_e^T
+            b3 = b.reshape(b.shape[0], r, e).permute(2, 1, 0)  # (E, r, out): B_e^T
+            low = gmm(xs, a3.to(weight.dtype).contiguous(), offs)  # (S, r)
+            y = y + gmm(low, b3.to(weight.dtype).contiguous(), offs) * ad.scale
+        return y
 
     def _routed(
         self, args: tuple, kwargs: dict
