@@ -58,9 +58,11 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="GPU time by kernel of 2 more steps")
     p.add_argument(
-        "--weight-deltas",
-        action="store_true",
-        help="qm: expert adapters as weight deltas (the reference path), not on the activations",
+        "--expert-adapters",
+        choices=["built", "activations", "deltas"],
+        default="built",
+        help="qm: expert adapters on the activations or as weight deltas (the reference); built: "
+        "as parallelize made them ($QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS)",
     )
     p.add_argument(
         "--unsloth-gc",
@@ -137,8 +139,8 @@ def run_qm(a, device) -> tuple:
     from quantmesh.tp.experts import ShardedExperts
 
     for m in model.modules():
-        if isinstance(m, ShardedExperts):
-            m.adapters_on_activations = not a.weight_deltas
+        if isinstance(m, ShardedExperts) and a.expert_adapters != "built":
+            m.adapters_on_activations = a.expert_adapters == "activations"
     if a.compile:
         qm.compile_blocks(model)
     if a.checkpoint != "none":
@@ -264,7 +266,7 @@ def main(argv=None) -> int:
     name = f"result_moe_{a.mode}{'_compiled' if a.compile else ''}"
     name += f"_chunk{a.loss_chunk}" if a.loss_chunk else ""
     name += f"_{a.checkpoint}" if a.checkpoint != "none" else ""
-    name += "_deltas" if a.weight_deltas else ""
+    name += f"_{a.expert_adapters}" if a.expert_adapters != "built" else ""
     R.update(loss_chunk=a.loss_chunk, checkpoint=a.checkpoint)
     if a.mode == "unsloth":
         R["unsloth_gc"] = a.unsloth_gc

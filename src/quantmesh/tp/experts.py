@@ -33,7 +33,8 @@ matmuls of rank r): `_grouped_forward`, the semantics of transformers' experts i
 (sorting by expert, the module's own gate or activation, biases, routing weights), the module's
 flags read as that interface reads them. The weight-delta path stays for everything else
 (the eager loop, a decoding step on the routed experts, an adapter bank) and is the reference:
-both are tested equal (`adapters_on_activations = False` selects it).
+both are tested equal. Opt-in (`QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS=1`, or
+`adapters_on_activations = True` on the module) until it is measured on a GPU.
 
 **Only the experts a batch routes to are dequantized.** When the tokens of a forward reach fewer
 than all experts (decoding, small batches), the forward runs on those experts alone: their codes
@@ -59,6 +60,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..config import env_switch
 from ..lora.adapter import ExpertAdapter, ExpertLora, Factors
 from ..plan.styles import (
     FeatureSplit,
@@ -73,6 +75,41 @@ from .collectives import copy_to_tp, reduce_from_tp
 from .kinds import ExpertTensor, Kind, expert_tensors
 from .layers import ShardedModule, _refuse_adapter_setattr
 from .rng import RngRegions
+
+
+@torch.library.custom_op("quantmesh::permuted_copy", mutates_args=())
+def permuted_copy(
+    x: torch.Tensor, shape: list[int], perm: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """`x` reshaped to `shape`, permuted by `perm` and cast to `dtype`, as a contiguous tensor.
+
+    An op of its own so that a compiler keeps its output contiguous: grouped matmuls take a 3-D
+    operand only row- or column-major in its last two dims, and inductor, free to lay out a plain
+    permute + contiguous as it likes, handed one a permuted view (found on CPU and on an H200).
+
+    Example:
+        >>> permuted_copy(torch.arange(6.0).reshape(2, 3), [2, 3], [1, 0], torch.float32).stride()
+        (2, 1)
+    """
+    return x.reshape(shape).permute(perm).to(dtype).contiguous()
+
+
+@permuted_copy.register_fake
+def _(x: torch.Tensor, shape: list[int], perm: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return x.new_empty([shape[i] for i in perm], dtype=dtype)
+
+
+def _permuted_copy_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, _shape, perm, _dtype = inputs
+    ctx.x_shape, ctx.x_dtype, ctx.perm = list(x.shape), x.dtype, list(perm)
+
+
+def _permuted_copy_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    inverse = [ctx.perm.index(i) for i in range(len(ctx.perm))]
+    return grad.permute(inverse).reshape(ctx.x_shape).to(ctx.x_dtype), None, None, None
+
+
+permuted_copy.register_autograd(_permuted_copy_backward, setup_context=_permuted_copy_setup)
 
 
 def _transformers_grouped_mm() -> Any:
@@ -299,7 +336,10 @@ class ShardedExperts(ShardedModule):
         self.expert_lora = nn.ModuleDict()
         self.routed_only = hasattr(orig, "num_experts")
         self.last_routed = 0  # experts the last routed-only forward ran on (0: none yet)
-        self.adapters_on_activations = True
+        # opt-in until measured on a GPU (docs/quantization-and-lora.md, "Mixtures of experts")
+        self.adapters_on_activations = env_switch(
+            "QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS", default=False
+        )
         self.grouped_mm = _transformers_grouped_mm()
         self.padding_idx = None
         self.in_local = self.out_local = 0
@@ -636,11 +676,11 @@ class ShardedExperts(ShardedModule):
         if t.name in self.expert_lora:
             ad = cast(ExpertAdapter, self.expert_lora[t.name])
             a, b = self._factors(t)(ad.lora_A.weight, ad.lora_B.weight)
-            e, r = self.num_experts, ad.r
-            a3 = a.reshape(e, r, a.shape[-1]).transpose(1, 2)  # (E, in, r): A_e^T
-            b3 = b.reshape(b.shape[0], r, e).permute(2, 1, 0)  # (E, r, out): B_e^T
-            low = gmm(xs, a3.to(weight.dtype).contiguous(), offs)  # (S, r)
-            y = y + gmm(low, b3.to(weight.dtype).contiguous(), offs) * ad.scale
+            e, r, dt = self.num_experts, ad.r, weight.dtype
+            a3 = permuted_copy(a, [e, r, a.shape[-1]], [0, 2, 1], dt)  # (E, in, r): A_e^T
+            b3 = permuted_copy(b, [b.shape[0], r, e], [2, 1, 0], dt)  # (E, r, out): B_e^T
+            low = gmm(xs, a3, offs)  # (S, r)
+            y = y + gmm(low, b3, offs) * ad.scale
         return y
 
     def _routed(
