@@ -516,9 +516,9 @@ class ShardedExperts(ShardedModule):
         self, hit: torch.Tensor | None = None, units: int = 0, deltas: bool = True
     ) -> dict[str, torch.Tensor]:
         """The tensors the experts forward reads: dequantized, plus the adapters' deltas (unless
-        `deltas` is False); the second projection's bias on tp rank 0 only. With `hit` (expert ids, sorted): those
-        experts' only, in that order. `units` > the module's experts: the ids are an adapter
-        bank's (`ExpertLora.route`), expert `hit % E` of one adapter slot each."""
+        `deltas` is False); the second projection's bias on tp rank 0 only. With `hit` (expert
+        ids, sorted): those experts' only, in that order. `units` > the module's experts: the ids
+        are an adapter bank's (`ExpertLora.route`), expert `hit % E` of one adapter slot each."""
         out: dict[str, torch.Tensor] = {}
         g = self.group
         e = self.num_experts
