@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
-from bench_train import hf_loss, profile_steps  # noqa: E402
+from bench_train import hf_loss, pipelined, profile_steps  # noqa: E402
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -221,26 +221,13 @@ def run_unsloth(a, device) -> tuple:
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def chunked_loss(chunk_tokens: int):
-    """The training loop's step: qm.train_step with the chunked loss (it runs backward itself)."""
-    import quantmesh as qm
-
-    def loss_fn(model, ids):
-        return qm.train_step(model, {"input_ids": ids}, chunk_tokens=chunk_tokens)
-
-    loss_fn.backpropagated = True  # type: ignore[attr-defined]
-    return loss_fn
-
-
-def expert_path(model, device) -> str:
+def expert_path(model) -> str:
     """Which path the expert adapters take: on the activations (the grouped forward) or as weight
-    deltas, as one experts module decides for a token batch of this run's kind."""
+    deltas."""
     from quantmesh.tp.experts import ShardedExperts
 
     m = next(m for m in model.modules() if isinstance(m, ShardedExperts))
-    ids = torch.zeros(2, 1, dtype=torch.long, device=device)
-    route = m._grouped_routing(torch.zeros(2, 1, device=device), (ids, ids.float()), {})
-    return "activations" if route is not None else "weight deltas"
+    return "activations" if m.uses_activation_adapters() else "weight deltas"
 
 
 def expert_storage(model) -> dict:
@@ -282,13 +269,15 @@ def main(argv=None) -> int:
         model, params = run(a, device)
         R["experts_stored_as"] = expert_storage(model)
         if a.mode == "qm":
-            R["expert_adapters"] = expert_path(model, device)
+            R["expert_adapters"] = expert_path(model)
         R["trainable_parameters"] = sum(p.numel() for p in params)
         opt = torch.optim.AdamW(params, lr=1e-4)
         vocab = config(a).vocab_size
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (a.mb, a.seq), generator=g).to(device)
-        loss_fn = chunked_loss(a.loss_chunk) if a.mode == "qm" and a.loss_chunk else hf_loss
+        # the chunked loss through the training loop's step (qm.train_step, which runs backward)
+        chunked = a.mode == "qm" and a.loss_chunk
+        loss_fn = pipelined(1, "1f1b", chunk_tokens=a.loss_chunk) if chunked else hf_loss
         qb.reset_peaks(device)
         autocast = device.type == "cuda"
         losses = []

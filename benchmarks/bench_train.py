@@ -211,15 +211,17 @@ def make_vp_loss(model, mesh):
     return loss_fn
 
 
-def pipelined(microbatches: int, schedule: str):
-    """A step through qm.train_step (pipelined at pp > 1): forward and backward of `ids` in
-    `microbatches` parts; returns the loss, already backpropagated (train() then skips backward)."""
+def pipelined(microbatches: int, schedule: str, chunk_tokens: int = 0):
+    """A step through qm.train_step (pipelined at pp > 1; the chunked loss with `chunk_tokens` at
+    pp = 1): forward and backward of `ids` in `microbatches` parts; returns the loss, already
+    backpropagated (train() then skips backward)."""
     import quantmesh as qm
 
     def step(model, ids):
         return qm.train_step(
-            model, {"input_ids": ids}, microbatches=microbatches, schedule=schedule
-        )
+            model, {"input_ids": ids}, microbatches=microbatches, schedule=schedule,
+            chunk_tokens=chunk_tokens,
+        )  # fmt: skip
 
     step.backpropagated = True
     return step

@@ -584,7 +584,7 @@ class ShardedExperts(ShardedModule):
     def _run(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         routed = self._routed(args, kwargs)
         if routed is None:
-            routing = self._grouped_routing(x, args, kwargs)
+            routing = self._grouped_routing(args, kwargs)
             if routing is not None:
                 return self._grouped_forward(x, *routing)
             return torch.func.functional_call(self.local, self._effective(), (x, *args), kwargs)
@@ -601,35 +601,42 @@ class ShardedExperts(ShardedModule):
         finally:
             local.num_experts = whole
 
+    def uses_activation_adapters(self) -> bool:
+        """Whether this module adds its expert adapters on the activations (module doc): asked
+        for (`adapters_on_activations`), transformers' grouped experts forward, adapters of one
+        expert tensor or both, each of a rank r whose rows grouped matmuls take (16 bytes), no
+        expert parallelism; else they are weight deltas.
+
+        Example:
+            >>> experts.uses_activation_adapters()  # doctest: +SKIP
+            False
+        """
+        local = cast(Any, self.local)
+        ads = list(self.expert_lora.values())
+        size = torch.finfo(self.float_dtype).bits // 8
+        return (
+            self.adapters_on_activations
+            and self.grouped_mm is not None
+            and getattr(getattr(local, "config", None), "_experts_implementation", None)
+            == "grouped_mm"
+            and not getattr(local, "_is_expert_parallel", False)
+            and hasattr(local, "has_gate")
+            and len(ads) > 0
+            and all(isinstance(ad, ExpertAdapter) and ad.r * size % 16 == 0 for ad in ads)
+        )
+
     def _grouped_routing(
-        self, x: torch.Tensor, args: tuple, kwargs: dict
+        self, args: tuple, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(routing ids, routing weights) when this forward adds the adapters on the activations
-        (module doc): transformers' grouped experts forward, adapters of one expert tensor or
-        both, each rank r of a width grouped matmuls take (16-byte rows), no expert parallelism;
-        else None (the weight-delta path)."""
-        local = cast(Any, self.local)
-        cfg = getattr(local, "config", None)
-        ads = list(self.expert_lora.values())
-        if (
-            not self.adapters_on_activations
-            or self.grouped_mm is None
-            or getattr(cfg, "_experts_implementation", None) != "grouped_mm"
-            or getattr(local, "_is_expert_parallel", False)
-            or not hasattr(local, "has_gate")
-            or not ads
-            or not all(isinstance(ad, ExpertAdapter) for ad in ads)
-            or kwargs
-            or len(args) != 2
-        ):
+        (`uses_activation_adapters`, and the forward's two arguments are those); else None (the
+        weight-delta path)."""
+        if kwargs or len(args) != 2 or not self.uses_activation_adapters():
             return None
         ids, weights = args if _is_ids(args[0]) else args[::-1]
         if not _is_ids(ids) or not (
             isinstance(weights, torch.Tensor) and weights.is_floating_point()
         ):
-            return None
-        size = torch.finfo(self.float_dtype).bits // 8
-        if any(cast(ExpertAdapter, ad).r * size % 16 for ad in ads):
             return None
         return ids, weights
 
@@ -648,7 +655,7 @@ class ShardedExperts(ShardedModule):
         # histc: no data-dependent output size (CUDA graphs); float on CPU, integers on CUDA
         counts = ids_g.float() if x.device.type in ("cpu", "mps") else ids_g.int()
         offs = torch.cumsum(torch.histc(counts, bins=e, min=0, max=e - 1), 0, dtype=torch.int32)
-        first, second = sorted(self.tensors.values(), key=lambda t: not t.first)
+        first, second = self.tensors.values()  # as build_experts made them
         h = self._grouped_linear(xs, first, w, offs, ids_g)
         h = local._apply_gate(h) if local.has_gate else local.act_fn(h)
         y = self._grouped_linear(h, second, w, offs, ids_g)
