@@ -1,6 +1,6 @@
 """`quantmesh demo` (what `make demo` runs), shortened with --steps and --seq-len: the held-out
-loss falls and every product is written. The assets come from the session's `demo_assets` cache (tests/conftest.py:
-prepared from PyPI once, and checked by tests/unit/test_assets.py)."""
+loss falls and every product is written. The assets come from the session's `demo_assets` cache
+(tests/conftest.py: prepared from PyPI once, and checked by tests/unit/test_assets.py)."""
 
 from __future__ import annotations
 
