@@ -33,8 +33,10 @@ matmuls of rank r): `_grouped_forward`, the semantics of transformers' experts i
 (sorting by expert, the module's own gate or activation, biases, routing weights), the module's
 flags read as that interface reads them. The weight-delta path stays for everything else
 (the eager loop, a decoding step on the routed experts, an adapter bank) and is the reference:
-both are tested equal. Opt-in (`QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS=1`, or
-`adapters_on_activations = True` on the module) until it is measured on a GPU.
+both are tested equal. On by default since it was measured on a GPU (1.19x the weight deltas'
+training speed at the same memory: docs/benchmarks.md, "Mixtures of experts against Unsloth's MoE
+path"); `QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS=0`, or `adapters_on_activations = False` on the
+module, keeps the weight deltas.
 
 **Only the experts a batch routes to are dequantized.** When the tokens of a forward reach fewer
 than all experts (decoding, small batches), the forward runs on those experts alone: their codes
@@ -336,9 +338,10 @@ class ShardedExperts(ShardedModule):
         self.expert_lora = nn.ModuleDict()
         self.routed_only = hasattr(orig, "num_experts")
         self.last_routed = 0  # experts the last routed-only forward ran on (0: none yet)
-        # opt-in until measured on a GPU (docs/quantization-and-lora.md, "Mixtures of experts")
+        # on by default: measured faster on a GPU (docs/quantization-and-lora.md, "Mixtures of
+        # experts"); 0 keeps the weight deltas
         self.adapters_on_activations = env_switch(
-            "QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS", default=False
+            "QUANTMESH_EXPERT_ADAPTERS_ON_ACTIVATIONS", default=True
         )
         self.grouped_mm = _transformers_grouped_mm()
         self.padding_idx = None
