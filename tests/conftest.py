@@ -27,6 +27,12 @@ PRELOAD = (
     "quantmesh.io.load",
 )
 testing.PRELOAD.extend(m for m in PRELOAD if m not in testing.PRELOAD)
+# First of all: what the CLI's workers import, under the workers' environment (set before any
+# library reads it). A command the suite starts (tests/e2e/test_cli_common.py) is forked from this
+# server, so it holds these imports and forks its workers from itself (cli/launch.py: torchrun's
+# `fork`) instead of starting a fork server that imports them again: seconds of CPU per command.
+# A command started from a shell takes the fork server: tests/e2e/test_cli_demo.py runs one so.
+testing.PRELOAD.insert(0, "quantmesh.cli.preload")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,11 +5,13 @@ embeddings) but tiny (hidden 72, 2 layers), with a word-level tokenizer built of
 sentences and a ChatML chat template.
 
 `cli()` starts the launching `quantmesh` process forked from the suite's fork server (torch,
-transformers, bitsandbytes and peft already imported: quantmesh.testing.PRELOAD), in its own
-session, working folder, environment, stdout and stderr; it runs what the console script runs
-(`main(argv)`, ended by `runner.exit_fast`) and launches its workers through torchrun as a user's
-would, each a fresh interpreter. `cli(..., fresh=True)` starts a fresh interpreter for the launching
-process too: the tests of what a user sees at a command's start (its exit code and message) use it.
+transformers, bitsandbytes, peft and the CLI workers' imports already done: quantmesh.testing.PRELOAD
+and tests/conftest.py), in its own session, working folder, environment, stdout and stderr; it runs
+what the console script runs (`main(argv)`, ended by `runner.exit_fast`) and launches its workers
+through torchrun, forked from itself since it holds their imports (cli/launch.py). `cli(...,
+fresh=True)` starts a fresh interpreter for the launching process, as a shell does: its workers come
+from a fork server, as a user's do (the demo's test), and the tests of what a user sees at a
+command's start (its exit code and message) use it.
 """
 
 from __future__ import annotations

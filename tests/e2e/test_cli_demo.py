@@ -18,9 +18,11 @@ from .test_cli_common import cli
 def test_demo_short_run_learns_and_writes_its_results(tmp_path: Path, demo_assets: Path) -> None:
     out = tmp_path / "demo"
     t0 = time.monotonic()
-    # shortened: 4 steps of 64-token examples (the demo's own: 30 of 128)
+    # shortened: 4 steps of 64-token examples (the demo's own: 30 of 128). A fresh interpreter,
+    # as `make demo` starts it: its workers come from a fork server (cli/launch.py), where the
+    # suite's other commands fork theirs from their launcher
     proc = cli("demo", "--steps", "4", "--seq-len", "64", "--max-new-tokens", "8",
-               "--output-dir", str(out), timeout=420,
+               "--output-dir", str(out), timeout=420, fresh=True,
                env={"QUANTMESH_CACHE": str(demo_assets)})  # fmt: skip
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,9 +4,12 @@ A failing worker ends all workers (torchrun's agent, no restarts); we print one 
 failed rank and exit non-zero. The worker's own traceback has already gone to stderr.
 
 A target is a script or module run by a fresh interpreter per worker, or a function (`fn`) run
-by workers forked from a fork server that has imported `quantmesh.cli.preload` (torch,
-transformers, bitsandbytes) once for all of them: on Linux hosts without CUDA only
-(`forked_workers_apply`), where it saves every rank but one its imports.
+by forked workers: on Linux hosts without CUDA only (`forked_workers_apply`), where it saves every
+rank its imports. Workers are forked from a process that holds what they import
+(`quantmesh.cli.preload`: torch, transformers, bitsandbytes, quantmesh's layers): this process
+when it has imported `quantmesh.cli.preload` itself (a launcher started from a process that
+did, as the test suite starts its commands), else a fork server that imports it once for all of
+them (a command started from a shell). Both are torchrun start methods (`fork`, `forkserver`).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def launch(
     else:
         argv += ["--standalone"]
     if fn is not None:
-        argv += ["--start-method=forkserver"]
+        argv += [f"--start-method={_start_method()}"]
     elif module:
         argv += ["-m"]
     # torchrun's parser asks for a script; a function's workers run none ("-" stands in for it)
@@ -107,14 +110,23 @@ def launch(
     return 0
 
 
+def _start_method() -> str:
+    """torchrun's start method for forked workers: `fork` when this process has imported
+    `quantmesh.cli.preload` (and so the workers' libraries, under the workers' environment), else
+    `forkserver` (a server that imports it, once for all workers)."""
+    return "fork" if "quantmesh.cli.preload" in sys.modules else "forkserver"
+
+
 def _run_forked(args: Any, fn: Callable[..., Any], fn_args: tuple) -> None:
-    """torchrun's agent with a function for its workers, started by the fork server (its
-    environment and stdio are this process's when the first worker starts it)."""
+    """torchrun's agent with a function for its workers, forked from this process or started by
+    the fork server (`_start_method`; its environment and stdio are this process's when the first
+    worker starts it)."""
     import multiprocessing as mp
 
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
-    mp.set_forkserver_preload(["quantmesh.cli.preload"])
+    if args.start_method == "forkserver":
+        mp.set_forkserver_preload(["quantmesh.cli.preload"])
     config, _, _ = config_from_args(args)
     elastic_launch(config=config, entrypoint=fn)(*fn_args)
