@@ -101,6 +101,7 @@ def test_instruction_loss_is_masked_and_averaged_over_dp2_grad_accum2(tmp_path: 
     # eager reference's loss)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tp=1 x dp=2" in proc.stderr
+    assert "train:" in proc.stderr  # a forked worker's own stderr (rank 0's progress) arrives
     assert "compile: 2 blocks" in proc.stdout + proc.stderr
     rows = [json.loads(ln) for ln in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

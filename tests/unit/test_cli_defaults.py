@@ -4,6 +4,8 @@ and the flags that turn each one on or off whatever the device."""
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 
@@ -80,10 +82,11 @@ def test_workers_let_cuda_memory_grow_in_place_unless_told(monkeypatch) -> None:
         hf_logging.set_verbosity(level)
 
 
-def test_our_workers_fork_on_a_host_without_cuda_except_the_servers(monkeypatch) -> None:
-    """run_workers starts finetune, generate, demo and verify workers as forks of a fork server
-    (launch(fn=worker.forked)) on a host without CUDA; serve's workers, a user's script and any
-    worker with QUANTMESH_FORK_WORKERS=0 run in fresh interpreters (launch's module path)."""
+def test_our_workers_fork_on_a_host_without_cuda(monkeypatch) -> None:
+    """run_workers starts every kind of worker (finetune, generate, demo, verify, serve) forked
+    (launch(fn=worker.forked)) on a host without CUDA; a user's script and any worker with
+    QUANTMESH_FORK_WORKERS=0 run in fresh interpreters (launch's module path). They fork from the
+    launcher itself when it holds the workers' imports (cli/preload.py), else from a fork server."""
     import torch
 
     from quantmesh.cli import launch, runner, worker
@@ -100,7 +103,7 @@ def test_our_workers_fork_on_a_host_without_cuda_except_the_servers(monkeypatch)
     for kind in worker.KINDS:
         assert runner.run_workers(2, ["quantmesh.cli.worker", kind, "{}"]) == 0
         forked = seen[-1].get("fn") is worker.forked
-        assert forked is (kind != "serve"), kind
+        assert forked, kind
         if forked:
             assert seen[-1]["fn_args"] == (kind, "{}")
     monkeypatch.setenv("QUANTMESH_FORK_WORKERS", "0")
@@ -110,3 +113,7 @@ def test_our_workers_fork_on_a_host_without_cuda_except_the_servers(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     runner.run_workers(2, ["quantmesh.cli.worker", "finetune", "{}"])
     assert "fn" not in seen[-1]
+    monkeypatch.delitem(sys.modules, "quantmesh.cli.preload", raising=False)
+    assert launch._start_method() == "forkserver"  # a command started from a shell
+    monkeypatch.setitem(sys.modules, "quantmesh.cli.preload", types.ModuleType("preload"))
+    assert launch._start_method() == "fork"  # its imports held here: the workers fork from here

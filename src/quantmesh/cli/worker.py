@@ -185,11 +185,14 @@ def serve(payload: str) -> int:
 
 
 KINDS = {"finetune": finetune, "generate": generate, "demo": demo, "verify": verify, "serve": serve}
-# The kinds that may run as forks of the launcher's fork server (cli/launch.py). Not serve: it
-# ends with exit code 0 after the launcher's SIGTERM or Ctrl-C (drained), and torchrun's agent,
-# shutting down, does not collect a forked worker's result, so each would wait out the agent's
-# 30 s before being killed (docs/design.md, "On a Linux host without CUDA, workers are forks").
-FORKABLE = ("finetune", "generate", "demo", "verify")
+# The kinds that may run as forked workers (cli/launch.py; docs/design.md, "On a Linux host
+# without CUDA, workers are forks").
+FORKABLE = ("finetune", "generate", "demo", "verify", "serve")
+# The kinds whose workers end only when the launcher stops them (SIGTERM or Ctrl-C, drained) or
+# on a failure. torchrun's agent, shutting down, no longer collects a forked worker's result, and
+# a worker that returned waits for it (torch's `_wrap`) until the agent kills it 30 s later: a
+# forked worker of these kinds ends its process itself once it is done.
+ENDS_WHEN_STOPPED = ("serve",)
 
 
 def run_in_place(kind: str, payload: str) -> int:
@@ -215,13 +218,15 @@ def run_in_place(kind: str, payload: str) -> int:
 
 
 def forked(kind: str, payload: str) -> int:
-    """A worker forked from the launcher's fork server (cli/launch.py): `run_in_place`, and a
-    failure's exit code as the process's own, as a worker run by `python -m` would end.
+    """A forked worker (cli/launch.py: from the launcher's fork server, or from the launcher
+    itself): `run_in_place`, and a failure's exit code as the process's own, as a worker run by
+    `python -m` would end.
 
     Example:
         >>> launch(2, [], fn=forked, fn_args=("generate", payload))  # doctest: +SKIP
         0
     """
+    _as_started_fresh()
     try:
         rc = run_in_place(kind, payload)
     except KeyboardInterrupt:
@@ -229,11 +234,27 @@ def forked(kind: str, payload: str) -> int:
     except Exception:  # noqa: BLE001 - before worker_main could report it (the worker's imports)
         traceback.print_exc()  # as a fresh interpreter prints it, for the launcher's "above"
         rc = 1
-    if rc:
+    if rc or kind in ENDS_WHEN_STOPPED:
         sys.stdout.flush()
         sys.stderr.flush()
+        if not rc:  # stopped by the launcher, whose agent collects no result now
+            os._exit(0)
         sys.exit(rc)
     return 0
+
+
+def _as_started_fresh() -> None:
+    """What a fresh process starts with, where a fork of the launcher itself (torchrun's `fork`)
+    would inherit the launcher's own: stdout and stderr as the process's file descriptors 1 and
+    2 (the launcher captures its Python-level stderr while workers run: `runner.run_workers`),
+    and the default SIGTERM and Ctrl-C handling (torchrun's agent turns both into an exception
+    in its process). A no-op in a fork server's child, which has them already."""
+    import signal
+
+    sys.stdout = sys.__stdout__ or sys.stdout
+    sys.stderr = sys.__stderr__ or sys.stderr
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def name_process(name: str) -> None:
