@@ -1,5 +1,8 @@
 """The GPU benchmark scripts, run small on CPU ranks so that they do not rot between GPU sessions.
 
+bench_train.py runs as its `main(argv)` on run_ranks' ranks (torchrun's environment, the suite's
+fork server's imports), as `torchrun bench_train.py ARGV` runs it per rank.
+
 bench_train.py's smoke mode is the 7B run's code path at tiny shapes: a meta skeleton, tp=2 nf4 +
 LoRA on 2 gloo ranks, random weights filled slice by slice, timed steps, the loss check against the
 tp=1 fp32 CPU reference; summarize.py must turn its JSON into the tables. The vocab-parallel
@@ -9,7 +12,6 @@ cross-entropy prototype is checked against the plain one.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,28 +21,18 @@ import torch
 
 from quantmesh.testing import run_ranks
 
+from ._bench import bench_on_ranks
+
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    return env
-
-
 @pytest.mark.slow
 def test_bench_train_smoke_tp2_nf4_lora_on_two_cpu_ranks(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(BENCH / "bench_train.py"), "--smoke", "--tp", "2", "--quant", "nf4", "--check",
-        "--out", str(tmp_path),
-    ]  # fmt: skip
-    # ~25 s on 2 idle cores (most of it imports); the hard stop leaves room for a loaded machine
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench_on_ranks(
+        2, "bench_train.py", "--smoke", "--tp", "2", "--quant", "nf4", "--check", "--out",
+        str(tmp_path),
+    )  # fmt: skip
     res = json.loads((tmp_path / "result_qm_tp2_dp1_nf4_lora.json").read_text())
     assert res["ok"], res.get("traceback")
     assert (res["tp"], res["dp"], res["gpus"]) == (2, 1, 2)
@@ -95,13 +87,10 @@ def test_vocab_parallel_cross_entropy_matches_the_plain_one() -> None:
 
 @pytest.mark.slow
 def test_bench_train_smoke_pp2_1f1b_on_two_cpu_ranks(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(BENCH / "bench_train.py"), "--smoke", "--pp", "2", "--microbatches", "2",
-        "--quant", "nf4", "--mb", "2", "--out", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench_on_ranks(
+        2, "bench_train.py", "--smoke", "--pp", "2", "--microbatches", "2", "--quant", "nf4",
+        "--mb", "2", "--out", str(tmp_path),
+    )  # fmt: skip
     res = json.loads((tmp_path / "result_qm_tp1_pp2_1f1b_m2_dp1_nf4_lora.json").read_text())
     assert res["ok"], res.get("traceback")
     assert (res["pp"], res["microbatches"], res["bubble_theory"]) == (2, 2, round(1 / 3, 4))
@@ -114,30 +103,28 @@ def test_bench_train_smoke_pp2_1f1b_on_two_cpu_ranks(tmp_path: Path) -> None:
     assert "| quantmesh, pipeline | pp=2 1f1b M=2 nf4 + LoRA" in out.stdout
 
 
-@pytest.mark.slow  # a torchrun launch: make test-fast leaves the benchmark smokes out
+@pytest.mark.slow  # make test-fast leaves the benchmark smokes out
 def test_bench_train_smoke_fsdp_on_one_cpu_rank(tmp_path: Path) -> None:
     """The one-GPU FSDP cost run's code path (torchao nf4, --fsdp on a 1-rank mesh), tiny."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-        str(BENCH / "bench_train.py"), "--smoke", "--quant", "nf4", "--quant-backend", "torchao",
-        "--fsdp", "--out", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    bench_on_ranks(
+        1, "bench_train.py", "--smoke", "--quant", "nf4", "--quant-backend", "torchao", "--fsdp",
+        "--out", str(tmp_path),
+    )  # fmt: skip
     res = json.loads((tmp_path / "result_qm_tp1_dp1_nf4_ao_lora_fsdp.json").read_text())
     assert res["ok"], res.get("traceback")
     assert res["tokens_per_s"] > 0
     assert res["memory_estimate"]["parts_GiB"]["gathered"] > 0  # the FSDP terms are estimated
 
 
-@pytest.mark.slow  # a subprocess importing torch and transformers; a benchmark smoke
-def test_fsdp_table_prints_every_layout() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "fsdp_table.py"), "--layers", "16"],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+@pytest.mark.slow  # a benchmark smoke
+def test_fsdp_table_prints_every_layout(capsys) -> None:
+    import runpy
+
+    mod = runpy.run_path(str(BENCH / "fsdp_table.py"), run_name="fsdp_table")
+    capsys.readouterr()
+    assert mod["main"](["--layers", "16"]) == 0  # estimates on meta: no process of its own
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert len(rows) == 6  # tp {1, 2} x dp {2, 4, 8}
     for row in rows:  # 16 layers: enough blocks that sharding them pays for the gathered ones
         plain, fsdp, off = (c.strip() for c in row.strip("|").split("|")[2:])

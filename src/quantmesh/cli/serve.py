@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -249,7 +250,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_workers(cfg.tp, ["quantmesh.cli.worker", "serve", json.dumps(asdict(cfg))])
     except SignalException as e:  # SIGTERM/SIGINT to this process: the ranks stopped gracefully
-        print(f"quantmesh serve: stopped ({e.sigval.name})", flush=True)
+        # the reader of our stdout may be gone already (a supervisor that stopped us, then left)
+        with contextlib.suppress(OSError):
+            print(f"quantmesh serve: stopped ({e.sigval.name})", flush=True)
         return 0
 
 
