@@ -21,10 +21,7 @@ import torch
 
 from quantmesh.testing import run_ranks
 
-from ._bench import bench_on_ranks
-
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "benchmarks"
+from ._bench import BENCH, bench_on_ranks
 
 
 @pytest.mark.slow

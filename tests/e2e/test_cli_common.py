@@ -127,6 +127,38 @@ def refused(argv: list[str], capsys, monkeypatch) -> str:
     return err
 
 
+def peft_chat_reply(
+    model_dir: Path,
+    adapter_dir: Path,
+    prompt: str,
+    max_new_tokens: int,
+    repetition_penalty: float = 1.0,
+) -> str:
+    """The oracle for adapters: transformers + peft on one process, unsharded, fp32; the greedy
+    reply to `prompt` as a chat's user turn (the CLI's `generate --adapter` and the server's chat
+    are checked against it)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            repetition_penalty=repetition_penalty,
+            pad_token_id=tok.pad_token_id,
+        )
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
 def make_tokenizer():
     """A word-level tokenizer over CORPUS's words, with EOS, pad, unk and a ChatML template.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from .test_cli_common import CORPUS, REPO, cli, make_tiny_llama
+from .test_cli_common import CORPUS, REPO, cli, make_tiny_llama, peft_chat_reply
 
 pytestmark = pytest.mark.slow  # make test-fast leaves this module out
 
@@ -106,28 +106,14 @@ def test_the_readme_commands_run_in_order(workdir: Path, readme_run: list) -> No
 
 def _peft_reference(d: Path, argv: list[str]) -> str:
     """What plain transformers + peft generate for the README's generate command (greedy)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     assert "--quant" not in argv and "--temperature" not in argv, argv
     opt = {argv[i]: argv[i + 1] for i in range(1, len(argv) - 1) if argv[i].startswith("--")}
-    tok = AutoTokenizer.from_pretrained(d / "tiny")
-    base = AutoModelForCausalLM.from_pretrained(d / "tiny", dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, d / opt["--adapter"]).eval()
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": opt["--prompt"]}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tok(text, add_special_tokens=False, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **ids,
-            max_new_tokens=int(opt.get("--max-new-tokens", 128)),
-            do_sample=False,
-            repetition_penalty=float(opt.get("--repetition-penalty", 1.0)),
-            pad_token_id=tok.pad_token_id,
-        )
-    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    reply = peft_chat_reply(
+        d / "tiny", d / opt["--adapter"], opt["--prompt"],
+        max_new_tokens=int(opt.get("--max-new-tokens", 128)),
+        repetition_penalty=float(opt.get("--repetition-penalty", 1.0)),
+    )  # fmt: skip
+    return reply.strip()
 
 
 def test_resume_repeats_the_uninterrupted_run_exactly(workdir: Path, readme_run: list) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli_common import CLI, REPO, make_adapter, make_tiny_llama
+from .test_cli_common import CLI, REPO, make_adapter, make_tiny_llama, peft_chat_reply
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -155,30 +155,9 @@ def test_models_and_health(server) -> None:
     assert health["status"] == "ok" and health["running"] == health["waiting"] == 0
 
 
-def _peft_chat(assets, adapter: str, prompt: str, max_new_tokens: int) -> str:
-    """transformers + peft on one process, unsharded (the oracle for adapters): the greedy reply
-    to `prompt` as a chat's user turn. `quantmesh generate --adapter` at tp=2 is checked against
-    the same oracle (tests/e2e/test_cli_readme.py)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(assets["model"])
-    base = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, assets[adapter]).eval()
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    ids = tok(text, add_special_tokens=False, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id)  # fmt: skip
-    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-
-
 def test_chat_with_an_adapter_equals_peft(server, assets) -> None:
     prompt = PROMPTS[0]
-    want = _peft_chat(assets, "b", prompt, 12)
+    want = peft_chat_reply(assets["model"], assets["b"], prompt, max_new_tokens=12)
     r = server.client.chat.completions.create(
         model="b", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=12
     )
