@@ -13,11 +13,13 @@
 #   peers    the batch peers: peft + bitsandbytes with transformers' static-cache `generate`
 #            and qm.fast_decode, 32 rows decoded at once (bench_decode.py --mode qlora --batch 32)
 #   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
+#   all      in one call: the slot engine's CUDA test (sdpa), the yardstick, then bench_serve as
+#            in `serve` with what is left of 590 s (the start compiles one block: mark_block_regions)
 #
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
-STAGE=${1:?stage: serve, profile, peers or test}
+STAGE=${1:?stage: serve, profile, peers, test or all}
 GRAPHS=${2:-captured}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
@@ -38,8 +40,21 @@ case "$STAGE" in
   peers)
     timeout 560 python3 benchmarks/bench_decode.py --mode qlora --greedy --batch 32 --new 64 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12 ;;
+  all)
+    left() { echo $((590 - ($(date +%s) - T0))); }
+    say "CUDA test of the slot engine (sdpa)"
+    timeout 220 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -k sdpa -s 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -6
+    say "fast_decode yardstick"
+    timeout 90 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
+      --out "$OUT" 2>&1 | tail -3
+    say "bench_serve ($GRAPHS), $(left) s left"
+    timeout "$(left)" python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
+      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
+      --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" ;;
   test)
     timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
-  *) echo "unknown stage: $STAGE (serve, profile, peers, test)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all)" >&2; exit 2 ;;
 esac
 say done

@@ -75,6 +75,7 @@ def _eager_and_compiled(eager, comp, steps: int, admit: dict, drop: dict) -> tup
 def _compiled_vs_eager(rank: int) -> dict:
     from torch._dynamo.utils import counters
 
+    from quantmesh.blocks.compile import mark_block_regions
     from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
 
@@ -82,12 +83,23 @@ def _compiled_vs_eager(rank: int) -> dict:
     model, bank = _nf4_llama(tp=2, layers=2, g=g)  # the prompts below continue g
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     comp = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
-    comp.run = torch.compile(comp._decode, backend="aot_eager", fullgraph=True)
+    marked = mark_block_regions(model)  # as compile=True does: eagerly the same step
+    regions: list[tuple[int, int]] = []  # per compiled graph: (block calls, distinct blocks traced)
+
+    def backend(gm: torch.fx.GraphModule, example: list) -> object:
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        regions.append((len(calls), len({n.args[0].target for n in calls})))
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example)
+
+    comp.run = torch.compile(comp._decode, backend=backend, fullgraph=True)
     long = torch.randint(0, 128, (250,), generator=g).tolist()
     admit = {0: [Admit(0, long, 1), Admit(1, [3, 4, 5], 0)], 3: [Admit(2, [7, 8], 2)]}
     worst, steps = _eager_and_compiled(eager, comp, 12, admit, {6: [1]})
     return {"worst": worst, "breaks": dict(counters["graph_break"]), "steps": steps,
-            "graphs": counters["stats"]["unique_graphs"], "sizes": comp.sizes}  # fmt: skip
+            "graphs": counters["stats"]["unique_graphs"], "sizes": comp.sizes,
+            "marked": marked, "regions": regions}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -98,6 +110,9 @@ def test_compiled_slot_step_traces_whole_and_equals_eager() -> None:
         # (rows, key columns): (2, 256), then (4, 256) once row 2 joins, then (2, 512) after row
         # 1 left and the long row passed 256 tokens
         assert res["graphs"] == 3, res
+        # each graph calls the block region twice and traced it once (mark_block_regions): the
+        # second block reuses the first one's graph, writing its own KV slots
+        assert res["marked"] == 2 and res["regions"] == [(2, 1)] * 3, res
         assert res["worst"] < 1e-4, res  # fp32: the same kernels, traced
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..blocks.compile import mark_block_regions
 from ..lora.adapter import LoraAdapter
 from ..plan.styles import Style
 from ..tp.layers import ShardedModule, sharded_modules
@@ -84,6 +85,7 @@ class _Decoder:
         self.model = model
         if compile:
             _static_statistics(model)
+            mark_block_regions(model)  # the step compiles one block and reuses it for the others
         from ..config import compile_options
 
         opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says otherwise

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..blocks.compile import mark_block_regions
 from ..config import CUDA_GRAPHS
 from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
@@ -186,6 +187,7 @@ class SlotBatch(Batch):
         self._pool: Any = None  # one memory pool for every captured graph
         if self.compiled:
             _static_statistics(model)
+            mark_block_regions(model)  # one block compiled, reused by all: minutes off a 7B start
             for t in (self.ids_buf, self.pos_buf, self.col_buf, self.rows):
                 torch._dynamo.mark_static_address(t, guard=False)
             # at most one compiled graph per (b, le): past dynamo's default limit, it would fall
@@ -228,6 +230,10 @@ class SlotBatch(Batch):
         return logits
 
     def _decode(self) -> torch.Tensor:  # -> (b, vocab); compiled per (b, le)
+        # the bank's per-row ids (b rows) met here first, outside the blocks: their size is then
+        # the batch's in every block, so that every block traces alike (mark_block_regions)
+        for t in (self.bank.ids, self.bank.rel):
+            torch._check(t.shape[0] == self.b)
         return self._forward(self.ids_buf[: self.b])[:, -1]
 
     def _replay(self) -> torch.Tensor:  # graphs="captured": the step as one graph replay

@@ -1,0 +1,61 @@
+"""mark_block_regions: a whole-model compile traces one block and reuses it for the others.
+
+The decode steps (`fast_decode`, the server's slot steps) compile the whole model as one graph; with
+the blocks marked, the graph calls one traced block once per block (torch's invoke_subgraph), so
+inductor compiles one block instead of all (a 7B step: 1 instead of 32). The values are the
+unmarked model's. tests/distributed/test_serve_slots.py checks the slot step at tp=2, where every
+compiled graph of the warm-up keeps one block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmesh.blocks.compile import REGIONS_ENV, mark_block_regions
+from tests.models import llama
+
+
+def _graphs_of(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The compiled forward's logits and, per graph, (block calls, distinct blocks traced)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    seen: list[tuple[int, int]] = []
+
+    def backend(gm: torch.fx.GraphModule, example: list) -> object:
+        calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        seen.append((len(calls), len({n.args[0].target for n in calls})))
+        return lookup_backend("aot_eager")(gm, example)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: model(input_ids=x).logits, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out = step(ids)
+    return out, seen
+
+
+def test_marked_blocks_compile_once_and_compute_the_same(monkeypatch) -> None:
+    model = llama(layers=3, vocab=64, seed=1).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    plain, seen = _graphs_of(model, ids)
+    assert seen == [(0, 0)]  # unmarked: every block inlined into the graph
+    assert mark_block_regions(model) == 3
+    assert mark_block_regions(model) == 0  # marked already: left as they are
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref)  # eagerly the same forward
+    marked, seen = _graphs_of(model, ids)
+    assert seen == [(3, 1)]  # three calls of one traced block
+    torch.testing.assert_close(marked, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_regions_switch_off_by_environment(monkeypatch) -> None:
+    monkeypatch.setenv(REGIONS_ENV, "0")
+    model = llama(layers=2, vocab=64, seed=1)
+    assert mark_block_regions(model) == 0
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    monkeypatch.setenv(REGIONS_ENV, "yes")
+    with pytest.raises(ValueError, match="QUANTMESH_COMPILE_REGIONS='yes'; expected 1"):
+        mark_block_regions(model)
