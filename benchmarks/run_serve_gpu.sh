@@ -13,13 +13,14 @@
 #   peers    the batch peers: peft + bitsandbytes with transformers' static-cache `generate`
 #            and qm.fast_decode, 32 rows decoded at once (bench_decode.py --mode qlora --batch 32)
 #   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
+#   dequant  bench_serve as in `serve` with the Triton dequantize on, then `profile` at 32 rows
 #   all      in one call: the slot engine's CUDA test (sdpa), the yardstick, then bench_serve as
 #            in `serve` with what is left of 590 s (the start compiles one block: mark_block_regions)
 #
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
-STAGE=${1:?stage: serve, profile, peers, test or all}
+STAGE=${1:?stage: serve, profile, peers, test, all or dequant}
 GRAPHS=${2:-captured}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
@@ -53,8 +54,21 @@ case "$STAGE" in
       --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
       --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" ;;
+  dequant)
+    # the server with the Triton dequantize on (QUANTMESH_TRITON_DEQUANT=1), then one step at
+    # 32 rows profiled outside the server (GPU time against host time), the same setting
+    left() { echo $((590 - ($(date +%s) - T0))); }
+    export QUANTMESH_TRITON_DEQUANT=1
+    say "bench_serve ($GRAPHS, Triton dequantize)"
+    timeout 380 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
+      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
+      --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn"
+    say "slot step profile at 32 rows, $(left) s left"
+    timeout "$(left)" python3 benchmarks/slot_step_profile.py --batch 32 --cuda-graphs "$GRAPHS" \
+      --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -40 ;;
   test)
     timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
-  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant)" >&2; exit 2 ;;
 esac
 say done
