@@ -77,6 +77,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"the server's --cuda-graphs (default {CUDA_GRAPHS[0]}; passed with an "
                    "engine other than dynamic)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, tp=2, small phases")
+    p.add_argument(
+        "--keep-dequantized",
+        action="store_true",
+        help="the server's --keep-dequantized (4-bit weights held dequantized too)",
+    )
     a = p.parse_args(argv)
     unknown = set(a.mixes.split(",")) - {"single", "mixed"}
     if unknown:
@@ -179,6 +184,8 @@ def start_server(a: argparse.Namespace, folder: Path, adapters: list[Path], max_
            "--max-model-len", str(a.max_model_len)]  # fmt: skip
     if a.engine != "dynamic":
         cmd += ["--cuda-graphs", a.cuda_graphs]
+    if a.keep_dequantized:
+        cmd += ["--keep-dequantized"]
     for i, p in enumerate(adapters):
         cmd += ["--adapter", f"ad{i}={p}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
@@ -287,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"shape": a.shape, "tp": a.tp, "quant": a.quant, "adapters": len(adapters),
                  "rank": a.rank, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
                  "requests_per_client": a.requests, "engine": a.engine,
-                 "cuda_graphs": graphs, "server_start_s": start_s,
+                 "cuda_graphs": graphs, "keep_dequantized": a.keep_dequantized,
+                 "triton_dequant": os.environ.get("QUANTMESH_TRITON_DEQUANT", ""),
+                 "server_start_s": start_s,
                  "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
-    path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{graphs}.json"
+    tag = "_dense" if a.keep_dequantized else ""
+    path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{graphs}{tag}.json"
     path.write_text(json.dumps(res, indent=1))  # the start's time, should a phase be cut off
     try:
         log(f"server {url} started in {start_s:.0f} s; warm-up")

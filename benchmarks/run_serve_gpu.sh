@@ -14,13 +14,14 @@
 #            and qm.fast_decode, 32 rows decoded at once (bench_decode.py --mode qlora --batch 32)
 #   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
 #   dequant  bench_serve as in `serve` with the Triton dequantize on, then `profile` at 32 rows
+#   dense    bench_serve as in `serve` with --keep-dequantized (the 4-bit weights held in bf16 too)
 #   all      in one call: the slot engine's CUDA test (sdpa), the yardstick, then bench_serve as
 #            in `serve` with what is left of 590 s (the start compiles one block: mark_block_regions)
 #
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
-STAGE=${1:?stage: serve, profile, peers, test, all or dequant}
+STAGE=${1:?stage: serve, profile, peers, test, all, dequant or dense}
 GRAPHS=${2:-captured}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
@@ -67,8 +68,17 @@ case "$STAGE" in
     say "slot step profile at 32 rows, $(left) s left"
     timeout "$(left)" python3 benchmarks/slot_step_profile.py --batch 32 --cuda-graphs "$GRAPHS" \
       --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -40 ;;
+  dense)
+    # the server with --keep-dequantized (4-bit weights held in bf16 too), then the step profile
+    left() { echo $((590 - ($(date +%s) - T0))); }
+    say "bench_serve ($GRAPHS, --keep-dequantized)"
+    timeout 380 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
+      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
+      --max-tokens 64 --prompt-tokens 32 --models .bench/models --keep-dequantized \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn"
+    say "done, $(left) s left" ;;
   test)
     timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
-  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant, dense)" >&2; exit 2 ;;
 esac
 say done

@@ -427,3 +427,40 @@ def test_compute_units_equals_the_whole_weights_rows(key):
         got = fmt.compute_units(m, 4, torch.tensor(idx))
         assert got.shape == (16 * len(idx), IN)
         assert torch.equal(got.view(len(idx), 16, IN), whole[idx]), (key, idx)
+
+
+@pytest.mark.parametrize("key", ["bnb-nf4", "bnb-fp4"])
+def test_kept_dequantized_weight_multiplies_many_rows_without_autograd(key):
+    """keep_dequantized: 2+ rows without autograd multiply the held weight (bitsandbytes' own
+    dequantize), giving what the codes' path gives; one row and autograd keep the codes' path."""
+    from quantmesh.quant.bnb import dequantized_bytes, keep_dequantized
+
+    fmt, m, _ = _quantized(key)
+    x = _x()
+    with torch.no_grad():
+        ref_many, ref_one = m(x), m(x[:1])
+    model = [nn.Linear(2, 2), m]  # the 4-bit ones among any layers
+    assert dequantized_bytes(model, torch.float32) == OUT * IN * 4
+    assert keep_dequantized(model, torch.float32) == OUT * IN * 4
+    assert torch.equal(m.dense, fmt.dequantize(m).float())
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref_many, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m(x[:1]), ref_one, rtol=0, atol=0)  # the codes' path itself
+        m.dense.zero_()  # which path ran: the held weight is zeros now, the bias alone is left
+        assert torch.equal(m(x), m.bias.expand(5, OUT))
+        assert not torch.equal(m(x[:1]), m.bias[None])
+    xg = x.clone().requires_grad_(True)
+    m(xg).sum().backward()  # autograd: the codes, so the input gets its gradient through them
+    assert xg.grad is not None and xg.grad.abs().sum() > 0
+    assert keep_dequantized(model, None) == 0 and m.dense is None
+
+
+def test_serve_keep_dequantized_refuses_a_model_without_4bit_layers():
+    from quantmesh.cli.serve import _keep_dequantized
+    from quantmesh.serve.engine import ServeError
+
+    with pytest.raises(ServeError, match="no 4-bit linear layers .* --quant nf4"):
+        _keep_dequantized(nn.Sequential(nn.Linear(4, 4)), torch.device("cpu"), torch.float32)
+    _, m, _ = _quantized("bnb-nf4")
+    _keep_dequantized(nn.Sequential(m), torch.device("cpu"), torch.float32)
+    assert m.dense is not None and m.dense.shape == (OUT, IN)

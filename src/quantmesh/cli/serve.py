@@ -91,6 +91,10 @@ class ServeConfig:
     torch.cuda.CUDAGraph per (batch, key length), replayed with no host work per step (a 7B
     step at one row: 7.5 ms against 15.2 with trees, docs/benchmarks.md); trees: inductor's
     CUDA graph trees. Only for the slot engine: the dynamic engine runs eagerly."""
+    keep_dequantized: bool = False
+    """Hold every 4-bit weight dequantized (bf16 on GPUs) beside its codes: steps of two rows or
+    more multiply it instead of dequantizing every weight again (memory for speed: about 4x the
+    codes' memory more; one row keeps the 4-bit kernel). Refused when it does not fit."""
     prefill_chunk: int | None = None
     """Prompt tokens prefilled per step (slots engine; default 512): a longer prompt is
     prefilled in chunks between decode steps, so that it does not stall the rows decoding. 0:
@@ -209,6 +213,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="slot engine on GPUs: captured (default): one CUDA graph per batch size "
                    "and key length, replayed with no host work per step; trees: inductor's CUDA "
                    "graph trees")  # fmt: skip
+    p.add_argument("--keep-dequantized", action="store_true",
+                   help="hold every 4-bit weight dequantized beside its codes: steps of 2+ rows "
+                   "multiply it instead of dequantizing again (about 4x the codes' memory more)")  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="slots engine: prompt tokens prefilled per step, longer prompts in "
                    "chunks between decode steps (default 512; 0: whole prompts)")  # fmt: skip
@@ -234,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, grace_s=args.grace, adapter_dir=args.adapter_dir,
             max_request_bytes=args.max_request_bytes, max_tokens=args.max_tokens,
             max_choices=args.max_choices, engine=args.engine, prefill_chunk=args.prefill_chunk,
-            cuda_graphs=args.cuda_graphs,
+            cuda_graphs=args.cuda_graphs, keep_dequantized=args.keep_dequantized,
         )  # fmt: skip
         check(cfg)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -359,6 +366,8 @@ def serve_worker(payload: str) -> int:
     quant = None if cfg.quant == "none" else cfg.quant
     model = qm.from_pretrained(cfg.model, mesh, quant=quant, lora=lora, dtype=dtype, progress=False)
     model.eval()
+    if cfg.keep_dequantized:
+        _keep_dequantized(model, mesh.device, dtype)
     bank = AdapterBank(model, slots=cfg.slots, dtype=autocast_dtype(mesh.device))
     for name, slot in slots.items():
         bank.load(slot, cfg.adapters[name])
@@ -386,6 +395,33 @@ def serve_worker(payload: str) -> int:
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     return _serve(cfg, batch, lockstep, tok, model, slots, max_len, engine)
+
+
+def _keep_dequantized(model: Any, device: Any, dtype: Any) -> None:
+    """`--keep-dequantized`: every 4-bit weight held dequantized, after checking that it fits 90% of
+    the free GPU memory (ServeError naming the fix otherwise; no check on CPU)."""
+    import torch
+
+    from ..quant.bnb import dequantized_bytes, keep_dequantized
+    from ..serve.engine import ServeError
+    from ..tp.layers import sharded_modules
+
+    layers = [*model.modules(), *(m.local for m in sharded_modules(model).values())]
+    need = dequantized_bytes(layers, dtype)
+    if need == 0:
+        raise ServeError(
+            "--keep-dequantized: the model has no 4-bit linear layers (serve it with --quant nf4 "
+            "or fp4, or leave the flag out)"
+        )
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > 0.9 * free:
+            raise ServeError(
+                f"--keep-dequantized needs {need / 2**30:.1f} GiB for the dequantized weights and "
+                f"{free / 2**30:.1f} GiB are free on {device}; leave the flag out, or serve at a "
+                "larger --tp"
+            )
+    keep_dequantized(layers, dtype)
 
 
 def choose_engine(

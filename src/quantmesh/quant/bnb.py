@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -40,7 +40,9 @@ __all__ = [
     "Bnb4bitFormat",
     "Bnb8bitFormat",
     "dequantize_4bit_flat",
+    "dequantized_bytes",
     "format_of",
+    "keep_dequantized",
     "quant_state_from_tensors",
 ]
 
@@ -147,8 +149,28 @@ def _classes() -> dict[str, type]:
         Without autograd on CUDA, up to 64 rows go through quantmesh's 4-bit kernel
         (quant/kernel4.py: the codes read once, no float weight); the rest through bitsandbytes."""
 
+        dense: torch.Tensor | None = None
+        """The weight dequantized (`keep_dequantized`), or None: the codes alone."""
+
         def reset_parameters(self) -> None:  # the weight comes from quantize_into
             pass
+
+        def keep_dequantized(self, dtype: torch.dtype | None) -> int:
+            """Hold the weight dequantized in `dtype` beside its codes (None: drop it); inputs of
+            two rows or more without autograd then multiply it directly, with the values
+            bitsandbytes' dequantize gives (what its own matmul multiplies from 8 rows on). Returns
+            the bytes held."""
+            self.__dict__.pop("dense", None)
+            if dtype is None:
+                return 0
+            qs = getattr(self.weight, "quant_state", None)
+            if qs is None:
+                raise RuntimeError(_not_quantized(self))
+            w = dequantize_4bit_flat(self.weight.data, qs).to(dtype)
+            if w.is_cuda:
+                torch._dynamo.mark_static_address(w, guard=False)  # read in place by CUDA graphs
+            self.dense = w
+            return w.numel() * w.element_size()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             qs = getattr(self.weight, "quant_state", None)
@@ -156,6 +178,11 @@ def _classes() -> dict[str, type]:
                 raise RuntimeError(_not_quantized(self))
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
+            dense = self.dense
+            if dense is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled():
+                x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)  # two rows or more: the held weight
+                y = torch.nn.functional.linear(x2, dense, None if bias is None else bias.to(dense))
+                return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
             if _rows_cut_blocks_on_cpu(self.weight, qs):
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
                 # would compute with the wrong statistics)
@@ -466,6 +493,36 @@ def _packed_state(module: nn.Module) -> tuple[torch.Tensor, Any]:
 
 def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
+
+
+def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> int:
+    """Hold the weight of every 4-bit linear among `layers` dequantized in `dtype` beside its codes
+    (None: drop them): a speed for memory trade for serving, where a step of many rows otherwise
+    dequantizes every weight again (bitsandbytes' path from 2 rows on). One row keeps the 4-bit
+    kernel, which reads a quarter of the bytes; training (autograd on) keeps the codes' path.
+    The values are bitsandbytes' own dequantize's. Experts' fused 4-bit tensors are not held.
+    Returns the bytes held (2 bytes per weight in bf16: about 4x the codes). A parallelized
+    model's layers: `[m.local for m in sharded_modules(model).values()]`.
+
+    Example:
+        >>> keep_dequantized(layers, torch.bfloat16) / 2**30  # doctest: +SKIP
+        12.1
+    """
+    cls = _classes()["QuantLinear4bit"]
+    return sum(cast(Any, m).keep_dequantized(dtype) for m in layers if isinstance(m, cls))
+
+
+def dequantized_bytes(layers: Iterable[nn.Module], dtype: torch.dtype) -> int:
+    """The bytes `keep_dequantized(layers, dtype)` would hold, computed without allocating.
+
+    Example:
+        >>> dequantized_bytes(layers, torch.bfloat16) / 2**30  # doctest: +SKIP
+        12.1
+    """
+    cls = _classes()["QuantLinear4bit"]
+    per = torch.empty(0, dtype=dtype).element_size()
+    quantized = [cast(nn.Linear, m) for m in layers if isinstance(m, cls)]
+    return sum(m.in_features * m.out_features * per for m in quantized)
 
 
 def dequantize_4bit_flat(packed: torch.Tensor, qs: Any) -> torch.Tensor:
