@@ -9,9 +9,9 @@ executed so that a decode step can be one CUDA-graph replay, as `qm.fast_decode`
 - A decode step runs on the first `b` slots, `b` the smallest size of a ladder (1, 4, 16, 64, ...,
   and `max_batch`) that holds the rows; the extra rows are padding (token 0, position 0, the base
   adapter) whose outputs are dropped. The keys are read up to `le` columns, the smallest of 256,
-  512, 1024, ... (up to max_len) past every row's length. The step is compiled as two graphs, both
-  by `warm_up`: one row at any key length, and any batch at any key length (symbolic sizes; one
-  block compiled and reused by every block, `mark_block_regions`); each (b, le) pair is captured as a CUDA graph of
+  512, 1024, ... (up to max_len) past every row's length. The step is compiled as three graphs,
+  all by `warm_up`: one row at the shortest key length (static), one row at any key length, and
+  any batch at any key length (symbolic sizes); each (b, le) pair is captured as a CUDA graph of
   its own (`graphs="captured"`, the default: a `torch.cuda.CUDAGraph` replayed with no host work;
   `graphs="trees"`: inductor's CUDA graph trees, `mode="reduce-overhead"`).
 - Each row writes its new key and value at its own column (its length) and reads the columns
@@ -197,16 +197,15 @@ class SlotBatch(Batch):
             for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
                 if hasattr(cfg, name) and getattr(cfg, name) < most:
                     setattr(cfg, name, most)
-            # dynamic=True: the key length symbolic from the first graph, the batch symbolic
-            # past one row (one row stays a graph of its own: bitsandbytes' 1-row kernel), so
-            # `warm_up` compiles two graphs; CUDA graphs are still captured per shape. One
-            # static graph per batch size (dynamic=False) compiled a 7B step four times at
-            # start, over six minutes on one H200; three graphs (dynamic=None) took 391 s.
+            # dynamic=None: a static graph for the first (b, le), then graphs with the sizes
+            # that changed made symbolic (`warm_up`: three in all); CUDA graphs are still
+            # captured per shape. One static graph per batch size (dynamic=False) compiled a 7B
+            # step four times at start: over six minutes on one H200.
             from ..config import compile_options
 
             capture = graphs == "captured" and self.device.type == "cuda"
             opts = compile_options(None if capture else mode, backend)
-            self.compiled_step = torch.compile(self._decode, fullgraph=True, dynamic=True, **opts)
+            self.compiled_step = torch.compile(self._decode, fullgraph=True, dynamic=None, **opts)
             self.run = self._replay if capture else self.compiled_step
 
     # ---- the step -----------------------------------------------------------------------------
@@ -290,9 +289,9 @@ class SlotBatch(Batch):
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile (and capture) the step for every batch size of the ladder at the two shortest
-        key lengths, so that no request waits for a compilation: dynamo compiles a graph for
-        one row at any key length, then one whose batch is symbolic too; every later (batch, key
-        length) pair reuses one of the two (CUDA graphs are
+        key lengths, so that no request waits for a compilation: dynamo compiles a static graph
+        for one row, then one whose key length is symbolic, then one whose batch and key length
+        both are; every later (batch, key length) pair reuses one of the three (CUDA graphs are
         captured per shape, without compiling). Needs a prefilled row for the cache's shapes: it
         prefills (and drops) a one-token row.
 
