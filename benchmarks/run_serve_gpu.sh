@@ -37,8 +37,10 @@ case "$STAGE" in
       --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" ;;
   profile)
-    timeout 560 python3 benchmarks/slot_step_profile.py --batch 64 --cuda-graphs "$GRAPHS" \
-      --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" ;;
+    # BATCH (default 64): the second measurement's rows; DENSE=1: --keep-dequantized
+    timeout 560 python3 benchmarks/slot_step_profile.py --batch "${BATCH:-64}" --cuda-graphs "$GRAPHS" \
+      ${DENSE:+--keep-dequantized} --models .bench/models --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" ;;
   peers)
     timeout 560 python3 benchmarks/bench_decode.py --mode qlora --greedy --batch 32 --new 64 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12 ;;

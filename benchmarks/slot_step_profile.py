@@ -46,13 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=".bench/models")
     p.add_argument("--out", default=".bench/slot-step")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument(
+        "--keep-dequantized",
+        action="store_true",
+        help="hold the 4-bit weights dequantized too (serve --keep-dequantized)",
+    )
     a = p.parse_args(argv)
     shape = bench_serve.parse(["--smoke"] if a.smoke else ["--shape", a.shape, "--quant", "nf4"])
     folder, adapters = bench_serve.build_model(shape, Path(a.models))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"cuda_graphs": a.cuda_graphs, "batch": a.batch, "shape": shape.shape}
-    path = out / f"slot_step_{a.cuda_graphs}.json"
+    dense = "_dense" if a.keep_dequantized else ""
+    path = out / f"slot_step_{a.cuda_graphs}{dense}.json"
 
     def save() -> None:
         path.write_text(json.dumps(res, indent=1))
@@ -65,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         lora=qm.LoraConfig(r=shape.rank, targets=bench_serve.TARGETS),
         dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
     ).eval()  # fmt: skip
+    if a.keep_dequantized:
+        from quantmesh.quant.bnb import keep_dequantized
+        from quantmesh.tp.layers import sharded_modules
+
+        layers = [m.local for m in sharded_modules(model).values()]
+        res["dequantized_gib"] = keep_dequantized(layers, torch.bfloat16) / 2**30
     bank = AdapterBank(model, slots=len(adapters) + 1, dtype=autocast_dtype(dev))
     for i, ad in enumerate(adapters):
         bank.load(i + 1, str(ad))
@@ -129,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = prof.key_averages(group_by_input_shape=True).table(
             sort_by="device_time_total", row_limit=40
         )
-        (out / f"slot_step_{a.cuda_graphs}_{tag}.txt").write_text(table + "\n\n" + shapes)
+        (
+            out / f"slot_step_{a.cuda_graphs}{'_dense' if a.keep_dequantized else ''}_{tag}.txt"
+        ).write_text(table + "\n\n" + shapes)
 
     def prompt() -> list[int]:
         return torch.randint(10, 1000, (32,), generator=g).tolist()
