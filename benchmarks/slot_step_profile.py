@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = prof.key_averages(group_by_input_shape=True).table(
             sort_by="device_time_total", row_limit=40
         )
-        (
-            out / f"slot_step_{a.cuda_graphs}{'_dense' if a.keep_dequantized else ''}_{tag}.txt"
-        ).write_text(table + "\n\n" + shapes)
+        (out / f"slot_step_{a.cuda_graphs}{dense}_{tag}.txt").write_text(table + "\n\n" + shapes)
 
     def prompt() -> list[int]:
         return torch.randint(10, 1000, (32,), generator=g).tolist()
