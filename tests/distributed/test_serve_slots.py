@@ -328,3 +328,48 @@ def test_captured_graphs_replay_the_step_of_each_shape() -> None:
     assert res["steps"] == 2 * 11, res
     assert res["captured"] == [(2, 256), (2, 512), (4, 256)], res
     assert res["worst"] < 1e-4, res
+
+
+def _with_and_without_dequantized(rank: int) -> dict:
+    """The same plans on the slot engine (eager) at tp=2, the 4-bit weights held dequantized
+    (`serve --keep-dequantized`) and not: each step's logits, and what was held."""
+    from quantmesh.cli.serve import _keep_dequantized
+    from quantmesh.quant.bnb import keep_dequantized
+    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.slots import SlotBatch
+    from quantmesh.tp.layers import sharded_modules
+
+    model, bank = _nf4_llama(tp=2, layers=2)
+    locals_ = [m.local for m in sharded_modules(model).values()]
+    admit = {0: [Admit(0, [5, 9, 11, 2], 1), Admit(1, [3, 4], 0)], 2: [Admit(2, [7, 8, 1], 2)]}
+    runs = []
+    for held in (False, True):
+        if held:
+            _keep_dequantized(model, torch.device("cpu"), torch.float32)
+        batch = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(1, 2), compile=False)
+        order: list[int] = []
+        last: dict[int, int] = {}
+        steps = []
+        for step in range(6):
+            plan = Plan(order=list(order), feed=[last[r] for r in order], admit=admit.get(step, []))
+            s, pre, _ = batch.execute(plan)
+            rows = (list(s) if s is not None else []) + pre
+            order = order + [a.rid for a in plan.admit]
+            last = dict(zip(order, [int(r.argmax()) for r in rows], strict=True))
+            steps.append(torch.stack(rows))
+        runs.append(steps)
+    held_layers = sum(getattr(m, "dense", None) is not None for m in locals_)
+    keep_dequantized(locals_, None)
+    dropped = all(getattr(m, "dense", None) is None for m in locals_)
+    return {"runs": runs, "held": held_layers, "dropped": dropped}
+
+
+def test_weights_held_dequantized_give_the_same_steps() -> None:
+    """`serve --keep-dequantized` at tp=2: every rank holds its shards' 4-bit weights (7 per block)
+    dequantized, and prefills and decode steps of several rows give the codes' logits."""
+    for res in run_ranks(_with_and_without_dequantized, 2, timeout=300):
+        assert res["held"] == 2 * 7 and res["dropped"], res
+        codes, held = res["runs"]
+        assert len(codes) == len(held) == 6
+        for a, b in zip(codes, held, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
