@@ -23,7 +23,7 @@ from quantmesh.testing import run_ranks
 pytestmark = pytest.mark.cuda
 
 
-def _script(rank: int, attn: str) -> dict:
+def _script(rank: int, attn: str, dense: bool = False) -> dict:
     import quantmesh as qm
     from quantmesh.serve.bank import AdapterBank
     from quantmesh.serve.engine import Admit, Batch, Plan
@@ -36,6 +36,11 @@ def _script(rank: int, attn: str) -> dict:
     model.config._attn_implementation = attn
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=8), dtype=torch.bfloat16)
     model.eval()
+    if dense:  # serve --keep-dequantized: steps of 2+ rows multiply the held bf16 weights
+        from quantmesh.quant.bnb import keep_dequantized
+        from quantmesh.tp.layers import sharded_modules
+
+        assert keep_dequantized([m.local for m in sharded_modules(model).values()], torch.bfloat16)
     bank = AdapterBank(model, slots=3)
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -87,11 +92,12 @@ def _script(rank: int, attn: str) -> dict:
     return {k: torch.cat(v) for k, v in logits.items()}
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_compiled_slot_step_is_the_eager_step(attn: str) -> None:
+@pytest.mark.parametrize(("attn", "dense"), [("sdpa", False), ("eager", False), ("sdpa", True)])
+def test_compiled_slot_step_is_the_eager_step(attn: str, dense: bool) -> None:
+    """dense: the 4-bit weights held dequantized (`serve --keep-dequantized`) on every engine."""
     if not torch.cuda.is_available():  # the marker deselects it in CI; run where a GPU is
         pytest.fail("marked cuda but no CUDA device")
-    out = run_ranks(_script, 1, attn, timeout=600)[0]
+    out = run_ranks(_script, 1, attn, dense, timeout=600)[0]
     ref = out["dynamic"]  # (rows over all steps, vocab)
     rels = {}
     for name in ("eager", "compiled", "captured"):
