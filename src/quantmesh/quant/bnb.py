@@ -146,8 +146,9 @@ def _classes() -> dict[str, type]:
 
     class QuantLinear4bit(bnb.nn.Linear4bit):  # type: ignore[name-defined]  # bnb: a module
         """bitsandbytes Linear4bit, filled by `Bnb4bitFormat.quantize_into`; weight frozen.
-        Without autograd on CUDA, up to 64 rows go through quantmesh's 4-bit kernel
-        (quant/kernel4.py: the codes read once, no float weight); the rest through bitsandbytes."""
+        Without autograd, two rows or more multiply the weight held dequantized where one is
+        (`keep_dequantized`); with the opt-in kernels on CUDA, the rows go through quantmesh's
+        4-bit kernels (quant/kernel4.py); the rest through bitsandbytes."""
 
         dense: torch.Tensor | None = None
         """The weight dequantized (`keep_dequantized`), or None: the codes alone."""
