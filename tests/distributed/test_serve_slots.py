@@ -373,3 +373,39 @@ def test_weights_held_dequantized_give_the_same_steps() -> None:
         assert len(codes) == len(held) == 6
         for a, b in zip(codes, held, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def _regions_refused(rank: int) -> dict:
+    """A compiler that refuses any graph calling a block region (as torch 2.11's inductor did with
+    symbolic float inputs): `warm_up` says so and compiles every block, and the step serves."""
+    from quantmesh.serve.engine import Admit
+    from quantmesh.serve.slots import SlotBatch
+
+    def refusing(gm: torch.fx.GraphModule, example: list) -> object:
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            raise RuntimeError("this compiler takes no block regions")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example)
+
+    model, bank = _nf4_llama(tp=2, layers=2)
+    eager = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(1,), compile=False)
+    comp = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(1,), compile=True,
+                     backend=refusing)  # type: ignore[arg-type]  # fmt: skip
+    marked = comp.regions
+    said: list[str] = []
+    comp.warm_up(said.append)
+    admit = {0: [Admit(0, [5, 9, 11], 1), Admit(1, [3, 4], 2)]}
+    worst, steps = _eager_and_compiled(eager, comp, 5, admit, {})
+    forwards = ["forward" in layer.__dict__ for layer in model.model.layers]
+    return {"marked": marked, "left": comp.regions, "said": said, "worst": worst, "steps": steps,
+            "forwards": forwards}  # fmt: skip
+
+
+def test_a_compiler_refusing_block_regions_compiles_every_block() -> None:
+    for res in run_ranks(_regions_refused, 2, timeout=300):
+        assert res["marked"] == 2 and res["left"] == 0 and res["forwards"] == [False, False], res
+        fell = [m for m in res["said"] if "compiling one block for every block failed" in m]
+        assert len(fell) == 1 and "this compiler takes no block regions" in fell[0], res["said"]
+        assert res["said"][-1].startswith("compiled the decode steps in"), res["said"]
+        assert res["steps"] == 2 * 4 and res["worst"] < 1e-4, res

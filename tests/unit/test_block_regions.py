@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantmesh.blocks.compile import REGIONS_ENV, mark_block_regions
+from quantmesh.blocks.compile import REGIONS_ENV, mark_block_regions, unmark_block_regions
 from tests.models import llama
 
 
@@ -59,3 +59,15 @@ def test_regions_switch_off_by_environment(monkeypatch) -> None:
     monkeypatch.setenv(REGIONS_ENV, "yes")
     with pytest.raises(ValueError, match="QUANTMESH_COMPILE_REGIONS='yes'; expected 1"):
         mark_block_regions(model)
+
+
+def test_unmarking_restores_the_class_forward_and_leaves_others_alone() -> None:
+    model = llama(layers=3, vocab=64, seed=1)
+    mine = model.model.layers[2].forward
+    model.model.layers[2].forward = mine  # replaced by someone else: not ours to mark or undo
+    assert mark_block_regions(model) == 2
+    assert unmark_block_regions(model) == 2
+    assert unmark_block_regions(model) == 0
+    layers = model.model.layers
+    assert ["forward" in b.__dict__ for b in layers] == [False, False, True]
+    assert layers[2].__dict__["forward"] is mine

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import env_switch
 from ..plan.auto import blocks_of
 
-__all__ = ["compile_blocks", "mark_block_regions"]
+__all__ = ["compile_blocks", "mark_block_regions", "unmark_block_regions"]
 
 
 def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
@@ -103,4 +103,22 @@ def mark_block_regions(model: nn.Module) -> int:
             wrapped[cls] = region(cls.forward)
         block.forward = wrapped[cls].__get__(block, cls)
         n += 1
+    return n
+
+
+def unmark_block_regions(model: nn.Module) -> int:
+    """Undo `mark_block_regions`: the blocks it marked run their class's forward again, and a
+    later compile traces every block (what a compiler that refuses the regions needs). Returns the
+    number of blocks unmarked.
+
+    Example:
+        >>> unmark_block_regions(model)  # doctest: +SKIP
+        32
+    """
+    n = 0
+    for _, block in blocks_of(model):
+        fn = getattr(block.__dict__.get("forward"), "__func__", None)
+        if hasattr(fn, "__marked_compile_region_fn__"):  # ours: torch's region wrapper
+            del block.__dict__["forward"]
+            n += 1
     return n

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks.compile import mark_block_regions
+from ..blocks.compile import mark_block_regions, unmark_block_regions
 from ..config import CUDA_GRAPHS
 from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
@@ -185,9 +185,12 @@ class SlotBatch(Batch):
         # graphs="captured": (b, le) -> a CUDA graph of the compiled step and its output
         self.captured: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None  # one memory pool for every captured graph
+        self.regions = 0  # blocks marked to compile as one (`mark_block_regions`)
         if self.compiled:
             _static_statistics(model)
-            mark_block_regions(model)  # one block compiled, reused by all: minutes off a 7B start
+            # one block compiled, reused by all: minutes off a 7B start (undone by `warm_up`
+            # where the compiler refuses it)
+            self.regions = mark_block_regions(model)
             for t in (self.ids_buf, self.pos_buf, self.col_buf, self.rows):
                 torch._dynamo.mark_static_address(t, guard=False)
             # at most one compiled graph per (b, le): past dynamo's default limit, it would fall
@@ -206,9 +209,14 @@ class SlotBatch(Batch):
             from ..config import compile_options
 
             capture = graphs == "captured" and self.device.type == "cuda"
-            opts = compile_options(None if capture else mode, backend)
-            self.compiled_step = torch.compile(self._decode, fullgraph=True, dynamic=None, **opts)
-            self.run = self._replay if capture else self.compiled_step
+            self._opts = compile_options(None if capture else mode, backend)
+            self._capture_graphs = capture
+            self._compile()
+
+    def _compile(self) -> None:
+        """The compiled step (compiled on its first call) and what each step runs."""
+        self.compiled_step = torch.compile(self._decode, fullgraph=True, dynamic=None, **self._opts)
+        self.run = self._replay if self._capture_graphs else self.compiled_step
 
     # ---- the step -----------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, logits_to_keep: Any = None) -> torch.Tensor:
@@ -305,22 +313,48 @@ class SlotBatch(Batch):
         if self.rids:
             raise RuntimeError("warm_up runs before any request")
         t0 = time.perf_counter()
+        failed = self._warm_steps(progress, catch=self.regions > 0)
+        if self.regions and not self.agree([failed is None])[0]:  # every rank takes one path
+            # the compiler refused one block for all (a torch version's limit): compile every
+            # block instead, as before regions, and say so
+            unmark_block_regions(self.model)
+            self.regions = 0
+            torch._dynamo.reset()
+            self.captured.clear()
+            self._compile()
+            if progress is not None:
+                why = failed or "on another rank"
+                progress(f"compiling one block for every block failed ({why}); compiling them all")
+            self._warm_steps(progress, catch=False)
+        if progress is not None:
+            progress(f"compiled the decode steps in {time.perf_counter() - t0:.0f} s")
+
+    def _warm_steps(self, progress: Callable[[str], None] | None, catch: bool) -> str | None:
+        """`warm_up`'s steps, the batch left empty after them; with `catch`, an error of the
+        compiler is returned (its type and first line) instead of raised."""
         first = self.lens_ladder[0]
         with self._running():  # the guards of the serving steps (grad mode, autocast)
             self._prefill([Admit(-1, [0], 0)])
             saved = (self.rids, self.slots, self.lens)
-            for b in self.sizes:
-                for le in self.lens_ladder[:2]:
-                    if progress is not None:
-                        progress(f"compiling the decode step for {b} rows x {le} key columns")
-                    # rows of 1 token read `first` columns; rows of `first` tokens the next step
-                    length = 1 if le == first else first
-                    self.rids, self.slots, self.lens = [-1] * b, [0] * b, [length] * b
-                    self._step([0] * b)
-            self.rids, self.slots, self.lens = saved
-            self._drop({-1})
-        if progress is not None:
-            progress(f"compiled the decode steps in {time.perf_counter() - t0:.0f} s")
+            try:
+                for b in self.sizes:
+                    for le in self.lens_ladder[:2]:
+                        if progress is not None:
+                            progress(f"compiling the decode step for {b} rows x {le} key columns")
+                        # rows of 1 token read `first` columns; rows of `first` tokens the next
+                        length = 1 if le == first else first
+                        self.rids, self.slots, self.lens = [-1] * b, [0] * b, [length] * b
+                        self._step([0] * b)
+            except Exception as e:  # noqa: BLE001 - a compiler's error, reported or raised
+                if not catch:
+                    raise
+                inner = getattr(e, "inner_exception", None) or e  # a backend's own error
+                lines = str(inner).strip().splitlines()
+                return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
+            finally:
+                self.rids, self.slots, self.lens = saved
+                self._drop({-1})
+        return None
 
     # ---- rows ---------------------------------------------------------------------------------
     def _drop(self, drop: set[int]) -> None:
