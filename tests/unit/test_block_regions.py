@@ -71,3 +71,32 @@ def test_unmarking_restores_the_class_forward_and_leaves_others_alone() -> None:
     layers = model.model.layers
     assert ["forward" in b.__dict__ for b in layers] == [False, False, True]
     assert layers[2].__dict__["forward"] is mine
+
+
+def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(monkeypatch) -> None:
+    """A compiler that refuses graphs calling a block region (torch 2.11's inductor did with
+    symbolic float inputs): `fast_decode` warns, compiles every block, and decodes the same."""
+    import warnings
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    import quantmesh as qm
+    import quantmesh.config
+
+    def refusing(gm: torch.fx.GraphModule, example: list) -> object:
+        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
+            raise RuntimeError("this compiler takes no block regions")
+        return lookup_backend("aot_eager")(gm, example)
+
+    monkeypatch.setattr(quantmesh.config, "compile_options", lambda *a, **k: {"backend": refusing})
+    model = llama(layers=2, vocab=64, seed=1).eval()
+    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    ref = qm.fast_decode(model, ids, 6, compile=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = qm.fast_decode(model, ids, 6, mode=None)
+    said = [str(w.message) for w in seen if "compiling one block for every block" in str(w.message)]
+    assert len(said) == 1 and "this compiler takes no block regions" in said[0], said
+    assert torch.equal(got, ref)
+    assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked

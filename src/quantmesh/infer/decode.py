@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks.compile import mark_block_regions
+from ..blocks.compile import mark_block_regions, unmark_block_regions
 from ..lora.adapter import LoraAdapter
 from ..plan.styles import Style
 from ..tp.layers import ShardedModule, sharded_modules
@@ -83,13 +84,36 @@ class _Decoder:
             **({"logits_to_keep": 1} if "logits_to_keep" in params else {}),
         }
         self.model = model
+        regions = 0
         if compile:
             _static_statistics(model)
-            mark_block_regions(model)  # the step compiles one block and reuses it for the others
+            regions = mark_block_regions(model)  # the step compiles one block for all of them
         from ..config import compile_options
 
-        opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says otherwise
-        self.run = torch.compile(self.step, fullgraph=True, **opts) if compile else self.step
+        self.opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says so
+        self.compiled: Any = torch.compile(self.step, fullgraph=True, **self.opts)
+        self.run: Any = (self._first_run if regions else self.compiled) if compile else self.step
+
+    def _first_run(self, *args: Any) -> torch.Tensor:
+        """The compiled step's first call; where the compiler refuses the block regions (a
+        torch version's limit), it compiles every block instead, with a warning. A refusal comes
+        while tracing, before the step runs: the cache has not moved."""
+        try:
+            out: torch.Tensor = self.compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a compiler's error; the retry raises its own
+            inner = getattr(e, "inner_exception", None) or e
+            first = (str(inner).strip().splitlines() or [""])[0]
+            warnings.warn(
+                f"quantmesh: compiling one block for every block failed ({type(inner).__name__}: "
+                f"{first}); compiling them all",
+                stacklevel=3,
+            )
+            unmark_block_regions(self.model)
+            torch._dynamo.reset()
+            self.compiled = torch.compile(self.step, fullgraph=True, **self.opts)
+            out = self.compiled(*args)
+        self.run = self.compiled
+        return out
 
     def logits(
         self, tok: torch.Tensor, **extra: Any
