@@ -388,10 +388,15 @@ def _regions_refused(rank: int) -> dict:
 
         return lookup_backend("aot_eager")(gm, example)
 
+    from quantmesh.parallel.state import parallel_state
+    from quantmesh.serve.ranks import Lockstep
+
     model, bank = _nf4_llama(tp=2, layers=2)
+    mesh = parallel_state(model).mesh
+    agree = Lockstep(mesh.tp_group, mesh.device).agree  # as the server: the ranks agree
     eager = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(1,), compile=False)
     comp = SlotBatch(model, bank, max_batch=2, max_len=64, ladder=(1,), compile=True,
-                     backend=refusing)  # type: ignore[arg-type]  # fmt: skip
+                     backend=refusing, agree=agree)  # type: ignore[arg-type]  # fmt: skip
     marked = comp.regions
     said: list[str] = []
     comp.warm_up(said.append)
