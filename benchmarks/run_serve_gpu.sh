@@ -25,17 +25,22 @@ STAGE=${1:?stage: serve, profile, peers, test, all, dequant or dense}
 GRAPHS=${2:-captured}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
+left() { echo $((590 - ($(date +%s) - T0))); }  # seconds of a 10-minute call left
+# bench_serve.py on the 7B nf4 shape, slot engine, 1/8/32/64 clients: serve_bench LIMIT [FLAG...]
+serve_bench() {
+  timeout "$1" python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
+    --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
+    --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" "${@:2}" 2>&1 \
+    | grep -v "Warning\|warnings.warn"
+}
 case "$STAGE" in
   serve)
-    # the yardstick first: the server's start (six to seven minutes for 7B) takes the rest
+    # the yardstick first: the server's start (three to four minutes for 7B) takes the rest
     say "fast_decode yardstick"
     timeout 100 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
       --out "$OUT" 2>&1 | tail -3
     say "bench_serve ($GRAPHS)"
-    timeout 480 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
-      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
-      --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn" ;;
+    serve_bench 480 ;;
   profile)
     # BATCH (default 64): the second measurement's rows; DENSE=1: --keep-dequantized
     timeout 560 python3 benchmarks/slot_step_profile.py --batch "${BATCH:-64}" --cuda-graphs "$GRAPHS" \
@@ -45,40 +50,27 @@ case "$STAGE" in
     timeout 560 python3 benchmarks/bench_decode.py --mode qlora --greedy --batch 32 --new 64 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12 ;;
   all)
-    left() { echo $((590 - ($(date +%s) - T0))); }
-    say "CUDA test of the slot engine (sdpa)"
+    say "CUDA tests of the slot engine (sdpa)"
     timeout 220 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -k sdpa -s 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -6
     say "fast_decode yardstick"
     timeout 90 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
       --out "$OUT" 2>&1 | tail -3
     say "bench_serve ($GRAPHS), $(left) s left"
-    timeout "$(left)" python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
-      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
-      --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn" ;;
+    serve_bench "$(left)" ;;
   dequant)
     # the server with the Triton dequantize on (QUANTMESH_TRITON_DEQUANT=1), then one step at
     # 32 rows profiled outside the server (GPU time against host time), the same setting
-    left() { echo $((590 - ($(date +%s) - T0))); }
     export QUANTMESH_TRITON_DEQUANT=1
     say "bench_serve ($GRAPHS, Triton dequantize)"
-    timeout 380 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
-      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
-      --max-tokens 64 --prompt-tokens 32 --models .bench/models --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn"
+    serve_bench 380
     say "slot step profile at 32 rows, $(left) s left"
     timeout "$(left)" python3 benchmarks/slot_step_profile.py --batch 32 --cuda-graphs "$GRAPHS" \
       --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -40 ;;
   dense)
-    # the server with --keep-dequantized (4-bit weights held in bf16 too), then the step profile
-    left() { echo $((590 - ($(date +%s) - T0))); }
+    # the server with --keep-dequantized (4-bit weights held in bf16 too)
     say "bench_serve ($GRAPHS, --keep-dequantized)"
-    timeout 380 python3 benchmarks/bench_serve.py --shape 7b --quant nf4 --engine slots \
-      --cuda-graphs "$GRAPHS" --max-model-len 1024 --concurrency 1,8,32,64 --requests 2 \
-      --max-tokens 64 --prompt-tokens 32 --models .bench/models --keep-dequantized \
-      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn"
-    say "done, $(left) s left" ;;
+    serve_bench 560 --keep-dequantized ;;
   test)
     timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
   *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant, dense)" >&2; exit 2 ;;
