@@ -63,7 +63,7 @@ CUDA_GRAPHS = ("captured", "trees")
 "captured", compiled without CUDA graph trees and captured per (batch, key length) into a
 `torch.cuda.CUDAGraph` that each step replays with no host work; "trees", inductor's CUDA graph
 trees (mode reduce-overhead: dynamo's guards and the graph's input checks run on the host every
-step). A 7B nf4 step at one row on one H200: 7.5 ms captured, 15.2 ms trees (docs/benchmarks.md)."""
+step; captured is the faster: docs/benchmarks.md, "Figures the code relies on")."""
 COMPILE_BACKEND_ENV = "QUANTMESH_COMPILE_BACKEND"
 """The environment variable naming torch.compile's backend for every compile quantmesh makes."""
 

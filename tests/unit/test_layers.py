@@ -176,3 +176,30 @@ def test_the_checker_finds_an_upward_import() -> None:
     )
     got = [(t, line) for _, t, line in _upward("parallel/mesh.py", source)]
     assert got == [("cli/errors.py", 4), ("io/load.py", 6), ("__init__.py", 7)]
+
+
+# A GPU named in the package is a measurement written into the code: those live in
+# docs/benchmarks.md ("Figures the code relies on"), with their date, machine and run.
+GPU_NAMES = re.compile(r"\b(?:[ABHLV]\d{2,3}[A-Z]?|RTX ?\d{4}|GB?\d{3})\b")
+
+
+def _gpu_mentions(text: str) -> list[str]:
+    text = re.sub(r"noqa: *[A-Z]+\d+(?:, *[A-Z]+\d+)*", "", text)  # a linter's codes (B036)
+    return [m.group(0) for m in GPU_NAMES.finditer(text)]
+
+
+def test_no_measurement_rides_in_the_code() -> None:
+    found = [(rel, n + 1, name) for rel in MODULES
+             for n, line in enumerate((SRC / rel).read_text().splitlines())
+             for name in _gpu_mentions(line)]  # fmt: skip
+    assert found == [], (
+        f"GPU names in the package (a figure belongs in docs/benchmarks.md, 'Figures the code "
+        f"relies on', with the code pointing there): {found[:10]}"
+    )
+
+
+def test_the_measurement_check_sees_gpu_names() -> None:
+    assert _gpu_mentions("on one H200: 7.5 ms; an A100, an RTX 4090, a GB200, an L40S") == [
+        "H200", "A100", "RTX 4090", "GB200", "L40S"
+    ]  # fmt: skip
+    assert _gpu_mentions("bf16 on cuda:0, x.H, int4, sm90  # noqa: B036, B010") == []

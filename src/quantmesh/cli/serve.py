@@ -84,13 +84,12 @@ class ServeConfig:
     engine: str = "auto"
     """The decode engine: slots (fixed KV slots, the step compiled and CUDA-graphed on GPUs,
     eager on CPU), dynamic (eager, a growing cache), or auto: slots on GPUs when its KV slots
-    fit (3-6x the dynamic engine's tokens/s on one H200, docs/benchmarks.md), else dynamic,
-    saying why."""
+    fit (several times the dynamic engine's tokens/s on a GPU: docs/benchmarks.md), else
+    dynamic, saying why."""
     cuda_graphs: str | None = None
     """Slot engine on GPUs: how its compiled step becomes CUDA graphs. captured (default): one
-    torch.cuda.CUDAGraph per (batch, key length), replayed with no host work per step (a 7B
-    step at one row: 7.5 ms against 15.2 with trees, docs/benchmarks.md); trees: inductor's
-    CUDA graph trees. Only for the slot engine: the dynamic engine runs eagerly."""
+    torch.cuda.CUDAGraph per (batch, key length), replayed with no host work per step (the
+    faster: docs/benchmarks.md); trees: inductor's CUDA graph trees. Only for the slot engine: the dynamic engine runs eagerly."""
     keep_dequantized: bool = False
     """Hold every 4-bit weight dequantized (bf16 on GPUs) beside its codes: steps of two rows or
     more multiply it instead of dequantizing every weight again (memory for speed: about 4x the

@@ -66,9 +66,9 @@ ENABLED = False
 DEQUANT_MIN_ROWS = 8
 # Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): 1.5x faster on the GPU
 # per call, but Triton's launcher costs more host time per call than bitsandbytes' op, and a
-# step that is not replayed from a CUDA graph pays it on every linear (the 64-row step of 4 7B
-# layers: 8.5 -> 15.4 ms of host time); the server with it on is not yet measured
-# (docs/benchmarks.md, "Many rows"). Off: bitsandbytes' path at every row count.
+# step that is not replayed from a CUDA graph pays it on every linear; the server with it on is
+# not yet measured (docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path
+# at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 

@@ -197,7 +197,7 @@ class AdapterBank:
     the LoraAdapter's values are discarded). `dtype`: the bank's (default: the adapters'). Under
     autocast every matmul casts the bank to its dtype anyway, so a bank held in the autocast dtype
     (`engine.autocast_dtype`, what the server passes) gives the same values without a cast per
-    matmul and step (0.8 ms of a 7B decode step on one H200, docs/benchmarks.md).
+    matmul and step (docs/benchmarks.md, "Figures the code relies on").
 
     Example:
         >>> model = qm.from_pretrained(path, mesh, lora=qm.LoraConfig(r=16))  # doctest: +SKIP

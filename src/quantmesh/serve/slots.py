@@ -202,10 +202,11 @@ class SlotBatch(Batch):
                     setattr(cfg, name, most)
             # dynamic=None: a static graph for the first (b, le), then graphs with the sizes
             # that changed made symbolic (`warm_up`: three in all); CUDA graphs are still
-            # captured per shape. One static graph per batch size (dynamic=False) compiled a 7B
-            # step four times at start: over six minutes on one H200. dynamic=True (two graphs)
+            # captured per shape. One static graph per batch size (dynamic=False) compiled the
+            # step once per size at start (minutes for a 7B model). dynamic=True (two graphs)
             # made the blocks' float attributes (norm eps, attention scaling) symbolic inputs of
-            # the compiled block, which inductor refused on torch 2.11 (an unbacked float).
+            # the compiled block, which inductor refused on torch 2.11 (an unbacked float). Both
+            # measured: docs/benchmarks.md, "Figures the code relies on".
             from ..config import compile_options
 
             capture = graphs == "captured" and self.device.type == "cuda"

@@ -87,7 +87,7 @@ def permuted_copy(
 
     An op of its own so that a compiler keeps its output contiguous: grouped matmuls take a 3-D
     operand only row- or column-major in its last two dims, and inductor, free to lay out a plain
-    permute + contiguous as it likes, handed one a permuted view (found on CPU and on an H200).
+    permute + contiguous as it likes, handed one a permuted view (found on CPU and on a GPU).
 
     Example:
         >>> permuted_copy(torch.arange(6.0).reshape(2, 3), [2, 3], [1, 0], torch.float32).stride()
