@@ -294,6 +294,71 @@ def test_a_failing_loop_answers_everyone_and_says_so(tok) -> None:
         assert r.status_code == 503  # refused at once, not queued forever
 
 
+def _one_request(tok, prompt: str, sampling) -> tuple[list[tuple], dict]:
+    """One request straight through a Scheduler over the stand-in batch: the log of its steps
+    ("step", rows decoding, rows admitted) and events ("event", event) in the order they
+    happened, and the done event."""
+    from quantmesh.serve.scheduler import Sampling
+
+    log: list[tuple] = []
+    batch = _NextTokenBatch(len(tok))
+    execute = batch.execute
+
+    def logged(plan: Plan):
+        if plan.order or plan.admit:
+            log.append(("step", list(plan.order), [a.rid for a in plan.admit]))
+        return execute(plan)
+
+    batch.execute = logged  # type: ignore[method-assign]
+    sched = Scheduler(batch, Lockstep(None, torch.device("cpu")), tok,  # type: ignore[arg-type]
+                      eos_ids=[tok.eos_token_id], max_batch=4, heartbeat_s=0.05)  # fmt: skip
+    loop = threading.Thread(target=sched.run, daemon=True)
+    loop.start()
+    finished = threading.Event()
+
+    def emit(ev: dict) -> None:
+        log.append(("event", ev))
+        if ev["type"] in ("done", "error"):
+            finished.set()
+
+    sched.submit(None, tok(prompt)["input_ids"], Sampling(**sampling), emit)
+    assert finished.wait(10), log
+    sched.stop()
+    loop.join(10)
+    assert not loop.is_alive() and sched.error is None
+    return log, log[-1][1]
+
+
+def test_a_steps_text_is_sent_while_the_next_step_runs(tok) -> None:
+    """The loop launches step k+1 before it decodes and sends step k's tokens, so that the host's
+    per-token work overlaps the device's step; the last token goes out with no step after it."""
+    log, done = _one_request(tok, "the", {"max_tokens": 4, "logprobs": 0})
+    assert done["finish_reason"] == "length" and done["completion_tokens"] == 4
+    steps_before = []  # steps launched before each token's event
+    for i, (kind, ev) in enumerate(x[:2] for x in log):
+        if kind == "event" and ev["type"] == "delta":
+            steps_before.append(sum(1 for k in log[:i] if k[0] == "step"))
+    # the prefill gives token 0, decode steps 1-3 tokens 1-3; token j is sent once step j + 1
+    # runs, the last one (max_tokens met) at once
+    assert steps_before == [2, 3, 4, 4], log
+    assert sum(1 for k in log if k[0] == "step") == 4, log
+
+
+def test_a_stop_string_found_late_costs_one_unsent_token(tok) -> None:
+    """A stop string is found in the text, sent while the next step runs: the row computes one
+    more token there, which no client hears of, and leaves at the step after."""
+    want = _following(tok, "the", 6)
+    stop = " " + want.split()[2]
+    log, done = _one_request(tok, "the", {"max_tokens": 6, "stop": [stop]})
+    text = "".join(ev["text"] for kind, ev in (x[:2] for x in log)
+                   if kind == "event" and ev["type"] == "delta")  # fmt: skip
+    assert text == want[: want.index(stop)] and done["finish_reason"] == "stop", log
+    sent = done["completion_tokens"]
+    assert 0 < sent < 6
+    decoding = [x for x in log if x[0] == "step" and x[1]]  # steps with the row decoding
+    assert len(decoding) == sent, log  # sent - 1 steps gave tokens 1..sent-1, one more unsent
+
+
 def _lp_of_next(vocab: int) -> tuple[float, float]:
     """The stand-in's logprobs: its logits are one-hot (1.0 on the next token, 0 elsewhere)."""
     lp = torch.log_softmax(torch.eye(vocab)[0], dim=-1)

@@ -8,9 +8,16 @@ loads go first. After the step it picks every row's next token at once on the de
 (`choose_tokens`: greedy rows the argmax; sampled rows a Gumbel-max draw whose noise is a pure
 function of the request's seed and its count of generated tokens, so a seed gives the same reply
 whatever else is in the batch; penalties, top-k, top-p and min-p as `quantmesh.infer.sampling` applies
-them; one read-back per step), releases text through a TextStream
-and reports to the request's `emit` callback. Only this rank picks tokens: the other tp ranks are
+them; one read-back per step). Only this rank picks tokens: the other tp ranks are
 fed them in the next Plan, so every setting is consistent across ranks by construction.
+
+What the clients hear of a step (text through each request's TextStream, logprobs, the end) is
+sent while the next step runs: `run` launches step k+1 as soon as step k's tokens are read back
+(a row that met its EOS token or its max_tokens leaves at once), then decodes and sends step k's
+text, so the host's per-token work overlaps the device's step instead of delaying it. A stop
+string is found in that text, so a row that meets one computes one more token, never sent, and
+leaves at the next step. With nothing to overlap (the last step, or a shutdown) the events are
+sent before the loop waits.
 
 Logprobs are those of the model's own distribution: `log_softmax` of the raw logits in float32,
 before penalties, temperature or any filter (what OpenAI's API and vLLM report by default), with
@@ -28,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import deque
@@ -98,7 +106,8 @@ class Job:
     filled: int = 0  # prompt tokens in the KV cache (a prompt prefilled in chunks)
     generated: int = 0
     last: int = -1  # the token to feed next
-    finish: str | None = None
+    finish: str | None = None  # why it leaves the batch (set when it is known)
+    ended: bool = False  # the client got its last event (done, or an error)
     cancelled: bool = False
     seen: torch.Tensor | None = None  # (vocab,) bool: prompt tokens (penalized requests only)
     counts: torch.Tensor | None = None  # (vocab,) generated tokens' counts (idem)
@@ -235,29 +244,45 @@ class Scheduler:
         if self.batch.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(self.batch.device)
         loads: list[tuple[int, str, Callable[[str], None]]] = []
+        events: list[Callable[[], None]] = []  # the last step's, for its clients
         try:
             while True:
+                if events and not self._busy():  # nothing to overlap them with
+                    events = _send(events)
                 plan, loads = self._next_plan()
                 plan = self.lockstep.broadcast(plan)
                 if plan.stop:
+                    _send(events)  # the rows that ended before the stop
                     return
-                step, pre, errors = self.batch.execute(plan)
+                step, pre, errors = self.batch.execute(plan)  # a GPU's step: launched
+                events = _send(events)  # the last step's text, while this step runs
                 for (_, _, done), err in zip(loads, errors, strict=True):
                     done(err)
                 loads = []
-                self._after(plan, step, pre)
+                events = self._after(plan, step, pre)
         except BaseException as e:
             with self.cv:
                 self.error = e
-                jobs = [j for j in self.jobs.values() if j.finish is None]
+                jobs = [j for j in self.jobs.values() if not j.ended]
                 loads, self.loads = loads + self.loads, []
             # the error (often a transport's raw text) is for the server's log, not for clients
             msg = "the server failed and is stopping; its log says why"
             for j in jobs:
+                j.ended = True
                 j.emit({"type": "error", "message": msg})
             for _, _, done in loads:
                 done(msg)
             self.on_fatal(e)
+
+    def _busy(self) -> bool:
+        """Whether the next plan gives the device work: rows that go on, prompts, loads."""
+        with self.cv:
+            if self.stopping:
+                return False
+            rows = (self.jobs[r] for r in self.order + self.filling)
+            return any(not (j.finish or j.cancelled) for j in rows) or bool(
+                self.waiting or self.loads
+            )
 
     def _next_plan(self) -> tuple[Plan, list[tuple[int, str, Callable[[str], None]]]]:
         with self.cv:
@@ -267,6 +292,7 @@ class Scheduler:
                 for j in self.jobs.values():
                     if j.finish is None:
                         j.finish = "cancelled"
+                        j.ended = True
                         j.emit({"type": "error", "message": "the server is shutting down"})
                 for _, _, done in self.loads:
                     done("the server is shutting down")
@@ -313,7 +339,12 @@ class Scheduler:
     def _release(self, job: Job) -> None:
         self.users[job.slot] -= 1
 
-    def _after(self, plan: Plan, step: torch.Tensor | None, pre: list[torch.Tensor]) -> None:
+    def _after(
+        self, plan: Plan, step: torch.Tensor | None, pre: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        """After a step: every row's next token (one read-back) and what the next plan needs of
+        it (the token to feed, the penalties' counts, a finish by EOS or max_tokens); returns the
+        clients' events of this step, in order, which `run` sends while the next step runs."""
         ended = [a.rid for a in plan.admit if a.last]  # prompts prefilled whole: they decode now
         for a in plan.admit:
             self.jobs[a.rid].filled = a.start + len(a.prompt)
@@ -326,7 +357,7 @@ class Scheduler:
         with self.cv:  # the batch's rows first: a client that heard of its row finds it running
             self.filling = filling
             if not rows:
-                return
+                return []
             jobs = [self.jobs[r] for r in rows]
             self.order = rows
             self.peak = max(self.peak, len(plan.order))
@@ -336,19 +367,22 @@ class Scheduler:
         all_logits = torch.cat(logits)  # (rows, vocab)
         n_old = len(plan.order)
         pick: list[int] = []  # the rows that get a token this step
+        events: list[Callable[[], None]] = []
         for i, job in enumerate(jobs):
-            if job.finish is not None or job.cancelled:
+            if job.finish is not None or job.cancelled:  # (a stop string found late: not sent)
                 continue
             s = job.sampling
             if i >= n_old and s.echo:
-                job.emit({"type": "prompt_logprobs",
-                          "entries": _prompt_logprobs(pre[i - n_old], job.prompt, s.logprobs or 0)})  # fmt: skip
+                ev: Event = {"type": "prompt_logprobs",
+                             "entries": _prompt_logprobs(pre[i - n_old], job.prompt, s.logprobs or 0)}  # fmt: skip
+                events.append(functools.partial(_emit, job, ev))
             if s.max_tokens == 0:  # the prompt's logprobs were all it asked for
-                self._finish(job, "length")
+                job.finish = "length"
+                events.append(functools.partial(self._end, job))
                 continue
             pick.append(i)
         if not pick:
-            return
+            return events
         picked = [jobs[i] for i in pick]
         rows_logits = all_logits if len(pick) == len(jobs) else all_logits[pick]
         toks = choose_tokens(rows_logits, picked)
@@ -356,31 +390,51 @@ class Scheduler:
         for job, tok, entry in zip(picked, toks, entries, strict=True):
             if job.counts is not None:
                 job.counts[tok] += 1
-            self._emit_token(job, tok, entry)
+            job.generated += 1
+            job.last = tok
+            if tok in self.eos:
+                job.finish = "stop"
+            elif job.generated >= job.sampling.max_tokens:
+                job.finish = "length"
+            events.append(functools.partial(self._emit_token, job, tok, entry))
+        return events
 
     def _emit_token(self, job: Job, tok: int, entry: Logprob | None) -> None:
-        job.generated += 1
-        job.last = tok
+        """One generated token's text (and logprobs) to its client; a stop string ends it."""
+        if job.ended:
+            return
         text, stopped = job.stream.add(tok)
-        finish = None
-        if stopped or tok in self.eos:
-            finish = "stop"
-        elif job.generated >= job.sampling.max_tokens:
-            finish = "length"
-        if finish is not None:
+        if stopped:  # the next plan drops the row (its token of the step running now is unsent)
+            job.finish = "stop"
+        if job.finish is not None:
             text += "" if stopped else job.stream.flush()
         if text or entry is not None:
             ev: Event = {"type": "delta", "text": text}
             if entry is not None:
                 ev["logprobs"] = [entry]
             job.emit(ev)
-        if finish is not None:
-            self._finish(job, finish)
+        if job.finish is not None:
+            self._end(job)
 
-    def _finish(self, job: Job, finish: str) -> None:
-        job.finish = finish
-        job.emit({"type": "done", "finish_reason": finish, "prompt_tokens": len(job.prompt),
+    def _end(self, job: Job) -> None:
+        """The request's last event: why it ended and its token counts."""
+        if job.ended:
+            return
+        job.ended = True
+        job.emit({"type": "done", "finish_reason": job.finish, "prompt_tokens": len(job.prompt),
                   "completion_tokens": job.generated})  # fmt: skip
+
+
+def _emit(job: Job, ev: Event) -> None:
+    if not job.ended:
+        job.emit(ev)
+
+
+def _send(events: list[Callable[[], None]]) -> list[Callable[[], None]]:
+    """Send a step's client events, in order; returns an empty list (the next step's)."""
+    for send in events:
+        send()
+    return []
 
 
 Logprob = tuple[int, float | None, list[tuple[int, float]]]
