@@ -137,14 +137,26 @@ def _rank(rank: int) -> dict:
     import quantmesh as qm
     from quantmesh.parallel.state import parallel_state
 
+    import torch.distributed as dist
+
     mesh = qm.init_mesh(tp=2)
-    facts: dict = {}
+    facts: dict = {"groups_made": {}}
+    made_groups = []
+    new_group = dist.new_group
+
+    def counting(*args, **kwargs):
+        made_groups.append(1)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting  # the rank process ends after the test
     for name, make in CASES.items():
         torch.manual_seed(0)
         model = make()
         ref = copy.deepcopy(model)
         rng_before = torch.get_rng_state()
+        made_groups.clear()
         qm.parallelize(model, mesh, example_inputs=(_ids(0),))
+        facts["groups_made"][name] = len(made_groups)
         rng_same = torch.equal(rng_before, torch.get_rng_state())
         ids = _ids(1)
         y, y_ref = model(ids), ref(ids)
@@ -185,12 +197,24 @@ def _rank(rank: int) -> dict:
     # the report on its own
     report = qm.verify_plan(Net(lambda: Attn(slopes=True)), mesh, inputs=(_ids(0),))
     facts["report"] = str(report)
+    facts["side_groups"] = sorted(mesh.side_groups)
     return facts
 
 
 @pytest.fixture(scope="module")
 def facts() -> dict:
     return run_ranks(_rank, 2, timeout=240)[0]
+
+
+def test_the_probe_keeps_its_groups_on_the_mesh_until_a_probe_raises(facts: dict) -> None:
+    """The probe's two process groups are made by the first parallelize on a mesh and reused by
+    the next ones; a probe that raised (OddNames' reshape, split before its head count is found)
+    leaves its group behind for a fresh one."""
+    made = facts["groups_made"]
+    assert made["plain"] == 2, made  # the agreement's group and the probe's
+    assert made["shared_norm"] == made["head_scale"] == made["slopes"] == 0, made
+    assert made["odd_names"] > 0, made
+    assert facts["side_groups"] == ["verify.agree", "verify.probe"], facts["side_groups"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -56,6 +56,10 @@ class Mesh:
     devices: list[torch.device]
     backend: str
     device_mesh: DeviceMesh = field(repr=False)
+    side_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+    """Process groups of this rank's tp ranks that a collective helper keeps between calls
+    (the plan probe's: parallel/verify.py), made on first use by every rank alike; a helper
+    whose collective raised destroys its group and takes it out."""
 
     @property
     def device(self) -> torch.device:

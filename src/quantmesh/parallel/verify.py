@@ -340,23 +340,26 @@ def _agree(ok: bool, raised: bool, group: Any, device: torch.device) -> tuple[bo
 
 
 class _ProbeGroups:
-    """The probe's tp group, reused while every probe ends without an exception; a probe that
-    raised on any rank may have left a collective half done, so the next one gets a fresh group
+    """A tp group of the probe's, kept in `mesh.side_groups` under `key` and so reused by later
+    calls on the mesh (making and destroying a group costs tens of milliseconds per rank, and a
+    test suite parallelizes thousands of times) while no collective on it raised; one that
+    raised on any rank may have left a collective half done, so the next use gets a fresh group
     (a process group is never reused after a collective raised)."""
 
-    def __init__(self, mesh: Any) -> None:
-        self.mesh, self.group = mesh, None
+    def __init__(self, mesh: Any, key: str, timeout_s: float) -> None:
+        self.mesh, self.key, self.timeout_s = mesh, key, timeout_s
+        self.groups: dict[str, Any] = getattr(mesh, "side_groups", {})
 
     def get(self) -> Any:
-        if self.group is None:
-            self.group = _new_group(self.mesh, PROBE_TIMEOUT_S)
-        return self.group
+        if self.key not in self.groups:
+            self.groups[self.key] = _new_group(self.mesh, self.timeout_s)
+        return self.groups[self.key]
 
     def drop(self) -> None:
-        if self.group is not None:
+        group = self.groups.pop(self.key, None)
+        if group is not None:
             with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
-        self.group = None
+                dist.destroy_process_group(group)
 
 
 @contextlib.contextmanager
@@ -576,59 +579,78 @@ def verify_plan(
         if failure:
             report.skipped = failure
             return report
-        agree_group = _new_group(mesh, PROBE_TIMEOUT_S * 3)
-        report.verified = True
-        resolved = plan.resolve(probe, mesh.tp)  # the plan as the probe sees it
-        groups = _groups_of(resolved, probe)
-        pgroups = _ProbeGroups(mesh)
-        run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
-            probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol, pgroups
-        )
-        whole = run(plan)
-        report.reduce_grads = sorted({_param_glob(n, probe) for n in whole.partial})
-        if whole.ok:
-            report.groups = [GroupVerdict("whole plan", [], True, whole.detail)]
-        else:
-            report.exact = False
-            everything = [m for ms in groups.values() for m in ms]
-            packed = _packed_of(resolved, probe)
-            for glob, members in groups.items():
-                others = {m: Style.REPLICATE.value for m in everything if m not in members}
-                alone = plan.override(others) if others else plan
-                out = run(alone) if others else whole
-                fused = [m for m in members if m in packed]
-                if not out.ok and fused:  # q|k|v fused per head rather than in segments?
-                    retry = run(alone.with_contiguous(fused))
-                    if retry.ok:
-                        report.contiguous += fused
-                        out = _Outcome(True, f"{retry.detail}, fused outputs per head")
-                if not out.ok:  # a head count or width the forward reads as a global size?
-                    found = _sizes_per_rank(probe, resolved, members, alone, run)
-                    if found is not None:
-                        attrs, retry = found
-                        for g, a in attrs.items():
-                            report.attrs.setdefault(g, {}).update(a)
-                        names = ", ".join(f"{g}.{n}" for g, a in attrs.items() for n in a)
-                        out = _Outcome(True, f"{retry.detail}, per rank: {names}")
-                report.groups.append(GroupVerdict(glob, members, out.ok, out.detail))
-                if not out.ok:
-                    for m in members:
-                        report.replicated[m] = (
-                            f"replicated: verify: not exact when split ({out.detail})"
-                        )
-            changed = report.replicated or report.contiguous or report.attrs
-            final = run(report.apply(plan)) if changed else whole
-            report.groups.append(
-                GroupVerdict("plan with those changes", [], final.ok, final.detail)
-            )
-            report.reduce_grads = sorted({_param_glob(n, probe) for n in final.partial})
-            if not final.ok:  # the groups interact: keep nothing split
-                for m in everything:
-                    report.replicated.setdefault(
-                        m, f"replicated: verify: the split plan is not exact ({final.detail})"
+        agreeing = _ProbeGroups(mesh, "verify.agree", PROBE_TIMEOUT_S * 3)
+        pgroups = _ProbeGroups(mesh, "verify.probe", PROBE_TIMEOUT_S)
+        try:
+            return _verify(mesh, plan, probe, inputs, ref_out, ref_grads, tol, report,
+                           agreeing.get(), pgroups)  # fmt: skip
+        except BaseException:  # a collective may have failed half done: no group is reused
+            agreeing.drop()
+            pgroups.drop()
+            raise
+    return report
+
+
+def _verify(
+    mesh: Any,
+    plan: Plan,
+    probe: nn.Module,
+    inputs: Any,
+    ref_out: list[torch.Tensor],
+    ref_grads: dict[str, torch.Tensor],
+    tol: float,
+    report: VerifyReport,
+    agree_group: Any,
+    pgroups: _ProbeGroups,
+) -> VerifyReport:
+    """verify_plan's probes, once the reference ran (collective over the tp groups)."""
+    report.verified = True
+    resolved = plan.resolve(probe, mesh.tp)  # the plan as the probe sees it
+    groups = _groups_of(resolved, probe)
+    run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
+        probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol, pgroups
+    )
+    whole = run(plan)
+    report.reduce_grads = sorted({_param_glob(n, probe) for n in whole.partial})
+    if whole.ok:
+        report.groups = [GroupVerdict("whole plan", [], True, whole.detail)]
+    else:
+        report.exact = False
+        everything = [m for ms in groups.values() for m in ms]
+        packed = _packed_of(resolved, probe)
+        for glob, members in groups.items():
+            others = {m: Style.REPLICATE.value for m in everything if m not in members}
+            alone = plan.override(others) if others else plan
+            out = run(alone) if others else whole
+            fused = [m for m in members if m in packed]
+            if not out.ok and fused:  # q|k|v fused per head rather than in segments?
+                retry = run(alone.with_contiguous(fused))
+                if retry.ok:
+                    report.contiguous += fused
+                    out = _Outcome(True, f"{retry.detail}, fused outputs per head")
+            if not out.ok:  # a head count or width the forward reads as a global size?
+                found = _sizes_per_rank(probe, resolved, members, alone, run)
+                if found is not None:
+                    attrs, retry = found
+                    for g, a in attrs.items():
+                        report.attrs.setdefault(g, {}).update(a)
+                    names = ", ".join(f"{g}.{n}" for g, a in attrs.items() for n in a)
+                    out = _Outcome(True, f"{retry.detail}, per rank: {names}")
+            report.groups.append(GroupVerdict(glob, members, out.ok, out.detail))
+            if not out.ok:
+                for m in members:
+                    report.replicated[m] = (
+                        f"replicated: verify: not exact when split ({out.detail})"
                     )
-        pgroups.drop()
-        dist.destroy_process_group(agree_group)
+        changed = report.replicated or report.contiguous or report.attrs
+        final = run(report.apply(plan)) if changed else whole
+        report.groups.append(GroupVerdict("plan with those changes", [], final.ok, final.detail))
+        report.reduce_grads = sorted({_param_glob(n, probe) for n in final.partial})
+        if not final.ok:  # the groups interact: keep nothing split
+            for m in everything:
+                report.replicated.setdefault(
+                    m, f"replicated: verify: the split plan is not exact ({final.detail})"
+                )
     return report
 
 
