@@ -134,10 +134,10 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank: int) -> dict:
+    import torch.distributed as dist
+
     import quantmesh as qm
     from quantmesh.parallel.state import parallel_state
-
-    import torch.distributed as dist
 
     mesh = qm.init_mesh(tp=2)
     facts: dict = {"groups_made": {}}
