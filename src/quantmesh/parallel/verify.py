@@ -582,8 +582,11 @@ def verify_plan(
         agreeing = _ProbeGroups(mesh, "verify.agree", PROBE_TIMEOUT_S * 3)
         pgroups = _ProbeGroups(mesh, "verify.probe", PROBE_TIMEOUT_S)
         try:
-            return _verify(mesh, plan, probe, inputs, ref_out, ref_grads, tol, report,
-                           agreeing.get(), pgroups)  # fmt: skip
+            agree_group = agreeing.get()
+            run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
+                probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol, pgroups
+            )
+            return _verify(plan, probe, mesh.tp, report, run)
         except BaseException:  # a collective may have failed half done: no group is reused
             agreeing.drop()
             pgroups.drop()
@@ -592,24 +595,13 @@ def verify_plan(
 
 
 def _verify(
-    mesh: Any,
-    plan: Plan,
-    probe: nn.Module,
-    inputs: Any,
-    ref_out: list[torch.Tensor],
-    ref_grads: dict[str, torch.Tensor],
-    tol: float,
-    report: VerifyReport,
-    agree_group: Any,
-    pgroups: _ProbeGroups,
+    plan: Plan, probe: nn.Module, tp: int, report: VerifyReport, run: Callable[[Plan], _Outcome]
 ) -> VerifyReport:
-    """verify_plan's probes, once the reference ran (collective over the tp groups)."""
+    """verify_plan's verdicts, once the reference ran: `run` probes a plan on the tp group
+    against it (collective)."""
     report.verified = True
-    resolved = plan.resolve(probe, mesh.tp)  # the plan as the probe sees it
+    resolved = plan.resolve(probe, tp)  # the plan as the probe sees it
     groups = _groups_of(resolved, probe)
-    run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
-        probe, inputs, p, mesh, ref_out, ref_grads, agree_group, tol, pgroups
-    )
     whole = run(plan)
     report.reduce_grads = sorted({_param_glob(n, probe) for n in whole.partial})
     if whole.ok:
