@@ -375,6 +375,54 @@ def test_weights_held_dequantized_give_the_same_steps() -> None:
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
+def _stacked_and_not(rank: int) -> dict:
+    """The same plans on the slot engine (eager) at tp=2 with the bank's sibling adapters
+    stacked (q, k, v; gate, up: `AdapterBank.stack_siblings`) and not, on two copies of one
+    model and bank: each step's logits, the stacks made, and whether the stacks see a load."""
+    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.slots import SlotBatch
+
+    runs, made = [], []
+    admit = {0: [Admit(0, [5, 9, 11, 2], 1)], 2: [Admit(1, [3, 4], 0), Admit(2, [7, 8, 1], 2)]}
+    drop = {5: [0, 2]}  # one adapter, then mixed (base, 1 and 2), then the base alone
+    for stack in (False, True):
+        model, bank = _nf4_llama(tp=2, layers=2)
+        batch = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(1, 2), compile=False,
+                          stack_adapters=stack)  # fmt: skip
+        order: list[int] = []
+        last: dict[int, int] = {}
+        steps = []
+        for step in range(8):
+            gone = drop.get(step, [])
+            order = [r for r in order if r not in gone]
+            plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
+                        admit=admit.get(step, []))  # fmt: skip
+            s, pre, _ = batch.execute(plan)
+            rows = (list(s) if s is not None else []) + pre
+            order = order + [a.rid for a in plan.admit]
+            last = dict(zip(order, [int(r.argmax()) for r in rows], strict=True))
+            steps.append(torch.stack(rows))
+        runs.append(steps)
+        made.append([len(st.members) for st in bank.stacks])
+        if stack:  # a write to a member's slot reaches its stack (its A and B are views)
+            first = bank.stacks[0].members[0]
+            with torch.no_grad():
+                first.a_bank[1].fill_(0.5)
+            reached = bool((bank.stacks[0].a[1, : first.r] == 0.5).all())
+    return {"runs": runs, "made": made, "reached": reached}
+
+
+def test_stacked_sibling_adapters_give_the_same_steps() -> None:
+    """The bank's adapters of q, k, v and of gate, up run as one A and one B matmul per group
+    (the server's default) at tp=2: a row on one adapter, rows on three slots at once and the
+    base alone give the unstacked logits at every prefill and decode step."""
+    for res in run_ranks(_stacked_and_not, 2, timeout=300):
+        assert res["made"] == [[], [3, 2, 3, 2]] and res["reached"], res
+        plain, stacked = res["runs"]
+        for a, b in zip(plain, stacked, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 def _regions_refused(rank: int) -> dict:
     """A compiler that refuses any graph calling a block region (as torch 2.11's inductor did with
     symbolic float inputs): `warm_up` says so and compiles every block, and the step serves."""

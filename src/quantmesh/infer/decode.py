@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ __all__ = [
     "StackedLora",
     "fast_decode",
     "greedy_decode",
+    "sibling_runs",
     "stack_sibling_adapters",
 ]
 
@@ -512,11 +513,57 @@ def _stackable(m: ShardedModule) -> bool:
 
 
 @contextlib.contextmanager
+def sibling_runs(
+    mods: Iterable[ShardedModule], same: Callable[[ShardedModule, ShardedModule], bool]
+) -> Iterator[list[list[ShardedModule]]]:
+    """The layers of `mods` that read the same tensor one after another (q, k, v; gate, up),
+    found during the forward run inside the block: the list it yields is filled when the block
+    ends, with each run of two or more. `same(first, m)`: whether `m` may join the run `first`
+    began (decoding asks for one adapter dtype). A layer called more than once is left out.
+
+    Example:
+        >>> with sibling_runs(layers, lambda a, b: True) as runs:  # doctest: +SKIP
+        ...     model(input_ids=ids)
+        >>> [len(r) for r in runs]  # doctest: +SKIP
+        [3, 2, 3, 2]
+    """
+    runs: list[list[ShardedModule]] = []
+    seen: dict[int, int] = {}
+    last: list[torch.Tensor | None] = [None]
+
+    def pre(mod: ShardedModule, args: tuple) -> None:
+        x = args[0] if args else None
+        seen[id(mod)] = seen.get(id(mod), 0) + 1
+        if not isinstance(x, torch.Tensor):
+            last[0] = None
+            return
+        first = runs[-1][0] if runs and last[0] is x else None
+        if first is not None and same(first, mod):
+            runs[-1].append(mod)
+        else:
+            runs.append([mod])
+            last[0] = x
+
+    handles = [m.register_forward_pre_hook(pre) for m in mods]
+    found: list[list[ShardedModule]] = []
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+        last[0] = None
+    for run in runs:
+        members = [m for m in run if seen[id(m)] == 1]
+        if len(members) >= 2:
+            found.append(members)
+
+
+@contextlib.contextmanager
 def stack_sibling_adapters(model: nn.Module) -> Iterator[list[AdapterStack]]:
     """Find, during the one eager forward run inside the block, the adapter layers that read the
-    same tensor one after another, and give each such group an `AdapterStack` (inactive): each
-    member's adapter becomes a `StackedLora` of it. The list it yields is filled when the block
-    ends.
+    same tensor one after another (`sibling_runs`), and give each such group an `AdapterStack`
+    (inactive): each member's adapter becomes a `StackedLora` of it. The list it yields is
+    filled when the block ends.
 
     A layer called more than once in that forward, or whose adapter has another dtype than the
     first of its run, is left out; a run whose adapters sit on several devices gets no stack.
@@ -531,35 +578,15 @@ def stack_sibling_adapters(model: nn.Module) -> Iterator[list[AdapterStack]]:
         if isinstance(old.lora, StackedLora):
             old.set_adapter(old.lora.plain())
     mods = [m for m in layers if _stackable(m)]
-    runs: list[list[ShardedModule]] = []
-    seen: dict[int, int] = {}
-    last: list[torch.Tensor | None] = [None]
 
-    def pre(mod: ShardedModule, args: tuple) -> None:
-        x = args[0] if args else None
-        seen[id(mod)] = seen.get(id(mod), 0) + 1
-        if not isinstance(x, torch.Tensor):
-            last[0] = None
-            return
-        w = _lora(mod).lora_A.weight
-        first = runs[-1][0] if runs and last[0] is x else None
-        if first is not None and _lora(first).lora_A.weight.dtype == w.dtype:
-            runs[-1].append(mod)
-        else:
-            runs.append([mod])
-            last[0] = x
+    def same(first: ShardedModule, m: ShardedModule) -> bool:
+        return _lora(first).lora_A.weight.dtype == _lora(m).lora_A.weight.dtype
 
-    handles = [m.register_forward_pre_hook(pre) for m in mods]
     stacks: list[AdapterStack] = []
-    try:
+    with sibling_runs(mods, same) as runs:
         yield stacks
-    finally:
-        for h in handles:
-            h.remove()
-        last[0] = None
-    for run in runs:
-        members = [m for m in run if seen[id(m)] == 1]
-        if len(members) < 2 or len({_lora(m).lora_A.weight.device for m in members}) > 1:
+    for members in runs:
+        if len({_lora(m).lora_A.weight.device for m in members}) > 1:
             continue
         stack = AdapterStack(members)
         for i, m in enumerate(members):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..infer.decode import sibling_runs
 from ..io.adapter import (
     _adapter_weights,
     _is_expert_key,
@@ -57,6 +59,7 @@ from ..lora.adapter import (
     expert_products,
     lora_splits,
 )
+from ..plan.styles import Style
 from ..tp.experts import ShardedExperts
 from ..tp.layers import ShardedModule, sharded_modules
 
@@ -91,10 +94,18 @@ class _BankedLora(Adapter):
         if a_bank.device.type == "cuda":  # not the layer's buffers: CUDA graphs read them in place
             torch._dynamo.mark_static_address(a_bank, guard=False)
             torch._dynamo.mark_static_address(b_bank, guard=False)
+        self.stack: _BankStack | None = None  # its siblings' stack (`AdapterBank.stack_siblings`)
+        self.index = 0  # its place in the stack
 
     @property
     def r(self) -> int:
         return int(self.a_bank.shape[1])
+
+    def shortcut(self, x: torch.Tensor) -> torch.Tensor | None:
+        st = self.stack
+        if st is None or not st.active or torch.is_grad_enabled():
+            return None
+        return st.delta(self.index, x, self.cast_in)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,6 +140,73 @@ class _BankedLora(Adapter):
         pick = bank.rel.view(-1, *([1] * (a.dim() - 1)), 1).expand(*a.shape[:-1], 1, r)
         z.scatter_(-2, pick, a.unsqueeze(-2))
         y = F.linear(z.flatten(-2), w[:, lo:hi].reshape(out_f, -1))  # (b, t, out)
+        scale = bank.scale_t.index_select(0, bank.ids).to(y.dtype)  # (b,)
+        return y * scale.view(-1, *([1] * (y.dim() - 1)))
+
+
+class _BankStack:
+    """The banked adapters of sibling layers that read one tensor (q, k, v; gate, up), as one A
+    matmul and one B matmul a forward instead of two per sibling (as decoding's `AdapterStack`,
+    over every slot): A of the n siblings stacked to (slots, n * r, in), B block-diagonal to
+    (sum of outs, slots, n * r). Each sibling's `a_bank` / `b_bank` become views of these, so
+    `AdapterBank.load` writes both. The zero blocks add exact zeros: each sibling's slice is its
+    own delta, up to the order in which the matmuls sum."""
+
+    def __init__(self, bank: AdapterBank, members: list[_BankedLora]) -> None:
+        self.bank, self.members = bank, members
+        a0 = members[0].a_bank  # (slots, r, in)
+        slots, r, fin = (int(s) for s in a0.shape)
+        n = len(members)
+        self.outs = [int(m.b_bank.shape[0]) for m in members]
+        self.out_at = [sum(self.outs[:i]) for i in range(n)]
+        self.a = a0.new_zeros(slots, n * r, fin)
+        self.b = a0.new_zeros(sum(self.outs), slots, n * r)
+        for i, m in enumerate(members):
+            a_view = self.a[:, i * r : (i + 1) * r]
+            b_view = self.b[self.out_at[i] : self.out_at[i] + self.outs[i], :, i * r : (i + 1) * r]
+            a_view.copy_(m.a_bank)
+            b_view.copy_(m.b_bank)
+            m.a_bank, m.b_bank = a_view, b_view
+            m.stack, m.index = self, i
+        if a0.device.type == "cuda":  # CUDA graphs read them in place
+            for t in (self.a, self.b, *(w for m in members for w in (m.a_bank, m.b_bank))):
+                torch._dynamo.mark_static_address(t, guard=False)
+        self.active = True
+        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
+        self.out: torch.Tensor | None = None  # (..., sum of outs): every sibling's delta
+
+    def delta(
+        self, i: int, x: torch.Tensor, cast: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """Sibling `i`'s scaled delta (..., out_i), or None when `x` is not the tensor the first
+        sibling got in this forward."""
+        d = None
+        if i == 0:
+            self.x = x
+            self.out = self._all(cast(x))
+        if self.x is x and self.out is not None:
+            o = self.out_at[i]
+            d = self.out[..., o : o + self.outs[i]]
+        if i == len(self.members) - 1:  # the last sibling: hold no tensor past this forward
+            self.x = self.out = None
+        return d
+
+    def _all(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., sum of outs), scaled
+        bank = self.bank
+        if bank.uniform == 0:  # the base everywhere
+            return x.new_zeros(*x.shape[:-1], self.b.shape[0])
+        if bank.uniform is not None:
+            u = bank.uniform
+            return F.linear(F.linear(x, self.a[u]), self.b[:, u]) * bank.scales[u]
+        # every row keeps its slot's n * r outputs of A (zeros in the other slots' blocks), then
+        # one matmul with the span's B (as _BankedLora's down and up, for the n siblings at once)
+        lo, hi = bank.span
+        nr = self.a.shape[1]
+        both = F.linear(x, self.a[lo:hi].reshape(-1, self.a.shape[2]))  # (..., w * n * r)
+        both = both.view(*x.shape[:-1], hi - lo, nr)
+        pick = bank.rel.view(-1, *([1] * (x.dim() - 1)), 1).expand(*x.shape[:-1], 1, nr)
+        z = torch.zeros_like(both).scatter_(-2, pick, both.gather(-2, pick))
+        y = F.linear(z.flatten(-2), self.b[:, lo:hi].reshape(self.b.shape[0], -1))
         scale = bank.scale_t.index_select(0, bank.ids).to(y.dtype)  # (b,)
         return y * scale.view(-1, *([1] * (y.dim() - 1)))
 
@@ -235,6 +313,7 @@ class AdapterBank:
         self.uniform: int | None = 0
         self.device = dev
         self._fixed: torch.Tensor | None = None  # (max rows,) row slots of compiled steps
+        self.stacks: list[_BankStack] = []  # sibling adapters run together (`stack_siblings`)
         self.banked: dict[str, _BankedLora] = {}
         for f, m in self.mods.items():
             a, b = loras[f].lora_A.weight, loras[f].lora_B.weight  # (r, in_x), (out_x, r)
@@ -272,6 +351,28 @@ class AdapterBank:
                 out, 2 * self.slots * elems * e.float_dtype.itemsize
             )  # the weights and their deltas
         return out
+
+    def stack_siblings(self, forward: Callable[[], object]) -> int:
+        """Run `forward` (one eager forward of the model) and stack the banked adapters of the
+        sibling layers it shows reading one tensor (q, k, v; gate, up: `_BankStack`), so that
+        forwards without autograd run each group's adapters as two matmuls. Loaded adapters are
+        kept; later loads reach the stacks. Returns the number of stacks (once per bank: a
+        second call runs `forward` and changes nothing).
+
+        Example:
+            >>> bank.stack_siblings(lambda: model(input_ids=ids))  # doctest: +SKIP
+            4
+        """
+        if self.stacks:
+            forward()
+            return len(self.stacks)
+        mods = [m for m in self.mods.values() if m.style not in (Style.ROWWISE, Style.VOCAB)]
+        with sibling_runs(mods, lambda first, m: True) as runs:
+            forward()
+        owner = {id(m): f for f, m in self.mods.items()}
+        for run in runs:
+            self.stacks.append(_BankStack(self, [self.banked[owner[id(m)]] for m in run]))
+        return len(self.stacks)
 
     # ---- rows ---------------------------------------------------------------------------------
     def set_rows(self, slots: list[int], fixed: int | None = None) -> None:

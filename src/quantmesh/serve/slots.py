@@ -124,8 +124,10 @@ class SlotBatch(Batch):
     splits longer prompts, so that a long prompt does not stall the rows decoding; None: whole
     prompts); `backend`: torch.compile's (None: `quantmesh.config.compile_options`'s, inductor
     unless $QUANTMESH_COMPILE_BACKEND names another; `mode` applies to inductor only); `graphs`:
-    how the compiled step becomes CUDA graphs on GPUs (`quantmesh.config.CUDA_GRAPHS`). Raises
-    ServeError when the model cannot be served this way.
+    how the compiled step becomes CUDA graphs on GPUs (`quantmesh.config.CUDA_GRAPHS`);
+    `stack_adapters`: the banked adapters of sibling layers that read one tensor (q, k, v; gate,
+    up) run as one A and one B matmul per group (`AdapterBank.stack_siblings`, found by the
+    first forward). Raises ServeError when the model cannot be served this way.
 
     Example:
         >>> batch = SlotBatch(model, bank, max_batch=8, max_len=1024, compile=False)  # doctest: +SKIP
@@ -145,8 +147,10 @@ class SlotBatch(Batch):
         chunk: int | None = None,
         backend: str | None = None,
         graphs: str = CUDA_GRAPHS[0],
+        stack_adapters: bool = True,
     ) -> None:
         super().__init__(model, bank, agree=agree)
+        self.stack_adapters = stack_adapters
         if graphs not in CUDA_GRAPHS:
             raise ServeError(f"graphs={graphs!r}; expected one of {', '.join(CUDA_GRAPHS)}")
         if max_batch < 1 or max_len < 2:
@@ -384,9 +388,16 @@ class SlotBatch(Batch):
         if self._shapes is None:
             cache = DynamicCache(config=self.config)
             self.bank.set_rows([0])
-            with self._running():
+
+            def forward() -> None:
                 self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                            use_cache=True, **{self.cache_arg: cache}, **self.keep_kw)  # fmt: skip
+
+            with self._running():
+                if self.stack_adapters:  # the same forward shows which adapters read one tensor
+                    self.bank.stack_siblings(forward)
+                else:
+                    forward()
             layers: list[Any] = list(cache.layers)
             self._shapes = [(layer.keys, layer.values) for layer in layers]
         return self._shapes
