@@ -16,7 +16,8 @@
 #   dequant  bench_serve as in `serve` with the Triton dequantize on, then `profile` at 32 rows
 #   dense    bench_serve as in `serve` with --keep-dequantized (the 4-bit weights held in bf16 too)
 #   all      in one call: the slot engine's CUDA test (sdpa), the yardstick, then bench_serve as
-#            in `serve` with what is left of 590 s (the start compiles one block: mark_block_regions)
+#            in `serve` with what is left of 590 s (the start compiles one block: mark_block_regions);
+#            DENSE=1: the server with --keep-dequantized
 #
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
@@ -56,8 +57,8 @@ case "$STAGE" in
     say "fast_decode yardstick"
     timeout 90 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
       --out "$OUT" 2>&1 | tail -3
-    say "bench_serve ($GRAPHS), $(left) s left"
-    serve_bench "$(left)" ;;
+    say "bench_serve ($GRAPHS${DENSE:+, --keep-dequantized}), $(left) s left"
+    serve_bench "$(left)" ${DENSE:+--keep-dequantized} ;;
   dequant)
     # the server with the Triton dequantize on (QUANTMESH_TRITON_DEQUANT=1), then one step at
     # 32 rows profiled outside the server (GPU time against host time), the same setting
