@@ -11,7 +11,13 @@ Usage (one GPU):
     python benchmarks/slot_step_profile.py --batch 64 --cuda-graphs none --out DIR  # ops named
     python benchmarks/slot_step_profile.py --shape 7b4 ...    # 7b's layers, 4 of them: quicker
     python benchmarks/slot_step_profile.py --smoke --out DIR       # tiny, CPU: checks the script
+    python benchmarks/slot_step_profile.py --prefill --out DIR     # the eager prefill instead
 Writes DIR/slot_step_<cuda graphs>.json and DIR/slot_step_<cuda graphs>_b<rows>.txt (the tables).
+
+--prefill: where a prefill's time goes (no compiled step, no warm-up): 1, 8 and --batch - 1
+rows of 32-token prompts (mixed adapters) prefilled through `execute` and dropped again, the
+median wall time of 5 against the GPU time torch.profiler sees, with tables of the host's ops
+and of the GPU's kernels: DIR/slot_prefill[_dense].json and DIR/slot_prefill[_dense]_r<rows>.txt.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="hold the 4-bit weights dequantized too (serve --keep-dequantized)",
     )
+    p.add_argument("--prefill", action="store_true", help="profile the eager prefill instead")
     a = p.parse_args(argv)
     shape = bench_serve.parse(["--smoke"] if a.smoke else ["--shape", a.shape, "--quant", "nf4"])
     folder, adapters = bench_serve.build_model(shape, Path(a.models))
@@ -58,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"cuda_graphs": a.cuda_graphs, "batch": a.batch, "shape": shape.shape}
     dense = "_dense" if a.keep_dequantized else ""
-    path = out / f"slot_step_{a.cuda_graphs}{dense}.json"
+    path = out / (
+        f"slot_prefill{dense}.json" if a.prefill else f"slot_step_{a.cuda_graphs}{dense}.json"
+    )
 
     def save() -> None:
         path.write_text(json.dumps(res, indent=1))
@@ -82,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         bank.load(i + 1, str(ad))
     res["load_s"] = time.perf_counter() - t0
     b_max = 4 if a.smoke else a.batch
+    if a.prefill:
+        res.update(_prefills(model, bank, b_max, len(adapters), out, dense))
+        save()
+        print(json.dumps({k: v for k, v in res.items() if "top" not in k}, indent=1))
+        return 0
     # none: the graph-trees path without its mode, i.e. inductor with no CUDA graphs at all
     how = (
         {"graphs": "trees", "mode": None} if a.cuda_graphs == "none" else {"graphs": a.cuda_graphs}
@@ -169,6 +183,59 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print(json.dumps({k: v for k, v in res.items() if not k.startswith("profile_")}, indent=1))
     return 0
+
+
+def _prefills(model, bank, b_max: int, n_adapters: int, out: Path, dense: str) -> dict:
+    """The eager prefill of 1, 8 and b_max - 1 rows of 32 tokens: median wall ms of 5 (each
+    prefilled through `execute`, then dropped), and one profiled: GPU time against wall time,
+    the host's top ops by their own time, the GPU's top kernels."""
+    dev = bank.device
+    batch = SlotBatch(model, bank, max_batch=b_max, max_len=1024, compile=False)
+    g = torch.Generator().manual_seed(0)
+    res: dict = {}
+    rid = [0]
+
+    def once(rows: int) -> float:
+        adm = []
+        for i in range(rows):
+            ids = torch.randint(10, 1000, (32,), generator=g).tolist()
+            adm.append(Admit(rid[0], ids, 1 + i % n_adapters))
+            rid[0] += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        batch.execute(Plan(admit=adm))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        batch.execute(Plan(drop=[x.rid for x in adm]))
+        return ms
+
+    with torch.no_grad():
+        for rows in sorted({1, min(8, b_max - 1), b_max - 1}):
+            once(rows)  # cuBLAS and cuDNN choose their kernels for this shape
+            res[f"prefill_{rows}_rows_ms"] = sorted(once(rows) for _ in range(5))[2]
+            if dev.type != "cuda":
+                continue
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                wall = once(rows)
+            ka = prof.key_averages()
+            gpu = sum(e.self_device_time_total for e in ka) / 1e3
+            res[f"prefill_{rows}_rows_profiled"] = {
+                "wall_ms": wall, "gpu_ms": gpu, "launches": sum(
+                    e.count for e in ka if e.key.startswith(("cudaLaunchKernel", "cuLaunch"))),
+                "top_gpu": sorted(((e.key[:80], e.self_device_time_total / 1e3) for e in ka
+                                   if e.self_device_time_total > 0), key=lambda x: -x[1])[:12],
+                "top_host": sorted(((e.key[:80], e.self_cpu_time_total / 1e3) for e in ka),
+                                   key=lambda x: -x[1])[:15],
+            }  # fmt: skip
+            tables = (ka.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n"
+                      + ka.table(sort_by="self_device_time_total", row_limit=25))  # fmt: skip
+            (out / f"slot_prefill{dense}_r{rows}.txt").write_text(tables)
+    return res
 
 
 if __name__ == "__main__":

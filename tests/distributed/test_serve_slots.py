@@ -122,50 +122,66 @@ def _warm_then_serve(rank: int) -> dict:
     from quantmesh.serve.engine import Admit, Plan
     from quantmesh.serve.slots import SlotBatch
 
-    model, bank = _nf4_llama(tp=1, layers=1, adapters=False)
+    model, bank = _nf4_llama(tp=1, layers=1)
     batch = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=True,
                       backend="aot_eager")  # fmt: skip
     batch.warm_up()  # as `quantmesh serve` calls it: outside `execute`, grad mode on here
     warmed = counters["stats"]["unique_graphs"]
-    order: list[int] = []
-    last: dict[int, int] = {}
-    # a 250-token row alone, past 256 key columns at step 7; a second row (another adapter)
-    # joins at step 9 (2 rows x 512 columns); the long row leaves at step 12 (1 row x 256)
-    admit = {0: [Admit(0, [i % 128 for i in range(250)], 1)], 9: [Admit(1, [3, 4, 5], 2)]}
-    seen = set()
-    compiled = batch.run
+    eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
+    # a 250-token row alone (an eager prefill: past the compiled prefill's 64 tokens), past 256
+    # key columns at step 7; two short rows (other adapters: the compiled prefill, one row at a
+    # time) join at step 9 (3 rows x 512 columns); the long row leaves at step 12 (2 x 256)
+    admit = {0: [Admit(0, [i % 128 for i in range(250)], 1)],
+             9: [Admit(1, [3, 4, 5], 2), Admit(2, list(range(7, 71)), 0)]}  # fmt: skip
+    seen, prefills = set(), [0]
+    compiled, compiled_prefill = batch.run, batch.compiled_prefill
 
     def run() -> torch.Tensor:  # each decode step's (rows, key columns)
         seen.add((batch.b, batch.le))
         return compiled()
 
-    batch.run = run
+    def prefill() -> torch.Tensor:
+        prefills[0] += 1
+        return compiled_prefill()
+
+    batch.run, batch.compiled_prefill = run, prefill
+    order: list[int] = []
+    last: dict[int, int] = {}
+    worst = 0.0
     for step in range(15):
         gone = [0] if step == 12 else []
         order = [r for r in order if r not in gone]
         plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
                     admit=admit.get(step, []))  # fmt: skip
-        s, pre, _ = batch.execute(plan)
-        rows = (list(s) if s is not None else []) + pre
+        both = []
+        for b in (batch, eager):
+            s, pre, _ = b.execute(plan)
+            both.append((list(s) if s is not None else []) + pre)
+        worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(*both, strict=True)))
         order = order + [a.rid for a in plan.admit]
-        last = dict(zip(order, [int(r.argmax()) for r in rows], strict=True))
+        last = dict(zip(order, [int(r.argmax()) for r in both[1]], strict=True))
     return {"warmed": warmed, "served": counters["stats"]["unique_graphs"], "sizes": batch.sizes,
-            "seen": sorted(seen)}  # fmt: skip
+            "seen": sorted(seen), "prefills": prefills[0], "worst": worst}  # fmt: skip
 
 
 def test_warm_up_compiles_the_graphs_serving_runs() -> None:
     """`warm_up` compiles what serving runs, under the state `execute` runs in (no autograd,
-    autocast on GPUs): serving then compiles nothing, whatever its batch sizes and key lengths.
-    A warm-up under other guards made every graph compile again at the first requests, and one
-    at the shortest key length only left the first row past 256 tokens to compile (minutes of a
-    7B server) while every row waited."""
+    autocast on GPUs): serving then compiles nothing, whatever its batch sizes, key lengths and
+    prompts. A warm-up under other guards made every graph compile again at the first requests,
+    and one at the shortest key length only left the first row past 256 tokens to compile
+    (minutes of a 7B server) while every row waited. Short prompts take the compiled prefill
+    (one row at a time, in the staging slot), long ones the eager prefill; every prefill and
+    decode step equals the eager engine's."""
     (res,) = run_ranks(_warm_then_serve, 1, timeout=300)
     assert res["sizes"] == (1, 2, 4), res
-    # one row x 256 columns static; one row x a symbolic key length; a symbolic batch and key
-    # length for the rest (one static graph per size took over six minutes for a 7B step)
-    assert res["warmed"] == 3, res
-    assert res["seen"] == [(1, 256), (1, 512), (2, 512)], res  # serving crossed both ladders
+    # the prefill (static); one row x 256 columns static; one row x a symbolic key length; a
+    # symbolic batch and key length for the rest (one static graph per size took over six
+    # minutes for a 7B step)
+    assert res["warmed"] == 4, res
+    assert res["seen"] == [(1, 256), (1, 512), (2, 256), (4, 512)], res  # both ladders crossed
     assert res["served"] == res["warmed"], res
+    assert res["prefills"] == 2, res  # the two short prompts; the 250-token one ran eagerly
+    assert res["worst"] < 1e-4, res  # fp32: the same kernels, traced
 
 
 def _moe_compiled_vs_eager(rank: int) -> dict:

@@ -45,10 +45,12 @@ from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
 
-__all__ = ["LADDER", "SlotBatch", "SlotCache"]
+__all__ = ["LADDER", "PREFILL_TOKENS", "SlotBatch", "SlotCache"]
 
 LADDER = (1, 4, 16, 64, 256)
 """Batch sizes a decode step is compiled for (each capped by max_batch, which is one too)."""
+PREFILL_TOKENS = 64
+"""The compiled prefill's length: whole prompts up to it take it, one row at a time."""
 
 
 def _ladder(n: int, sizes: tuple[int, ...]) -> int:
@@ -127,7 +129,12 @@ class SlotBatch(Batch):
     how the compiled step becomes CUDA graphs on GPUs (`quantmesh.config.CUDA_GRAPHS`);
     `stack_adapters`: the banked adapters of sibling layers that read one tensor (q, k, v; gate,
     up) run as one A and one B matmul per group (`AdapterBank.stack_siblings`, found by the
-    first forward). Raises ServeError when the model cannot be served this way.
+    first forward); `prefill`: with `compile`, whole prompts of at most this many tokens (no
+    echo) are prefilled one row at a time by one compiled graph of that many tokens, in a
+    staging slot whose keys and values are then copied to the row's slot (an eager prefill of
+    a 7B model costs tens of milliseconds of host time, a row's whole time to its first token);
+    longer prompts, echo and chunks prefill eagerly (None: every prefill). Raises ServeError
+    when the model cannot be served this way.
 
     Example:
         >>> batch = SlotBatch(model, bank, max_batch=8, max_len=1024, compile=False)  # doctest: +SKIP
@@ -148,9 +155,12 @@ class SlotBatch(Batch):
         backend: str | None = None,
         graphs: str = CUDA_GRAPHS[0],
         stack_adapters: bool = True,
+        prefill: int | None = PREFILL_TOKENS,
     ) -> None:
         super().__init__(model, bank, agree=agree)
         self.stack_adapters = stack_adapters
+        if prefill is not None and not 1 <= prefill <= CACHE_STEP:
+            raise ServeError(f"prefill={prefill} tokens; expected 1 to {CACHE_STEP} (or None)")
         if graphs not in CUDA_GRAPHS:
             raise ServeError(f"graphs={graphs!r}; expected one of {', '.join(CUDA_GRAPHS)}")
         if max_batch < 1 or max_len < 2:
@@ -176,17 +186,22 @@ class SlotBatch(Batch):
         self.lens_ladder = (*lens, self.max_len)
         self.compiled = self.device.type == "cuda" if compile is None else compile
         s = self.sizes[-1]
+        # the compiled prefill's tokens, and its staging slot: slot s, past the rows' own
+        self.prefill = prefill if self.compiled else None
+        self.stage = s + (self.prefill is not None)  # slots allocated
         self.ids_buf = torch.zeros(s, 1, dtype=torch.long, device=self.device)
-        self.pos_buf = torch.zeros(s, dtype=torch.long, device=self.device)
-        self.col_buf = torch.zeros(s, dtype=torch.long, device=self.device)  # decode's columns
-        self.rows = torch.arange(s, device=self.device)
+        self.pids_buf = torch.zeros(1, self.prefill or 1, dtype=torch.long, device=self.device)
+        self.pos_buf = torch.zeros(self.stage, dtype=torch.long, device=self.device)
+        self.col_buf = torch.zeros(self.stage, dtype=torch.long, device=self.device)  # decode's
+        self.rows = torch.arange(self.stage, device=self.device)
         self.layers: list[_SlotLayer] = []  # allocated at the first prefill
         self._shapes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # `_kv_shapes`
         self.slot_cache: Any = None
         self.lo = self.b = self.le = 0  # the rows a forward runs: slots lo..lo+b-1, keys [:le]
         self.run: Callable[[], torch.Tensor] = self._decode
         self.compiled_step: Callable[[], torch.Tensor] = self._decode
-        # graphs="captured": (b, le) -> a CUDA graph of the compiled step and its output
+        # graphs="captured": (b, le) -> a CUDA graph of the compiled step and its output; (0, 0):
+        # the compiled prefill's
         self.captured: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None  # one memory pool for every captured graph
         self.regions = 0  # blocks marked to compile as one (`mark_block_regions`)
@@ -195,11 +210,11 @@ class SlotBatch(Batch):
             # one block compiled, reused by all: minutes off a 7B start (undone by `warm_up`
             # where the compiler refuses it)
             self.regions = mark_block_regions(model)
-            for t in (self.ids_buf, self.pos_buf, self.col_buf, self.rows):
+            for t in (self.ids_buf, self.pids_buf, self.pos_buf, self.col_buf, self.rows):
                 torch._dynamo.mark_static_address(t, guard=False)
             # at most one compiled graph per (b, le): past dynamo's default limit, it would fall
             # back to eager without a word
-            most = len(self.sizes) * len(self.lens_ladder) + 8
+            most = len(self.sizes) * len(self.lens_ladder) + 9  # and the prefill
             cfg = torch._dynamo.config
             for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
                 if hasattr(cfg, name) and getattr(cfg, name) < most:
@@ -219,9 +234,13 @@ class SlotBatch(Batch):
             self._compile()
 
     def _compile(self) -> None:
-        """The compiled step (compiled on its first call) and what each step runs."""
+        """The compiled step and prefill (compiled on their first calls) and what each step
+        runs."""
         self.compiled_step = torch.compile(self._decode, fullgraph=True, dynamic=None, **self._opts)
         self.run = self._replay if self._capture_graphs else self.compiled_step
+        self.compiled_prefill = torch.compile(
+            self._prefill_step, fullgraph=True, dynamic=False, **self._opts
+        )
 
     # ---- the step -----------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, logits_to_keep: Any = None) -> torch.Tensor:
@@ -251,16 +270,24 @@ class SlotBatch(Batch):
             torch._check(t.shape[0] == self.b)
         return self._forward(self.ids_buf[: self.b])[:, -1]
 
-    def _replay(self) -> torch.Tensor:  # graphs="captured": the step as one graph replay
-        key = (self.b, self.le)
+    def _prefill_step(self) -> torch.Tensor:  # -> (prefill, vocab); compiled once
+        for t in (self.bank.ids, self.bank.rel):
+            torch._check(t.shape[0] == 1)
+        return self._forward(self.pids_buf)[0]
+
+    def _replay(self, key: tuple[int, int] | None = None) -> torch.Tensor:
+        """graphs="captured": the step (or with key (0, 0), the prefill) as one graph replay."""
+        key = (self.b, self.le) if key is None else key
         if key not in self.captured:
-            self.captured[key] = self._capture()
+            fn = self.compiled_prefill if key == (0, 0) else self.compiled_step
+            self.captured[key] = self._capture(fn)
         graph, out = self.captured[key]
         graph.replay()
         return out
 
-    def _capture(self) -> tuple[Any, torch.Tensor]:
-        """The compiled step for the current (b, le), captured into a CUDA graph. It runs twice
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """A compiled function (the step for the current (b, le), or the prefill), captured
+        into a CUDA graph. It runs twice
         on a side stream first (a capture must not compile, autotune or synchronize); the step
         is idempotent (the same keys written at the same columns), so a capture in the middle
         of serving changes nothing. Every graph shares one memory pool: a step's output is
@@ -270,13 +297,13 @@ class SlotBatch(Batch):
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.compiled_step()
+                fn()
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.compiled_step()
+            out = fn()
         return graph, out
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (rows, vocab)
@@ -339,9 +366,12 @@ class SlotBatch(Batch):
         compiler is returned (its type and first line) instead of raised."""
         first = self.lens_ladder[0]
         with self._running():  # the guards of the serving steps (grad mode, autocast)
-            self._prefill([Admit(-1, [0], 0)])
             saved = (self.rids, self.slots, self.lens)
             try:
+                if progress is not None and self.prefill is not None:
+                    progress(f"compiling the prefill of prompts up to {self.prefill} tokens")
+                self._prefill([Admit(-1, [0], 0)])  # compiles the prefill (with `prefill`)
+                saved = (self.rids, self.slots, self.lens)
                 for b in self.sizes:
                     for le in self.lens_ladder[:2]:
                         if progress is not None:
@@ -413,7 +443,7 @@ class SlotBatch(Batch):
         """
         if self.device.type != "cuda":
             return None
-        s = self.sizes[-1]
+        s = self.stage
         need = sum(s * (self.max_len + 1) * (k[0, :, 0].numel() + v[0, :, 0].numel())
                    * k.element_size() for k, v in self._kv_shapes())  # fmt: skip
         pairs = self.bank.pair_bytes() if self.compiled else 0
@@ -440,7 +470,7 @@ class SlotBatch(Batch):
         problem = self.memory_problem()
         if problem is not None:
             raise ServeError(problem)
-        s = self.sizes[-1]
+        s = self.stage  # the rows' slots and the compiled prefill's staging slot
         for k, v in self._kv_shapes():
             keys = k.new_zeros(s, k.shape[1], self.max_len + 1, k.shape[3])
             values = v.new_zeros(s, v.shape[1], self.max_len + 1, v.shape[3])
@@ -488,6 +518,11 @@ class SlotBatch(Batch):
                 self.slots.append(a.slot)
                 self.lens.append(0)
                 self.pending += 1
+        if self.prefill is not None and all(
+            a.start == 0 and a.last and not a.echo and 0 < len(a.prompt) <= self.prefill
+            for a in group
+        ):
+            return self._prefill_staged(group, lo)
         ids = torch.tensor([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
                            dtype=torch.long).to(self.device)  # fmt: skip
         starts = torch.tensor([a.start for a in group])
@@ -515,4 +550,32 @@ class SlotBatch(Batch):
                 raise RuntimeError(f"row {a.rid} ends its prompt behind a row mid-prefill")
             self.pending -= 1
             out.append(torch.cat(self.parts.pop(a.rid)) if echo else logits[r, at_end[r]])
+        return out
+
+    def _prefill_staged(self, group: list[Admit], lo: int) -> list[torch.Tensor]:
+        """Whole short prompts (new rows lo, lo + 1, ...), one row at a time through the compiled
+        prefill: its tokens padded to `prefill` in `pids_buf`, written from column 0 of the
+        staging slot (every column it attends to is written by the same forward), then its n
+        columns copied to the row's slot. The last position's logits of each."""
+        st, p = self.stage - 1, self.prefill
+        assert p is not None  # only called with a compiled prefill
+        out: list[torch.Tensor] = []
+        for r, a in enumerate(group):
+            n = len(a.prompt)
+            host = torch.tensor([a.prompt + [0] * (p - n)], dtype=torch.long)
+            self.pids_buf.copy_(host, non_blocking=True)
+            self.pos_buf[st : st + 1].zero_()
+            self.bank.set_rows([a.slot], fixed=self.sizes[-1])
+            self.lo, self.b, self.le = st, 1, self.lens_ladder[0]
+            if self._capture_graphs:
+                logits = self._replay((0, 0))[n - 1].clone()  # the next replay rewrites it
+            else:
+                logits = self.compiled_prefill()[n - 1]
+            row = lo + r
+            for layer in self.layers:
+                layer.keys[row, :, :n] = layer.keys[st, :, :n]
+                layer.values[row, :, :n] = layer.values[st, :, :n]
+            self.lens[row] = n
+            self.pending -= 1
+            out.append(logits)
         return out
