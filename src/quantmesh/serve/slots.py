@@ -131,8 +131,8 @@ class SlotBatch(Batch):
     up) run as one A and one B matmul per group (`AdapterBank.stack_siblings`, found by the
     first forward); `prefill`: with `compile`, whole prompts of at most this many tokens (no
     echo) are prefilled one row at a time by one compiled graph of that many tokens, in a
-    staging slot whose keys and values are then copied to the row's slot (an eager prefill of
-    a 7B model costs tens of milliseconds of host time, a row's whole time to its first token);
+    staging slot whose keys and values are then copied to the row's slot (an eager prefill is
+    launched op by op from the host: docs/benchmarks.md, "Figures the code relies on");
     longer prompts, echo and chunks prefill eagerly (None: every prefill). Raises ServeError
     when the model cannot be served this way.
 
