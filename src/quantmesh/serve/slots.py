@@ -567,10 +567,8 @@ class SlotBatch(Batch):
             self.pos_buf[st : st + 1].zero_()
             self.bank.set_rows([a.slot], fixed=self.sizes[-1])
             self.lo, self.b, self.le = st, 1, self.lens_ladder[0]
-            if self._capture_graphs:
-                logits = self._replay((0, 0))[n - 1].clone()  # the next replay rewrites it
-            else:
-                logits = self.compiled_prefill()[n - 1]
+            run = (lambda: self._replay((0, 0))) if self._capture_graphs else self.compiled_prefill
+            logits = run()[n - 1].clone()  # a graph's output: its next call rewrites it
             row = lo + r
             for layer in self.layers:
                 layer.keys[row, :, :n] = layer.keys[st, :, :n]
