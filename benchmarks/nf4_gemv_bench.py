@@ -75,26 +75,8 @@ BLOCKS_PROBE = dict(KERNEL="blocks", BLOCK_N=16, NB=8, SPLIT_K=1, DOT=0, ROUND=0
 
 def bench_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     """Microseconds per call of `fn`: `calls` calls captured in one CUDA graph, replayed
-    `replays` times (after 3 warm-up calls on a side stream and one replay)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(replays):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / (replays * calls) * 1e3
+    `replays` times (`qmbench.graph_us`)."""
+    return qb.graph_us(fn, calls, replays)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -35,24 +35,7 @@ SWEEP_ROWS = (1, 8, 32, 64)  # --sweep times its candidates at these row counts
 
 def bench_us(fn, iters: int = 200) -> float:
     """Microseconds per call of `fn`, captured once as a CUDA graph and replayed `iters` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(iters):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) / iters * 1e3
+    return qb.graph_us(fn, 1, iters)
 
 
 def dequant_mm(x: torch.Tensor, packed: torch.Tensor, qs) -> torch.Tensor:

@@ -311,6 +311,30 @@ def record_errors(R: dict, key: str = "error"):
         log(f"{key}: {R[key]}")
 
 
+def graph_us(fn, calls: int = 1, replays: int = 200) -> float:
+    """Microseconds per call of `fn` (CUDA): `calls` calls captured in one CUDA graph, replayed
+    `replays` times, after 3 warm-up calls on a side stream and one replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(replays):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / (replays * calls) * 1e3
+
+
 def matmul_peak_tflops(device, n: int = 8192, seconds: float = 2.0) -> dict[str, float]:
     """bf16 n^3 matmul rate on `device`: burst (best of 10 timed batches) and sustained (mean over
     `seconds`). 2*n^3 FLOPs per matmul."""
