@@ -124,15 +124,17 @@ def _warm_then_serve(rank: int) -> dict:
 
     model, bank = _nf4_llama(tp=1, layers=1)
     batch = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=True,
-                      backend="aot_eager")  # fmt: skip
+                      backend="aot_eager", prefill=64)  # fmt: skip
     batch.warm_up()  # as `quantmesh serve` calls it: outside `execute`, grad mode on here
     warmed = counters["stats"]["unique_graphs"]
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     # a 250-token row alone (an eager prefill: past the compiled prefill's 64 tokens), past 256
-    # key columns at step 7; two short rows (other adapters: the compiled prefill, one row at a
-    # time) join at step 9 (3 rows x 512 columns); the long row leaves at step 12 (2 x 256)
+    # key columns at step 7; three short rows join at step 9 (4 rows x 512 columns), through
+    # the compiled prefill in two packs: rows 1 and 3 (adapter 2) in one, row 2 (the base, a
+    # whole pack of 64 tokens) in the other; the long row leaves at step 12 (3 x 256)
     admit = {0: [Admit(0, [i % 128 for i in range(250)], 1)],
-             9: [Admit(1, [3, 4, 5], 2), Admit(2, list(range(7, 71)), 0)]}  # fmt: skip
+             9: [Admit(1, [3, 4, 5], 2), Admit(2, list(range(7, 71)), 0),
+                 Admit(3, [9, 10], 2)]}  # fmt: skip
     seen, prefills = set(), [0]
     compiled, compiled_prefill = batch.run, batch.compiled_prefill
 
@@ -170,7 +172,7 @@ def test_warm_up_compiles_the_graphs_serving_runs() -> None:
     prompts. A warm-up under other guards made every graph compile again at the first requests,
     and one at the shortest key length only left the first row past 256 tokens to compile
     (minutes of a 7B server) while every row waited. Short prompts take the compiled prefill
-    (one row at a time, in the staging slot), long ones the eager prefill; every prefill and
+    (packed by adapter, several rows in one call), long ones the eager prefill; every prefill and
     decode step equals the eager engine's."""
     (res,) = run_ranks(_warm_then_serve, 1, timeout=300)
     assert res["sizes"] == (1, 2, 4), res
@@ -178,9 +180,9 @@ def test_warm_up_compiles_the_graphs_serving_runs() -> None:
     # symbolic batch and key length for the rest (one static graph per size took over six
     # minutes for a 7B step)
     assert res["warmed"] == 4, res
-    assert res["seen"] == [(1, 256), (1, 512), (2, 256), (4, 512)], res  # both ladders crossed
+    assert res["seen"] == [(1, 256), (1, 512), (4, 256), (4, 512)], res  # both ladders crossed
     assert res["served"] == res["warmed"], res
-    assert res["prefills"] == 2, res  # the two short prompts; the 250-token one ran eagerly
+    assert res["prefills"] == 2, res  # three short prompts in two packs; the 250-token one eager
     assert res["worst"] < 1e-4, res  # fp32: the same kernels, traced
 
 

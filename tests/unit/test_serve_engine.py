@@ -107,3 +107,16 @@ def test_cuda_graphs_default_to_captured_and_are_refused_with_the_dynamic_engine
         assert ServeConfig(model="m", engine="auto", cuda_graphs=graphs).cuda_graphs == graphs
     with pytest.raises(CliError, match="--cuda-graphs none; use one of captured, trees"):
         ServeConfig(model="m", cuda_graphs="none")
+
+
+def test_prompts_pack_by_adapter_first_fit() -> None:
+    """The compiled prefill's packs: one adapter a pack, each prompt in the first pack of its
+    adapter with room (so a burst of 31 short prompts takes a few calls, not 31)."""
+    from quantmesh.serve.slots import pack_prompts
+
+    assert pack_prompts([30, 40, 20, 10], [1, 1, 2, 1], 64) == [[0, 3], [1], [2]]
+    assert pack_prompts([32] * 31, [0] * 31, 256) == [list(range(i, min(i + 8, 31)))
+                                                      for i in range(0, 31, 8)]  # fmt: skip
+    assert pack_prompts([64, 1], [0, 0], 64) == [[0], [1]]  # a full pack takes no more
+    with pytest.raises(ValueError, match="65 tokens does not fit a pack of 64"):
+        pack_prompts([65], [0], 64)

@@ -18,7 +18,11 @@ executed so that a decode step can be one CUDA-graph replay, as `qm.fast_decode`
   before it: the step gets each row's position, a boolean (b, 1, 1, le) attention mask built from
   it, and a `SlotCache` whose layers write per row. The row's adapter comes from the bank's
   per-row slot ids (`AdapterBank.set_rows(..., size=b)`: one fixed graph for every mix).
-- Prefill is eager: the rows admitted together (echo or not) run as one forward, their prompts
+- Prefill: with the step compiled, whole short prompts (no echo, `prefill` tokens at most) of one
+  adapter are packed into one sequence of `prefill` tokens (`pack_prompts`), each token attending
+  to its own prompt and its key and value written straight into its row's slot: one compiled,
+  CUDA-graphed forward for several new rows, which reads the weights once. Other prompts (longer,
+  echo, chunks) run eagerly: the rows admitted together as one forward, their prompts
   right-padded to the longest, their keys and values written straight into their slots.
 
 A row sees exactly the keys it would alone: tests compare the logits of every step with `Batch`'s
@@ -45,12 +49,12 @@ from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
 
-__all__ = ["LADDER", "PREFILL_TOKENS", "SlotBatch", "SlotCache"]
+__all__ = ["LADDER", "PREFILL_TOKENS", "SlotBatch", "SlotCache", "pack_prompts"]
 
 LADDER = (1, 4, 16, 64, 256)
 """Batch sizes a decode step is compiled for (each capped by max_batch, which is one too)."""
-PREFILL_TOKENS = 64
-"""The compiled prefill's length: whole prompts up to it take it, one row at a time."""
+PREFILL_TOKENS = 256
+"""The compiled prefill's length: whole prompts up to it take it, packed (`pack_prompts`)."""
 
 
 def _ladder(n: int, sizes: tuple[int, ...]) -> int:
@@ -83,6 +87,15 @@ class _SlotLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.owner
         lo, b, le = o.lo, o.b, o.le
+        if o.packed:  # the compiled prefill: prompts packed in one sequence (b = 1)
+            # each token's key and value go straight to its row's slot at its own column (the
+            # padding's to the scratch column); the attention reads this forward's keys alone
+            keys = key_states.to(self.keys.dtype)
+            values = value_states.to(self.values.dtype)
+            row, col = o.pack_buf[3], o.pack_buf[4]
+            self.keys[row, :, col] = keys[0].transpose(0, 1)
+            self.values[row, :, col] = values[0].transpose(0, 1)
+            return keys, values
         rows, pos = o.rows[lo : lo + b], o.pos_buf[lo : lo + b]
         t = key_states.shape[2]
         if t == 1:  # a decode step: (b, heads, 1, dim) -> each row's column (a padding row's:
@@ -130,10 +143,11 @@ class SlotBatch(Batch):
     `stack_adapters`: the banked adapters of sibling layers that read one tensor (q, k, v; gate,
     up) run as one A and one B matmul per group (`AdapterBank.stack_siblings`, found by the
     first forward); `prefill`: with `compile`, whole prompts of at most this many tokens (no
-    echo) are prefilled one row at a time by one compiled graph of that many tokens, in a
-    staging slot whose keys and values are then copied to the row's slot (an eager prefill is
-    launched op by op from the host: docs/benchmarks.md, "Figures the code relies on");
-    longer prompts, echo and chunks prefill eagerly (None: every prefill). Raises ServeError
+    echo) are prefilled by one compiled graph of that many tokens, several prompts of one
+    adapter packed in each call (`pack_prompts`; an eager prefill is launched op by op from the
+    host, and a prefill a row at a time reads every weight once per row: docs/benchmarks.md,
+    "Figures the code relies on"); longer prompts, echo and chunks prefill eagerly (None: every
+    prefill). Raises ServeError
     when the model cannot be served this way.
 
     Example:
@@ -186,14 +200,16 @@ class SlotBatch(Batch):
         self.lens_ladder = (*lens, self.max_len)
         self.compiled = self.device.type == "cuda" if compile is None else compile
         s = self.sizes[-1]
-        # the compiled prefill's tokens, and its staging slot: slot s, past the rows' own
         self.prefill = prefill if self.compiled else None
-        self.stage = s + (self.prefill is not None)  # slots allocated
+        # the compiled prefill's prompts packed in one sequence, a row of this per token: its
+        # id, its position, its prompt's first column in the pack, and the slot and column its
+        # key and value go to
+        self.pack_buf = torch.zeros(5, self.prefill or 1, dtype=torch.long, device=self.device)
+        self.packed = False  # the compiled prefill is running (`_SlotLayer.update`)
         self.ids_buf = torch.zeros(s, 1, dtype=torch.long, device=self.device)
-        self.pids_buf = torch.zeros(1, self.prefill or 1, dtype=torch.long, device=self.device)
-        self.pos_buf = torch.zeros(self.stage, dtype=torch.long, device=self.device)
-        self.col_buf = torch.zeros(self.stage, dtype=torch.long, device=self.device)  # decode's
-        self.rows = torch.arange(self.stage, device=self.device)
+        self.pos_buf = torch.zeros(s, dtype=torch.long, device=self.device)
+        self.col_buf = torch.zeros(s, dtype=torch.long, device=self.device)  # decode's
+        self.rows = torch.arange(s, device=self.device)
         self.layers: list[_SlotLayer] = []  # allocated at the first prefill
         self._shapes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # `_kv_shapes`
         self.slot_cache: Any = None
@@ -210,7 +226,7 @@ class SlotBatch(Batch):
             # one block compiled, reused by all: minutes off a 7B start (undone by `warm_up`
             # where the compiler refuses it)
             self.regions = mark_block_regions(model)
-            for t in (self.ids_buf, self.pids_buf, self.pos_buf, self.col_buf, self.rows):
+            for t in (self.ids_buf, self.pack_buf, self.pos_buf, self.col_buf, self.rows):
                 torch._dynamo.mark_static_address(t, guard=False)
             # at most one compiled graph per (b, le): past dynamo's default limit, it would fall
             # back to eager without a word
@@ -252,11 +268,7 @@ class SlotBatch(Batch):
         pos = self.pos_buf[lo : lo + b]
         q = pos[:, None] + torch.arange(t, device=pos.device)  # (b, t): positions of the tokens
         ok = torch.arange(le, device=pos.device)[None, None, :] <= q[:, :, None]  # (b, t, le)
-        mask: torch.Tensor = ok[:, None]  # (b, 1, t, le)
-        if self.additive:
-            mask = torch.zeros(mask.shape, device=pos.device).masked_fill(
-                ~mask, torch.finfo(torch.float32).min
-            )
+        mask = self._mask(ok[:, None])  # (b, 1, t, le)
         keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=q, use_cache=True,
                          **{self.cache_arg: self.slot_cache}, **keep)  # fmt: skip
@@ -271,9 +283,26 @@ class SlotBatch(Batch):
         return self._forward(self.ids_buf[: self.b])[:, -1]
 
     def _prefill_step(self) -> torch.Tensor:  # -> (prefill, vocab); compiled once
+        """The packed prompts of `pack_buf` through the model (one adapter: b = 1): each token
+        attends to the tokens of its own prompt up to itself, at its position in that prompt."""
         for t in (self.bank.ids, self.bank.rel):
             torch._check(t.shape[0] == 1)
-        return self._forward(self.pids_buf)[0]
+        ids, pos, seg = self.pack_buf[0:1], self.pack_buf[1:2], self.pack_buf[2]
+        at = torch.arange(seg.shape[0], device=seg.device)
+        ok = (seg[None, :] == seg[:, None]) & (at[None, :] <= at[:, None])  # (t, t)
+        out = self.model(input_ids=ids, attention_mask=self._mask(ok[None, None]),
+                         position_ids=pos, use_cache=True,
+                         **{self.cache_arg: self.slot_cache})  # fmt: skip
+        logits: torch.Tensor = out.logits
+        return logits[0]
+
+    def _mask(self, ok: torch.Tensor) -> torch.Tensor:
+        """A boolean (b, 1, t, keys) mask as the attention takes it: eager adds a float one."""
+        if not self.additive:
+            return ok
+        return torch.zeros(ok.shape, device=ok.device).masked_fill(
+            ~ok, torch.finfo(torch.float32).min
+        )
 
     def _replay(self, key: tuple[int, int] | None = None) -> torch.Tensor:
         """graphs="captured": the step (or with key (0, 0), the prefill) as one graph replay."""
@@ -443,7 +472,7 @@ class SlotBatch(Batch):
         """
         if self.device.type != "cuda":
             return None
-        s = self.stage
+        s = self.sizes[-1]
         need = sum(s * (self.max_len + 1) * (k[0, :, 0].numel() + v[0, :, 0].numel())
                    * k.element_size() for k, v in self._kv_shapes())  # fmt: skip
         pairs = self.bank.pair_bytes() if self.compiled else 0
@@ -470,7 +499,7 @@ class SlotBatch(Batch):
         problem = self.memory_problem()
         if problem is not None:
             raise ServeError(problem)
-        s = self.stage  # the rows' slots and the compiled prefill's staging slot
+        s = self.sizes[-1]
         for k, v in self._kv_shapes():
             keys = k.new_zeros(s, k.shape[1], self.max_len + 1, k.shape[3])
             values = v.new_zeros(s, v.shape[1], self.max_len + 1, v.shape[3])
@@ -522,7 +551,7 @@ class SlotBatch(Batch):
             a.start == 0 and a.last and not a.echo and 0 < len(a.prompt) <= self.prefill
             for a in group
         ):
-            return self._prefill_staged(group, lo)
+            return self._prefill_packed(group, lo)
         ids = torch.tensor([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
                            dtype=torch.long).to(self.device)  # fmt: skip
         starts = torch.tensor([a.start for a in group])
@@ -552,28 +581,67 @@ class SlotBatch(Batch):
             out.append(torch.cat(self.parts.pop(a.rid)) if echo else logits[r, at_end[r]])
         return out
 
-    def _prefill_staged(self, group: list[Admit], lo: int) -> list[torch.Tensor]:
-        """Whole short prompts (new rows lo, lo + 1, ...), one row at a time through the compiled
-        prefill: its tokens padded to `prefill` in `pids_buf`, written from column 0 of the
-        staging slot (every column it attends to is written by the same forward), then its n
-        columns copied to the row's slot. The last position's logits of each."""
-        st, p = self.stage - 1, self.prefill
+    def _prefill_packed(self, group: list[Admit], lo: int) -> list[torch.Tensor]:
+        """Whole short prompts (new rows lo, lo + 1, ...) through the compiled prefill: packed
+        `pack_prompts`, each pack one sequence of `prefill` tokens (the padding's keys land in
+        the scratch column), each token's key and value written straight into its row's slot.
+        The last position's logits of each prompt, in the group's order."""
+        p = self.prefill
         assert p is not None  # only called with a compiled prefill
-        out: list[torch.Tensor] = []
-        for r, a in enumerate(group):
-            n = len(a.prompt)
-            host = torch.tensor([a.prompt + [0] * (p - n)], dtype=torch.long)
-            self.pids_buf.copy_(host, non_blocking=True)
-            self.pos_buf[st : st + 1].zero_()
-            self.bank.set_rows([a.slot], fixed=self.sizes[-1])
-            self.lo, self.b, self.le = st, 1, self.lens_ladder[0]
-            run = (lambda: self._replay((0, 0))) if self._capture_graphs else self.compiled_prefill
-            logits = run()[n - 1].clone()  # a graph's output: its next call rewrites it
-            row = lo + r
-            for layer in self.layers:
-                layer.keys[row, :, :n] = layer.keys[st, :, :n]
-                layer.values[row, :, :n] = layer.values[st, :, :n]
-            self.lens[row] = n
-            self.pending -= 1
-            out.append(logits)
-        return out
+        lens = [len(a.prompt) for a in group]
+        out: list[torch.Tensor | None] = [None] * len(group)
+        run = (lambda: self._replay((0, 0))) if self._capture_graphs else self.compiled_prefill
+        for pack in pack_prompts(lens, [a.slot for a in group], p):
+            host = torch.zeros(5, p, dtype=torch.long)
+            host[2] = torch.arange(p)  # the padding: a prompt of its own token
+            host[4] = self.max_len  # ... whose key goes to the scratch column
+            at, ends = 0, []
+            for r in pack:
+                n = lens[r]
+                host[0, at : at + n] = torch.tensor(group[r].prompt)
+                host[1, at : at + n] = torch.arange(n)
+                host[2, at : at + n] = at
+                host[3, at : at + n] = lo + r
+                host[4, at : at + n] = torch.arange(n)
+                at += n
+                ends.append(at - 1)
+            self.pack_buf.copy_(host, non_blocking=True)
+            self.bank.set_rows([group[pack[0]].slot], fixed=self.sizes[-1])
+            self.lo, self.b, self.le = 0, 1, p
+            self.packed = True
+            try:
+                logits = run()[torch.tensor(ends, device=self.device)]  # a copy: the graph's
+            finally:  # output is rewritten by its next call
+                self.packed = False
+            for j, r in enumerate(pack):
+                out[r] = logits[j]
+        for r, n in enumerate(lens):
+            self.lens[lo + r] = n
+        self.pending -= len(group)
+        return [x for x in out if x is not None]
+
+
+def pack_prompts(lens: list[int], adapters: list[int], size: int) -> list[list[int]]:
+    """The prompts (by index) that share one compiled prefill: prompts of one adapter, each put
+    in the first pack of its adapter with room for it (first fit, in order), `size` tokens a
+    pack. Every prompt must fit one pack.
+
+    Example:
+        >>> pack_prompts([30, 40, 20, 10], [1, 1, 2, 1], 64)
+        [[0, 3], [1], [2]]
+    """
+    packs: list[list[int]] = []
+    room: list[int] = []
+    of: list[int] = []  # each pack's adapter
+    for i, (n, a) in enumerate(zip(lens, adapters, strict=True)):
+        if not 0 < n <= size:
+            raise ValueError(f"a prompt of {n} tokens does not fit a pack of {size}")
+        j = next((j for j in range(len(packs)) if of[j] == a and room[j] >= n), None)
+        if j is None:
+            packs.append([])
+            room.append(size)
+            of.append(a)
+            j = len(packs) - 1
+        packs[j].append(i)
+        room[j] -= n
+    return packs
