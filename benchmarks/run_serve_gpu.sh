@@ -7,7 +7,8 @@
 #
 #   serve    the yardstick, qm.fast_decode at batch 1 (bench_decode.py --mode qlora --greedy
 #            --no-peer --new 128), then in the same call benchmarks/bench_serve.py on the 7B nf4
-#            shape, slot engine, 1/8/32/64 clients, one adapter and mixed
+#            shape, slot engine, 1/8/32/64 clients, one adapter and mixed (DENSE=1: with
+#            --keep-dequantized)
 #   profile  benchmarks/slot_step_profile.py: one decode step through SlotBatch.execute against
 #            its replays alone, with kernel tables, at 1 and 64 rows
 #   peers    the batch peers: peft + bitsandbytes with transformers' static-cache `generate`
@@ -40,8 +41,8 @@ case "$STAGE" in
     say "fast_decode yardstick"
     timeout 100 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --new 128 \
       --out "$OUT" 2>&1 | tail -3
-    say "bench_serve ($GRAPHS)"
-    serve_bench 480 ;;
+    say "bench_serve ($GRAPHS${DENSE:+, --keep-dequantized})"
+    serve_bench "$(left)" ${DENSE:+--keep-dequantized} ;;
   profile)
     # BATCH (default 64): the second measurement's rows; DENSE=1: --keep-dequantized
     timeout 560 python3 benchmarks/slot_step_profile.py --batch "${BATCH:-64}" --cuda-graphs "$GRAPHS" \

@@ -129,12 +129,12 @@ def _warm_then_serve(rank: int) -> dict:
     warmed = counters["stats"]["unique_graphs"]
     eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
     # a 250-token row alone (an eager prefill: past the compiled prefill's 64 tokens), past 256
-    # key columns at step 7; three short rows join at step 9 (4 rows x 512 columns), through
-    # the compiled prefill in two packs: rows 1 and 3 (adapter 2) in one, row 2 (the base, a
-    # whole pack of 64 tokens) in the other; the long row leaves at step 12 (3 x 256)
+    # key columns at step 7; three rows join at step 9 (4 rows x 512 columns): rows 1 and 3
+    # (adapter 2) in one pack of the compiled prefill, row 2 (70 tokens, the base) eagerly
+    # apart from them; the long row leaves at step 12 (3 x 256)
     admit = {0: [Admit(0, [i % 128 for i in range(250)], 1)],
-             9: [Admit(1, [3, 4, 5], 2), Admit(2, list(range(7, 71)), 0),
-                 Admit(3, [9, 10], 2)]}  # fmt: skip
+             9: [Admit(1, [3, 4, 5], 2), Admit(3, [9, 10], 2),
+                 Admit(2, list(range(7, 77)), 0)]}  # fmt: skip
     seen, prefills = set(), [0]
     compiled, compiled_prefill = batch.run, batch.compiled_prefill
 
@@ -182,7 +182,7 @@ def test_warm_up_compiles_the_graphs_serving_runs() -> None:
     assert res["warmed"] == 4, res
     assert res["seen"] == [(1, 256), (1, 512), (4, 256), (4, 512)], res  # both ladders crossed
     assert res["served"] == res["warmed"], res
-    assert res["prefills"] == 2, res  # three short prompts in two packs; the 250-token one eager
+    assert res["prefills"] == 1, res  # two short prompts in one pack; the 250 and 70 eager
     assert res["worst"] < 1e-4, res  # fp32: the same kernels, traced
 
 

@@ -207,6 +207,33 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(tok) -> None:
     assert any(not a.last for p in batch.plans for a in p.admit)
 
 
+def test_a_prompt_that_fits_a_chunk_is_never_split(tok) -> None:
+    """A prompt no longer than a chunk that does not fit what is left of a step waits for the
+    next step whole (the compiled prefill takes whole prompts only); the old rule cut it at the
+    budget's edge and sent its whole group to the eager prefill."""
+    prompts = ["To be, or", "that is the", "the question", "To be"]
+    lens = [len(tok(p)["input_ids"]) for p in prompts]
+    assert max(lens) <= 3 < sum(lens), lens  # each fits a chunk, not all in one step
+    with _serving(tok, chunk=3) as (client, _, batch):
+        results: dict[str, str] = {}
+        start = threading.Barrier(len(prompts))
+
+        def ask(prompt: str) -> None:
+            start.wait()
+            body = client.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}).json()  # fmt: skip
+            results[prompt] = body["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert results == {p: _following(tok, p, 4) for p in prompts}, results
+    admits = [a for p in batch.plans for a in p.admit]
+    assert len(admits) == len(prompts) and all(a.start == 0 and a.last for a in admits), admits
+
+
 def test_errors_in_openai_shape(served) -> None:
     client, _, _ = served
     cases = [

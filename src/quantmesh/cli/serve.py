@@ -35,6 +35,8 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 API_KEY_ENV = "QUANTMESH_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 ENGINES = ("auto", "dynamic", "slots")
+SWITCH_INTERVAL_S = 0.0005
+"""The serving process's GIL switch interval (Python's default: 5 ms): see `_serve`."""
 
 
 @dataclass(kw_only=True)
@@ -521,6 +523,10 @@ def _serve(
         server.should_exit = True
 
     sched.on_fatal = fatal
+    # the serving loop shares the interpreter with the HTTP server, which writes every stream's
+    # tokens while a step runs: a loop whose step has ended waits for the GIL until the server
+    # thread hands it over, by default after up to 5 ms (a decode step of 32 rows is about 10)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = threading.Thread(target=sched.run, name="quantmesh-serve-loop", daemon=True)
     loop.start()
     parent = os.getppid()

@@ -305,8 +305,12 @@ class Scheduler:
             self.order = [r for r in self.order if r not in drop]
             self.filling = [r for r in self.filling if r not in drop]
             # prompt tokens this step: the engine's chunk (None: whole prompts), first come first
-            # served: the row mid-prefill, then new rows while slots and tokens are left
-            budget = self.batch.chunk or sum(len(j.prompt) for j in self.jobs.values()) + 1
+            # served: the row mid-prefill, then new rows while slots and tokens are left. Only a
+            # prompt longer than a chunk is split: one that would fit a chunk but not what is
+            # left of this step's waits for the next step whole (a split one would send its
+            # group to the eager prefill, op by op from the host, instead of the compiled one)
+            chunk = self.batch.chunk
+            budget = chunk or sum(len(j.prompt) for j in self.jobs.values()) + 1
             admit: list[Admit] = []
             for r in self.filling:
                 job = self.jobs[r]
@@ -315,10 +319,14 @@ class Scheduler:
                     budget -= len(admit[-1].prompt)
             new = 0
             while self.waiting and budget > 0 and len(held) - len(drop) + new < self.max_batch:
-                job = self.waiting.popleft()
+                job = self.waiting[0]
                 if job.cancelled:
+                    self.waiting.popleft()
                     self._release(self.jobs.pop(job.rid))
                     continue
+                if admit and chunk is not None and budget < len(job.prompt) <= chunk:
+                    break
+                self.waiting.popleft()
                 admit.append(self._chunk(job, budget))
                 budget -= len(admit[-1].prompt)
                 new += 1

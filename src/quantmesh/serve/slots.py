@@ -511,14 +511,25 @@ class SlotBatch(Batch):
         self.slot_cache = SlotCache(self.layers)
 
     def _groups(self, admit: list[Admit]) -> list[list[Admit]]:
-        """Consecutive admissions with one `echo`, prompts of any lengths: one forward each."""
+        """Consecutive admissions with one `echo`, prompts of any lengths: one forward each; the
+        whole short prompts that the compiled prefill takes run apart from the others, so that
+        one long prompt or chunk does not send them all to the eager prefill."""
         runs: list[list[Admit]] = []
         for a in admit:
-            if runs and runs[-1][0].echo == a.echo:
+            if runs and (runs[-1][0].echo, self._packable(runs[-1][0])) == (
+                a.echo,
+                self._packable(a),
+            ):
                 runs[-1].append(a)
             else:
                 runs.append([a])
         return runs
+
+    def _packable(self, a: Admit) -> bool:
+        """Whether the compiled prefill takes this admission: a whole prompt of at most
+        `prefill` tokens, without echo."""
+        p = self.prefill
+        return p is not None and a.start == 0 and a.last and not a.echo and 0 < len(a.prompt) <= p
 
     def _prefill(self, group: list[Admit]) -> list[torch.Tensor]:  # (vocab,) or (p, vocab) each
         """Prefill k rows' prompts (or chunks of them) in one eager forward, right-padded to the
@@ -547,10 +558,7 @@ class SlotBatch(Batch):
                 self.slots.append(a.slot)
                 self.lens.append(0)
                 self.pending += 1
-        if self.prefill is not None and all(
-            a.start == 0 and a.last and not a.echo and 0 < len(a.prompt) <= self.prefill
-            for a in group
-        ):
+        if all(self._packable(a) for a in group):
             return self._prefill_packed(group, lo)
         ids = torch.tensor([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
                            dtype=torch.long).to(self.device)  # fmt: skip
