@@ -234,6 +234,16 @@ def test_a_prompt_that_fits_a_chunk_is_never_split(tok) -> None:
     assert len(admits) == len(prompts) and all(a.start == 0 and a.last for a in admits), admits
 
 
+def test_a_slow_step_is_said(served) -> None:
+    """A step over `slow_s` is told to `on_slow` (the server's log), with what it ran."""
+    client, sched, _ = served
+    said: list[str] = []
+    sched.on_slow, sched.slow_s = said.append, -1.0  # every step is "slow"
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 2})
+    assert body.status_code == 200, body.text
+    assert any(m.startswith("a step took") and "admitted 1 (" in m for m in said), said
+
+
 def test_errors_in_openai_shape(served) -> None:
     client, _, _ = served
     cases = [

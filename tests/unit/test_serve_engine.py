@@ -120,3 +120,25 @@ def test_prompts_pack_by_adapter_first_fit() -> None:
     assert pack_prompts([64, 1], [0, 0], 64) == [[0], [1]]  # a full pack takes no more
     with pytest.raises(ValueError, match="65 tokens does not fit a pack of 64"):
         pack_prompts([65], [0], 64)
+
+
+def test_the_start_s_objects_are_kept_out_of_garbage_collection(monkeypatch) -> None:
+    """After the start, every object is frozen out of the collector (a full collection over a
+    7B server's compiled graphs and guards would pause every request); a collection that still
+    pauses serving past `GC_PAUSE_S` is said."""
+    import gc
+
+    from quantmesh.cli import serve
+
+    said: list[str] = []
+    before = list(gc.callbacks)
+    try:
+        serve._freeze_garbage(said.append)
+        assert gc.get_freeze_count() > 1000, gc.get_freeze_count()
+        assert said[0].endswith("s)") and "kept out of garbage collection" in said[0], said
+        monkeypatch.setattr(serve, "GC_PAUSE_S", -1.0)  # every collection is "long"
+        gc.collect()
+        assert any("paused serving for" in m for m in said[1:]), said
+    finally:
+        gc.callbacks[:] = before
+        gc.unfreeze()

@@ -35,6 +35,8 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 API_KEY_ENV = "QUANTMESH_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 ENGINES = ("auto", "dynamic", "slots")
+GC_PAUSE_S = 0.05
+"""A garbage collection pausing the serving process longer than this is said."""
 SWITCH_INTERVAL_S = 0.0005
 """The serving process's GIL switch interval (Python's default: 5 ms): see `_serve`."""
 
@@ -387,6 +389,7 @@ def serve_worker(payload: str) -> int:
                           graphs=cfg.cuda_graphs or CUDA_GRAPHS[0]),
         lambda: Batch(model, bank, agree=lockstep.agree), lockstep.agree, say,
     )  # fmt: skip
+    _freeze_garbage(say)
     if mesh.tp_rank != 0:
         # rank 0 decides when to stop (after its graceful shutdown); a follower that left on the
         # launcher's SIGTERM or SIGINT (Ctrl-C, forwarded) would break the in-flight steps
@@ -396,6 +399,36 @@ def serve_worker(payload: str) -> int:
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
     return _serve(cfg, batch, lockstep, tok, model, slots, max_len, engine)
+
+
+def _freeze_garbage(say: Callable[[str], None] | None) -> None:
+    """What the start made (the model, the compiled graphs, their guards) lives as long as the
+    server: one full collection, then those objects are moved out of the garbage collector's
+    reach (`gc.freeze`), so that no collection during serving walks them all while every request
+    waits. A collection that still pauses serving for over `GC_PAUSE_S` is said."""
+    import gc
+    import time
+
+    t0 = time.perf_counter()
+    gc.collect()
+    took = time.perf_counter() - t0
+    gc.freeze()
+    if say is None:
+        return
+    say(f"{gc.get_freeze_count():,} objects kept out of garbage collection (a full collection "
+        f"of them took {took:.2f} s)")  # fmt: skip
+    started: list[float] = [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        paused = time.perf_counter() - started[0]
+        if paused > GC_PAUSE_S:
+            say(f"a garbage collection (generation {info.get('generation')}) paused serving "
+                f"for {paused:.2f} s")  # fmt: skip
+
+    gc.callbacks.append(watch)
 
 
 def _keep_dequantized(model: Any, device: Any, dtype: Any) -> None:
@@ -523,6 +556,7 @@ def _serve(
         server.should_exit = True
 
     sched.on_fatal = fatal
+    sched.on_slow = lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True)
     # the serving loop shares the interpreter with the HTTP server, which writes every stream's
     # tokens while a step runs: a loop whose step has ended waits for the GIL until the server
     # thread hands it over, by default after up to 5 ms (a decode step of 32 rows is about 10)

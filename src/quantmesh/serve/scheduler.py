@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,6 +146,8 @@ class Scheduler:
         self.peak = self.steps = self.rows = 0
         self.error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] = lambda e: None
+        self.on_slow: Callable[[str], None] | None = None  # told of a step over `slow_s`
+        self.slow_s = 0.5
         self._ids = itertools.count(1)
         self._seed = torch.Generator().manual_seed(torch.seed())  # seeds of unseeded requests
 
@@ -250,6 +253,7 @@ class Scheduler:
                 if events and not self._busy():  # nothing to overlap them with
                     events = _send(events)
                 plan, loads = self._next_plan()
+                t0 = time.perf_counter()
                 plan = self.lockstep.broadcast(plan)
                 if plan.stop:
                     _send(events)  # the rows that ended before the stop
@@ -260,6 +264,9 @@ class Scheduler:
                     done(err)
                 loads = []
                 events = self._after(plan, step, pre)
+                took = time.perf_counter() - t0
+                if took > self.slow_s and self.on_slow is not None:
+                    self.on_slow(_slow_step(took, plan))
         except BaseException as e:
             with self.cv:
                 self.error = e
@@ -448,6 +455,15 @@ def _send(events: list[Callable[[], None]]) -> list[Callable[[], None]]:
 Logprob = tuple[int, float | None, list[tuple[int, float]]]
 """(token id, its logprob (None: a prompt's first token), [(alternative id, logprob), ...] most
 likely first)."""
+
+
+def _slow_step(took: float, plan: Plan) -> str:
+    """What a slow step ran, for the server's log."""
+    admitted = sum(len(a.prompt) for a in plan.admit)
+    return (
+        f"a step took {took:.2f} s: rows decoding {len(plan.order)}, admitted {len(plan.admit)} "
+        f"({admitted} prompt tokens), dropped {len(plan.drop)}, adapter loads {len(plan.loads)}"
+    )
 
 
 def choose_tokens(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
