@@ -262,6 +262,10 @@ def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: b
     after = get(url, "/health")
     steps = after["decode_steps"] - before["decode_steps"]
     mean_batch = (after["decoded_rows"] - before["decoded_rows"]) / max(steps, 1)
+    # the server's own clock: a step from its plan to its tokens read back, and the host's work
+    # from one step's read-back to the next step's launch (a GPU idles through it)
+    step_ms = (after["step_s"] - before["step_s"]) * 1e3 / max(steps, 1)
+    host_ms = (after["host_s"] - before["host_s"]) * 1e3 / max(steps, 1)
     lat = sorted(x for _, x, _ in results)
     ttft = sorted(x for x, _, _ in results)
     tokens = sum(n for _, _, n in results)
@@ -277,7 +281,8 @@ def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: b
             "p50_s": q[49], "p99_s": q[98], "ttft_p50_s": qf[49], "ttft_p99_s": qf[98],
             "decode_steps": steps,
             "itl_p50_ms": statistics.median(itl) * 1e3 if itl else None,
-            "mean_batch": mean_batch}  # fmt: skip
+            "mean_batch": mean_batch, "server_step_ms": step_ms,
+            "server_host_ms": host_ms}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -244,6 +244,19 @@ def test_a_slow_step_is_said(served) -> None:
     assert any(m.startswith("a step took") and "admitted 1 (" in m for m in said), said
 
 
+def test_health_counts_the_steps_and_the_host_time_between_them(served) -> None:
+    """`/health` gives the steps' time and the host's time between a step's read-back and the
+    next launch (bench_serve divides both by the decode steps of a phase)."""
+    client, _, _ = served
+    before = client.get("/health").json()
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4})
+    assert body.status_code == 200, body.text
+    after = client.get("/health").json()
+    steps = after["decode_steps"] - before["decode_steps"]
+    step_s, host_s = (after[k] - before[k] for k in ("step_s", "host_s"))
+    assert steps >= 1 and step_s > 0 and host_s > 0, (steps, step_s, host_s)
+
+
 def test_errors_in_openai_shape(served) -> None:
     client, _, _ = served
     cases = [

@@ -144,6 +144,7 @@ class Scheduler:
         self.loading: set[str] = set()  # names of those loads
         self.stopping = False
         self.peak = self.steps = self.rows = 0
+        self.step_s = self.host_s = 0.0  # `load`
         self.error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] = lambda e: None
         self.on_slow: Callable[[str], None] | None = None  # told of a step over `slow_s`
@@ -152,13 +153,17 @@ class Scheduler:
         self._seed = torch.Generator().manual_seed(torch.seed())  # seeds of unseeded requests
 
     # ---- called from the HTTP side --------------------------------------------------------------
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict[str, float]:
         """{"running": rows in the batch, "waiting": requests not yet admitted, and since the
-        start: "peak_batch" (the most rows one decode step ran), "decode_steps", "decoded_rows"}."""
+        start: "peak_batch" (the most rows one decode step ran), "decode_steps", "decoded_rows",
+        "step_s" (the steps' time, from a plan to its tokens read back) and "host_s" (from a
+        step's tokens read back to the next step's work launched, where rows went on: the host's
+        work between two steps, while a GPU waits for it)}."""
         with self.cv:
             return {"running": len(self.order) + len(self.filling), "waiting": len(self.waiting),
                     "peak_batch": self.peak, "decode_steps": self.steps,
-                    "decoded_rows": self.rows}  # fmt: skip
+                    "decoded_rows": self.rows, "step_s": self.step_s,
+                    "host_s": self.host_s}  # fmt: skip
 
     def adapter_names(self) -> list[str]:
         with self.cv:
@@ -248,6 +253,7 @@ class Scheduler:
             torch.cuda.set_device(self.batch.device)
         loads: list[tuple[int, str, Callable[[str], None]]] = []
         events: list[Callable[[], None]] = []  # the last step's, for its clients
+        read: float | None = None  # when the last step's tokens were read back
         try:
             while True:
                 if events and not self._busy():  # nothing to overlap them with
@@ -259,12 +265,16 @@ class Scheduler:
                     _send(events)  # the rows that ended before the stop
                     return
                 step, pre, errors = self.batch.execute(plan)  # a GPU's step: launched
+                if read is not None and plan.order:  # rows went on: no wait for requests between
+                    self.host_s += time.perf_counter() - read
                 events = _send(events)  # the last step's text, while this step runs
                 for (_, _, done), err in zip(loads, errors, strict=True):
                     done(err)
                 loads = []
                 events = self._after(plan, step, pre)
-                took = time.perf_counter() - t0
+                read = time.perf_counter()
+                took = read - t0
+                self.step_s += took
                 if took > self.slow_s and self.on_slow is not None:
                     self.on_slow(_slow_step(took, plan))
         except BaseException as e:
