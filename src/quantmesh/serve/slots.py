@@ -515,11 +515,9 @@ class SlotBatch(Batch):
         whole short prompts that the compiled prefill takes run apart from the others, so that
         one long prompt or chunk does not send them all to the eager prefill."""
         runs: list[list[Admit]] = []
+        kind = lambda a: (a.echo, self._packable(a))  # noqa: E731 - a key, used twice
         for a in admit:
-            if runs and (runs[-1][0].echo, self._packable(runs[-1][0])) == (
-                a.echo,
-                self._packable(a),
-            ):
+            if runs and kind(runs[-1][0]) == kind(a):
                 runs[-1].append(a)
             else:
                 runs.append([a])
