@@ -127,3 +127,17 @@ def test_fsdp_table_prints_every_layout(capsys) -> None:
         plain, fsdp, off = (c.strip() for c in row.strip("|").split("|")[2:])
         assert float(off.split()[0]) < float(fsdp) < float(plain)
         assert float(off.split()[1].strip("()")) > 0  # the base's host share
+
+
+def test_held_gemm_bench_smoke_fused_siblings_equal_separate(tmp_path: Path) -> None:
+    """benchmarks/held_gemm_bench.py on CPU: the fused q/k/v and gate/up give the separate
+    projections' outputs (the GPU timing compares the two)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import held_gemm_bench
+
+    assert held_gemm_bench.main(["--smoke", "--rows", "1,3", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "held_gemm.json").read_text())
+    assert set(res["rows"]) == {"1", "3"} and res["weight_GB"] > 0, res
