@@ -16,6 +16,9 @@
 #   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
 #   dequant  bench_serve as in `serve` with the Triton dequantize on, then `profile` at 32 rows
 #   dense    bench_serve as in `serve` with --keep-dequantized (the 4-bit weights held in bf16 too)
+#   gap      where a 32-row step's time goes: held_gemm_bench.py (the held weights' matmuls,
+#            separate against siblings fused), then bench_serve with --keep-dequantized, whose
+#            phases report the server's own step and host times (server_step_ms, server_host_ms)
 #   all      in one call: the slot engine's CUDA test (sdpa), the yardstick, then bench_serve as
 #            in `serve` with what is left of 590 s (the start compiles one block: mark_block_regions);
 #            DENSE=1: the server with --keep-dequantized
@@ -23,7 +26,7 @@
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
-STAGE=${1:?stage: serve, profile, peers, test, all, dequant or dense}
+STAGE=${1:?stage: serve, profile, peers, test, all, dequant, dense or gap}
 GRAPHS=${2:-captured}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
@@ -69,12 +72,17 @@ case "$STAGE" in
     say "slot step profile at 32 rows, $(left) s left"
     timeout "$(left)" python3 benchmarks/slot_step_profile.py --batch 32 --cuda-graphs "$GRAPHS" \
       --models .bench/models --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -40 ;;
+  gap)
+    say "held weights' matmuls of a 7B step, separate and fused"
+    timeout 120 python3 benchmarks/held_gemm_bench.py --out "$OUT" 2>&1 | tail -5
+    say "bench_serve ($GRAPHS, --keep-dequantized), $(left) s left"
+    serve_bench "$(left)" --keep-dequantized ;;
   dense)
     # the server with --keep-dequantized (4-bit weights held in bf16 too)
     say "bench_serve ($GRAPHS, --keep-dequantized)"
     serve_bench 560 --keep-dequantized ;;
   test)
     timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
-  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant, dense)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant, dense, gap)" >&2; exit 2 ;;
 esac
 say done
