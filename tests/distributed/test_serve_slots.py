@@ -28,9 +28,11 @@ def _random_adapters(bank, banked: list, g: torch.Generator) -> None:
         bank.scale_t[1:] = torch.tensor([1.0, 2.0])
 
 
-def _nf4_llama(tp: int, layers: int, g: torch.Generator | None = None, adapters: bool = True):
-    """A tiny sdpa Llama, nf4 + LoRA r=4 at `tp`, and a 3-slot bank (random adapters in slots 1
-    and 2, drawn from `g` (default seeded 11), unless `adapters` is False): (model, bank)."""
+def _nf4_llama(tp: int, layers: int, g: torch.Generator | None = None, adapters: bool = True,
+               attn: str = "sdpa"):  # fmt: skip
+    """A tiny Llama (`attn`: its attention), nf4 + LoRA r=4 at `tp`, and a 3-slot bank (random
+    adapters in slots 1 and 2, drawn from `g` (default seeded 11), unless `adapters` is False):
+    (model, bank)."""
     import quantmesh as qm
     from quantmesh.serve.bank import AdapterBank
     from tests.models import llama
@@ -38,7 +40,7 @@ def _nf4_llama(tp: int, layers: int, g: torch.Generator | None = None, adapters:
     mesh = qm.init_mesh(tp=tp)
     model = llama(heads=8, kv_heads=4, head_dim=8, vocab=128, layers=layers, tie=False, seed=3)
     model.config.max_position_embeddings = 1024
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attn
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=4))
     model.eval()
     bank = AdapterBank(model, slots=3)
@@ -184,6 +186,35 @@ def test_warm_up_compiles_the_graphs_serving_runs() -> None:
     assert res["served"] == res["warmed"], res
     assert res["prefills"] == 1, res  # two short prompts in one pack; the 250 and 70 eager
     assert res["worst"] < 1e-4, res  # fp32: the same kernels, traced
+
+
+def _packed_eager_attention(rank: int) -> dict:
+    """The packed prefill under eager attention (an additive float mask, not sdpa's booleans):
+    three prompts, two adapters, two packs, then decode steps, against the eager engine."""
+    from quantmesh.serve.engine import Admit
+    from quantmesh.serve.slots import SlotBatch
+
+    model, bank = _nf4_llama(tp=1, layers=1, attn="eager")
+    eager = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(4,), compile=False)
+    comp = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(4,), compile=True,
+                     backend="eager", prefill=16)  # fmt: skip
+    calls = [0]
+    compiled_prefill = comp.compiled_prefill
+
+    def prefill() -> torch.Tensor:
+        calls[0] += 1
+        return compiled_prefill()
+
+    comp.compiled_prefill = prefill
+    admit = {0: [Admit(0, [5, 9, 11], 1), Admit(1, [3, 4], 2), Admit(2, [7, 8, 9, 10, 12], 1)]}
+    worst, steps = _eager_and_compiled(eager, comp, 4, admit, {})
+    return {"worst": worst, "steps": steps, "packs": calls[0], "additive": comp.additive}
+
+
+def test_packed_prefill_under_eager_attention_equals_the_eager_engine() -> None:
+    (res,) = run_ranks(_packed_eager_attention, 1, timeout=300)
+    assert res["additive"] and res["packs"] == 2, res  # adapter 1's two prompts share a pack
+    assert res["steps"] == 2 * 3 and res["worst"] < 1e-4, res
 
 
 def _moe_compiled_vs_eager(rank: int) -> dict:
