@@ -398,7 +398,8 @@ def serve_worker(payload: str) -> int:
         follow(batch, lockstep)
         return 0
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    return _serve(cfg, batch, lockstep, tok, model, slots, max_len, engine)
+    assert say is not None  # rank 0's
+    return _serve(cfg, batch, lockstep, tok, model, slots, max_len, engine, say)
 
 
 def _freeze_garbage(say: Callable[[str], None] | None) -> None:
@@ -512,6 +513,7 @@ def _serve(
     slots: dict[str, int],
     max_len: int,
     engine: str,
+    say: Callable[[str], None],
 ) -> int:
     import math
     import socket
@@ -556,7 +558,7 @@ def _serve(
         server.should_exit = True
 
     sched.on_fatal = fatal
-    sched.on_slow = lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True)
+    sched.on_slow = say
     # the serving loop shares the interpreter with the HTTP server, which writes every stream's
     # tokens while a step runs: a loop whose step has ended waits for the GIL until the server
     # thread hands it over, by default after up to 5 ms (a decode step of 32 rows is about 10)

@@ -624,7 +624,9 @@ class SlotBatch(Batch):
         for r, n in enumerate(lens):
             self.lens[lo + r] = n
         self.pending -= len(group)
-        return [x for x in out if x is not None]
+        done = [x for x in out if x is not None]
+        assert len(done) == len(group), "pack_prompts left a prompt out"  # every one is packed
+        return done
 
 
 def pack_prompts(lens: list[int], adapters: list[int], size: int) -> list[list[int]]:
