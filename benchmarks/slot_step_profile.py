@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     def steps(n: int) -> float:  # ms per step through execute, each reading its tokens back
         t = time.perf_counter()
         for _ in range(n):
-            run(Plan(order=list(state["order"]), feed=[state["last"][r] for r in state["order"]]))
+            feed = batch.feed_tokens([state["last"][r] for r in state["order"]])
+            run(Plan(order=list(state["order"]), feed=feed))
         sync()
         return (time.perf_counter() - t) / n * 1e3
 
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             adm = [Admit(i, prompt(), 1 + i % len(adapters)) for i in range(1, b_max)]
             last = state["last"]
             t0 = time.perf_counter()
-            run(Plan(order=list(state["order"]), feed=[last[r] for r in state["order"]], admit=adm))
+            feed = batch.feed_tokens([last[r] for r in state["order"]])
+            run(Plan(order=list(state["order"]), feed=feed, admit=adm))
             sync()
             res[f"prefill_{b_max - 1}_rows_ms"] = (time.perf_counter() - t0) * 1e3
             steps(3)

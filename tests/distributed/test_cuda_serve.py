@@ -77,7 +77,9 @@ def _script(rank: int, attn: str, dense: bool = False) -> dict:
     for step in range(20):
         admit, drop = script.get(step, ([], []))
         order = [r for r in order if r not in drop]
-        plan = Plan(drop=drop, order=list(order), feed=[last[r] for r in order], admit=admit)
+        for eng in engines.values():
+            feed = eng.feed_tokens([last[r] for r in order])
+        plan = Plan(drop=drop, order=list(order), feed=feed, admit=admit)
         outs = {}
         for name, eng in engines.items():
             s, pre, _ = eng.execute(plan)

@@ -104,7 +104,7 @@ def _ranks(
             Plan(
                 drop=drop,
                 order=order,
-                feed=[last[r] for r in order],
+                feed=batch.feed_tokens([last[r] for r in order]),
                 admit=admit,
                 filling=list(filling),
             )  # fmt: skip

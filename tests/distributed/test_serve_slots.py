@@ -61,8 +61,9 @@ def _eager_and_compiled(eager, comp, steps: int, admit: dict, drop: dict) -> tup
     for step in range(steps):
         gone = drop.get(step, [])
         order = [r for r in order if r not in gone]
-        plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
-                    admit=admit.get(step, []))  # fmt: skip
+        for batch in (eager, comp):  # each its own copy of the tokens fed
+            feed = batch.feed_tokens([last[r] for r in order])
+        plan = Plan(drop=gone, order=list(order), feed=feed, admit=admit.get(step, []))
         rows = []
         for batch in (eager, comp):
             s, pre, _ = batch.execute(plan)
@@ -155,8 +156,9 @@ def _warm_then_serve(rank: int) -> dict:
     for step in range(15):
         gone = [0] if step == 12 else []
         order = [r for r in order if r not in gone]
-        plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
-                    admit=admit.get(step, []))  # fmt: skip
+        for b in (batch, eager):
+            feed = b.feed_tokens([last[r] for r in order])
+        plan = Plan(drop=gone, order=list(order), feed=feed, admit=admit.get(step, []))
         both = []
         for b in (batch, eager):
             s, pre, _ = b.execute(plan)
@@ -400,7 +402,8 @@ def _with_and_without_dequantized(rank: int) -> dict:
         last: dict[int, int] = {}
         steps = []
         for step in range(6):
-            plan = Plan(order=list(order), feed=[last[r] for r in order], admit=admit.get(step, []))
+            feed = batch.feed_tokens([last[r] for r in order])
+            plan = Plan(order=list(order), feed=feed, admit=admit.get(step, []))
             s, pre, _ = batch.execute(plan)
             rows = (list(s) if s is not None else []) + pre
             order = order + [a.rid for a in plan.admit]
@@ -444,8 +447,8 @@ def _stacked_and_not(rank: int) -> dict:
         for step in range(8):
             gone = drop.get(step, [])
             order = [r for r in order if r not in gone]
-            plan = Plan(drop=gone, order=list(order), feed=[last[r] for r in order],
-                        admit=admit.get(step, []))  # fmt: skip
+            feed = batch.feed_tokens([last[r] for r in order])
+            plan = Plan(drop=gone, order=list(order), feed=feed, admit=admit.get(step, []))
             s, pre, _ = batch.execute(plan)
             rows = (list(s) if s is not None else []) + pre
             order = order + [a.rid for a in plan.admit]

@@ -49,6 +49,12 @@ class _NextTokenBatch:
         self.filling: list[int] = []
         self.seen: dict[int, list[int]] = {}  # prompt tokens received per row mid-prefill
         self.plans: list[Plan] = []
+        self.tokens = torch.zeros(0, dtype=torch.long)
+
+    def token_buffer(self, n: int) -> torch.Tensor:
+        if self.tokens.numel() < n:
+            self.tokens = torch.zeros(n, dtype=torch.long)
+        return self.tokens
 
     def _onehot(self, tok: int) -> torch.Tensor:
         out = torch.zeros(self.vocab)
@@ -62,7 +68,8 @@ class _NextTokenBatch:
         self.rows = [r for r in self.rows if r not in plan.drop]
         self.filling = [r for r in self.filling if r not in plan.drop]
         assert self.rows == plan.order and self.filling == plan.filling
-        step = torch.stack([self._onehot(t) for t in plan.feed]) if plan.order else None
+        fed = self.tokens[plan.feed].tolist()
+        step = torch.stack([self._onehot(t) for t in fed]) if plan.order else None
         pre = []
         for a in plan.admit:
             assert self.chunk is None or len(a.prompt) <= self.chunk
@@ -348,10 +355,10 @@ def test_a_failing_loop_answers_everyone_and_says_so(tok) -> None:
         assert r.status_code == 503  # refused at once, not queued forever
 
 
-def _one_request(tok, prompt: str, sampling) -> tuple[list[tuple], dict]:
+def _one_request(tok, prompt: str | list[int], sampling) -> tuple[list[tuple], dict]:
     """One request straight through a Scheduler over the stand-in batch: the log of its steps
-    ("step", rows decoding, rows admitted) and events ("event", event) in the order they
-    happened, and the done event."""
+    ("step", rows decoding, rows admitted, the request's (tokens chosen, tokens read back) at
+    the launch) and events ("event", event) in the order they happened, and the done event."""
     from quantmesh.serve.scheduler import Sampling
 
     log: list[tuple] = []
@@ -360,7 +367,8 @@ def _one_request(tok, prompt: str, sampling) -> tuple[list[tuple], dict]:
 
     def logged(plan: Plan):
         if plan.order or plan.admit:
-            log.append(("step", list(plan.order), [a.rid for a in plan.admit]))
+            counts = [(j.chosen, j.generated) for j in sched.jobs.values()]
+            log.append(("step", list(plan.order), [a.rid for a in plan.admit], counts))
         return execute(plan)
 
     batch.execute = logged  # type: ignore[method-assign]
@@ -375,7 +383,8 @@ def _one_request(tok, prompt: str, sampling) -> tuple[list[tuple], dict]:
         if ev["type"] in ("done", "error"):
             finished.set()
 
-    sched.submit(None, tok(prompt)["input_ids"], Sampling(**sampling), emit)
+    ids = tok(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+    sched.submit(None, ids, Sampling(**sampling), emit)
     assert finished.wait(10), log
     sched.stop()
     loop.join(10)
@@ -396,6 +405,25 @@ def test_a_steps_text_is_sent_while_the_next_step_runs(tok) -> None:
     # runs, the last one (max_tokens met) at once
     assert steps_before == [2, 3, 4, 4], log
     assert sum(1 for k in log if k[0] == "step") == 4, log
+
+
+def test_a_step_is_launched_before_the_last_ones_tokens_are_read_back(tok) -> None:
+    """The tokens a step chose stay on the device: the next step is fed them there and launched
+    before they are read back, so that the device does not wait for the host between steps."""
+    log, done = _one_request(tok, "the", {"max_tokens": 4})
+    assert done["finish_reason"] == "length" and done["completion_tokens"] == 4
+    at_launch = [x[3] for x in log if x[0] == "step" and x[1]]  # (chosen, read back)
+    assert at_launch == [[(1, 0)], [(2, 1)], [(3, 2)]], log
+
+
+def test_a_row_that_meets_eos_computes_one_unsent_token(tok) -> None:
+    """EOS is seen when a step's tokens are read back, after the next step was launched: the row
+    computes one more token there, which no client hears of, and leaves at the step after."""
+    eos = tok.eos_token_id
+    log, done = _one_request(tok, [(eos - 3) % len(tok)], {"max_tokens": 8})
+    assert done["finish_reason"] == "stop" and done["completion_tokens"] == 3, log
+    decoding = [x for x in log if x[0] == "step" and x[1]]
+    assert len(decoding) == 3, log  # tokens 2 and 3 (EOS), then one unsent
 
 
 def test_a_stop_string_found_late_costs_one_unsent_token(tok) -> None:

@@ -57,32 +57,38 @@ def _job(seed: int, generated: int = 0, prompt: tuple[int, ...] = (0,), **kw) ->
     return job
 
 
+def choose_tokens_list(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
+    return choose_tokens(logits, jobs).tolist()
+
+
 def test_choose_tokens_top_p_seed_and_independence_from_the_batch() -> None:
     logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
     # top_p below the top token's probability keeps only that token, whatever the noise
     low = [_job(s, temperature=1.0, top_p=0.3) for s in range(50)]
-    assert set(choose_tokens(logits.expand(50, -1), low)) == {1}
+    assert set(choose_tokens_list(logits.expand(50, -1), low)) == {1}
     jobs = [_job(s, temperature=1.0) for s in range(40)]
-    draws = choose_tokens(logits.expand(40, -1), jobs)
+    draws = choose_tokens_list(logits.expand(40, -1), jobs)
     assert set(draws) >= {1, 2}  # both likely tokens come up
-    assert choose_tokens(logits.expand(40, -1), jobs) == draws  # the seed decides
+    assert choose_tokens_list(logits.expand(40, -1), jobs) == draws  # the seed decides
     # one row alone, or beside other rows and settings: the same token
-    alone = [choose_tokens(logits[None], [j])[0] for j in jobs]
+    alone = [choose_tokens_list(logits[None], [j])[0] for j in jobs]
     assert alone == draws
     mixed = [_job(99, temperature=0.0), *jobs[:5], _job(7, temperature=0.5, top_k=2)]
-    assert choose_tokens(logits.expand(7, -1), mixed)[1:6] == draws[:5]
+    assert choose_tokens_list(logits.expand(7, -1), mixed)[1:6] == draws[:5]
     # the count of generated tokens moves the noise: a seeded reply is not one token repeated
-    later = choose_tokens(logits.expand(40, -1), [_job(s, 1, temperature=1.0) for s in range(40)])
+    later = choose_tokens_list(
+        logits.expand(40, -1), [_job(s, 1, temperature=1.0) for s in range(40)]
+    )
     assert later != draws
     # greedy rows take the argmax
-    assert choose_tokens(logits.expand(2, -1), [_job(1), _job(2)]) == [1, 1]
+    assert choose_tokens_list(logits.expand(2, -1), [_job(1), _job(2)]) == [1, 1]
 
 
 def test_choose_tokens_penalizes_its_rows_only() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]] * 2)
     rep = _job(0, prompt=(1,), repetition_penalty=2.0)  # token 1 seen in the prompt: 3.0 -> 1.5
     plain = _job(0)
-    assert choose_tokens(logits, [rep, plain]) == [2, 1]
+    assert choose_tokens_list(logits, [rep, plain]) == [2, 1]
     want = penalize(logits[:1], torch.tensor([[False, True, False, False]]), torch.zeros(1, 4), 2.0)
     assert int(want.argmax()) == 2
 

@@ -385,9 +385,10 @@ def serve_worker(payload: str) -> int:
     batch, engine = choose_engine(
         cfg, mesh.device.type,
         lambda: SlotBatch(model, bank, max_batch=cfg.max_batch, max_len=max_len,
-                          agree=lockstep.agree, chunk=chunk or None,
+                          agree=lockstep.agree, share=lockstep.share, chunk=chunk or None,
                           graphs=cfg.cuda_graphs or CUDA_GRAPHS[0]),
-        lambda: Batch(model, bank, agree=lockstep.agree), lockstep.agree, say,
+        lambda: Batch(model, bank, agree=lockstep.agree, share=lockstep.share), lockstep.agree,
+        say,
     )  # fmt: skip
     _freeze_garbage(say)
     if mesh.tp_rank != 0:

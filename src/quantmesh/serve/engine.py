@@ -79,7 +79,11 @@ class Plan:
     order: list[int] = field(default_factory=list)
     """The rows that stay, in batch order (every rank checks that it holds these)."""
     feed: list[int] = field(default_factory=list)
-    """The next input token of each row of `order`."""
+    """Where each row of `order` finds its next input token in `Batch.tokens`: the tokens the
+    last step chose stay on the device, so a step can be launched before they are read back."""
+    tokens: int = 0
+    """How many entries of `Batch.tokens` the last step chose: the tp group shares them (rank 0
+    chose them) before the step."""
     admit: list[Admit] = field(default_factory=list)
     """New rows and prompt chunks, prefilled after the step, in this order."""
     filling: list[int] = field(default_factory=list)
@@ -103,6 +107,7 @@ class Batch:
         bank: AdapterBank,
         *,
         agree: Callable[[list[bool]], list[bool]] | None = None,
+        share: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
@@ -124,6 +129,7 @@ class Batch:
             )
         self.model, self.bank, self.config = model, bank, config
         self.agree = agree or (lambda ok: ok)
+        self.share = share or (lambda t: None)  # rank 0's tensor to every tp rank, in place
         self.keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.device = next(model.parameters()).device
         self.rids: list[int] = []
@@ -133,9 +139,29 @@ class Batch:
         self.chunk: int | None = None
         """Prompt tokens prefilled per step, in chunks (None: whole prompts at admission)."""
         self.cache: Any = None  # a transformers DynamicCache, or None while empty
+        self.tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        """The tokens the last step chose, one entry per row of that step (written by rank 0's
+        scheduler on the device; `Plan.feed` points into it)."""
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, T)
 
     # ---- the plan -----------------------------------------------------------------------------
+    def token_buffer(self, n: int) -> torch.Tensor:
+        """`tokens`, grown to hold at least `n` entries (the rows of a step)."""
+        if self.tokens.numel() < n:
+            self.tokens = torch.zeros(max(n, 2 * self.tokens.numel()), dtype=torch.long,
+                                      device=self.device)  # fmt: skip
+        return self.tokens
+
+    def feed_tokens(self, toks: list[int]) -> list[int]:
+        """Host tokens as the next plan's `feed` (for drivers other than the scheduler, which
+        chooses its tokens on the device): written to `tokens`; returns their indices.
+
+        Example:
+            >>> plan = Plan(order=[7, 9], feed=batch.feed_tokens([17, 4]))  # doctest: +SKIP
+        """
+        self.token_buffer(len(toks))[: len(toks)].copy_(torch.tensor(toks, dtype=torch.long))
+        return list(range(len(toks)))
+
     def execute(self, plan: Plan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[str]]:
         """Run one plan. Returns (the step's logits (B, vocab) for `plan.order`, or None; the
         prefill logits of each admission that ends its prompt (`last`), in plan order, (vocab,)
@@ -162,6 +188,8 @@ class Batch:
                 f"ranks out of step: this rank holds rows {self.rids}, rank 0 planned "
                 f"{plan.order + plan.filling}"
             )
+        if plan.order and plan.tokens:  # the last step's tokens, chosen on rank 0
+            self.share(self.token_buffer(plan.tokens)[: plan.tokens])
         with self._running():
             step = self._step(plan.feed) if len(self.rids) > self.pending else None
             pre = []
@@ -208,7 +236,7 @@ class Batch:
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (B, vocab)
         b = len(self.rids)
-        ids = torch.tensor(feed, dtype=torch.long).view(b, 1).to(self.device)
+        ids = self.tokens[torch.tensor(feed, dtype=torch.long).to(self.device)].view(b, 1)
         pos = torch.tensor(self.lens, dtype=torch.long).view(b, 1).to(self.device)
         self.mask = torch.cat([self.mask, self.mask.new_ones(b, 1)], dim=1)  # (B, T + 1)
         self.bank.set_rows(self.slots)

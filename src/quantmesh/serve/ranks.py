@@ -47,6 +47,11 @@ class Lockstep:
         assert out is not None
         return out
 
+    def share(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` to every rank, in place (on the device: no host waits for it)."""
+        if self.size > 1:
+            dist.broadcast(t, src=self.src, group=self.group)
+
     def agree(self, ok: list[bool]) -> list[bool]:
         """Element-wise AND of `ok` over the ranks."""
         if self.size == 1 or not ok:

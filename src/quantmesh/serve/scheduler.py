@@ -105,8 +105,8 @@ class Job:
     stream: TextStream
     seed: int = 0  # the noise of its draws: counter_noise(seed, tokens generated so far)
     filled: int = 0  # prompt tokens in the KV cache (a prompt prefilled in chunks)
-    generated: int = 0
-    last: int = -1  # the token to feed next
+    generated: int = 0  # tokens read back
+    chosen: int = 0  # tokens chosen on the device (one ahead of `generated` until read back)
     finish: str | None = None  # why it leaves the batch (set when it is known)
     ended: bool = False  # the client got its last event (done, or an error)
     cancelled: bool = False
@@ -145,6 +145,8 @@ class Scheduler:
         self.stopping = False
         self.peak = self.steps = self.rows = 0
         self.step_s = self.host_s = 0.0  # `load`
+        self.chosen: dict[int, int] = {}  # row -> its entry in Batch.tokens (the last step's)
+        self.pending: _Chosen | None = None  # the last step's tokens, not yet read back
         self.error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] = lambda e: None
         self.on_slow: Callable[[str], None] | None = None  # told of a step over `slow_s`
@@ -252,35 +254,43 @@ class Scheduler:
         if self.batch.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(self.batch.device)
         loads: list[tuple[int, str, Callable[[str], None]]] = []
-        events: list[Callable[[], None]] = []  # the last step's, for its clients
-        read: float | None = None  # when the last step's tokens were read back
+        events: list[Callable[[], None]] = []  # for the clients, not yet sent
         try:
             while True:
-                if events and not self._busy():  # nothing to overlap them with
+                t0 = time.perf_counter()
+                if self.pending is not None and not self._busy():  # nothing to overlap it with
+                    events += self._read()
+                if events and not self._busy():
                     events = _send(events)
                 plan, loads = self._next_plan()
-                t0 = time.perf_counter()
+                t1 = time.perf_counter()
                 plan = self.lockstep.broadcast(plan)
                 if plan.stop:
                     _send(events)  # the rows that ended before the stop
                     return
                 step, pre, errors = self.batch.execute(plan)  # a GPU's step: launched
-                if read is not None and plan.order:  # rows went on: no wait for requests between
-                    self.host_s += time.perf_counter() - read
-                events = _send(events)  # the last step's text, while this step runs
+                waited = time.perf_counter()
+                events += self._read()  # the last step's tokens, while this step runs
+                waited = time.perf_counter() - waited
+                events = _send(events)
                 for (_, _, done), err in zip(loads, errors, strict=True):
                     done(err)
                 loads = []
-                events = self._after(plan, step, pre)
-                read = time.perf_counter()
-                took = read - t0
-                self.step_s += took
-                if took > self.slow_s and self.on_slow is not None:
-                    self.on_slow(_slow_step(took, plan))
+                self._choose(plan, step, pre)  # this step's tokens: launched, read back next
+                if plan.order:  # a step of rows that went on: no wait for requests in it
+                    took = time.perf_counter() - t0
+                    self.step_s += took
+                    self.host_s += took - waited
+                    if took > self.slow_s and self.on_slow is not None:
+                        self.on_slow(_slow_step(took, plan))
+                elif time.perf_counter() - t1 > self.slow_s and self.on_slow is not None:
+                    self.on_slow(_slow_step(time.perf_counter() - t1, plan))
         except BaseException as e:
             with self.cv:
                 self.error = e
                 jobs = [j for j in self.jobs.values() if not j.ended]
+                if self.pending is not None:  # rows that left the batch, their tokens unread
+                    jobs += [j for j in self.pending.jobs if not j.ended and j not in jobs]
                 loads, self.loads = loads + self.loads, []
             # the error (often a transport's raw text) is for the server's log, not for clients
             msg = "the server failed and is stopping; its log says why"
@@ -297,9 +307,7 @@ class Scheduler:
             if self.stopping:
                 return False
             rows = (self.jobs[r] for r in self.order + self.filling)
-            return any(not (j.finish or j.cancelled) for j in rows) or bool(
-                self.waiting or self.loads
-            )
+            return any(not _done(j) for j in rows) or bool(self.waiting or self.loads)
 
     def _next_plan(self) -> tuple[Plan, list[tuple[int, str, Callable[[str], None]]]]:
         with self.cv:
@@ -316,7 +324,7 @@ class Scheduler:
                 self.loads = []
                 return Plan(stop=True), []
             held = self.order + self.filling
-            drop = [r for r in held if self.jobs[r].finish or self.jobs[r].cancelled]
+            drop = [r for r in held if _done(self.jobs[r])]
             for r in drop:
                 self._release(self.jobs.pop(r))
             self.order = [r for r in self.order if r not in drop]
@@ -348,9 +356,9 @@ class Scheduler:
                 budget -= len(admit[-1].prompt)
                 new += 1
             loads, self.loads = self.loads, []
-            plan = Plan(drop=drop, order=list(self.order), feed=[self.jobs[r].last for r in self.order],
-                        admit=admit, loads=[(s, p) for s, p, _ in loads],
-                        filling=list(self.filling))  # fmt: skip
+            plan = Plan(drop=drop, order=list(self.order), feed=[self.chosen[r] for r in self.order],
+                        tokens=len(self.chosen), admit=admit,
+                        loads=[(s, p) for s, p, _ in loads], filling=list(self.filling))  # fmt: skip
             return plan, loads
 
     @staticmethod
@@ -364,12 +372,11 @@ class Scheduler:
     def _release(self, job: Job) -> None:
         self.users[job.slot] -= 1
 
-    def _after(
-        self, plan: Plan, step: torch.Tensor | None, pre: list[torch.Tensor]
-    ) -> list[Callable[[], None]]:
-        """After a step: every row's next token (one read-back) and what the next plan needs of
-        it (the token to feed, the penalties' counts, a finish by EOS or max_tokens); returns the
-        clients' events of this step, in order, which `run` sends while the next step runs."""
+    def _choose(self, plan: Plan, step: torch.Tensor | None, pre: list[torch.Tensor]) -> None:
+        """After a step is launched: every row's next token chosen on the device (no read-back)
+        into `Batch.tokens`, where the next plan's feed points, its copy to the host started;
+        `_read` finishes it while the next step runs. A row whose prompt's logprobs were asked
+        for (echo) gets them here (a read-back: they are rare)."""
         ended = [a.rid for a in plan.admit if a.last]  # prompts prefilled whole: they decode now
         for a in plan.admit:
             self.jobs[a.rid].filled = a.start + len(a.prompt)
@@ -382,9 +389,10 @@ class Scheduler:
         with self.cv:  # the batch's rows first: a client that heard of its row finds it running
             self.filling = filling
             if not rows:
-                return []
+                return
             jobs = [self.jobs[r] for r in rows]
             self.order = rows
+            self.chosen = {r: i for i, r in enumerate(rows)}
             self.peak = max(self.peak, len(plan.order))
             if plan.order:
                 self.steps += 1
@@ -394,7 +402,7 @@ class Scheduler:
         pick: list[int] = []  # the rows that get a token this step
         events: list[Callable[[], None]] = []
         for i, job in enumerate(jobs):
-            if job.finish is not None or job.cancelled:  # (a stop string found late: not sent)
+            if job.finish is not None or job.cancelled:  # (ended while this step ran: not sent)
                 continue
             s = job.sampling
             if i >= n_old and s.echo:
@@ -406,17 +414,37 @@ class Scheduler:
                 events.append(functools.partial(self._end, job))
                 continue
             pick.append(i)
+        self.pending = _Chosen(events=events)
         if not pick:
-            return events
+            return
         picked = [jobs[i] for i in pick]
-        rows_logits = all_logits if len(pick) == len(jobs) else all_logits[pick]
+        at = torch.tensor(pick, device=all_logits.device)
+        rows_logits = all_logits if len(pick) == len(jobs) else all_logits[at]
         toks = choose_tokens(rows_logits, picked)
-        entries = _batch_logprobs(rows_logits, picked, toks)
-        for job, tok, entry in zip(picked, toks, entries, strict=True):
+        self.batch.token_buffer(len(rows))[at] = toks
+        for job in picked:
+            job.chosen += 1
+        lp = _logprob_tensors(rows_logits, picked, toks)
+        self.pending = _Chosen(picked, _to_host(toks), _to_host(lp), _recorded(toks.device), events)
+
+    def _read(self) -> list[Callable[[], None]]:
+        """The pending step's tokens read back (waiting for its device work, not for the step
+        launched after it) and what the next plan needs of them: the penalties' counts, a finish
+        by EOS or max_tokens; returns the clients' events of that step, in order."""
+        c, self.pending = self.pending, None
+        if c is None:
+            return []
+        if c.ready is not None:
+            c.ready.synchronize()
+        if c.toks is None:
+            return c.events
+        toks: list[int] = c.toks.tolist()
+        entries = _logprob_entries(c.logprobs, c.jobs, toks)
+        events = c.events
+        for job, tok, entry in zip(c.jobs, toks, entries, strict=True):
             if job.counts is not None:
                 job.counts[tok] += 1
             job.generated += 1
-            job.last = tok
             if tok in self.eos:
                 job.finish = "stop"
             elif job.generated >= job.sampling.max_tokens:
@@ -476,23 +504,23 @@ def _slow_step(took: float, plan: Plan) -> str:
     )
 
 
-def choose_tokens(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
-    """Each row's next token, every row at once on the logits' device, one read-back: the
+def choose_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
+    """Each row's next token, every row at once on the logits' device (no read-back): the
     penalties of the rows that have them (`penalize`), then one `pick_tokens` over the batch with
     each row's temperature, top-p, top-k and min-p, its noise `counter_noise(seed, tokens
     generated)`; a row at temperature 0 takes the argmax. A row's token depends on its own
     logits, settings, seed and count only, never on the rest of the batch.
 
     Example:
-        >>> choose_tokens(logits, [job_a, job_b])  # doctest: +SKIP
+        >>> choose_tokens(logits, [job_a, job_b]).tolist()  # doctest: +SKIP
         [17, 4]
     """
     samp = [j.sampling for j in jobs]
     pen = [i for i, s in enumerate(samp) if s.penalized]
     if not pen and all(s.temperature == 0 for s in samp):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     dev = logits.device
-    z = logits.float()
+    z = logits.to(torch.float32, copy=True)  # the logprobs read the raw logits after this
     if pen:
         for i in pen:
             j = jobs[i]
@@ -510,24 +538,78 @@ def choose_tokens(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
     seeds = torch.tensor([j.seed for j in jobs], dtype=torch.long, device=dev)
     counters = torch.tensor([j.generated for j in jobs], dtype=torch.long, device=dev)
     noise = counter_noise(seeds, counters, z.shape[-1])
-    return pick_tokens(z, noise, cfg[:, 0], cfg[:, 1], cfg[:, 2], cfg[:, 3]).tolist()
+    return pick_tokens(z, noise, cfg[:, 0], cfg[:, 1], cfg[:, 2], cfg[:, 3])
 
 
-def _batch_logprobs(logits: torch.Tensor, jobs: list[Job], toks: list[int]) -> list[Logprob | None]:
-    """The logprob entry of each row that asked for logprobs (None for the others): the model's
-    own log_softmax of the raw logits (float32) at the chosen token and the row's top k, computed
-    for those rows together, one read-back."""
+@dataclass
+class _Chosen:
+    """A step's tokens, chosen on the device, on their way to the host (`Scheduler._read`)."""
+
+    jobs: list[Job] = field(default_factory=list)  # the rows that got one, in order
+    toks: torch.Tensor | None = None  # (rows,) on the host once `ready`
+    logprobs: _LogprobTensors | None = None  # idem
+    ready: Any = None  # a CUDA event after the copies (None: on the CPU, done)
+    events: list[Callable[[], None]] = field(default_factory=list)  # the step's, before its tokens
+
+
+_LogprobTensors = tuple[list[int], torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""(the rows that want logprobs, the chosen tokens' logprobs, the top k ids, their logprobs)."""
+
+
+def _done(job: Job) -> bool:
+    """Whether the row leaves the batch at the next plan: it ended, its client left, or all its
+    tokens are chosen (the last may still be on its way back)."""
+    return job.finish is not None or job.cancelled or 0 < job.sampling.max_tokens <= job.chosen
+
+
+def _to_host(x: Any) -> Any:
+    """Tensors (alone or in a tuple) copied to the host without waiting (pinned, from a GPU)."""
+    if isinstance(x, torch.Tensor):
+        return x.to("cpu", non_blocking=True)
+    if isinstance(x, tuple):
+        return tuple(_to_host(t) for t in x)
+    return x
+
+
+def _recorded(device: torch.device) -> Any:
+    """A CUDA event recorded after the work launched so far (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
+def _logprob_tensors(
+    logits: torch.Tensor, jobs: list[Job], toks: torch.Tensor
+) -> _LogprobTensors | None:
+    """For the rows that asked for logprobs, on the device: the model's own log_softmax of the raw
+    logits (float32) at the chosen token and the top k (`_logprob_entries` reads them)."""
     want = [i for i, j in enumerate(jobs) if j.sampling.logprobs is not None]
-    out: list[Logprob | None] = [None] * len(jobs)
     if not want:
-        return out
-    lp = torch.log_softmax(logits[want].float(), dim=-1)  # (w, vocab)
-    own = lp.gather(-1, torch.tensor([toks[i] for i in want], device=lp.device)[:, None])[:, 0]
+        return None
+    at = torch.tensor(want, device=logits.device)
+    lp = torch.log_softmax(logits[at].float(), dim=-1)  # (w, vocab)
+    own = lp.gather(-1, toks[at][:, None])[:, 0]
     kmax = max(jobs[i].sampling.logprobs or 0 for i in want)
-    top = lp.topk(kmax, dim=-1) if kmax > 0 else None
+    if kmax == 0:
+        return want, own, None, None
+    top = lp.topk(kmax, dim=-1)
+    return want, own, top.indices, top.values
+
+
+def _logprob_entries(
+    lp: _LogprobTensors | None, jobs: list[Job], toks: list[int]
+) -> list[Logprob | None]:
+    """The logprob entry of each row that asked for logprobs (None for the others), from
+    `_logprob_tensors` on the host."""
+    out: list[Logprob | None] = [None] * len(jobs)
+    if lp is None:
+        return out
+    want, own, idx, val = lp
     own_l = own.tolist()
-    ids = top.indices.tolist() if top is not None else []
-    vals = top.values.tolist() if top is not None else []
+    ids = idx.tolist() if idx is not None else []
+    vals = val.tolist() if val is not None else []
     for w, i in enumerate(want):
         k = jobs[i].sampling.logprobs or 0
         alts = list(zip(ids[w][:k], vals[w][:k], strict=True)) if k > 0 else []

@@ -165,13 +165,14 @@ class SlotBatch(Batch):
         mode: str | None = "reduce-overhead",
         ladder: tuple[int, ...] = LADDER,
         agree: Callable[[list[bool]], list[bool]] | None = None,
+        share: Callable[[torch.Tensor], None] | None = None,
         chunk: int | None = None,
         backend: str | None = None,
         graphs: str = CUDA_GRAPHS[0],
         stack_adapters: bool = True,
         prefill: int | None = PREFILL_TOKENS,
     ) -> None:
-        super().__init__(model, bank, agree=agree)
+        super().__init__(model, bank, agree=agree, share=share)
         self.stack_adapters = stack_adapters
         if prefill is not None and not 1 <= prefill <= CACHE_STEP:
             raise ServeError(f"prefill={prefill} tokens; expected 1 to {CACHE_STEP} (or None)")
@@ -210,6 +211,7 @@ class SlotBatch(Batch):
         self.pos_buf = torch.zeros(s, dtype=torch.long, device=self.device)
         self.col_buf = torch.zeros(s, dtype=torch.long, device=self.device)  # decode's
         self.rows = torch.arange(s, device=self.device)
+        self.token_buffer(s)  # padding rows read entry 0 (warm-up's steps too)
         self.layers: list[_SlotLayer] = []  # allocated at the first prefill
         self._shapes: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # `_kv_shapes`
         self.slot_cache: Any = None
@@ -346,10 +348,10 @@ class SlotBatch(Batch):
         pad = [0] * (b - n)
         # padding rows (whose slots may hold rows mid-prefill) write to the scratch column
         host = torch.tensor([feed + pad, lens + pad, lens + [self.max_len] * (b - n)],
-                            dtype=torch.long)  # fmt: skip
-        self.ids_buf[:b, 0].copy_(host[0], non_blocking=True)
-        self.pos_buf[:b].copy_(host[1], non_blocking=True)
-        self.col_buf[:b].copy_(host[2], non_blocking=True)
+                            dtype=torch.long).to(self.device, non_blocking=True)  # fmt: skip
+        self.ids_buf[:b, 0] = self.tokens[host[0]]  # the last step's tokens, on the device
+        self.pos_buf[:b].copy_(host[1])
+        self.col_buf[:b].copy_(host[2])
         self.bank.set_rows(self.slots[:n] + pad, fixed=self.sizes[-1])
         self.lo, self.b, self.le = 0, b, le
         logits = self.run()[:n]
