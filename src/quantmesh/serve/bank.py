@@ -62,6 +62,7 @@ from ..lora.adapter import (
 from ..plan.styles import Style
 from ..tp.experts import ShardedExperts
 from ..tp.layers import ShardedModule, sharded_modules
+from .host import upload
 
 __all__ = ["AdapterBank", "AdapterInfo"]
 
@@ -389,9 +390,7 @@ class AdapterBank:
             if self._fixed is None or self._fixed.shape[0] != fixed:
                 self._fixed = torch.zeros(fixed, dtype=torch.long, device=self.device)
                 torch._dynamo.mark_static_address(self._fixed, guard=False)
-            self._fixed[: len(slots)].copy_(
-                torch.tensor(slots, dtype=torch.long), non_blocking=True
-            )
+            self._fixed[: len(slots)].copy_(upload(slots, self.device))
             self.uniform = None
             self.span = (0, self.slots)
             self.ids = self.rel = self._fixed[: len(slots)]
@@ -400,10 +399,9 @@ class AdapterBank:
         self.uniform = first if all(s == first for s in slots) else None
         if self.uniform is None:
             lo, hi = min(slots), max(slots) + 1
-            ids = torch.tensor(slots, dtype=torch.long)
             self.span = (lo, hi)
-            self.ids = ids.to(self.device, non_blocking=True)
-            self.rel = (ids - lo).to(self.device, non_blocking=True)
+            self.ids = upload(slots, self.device)
+            self.rel = upload([s - lo for s in slots], self.device)
 
     # ---- adapters -----------------------------------------------------------------------------
     def inspect(self, path: str | os.PathLike) -> AdapterInfo:

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import QuantmeshError
 from .bank import AdapterBank
+from .host import upload
 
 __all__ = ["Admit", "Batch", "Plan", "ServeError", "autocast_dtype"]
 
@@ -159,7 +160,7 @@ class Batch:
         Example:
             >>> plan = Plan(order=[7, 9], feed=batch.feed_tokens([17, 4]))  # doctest: +SKIP
         """
-        self.token_buffer(len(toks))[: len(toks)].copy_(torch.tensor(toks, dtype=torch.long))
+        self.token_buffer(len(toks))[: len(toks)].copy_(upload(toks, self.device))
         return list(range(len(toks)))
 
     def execute(self, plan: Plan) -> tuple[torch.Tensor | None, list[torch.Tensor], list[str]]:
@@ -228,7 +229,7 @@ class Batch:
         self.slots = [self.slots[i] for i in keep]
         self.lens = [self.lens[i] for i in keep]
         cut = self.mask.shape[1] - max(self.lens)  # leading columns no kept row uses
-        idx = torch.tensor(keep, device=self.device)
+        idx = upload(keep, self.device)
         for layer in self._layers():
             layer.keys = layer.keys.index_select(0, idx)[:, :, cut:]
             layer.values = layer.values.index_select(0, idx)[:, :, cut:]
@@ -236,8 +237,8 @@ class Batch:
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (B, vocab)
         b = len(self.rids)
-        ids = self.tokens[torch.tensor(feed, dtype=torch.long).to(self.device)].view(b, 1)
-        pos = torch.tensor(self.lens, dtype=torch.long).view(b, 1).to(self.device)
+        ids = self.tokens[upload(feed, self.device)].view(b, 1)
+        pos = upload(self.lens, self.device).view(b, 1)
         self.mask = torch.cat([self.mask, self.mask.new_ones(b, 1)], dim=1)  # (B, T + 1)
         self.bank.set_rows(self.slots)
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
@@ -254,7 +255,7 @@ class Batch:
             raise RuntimeError("this engine prefills whole prompts (its chunk is None)")
         cache = DynamicCache(config=self.config)
         k, p = len(group), len(group[0].prompt)
-        ids = torch.tensor([a.prompt for a in group], dtype=torch.long).to(self.device)  # (k, p)
+        ids = upload([a.prompt for a in group], self.device)  # (k, p)
         self.bank.set_rows([a.slot for a in group])
         keep = {} if group[0].echo else self.keep_kw
         out = self.model(input_ids=ids, use_cache=True, **{self.cache_arg: cache}, **keep)

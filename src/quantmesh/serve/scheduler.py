@@ -49,6 +49,7 @@ import torch
 from ..errors import QuantmeshError
 from ..infer.sampling import counter_noise, penalize, pick_tokens
 from .engine import Admit, Batch, Plan
+from .host import upload
 from .ranks import Lockstep
 from .text import TextStream
 
@@ -418,7 +419,7 @@ class Scheduler:
         if not pick:
             return
         picked = [jobs[i] for i in pick]
-        at = torch.tensor(pick, device=all_logits.device)
+        at = upload(pick, all_logits.device)
         rows_logits = all_logits if len(pick) == len(jobs) else all_logits[at]
         toks = choose_tokens(rows_logits, picked)
         self.batch.token_buffer(len(rows))[at] = toks
@@ -528,15 +529,15 @@ def choose_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
                 j.seen = torch.zeros(z.shape[-1], dtype=torch.bool)
                 j.seen[torch.tensor(j.prompt)] = True
                 j.counts = torch.zeros(z.shape[-1])
-        seen = torch.stack([jobs[i].seen for i in pen]).to(dev)  # type: ignore[misc]
-        counts = torch.stack([jobs[i].counts for i in pen]).to(dev)  # type: ignore[misc]
-        knobs = torch.tensor([[samp[i].repetition_penalty, samp[i].presence_penalty,
-                               samp[i].frequency_penalty] for i in pen], device=dev)  # fmt: skip
-        at = torch.tensor(pen, device=dev)
+        seen = upload(torch.stack([jobs[i].seen for i in pen]), dev, None)  # type: ignore[misc]
+        counts = upload(torch.stack([jobs[i].counts for i in pen]), dev, None)  # type: ignore[misc]
+        knobs = upload([[samp[i].repetition_penalty, samp[i].presence_penalty,
+                         samp[i].frequency_penalty] for i in pen], dev, torch.float32)  # fmt: skip
+        at = upload(pen, dev)
         z[at] = penalize(z[at], seen, counts, knobs[:, 0], knobs[:, 1], knobs[:, 2])
-    cfg = torch.tensor([[s.temperature, s.top_p, s.top_k, s.min_p] for s in samp], device=dev)
-    seeds = torch.tensor([j.seed for j in jobs], dtype=torch.long, device=dev)
-    counters = torch.tensor([j.generated for j in jobs], dtype=torch.long, device=dev)
+    cfg = upload([[s.temperature, s.top_p, s.top_k, s.min_p] for s in samp], dev, torch.float32)
+    seeds = upload([j.seed for j in jobs], dev)
+    counters = upload([j.generated for j in jobs], dev)
     noise = counter_noise(seeds, counters, z.shape[-1])
     return pick_tokens(z, noise, cfg[:, 0], cfg[:, 1], cfg[:, 2], cfg[:, 3])
 
@@ -588,7 +589,7 @@ def _logprob_tensors(
     want = [i for i, j in enumerate(jobs) if j.sampling.logprobs is not None]
     if not want:
         return None
-    at = torch.tensor(want, device=logits.device)
+    at = upload(want, logits.device)
     lp = torch.log_softmax(logits[at].float(), dim=-1)  # (w, vocab)
     own = lp.gather(-1, toks[at][:, None])[:, 0]
     kmax = max(jobs[i].sampling.logprobs or 0 for i in want)

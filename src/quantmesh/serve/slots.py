@@ -48,6 +48,7 @@ from ..config import CUDA_GRAPHS
 from ..infer.decode import CACHE_STEP, _static_statistics
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
+from .host import upload
 
 __all__ = ["LADDER", "PREFILL_TOKENS", "SlotBatch", "SlotCache", "pack_prompts"]
 
@@ -347,8 +348,7 @@ class SlotBatch(Batch):
         le = _ladder(need, self.lens_ladder)
         pad = [0] * (b - n)
         # padding rows (whose slots may hold rows mid-prefill) write to the scratch column
-        host = torch.tensor([feed + pad, lens + pad, lens + [self.max_len] * (b - n)],
-                            dtype=torch.long).to(self.device, non_blocking=True)  # fmt: skip
+        host = upload([feed + pad, lens + pad, lens + [self.max_len] * (b - n)], self.device)
         self.ids_buf[:b, 0] = self.tokens[host[0]]  # the last step's tokens, on the device
         self.pos_buf[:b].copy_(host[1])
         self.col_buf[:b].copy_(host[2])
@@ -427,8 +427,8 @@ class SlotBatch(Batch):
         keep = [i for i, r in enumerate(self.rids) if r not in drop]
         moved = [(j, i) for j, i in enumerate(keep) if i != j]  # (new slot, old slot)
         if moved and self.layers:
-            dst = torch.tensor([j for j, _ in moved], device=self.device)
-            src = torch.tensor([i for _, i in moved], device=self.device)
+            dst = upload([j for j, _ in moved], self.device)
+            src = upload([i for _, i in moved], self.device)
             m = max(self.lens[i] for _, i in moved)
             for layer in self.layers:
                 for t in (layer.keys, layer.values):
@@ -560,9 +560,9 @@ class SlotBatch(Batch):
                 self.pending += 1
         if all(self._packable(a) for a in group):
             return self._prefill_packed(group, lo)
-        ids = torch.tensor([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
-                           dtype=torch.long).to(self.device)  # fmt: skip
-        starts = torch.tensor([a.start for a in group])
+        ids = upload([a.prompt + [0] * (t - n) for a, n in zip(group, lens, strict=True)],
+                     self.device)  # fmt: skip
+        starts = upload([a.start for a in group], self.device)
         self.pos_buf[lo : lo + k].copy_(starts)
         self.col_buf[lo : lo + k].copy_(starts)  # a one-token chunk writes as a decode step does
         self.bank.set_rows([a.slot for a in group])
@@ -574,7 +574,7 @@ class SlotBatch(Batch):
             logits = self._forward(ids)  # (k, t, vocab)
             at_end = [n - 1 for n in lens]
         else:  # only the positions that end a prompt (or one, when none does)
-            logits = self._forward(ids, torch.tensor(ends or [0], device=self.device))
+            logits = self._forward(ids, upload(ends or [0], self.device))
             at_end = [ends.index(n - 1) if a.last else 0 for a, n in zip(group, lens, strict=True)]
         out: list[torch.Tensor] = []
         for r, (a, n) in enumerate(zip(group, lens, strict=True)):
@@ -613,12 +613,12 @@ class SlotBatch(Batch):
                 host[4, at : at + n] = torch.arange(n)
                 at += n
                 ends.append(at - 1)
-            self.pack_buf.copy_(host, non_blocking=True)
+            self.pack_buf.copy_(upload(host, self.device))
             self.bank.set_rows([group[pack[0]].slot], fixed=self.sizes[-1])
             self.lo, self.b, self.le = 0, 1, p
             self.packed = True
             try:
-                logits = run()[torch.tensor(ends, device=self.device)]  # a copy: the graph's
+                logits = run()[upload(ends, self.device)]  # a copy: the graph's
             finally:  # output is rewritten by its next call
                 self.packed = False
             for j, r in enumerate(pack):
