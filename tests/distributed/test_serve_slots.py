@@ -385,7 +385,7 @@ def _with_and_without_dequantized(rank: int) -> dict:
     """The same plans on the slot engine (eager) at tp=2, the 4-bit weights held dequantized
     (`serve --keep-dequantized`) and not: each step's logits, and what was held."""
     from quantmesh.cli.serve import _keep_dequantized
-    from quantmesh.quant.bnb import keep_dequantized
+    from quantmesh.quant.bnb import HeldRun, keep_dequantized
     from quantmesh.serve.engine import Admit, Plan
     from quantmesh.serve.slots import SlotBatch
     from quantmesh.tp.layers import sharded_modules
@@ -394,6 +394,15 @@ def _with_and_without_dequantized(rank: int) -> dict:
     locals_ = [m.local for m in sharded_modules(model).values()]
     admit = {0: [Admit(0, [5, 9, 11, 2], 1), Admit(1, [3, 4], 0)], 2: [Admit(2, [7, 8, 1], 2)]}
     runs = []
+    shared = [0]  # siblings after the first whose output came from their run's one matmul
+    output = HeldRun.output
+
+    def counted(run: HeldRun, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
+        y = output(run, i, x, x2)
+        shared[0] += int(i > 0 and y is not None)
+        return y
+
+    HeldRun.output = counted  # type: ignore[method-assign]  # this rank's process only
     for held in (False, True):
         if held:
             _keep_dequantized(model, torch.device("cpu"), torch.float32)
@@ -411,16 +420,23 @@ def _with_and_without_dequantized(rank: int) -> dict:
             steps.append(torch.stack(rows))
         runs.append(steps)
     held_layers = sum(getattr(m, "dense", None) is not None for m in locals_)
+    joined = sum(getattr(m, "held_run", None) is not None for m in locals_)
     keep_dequantized(locals_, None)
-    dropped = all(getattr(m, "dense", None) is None for m in locals_)
-    return {"runs": runs, "held": held_layers, "dropped": dropped}
+    dropped = all(
+        getattr(m, "dense", None) is getattr(m, "held_run", None) is None for m in locals_
+    )
+    return {"runs": runs, "held": held_layers, "joined": joined, "shared": shared[0],
+            "dropped": dropped}  # fmt: skip
 
 
 def test_weights_held_dequantized_give_the_same_steps() -> None:
     """`serve --keep-dequantized` at tp=2: every rank holds its shards' 4-bit weights (7 per block)
-    dequantized, and prefills and decode steps of several rows give the codes' logits."""
+    dequantized, q/k/v and gate/up each joined into one (`HeldRun`: one matmul per run, each
+    sibling its columns of it), and prefills and decode steps of several rows give the codes'
+    logits."""
     for res in run_ranks(_with_and_without_dequantized, 2, timeout=300):
-        assert res["held"] == 2 * 7 and res["dropped"], res
+        assert res["held"] == 2 * 7 and res["joined"] == 2 * 5 and res["dropped"], res
+        assert res["shared"] > 0, res  # the joined matmul's columns served the later siblings
         codes, held = res["runs"]
         assert len(codes) == len(held) == 6
         for a, b in zip(codes, held, strict=True):

@@ -42,6 +42,7 @@ __all__ = [
     "dequantize_4bit_flat",
     "dequantized_bytes",
     "format_of",
+    "fuse_held_siblings",
     "keep_dequantized",
     "quant_state_from_tensors",
 ]
@@ -152,6 +153,9 @@ def _classes() -> dict[str, type]:
 
         dense: torch.Tensor | None = None
         """The weight dequantized (`keep_dequantized`), or None: the codes alone."""
+        held_run: HeldRun | None = None
+        """Its siblings' held weights as one (`fuse_held_siblings`), or None."""
+        held_index = 0
 
         def reset_parameters(self) -> None:  # the weight comes from quantize_into
             pass
@@ -162,6 +166,7 @@ def _classes() -> dict[str, type]:
             bitsandbytes' dequantize gives (what its own matmul multiplies from 8 rows on). Returns
             the bytes held."""
             self.__dict__.pop("dense", None)
+            self.__dict__.pop("held_run", None)
             if dtype is None:
                 return 0
             qs = getattr(self.weight, "quant_state", None)
@@ -182,7 +187,12 @@ def _classes() -> dict[str, type]:
             dense = self.dense
             if dense is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled():
                 x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)  # two rows or more: the held weight
-                y = torch.nn.functional.linear(x2, dense, None if bias is None else bias.to(dense))
+                run = self.held_run
+                y = None if run is None else run.output(self.held_index, x, x2)
+                if y is None:
+                    y = torch.nn.functional.linear(x2, dense)
+                if bias is not None:
+                    y = y + bias.to(dense)
                 return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
             if _rows_cut_blocks_on_cpu(self.weight, qs):
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
@@ -511,6 +521,77 @@ def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> 
     """
     cls = _classes()["QuantLinear4bit"]
     return sum(cast(Any, m).keep_dequantized(dtype) for m in layers if isinstance(m, cls))
+
+
+class HeldRun:
+    """Sibling 4-bit layers that read one tensor (q, k, v; gate, up), their held weights
+    (`keep_dequantized`) one (sum of outs, in) tensor: the first sibling's forward multiplies it
+    once, and each sibling takes its own columns of that output, when it gets the very tensor the
+    first one got (otherwise its own weight, a view of the joined one: no memory is added). One
+    matmul of the joined width reads the weights at a higher share of the memory's rate than
+    two or three narrower ones (docs/benchmarks.md, "Figures the code relies on").
+
+    Example:
+        >>> run = HeldRun([q, k, v])  # doctest: +SKIP
+    """
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        ws = [cast(torch.Tensor, cast(Any, m).dense) for m in members]
+        self.outs = [int(w.shape[0]) for w in ws]
+        self.out_at = [sum(self.outs[:i]) for i in range(len(ws))]
+        self.w = torch.cat(ws)
+        for i, m in enumerate(members):
+            o = self.out_at[i]
+            view = self.w[o : o + self.outs[i]]
+            if view.is_cuda:  # read in place by CUDA graphs
+                torch._dynamo.mark_static_address(view, guard=False)
+            m.dense, m.held_run, m.held_index = view, self, i  # type: ignore[assignment]
+        if self.w.is_cuda:
+            torch._dynamo.mark_static_address(self.w, guard=False)
+        self.n = len(members)
+        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
+        self.out: torch.Tensor | None = None  # (rows, sum of outs)
+
+    def output(self, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
+        """Sibling `i`'s (rows, out_i) without bias, or None when `x` (its input as it came) is
+        not the tensor the first sibling got in this forward; `x2`: x as (rows, in) to multiply."""
+        y = None
+        if i == 0:
+            self.x = x
+            self.out = torch.nn.functional.linear(x2, self.w)
+        if self.x is x and self.out is not None:
+            o = self.out_at[i]
+            y = self.out[:, o : o + self.outs[i]]
+        if i == self.n - 1:  # the last sibling: hold no tensor past this forward
+            self.x = self.out = None
+        return y
+
+
+def fuse_held_siblings(runs: Iterable[list[nn.Module]]) -> int:
+    """Join the held weights of each run of sibling layers (`HeldRun`), where every member is a
+    4-bit linear holding its weight (`keep_dequantized`) in one dtype, on one device, with one
+    input width, and not yet in a run. Returns the number of runs joined.
+
+    Example:
+        >>> fuse_held_siblings([[q, k, v], [gate, up]])  # doctest: +SKIP
+        2
+    """
+    runs = [run for run in runs if all(getattr(m, "dense", None) is not None for m in run)]
+    if not runs:  # (nothing held: bitsandbytes stays unimported)
+        return 0
+    cls = _classes()["QuantLinear4bit"]
+    joined = 0
+    for run in runs:
+        dense = [getattr(m, "dense", None) if isinstance(m, cls) else None for m in run]
+        if len(run) < 2 or any(d is None for d in dense):
+            continue
+        if any(getattr(m, "held_run", None) is not None for m in run):
+            continue
+        kinds = {(d.dtype, d.device, int(d.shape[1])) for d in dense if d is not None}
+        if len(kinds) == 1:
+            HeldRun(list(run))
+            joined += 1
+    return joined
 
 
 def dequantized_bytes(layers: Iterable[nn.Module], dtype: torch.dtype) -> int:

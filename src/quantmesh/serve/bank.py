@@ -315,6 +315,7 @@ class AdapterBank:
         self.device = dev
         self._fixed: torch.Tensor | None = None  # (max rows,) row slots of compiled steps
         self.stacks: list[_BankStack] = []  # sibling adapters run together (`stack_siblings`)
+        self.runs: list[list[ShardedModule]] = []  # the sibling layers `stack_siblings` found
         self.banked: dict[str, _BankedLora] = {}
         for f, m in self.mods.items():
             a, b = loras[f].lora_A.weight, loras[f].lora_B.weight  # (r, in_x), (out_x, r)
@@ -371,6 +372,7 @@ class AdapterBank:
         with sibling_runs(mods, lambda first, m: True) as runs:
             forward()
         owner = {id(m): f for f, m in self.mods.items()}
+        self.runs = [list(run) for run in runs]
         for run in runs:
             self.stacks.append(_BankStack(self, [self.banked[owner[id(m)]] for m in run]))
         return len(self.stacks)
