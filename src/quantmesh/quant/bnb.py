@@ -187,12 +187,14 @@ def _classes() -> dict[str, type]:
             dense = self.dense
             if dense is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled():
                 x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)  # two rows or more: the held weight
-                run = self.held_run
-                y = None if run is None else run.output(self.held_index, x, x2)
-                if y is None:
+                run = self.held_run  # (a member reads the run's tensor, never its own view:
+                # a compiled block region refuses two inputs that alias)
+                if run is not None:
+                    y = run.output(self.held_index, x, x2)
+                else:
                     y = torch.nn.functional.linear(x2, dense)
                 if bias is not None:
-                    y = y + bias.to(dense)
+                    y = y + bias.to(dense.dtype)
                 return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
             if _rows_cut_blocks_on_cpu(self.weight, qs):
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
@@ -552,16 +554,18 @@ class HeldRun:
         self.x: torch.Tensor | None = None  # the input of this forward's first sibling
         self.out: torch.Tensor | None = None  # (rows, sum of outs)
 
-    def output(self, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
-        """Sibling `i`'s (rows, out_i) without bias, or None when `x` (its input as it came) is
-        not the tensor the first sibling got in this forward; `x2`: x as (rows, in) to multiply."""
-        y = None
+    def output(self, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """Sibling `i`'s (rows, out_i) without bias: its columns of the first sibling's one
+        matmul when `x` (its input as it came) is the tensor the first sibling got in this
+        forward, else its own rows of the joined weight times `x2` (x as (rows, in))."""
+        o, n = self.out_at[i], self.outs[i]
         if i == 0:
             self.x = x
             self.out = torch.nn.functional.linear(x2, self.w)
         if self.x is x and self.out is not None:
-            o = self.out_at[i]
-            y = self.out[:, o : o + self.outs[i]]
+            y = self.out[:, o : o + n]
+        else:
+            y = torch.nn.functional.linear(x2, self.w[o : o + n])
         if i == self.n - 1:  # the last sibling: hold no tensor past this forward
             self.x = self.out = None
         return y
