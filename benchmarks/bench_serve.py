@@ -262,8 +262,8 @@ def phase(a: argparse.Namespace, url: str, names: list[str], conc: int, mixed: b
     after = get(url, "/health")
     steps = after["decode_steps"] - before["decode_steps"]
     mean_batch = (after["decoded_rows"] - before["decoded_rows"]) / max(steps, 1)
-    # the server's own clock: a step from its plan to its tokens read back, and the host's work
-    # from one step's read-back to the next step's launch (a GPU idles through it)
+    # the server's own clock: its loop's time per decode step, and the part of it its host was
+    # busy (not waiting for a step's tokens); where the two meet, the GPU waits for the host
     step_ms = (after["step_s"] - before["step_s"]) * 1e3 / max(steps, 1)
     host_ms = (after["host_s"] - before["host_s"]) * 1e3 / max(steps, 1)
     lat = sorted(x for _, x, _ in results)

@@ -253,8 +253,8 @@ def test_a_slow_step_is_said(served) -> None:
 
 
 def test_health_counts_the_steps_and_the_host_time_between_them(served) -> None:
-    """`/health` gives the steps' time and the host's time between a step's read-back and the
-    next launch (bench_serve divides both by the decode steps of a phase)."""
+    """`/health` gives the loop's time per step and the part of it its host was busy (not
+    waiting for a step's tokens); bench_serve divides both by the decode steps of a phase."""
     client, _, _ = served
     before = client.get("/health").json()
     body = client.post("/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4,
@@ -263,9 +263,9 @@ def test_health_counts_the_steps_and_the_host_time_between_them(served) -> None:
     after = client.get("/health").json()
     steps = after["decode_steps"] - before["decode_steps"]
     step_s, host_s = (after[k] - before[k] for k in ("step_s", "host_s"))
-    # the first token comes from the prefill, the other three from decode steps, each after
-    # the last one's read-back
-    assert steps == 3 and step_s > 0 and host_s > 0, (steps, step_s, host_s)
+    # the first token comes from the prefill, the other three from decode steps (the last one
+    # chosen, the row leaves: no step after it)
+    assert steps == 3 and step_s >= host_s > 0, (steps, step_s, host_s)
 
 
 def test_errors_in_openai_shape(served) -> None:

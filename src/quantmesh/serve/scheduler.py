@@ -2,22 +2,25 @@
 
 The HTTP side (serve/app.py, on the event loop's thread) calls `submit`, `cancel`, `add_adapter`
 and `remove_adapter`; those only queue work under a lock. The loop (its own thread) turns the queue
-into a Plan per step: rows that finished or whose client left are dropped, the rest are fed their
-last token, waiting requests are admitted up to `max_batch` (first come, first served), adapter
-loads go first. After the step it picks every row's next token at once on the device
-(`choose_tokens`: greedy rows the argmax; sampled rows a Gumbel-max draw whose noise is a pure
-function of the request's seed and its count of generated tokens, so a seed gives the same reply
-whatever else is in the batch; penalties, top-k, top-p and min-p as `quantmesh.infer.sampling` applies
-them; one read-back per step). Only this rank picks tokens: the other tp ranks are
-fed them in the next Plan, so every setting is consistent across ranks by construction.
+into a Plan per step: rows that finished, whose client left or whose tokens are all chosen are
+dropped, the rest are fed their last token, waiting requests are admitted up to `max_batch`
+(first come, first served), adapter loads go first. After the step it picks every row's next
+token at once on the device (`choose_tokens`: greedy rows the argmax; sampled rows a Gumbel-max
+draw whose noise is a pure function of the request's seed and its count of generated tokens, so a
+seed gives the same reply whatever else is in the batch; penalties, top-k, top-p and min-p as
+`quantmesh.infer.sampling` applies them). Only this rank picks tokens: the others get them by a
+device broadcast before the next step (`Batch.share`), so every setting is consistent across
+ranks by construction.
 
-What the clients hear of a step (text through each request's TextStream, logprobs, the end) is
-sent while the next step runs: `run` launches step k+1 as soon as step k's tokens are read back
-(a row that met its EOS token or its max_tokens leaves at once), then decodes and sends step k's
-text, so the host's per-token work overlaps the device's step instead of delaying it. A stop
-string is found in that text, so a row that meets one computes one more token, never sent, and
-leaves at the next step. With nothing to overlap (the last step, or a shutdown) the events are
-sent before the loop waits.
+The step is asynchronous: the tokens a step chose stay on the device (`Batch.tokens`), the next
+plan's feed points at them, and `run` launches step k+1 before it reads step k's tokens back
+(one copy to pinned memory, waited for while step k+1 runs). Then it decodes and sends step k's
+text and launches step k+1's choice, so the host's work between two steps (the plan, the
+clients' text, the launches) overlaps the device's step instead of leaving the device idle. A row
+whose max_tokens is met leaves as soon as its last token is chosen; a row that meets its EOS
+token or a stop string is known only at the read-back, so it computes one more token, never
+sent, and leaves at the step after. With nothing to overlap (the last step, or a shutdown) the
+tokens are read and the events sent before the loop waits.
 
 Logprobs are those of the model's own distribution: `log_softmax` of the raw logits in float32,
 before penalties, temperature or any filter (what OpenAI's API and vLLM report by default), with
@@ -159,9 +162,9 @@ class Scheduler:
     def load(self) -> dict[str, float]:
         """{"running": rows in the batch, "waiting": requests not yet admitted, and since the
         start: "peak_batch" (the most rows one decode step ran), "decode_steps", "decoded_rows",
-        "step_s" (the steps' time, from a plan to its tokens read back) and "host_s" (from a
-        step's tokens read back to the next step's work launched, where rows went on: the host's
-        work between two steps, while a GPU waits for it)}."""
+        "step_s" (the loop's time per step where rows went on, plan to plan) and "host_s" (the
+        part of it the host was busy, not waiting for a step's tokens: where it nears step_s,
+        the device waits for the host)}."""
         with self.cv:
             return {"running": len(self.order) + len(self.filling), "waiting": len(self.waiting),
                     "peak_batch": self.peak, "decode_steps": self.steps,
