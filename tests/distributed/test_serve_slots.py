@@ -464,11 +464,11 @@ def _held_compiled(rank: int) -> dict:
     comp = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(1, 2), compile=True,
                      backend="aot_eager", prefill=16)  # fmt: skip
     eager = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(1, 2), compile=False)
-    admit = {0: [Admit(0, [5, 9, 11, 2], 1), Admit(1, [3, 4], 1)], 2: [Admit(2, [7, 8, 1], 2)]}
+    admit = {0: [Admit(0, [5, 9, 11, 2], 1), Admit(1, [3, 4], 1)]}  # one pack, then 2-row steps
     order: list[int] = []
     last: dict[int, int] = {}
     worst = 0.0
-    for step in range(5):
+    for step in range(3):
         for b in (comp, eager):
             feed = b.feed_tokens([last[r] for r in order])
         plan = Plan(order=list(order), feed=feed, admit=admit.get(step, []))
