@@ -355,7 +355,7 @@ def serve_worker(payload: str) -> int:
 
     from ..serve.bank import AdapterBank
     from ..serve.engine import Batch, autocast_dtype
-    from ..serve.ranks import Lockstep, follow
+    from ..serve.ranks import Lockstep, control_group, follow
     from ..serve.slots import SlotBatch
 
     cfg = ServeConfig(**json.loads(payload))
@@ -374,7 +374,7 @@ def serve_worker(payload: str) -> int:
     bank = AdapterBank(model, slots=cfg.slots, dtype=autocast_dtype(mesh.device))
     for name, slot in slots.items():
         bank.load(slot, cfg.adapters[name])
-    lockstep = Lockstep(mesh.tp_group, mesh.device)
+    lockstep = Lockstep(mesh.tp_group, mesh.device, control_group(mesh.tp_group))
     max_len = cfg.max_model_len or int(config.max_position_embeddings)
     say = (
         (lambda m: print(f"quantmesh serve: {m}", file=sys.stderr, flush=True))
