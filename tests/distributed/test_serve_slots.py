@@ -447,7 +447,7 @@ def _held_compiled(rank: int) -> dict:
     of siblings, its q/k/v with biases, against the eager slot engine: the worst difference of
     the logits, and the siblings served from their run's one matmul while tracing."""
     from quantmesh.quant.bnb import HeldRun, keep_dequantized
-    from quantmesh.serve.engine import Admit, Plan
+    from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
     from quantmesh.tp.layers import sharded_modules
 
@@ -465,20 +465,7 @@ def _held_compiled(rank: int) -> dict:
                      backend="aot_eager", prefill=16)  # fmt: skip
     eager = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(1, 2), compile=False)
     admit = {0: [Admit(0, [5, 9, 11, 2], 1), Admit(1, [3, 4], 1)]}  # one pack, then 2-row steps
-    order: list[int] = []
-    last: dict[int, int] = {}
-    worst = 0.0
-    for step in range(3):
-        for b in (comp, eager):
-            feed = b.feed_tokens([last[r] for r in order])
-        plan = Plan(order=list(order), feed=feed, admit=admit.get(step, []))
-        both = []
-        for b in (comp, eager):
-            s, pre, _ = b.execute(plan)
-            both.append((list(s) if s is not None else []) + pre)
-        worst = max(worst, max(float((x - y).abs().max()) for x, y in zip(*both, strict=True)))
-        order = order + [a.rid for a in plan.admit]
-        last = dict(zip(order, [int(r.argmax()) for r in both[1]], strict=True))
+    worst, _ = _eager_and_compiled(eager, comp, 3, admit, {})
     biased = all(m.local.bias is not None for f, m in sharded_modules(model).items()
                  if f.endswith(("q_proj", "k_proj", "v_proj")))  # fmt: skip
     return {"worst": worst, "shared": shared[0], "biased": biased}
