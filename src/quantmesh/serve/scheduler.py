@@ -429,7 +429,9 @@ class Scheduler:
         for job in picked:
             job.chosen += 1
         lp = _logprob_tensors(rows_logits, picked, toks)
-        self.pending = _Chosen(picked, _to_host(toks), _to_host(lp), _recorded(toks.device), events)
+        host, lp_host = _to_host(toks), _to_host(lp)
+        ready = _recorded(toks.device)  # after the copies: `_read` waits for them, no more
+        self.pending = _Chosen(picked, host, lp_host, ready, events)
 
     def _read(self) -> list[Callable[[], None]]:
         """The pending step's tokens read back (waiting for its device work, not for the step
