@@ -126,3 +126,23 @@ def test_byte_level_pieces_add_up_even_for_random_ids() -> None:
     for ids in runs:
         pieces, _ = _feed(TextStream(bpe), ids)
         assert "".join(pieces) == bpe.decode(ids, skip_special_tokens=True)
+
+
+def test_the_stream_decodes_as_the_tokenizer_does_with_or_without_its_wrapper(tok) -> None:
+    """TextStream decodes with the fast tokenizer's own backend where transformers' `decode`
+    returns exactly its text; a tokenizer that cleans up spaces keeps the wrapper, so the pieces
+    add up to `decode`'s text either way."""
+    from quantmesh.serve.text import _plain_backend
+
+    bpe = _byte_level_bpe()
+    assert _plain_backend(tok) is tok.backend_tokenizer
+    assert _plain_backend(bpe) is bpe.backend_tokenizer
+    bpe.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert _plain_backend(bpe) is None and _plain_backend(tok) is None
+        ids = tok("To be , or not to be : that is the question .")["input_ids"]
+        pieces, _ = _feed(TextStream(tok), ids)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    finally:
+        tok.clean_up_tokenization_spaces = False
