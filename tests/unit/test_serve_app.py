@@ -586,3 +586,38 @@ def test_adapter_paths_stay_inside_the_directory(served, tmp_path: Path) -> None
                          ("inside/../../x", "'..'")):  # fmt: skip
         r = client.post("/v1/adapters", json={"name": "x", "path": path})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (path, r.json())
+
+
+def test_tokens_posted_to_the_event_loop_share_one_wake_up() -> None:
+    """The scheduler's thread posts each token's event to the HTTP loop (`_Mail`): the calls
+    posted before the loop runs them ride on one wake-up, and run in the order posted."""
+    import asyncio
+
+    from quantmesh.serve.app import _Mail
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        hold, wakes, got = threading.Event(), [0], []
+        loop.call_soon_threadsafe(hold.wait, 10)  # the loop busy (a step's text being sent)
+        mail = _Mail(loop)
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args):
+            wakes[0] += 1
+            return schedule(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        for i in range(64):
+            mail.post(got.append, i)
+        hold.set()
+        done = threading.Event()
+        mail.post(lambda _: done.set(), None)
+        assert done.wait(10)
+        assert got == list(range(64)) and wakes[0] <= 2, (got, wakes)
+    finally:
+        loop.call_soon_threadsafe = schedule  # type: ignore[method-assign]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
