@@ -141,3 +141,30 @@ def test_held_gemm_bench_smoke_fused_siblings_equal_separate(tmp_path: Path) -> 
     assert held_gemm_bench.main(["--smoke", "--rows", "1,3", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "held_gemm.json").read_text())
     assert set(res["rows"]) == {"1", "3"} and res["weight_GB"] > 0, res
+
+
+def test_scheduler_host_bench_smoke(tmp_path: Path) -> None:
+    """benchmarks/scheduler_host_bench.py: every request of a burst ends, each way of posting."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import scheduler_host_bench
+
+    for post in ("mail", "each"):
+        argv = [
+            "--rows",
+            "4",
+            "--tokens",
+            "5",
+            "--repeat",
+            "1",
+            "--post",
+            post,
+            "--out",
+            str(tmp_path),
+        ]
+        assert scheduler_host_bench.main(argv) == 0
+        res = json.loads((tmp_path / "scheduler_host.json").read_text())
+        assert res["post"] == post and res["runs"][0]["steps"] == 4, res  # 5 tokens: 1 + 4 steps
+        assert res["host_ms_per_step_median"] > 0, res
