@@ -1,12 +1,15 @@
 """The batch every tp rank decodes in lock step: rows join, decode together and leave.
 
 A `Plan` is one step's work, decided by rank 0 and executed identically on every rank of the tp
-group (serve/ranks.py sends it): adapters to load into bank slots, rows that leave, the next token
-of every remaining row, and new rows to admit. `Batch.execute` runs it:
+group (serve/ranks.py sends it): adapters to load into bank slots, rows that leave, where each
+remaining row's next token is in `Batch.tokens` (chosen on rank 0's device by the last step, not
+yet read back: the ranks share them by a device broadcast), and new rows to admit.
+`Batch.execute` runs it:
 
 1. adapters are loaded (each rank its own slices; the ranks agree on success);
 2. leaving rows are dropped from the KV cache;
-3. one decode step over the remaining rows (each row at its own position, with its own adapter);
+3. one decode step over the remaining rows (each row at its own position, with its own adapter),
+   fed their tokens from `Batch.tokens` on the device;
 4. the new rows are prefilled (consecutive ones with prompts of one length together, without
    padding) and their caches join the batch's. A row admitted with `echo` keeps the logits of
    every prompt position (its client asked for the prompt's logprobs); the others keep the last.
