@@ -580,19 +580,19 @@ def fuse_held_siblings(runs: Iterable[list[nn.Module]]) -> int:
         >>> fuse_held_siblings([[q, k, v], [gate, up]])  # doctest: +SKIP
         2
     """
-    runs = [run for run in runs if all(getattr(m, "dense", None) is not None for m in run)]
+
+    def free(m: nn.Module) -> bool:  # holds its weight, in no run yet
+        return getattr(m, "dense", None) is not None and getattr(m, "held_run", None) is None
+
+    runs = [run for run in runs if len(run) >= 2 and all(free(m) for m in run)]
     if not runs:  # (nothing held: bitsandbytes stays unimported)
         return 0
     cls = _classes()["QuantLinear4bit"]
     joined = 0
     for run in runs:
-        dense = [getattr(m, "dense", None) if isinstance(m, cls) else None for m in run]
-        if len(run) < 2 or any(d is None for d in dense):
-            continue
-        if any(getattr(m, "held_run", None) is not None for m in run):
-            continue
-        kinds = {(d.dtype, d.device, int(d.shape[1])) for d in dense if d is not None}
-        if len(kinds) == 1:
+        held = [cast(torch.Tensor, cast(Any, m).dense) for m in run]
+        kinds = {(d.dtype, d.device, int(d.shape[1])) for d in held}
+        if len(kinds) == 1 and all(isinstance(m, cls) for m in run):
             HeldRun(list(run))
             joined += 1
     return joined

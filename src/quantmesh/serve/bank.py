@@ -403,7 +403,7 @@ class AdapterBank:
             lo, hi = min(slots), max(slots) + 1
             self.span = (lo, hi)
             self.ids = upload(slots, self.device)
-            self.rel = upload([s - lo for s in slots], self.device)
+            self.rel = self.ids - lo
 
     # ---- adapters -----------------------------------------------------------------------------
     def inspect(self, path: str | os.PathLike) -> AdapterInfo:

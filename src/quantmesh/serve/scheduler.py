@@ -258,37 +258,31 @@ class Scheduler:
         if self.batch.device.type == "cuda":  # the current device is per thread
             torch.cuda.set_device(self.batch.device)
         loads: list[tuple[int, str, Callable[[str], None]]] = []
-        events: list[Callable[[], None]] = []  # for the clients, not yet sent
         try:
             while True:
                 t0 = time.perf_counter()
                 if self.pending is not None and not self._busy():  # nothing to overlap it with
-                    events += self._read()
-                if events and not self._busy():
-                    events = _send(events)
+                    _send(self._read())  # (a stop, too, sends the rows that ended before it)
                 plan, loads = self._next_plan()
                 t1 = time.perf_counter()
                 plan = self.lockstep.broadcast(plan)
                 if plan.stop:
-                    _send(events)  # the rows that ended before the stop
                     return
                 step, pre, errors = self.batch.execute(plan)  # a GPU's step: launched
                 waited = time.perf_counter()
-                events += self._read()  # the last step's tokens, while this step runs
+                events = self._read()  # the last step's tokens, while this step runs
                 waited = time.perf_counter() - waited
-                events = _send(events)
+                _send(events)
                 for (_, _, done), err in zip(loads, errors, strict=True):
                     done(err)
                 loads = []
                 self._choose(plan, step, pre)  # this step's tokens: launched, read back next
+                took = time.perf_counter() - (t0 if plan.order else t1)
                 if plan.order:  # a step of rows that went on: no wait for requests in it
-                    took = time.perf_counter() - t0
                     self.step_s += took
                     self.host_s += took - waited
-                    if took > self.slow_s and self.on_slow is not None:
-                        self.on_slow(_slow_step(took, plan))
-                elif time.perf_counter() - t1 > self.slow_s and self.on_slow is not None:
-                    self.on_slow(_slow_step(time.perf_counter() - t1, plan))
+                if took > self.slow_s and self.on_slow is not None:
+                    self.on_slow(_slow_step(took, plan))
         except BaseException as e:
             with self.cv:
                 self.error = e

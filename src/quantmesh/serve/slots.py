@@ -428,8 +428,7 @@ class SlotBatch(Batch):
         keep = [i for i, r in enumerate(self.rids) if r not in drop]
         moved = [(j, i) for j, i in enumerate(keep) if i != j]  # (new slot, old slot)
         if moved and self.layers:
-            dst = upload([j for j, _ in moved], self.device)
-            src = upload([i for _, i in moved], self.device)
+            dst, src = upload([list(x) for x in zip(*moved, strict=True)], self.device)
             m = max(self.lens[i] for _, i in moved)
             for layer in self.layers:
                 for t in (layer.keys, layer.values):
