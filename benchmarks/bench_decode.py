@@ -74,6 +74,12 @@ def parse(argv=None) -> argparse.Namespace:
         "(quant/kernel4.py) in place of bitsandbytes' matmul_4bit, in the same process",
     )
     p.add_argument(
+        "--gemv",
+        action="store_true",
+        help="qlora: also greedy with quantmesh's gemv (kernel4.GEMV_ENABLED: 1 to 4 rows) in "
+        "place of bitsandbytes' matmul_4bit, in the same process (profiled too with --profile)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="qlora: GPU kernel time per decode step by kind (torch.profiler, 32 steps)",
@@ -348,6 +354,24 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         with qb.record_errors(R, "qm_profile_error"):
             R["qm_profile"] = profile_decode(model, ids, a)
         qb.write_json(out_path, R)
+    if a.greedy and a.gemv:
+        from quantmesh.quant import kernel4
+
+        with qb.record_errors(R, "qm_greedy_gemv_error"):
+            before = kernel4.GEMV_ENABLED
+            kernel4.GEMV_ENABLED = True  # quantmesh's gemv in every quantized linear, <= 4 rows
+            try:
+                v = phase(model, a, ids, dev, R, "qm_greedy_gemv", qm={})
+                if a.profile and dev.type == "cuda":
+                    R["qm_profile_gemv"] = profile_decode(model, ids, a)
+            finally:
+                kernel4.GEMV_ENABLED = before
+            if "qm_greedy" in R:
+                R["qm_greedy_gemv"]["tokens_agree_with_bnb"] = agree(v, g)
+                R["gemv_over_bnb"] = round(
+                    R["qm_greedy_gemv"]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"], 3
+                )
+        qb.write_json(out_path, R)
     if a.greedy and a.unfused:
         with qb.record_errors(R, "qm_greedy_unfused_error"):
             u = phase(model, a, ids, dev, R, "qm_greedy_unfused", qm={"fuse_adapters": False})
@@ -370,6 +394,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
 
 KINDS = (  # kernel name fragments -> kind, first match wins
+    ("qm_gemv", "quantmesh gemv"),
     ("rows_4bit", "quantmesh 4-bit kernel"),
     ("gemm_4bit", "bitsandbytes 4-bit matmul"),  # gemm_4bit_simt: its 1-row gemv
     ("gemv_4bit", "bitsandbytes 4-bit matmul"),

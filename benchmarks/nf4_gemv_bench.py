@@ -1,22 +1,25 @@
-"""The one-row 4-bit kernel (`gemv4.gemv_4bit` through `gemv4.launch_gemv`, beside this script) against
-bitsandbytes' own 1-row kernel and a bf16 matmul, on a GPU: a sweep of its tiles.
+"""quantmesh's gemv (`quantmesh.quant.kernel4.launch_gemv`, the Triton kernel `_triton4.qm_gemv_4bit`:
+each program keeps a slice of x in registers and streams its features' codes past it) against
+bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of its tiles at one row, then the
+best tiles at 2 and 4 rows, then the best tile and bitsandbytes on weights that do not fit in L2.
 
 For each 7B shape (out, in) = 4096x4096, 11008x4096, 4096x11008 (nf4 with double quant, bf16 x,
 random weights quantized by bitsandbytes' quantize_4bit), every tile of `CONFIGS` is first checked
 against x @ dequantize_4bit(W)^T (bf16; relative error of the norms within `TOL`: the kernel sums
 fp32 products of the unrounded weights, the reference rounds each weight and the output to bf16),
-then timed as a CUDA graph of `CALLS` calls replayed `REPLAYS` times (microseconds per call). Tiles
-that fail to compile or to launch (out of shared memory, registers, ...) or give wrong results are
-skipped with a note; the second shape on reuses the compiled kernels (N and K are not specialized).
-Peers in the same process: bitsandbytes' matmul_4bit (its gemv kernel at one row), the bf16 weight
-(x @ w.t()), and quantmesh's older block kernel at its probe tiles. GB/s = the bytes read once
-(packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for bf16) / time.
-The error column: against the nf4 reference (for bf16_mm it is the quantization error).
+then timed as a CUDA graph of `CALLS` calls replayed `REPLAYS` times (microseconds per call). The
+same weight every call stays in the H200's 50 MB L2 ("hot"); "cold" rotates over `COPIES` weights
+(more bytes than L2 holds), as decoding does (each layer's weights read once a token). Tiles that
+fail to compile or to launch, or give wrong results, are skipped with a note. Peers in the same
+process: bitsandbytes' matmul_4bit (its gemv kernel at one row), the bf16 weight (x @ w.t()),
+and the earlier experimental one-row kernel (benchmarks/gemv4.py) at its best tile. GB/s = the
+bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for bf16) /
+time. The PTX (and SASS where nvdisasm is found) of the best tile is written beside the JSON.
 
 Usage (CUDA only, from the repository root, bitsandbytes importable):
     python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2]
 Writes DIR/nf4_gemv.json (default DIR: .bench/gemv); stops sweeping once --budget-s seconds
-(default 120) have passed since the start, noting the tiles not run.
+(default 150) have passed since the start, noting the tiles not run.
 """
 
 from __future__ import annotations
@@ -36,41 +39,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "src"))  # this tree's k
 import qmbench as qb  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
-CALLS, REPLAYS = 20, 50
+CALLS, REPLAYS, COPIES = 16, 50, 8
 TOL = 1e-2  # relative error of the norms against the bf16 reference
-# (BLOCK_N, NB, SPLIT_K, LUT, num_warps, num_stages), the likeliest first (a budget cut keeps
-# them). A step reads BLOCK_N x NB x 32 bytes (blocksize 64): 16 bytes a thread at 2 x BLOCK_N x
-# NB threads, so BLOCK_N x NB / (16 x num_warps) 16-byte loads per thread per step (1 to 4 here).
-# Small programs (1 or 2 warps, 1 to 8 features): 512 to 4096 per 4096 features, many resident
-# per SM. LUT 1: the code values gathered from registers (tl.gather) instead of an L1 line.
+# (NB blocks of K per program, ROWS features per program, BLOCK_N features a step, num_warps),
+# the likeliest first (a budget cut keeps them). A step reads BLOCK_N x NB x 32 bytes (blocksize
+# 64); the slice of x a program holds is NB x 64 inputs.
+# fmt: off
 CONFIGS = [
-    (4, 8, 1, 0, 1, 1),
-    (2, 16, 1, 0, 1, 1),
-    (4, 16, 1, 0, 2, 1),
-    (8, 8, 1, 0, 2, 1),
-    (2, 8, 1, 0, 1, 1),
-    (1, 16, 1, 0, 1, 1),
-    (4, 4, 1, 0, 1, 1),
-    (8, 4, 1, 0, 1, 1),
-    (1, 32, 1, 0, 2, 1),
-    (2, 16, 1, 0, 2, 1),
-    (4, 8, 1, 0, 2, 1),
-    (8, 8, 1, 0, 4, 1),
-    (8, 16, 1, 0, 4, 1),
-    (4, 16, 1, 0, 4, 1),
-    (4, 8, 1, 0, 1, 3),  # software pipelining of the loads
-    (2, 16, 1, 0, 1, 3),
-    (4, 8, 2, 0, 1, 1),  # split K: partials added by each tile's last program
-    (8, 8, 2, 0, 2, 1),
-    (8, 8, 4, 0, 2, 1),
-    (8, 16, 4, 0, 4, 1),
-    (4, 8, 1, 1, 1, 1),  # code values from registers
-    (2, 16, 1, 1, 1, 1),
-    (8, 8, 1, 1, 2, 1),
+    (8, 32, 4, 1), (8, 64, 4, 1), (8, 16, 4, 1), (8, 32, 8, 1), (8, 32, 2, 1), (8, 32, 8, 2),
+    (8, 64, 8, 2), (4, 32, 4, 1), (4, 64, 8, 1), (4, 16, 4, 1), (16, 32, 4, 1), (16, 32, 4, 2),
+    (16, 64, 8, 2), (16, 16, 2, 1), (8, 128, 4, 1), (8, 8, 4, 1), (8, 8, 8, 1), (4, 8, 8, 1),
+    (16, 64, 4, 4), (8, 32, 16, 4), (32, 32, 4, 2), (32, 64, 8, 4), (2, 32, 8, 1), (8, 32, 4, 4),
 ]
-KEYS = ("BLOCK_N", "NB", "SPLIT_K", "LUT", "num_warps", "num_stages")
-BLOCKS_PROBE = dict(KERNEL="blocks", BLOCK_N=16, NB=8, SPLIT_K=1, DOT=0, ROUND=0, num_warps=4,
-                    num_stages=3)  # fmt: skip
+# fmt: on
+KEYS = ("NB", "ROWS", "BLOCK_N", "num_warps")
+OLD_BEST = dict(BLOCK_N=8, NB=16, SPLIT_K=1, LUT=0, num_warps=4, num_stages=1)  # gemv4.py's
 
 
 def bench_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
@@ -88,29 +71,33 @@ def gbps(nbytes: int, us: float) -> int:
     return round(nbytes / (us * 1e-6) / 1e9)
 
 
-def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float) -> dict:
-    """One shape: the peers, then every tile of CONFIGS (checked, then timed) until the budget."""
+def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: str) -> dict:
+    """One shape: the peers, every tile of CONFIGS at one row (checked, then timed) until the
+    budget, the three best at 2 and 4 rows, then the best and bitsandbytes cold."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
-    from gemv4 import launch_gemv
+    from gemv4 import launch_gemv as old_gemv
 
     from quantmesh.quant import kernel4 as k4
 
-    w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
-    packed, qs = F.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
-    flat = packed.reshape(-1).view(torch.uint8)
-    stats = (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float())
+    weights = []
+    for _ in range(COPIES):
+        w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
+        packed, qs = F.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+        flat = packed.reshape(-1).view(torch.uint8)
+        stats = (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float())
+        weights.append((w, packed, qs, flat, stats))
+    w, packed, qs, flat, stats = weights[0]
     nbytes = flat.numel() + qs.absmax.numel() + 4 * qs.state2.absmax.numel()
-    x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
-    ref = x @ F.dequantize_4bit(packed, qs).t()  # bf16, as bitsandbytes' weights multiply
+    xs = {m: torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for m in (1, 2, 4)}
+    x = xs[1]
+    refs = {m: xs[m] @ F.dequantize_4bit(packed, qs).t() for m in xs}  # bf16 weights, as bnb's
+    ref = refs[1]
     r: dict = {"out": out_f, "in": in_f, "nf4_MB": round(nbytes / 1e6, 3), "peers": {}}
     peers = {
         "bnb_gemv": (partial(bnb.matmul_4bit, x, packed.t(), qs), nbytes),
         "bf16_mm": (partial(torch.matmul, x, w.t()), 2 * out_f * in_f),
-        "ours_blocks": (
-            partial(k4._launch, x, flat, *stats, 64, "nf4", out_f, BLOCKS_PROBE),
-            nbytes,
-        ),
+        "gemv4_old": (partial(old_gemv, x, flat, *stats, 64, "nf4", out_f, OLD_BEST), nbytes),
     }
     for name, (fn, nb) in peers.items():
         try:
@@ -125,31 +112,96 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float) -> dict:
         if time.time() - t_start > budget_s:
             r["not_run"].append(cfg)
             continue
-        fn = partial(launch_gemv, x, flat, *stats, 64, "nf4", out_f, cfg)
-        t0 = time.time()
-        try:
-            y = fn()  # compiles on first use
-            torch.cuda.synchronize()
-        except Exception as e:  # a tile the compiler or the launch refuses: skipped, noted
-            r["skipped"].append({"cfg": cfg, "why": f"{type(e).__name__}: {e}"[:300]})
-            continue
-        err = rel_err(y, ref)
-        row = {"cfg": cfg, "rel_err": err, "first_call_s": round(time.time() - t0, 2)}
-        if not (err <= TOL and bool(torch.isfinite(y).all())):
-            r["skipped"].append(dict(row, why=f"wrong: relative error {err:.3g} > {TOL}"))
-            continue
-        try:
-            us = bench_us(fn)
-            again = fn()  # after 1,000+ replays: split-K counts still right, same bits
-        except Exception as e:
-            r["skipped"].append(dict(row, why=f"timing: {type(e).__name__}: {e}"[:300]))
-            continue
-        row.update(us=round(us, 2), GBps=gbps(nbytes, us), same_after_replays=torch.equal(y, again))
-        r["sweep"].append(row)
-    good = [s for s in r["sweep"] if s["same_after_replays"]]
-    if good:
-        r["best"] = min(good, key=lambda s: s["us"])
+        row = check_and_time(partial(k4.launch_gemv, x, flat, *stats, 64, "nf4", out_f, cfg),
+                             ref, nbytes, cfg, r["skipped"])  # fmt: skip
+        if row is not None:
+            r["sweep"].append(row)
+    good = sorted((s for s in r["sweep"] if s["same_after_replays"]), key=lambda s: s["us"])
+    if not good:
+        return r
+    r["best"] = best = good[0]
+    r["rows"] = []
+    for m in (2, 4):
+        bnb_fn = partial(bnb.matmul_4bit, xs[m], packed.t(), qs)
+        line = {"rows": m, "bnb_us": round(bench_us(bnb_fn), 2), "tiles": []}
+        for g in good[:3]:
+            fn = partial(k4.launch_gemv, xs[m], flat, *stats, 64, "nf4", out_f, g["cfg"])
+            t = check_and_time(fn, refs[m], nbytes, g["cfg"], r["skipped"])
+            if t is not None:
+                line["tiles"].append(t)
+        r["rows"].append(line)
+    r["cold"] = cold(weights, x, out_f, best["cfg"], nbytes)
+    keep: list = []
+    k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
+    dump_asm(keep[-1], os.path.join(out_dir, f"gemv_{out_f}x{in_f}"))
     return r
+
+
+def check_and_time(fn, ref: torch.Tensor, nbytes: int, cfg: dict, skipped: list) -> dict | None:
+    """One tile: run (compiling on first use), check against `ref`, time hot; None (and a note
+    in `skipped`) when it fails or is wrong."""
+    t0 = time.time()
+    try:
+        y = fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # a tile the compiler or the launch refuses: skipped, noted
+        skipped.append({"cfg": cfg, "why": f"{type(e).__name__}: {e}"[:300]})
+        return None
+    err = rel_err(y, ref)
+    row = {
+        "cfg": cfg,
+        "rows": y.shape[0],
+        "rel_err": err,
+        "first_call_s": round(time.time() - t0, 2),
+    }
+    if not (err <= TOL and bool(torch.isfinite(y).all())):
+        skipped.append(dict(row, why=f"wrong: relative error {err:.3g} > {TOL}"))
+        return None
+    try:
+        us = bench_us(fn)
+        again = fn()  # after 800+ replays: the counts still right, the same bits
+    except Exception as e:
+        skipped.append(dict(row, why=f"timing: {type(e).__name__}: {e}"[:300]))
+        return None
+    row.update(us=round(us, 2), GBps=gbps(nbytes, us), same_after_replays=torch.equal(y, again))
+    return row
+
+
+def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int) -> dict:
+    """Microseconds per call with each call on the next of the COPIES weights (more bytes than L2
+    holds): the best tile and bitsandbytes' matmul_4bit, at 1 and 4 rows."""
+    import bitsandbytes as bnb
+
+    from quantmesh.quant import kernel4 as k4
+
+    out: dict = {"copies": COPIES, "MB_all": round(COPIES * nbytes / 1e6, 1)}
+    for m in (1, 4):
+        xm = x if m == 1 else torch.randn(m, x.shape[1], device="cuda", dtype=x.dtype)
+        for name in ("ours", "bnb"):
+            turn = [0]
+
+            def fn(name=name, xm=xm, turn=turn):
+                w, packed, qs, flat, stats = weights[turn[0] % COPIES]
+                turn[0] += 1
+                if name == "bnb":
+                    return bnb.matmul_4bit(xm, packed.t(), qs)
+                return k4.launch_gemv(xm, flat, *stats, 64, "nf4", out_f, cfg)
+
+            us = qb.graph_us(fn, CALLS, REPLAYS)  # CALLS a multiple of COPIES: each weight alike
+            out[f"{name}_{m}row_us"] = round(us, 2)
+            out[f"{name}_{m}row_GBps"] = gbps(nbytes, us)
+    return out
+
+
+def dump_asm(compiled, stem: str) -> None:
+    """The compiled kernel's PTX (and SASS, where Triton finds nvdisasm) beside the JSON."""
+    for kind in ("ptx", "sass"):
+        try:
+            text = compiled.asm[kind]
+        except Exception as e:  # no nvdisasm: the PTX alone
+            text = f"not available: {type(e).__name__}: {e}"
+        with open(f"{stem}.{kind}", "w") as f:
+            f.write(text if isinstance(text, str) else text.decode(errors="replace"))
 
 
 def table(r: dict) -> str:
@@ -167,19 +219,25 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["us"]):
         c = s["cfg"]
-        name = "gemv n{BLOCK_N} nb{NB} sk{SPLIT_K} lut{LUT} w{num_warps} st{num_stages}".format(**c)
+        name = "gemv nb{NB} rows{ROWS} n{BLOCK_N} w{num_warps}".format(**c)
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")
     if r["not_run"]:
         lines.append(f"not run (budget): {len(r['not_run'])} tiles")
+    for line_ in r.get("rows", []):
+        tiles = ", ".join(f"{t['us']} us (nb{t['cfg']['NB']} rows{t['cfg']['ROWS']} "
+                          f"n{t['cfg']['BLOCK_N']} w{t['cfg']['num_warps']})" for t in line_["tiles"])  # fmt: skip
+        lines.append(f"{line_['rows']} rows: bnb {line_['bnb_us']} us; ours {tiles}")
+    if "cold" in r:
+        lines.append(f"cold: {r['cold']}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default=".bench/gemv")
-    p.add_argument("--budget-s", type=float, default=120.0, help="stop sweeping after this")
+    p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this")
     p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -189,10 +247,11 @@ def main(argv=None) -> int:
     R: dict = {"bench": "nf4_gemv", "ok": False, "versions": qb.versions(), "configs_keys": KEYS,
                "calls_per_graph": CALLS, "replays": REPLAYS, "tol": TOL, "results": []}  # fmt: skip
     path = os.path.join(a.out, "nf4_gemv.json")
+    os.makedirs(a.out, exist_ok=True)
     with qb.record_errors(R), torch.no_grad():
         torch.manual_seed(0)
         for i in (int(s) for s in a.shapes.split(",")):
-            r = run_shape(*SHAPES[i], t_start, a.budget_s)
+            r = run_shape(*SHAPES[i], t_start, a.budget_s, a.out)
             R["results"].append(r)
             print(table(r), flush=True)
             qb.write_json(path, R)

@@ -13,13 +13,16 @@
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
 #   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
 #            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
+#   gemv     benchmarks/nf4_gemv_bench.py: the gemv's tiles against bitsandbytes (hot and cold
+#            weights, 1, 2 and 4 rows), Nsight Compute on the best tile and on bitsandbytes' 1-row
+#            kernel (q_proj shape), then the gemv's CUDA tests
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
 #            process (bench_decode.py --kernel), at batch 1 and at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test or decode}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv or decode}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -48,11 +51,24 @@ case "$STAGE" in
     done
     QUANTMESH_TRITON_DEQUANT=1 timeout 150 python3 -m pytest -q -m cuda \
       tests/distributed/test_cuda_kernel4.py 2>&1 | tail -6 ;;
+  gemv)
+    timeout 330 python3 benchmarks/nf4_gemv_bench.py --budget-s 200 --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -70
+    TILE=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(json.dumps(r['best']['cfg']))")
+    say "ncu, gemv tile $TILE"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    GEMV_TILE="$TILE" timeout 120 "$NCU" --clock-control none -k "regex:qm_gemv|gemm_4bit|gemv_4bit" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section LaunchStats --section Occupancy --section InstructionStats \
+      python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60
+    say "gemv tests"
+    timeout 150 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6 ;;
   decode)
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, decode)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode)" >&2; exit 2 ;;
 esac
 say done

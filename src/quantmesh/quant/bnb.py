@@ -29,7 +29,9 @@ from torch import nn
 from .base import QuantConfig, QuantError, QuantFormat
 from .kernel4 import (
     dequant_kernel_applies,
+    gemv_applies,
     matmul_4bit_dequant,
+    matmul_4bit_gemv,
     matmul_4bit_rows,
     rows_kernel_applies,
 )
@@ -200,6 +202,9 @@ def _classes() -> dict[str, type]:
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
                 # would compute with the wrong statistics)
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
+                return (y if bias is None else y + bias).to(x.dtype)
+            if gemv_applies(x, qs, cd):  # decoding: 1 to 4 rows, no autograd, CUDA
+                y = matmul_4bit_gemv(x.to(cd), self.weight.data, qs)  # codes read once
                 return (y if bias is None else y + bias).to(x.dtype)
             if rows_kernel_applies(x, qs, cd):  # decoding: a few rows, no autograd, CUDA
                 y = matmul_4bit_rows(x.to(cd), self.weight.data, qs)  # codes read once

@@ -45,11 +45,17 @@ __all__ = [
     "DEQUANT_ENABLED",
     "DEQUANT_MIN_ROWS",
     "ENABLED",
+    "GEMV_ENABLED",
+    "GEMV_MAX_ROWS",
     "MAX_ROWS",
     "choose_config",
     "dequant_kernel_applies",
     "dequantize_4bit",
+    "gemv_applies",
+    "gemv_config",
+    "launch_gemv",
     "matmul_4bit_dequant",
+    "matmul_4bit_gemv",
     "matmul_4bit_rows",
     "rows_kernel_applies",
 ]
@@ -71,6 +77,11 @@ DEQUANT_MIN_ROWS = 8
 # at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
+# The gemv (`matmul_4bit_gemv`, 1 to GEMV_MAX_ROWS rows): a slice of x kept in registers per
+# program. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
+GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
+GEMV_MAX_ROWS = 4
+GEMV_TILE = dict(NB=8, ROWS=32, BLOCK_N=4, num_warps=1)  # gemv_config's tiles
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -181,6 +192,138 @@ def _dequant_op(packed: torch.Tensor, absmax: torch.Tensor, nested_absmax: torch
 def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f, in_f,
       dtype):  # fmt: skip
     return packed.new_empty((out_f, in_f), dtype=dtype)
+
+
+# ---- the gemv: one to four rows -----------------------------------------------------------------
+def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
+    """Whether `matmul_4bit_gemv` computes x @ W^T for the QuantState `qs`: `GEMV_ENABLED`, CUDA
+    with Triton, no autograd recording, bf16/fp16 compute, 1 to `GEMV_MAX_ROWS` rows, `in` a
+    multiple of a power-of-two blocksize from 32 on, nested statistics in blocks of 256.
+
+    Example:
+        >>> gemv_applies(torch.ones(1, 64), qs, torch.bfloat16)  # CPU: no  # doctest: +SKIP
+        False
+    """
+    rows = _rows_kernels_take(x, qs, compute_dtype) if GEMV_ENABLED else 0
+    bs = int(qs.blocksize)
+    return (1 <= rows <= GEMV_MAX_ROWS and bs >= 32 and bs & (bs - 1) == 0
+            and int(qs.shape[1]) % bs == 0)  # fmt: skip
+
+
+def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype for 1 to `GEMV_MAX_ROWS` rows, by the gemv
+    kernel (`_triton4.qm_gemv_4bit`: each program keeps a slice of x in registers and streams its
+    features' codes past it); check `gemv_applies` first.
+
+    Example:
+        >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
+    """
+    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
+    flat = packed.reshape(-1).view(torch.uint8)
+    y = _gemv_op(x.reshape(-1, in_f), flat, *_statistics(qs, x.device), int(qs.blocksize),
+                 str(qs.quant_type), out_f)  # fmt: skip
+    return y.reshape(*x.shape[:-1], out_f)
+
+
+def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int) -> dict[str, int]:
+    """The gemv's tiles: NB blocks of K per program (its slice of x), ROWS features per program in
+    steps of BLOCK_N, num_warps; the fastest of those timed on the 7B shapes (docs/benchmarks.md,
+    "Figures the code relies on"), the same for every shape.
+
+    Example:
+        >>> sorted(gemv_config(1, 4096, 4096, 64))
+        ['BLOCK_N', 'NB', 'ROWS', 'num_warps']
+    """
+    return dict(GEMV_TILE)
+
+
+@torch.library.custom_op("quantmesh::gemv_4bit", mutates_args=())
+def _gemv_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+             offset: torch.Tensor | None, blocksize: int, quant_type: str,
+             out_f: int) -> torch.Tensor:  # fmt: skip
+    return launch_gemv(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                       quant_type, out_f, gemv_config(x.shape[0], out_f, x.shape[1], blocksize))  # fmt: skip
+
+
+@_gemv_op.register_fake
+def _(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f):
+    return x.new_empty((x.shape[0], out_f))
+
+
+def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+                cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
+    """x (rows <= 4, in) @ W^T -> (rows, out) in x's dtype by `_triton4.qm_gemv_4bit` with tiles
+    `cfg` (`gemv_config`'s keys; the benchmark passes each candidate). `in` must be a multiple
+    of `blocksize` (a power of two from 32 on). With more than one slice of K, the programs of a
+    group count themselves in a per-device int32 buffer kept zero between calls (`_counters`),
+    so two such calls must not run at once on different streams. `keep`: a list the compiled
+    kernel is appended to (the benchmark reads its PTX).
+
+    Example:
+        >>> y = launch_gemv(x, flat, *stats, 64, "nf4", 4096, gemv_config(1, 4096, 4096, 64))  # doctest: +SKIP
+    """
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes (the code values)
+    triton, _ = _triton()
+    from ._triton4 import qm_gemv_4bit as kernel
+
+    rows, in_f = x.shape
+    if rows > 4 or in_f % blocksize or blocksize < 32 or blocksize & (blocksize - 1):
+        raise ValueError(
+            f"the gemv takes 1 to 4 rows and `in` a multiple of a power-of-two blocksize from 32 "
+            f"on, not {rows} rows, in={in_f}, blocksize {blocksize}: use matmul_4bit_rows"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
+    x = x.contiguous()
+    if x.storage_offset() % 2:
+        x = x.clone()  # the kernel reads x as int32 words of two inputs
+    words = x.view(torch.int32)
+    nested = nested_absmax is not None
+    nblk = in_f // blocksize
+    nb = min(cfg["NB"], triton.next_power_of_2(nblk))
+    slices = triton.cdiv(nblk, nb)
+    rows_per = max(cfg["ROWS"], cfg["BLOCK_N"])
+    grid = (triton.cdiv(out_f, rows_per), slices)
+    y = torch.empty((rows, out_f), dtype=x.dtype, device=x.device)
+    part = y  # fp32 partials of each slice, where there are several
+    if slices > 1:
+        part = torch.empty((slices, rows, out_f), dtype=torch.float32, device=x.device)
+    cnt = _counters(grid[0], x.device) if slices > 1 else y
+    dummy = absmax  # pointers the kernel never reads (no nested statistics)
+    compiled = kernel[grid](
+        words, packed, absmax,
+        nested_absmax if nested else dummy, nested_code if nested else dummy,
+        offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
+        out_f, nblk, in_f // 2, rows_per, slices,
+        BS=blocksize, BS2=256, NESTED=nested, M=rows, MP=triton.next_power_of_2(rows),
+        BLOCK_N=cfg["BLOCK_N"], NB=nb, BF16=x.dtype == torch.bfloat16,
+        num_warps=cfg.get("num_warps", 1), num_stages=1,
+    )  # fmt: skip
+    if keep is not None:
+        keep.append(compiled)
+    return y
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """`n` int32 zeros on `device`: the gemv's per-group counts, which the last program of each
+    group sets back to 0. Kept per (device, n) once made outside a CUDA graph capture and never
+    freed (a captured graph keeps their address); one made during a capture (in the graph's
+    pool, zeroed by the graph itself) is not kept."""
+    key = (str(device), n)
+    if key in _COUNTERS:
+        return _COUNTERS[key]
+    made = torch.zeros(n, dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _COUNTERS[key] = made
+    return made
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}  # (device, groups) -> the gemv's counts, zeros
 
 
 # ---- tiles ------------------------------------------------------------------------------------
