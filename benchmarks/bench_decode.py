@@ -37,6 +37,7 @@ Writes DIR/result_decode_<mode>.json (rank 0), rewritten after each phase.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -76,8 +77,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--gemv",
         action="store_true",
-        help="qlora: also greedy with quantmesh's gemv (kernel4.GEMV_ENABLED: 1 to 4 rows) in "
+        help="qlora: also greedy with quantmesh's gemv (kernel4.GEMV_ENABLED: one row) in "
         "place of bitsandbytes' matmul_4bit, in the same process (profiled too with --profile)",
+    )
+    p.add_argument(
+        "--gemv-tile",
+        default=None,
+        help="with --gemv: the gemv's tiles as JSON (kernel4.gemv_config's keys), else the library's",
     )
     p.add_argument(
         "--profile",
@@ -359,7 +365,10 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
         with qb.record_errors(R, "qm_greedy_gemv_error"):
             before = kernel4.GEMV_ENABLED
-            kernel4.GEMV_ENABLED = True  # quantmesh's gemv in every quantized linear, <= 4 rows
+            if a.gemv_tile:
+                kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
+            R["gemv_tile"] = dict(kernel4.GEMV_TILE)
+            kernel4.GEMV_ENABLED = True  # quantmesh's gemv in every quantized linear, one row
             try:
                 v = phase(model, a, ids, dev, R, "qm_greedy_gemv", qm={})
                 if a.profile and dev.type == "cuda":

@@ -1,7 +1,7 @@
 """quantmesh's gemv (`quantmesh.quant.kernel4.launch_gemv`, the Triton kernel `_triton4.qm_gemv_4bit`:
-each program keeps a slice of x in registers and streams its features' codes past it) against
+one thread per output feature, its products summed in the thread) against
 bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of its tiles at one row, then the
-best tiles at 2 and 4 rows, then the best tile and bitsandbytes on weights that do not fit in L2.
+best tile and bitsandbytes on weights that do not fit in L2.
 
 For each 7B shape (out, in) = 4096x4096, 11008x4096, 4096x11008 (nf4 with double quant, bf16 x,
 random weights quantized by bitsandbytes' quantize_4bit), every tile of `CONFIGS` is first checked
@@ -41,18 +41,19 @@ import qmbench as qb  # noqa: E402
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
 CALLS, REPLAYS, COPIES = 16, 50, 8
 TOL = 1e-2  # relative error of the norms against the bf16 reference
-# (NB blocks of K per program, ROWS features per program, BLOCK_N features a step, num_warps),
-# the likeliest first (a budget cut keeps them). A step reads BLOCK_N x NB x 32 bytes (blocksize
-# 64); the slice of x a program holds is NB x 64 inputs.
+# (BLOCK_N features a program (one a thread), BLK blocks of K a share (0: one share),
+# num_warps, num_stages), the likeliest first (a budget cut keeps them). BLOCK_N >= 32 x num_warps
+# (one feature a thread; more wrap into registers: several features a thread).
 # fmt: off
 CONFIGS = [
-    (8, 32, 4, 1), (8, 64, 4, 1), (8, 16, 4, 1), (8, 32, 8, 1), (8, 32, 2, 1), (8, 32, 8, 2),
-    (8, 64, 8, 2), (4, 32, 4, 1), (4, 64, 8, 1), (4, 16, 4, 1), (16, 32, 4, 1), (16, 32, 4, 2),
-    (16, 64, 8, 2), (16, 16, 2, 1), (8, 128, 4, 1), (8, 8, 4, 1), (8, 8, 8, 1), (4, 8, 8, 1),
-    (16, 64, 4, 4), (8, 32, 16, 4), (32, 32, 4, 2), (32, 64, 8, 4), (2, 32, 8, 1), (8, 32, 4, 4),
+    (128, 8, 4, 1), (128, 16, 4, 1), (128, 4, 4, 1), (64, 8, 2, 1), (64, 16, 2, 1),
+    (256, 8, 8, 1), (256, 16, 8, 1), (32, 8, 1, 1), (32, 16, 1, 1), (64, 4, 2, 1),
+    (128, 8, 2, 1), (128, 16, 1, 1), (256, 16, 4, 1), (128, 32, 4, 1), (128, 0, 4, 1),
+    (128, 8, 4, 3), (64, 8, 2, 3), (128, 16, 4, 3), (32, 8, 1, 3), (256, 8, 8, 3),
+    (64, 32, 2, 1), (32, 4, 1, 1), (128, 4, 4, 3), (512, 16, 16, 1),
 ]
 # fmt: on
-KEYS = ("NB", "ROWS", "BLOCK_N", "num_warps")
+KEYS = ("BLOCK_N", "BLK", "num_warps", "num_stages")
 OLD_BEST = dict(BLOCK_N=8, NB=16, SPLIT_K=1, LUT=0, num_warps=4, num_stages=1)  # gemv4.py's
 
 
@@ -73,7 +74,7 @@ def gbps(nbytes: int, us: float) -> int:
 
 def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: str) -> dict:
     """One shape: the peers, every tile of CONFIGS at one row (checked, then timed) until the
-    budget, the three best at 2 and 4 rows, then the best and bitsandbytes cold."""
+    budget, then the best and bitsandbytes cold."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
     from gemv4 import launch_gemv as old_gemv
@@ -89,10 +90,8 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         weights.append((w, packed, qs, flat, stats))
     w, packed, qs, flat, stats = weights[0]
     nbytes = flat.numel() + qs.absmax.numel() + 4 * qs.state2.absmax.numel()
-    xs = {m: torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16) for m in (1, 2, 4)}
-    x = xs[1]
-    refs = {m: xs[m] @ F.dequantize_4bit(packed, qs).t() for m in xs}  # bf16 weights, as bnb's
-    ref = refs[1]
+    x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
+    ref = x @ F.dequantize_4bit(packed, qs).t()  # bf16 weights, as bitsandbytes' multiply
     r: dict = {"out": out_f, "in": in_f, "nf4_MB": round(nbytes / 1e6, 3), "peers": {}}
     peers = {
         "bnb_gemv": (partial(bnb.matmul_4bit, x, packed.t(), qs), nbytes),
@@ -120,16 +119,6 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
     if not good:
         return r
     r["best"] = best = good[0]
-    r["rows"] = []
-    for m in (2, 4):
-        bnb_fn = partial(bnb.matmul_4bit, xs[m], packed.t(), qs)
-        line = {"rows": m, "bnb_us": round(bench_us(bnb_fn), 2), "tiles": []}
-        for g in good[:3]:
-            fn = partial(k4.launch_gemv, xs[m], flat, *stats, 64, "nf4", out_f, g["cfg"])
-            t = check_and_time(fn, refs[m], nbytes, g["cfg"], r["skipped"])
-            if t is not None:
-                line["tiles"].append(t)
-        r["rows"].append(line)
     r["cold"] = cold(weights, x, out_f, best["cfg"], nbytes)
     keep: list = []
     k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
@@ -169,14 +158,14 @@ def check_and_time(fn, ref: torch.Tensor, nbytes: int, cfg: dict, skipped: list)
 
 def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int) -> dict:
     """Microseconds per call with each call on the next of the COPIES weights (more bytes than L2
-    holds): the best tile and bitsandbytes' matmul_4bit, at 1 and 4 rows."""
+    holds): the best tile and bitsandbytes' matmul_4bit, at one row."""
     import bitsandbytes as bnb
 
     from quantmesh.quant import kernel4 as k4
 
     out: dict = {"copies": COPIES, "MB_all": round(COPIES * nbytes / 1e6, 1)}
-    for m in (1, 4):
-        xm = x if m == 1 else torch.randn(m, x.shape[1], device="cuda", dtype=x.dtype)
+    for m in (1,):
+        xm = x
         for name in ("ours", "bnb"):
             turn = [0]
 
@@ -219,16 +208,12 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["us"]):
         c = s["cfg"]
-        name = "gemv nb{NB} rows{ROWS} n{BLOCK_N} w{num_warps}".format(**c)
+        name = "gemv n{BLOCK_N} blk{BLK} w{num_warps} st{num_stages}".format(**c)
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")
     if r["not_run"]:
         lines.append(f"not run (budget): {len(r['not_run'])} tiles")
-    for line_ in r.get("rows", []):
-        tiles = ", ".join(f"{t['us']} us (nb{t['cfg']['NB']} rows{t['cfg']['ROWS']} "
-                          f"n{t['cfg']['BLOCK_N']} w{t['cfg']['num_warps']})" for t in line_["tiles"])  # fmt: skip
-        lines.append(f"{line_['rows']} rows: bnb {line_['bnb_us']} us; ours {tiles}")
     if "cold" in r:
         lines.append(f"cold: {r['cold']}")
     return "\n".join(lines)

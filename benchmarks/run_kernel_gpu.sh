@@ -15,7 +15,8 @@
 #            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
 #   gemv     benchmarks/nf4_gemv_bench.py: the gemv's tiles against bitsandbytes (hot and cold
 #            weights, 1, 2 and 4 rows), Nsight Compute on the best tile and on bitsandbytes' 1-row
-#            kernel (q_proj shape), then the gemv's CUDA tests
+#            kernel (q_proj shape), the gemv's CUDA tests, then (where the gemv beats bitsandbytes
+#            by 10% at 4096 x 4096) fast_decode on 7B nf4 + LoRA with bitsandbytes and with the gemv
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
 #            process (bench_decode.py --kernel), at batch 1 and at batch 32
 #
@@ -63,7 +64,15 @@ case "$STAGE" in
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60
     say "gemv tests"
-    timeout 150 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6 ;;
+    timeout 150 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6
+    WINS=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(int(r['best']['us'] < 0.9 * r['peers']['bnb_gemv']['us']))")
+    if [ "$WINS" = 1 ]; then
+      say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes, then the gemv at $TILE"
+      timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --gemv-tile "$TILE" \
+        --profile --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
+    else
+      say "the gemv does not beat bitsandbytes by 10% at 4096 x 4096: no decode run"
+    fi ;;
   decode)
     timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8

@@ -266,10 +266,10 @@ def _many_rows(m, x, qs, y_bnb, y_off):
     "shape", [(4096, 4096), (11008, 4096), (4096, 11008), (33, 192), (257, 640), (100, 1088)]
 )
 def test_gemv_is_dequantize_then_matmul(shape, blocksize, nested, dtype):
-    """The gemv (1 to 4 rows) lands within its output's rounding of x @ dequantize_4bit(W)^T for
-    the 7B shapes and odd ones (`out` not a multiple of a group, `in` not of a slice), at the
-    library's tiles and at one slice per program (no partials), and gives the same bits again
-    (the per-group counts are back at zero after every call)."""
+    """The gemv (one row) lands within its output's rounding of x @ dequantize_4bit(W)^T for the
+    7B shapes and odd ones (`out` not a multiple of a program's features, `in` not of a share),
+    at the library's tiles, with K in one share (no partials) and in shares of 3 blocks, and
+    gives the same bits again (the per-group counts are back at zero after every call)."""
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
 
@@ -279,28 +279,28 @@ def test_gemv_is_dequantize_then_matmul(shape, blocksize, nested, dtype):
     packed, qs = _quantized(out_f, in_f, nested, blocksize)
     flat = packed.reshape(-1).view(torch.uint8)
     stats = k4._statistics(qs, torch.device("cuda"))
-    whole = dict(
-        NB=32, ROWS=8, BLOCK_N=4, num_warps=1
-    )  # one slice (small `in`): y written directly
-    for rows in (1, 2, 3, 4):
-        x = torch.randn(rows, in_f, device="cuda", dtype=dtype)
-        cfgs = [k4.gemv_config(rows, out_f, in_f, blocksize)] + ([whole] if in_f <= 1088 else [])
-        for cfg in cfgs:
-            y = k4.launch_gemv(x, flat, *stats, blocksize, "nf4", out_f, cfg)
-            _check(y, x, packed, qs, dtype, (shape, rows, cfg))
-            assert torch.equal(k4.launch_gemv(x, flat, *stats, blocksize, "nf4", out_f, cfg), y)
+    x = torch.randn(1, in_f, device="cuda", dtype=dtype)
+    tiles = [
+        k4.gemv_config(1, out_f, in_f, blocksize),
+        dict(BLOCK_N=64, BLK=0, num_warps=2),  # one share: y written directly
+        dict(BLOCK_N=32, BLK=3, num_warps=1, num_stages=3),
+    ]
+    for cfg in tiles:
+        y = k4.launch_gemv(x, flat, *stats, blocksize, "nf4", out_f, cfg)
+        _check(y, x, packed, qs, dtype, (shape, cfg))
+        assert torch.equal(k4.launch_gemv(x, flat, *stats, blocksize, "nf4", out_f, cfg), y)
 
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
-    """QuantLinear4bit with `GEMV_ENABLED`: 1 to 4 rows without autograd take the gemv, in eager
-    and inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the same bits); 5
-    rows and autograd keep the other paths."""
+    """QuantLinear4bit with `GEMV_ENABLED`: one row without autograd takes the gemv, in eager and
+    inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the same bits); two rows
+    and autograd keep the other paths."""
     _need_cuda()
     import quantmesh.quant.kernel4 as k4
 
     m = _nf4_linear()
     qs = m.weight.quant_state
-    x = torch.randn(1, 3, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         y_bnb = m(x)
     before = k4.GEMV_ENABLED
@@ -309,7 +309,7 @@ def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
         assert not k4.gemv_applies(x, qs, torch.bfloat16)  # autograd on
         with torch.no_grad():
             assert k4.gemv_applies(x, qs, torch.bfloat16)
-            assert not k4.gemv_applies(torch.randn(5, 4096, device="cuda"), qs, torch.bfloat16)
+            assert not k4.gemv_applies(torch.randn(2, 4096, device="cuda"), qs, torch.bfloat16)
             y = m(x)
             step = torch.compile(m.forward, fullgraph=True, mode="reduce-overhead")
             ys = [step(x).clone() for _ in range(4)]

@@ -186,76 +186,78 @@ def dequant_4bit(q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, w_ptr, n_b
     tl.store(w_ptr + ro, w, mask=ro < 2 * n_bytes)
 
 
-@triton.jit(do_not_specialize=["N", "NBLK", "KH", "rows_per", "n_slices"])
+@triton.jit
+def _word_dot(qw, xw_ptr, lut_ptr, BF16: tl.constexpr):
+    # sum over the 8 codes of the int32 words qw (one per thread: byte t of each holds inputs
+    # 2t (high nibble) and 2t + 1) of code value x input, in fp32; xw_ptr: x's 4 words for them
+    part = tl.zeros(qw.shape, dtype=tl.float32)
+    for t in tl.static_range(4):
+        xw = tl.load(xw_ptr + t)  # a scalar: the same for every thread
+        if BF16:
+            xe = (xw << 16).to(tl.float32, bitcast=True)
+            xo = (xw & -65536).to(tl.float32, bitcast=True)
+        else:
+            xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        part += tl.load(lut_ptr + ((qw >> (8 * t + 4)) & 15)) * xe
+        part += tl.load(lut_ptr + ((qw >> (8 * t)) & 15)) * xo
+    return part
+
+
+@triton.jit(do_not_specialize=["N", "NBLK", "blk_per", "n_slices"])
 def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
-              cnt_ptr, N, NBLK, KH, rows_per, n_slices,
-              BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr, M: tl.constexpr,
-              MP: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
-              BF16: tl.constexpr):  # fmt: skip
-    # y (M, N) = x (M, K) @ W^T for a few rows (M <= MP, a power of two), K = NBLK blocks of BS.
-    # A program owns one slice of K (NB blocks) and `rows_per` output features: it loads its
-    # slice of x once, as int32 words of two inputs each (x[2j], x[2j+1]: byte j's high and low
-    # nibble), splits them into fp32 by bit operations (bf16: the word shifted or masked is
-    # already the fp32 value) and keeps them in registers while it streams its features' codes
-    # as (BLOCK_N, NB, BS / 2) byte tiles (16-byte loads). Per code: a nibble, one load of its
-    # value (16 fp32: one L1 line), one fused multiply-add; per block: one absmax. Each slice
-    # writes fp32 partials (part: n_slices, M, N) and counts itself in cnt[pid_n]; the group's
-    # last program adds the partials in slice order (deterministic), writes y and resets the
-    # count: one kernel, nothing to zero or sum after it. With one slice, y directly.
-    HB: tl.constexpr = BS // 2  # bytes per block = x words per block
+                 cnt_ptr, N, NBLK, KW, blk_per, n_slices,
+                 BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    # y (1, N) = x (1, K) @ W^T, K = NBLK blocks of BS, one thread per output feature: each
+    # reads its feature's codes 16 bytes at a time (a (BLOCK_N, 4) tile of int32 words, one row
+    # a thread, split into four words in registers), so the products of a feature are summed
+    # inside one thread, with no shuffle, no shared memory and no layout conversion in the
+    # loop. x's words (x[2j], x[2j+1]: byte j's high and low nibble) are scalars, the same for
+    # every thread (broadcast loads), split into fp32 by bit operations (bf16: the word shifted
+    # or masked is already the fp32 value). Per code: a shift and a mask, one load of its value
+    # (16 fp32: one L1 line), one fused multiply-add; per block: one absmax. K is cut into
+    # n_slices shares of blk_per blocks (grid axis 1): each share writes fp32 partials (part:
+    # n_slices, N) and counts itself in cnt[pid_n]; the last adds the partials in share order
+    # (deterministic), writes y and resets the count: one kernel, nothing to zero or sum after
+    # it. With one share, y directly. KW: int32 words per row of codes (a multiple of 4).
+    HW: tl.constexpr = BS // 8  # int32 words of codes per block (4 per 16-byte load)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rm = tl.arange(0, MP)
-    m_ok = rm < M
-    rb = tl.arange(0, NB)
-    rj = tl.arange(0, HB)
-    blk = pid_k * NB + rb
-    b_mask = blk < NBLK
-    blk_c = tl.minimum(blk, NBLK - 1)  # past K: a valid block, times x = 0
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rn_c = tl.minimum(rn, N - 1)  # rows past N read row N - 1: never stored
+    r4 = tl.arange(0, 4)
+    row_w = (rn_c * KW)[:, None]
+    b_first = pid_k * blk_per
+    b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
     if NESTED:
         off = tl.load(off_ptr)
-    xw = tl.load(x_ptr + rm[:, None, None] * KH + (blk_c * HB)[None, :, None] + rj[None, None, :],
-                 mask=m_ok[:, None, None] & b_mask[None, :, None], other=0)  # fmt: skip
-    if BF16:  # (MP, NB, HB) fp32: the even inputs (low half) and the odd ones (high half)
-        xe = (xw << 16).to(tl.float32, bitcast=True)
-        xo = (xw & -65536).to(tl.float32, bitcast=True)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for b in range(b_first, b_end):
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for c in tl.static_range(HW // 4):  # the block's 16-byte loads
+            w0 = b * HW + c * 4  # this load's first word (and x word: one per code byte) in a row
+            q4 = tl.load(q_ptr + row_w + w0 + r4[None, :])  # (BLOCK_N, 4): 16 bytes a row
+            qa, qb = tl.split(tl.reshape(q4, (BLOCK_N, 2, 2)))  # words (0, 2) and (1, 3)
+            q0, q2 = tl.split(qa)
+            q1, q3 = tl.split(qb)
+            part += _word_dot(q0, x_ptr + 4 * w0, lut_ptr, BF16)
+            part += _word_dot(q1, x_ptr + 4 * w0 + 4, lut_ptr, BF16)
+            part += _word_dot(q2, x_ptr + 4 * w0 + 8, lut_ptr, BF16)
+            part += _word_dot(q3, x_ptr + 4 * w0 + 12, lut_ptr, BF16)
+        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, rn_c * NBLK + b, n_mask, NESTED, BS2)
+        acc += part * a
+    if n_slices == 1:
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:
-        xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    xe = xe[:, None, :, :]
-    xo = xo[:, None, :, :]
-    r_first = pid_n * rows_per
-    r_end = tl.minimum(r_first + rows_per, N)
-    for r0 in range(r_first, r_end, BLOCK_N):
-        rn = r0 + tl.arange(0, BLOCK_N)
-        n_mask = rn < r_end
-        rn_c = tl.minimum(rn, r_end - 1)  # rows past the share read a valid row: never stored
-        q = tl.load(q_ptr + (rn_c * KH)[:, None, None] + (blk_c * HB)[None, :, None]
-                    + rj[None, None, :]).to(tl.int32)  # fmt: skip
-        hi = tl.load(lut_ptr + (q >> 4))[None]  # (1, BLOCK_N, NB, HB): input 2j
-        lo = tl.load(lut_ptr + (q & 15))[None]  # input 2j + 1
-        part = tl.sum(hi * xe + lo * xo, axis=3)  # (MP, BLOCK_N, NB): per block, unscaled
-        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, (rn_c * NBLK)[:, None] + blk_c[None, :],
-                      b_mask[None, :], NESTED, BS2)  # fmt: skip
-        y = tl.sum(part * a[None], axis=2)  # (MP, BLOCK_N)
-        at = rm[:, None] * N + rn[None, :]
-        mask = m_ok[:, None] & n_mask[None, :]
-        if n_slices == 1:
-            tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(part_ptr + pid_k * M * N + at, y, mask=mask)
-    if n_slices > 1:
-        tl.debug_barrier()  # every thread's partials stored before the count says so
+        tl.store(part_ptr + pid_k * N + rn, acc, mask=n_mask)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == n_slices - 1:  # the group's last slice: the others' partials are in
-            for r0 in range(r_first, r_end, BLOCK_N):
-                rn = r0 + tl.arange(0, BLOCK_N)
-                at = rm[:, None] * N + rn[None, :]
-                mask = m_ok[:, None] & (rn < r_end)[None, :]
-                tot = tl.zeros((MP, BLOCK_N), dtype=tl.float32)
-                for s in range(0, n_slices):  # .cg: from L2, never a stale L1 line
-                    tot += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0,
-                                   cache_modifier=".cg")  # fmt: skip
-                tl.store(y_ptr + at, tot.to(y_ptr.dtype.element_ty), mask=mask)
+        if done == n_slices - 1:  # the last share: the others' partials are in
+            tot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, n_slices):  # .cg: from L2, never a stale L1 line
+                tot += tl.load(part_ptr + s * N + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + rn, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)

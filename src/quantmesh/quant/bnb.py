@@ -203,7 +203,7 @@ def _classes() -> dict[str, type]:
                 # would compute with the wrong statistics)
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
-            if gemv_applies(x, qs, cd):  # decoding: 1 to 4 rows, no autograd, CUDA
+            if gemv_applies(x, qs, cd):  # decoding: one row, no autograd, CUDA
                 y = matmul_4bit_gemv(x.to(cd), self.weight.data, qs)  # codes read once
                 return (y if bias is None else y + bias).to(x.dtype)
             if rows_kernel_applies(x, qs, cd):  # decoding: a few rows, no autograd, CUDA

@@ -77,11 +77,11 @@ DEQUANT_MIN_ROWS = 8
 # at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
-# The gemv (`matmul_4bit_gemv`, 1 to GEMV_MAX_ROWS rows): a slice of x kept in registers per
-# program. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
+# The gemv (`matmul_4bit_gemv`, one row): one thread per output feature, its products summed
+# in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
-GEMV_MAX_ROWS = 4
-GEMV_TILE = dict(NB=8, ROWS=32, BLOCK_N=4, num_warps=1)  # gemv_config's tiles
+GEMV_MAX_ROWS = 1
+GEMV_TILE = dict(BLOCK_N=128, BLK=8, num_warps=4, num_stages=1)  # gemv_config's tiles
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -197,7 +197,7 @@ def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
 # ---- the gemv: one to four rows -----------------------------------------------------------------
 def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_gemv` computes x @ W^T for the QuantState `qs`: `GEMV_ENABLED`, CUDA
-    with Triton, no autograd recording, bf16/fp16 compute, 1 to `GEMV_MAX_ROWS` rows, `in` a
+    with Triton, no autograd recording, bf16/fp16 compute, `GEMV_MAX_ROWS` row(s), `in` a
     multiple of a power-of-two blocksize from 32 on, nested statistics in blocks of 256.
 
     Example:
@@ -211,9 +211,9 @@ def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
 
 
 def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
-    """x (..., in) @ W^T -> (..., out) in x's dtype for 1 to `GEMV_MAX_ROWS` rows, by the gemv
-    kernel (`_triton4.qm_gemv_4bit`: each program keeps a slice of x in registers and streams its
-    features' codes past it); check `gemv_applies` first.
+    """x (..., in) @ W^T -> (..., out) in x's dtype for `GEMV_MAX_ROWS` row(s), by the gemv
+    kernel (`_triton4.qm_gemv_4bit`: one thread per output feature); check `gemv_applies`
+    first.
 
     Example:
         >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
@@ -226,13 +226,13 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int) -> dict[str, int]:
-    """The gemv's tiles: NB blocks of K per program (its slice of x), ROWS features per program in
-    steps of BLOCK_N, num_warps; the fastest of those timed on the 7B shapes (docs/benchmarks.md,
-    "Figures the code relies on"), the same for every shape.
+    """The gemv's tiles: BLOCK_N features a program (one a thread), BLK blocks of K a share (0:
+    one share), num_warps, num_stages; the fastest of those timed on the 7B shapes
+    (docs/benchmarks.md, "Figures the code relies on"), the same for every shape.
 
     Example:
         >>> sorted(gemv_config(1, 4096, 4096, 64))
-        ['BLOCK_N', 'NB', 'ROWS', 'num_warps']
+        ['BLK', 'BLOCK_N', 'num_stages', 'num_warps']
     """
     return dict(GEMV_TILE)
 
@@ -255,12 +255,13 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
                 cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
-    """x (rows <= 4, in) @ W^T -> (rows, out) in x's dtype by `_triton4.qm_gemv_4bit` with tiles
-    `cfg` (`gemv_config`'s keys; the benchmark passes each candidate). `in` must be a multiple
-    of `blocksize` (a power of two from 32 on). With more than one slice of K, the programs of a
-    group count themselves in a per-device int32 buffer kept zero between calls (`_counters`),
-    so two such calls must not run at once on different streams. `keep`: a list the compiled
-    kernel is appended to (the benchmark reads its PTX).
+    """x (1, in) @ W^T -> (1, out) in x's dtype by `_triton4.qm_gemv_4bit` with tiles `cfg`
+    (`gemv_config`'s keys; the benchmark passes each candidate): BLOCK_N features a program (one
+    a thread), K cut into shares of BLK blocks (0: one share), num_warps, num_stages. `in` must
+    be a multiple of `blocksize` (a power of two from 32 on). With more than one share, the
+    programs of a group count themselves in a per-device int32 buffer kept zero between calls
+    (`_counters`), so two such calls must not run at once on different streams. `keep`: a list
+    the compiled kernel is appended to (the benchmark reads its PTX).
 
     Example:
         >>> y = launch_gemv(x, flat, *stats, 64, "nf4", 4096, gemv_config(1, 4096, 4096, 64))  # doctest: +SKIP
@@ -272,37 +273,37 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     from ._triton4 import qm_gemv_4bit as kernel
 
     rows, in_f = x.shape
-    if rows > 4 or in_f % blocksize or blocksize < 32 or blocksize & (blocksize - 1):
+    if rows != 1 or in_f % blocksize or blocksize < 32 or blocksize & (blocksize - 1):
         raise ValueError(
-            f"the gemv takes 1 to 4 rows and `in` a multiple of a power-of-two blocksize from 32 "
-            f"on, not {rows} rows, in={in_f}, blocksize {blocksize}: use matmul_4bit_rows"
+            f"the gemv takes one row and `in` a multiple of a power-of-two blocksize from 32 on, "
+            f"not {rows} rows, in={in_f}, blocksize {blocksize}: use matmul_4bit_rows"
         )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
     x = x.contiguous()
     if x.storage_offset() % 2:
         x = x.clone()  # the kernel reads x as int32 words of two inputs
-    words = x.view(torch.int32)
+    if packed.storage_offset() % 4:
+        packed = packed.clone()  # and the codes as int32 words of 8 codes
     nested = nested_absmax is not None
     nblk = in_f // blocksize
-    nb = min(cfg["NB"], triton.next_power_of_2(nblk))
-    slices = triton.cdiv(nblk, nb)
-    rows_per = max(cfg["ROWS"], cfg["BLOCK_N"])
-    grid = (triton.cdiv(out_f, rows_per), slices)
-    y = torch.empty((rows, out_f), dtype=x.dtype, device=x.device)
-    part = y  # fp32 partials of each slice, where there are several
+    per = cfg.get("BLK") or nblk
+    slices = triton.cdiv(nblk, per)
+    grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), slices)
+    y = torch.empty((1, out_f), dtype=x.dtype, device=x.device)
+    part = y  # fp32 partials of each share, where there are several
     if slices > 1:
-        part = torch.empty((slices, rows, out_f), dtype=torch.float32, device=x.device)
+        part = torch.empty((slices, out_f), dtype=torch.float32, device=x.device)
     cnt = _counters(grid[0], x.device) if slices > 1 else y
     dummy = absmax  # pointers the kernel never reads (no nested statistics)
     compiled = kernel[grid](
-        words, packed, absmax,
+        x.view(torch.int32), packed.view(torch.int32), absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
-        out_f, nblk, in_f // 2, rows_per, slices,
-        BS=blocksize, BS2=256, NESTED=nested, M=rows, MP=triton.next_power_of_2(rows),
-        BLOCK_N=cfg["BLOCK_N"], NB=nb, BF16=x.dtype == torch.bfloat16,
-        num_warps=cfg.get("num_warps", 1), num_stages=1,
+        out_f, nblk, in_f // 8, per, slices,
+        BS=blocksize, BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"],
+        BF16=x.dtype == torch.bfloat16,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
     if keep is not None:
         keep.append(compiled)
