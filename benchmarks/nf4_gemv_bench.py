@@ -41,19 +41,19 @@ import qmbench as qb  # noqa: E402
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
 CALLS, REPLAYS, COPIES = 16, 50, 8
 TOL = 1e-2  # relative error of the norms against the bf16 reference
-# (BLOCK_N features a program (one a thread), BLK blocks of K a share (0: one share),
-# num_warps, num_stages), the likeliest first (a budget cut keeps them). BLOCK_N >= 32 x num_warps
-# (one feature a thread; more wrap into registers: several features a thread).
+# (BLOCK_N features a program (one a thread; more than 32 x num_warps: several a thread), BLK
+# blocks of K a share (0: one share), LUT (0: code values loaded from L1; 1: shuffled from the
+# lane that holds them), num_warps, num_stages), the likeliest first (a budget cut keeps them).
 # fmt: off
 CONFIGS = [
-    (128, 8, 4, 1), (128, 16, 4, 1), (128, 4, 4, 1), (64, 8, 2, 1), (64, 16, 2, 1),
-    (256, 8, 8, 1), (256, 16, 8, 1), (32, 8, 1, 1), (32, 16, 1, 1), (64, 4, 2, 1),
-    (128, 8, 2, 1), (128, 16, 1, 1), (256, 16, 4, 1), (128, 32, 4, 1), (128, 0, 4, 1),
-    (128, 8, 4, 3), (64, 8, 2, 3), (128, 16, 4, 3), (32, 8, 1, 3), (256, 8, 8, 3),
-    (64, 32, 2, 1), (32, 4, 1, 1), (128, 4, 4, 3), (512, 16, 16, 1),
+    (64, 4, 1, 1, 1), (32, 4, 1, 1, 1), (128, 4, 1, 1, 1), (64, 2, 1, 1, 1), (128, 2, 1, 1, 1),
+    (64, 8, 1, 1, 1), (32, 8, 1, 1, 1), (32, 2, 1, 1, 1), (128, 1, 1, 1, 1), (128, 8, 1, 1, 1),
+    (256, 4, 1, 2, 1), (256, 2, 1, 2, 1), (64, 4, 1, 2, 1), (128, 4, 1, 4, 1), (256, 8, 1, 2, 1),
+    (64, 4, 0, 1, 1), (32, 4, 0, 1, 1), (128, 4, 0, 1, 1), (64, 2, 0, 1, 1), (128, 2, 0, 1, 1),
+    (64, 16, 1, 1, 1), (512, 4, 1, 4, 1), (256, 1, 1, 2, 1), (64, 4, 1, 1, 3),
 ]
 # fmt: on
-KEYS = ("BLOCK_N", "BLK", "num_warps", "num_stages")
+KEYS = ("BLOCK_N", "BLK", "LUT", "num_warps", "num_stages")
 OLD_BEST = dict(BLOCK_N=8, NB=16, SPLIT_K=1, LUT=0, num_warps=4, num_stages=1)  # gemv4.py's
 
 
@@ -208,7 +208,7 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["us"]):
         c = s["cfg"]
-        name = "gemv n{BLOCK_N} blk{BLK} w{num_warps} st{num_stages}".format(**c)
+        name = "gemv n{BLOCK_N} blk{BLK} lut{LUT} w{num_warps} st{num_stages}".format(**c)
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")

@@ -261,34 +261,33 @@ def _many_rows(m, x, qs, y_bnb, y_off):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nested", [True, False])
-@pytest.mark.parametrize("blocksize", [64, 128])
+@pytest.mark.parametrize("lut", [0, 1])
 @pytest.mark.parametrize(
     "shape", [(4096, 4096), (11008, 4096), (4096, 11008), (33, 192), (257, 640), (100, 1088)]
 )
-def test_gemv_is_dequantize_then_matmul(shape, blocksize, nested, dtype):
+def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     """The gemv (one row) lands within its output's rounding of x @ dequantize_4bit(W)^T for the
     7B shapes and odd ones (`out` not a multiple of a program's features, `in` not of a share),
-    at the library's tiles, with K in one share (no partials) and in shares of 3 blocks, and
+    at the library's tiles, with K in one share (no partials) and in shares of 3 blocks, each
+    code's value loaded (LUT 0) and shuffled from its lane (LUT 1), and
     gives the same bits again (the per-group counts are back at zero after every call)."""
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
 
     out_f, in_f = shape
-    if in_f % blocksize:
-        pytest.skip("the gemv takes `in` a multiple of the blocksize")
-    packed, qs = _quantized(out_f, in_f, nested, blocksize)
+    packed, qs = _quantized(out_f, in_f, nested, 64)
     flat = packed.reshape(-1).view(torch.uint8)
     stats = k4._statistics(qs, torch.device("cuda"))
     x = torch.randn(1, in_f, device="cuda", dtype=dtype)
     tiles = [
-        k4.gemv_config(1, out_f, in_f, blocksize),
-        dict(BLOCK_N=64, BLK=0, num_warps=2),  # one share: y written directly
-        dict(BLOCK_N=32, BLK=3, num_warps=1, num_stages=3),
+        dict(k4.gemv_config(1, out_f, in_f, 64), LUT=lut),
+        dict(BLOCK_N=64, BLK=0, LUT=lut, num_warps=2),  # one share: y written directly
+        dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=1),  # 4 features a thread
     ]
     for cfg in tiles:
-        y = k4.launch_gemv(x, flat, *stats, blocksize, "nf4", out_f, cfg)
+        y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
         _check(y, x, packed, qs, dtype, (shape, cfg))
-        assert torch.equal(k4.launch_gemv(x, flat, *stats, blocksize, "nf4", out_f, cfg), y)
+        assert torch.equal(k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg), y)
 
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():

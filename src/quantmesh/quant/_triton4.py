@@ -187,7 +187,32 @@ def dequant_4bit(q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, w_ptr, n_b
 
 
 @triton.jit
-def _word_dot(qw, xw_ptr, lut_ptr, BF16: tl.constexpr):
+def _lane_id(like):
+    # each element's lane in its warp (like: any int32 tensor of the wanted shape and layout)
+    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32,
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _shfl(tab, src):
+    # tab from lane (src & 31) of the warp: shfl.sync.idx reads only the low 5 bits of src,
+    # so a nibble needs no mask when lanes j and j + 16 hold the same table entry
+    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, 0xffffffff;", "=r,r,r",
+                                     [tab, src], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _code_value(tab, lut_ptr, qw, SHIFT: tl.constexpr, LUT: tl.constexpr):
+    # the fp32 value of the nibble at bit SHIFT of the int32 words qw: LUT 0 loads it (16 fp32:
+    # one L1 line); LUT 1 takes it from the lane of the warp that holds it (tab: code value
+    # (lane & 15) in every lane, as int32 bits)
+    if LUT == 1:
+        return _shfl(tab, qw >> SHIFT).to(tl.float32, bitcast=True)
+    return tl.load(lut_ptr + ((qw >> SHIFT) & 15))
+
+
+@triton.jit
+def _word_dot(qw, xw_ptr, tab, lut_ptr, LUT: tl.constexpr, BF16: tl.constexpr):
     # sum over the 8 codes of the int32 words qw (one per thread: byte t of each holds inputs
     # 2t (high nibble) and 2t + 1) of code value x input, in fp32; xw_ptr: x's 4 words for them
     part = tl.zeros(qw.shape, dtype=tl.float32)
@@ -199,55 +224,74 @@ def _word_dot(qw, xw_ptr, lut_ptr, BF16: tl.constexpr):
         else:
             xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        part += tl.load(lut_ptr + ((qw >> (8 * t + 4)) & 15)) * xe
-        part += tl.load(lut_ptr + ((qw >> (8 * t)) & 15)) * xo
+        part += _code_value(tab, lut_ptr, qw, 8 * t + 4, LUT) * xe
+        part += _code_value(tab, lut_ptr, qw, 8 * t, LUT) * xo
+    return part
+
+
+@triton.jit
+def _chunk_dot(q4, xw_ptr, tab, lut_ptr, LUT: tl.constexpr, BF16: tl.constexpr):
+    # (BLOCK_N, 4) int32 words, 16 bytes of codes a row (a thread), against x's 16 words there
+    qa, qb = tl.split(tl.reshape(q4, (q4.shape[0], 2, 2)))  # words (0, 2) and (1, 3)
+    q0, q2 = tl.split(qa)
+    q1, q3 = tl.split(qb)
+    part = _word_dot(q0, xw_ptr, tab, lut_ptr, LUT, BF16)
+    part += _word_dot(q1, xw_ptr + 4, tab, lut_ptr, LUT, BF16)
+    part += _word_dot(q2, xw_ptr + 8, tab, lut_ptr, LUT, BF16)
+    part += _word_dot(q3, xw_ptr + 12, tab, lut_ptr, LUT, BF16)
     return part
 
 
 @triton.jit(do_not_specialize=["N", "NBLK", "blk_per", "n_slices"])
 def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
                  cnt_ptr, N, NBLK, KW, blk_per, n_slices,
-                 BS: tl.constexpr, BS2: tl.constexpr, NESTED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
-    # y (1, N) = x (1, K) @ W^T, K = NBLK blocks of BS, one thread per output feature: each
-    # reads its feature's codes 16 bytes at a time (a (BLOCK_N, 4) tile of int32 words, one row
-    # a thread, split into four words in registers), so the products of a feature are summed
-    # inside one thread, with no shuffle, no shared memory and no layout conversion in the
-    # loop. x's words (x[2j], x[2j+1]: byte j's high and low nibble) are scalars, the same for
-    # every thread (broadcast loads), split into fp32 by bit operations (bf16: the word shifted
-    # or masked is already the fp32 value). Per code: a shift and a mask, one load of its value
-    # (16 fp32: one L1 line), one fused multiply-add; per block: one absmax. K is cut into
-    # n_slices shares of blk_per blocks (grid axis 1): each share writes fp32 partials (part:
-    # n_slices, N) and counts itself in cnt[pid_n]; the last adds the partials in share order
-    # (deterministic), writes y and resets the count: one kernel, nothing to zero or sum after
-    # it. With one share, y directly. KW: int32 words per row of codes (a multiple of 4).
-    HW: tl.constexpr = BS // 8  # int32 words of codes per block (4 per 16-byte load)
+                 BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 LUT: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    # y (1, N) = x (1, K) @ W^T, K = NBLK blocks of 64 codes (32 bytes, 8 int32 words), one
+    # thread per output feature: each reads its feature's codes 16 bytes at a time (a
+    # (BLOCK_N, 4) tile of int32 words, one row a thread, split into four words in registers),
+    # so the products of a feature are summed inside one thread, with no shuffle of partial
+    # sums, no shared memory and no layout conversion in the loop. The next block's codes and
+    # absmax are loaded before this block's are used (two blocks in flight a thread). x's words
+    # (x[2j], x[2j+1]: byte j's high and low nibble) are scalars, the same for every thread,
+    # split into fp32 by bit operations (bf16: the word shifted or masked is already the fp32
+    # value). Per code: a shift, its value (LUT: see _code_value), one fused multiply-add; per
+    # block: one absmax. K is cut into n_slices shares of blk_per blocks (grid axis 1): each
+    # share writes fp32 partials (part: n_slices, N) and counts itself in cnt[pid_n]; the last
+    # adds the partials in share order (deterministic), writes y and resets the count: one
+    # kernel, nothing to zero or sum after it. With one share, y directly. KW: int32 words per
+    # row of codes.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_c = tl.minimum(rn, N - 1)  # rows past N read row N - 1: never stored
     r4 = tl.arange(0, 4)
-    row_w = (rn_c * KW)[:, None]
+    row_w = q_ptr + (rn_c * KW)[:, None] + r4[None, :]
+    row_a = rn_c * NBLK
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
     if NESTED:
         off = tl.load(off_ptr)
+    tab = rn  # LUT 1: code value (lane & 15) in every lane, as int32 bits
+    if LUT == 1:
+        tab = tl.load(lut_ptr + (_lane_id(rn) & 15)).to(tl.int32, bitcast=True)
+    ok = n_mask | True
+    qn0 = tl.load(row_w + b_first * 8)
+    qn1 = tl.load(row_w + b_first * 8 + 4)
+    an = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + b_first, ok, NESTED, BS2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for b in range(b_first, b_end):
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for c in tl.static_range(HW // 4):  # the block's 16-byte loads
-            w0 = b * HW + c * 4  # this load's first word (and x word: one per code byte) in a row
-            q4 = tl.load(q_ptr + row_w + w0 + r4[None, :])  # (BLOCK_N, 4): 16 bytes a row
-            qa, qb = tl.split(tl.reshape(q4, (BLOCK_N, 2, 2)))  # words (0, 2) and (1, 3)
-            q0, q2 = tl.split(qa)
-            q1, q3 = tl.split(qb)
-            part += _word_dot(q0, x_ptr + 4 * w0, lut_ptr, BF16)
-            part += _word_dot(q1, x_ptr + 4 * w0 + 4, lut_ptr, BF16)
-            part += _word_dot(q2, x_ptr + 4 * w0 + 8, lut_ptr, BF16)
-            part += _word_dot(q3, x_ptr + 4 * w0 + 12, lut_ptr, BF16)
-        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, rn_c * NBLK + b, n_mask, NESTED, BS2)
+        q0 = qn0
+        q1 = qn1
+        a = an
+        b_next = tl.minimum(b + 1, b_end - 1)  # the last block loads itself again: unused
+        qn0 = tl.load(row_w + b_next * 8)
+        qn1 = tl.load(row_w + b_next * 8 + 4)
+        an = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + b_next, ok, NESTED, BS2)
+        part = _chunk_dot(q0, x_ptr + b * 32, tab, lut_ptr, LUT, BF16)
+        part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a
     if n_slices == 1:
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)

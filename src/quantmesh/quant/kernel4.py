@@ -81,7 +81,7 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
 GEMV_MAX_ROWS = 1
-GEMV_TILE = dict(BLOCK_N=128, BLK=8, num_warps=4, num_stages=1)  # gemv_config's tiles
+GEMV_TILE = dict(BLOCK_N=64, BLK=4, LUT=1, num_warps=1, num_stages=1)  # gemv_config's tiles
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -197,17 +197,15 @@ def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
 # ---- the gemv: one to four rows -----------------------------------------------------------------
 def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_gemv` computes x @ W^T for the QuantState `qs`: `GEMV_ENABLED`, CUDA
-    with Triton, no autograd recording, bf16/fp16 compute, `GEMV_MAX_ROWS` row(s), `in` a
-    multiple of a power-of-two blocksize from 32 on, nested statistics in blocks of 256.
+    with Triton, no autograd recording, bf16/fp16 compute, `GEMV_MAX_ROWS` row(s), blocksize 64
+    (bitsandbytes' default) and `in` a multiple of it, nested statistics in blocks of 256.
 
     Example:
         >>> gemv_applies(torch.ones(1, 64), qs, torch.bfloat16)  # CPU: no  # doctest: +SKIP
         False
     """
     rows = _rows_kernels_take(x, qs, compute_dtype) if GEMV_ENABLED else 0
-    bs = int(qs.blocksize)
-    return (1 <= rows <= GEMV_MAX_ROWS and bs >= 32 and bs & (bs - 1) == 0
-            and int(qs.shape[1]) % bs == 0)  # fmt: skip
+    return 1 <= rows <= GEMV_MAX_ROWS and int(qs.blocksize) == 64 and int(qs.shape[1]) % 64 == 0
 
 
 def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
@@ -227,12 +225,12 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int) -> dict[str, int]:
     """The gemv's tiles: BLOCK_N features a program (one a thread), BLK blocks of K a share (0:
-    one share), num_warps, num_stages; the fastest of those timed on the 7B shapes
+    one share), LUT (how a code's value is found: `launch_gemv`), num_warps, num_stages; the fastest of those timed on the 7B shapes
     (docs/benchmarks.md, "Figures the code relies on"), the same for every shape.
 
     Example:
         >>> sorted(gemv_config(1, 4096, 4096, 64))
-        ['BLK', 'BLOCK_N', 'num_stages', 'num_warps']
+        ['BLK', 'BLOCK_N', 'LUT', 'num_stages', 'num_warps']
     """
     return dict(GEMV_TILE)
 
@@ -257,8 +255,9 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
     """x (1, in) @ W^T -> (1, out) in x's dtype by `_triton4.qm_gemv_4bit` with tiles `cfg`
     (`gemv_config`'s keys; the benchmark passes each candidate): BLOCK_N features a program (one
-    a thread), K cut into shares of BLK blocks (0: one share), num_warps, num_stages. `in` must
-    be a multiple of `blocksize` (a power of two from 32 on). With more than one share, the
+    a thread), K cut into shares of BLK blocks (0: one share), LUT (0: each code's value loaded
+    from a table in L1; 1: taken from the warp's lane that holds it, by a shuffle), num_warps,
+    num_stages. The blocksize must be 64 and `in` a multiple of it. With more than one share, the
     programs of a group count themselves in a per-device int32 buffer kept zero between calls
     (`_counters`), so two such calls must not run at once on different streams. `keep`: a list
     the compiled kernel is appended to (the benchmark reads its PTX).
@@ -273,10 +272,10 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     from ._triton4 import qm_gemv_4bit as kernel
 
     rows, in_f = x.shape
-    if rows != 1 or in_f % blocksize or blocksize < 32 or blocksize & (blocksize - 1):
+    if rows != 1 or blocksize != 64 or in_f % 64:
         raise ValueError(
-            f"the gemv takes one row and `in` a multiple of a power-of-two blocksize from 32 on, "
-            f"not {rows} rows, in={in_f}, blocksize {blocksize}: use matmul_4bit_rows"
+            f"the gemv takes one row, blocksize 64 and `in` a multiple of 64, not {rows} rows, "
+            f"blocksize {blocksize}, in={in_f}: use matmul_4bit_rows"
         )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
@@ -301,7 +300,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
         out_f, nblk, in_f // 8, per, slices,
-        BS=blocksize, BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"],
+        BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], LUT=cfg.get("LUT", 0),
         BF16=x.dtype == torch.bfloat16,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
