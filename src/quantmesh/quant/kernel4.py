@@ -81,7 +81,7 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
 GEMV_MAX_ROWS = 1
-GEMV_TILE = dict(BLOCK_N=64, BLK=4, LUT=1, num_warps=1, num_stages=1)  # gemv_config's tiles
+GEMV_TILE = dict(BLOCK_N=32, BLK=8, LUT=1, num_warps=1, num_stages=1)  # gemv_config's tiles
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -300,7 +300,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
         out_f, nblk, in_f // 8, per, slices,
-        BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], LUT=cfg.get("LUT", 0),
+        BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
+        LUT=cfg.get("LUT", 0),
         BF16=x.dtype == torch.bfloat16,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
