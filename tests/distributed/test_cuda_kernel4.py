@@ -282,7 +282,8 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     tiles = [
         dict(k4.gemv_config(1, out_f, in_f, 64), LUT=lut),
         dict(BLOCK_N=64, BLK=0, LUT=lut, num_warps=2),  # one share: y written directly
-        dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=1),  # 4 features a thread
+        dict(BLOCK_N=64, BLK=5, LUT=0, num_warps=1),  # 2 features a thread
+        dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=4),  # shares of 3 blocks
     ]
     for cfg in tiles:
         y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)

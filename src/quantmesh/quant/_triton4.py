@@ -187,14 +187,10 @@ def dequant_4bit(q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, w_ptr, n_b
 
 
 @triton.jit
-def _lane_table(at):
-    # code value (lane & 15) as int32 bits, in each lane of the warp: loaded by the lane itself
-    # from the 16 fp32 code values (at: their address, a tensor in the layout of the codes it
-    # serves, so that no layout conversion moves a lane's entry to another lane)
-    return tl.inline_asm_elementwise(
-        "{ .reg .u32 l; .reg .u64 a; mov.u32 l, %laneid; and.b32 l, l, 15; "
-        "mul.wide.u32 a, l, 4; add.u64 a, a, $1; ld.global.nc.b32 $0, [a]; }",
-        "=r,l", [at], dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+def _lane_id(like):
+    # each element's lane in its warp (like: an int32 tensor of the wanted shape and layout)
+    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32,
+                                     is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -255,8 +251,8 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
     # thread per output feature: each reads its feature's codes 16 bytes at a time (a
     # (BLOCK_N, 4) tile of int32 words, one row a thread, split into four words in registers),
     # so the products of a feature are summed inside one thread, with no shuffle of partial
-    # sums, no shared memory and no layout conversion in the loop. The next two blocks' codes
-    # and absmax are loaded before this block's are used (three blocks in flight a thread). x's words
+    # sums, no shared memory and no layout conversion in the loop. The next block's codes and
+    # absmax are loaded before this block's are used (two blocks in flight a thread). x's words
     # (x[2j], x[2j+1]: byte j's high and low nibble) are scalars, the same for every thread,
     # split into fp32 by bit operations (bf16: the word shifted or masked is already the fp32
     # value). Per code: a shift, its value (LUT: see _code_value), one fused multiply-add; per
@@ -278,29 +274,23 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
     off = 0.0
     if NESTED:
         off = tl.load(off_ptr)
+    tab = rn  # LUT 1: code value (lane & 15) in every lane, as int32 bits (one feature a
+    # thread: the layout of rn is the codes' own, so no conversion moves an entry to another lane)
+    if LUT == 1:
+        tab = tl.load(lut_ptr + (_lane_id(rn) & 15)).to(tl.int32, bitcast=True)
     ok = n_mask | True
     qn0 = tl.load(row_w + b_first * 8)
     qn1 = tl.load(row_w + b_first * 8 + 4)
     an = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + b_first, ok, NESTED, BS2)
-    b1 = tl.minimum(b_first + 1, b_end - 1)
-    qm0 = tl.load(row_w + b1 * 8)
-    qm1 = tl.load(row_w + b1 * 8 + 4)
-    am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + b1, ok, NESTED, BS2)
-    tab = qn0  # LUT 1: code value (lane & 15) in every lane, in the codes' own layout
-    if LUT == 1:
-        tab = _lane_table(lut_ptr + qn0 * 0)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for b in range(b_first, b_end):  # blocks b + 1 and b + 2 in flight while b is summed
+    for b in range(b_first, b_end):  # block b + 1 in flight while b is summed
         q0 = qn0
         q1 = qn1
         a = an
-        qn0 = qm0
-        qn1 = qm1
-        an = am
-        b_next = tl.minimum(b + 2, b_end - 1)  # the last blocks load themselves again: unused
-        qm0 = tl.load(row_w + b_next * 8)
-        qm1 = tl.load(row_w + b_next * 8 + 4)
-        am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + b_next, ok, NESTED, BS2)
+        b_next = tl.minimum(b + 1, b_end - 1)  # the last block loads itself again: unused
+        qn0 = tl.load(row_w + b_next * 8)
+        qn1 = tl.load(row_w + b_next * 8 + 4)
+        an = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + b_next, ok, NESTED, BS2)
         part = _chunk_dot(q0, x_ptr + b * 32, tab, lut_ptr, LUT, BF16)
         part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a

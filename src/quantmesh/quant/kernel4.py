@@ -256,8 +256,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     """x (1, in) @ W^T -> (1, out) in x's dtype by `_triton4.qm_gemv_4bit` with tiles `cfg`
     (`gemv_config`'s keys; the benchmark passes each candidate): BLOCK_N features a program (one
     a thread), K cut into shares of BLK blocks (0: one share), LUT (0: each code's value loaded
-    from a table in L1; 1: taken from the warp's lane that holds it, by a shuffle), num_warps,
-    num_stages. The blocksize must be 64 and `in` a multiple of it. With more than one share, the
+    from a table in L1; 1: taken from the warp's lane that holds it, by a shuffle, which needs
+    one feature a thread: BLOCK_N = 32 x num_warps), num_warps, num_stages. The blocksize must be 64 and `in` a multiple of it. With more than one share, the
     programs of a group count themselves in a per-device int32 buffer kept zero between calls
     (`_counters`), so two such calls must not run at once on different streams. `keep`: a list
     the compiled kernel is appended to (the benchmark reads its PTX).
@@ -279,6 +279,10 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
+    if cfg.get("LUT", 0) == 1 and cfg["BLOCK_N"] != 32 * cfg.get("num_warps", 4):
+        raise ValueError(
+            f"the gemv's LUT 1 takes one feature a thread (BLOCK_N = 32 x num_warps), not {cfg}"
+        )
     x = x.contiguous()
     if x.storage_offset() % 2:
         x = x.clone()  # the kernel reads x as int32 words of two inputs
