@@ -17,8 +17,9 @@
 #            weights, 1, 2 and 4 rows), Nsight Compute on the best tile and on bitsandbytes' 1-row
 #            kernel (q_proj shape), the gemv's CUDA tests, then (where the gemv beats bitsandbytes
 #            by 10% at 4096 x 4096) fast_decode on 7B nf4 + LoRA with bitsandbytes and with the gemv
-#   decode   qm.fast_decode on the 7B nf4 + LoRA shape with the kernel on and off, in one
-#            process (bench_decode.py --kernel), at batch 1 and at batch 32
+#   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels
+#            and with the gemv, in one process, profiled (bench_decode.py --gemv --profile); at
+#            batch 32; then the CUDA decode tests with the gemv on (QUANTMESH_GEMV=1)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
@@ -74,10 +75,15 @@ case "$STAGE" in
       say "the gemv does not beat bitsandbytes by 10% at 4096 x 4096: no decode run"
     fi ;;
   decode)
-    timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
-      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
-    timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --kernel --no-peer \
-      --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
+    say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels, then the gemv (profiled)"
+    timeout 320 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
+      --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
+    say "the CUDA decode tests with the gemv on"
+    QUANTMESH_GEMV=1 timeout 110 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
+      2>&1 | tail -4
+    say "decode, batch 32"
+    timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
+      --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4 ;;
   *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode)" >&2; exit 2 ;;
 esac
 say done

@@ -81,7 +81,8 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
 GEMV_MAX_ROWS = 1
-GEMV_TILE = dict(BLOCK_N=32, BLK=8, LUT=1, num_warps=1, num_stages=1)  # gemv_config's tiles
+GEMV_TILE = dict(BLOCK_N=32, LUT=1, num_warps=1, num_stages=1)  # gemv_config's tiles
+GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -224,15 +225,24 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int) -> dict[str, int]:
-    """The gemv's tiles: BLOCK_N features a program (one a thread), BLK blocks of K a share (0:
-    one share), LUT (how a code's value is found: `launch_gemv`), num_warps, num_stages; the fastest of those timed on the 7B shapes
-    (docs/benchmarks.md, "Figures the code relies on"), the same for every shape.
+    """The gemv's tiles for an (out_f, in_f) weight: `GEMV_TILE` (BLOCK_N features a program, one
+    a thread; LUT, how a code's value is found; num_warps, num_stages), with K cut into shares of
+    BLK blocks so that the grid holds about `GEMV_WARPS` warps (unless GEMV_TILE sets BLK): the
+    fastest of those timed on the 7B shapes took 1,400 to 2,000 (docs/benchmarks.md, "Figures
+    the code relies on").
 
     Example:
-        >>> sorted(gemv_config(1, 4096, 4096, 64))
-        ['BLK', 'BLOCK_N', 'LUT', 'num_stages', 'num_warps']
+        >>> gemv_config(1, 4096, 4096, 64)["BLK"], gemv_config(1, 11008, 4096, 64)["BLK"]
+        (6, 16)
     """
-    return dict(GEMV_TILE)
+    cfg = dict(GEMV_TILE)
+    if not cfg.get("BLK"):
+        nblk = max(1, in_f // blocksize)
+        groups = -(-out_f // cfg["BLOCK_N"])
+        warps = groups * cfg.get("num_warps", 1)
+        shares = min(nblk, max(1, round(GEMV_WARPS / warps)))
+        cfg["BLK"] = -(-nblk // shares)
+    return cfg
 
 
 @torch.library.custom_op("quantmesh::gemv_4bit", mutates_args=())
