@@ -293,8 +293,10 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
     """QuantLinear4bit with `GEMV_ENABLED`: one row without autograd takes the gemv, in eager and
-    inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the same bits); two rows
-    and autograd keep the other paths."""
+    inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the same bits), also when
+    its first call is the compiled step's (its kept buffers must not come from the CUDA graphs'
+    pool: "tensors in the cudagraph pool not tracked as outputs" in fast_decode otherwise); two
+    rows and autograd keep the other paths."""
     _need_cuda()
     import quantmesh.quant.kernel4 as k4
 
@@ -304,18 +306,27 @@ def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
     with torch.no_grad():
         y_bnb = m(x)
     before = k4.GEMV_ENABLED
+    kept = (dict(k4._CODE_VALUES), dict(k4._COUNTERS))  # (earlier graphs may hold them)
+    k4._CODE_VALUES.clear()  # the kept buffers first asked for inside the compiled step's
+    k4._COUNTERS.clear()  # warm-up, as in fast_decode: they must not come from its graph pool
     k4.GEMV_ENABLED = True
     try:
         assert not k4.gemv_applies(x, qs, torch.bfloat16)  # autograd on
         with torch.no_grad():
             assert k4.gemv_applies(x, qs, torch.bfloat16)
             assert not k4.gemv_applies(torch.randn(2, 4096, device="cuda"), qs, torch.bfloat16)
-            y = m(x)
             step = torch.compile(m.forward, fullgraph=True, mode="reduce-overhead")
             ys = [step(x).clone() for _ in range(4)]
+            y = m(x)
     finally:
         k4.GEMV_ENABLED = before
+        _KEEP_ALIVE.append((dict(k4._CODE_VALUES), dict(k4._COUNTERS)))
+        k4._CODE_VALUES.update(kept[0])
+        k4._COUNTERS.update(kept[1])
     scale = y_bnb.float().norm()
     assert float((y.float() - y_bnb.float()).norm() / scale) < 4e-3
     for yc in ys:
         assert torch.equal(yc, y)
+
+
+_KEEP_ALIVE: list = []  # buffers a test's compiled graphs may point at, never freed

@@ -326,15 +326,32 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
     """`n` int32 zeros on `device`: the gemv's per-group counts, which the last program of each
-    group sets back to 0. Kept per (device, n) once made outside a CUDA graph capture and never
-    freed (a captured graph keeps their address); one made during a capture (in the graph's
-    pool, zeroed by the graph itself) is not kept."""
-    key = (str(device), n)
-    if key in _COUNTERS:
-        return _COUNTERS[key]
-    made = torch.zeros(n, dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _COUNTERS[key] = made
+    group sets back to 0. Kept per (device, n) and never freed (`_kept`)."""
+    return _kept(_COUNTERS, (str(device), n), device,
+                 lambda: torch.zeros(n, dtype=torch.int32, device=device))  # fmt: skip
+
+
+def _kept(cache: dict, key: Any, device: torch.device, make: Any) -> torch.Tensor:
+    """cache[key], made by `make()` on first use and kept for good (a captured CUDA graph keeps
+    its address). On CUDA it is made on a side stream: a compiled step's first (warm-up) run
+    allocates on its own stream from the CUDA graphs' private pool, which must hold nothing the
+    step does not return, so a buffer kept across calls must come from elsewhere. One asked for
+    during a capture is made inside the graph (zeroed or filled by the graph itself on every
+    replay) and not kept."""
+    if key in cache:
+        return cache[key]
+    if device.type != "cuda":
+        cache[key] = made = make()
+        return made
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    here = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        made = make()
+    here.wait_stream(side)
+    cache[key] = made
     return made
 
 
@@ -489,21 +506,18 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
 
 def _code_values(quant_type: str, device: torch.device) -> torch.Tensor:
     """(16,) fp32: the value of each 4-bit code, from bitsandbytes' own dequantization (absmax 1),
-    so that the kernel's weights are the ones `dequantize_4bit` writes. Kept per device once
-    made outside a CUDA graph capture; one made during a capture lives in the graph's memory
-    pool, which later replays may reuse, so it is made afresh (inside the graph) and not kept."""
-    key = (quant_type, str(device))
-    if key in _CODE_VALUES:
-        return _CODE_VALUES[key]
-    codes = torch.arange(16, dtype=torch.uint8, device=device)
-    packed = ((codes[0::2] << 4) | codes[1::2]).reshape(-1, 1)  # 0x01, 0x23, ..., 0xef
-    ones = torch.ones(1, dtype=torch.float32, device=device)
-    values = torch.ops.bitsandbytes.dequantize_4bit(
-        packed, ones, 64, quant_type, [1, 16], torch.float32
-    ).reshape(16)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _CODE_VALUES[key] = values
-    return values
+    so that the kernel's weights are the ones `dequantize_4bit` writes. Kept per device
+    (`_kept`: made outside a compiled step's CUDA graph pool)."""
+
+    def make() -> torch.Tensor:
+        codes = torch.arange(16, dtype=torch.uint8, device=device)
+        packed = ((codes[0::2] << 4) | codes[1::2]).reshape(-1, 1)  # 0x01, 0x23, ..., 0xef
+        ones = torch.ones(1, dtype=torch.float32, device=device)
+        return torch.ops.bitsandbytes.dequantize_4bit(
+            packed, ones, 64, quant_type, [1, 16], torch.float32
+        ).reshape(16)
+
+    return _kept(_CODE_VALUES, (quant_type, str(device)), device, make)
 
 
 _CODE_VALUES: dict[tuple[str, str], torch.Tensor] = {}  # (quant type, device) -> code values
