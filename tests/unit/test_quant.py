@@ -374,6 +374,48 @@ def test_few_row_kernel_is_opt_in_and_cuda_only():
     assert k4.choose_config(1)["DOT"] == 0 and k4.choose_config(64)["DOT"] == 1
 
 
+def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
+    """kernel4's one-row gemv: off unless QUANTMESH_GEMV=1, never on CPU (QuantLinear4bit's
+    output unchanged by turning it on there); its tiles cut K so that a grid holds about
+    GEMV_WARPS warps (the 7B shapes: the shares the GPU sweep found fastest); and a call it
+    cannot compute is refused with the reason before any launch."""
+    from quantmesh.quant import kernel4 as k4
+
+    assert k4.GEMV_ENABLED is (os.environ.get("QUANTMESH_GEMV") == "1")
+    fmt = get_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(64, 32, bias=True, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(m, torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    qs = m.weight.quant_state
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
+    saved = k4.GEMV_ENABLED
+    with torch.no_grad():
+        ref = m(x)
+        k4.GEMV_ENABLED = True
+        try:
+            assert not k4.gemv_applies(x, qs, torch.bfloat16)  # a CPU tensor
+            assert torch.equal(m(x), ref)
+        finally:
+            k4.GEMV_ENABLED = saved
+    assert k4.gemv_config(1, 4096, 4096, 64)["BLK"] == 6  # 128 groups x 11 shares
+    assert k4.gemv_config(1, 11008, 4096, 64)["BLK"] == 16  # 344 groups x 4 shares
+    assert k4.gemv_config(1, 4096, 11008, 64)["BLK"] == 15  # 128 groups x 12 shares
+    assert k4.gemv_config(1, 64, 128, 64)["BLK"] == 1  # a small weight: a share a block
+    flat = torch.zeros(64 * 32, dtype=torch.uint8)
+    stats = (torch.ones(32), None, None, None)
+    tile = k4.gemv_config(1, 64, 128, 64)
+    bf = torch.bfloat16
+    cases = [
+        (torch.zeros(2, 128, dtype=bf), 64, tile, "one row"),
+        (torch.zeros(1, 128, dtype=bf), 128, tile, "blocksize 64"),
+        (torch.zeros(1, 96, dtype=bf), 64, tile, "a multiple of 64"),
+        (torch.zeros(1, 128), 64, tile, "bf16 or fp16"),
+        (torch.zeros(1, 128, dtype=bf), 64, dict(tile, BLOCK_N=64), "one feature a thread"),
+    ]
+    for xx, bs, cfg, why in cases:
+        with pytest.raises(ValueError, match=why):
+            k4.launch_gemv(xx, flat, *stats, bs, "nf4", 64, cfg)
+
+
 def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
     """kernel4's many-row dequantize: off by default, never on CPU or under autograd; and a 3-D
     input whose strides do not fold into (rows, in) (one position per row, as an attention

@@ -26,6 +26,14 @@ those timed (docs/benchmarks.md, "Figures the code relies on"). The block kernel
 (`_triton4.blocks_4bit`: whole 64-blocks, one absmax per block) is timed beside it by the
 benchmarks (`_launch` with `KERNEL="blocks"`), not used by the library.
 
+One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_4bit`), opt-in (`GEMV_ENABLED`,
+QUANTMESH_GEMV=1): one thread per output feature, its codes read 16 bytes at a time and summed in
+the thread, each code's value taken from the warp lane that holds it by a shuffle, K cut into
+shares whose fp32 partials the last share adds in a fixed order. On one H200 it executes 40% fewer
+instructions than bitsandbytes' 1-row kernel and takes 0.99-1.13x its time on the 7B shapes
+(docs/benchmarks.md, "Figures the code relies on"); its first use inside a compiled decode step
+is not yet verified on a GPU, so it stays off until it is.
+
 Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
 bit for bit), about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`),
 inputs of `DEQUANT_MIN_ROWS` rows or more without autograd on CUDA are multiplied by it
@@ -35,6 +43,7 @@ inputs of `DEQUANT_MIN_ROWS` rows or more without autograd on CUDA are multiplie
 from __future__ import annotations
 
 import importlib.util
+import threading
 from typing import Any
 
 import torch
@@ -47,6 +56,7 @@ __all__ = [
     "ENABLED",
     "GEMV_ENABLED",
     "GEMV_MAX_ROWS",
+    "GEMV_WARPS",
     "MAX_ROWS",
     "choose_config",
     "dequant_kernel_applies",
@@ -267,20 +277,15 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     (`gemv_config`'s keys; the benchmark passes each candidate): BLOCK_N features a program (one
     a thread), K cut into shares of BLK blocks (0: one share), LUT (0: each code's value loaded
     from a table in L1; 1: taken from the warp's lane that holds it, by a shuffle, which needs
-    one feature a thread: BLOCK_N = 32 x num_warps), num_warps, num_stages. The blocksize must be 64 and `in` a multiple of it. With more than one share, the
-    programs of a group count themselves in a per-device int32 buffer kept zero between calls
-    (`_counters`), so two such calls must not run at once on different streams. `keep`: a list
-    the compiled kernel is appended to (the benchmark reads its PTX).
+    one feature a thread: BLOCK_N = 32 x num_warps), num_warps, num_stages. The blocksize must
+    be 64 and `in` a multiple of it; anything else is refused before any launch. With more than
+    one share, the programs of a group count themselves in a per-device int32 buffer kept zero
+    between calls (`_counters`), so two such calls must not run at once on different streams.
+    `keep`: a list the compiled kernel is appended to (the benchmark reads its PTX).
 
     Example:
         >>> y = launch_gemv(x, flat, *stats, 64, "nf4", 4096, gemv_config(1, 4096, 4096, 64))  # doctest: +SKIP
     """
-    from .bnb import _bnb
-
-    _bnb()  # registers torch.ops.bitsandbytes (the code values)
-    triton, _ = _triton()
-    from ._triton4 import qm_gemv_4bit as kernel
-
     rows, in_f = x.shape
     if rows != 1 or blocksize != 64 or in_f % 64:
         raise ValueError(
@@ -293,6 +298,12 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         raise ValueError(
             f"the gemv's LUT 1 takes one feature a thread (BLOCK_N = 32 x num_warps), not {cfg}"
         )
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes (the code values)
+    triton, _ = _triton()
+    from ._triton4 import qm_gemv_4bit as kernel
+
     x = x.contiguous()
     if x.storage_offset() % 2:
         x = x.clone()  # the kernel reads x as int32 words of two inputs
@@ -333,11 +344,12 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
 
 def _kept(cache: dict, key: Any, device: torch.device, make: Any) -> torch.Tensor:
     """cache[key], made by `make()` on first use and kept for good (a captured CUDA graph keeps
-    its address). On CUDA it is made on a side stream: a compiled step's first (warm-up) run
-    allocates on its own stream from the CUDA graphs' private pool, which must hold nothing the
-    step does not return, so a buffer kept across calls must come from elsewhere. One asked for
-    during a capture is made inside the graph (zeroed or filled by the graph itself on every
-    replay) and not kept."""
+    its address). On CUDA it is made by a helper thread, on that thread's stream, and waited
+    for: a compiled step's first (warm-up) run allocates everything its thread asks for from the
+    CUDA graphs' private pool, which must hold nothing the step does not return ("tensors in the
+    cudagraph pool not tracked as outputs"), and a side stream of the same thread did not escape
+    it (one H200, torch 2.11). One asked for during a capture is made inside the graph (zeroed
+    or filled by the graph itself on every replay) and not kept."""
     if key in cache:
         return cache[key]
     if device.type != "cuda":
@@ -345,14 +357,23 @@ def _kept(cache: dict, key: Any, device: torch.device, make: Any) -> torch.Tenso
         return made
     if torch.cuda.is_current_stream_capturing():
         return make()
-    here = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        made = make()
-    here.wait_stream(side)
-    cache[key] = made
-    return made
+    box: list = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                box.append(make())
+                torch.cuda.current_stream(device).synchronize()  # ready for any stream
+        except BaseException as e:  # raised again in the caller's thread
+            box.append(e)
+
+    helper = threading.Thread(target=run, name="quantmesh-kept-buffer")
+    helper.start()
+    helper.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    cache[key] = box[0]
+    return box[0]
 
 
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}  # (device, groups) -> the gemv's counts, zeros
