@@ -30,7 +30,7 @@ One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_4bit`), opt-in (`GEMV_E
 QUANTMESH_GEMV=1): one thread per output feature, its codes read 16 bytes at a time and summed in
 the thread, each code's value taken from the warp lane that holds it by a shuffle, K cut into
 shares whose fp32 partials the last share adds in a fixed order. On one H200 it executes 40% fewer
-instructions than bitsandbytes' 1-row kernel and takes 0.99-1.13x its time on the 7B shapes
+instructions than bitsandbytes' 1-row kernel and runs at 0.98-1.13x its speed on the 7B shapes
 (docs/benchmarks.md, "Figures the code relies on"); its first use inside a compiled decode step
 is not yet verified on a GPU, so it stays off until it is.
 
@@ -205,7 +205,7 @@ def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
     return packed.new_empty((out_f, in_f), dtype=dtype)
 
 
-# ---- the gemv: one to four rows -----------------------------------------------------------------
+# ---- the gemv: one row ---------------------------------------------------------------------------
 def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_gemv` computes x @ W^T for the QuantState `qs`: `GEMV_ENABLED`, CUDA
     with Triton, no autograd recording, bf16/fp16 compute, `GEMV_MAX_ROWS` row(s), blocksize 64
