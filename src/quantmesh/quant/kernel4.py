@@ -29,10 +29,10 @@ benchmarks (`_launch` with `KERNEL="blocks"`), not used by the library.
 One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_4bit`), opt-in (`GEMV_ENABLED`,
 QUANTMESH_GEMV=1): one thread per output feature, its codes read 16 bytes at a time and summed in
 the thread, each code's value taken from the warp lane that holds it by a shuffle, K cut into
-shares whose fp32 partials the last share adds in a fixed order. On one H200 it executes 40% fewer
-instructions than bitsandbytes' 1-row kernel and runs at 0.98-1.13x its speed on the 7B shapes
-(docs/benchmarks.md, "Figures the code relies on"); its first use inside a compiled decode step
-is not yet verified on a GPU, so it stays off until it is.
+shares whose fp32 partials the last share adds in a fixed order. It executes fewer instructions
+than bitsandbytes' 1-row kernel and is about as fast; its use inside a compiled decode step is
+not yet measured, so it stays off until it is (docs/benchmarks.md, "Figures the code relies
+on").
 
 Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
 bit for bit), about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`),
@@ -348,8 +348,8 @@ def _kept(cache: dict, key: Any, device: torch.device, make: Any) -> torch.Tenso
     for: a compiled step's first (warm-up) run allocates everything its thread asks for from the
     CUDA graphs' private pool, which must hold nothing the step does not return ("tensors in the
     cudagraph pool not tracked as outputs"), and a side stream of the same thread did not escape
-    it (one H200, torch 2.11). One asked for during a capture is made inside the graph (zeroed
-    or filled by the graph itself on every replay) and not kept."""
+    it (docs/benchmarks.md, "A one-row gemv of our own"). One asked for during a capture is made
+    inside the graph (zeroed or filled by the graph itself on every replay) and not kept."""
     if key in cache:
         return cache[key]
     if device.type != "cuda":
