@@ -79,7 +79,7 @@ case "$STAGE" in
     timeout 320 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
       --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
     say "the CUDA decode tests with the gemv on"
-    QUANTMESH_GEMV=1 timeout 110 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
+    QUANTMESH_GEMV=1 timeout 200 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
       2>&1 | tail -4
     say "decode, batch 32"
     timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
