@@ -155,10 +155,16 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     Example:
         >>> y = matmul_4bit_rows(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
+    return _on_codes(_rows_op, x, packed, qs)
+
+
+def _on_codes(op: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """op(x as (rows, in), the flat codes, the statistics, blocksize, quant type, out) reshaped
+    back to x's leading dimensions: how the matmul ops take a QuantState's weight."""
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
     flat = packed.reshape(-1).view(torch.uint8)
-    y = _rows_op(x.reshape(-1, in_f), flat, *_statistics(qs, x.device), int(qs.blocksize),
-                 str(qs.quant_type), out_f)  # fmt: skip
+    y = op(x.reshape(-1, in_f), flat, *_statistics(qs, x.device), int(qs.blocksize),
+           str(qs.quant_type), out_f)  # fmt: skip
     return y.reshape(*x.shape[:-1], out_f)
 
 
@@ -227,11 +233,7 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     Example:
         >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
-    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
-    flat = packed.reshape(-1).view(torch.uint8)
-    y = _gemv_op(x.reshape(-1, in_f), flat, *_statistics(qs, x.device), int(qs.blocksize),
-                 str(qs.quant_type), out_f)  # fmt: skip
-    return y.reshape(*x.shape[:-1], out_f)
+    return _on_codes(_gemv_op, x, packed, qs)
 
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int) -> dict[str, int]:
