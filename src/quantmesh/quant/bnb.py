@@ -203,15 +203,10 @@ def _classes() -> dict[str, type]:
                 # would compute with the wrong statistics)
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
-            if gemv_applies(x, qs, cd):  # decoding: one row, no autograd, CUDA
-                y = matmul_4bit_gemv(x.to(cd), self.weight.data, qs)  # codes read once
-                return (y if bias is None else y + bias).to(x.dtype)
-            if rows_kernel_applies(x, qs, cd):  # decoding: a few rows, no autograd, CUDA
-                y = matmul_4bit_rows(x.to(cd), self.weight.data, qs)  # codes read once
-                return (y if bias is None else y + bias).to(x.dtype)
-            if dequant_kernel_applies(x, qs, cd):  # many rows, no autograd, CUDA
-                y = matmul_4bit_dequant(x.to(cd), self.weight.data, qs)
-                return (y if bias is None else y + bias).to(x.dtype)
+            for applies, matmul in _KERNELS:  # quantmesh's opt-in kernels (CUDA, no autograd)
+                if applies(x, qs, cd):
+                    y = matmul(x.to(cd), self.weight.data, qs)
+                    return (y if bias is None else y + bias).to(x.dtype)
             # (rows, in) @ (out, in)^T -> (rows, out); the kernel dequantizes blocks in `cd`. The
             # rows flattened first: a 3-D input whose strides do not fold (an attention output
             # of one position per row) made the compiled matmul a batched one against the weight
@@ -528,6 +523,13 @@ def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> 
     """
     cls = _classes()["QuantLinear4bit"]
     return sum(cast(Any, m).keep_dequantized(dtype) for m in layers if isinstance(m, cls))
+
+
+_KERNELS = (  # (applies, matmul) in the order QuantLinear4bit tries them
+    (gemv_applies, matmul_4bit_gemv),  # decoding: one row, codes read once
+    (rows_kernel_applies, matmul_4bit_rows),  # decoding: a few rows, codes read once
+    (dequant_kernel_applies, matmul_4bit_dequant),  # many rows: Triton's dequantize + a matmul
+)
 
 
 class HeldRun:
