@@ -11,10 +11,9 @@ then timed as a CUDA graph of `CALLS` calls replayed `REPLAYS` times (microsecon
 same weight every call stays in the H200's 50 MB L2 ("hot"); "cold" rotates over `COPIES` weights
 (more bytes than L2 holds), as decoding does (each layer's weights read once a token). Tiles that
 fail to compile or to launch, or give wrong results, are skipped with a note. Peers in the same
-process: bitsandbytes' matmul_4bit (its gemv kernel at one row), the bf16 weight (x @ w.t()),
-and the earlier experimental one-row kernel (benchmarks/gemv4.py) at its best tile. GB/s = the
-bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for bf16) /
-time. The PTX (and SASS where nvdisasm is found) of the best tile is written beside the JSON.
+process: bitsandbytes' matmul_4bit (its gemv kernel at one row) and the bf16 weight (x @ w.t()).
+GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for
+bf16) / time. The PTX (and SASS where nvdisasm is found) of the best tile is written beside the JSON.
 
 Usage (CUDA only, from the repository root, bitsandbytes importable):
     python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2]
@@ -53,7 +52,6 @@ CONFIGS = [
 ]
 # fmt: on
 KEYS = ("BLOCK_N", "BLK", "LUT", "num_warps", "num_stages")
-OLD_BEST = dict(BLOCK_N=8, NB=16, SPLIT_K=1, LUT=0, num_warps=4, num_stages=1)  # gemv4.py's
 
 
 def bench_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
@@ -76,7 +74,6 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
     budget, then the best and bitsandbytes cold."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
-    from gemv4 import launch_gemv as old_gemv
 
     from quantmesh.quant import kernel4 as k4
 
@@ -95,7 +92,6 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
     peers = {
         "bnb_gemv": (partial(bnb.matmul_4bit, x, packed.t(), qs), nbytes),
         "bf16_mm": (partial(torch.matmul, x, w.t()), 2 * out_f * in_f),
-        "gemv4_old": (partial(old_gemv, x, flat, *stats, 64, "nf4", out_f, OLD_BEST), nbytes),
     }
     for name, (fn, nb) in peers.items():
         try:
@@ -163,21 +159,19 @@ def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int) -> 
     from quantmesh.quant import kernel4 as k4
 
     out: dict = {"copies": COPIES, "MB_all": round(COPIES * nbytes / 1e6, 1)}
-    for m in (1,):
-        xm = x
-        for name in ("ours", "bnb"):
-            turn = [0]
+    for name in ("ours", "bnb"):
+        turn = [0]
 
-            def fn(name=name, xm=xm, turn=turn):
-                w, packed, qs, flat, stats = weights[turn[0] % COPIES]
-                turn[0] += 1
-                if name == "bnb":
-                    return bnb.matmul_4bit(xm, packed.t(), qs)
-                return k4.launch_gemv(xm, flat, *stats, 64, "nf4", out_f, cfg)
+        def fn(name=name, turn=turn):
+            w, packed, qs, flat, stats = weights[turn[0] % COPIES]
+            turn[0] += 1
+            if name == "bnb":
+                return bnb.matmul_4bit(x, packed.t(), qs)
+            return k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
 
-            us = qb.graph_us(fn, CALLS, REPLAYS)  # CALLS a multiple of COPIES: each weight alike
-            out[f"{name}_{m}row_us"] = round(us, 2)
-            out[f"{name}_{m}row_GBps"] = gbps(nbytes, us)
+        us = qb.graph_us(fn, CALLS, REPLAYS)  # CALLS a multiple of COPIES: each weight alike
+        out[f"{name}_1row_us"] = round(us, 2)
+        out[f"{name}_1row_GBps"] = gbps(nbytes, us)
     return out
 
 
