@@ -351,14 +351,20 @@ def test_cuda_meta_quantize_forward_grads_and_moves(key):
     torch.testing.assert_close(c(_x()), y_cpu, rtol=0, atol=0)
 
 
+def _nf4_cpu_linear(in_f: int, out_f: int) -> nn.Module:
+    """An nf4 linear with a bias on CPU, its weight quantized from seeded random values."""
+    fmt = get_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(in_f, out_f, bias=True, device="cpu", dtype=torch.float32)
+    fmt.quantize_into(m, torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)))
+    return m
+
+
 def test_few_row_kernel_is_opt_in_and_cuda_only():
     """quant/kernel4.py: off by default, and never on CPU, in training or past 64 rows, where the
     QuantLinear4bit keeps bitsandbytes' path (its output unchanged by turning the kernel on)."""
     from quantmesh.quant import kernel4 as k4
 
-    fmt = get_format(QuantConfig(format="nf4"))
-    m = fmt.new_linear(64, 32, bias=True, device="cpu", dtype=torch.float32)
-    fmt.quantize_into(m, torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    m = _nf4_cpu_linear(64, 32)
     qs = m.weight.quant_state
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     assert k4.ENABLED is False
@@ -382,9 +388,7 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
     from quantmesh.quant import kernel4 as k4
 
     assert k4.GEMV_ENABLED is (os.environ.get("QUANTMESH_GEMV") == "1")
-    fmt = get_format(QuantConfig(format="nf4"))
-    m = fmt.new_linear(64, 32, bias=True, device="cpu", dtype=torch.float32)
-    fmt.quantize_into(m, torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    m = _nf4_cpu_linear(64, 32)
     qs = m.weight.quant_state
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     saved = k4.GEMV_ENABLED
@@ -422,9 +426,7 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
     output reaches o_proj) gives what its contiguous copy gives, row for row."""
     from quantmesh.quant import kernel4 as k4
 
-    fmt = get_format(QuantConfig(format="nf4"))
-    m = fmt.new_linear(128, 32, bias=True, device="cpu", dtype=torch.float32)
-    fmt.quantize_into(m, torch.randn(32, 128, generator=torch.Generator().manual_seed(0)))
+    m = _nf4_cpu_linear(128, 32)
     qs = m.weight.quant_state
     heads = torch.randn(16, 4, 1, 32, generator=torch.Generator().manual_seed(1))
     x = heads.transpose(1, 2).reshape(16, 1, 128)  # strides (128, 32, 1): not a plain view
