@@ -91,6 +91,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="qlora: GPU kernel time per decode step by kind (torch.profiler, 32 steps)",
     )
     p.add_argument(
+        "--matmul-adapters",
+        action="store_true",
+        help="qlora: also greedy with the adapters' one-row products as matmuls "
+        "(lora.adapter.LEAN_ROWS off), in the same process (profiled too with --profile)",
+    )
+    p.add_argument(
         "--unfused",
         action="store_true",
         help="qlora: also greedy with fuse_adapters=False (each adapter its own two matmuls)",
@@ -381,6 +387,25 @@ def run_qlora(a, R: dict, out_path: str) -> None:
                     R["qm_greedy_gemv"]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"], 3
                 )
         qb.write_json(out_path, R)
+    if a.greedy and a.matmul_adapters:
+        from quantmesh.lora import adapter
+
+        with qb.record_errors(R, "qm_greedy_matmul_adapters_error"):
+            adapter.LEAN_ROWS = False  # a guard of the compiled step: it compiles again
+            try:
+                m = phase(model, a, ids, dev, R, "qm_greedy_matmul_adapters", qm={})
+                if a.profile and dev.type == "cuda":
+                    R["qm_profile_matmul_adapters"] = profile_decode(model, ids, a)
+            finally:
+                adapter.LEAN_ROWS = True
+            if "qm_greedy" in R:
+                R["qm_greedy_matmul_adapters"]["tokens_agree_with_lean"] = agree(m, g)
+                R["lean_over_matmul_adapters"] = round(
+                    R["qm_greedy"]["new_tokens_per_s"]
+                    / R["qm_greedy_matmul_adapters"]["new_tokens_per_s"],
+                    3,
+                )
+        qb.write_json(out_path, R)
     if a.greedy and a.unfused:
         with qb.record_errors(R, "qm_greedy_unfused_error"):
             u = phase(model, a, ids, dev, R, "qm_greedy_unfused", qm={"fuse_adapters": False})
@@ -423,14 +448,16 @@ KINDS = (  # kernel name fragments -> kind, first match wins
 @torch.no_grad()
 def profile_decode(model, ids, a, steps: int = 32) -> dict:
     """GPU kernel time of `steps` compiled decode steps, by kind, and the top kernels (the step is
-    already compiled: fast_decode ran before with the same shapes)."""
+    already compiled: fast_decode ran before with the same shapes); and the host's launches per
+    step: CUDA graph replays against single kernel launches (a step replayed as a graph launches
+    no kernel of its own)."""
     from torch.profiler import ProfilerActivity, profile
 
     import quantmesh as qm
 
     qm.fast_decode(model, ids, steps + 1)  # the same compiled step, warm
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         qm.fast_decode(model, ids, steps + 1)
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
@@ -443,6 +470,11 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         kind = next((k for frag, k in KINDS if frag in low), "other")
         kinds[kind] = kinds.get(kind, 0.0) + us
     total = sum(per_kernel.values())
+    host = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
+    launches = {
+        "graph_launches": sum(1 for n in host if "GraphLaunch" in n),
+        "kernel_launches": sum(1 for n in host if "LaunchKernel" in n),
+    }
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
     return {
         "steps": steps,
@@ -451,6 +483,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
             k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
         },
         "top_kernels_us_per_step": {n[:90]: round(v / steps, 1) for n, v in top},
+        "host_per_step": {k: round(v / steps, 1) for k, v in launches.items()},
         "kernels_per_step": round(
             sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
             / steps,

@@ -13,18 +13,19 @@
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
 #   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
 #            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
-#   gemv     benchmarks/nf4_gemv_bench.py: the gemv's tiles against bitsandbytes (hot and cold
-#            weights, 1, 2 and 4 rows), Nsight Compute on the best tile and on bitsandbytes' 1-row
-#            kernel (q_proj shape), the gemv's CUDA tests, then (where the gemv beats bitsandbytes
-#            by 10% at 4096 x 4096) fast_decode on 7B nf4 + LoRA with bitsandbytes and with the gemv
-#   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels
-#            and with the gemv, in one process, profiled (bench_decode.py --gemv --profile); at
-#            batch 32; then the CUDA decode tests with the gemv on (QUANTMESH_GEMV=1)
+#   gemv     the gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
+#            bitsandbytes at one row (hot and cold weights, ranked cold), then Nsight Compute on
+#            the best tile and on bitsandbytes' 1-row kernel (q_proj shape)
+#   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels,
+#            with the gemv, and with the adapters' one-row products as matmuls, in one process,
+#            profiled (bench_decode.py --gemv --matmul-adapters --profile); then the CUDA
+#            decode tests
+#   b32      qm.fast_decode on the same shape at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv or decode}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, decode or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -54,36 +55,28 @@ case "$STAGE" in
     QUANTMESH_TRITON_DEQUANT=1 timeout 150 python3 -m pytest -q -m cuda \
       tests/distributed/test_cuda_kernel4.py 2>&1 | tail -6 ;;
   gemv)
-    timeout 330 python3 benchmarks/nf4_gemv_bench.py --budget-s 200 --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -70
+    say "gemv tests"
+    timeout 240 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6
+    timeout 250 python3 benchmarks/nf4_gemv_bench.py --budget-s 170 --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -75
     TILE=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(json.dumps(r['best']['cfg']))")
     say "ncu, gemv tile $TILE"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-    GEMV_TILE="$TILE" timeout 120 "$NCU" --clock-control none -k "regex:qm_gemv|gemm_4bit|gemv_4bit" \
+    GEMV_TILE="$TILE" timeout 100 "$NCU" --clock-control none -k "regex:qm_gemv|gemm_4bit|gemv_4bit" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section LaunchStats --section Occupancy --section InstructionStats \
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
-    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60
-    say "gemv tests"
-    timeout 150 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6
-    WINS=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(int(r['best']['us'] < 0.9 * r['peers']['bnb_gemv']['us']))")
-    if [ "$WINS" = 1 ]; then
-      say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes, then the gemv at $TILE"
-      timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --gemv-tile "$TILE" \
-        --profile --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
-    else
-      say "the gemv does not beat bitsandbytes by 10% at 4096 x 4096: no decode run"
-    fi ;;
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
   decode)
-    say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels, then the gemv (profiled)"
-    timeout 320 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
-      --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
-    say "the CUDA decode tests with the gemv on"
-    QUANTMESH_GEMV=1 timeout 200 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
-      2>&1 | tail -4
+    say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels, the gemv, matmul adapters (profiled)"
+    timeout 380 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --matmul-adapters \
+      --profile --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
+    say "the CUDA decode tests"
+    timeout 180 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
+  b32)
     say "decode, batch 32"
     timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode, b32)" >&2; exit 2 ;;
 esac
 say done

@@ -111,3 +111,51 @@ def test_an_adapter_of_its_own_tensors_moves_with_the_layer() -> None:
     assert isinstance(ad, _Buffered) and ad.a_t.dtype == ad.b_t.dtype == torch.float64
     x = torch.randn(3, 8, dtype=torch.float64)
     assert torch.equal(m(x), orig.double()(x) + (x @ ad.a_t.t()) @ ad.b_t.t())
+
+
+def test_one_row_compiled_without_autograd_takes_lean_products() -> None:
+    """`lean_linear`: one row in a graph compiled without autograd is a product and a sum (no
+    matmul in the graph), the same values to fp32 rounding; two rows, autograd, eager calls and
+    LEAN_ROWS off keep the matmul. The layer's whole forward agrees either way."""
+    from quantmesh.lora import adapter
+
+    _, m = _adapted()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    def matmuls(gm: torch.fx.GraphModule) -> int:
+        names = ("linear", "addmm", "mm", "matmul", "bmm")
+        return sum(
+            1 for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ in names
+        )
+
+    def lora_delta(x: torch.Tensor) -> torch.Tensor:
+        ad = m.lora
+        assert ad is not None
+        return ad.up(ad.down(x))
+
+    x1 = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        eager = lora_delta(x1)
+        lean = torch.compile(lora_delta, backend=backend, fullgraph=True)(x1)
+        assert matmuls(graphs[-1]) == 0
+        torch.testing.assert_close(lean, eager, rtol=1e-6, atol=1e-6)
+        two = torch.randn(2, 1, 8)
+        torch.compile(lora_delta, backend=backend, fullgraph=True, dynamic=False)(two)
+        assert matmuls(graphs[-1]) == 2  # two rows: the adapter's two matmuls
+        saved = adapter.LEAN_ROWS
+        adapter.LEAN_ROWS = False
+        try:
+            torch._dynamo.reset()
+            torch.compile(lora_delta, backend=backend, fullgraph=True)(x1)
+            assert matmuls(graphs[-1]) == 2
+        finally:
+            adapter.LEAN_ROWS = saved
+            torch._dynamo.reset()
+    w = torch.randn(3, 8)
+    assert torch.equal(adapter.lean_linear(x1, w), nn.functional.linear(x1, w))  # eager
+    y = torch.compile(lora_delta, backend=backend, fullgraph=True)(x1)  # autograd on
+    assert matmuls(graphs[-1]) == 2 and y.requires_grad

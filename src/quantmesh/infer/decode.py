@@ -29,11 +29,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..blocks.compile import mark_block_regions, unmark_block_regions
-from ..lora.adapter import LoraAdapter
+from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
 from ..tp.layers import ShardedModule, sharded_modules
 from .sampling import pick_tokens, sample_tokens, uniform_noise
@@ -448,8 +447,8 @@ class AdapterStack:
         d = None
         if i == 0:
             self.x = x
-            a = F.linear(cast(x), self.a)  # (..., sum of ranks)
-            self.out = F.linear(a, self.b)  # (..., sum of outs)
+            a = lean_linear(cast(x), self.a)  # (..., sum of ranks)
+            self.out = lean_linear(a, self.b)  # (..., sum of outs)
         if self.x is x and self.out is not None:
             o = self.out_at[i]
             d = self.out[..., o : o + self.outs[i]]
