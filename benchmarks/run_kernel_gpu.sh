@@ -20,12 +20,14 @@
 #            with the gemv, and with the adapters' one-row products as matmuls, in one process,
 #            profiled (bench_decode.py --gemv --matmul-adapters --profile); then the CUDA
 #            decode tests
+#   peer     the same shape at batch 1: peft + bitsandbytes with transformers' generate (dynamic
+#            cache, then the compiled static cache), then qm.fast_decode, in one process
 #   b32      qm.fast_decode on the same shape at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, decode or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, decode, peer or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -73,10 +75,14 @@ case "$STAGE" in
       --profile --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
     say "the CUDA decode tests"
     timeout 180 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
+  peer)
+    say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
+    timeout 450 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -6 ;;
   b32)
     say "decode, batch 32"
     timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode, b32)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode, peer, b32)" >&2; exit 2 ;;
 esac
 say done
