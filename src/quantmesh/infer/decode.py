@@ -18,6 +18,8 @@ without a collective and the eager and compiled steps pick the same token from t
 LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the steps
 (`AdapterStack`): the first prefill finds them (`stack_sibling_adapters`) and gives each member a
 `StackedLora` (`set_adapter`), the same adapter taking its delta from the stack while decoding.
+At one row, the stacks' and the other adapters' matmuls are a product and a sum in the compiled
+step (`quantmesh.lora.adapter.lean_linear`), fused with the ops around them.
 """
 
 from __future__ import annotations
