@@ -332,6 +332,9 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
     )
     qb.fill_random(model, seed=a.seed)
+    from quantmesh.quant import kernel4 as _k4
+
+    R["gemv_enabled_at_start"] = _k4.GEMV_ENABLED  # QUANTMESH_GEMV=1: every run takes the gemv
     R["build_qm"] = {
         "adapters": fill_adapters(model, a.seed),
         "s": round(time.perf_counter() - t0, 2),
@@ -445,12 +448,53 @@ KINDS = (  # kernel name fragments -> kind, first match wins
 )
 
 
+def kernel_gaps(kernels: list[tuple[float, float, str]], steps: int) -> dict:
+    """The GPU's idle time between kernels, a step: `kernels` (start us, end us, kind), each gap
+    (from the latest end so far to the next start) counted against the kind of kernel it follows
+    and the kind it precedes. A step replayed as one CUDA graph idles only between its nodes.
+
+    Example:
+        >>> kernel_gaps([(0, 2, "a"), (5, 6, "b"), (6, 9, "a")], steps=1)["idle_us_per_step"]
+        3.0
+    """
+    after: dict[str, float] = {}
+    before: dict[str, float] = {}
+    ks = sorted(kernels)
+    if not ks:
+        return {}
+    end, last = ks[0][1], ks[0][2]
+    for start, stop, kind in ks[1:]:
+        gap = start - end
+        if gap > 0:
+            after[last] = after.get(last, 0.0) + gap
+            before[kind] = before.get(kind, 0.0) + gap
+        if stop >= end:
+            end, last = stop, kind
+
+    def per_step(d: dict[str, float]) -> dict[str, float]:
+        return {k: round(v / steps, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}
+
+    return {
+        "span_us_per_step": round((end - ks[0][0]) / steps, 1),
+        "idle_us_per_step": round(sum(after.values()) / steps, 1),
+        "idle_after_kind": per_step(after),
+        "idle_before_kind": per_step(before),
+    }
+
+
+def kind_of_kernel(name: str) -> str:
+    """The kind (KINDS) of a kernel's name."""
+    low = name.lower()
+    return next((k for frag, k in KINDS if frag in low), "other")
+
+
 @torch.no_grad()
 def profile_decode(model, ids, a, steps: int = 32) -> dict:
     """GPU kernel time of `steps` compiled decode steps, by kind, and the top kernels (the step is
-    already compiled: fast_decode ran before with the same shapes); and the host's launches per
+    already compiled: fast_decode ran before with the same shapes); the host's launches per
     step: CUDA graph replays against single kernel launches (a step replayed as a graph launches
-    no kernel of its own)."""
+    no kernel of its own); and the GPU's idle time between kernels (`kernel_gaps`). The eager
+    prefill is inside the profiled call: its kernels and gaps are spread over the steps."""
     from torch.profiler import ProfilerActivity, profile
 
     import quantmesh as qm
@@ -466,9 +510,13 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
             per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total
     kinds: dict[str, float] = {}
     for name, us in per_kernel.items():
-        low = name.lower()
-        kind = next((k for frag, k in KINDS if frag in low), "other")
+        kind = kind_of_kernel(name)
         kinds[kind] = kinds.get(kind, 0.0) + us
+    timed = [
+        (ev.time_range.start, ev.time_range.end, kind_of_kernel(ev.name))
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
     total = sum(per_kernel.values())
     host = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
     launches = {
@@ -484,6 +532,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         },
         "top_kernels_us_per_step": {n[:90]: round(v / steps, 1) for n, v in top},
         "host_per_step": {k: round(v / steps, 1) for k, v in launches.items()},
+        "gaps": kernel_gaps(timed, steps),
         "kernels_per_step": round(
             sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
             / steps,

@@ -22,12 +22,14 @@
 #            decode tests
 #   peer     the same shape at batch 1: peft + bitsandbytes with transformers' generate (dynamic
 #            cache, then the compiled static cache), then qm.fast_decode, in one process
+#   gaps     qm.fast_decode with the gemv only, profiled: the GPU's idle time between kernels,
+#            by the kind of kernel before and after each gap
 #   b32      qm.fast_decode on the same shape at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, decode, peer or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, decode, peer, gaps or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -79,10 +81,15 @@ case "$STAGE" in
     say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
     timeout 450 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -6 ;;
+  gaps)
+    say "decode with the gemv only (QUANTMESH_GEMV=1), profiled: where the GPU idles"
+    QUANTMESH_GEMV=1 timeout 200 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile \
+      --no-peer --new 64 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -3
+    python3 -c "import json; p = json.load(open('$OUT/result_decode_qlora.json')).get('qm_profile', {}); print(json.dumps(p.get('gaps'), indent=1)); print(p.get('gpu_us_per_step'), p.get('host_per_step'))" ;;
   b32)
     say "decode, batch 32"
     timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode, peer, b32)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode, peer, gaps, b32)" >&2; exit 2 ;;
 esac
 say done
