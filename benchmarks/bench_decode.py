@@ -493,8 +493,8 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
     """GPU kernel time of `steps` compiled decode steps, by kind, and the top kernels (the step is
     already compiled: fast_decode ran before with the same shapes); the host's launches per
     step: CUDA graph replays against single kernel launches (a step replayed as a graph launches
-    no kernel of its own); and the GPU's idle time between kernels (`kernel_gaps`). The eager
-    prefill is inside the profiled call: its kernels and gaps are spread over the steps."""
+    no kernel of its own); and the GPU's idle time between kernels (`kernel_gaps`) from the first
+    graph replay on (the eager prefill before it left out; with no replay, everything)."""
     from torch.profiler import ProfilerActivity, profile
 
     import quantmesh as qm
@@ -512,10 +512,16 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
     for name, us in per_kernel.items():
         kind = kind_of_kernel(name)
         kinds[kind] = kinds.get(kind, 0.0) + us
+    graph_at = [
+        ev.time_range.start
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CPU and "GraphLaunch" in ev.name
+    ]
+    first = min(graph_at, default=0.0)  # the steps' kernels: from the first replay on
     timed = [
         (ev.time_range.start, ev.time_range.end, kind_of_kernel(ev.name))
         for ev in prof.events()
-        if ev.device_type == torch.autograd.DeviceType.CUDA
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.start >= first
     ]
     total = sum(per_kernel.values())
     host = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
@@ -532,7 +538,8 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         },
         "top_kernels_us_per_step": {n[:90]: round(v / steps, 1) for n, v in top},
         "host_per_step": {k: round(v / steps, 1) for k, v in launches.items()},
-        "gaps": kernel_gaps(timed, steps),
+        "gaps": kernel_gaps(timed, max(1, len(graph_at))),
+        "replays": len(graph_at),
         "kernels_per_step": round(
             sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
             / steps,
