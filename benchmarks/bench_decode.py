@@ -518,6 +518,13 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         if ev.device_type == torch.autograd.DeviceType.CPU and "GraphLaunch" in ev.name
     ]
     first = min(graph_at, default=0.0)  # the steps' kernels: from the first replay on
+    starts = [ev.time_range.start for ev in prof.events()]
+    ends = [ev.time_range.end for ev in prof.events()]
+    call = {  # where the profiled call's wall time goes: before its first replay, and after
+        "call_ms": round((max(ends) - min(starts)) / 1e3, 2),
+        "before_first_replay_ms": round((first - min(starts)) / 1e3, 2) if graph_at else None,
+        "from_first_replay_ms": round((max(ends) - first) / 1e3, 2) if graph_at else None,
+    }
     timed = [
         (ev.time_range.start, ev.time_range.end, kind_of_kernel(ev.name))
         for ev in prof.events()
@@ -540,6 +547,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         "host_per_step": {k: round(v / steps, 1) for k, v in launches.items()},
         "gaps": kernel_gaps(timed, max(1, len(graph_at))),
         "replays": len(graph_at),
+        "call": call,
         "kernels_per_step": round(
             sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
             / steps,
