@@ -184,6 +184,28 @@ def phase(model, a, ids, device, R: dict, name: str, *, qm: dict | None = None, 
     return tokens
 
 
+def flag_phase(model, a, ids, dev, R: dict, out_path: str, g: list[int], name: str,
+               module, flag: str, value) -> None:  # fmt: skip
+    """One more greedy run in the same process with `module.flag = value` (a global the compiled
+    step is guarded on: it compiles again), profiled too with --profile (`qm_profile_*`); then
+    its tokens' agreement with the default run's `g` and its speed over the default run's."""
+    with qb.record_errors(R, f"{name}_error"):
+        before = getattr(module, flag)
+        setattr(module, flag, value)
+        try:
+            v = phase(model, a, ids, dev, R, name, qm={})
+            if a.profile and dev.type == "cuda":
+                R[name.replace("qm_greedy", "qm_profile")] = profile_decode(model, ids, a)
+        finally:
+            setattr(module, flag, before)
+        if "qm_greedy" in R:
+            R[name]["tokens_agree_with_default"] = agree(v, g)
+            R[name]["over_default"] = round(
+                R[name]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"], 3
+            )
+    qb.write_json(out_path, R)
+
+
 def agree(x: list[int], y: list[int]) -> int:
     """How many leading tokens are equal."""
     same = 0
@@ -332,14 +354,16 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
     )
     qb.fill_random(model, seed=a.seed)
-    from quantmesh.quant import kernel4 as _k4
+    from quantmesh.lora import adapter
+    from quantmesh.quant import kernel4
 
-    R["gemv_enabled_at_start"] = _k4.GEMV_ENABLED  # QUANTMESH_GEMV=1: every run takes the gemv
+    R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=1: every run takes it
     R["build_qm"] = {
         "adapters": fill_adapters(model, a.seed),
         "s": round(time.perf_counter() - t0, 2),
     }
     prepare_generation(model)
+    g: list[int] = []
     if a.greedy:
         with qb.record_errors(R, "qm_greedy_error"):
             g = phase(model, a, ids, dev, R, "qm_greedy", qm={})
@@ -349,66 +373,21 @@ def run_qlora(a, R: dict, out_path: str) -> None:
                     R["qm_greedy"]["new_tokens_per_s"] / R["best_new_tokens_per_s"], 3
                 )
         qb.write_json(out_path, R)
-    if a.greedy and a.kernel:
-        from quantmesh.quant import kernel4
-
-        with qb.record_errors(R, "qm_greedy_kernel_error"):
-            kernel4.ENABLED = True  # quantmesh's kernel in every quantized linear, <= 64 rows
-            try:
-                b = phase(model, a, ids, dev, R, "qm_greedy_kernel", qm={})
-            finally:
-                kernel4.ENABLED = False
-            if "qm_greedy" in R:
-                R["qm_greedy_kernel"]["tokens_agree_with_bnb"] = agree(b, g)
-                R["kernel_over_bnb"] = round(
-                    R["qm_greedy_kernel"]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"],
-                    3,
-                )
-        qb.write_json(out_path, R)
+    if a.greedy and a.kernel:  # quantmesh's kernel in every quantized linear, <= 64 rows
+        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_kernel", kernel4, "ENABLED", True)
     if a.greedy and a.profile and dev.type == "cuda":
         with qb.record_errors(R, "qm_profile_error"):
             R["qm_profile"] = profile_decode(model, ids, a)
         qb.write_json(out_path, R)
-    if a.greedy and a.gemv:
-        from quantmesh.quant import kernel4
-
-        with qb.record_errors(R, "qm_greedy_gemv_error"):
-            before = kernel4.GEMV_ENABLED
-            if a.gemv_tile:
-                kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
-            R["gemv_tile"] = dict(kernel4.GEMV_TILE)
-            kernel4.GEMV_ENABLED = True  # quantmesh's gemv in every quantized linear, one row
-            try:
-                v = phase(model, a, ids, dev, R, "qm_greedy_gemv", qm={})
-                if a.profile and dev.type == "cuda":
-                    R["qm_profile_gemv"] = profile_decode(model, ids, a)
-            finally:
-                kernel4.GEMV_ENABLED = before
-            if "qm_greedy" in R:
-                R["qm_greedy_gemv"]["tokens_agree_with_bnb"] = agree(v, g)
-                R["gemv_over_bnb"] = round(
-                    R["qm_greedy_gemv"]["new_tokens_per_s"] / R["qm_greedy"]["new_tokens_per_s"], 3
-                )
-        qb.write_json(out_path, R)
-    if a.greedy and a.matmul_adapters:
-        from quantmesh.lora import adapter
-
-        with qb.record_errors(R, "qm_greedy_matmul_adapters_error"):
-            adapter.LEAN_ROWS = False  # a guard of the compiled step: it compiles again
-            try:
-                m = phase(model, a, ids, dev, R, "qm_greedy_matmul_adapters", qm={})
-                if a.profile and dev.type == "cuda":
-                    R["qm_profile_matmul_adapters"] = profile_decode(model, ids, a)
-            finally:
-                adapter.LEAN_ROWS = True
-            if "qm_greedy" in R:
-                R["qm_greedy_matmul_adapters"]["tokens_agree_with_lean"] = agree(m, g)
-                R["lean_over_matmul_adapters"] = round(
-                    R["qm_greedy"]["new_tokens_per_s"]
-                    / R["qm_greedy_matmul_adapters"]["new_tokens_per_s"],
-                    3,
-                )
-        qb.write_json(out_path, R)
+    if a.greedy and a.gemv:  # quantmesh's gemv in every quantized linear, one row
+        if a.gemv_tile:
+            kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
+        R["gemv_tile"] = dict(kernel4.GEMV_TILE)
+        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_gemv", kernel4, "GEMV_ENABLED",
+                   True)  # fmt: skip
+    if a.greedy and a.matmul_adapters:  # the adapters' one-row products as matmuls
+        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_matmul_adapters", adapter,
+                   "LEAN_ROWS", False)  # fmt: skip
     if a.greedy and a.unfused:
         with qb.record_errors(R, "qm_greedy_unfused_error"):
             u = phase(model, a, ids, dev, R, "qm_greedy_unfused", qm={"fuse_adapters": False})
