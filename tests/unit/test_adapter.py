@@ -115,8 +115,9 @@ def test_an_adapter_of_its_own_tensors_moves_with_the_layer() -> None:
 
 def test_one_row_compiled_without_autograd_takes_lean_products() -> None:
     """`lean_linear`: one row in a graph compiled without autograd is a product and a sum (no
-    matmul in the graph), the same values to fp32 rounding; two rows, autograd, eager calls and
-    LEAN_ROWS off keep the matmul. The layer's whole forward agrees either way."""
+    matmul in the graph), the same values to fp32 rounding, the layer's whole forward too; two
+    rows, autograd, eager calls, a factor with a hook of its own and LEAN_ROWS off keep the
+    matmul."""
     from quantmesh.lora import adapter
 
     _, m = _adapted()
@@ -143,6 +144,9 @@ def test_one_row_compiled_without_autograd_takes_lean_products() -> None:
         lean = torch.compile(lora_delta, backend=backend, fullgraph=True)(x1)
         assert matmuls(graphs[-1]) == 0
         torch.testing.assert_close(lean, eager, rtol=1e-6, atol=1e-6)
+        whole = torch.compile(m, backend=backend, fullgraph=True)(x1)
+        assert matmuls(graphs[-1]) == 1  # the base layer's own
+        torch.testing.assert_close(whole, m(x1), rtol=1e-6, atol=1e-6)
         two = torch.randn(2, 1, 8)
         torch.compile(lora_delta, backend=backend, fullgraph=True, dynamic=False)(two)
         assert matmuls(graphs[-1]) == 2  # two rows: the adapter's two matmuls
@@ -154,6 +158,17 @@ def test_one_row_compiled_without_autograd_takes_lean_products() -> None:
             assert matmuls(graphs[-1]) == 2
         finally:
             adapter.LEAN_ROWS = saved
+            torch._dynamo.reset()
+        ad = m.lora
+        assert ad is not None
+        seen: list[bool] = []
+        hook = ad.lora_A.register_forward_pre_hook(lambda mod, args: seen.append(True))
+        try:
+            torch._dynamo.reset()
+            torch.compile(lora_delta, backend=backend, fullgraph=True)(x1)
+            assert matmuls(graphs[-1]) == 1 and seen  # A called as a module: its hook runs
+        finally:
+            hook.remove()
             torch._dynamo.reset()
     w = torch.randn(3, 8)
     assert torch.equal(adapter.lean_linear(x1, w), nn.functional.linear(x1, w))  # eager
