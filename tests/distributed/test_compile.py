@@ -511,6 +511,15 @@ def _stacked(rank: int) -> dict:
     finally:
         AdapterStack.refresh = refresh  # type: ignore[method-assign]
     out["unfused_compiled"] = qm.greedy_decode(model, ids, 20, mode=None, fuse_adapters=False)
+    # one row: the compiled step's adapters (stacked, and the lone rowwise ones, whose partial
+    # products are all-reduced) as fused products and sums (lean_linear: tests/unit/test_adapter.py
+    # checks that a compiled row takes them), against the eager loop
+    from quantmesh.lora import adapter
+
+    out["row_lean"] = adapter.LEAN_ROWS
+    out["row_plain"] = qm.greedy_decode(model, ids[:1], 20, compile=False, fuse_adapters=False)
+    out["row_compiled"] = qm.greedy_decode(model, ids[:1], 20, mode=None)
+    out["row_unfused"] = qm.greedy_decode(model, ids[:1], 20, mode=None, fuse_adapters=False)
     return out
 
 
@@ -525,6 +534,9 @@ def test_stacked_sibling_adapters_decode_like_separate_ones():
         for k in ("fused", "compiled", "unfused_compiled"):
             assert torch.equal(r[k], r["plain"]), k
         assert not torch.equal(r["stale"], r["plain"])  # the compiled step does read the stacks
+        assert r["row_lean"]  # one row: the compiled steps take the fused adapter products
+        for k in ("row_compiled", "row_unfused"):
+            assert torch.equal(r[k], r["row_plain"]), k
 
 
 def _dropout_warning(rank: int) -> list[str]:
