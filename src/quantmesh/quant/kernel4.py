@@ -266,9 +266,14 @@ def _gemv_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                        quant_type, out_f, gemv_config(x.shape[0], out_f, x.shape[1], blocksize))  # fmt: skip
 
 
-@_gemv_op.register_fake
-def _(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f):
+def _rows_out_fake(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+                   out_f):  # fmt: skip
+    """The (rows, out) output the matmul ops on codes (`_gemv_op`, `_rows_op`) return, for
+    tracing: their signatures are one."""
     return x.new_empty((x.shape[0], out_f))
+
+
+_gemv_op.register_fake(_rows_out_fake)
 
 
 def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
@@ -406,9 +411,7 @@ def _rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                    out_f, choose_config(x.shape[0]))  # fmt: skip
 
 
-@_rows_op.register_fake
-def _(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f):
-    return x.new_empty((x.shape[0], out_f))
+_rows_op.register_fake(_rows_out_fake)
 
 
 def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
