@@ -359,24 +359,29 @@ def _nf4_cpu_linear(in_f: int, out_f: int) -> nn.Module:
     return m
 
 
+def _stays_off_on_cpu(flag: str, applies, m, x: torch.Tensor) -> None:
+    """With kernel4's switch `flag` on, `applies` refuses `x` (a CPU tensor) and the nf4 linear
+    `m` gives the same output as with it off; the switch is restored after."""
+    from quantmesh.quant import kernel4 as k4
+
+    with torch.no_grad():
+        ref = m(x)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(k4, flag, True)
+            assert not applies(x, m.weight.quant_state, torch.bfloat16)  # a CPU tensor
+            assert torch.equal(m(x), ref)
+
+
 def test_few_row_kernel_is_opt_in_and_cuda_only():
     """quant/kernel4.py: off by default, and never on CPU, in training or past 64 rows, where the
     QuantLinear4bit keeps bitsandbytes' path (its output unchanged by turning the kernel on)."""
     from quantmesh.quant import kernel4 as k4
 
     m = _nf4_cpu_linear(64, 32)
-    qs = m.weight.quant_state
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     assert k4.ENABLED is False
-    with torch.no_grad():
-        ref = m(x)
-        assert not k4.rows_kernel_applies(x, qs, torch.bfloat16)
-        k4.ENABLED = True
-        try:
-            assert not k4.rows_kernel_applies(x, qs, torch.bfloat16)  # a CPU tensor
-            assert torch.equal(m(x), ref)
-        finally:
-            k4.ENABLED = False
+    assert not k4.rows_kernel_applies(x, m.weight.quant_state, torch.bfloat16)
+    _stays_off_on_cpu("ENABLED", k4.rows_kernel_applies, m, x)
     assert k4.choose_config(1)["DOT"] == 0 and k4.choose_config(64)["DOT"] == 1
 
 
@@ -389,17 +394,8 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
 
     assert k4.GEMV_ENABLED is (os.environ.get("QUANTMESH_GEMV") == "1")
     m = _nf4_cpu_linear(64, 32)
-    qs = m.weight.quant_state
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
-    saved = k4.GEMV_ENABLED
-    with torch.no_grad():
-        ref = m(x)
-        k4.GEMV_ENABLED = True
-        try:
-            assert not k4.gemv_applies(x, qs, torch.bfloat16)  # a CPU tensor
-            assert torch.equal(m(x), ref)
-        finally:
-            k4.GEMV_ENABLED = saved
+    _stays_off_on_cpu("GEMV_ENABLED", k4.gemv_applies, m, x)
     assert k4.gemv_config(1, 4096, 4096, 64)["BLK"] == 6  # 128 groups x 11 shares
     assert k4.gemv_config(1, 11008, 4096, 64)["BLK"] == 16  # 344 groups x 4 shares
     assert k4.gemv_config(1, 4096, 11008, 64)["BLK"] == 15  # 128 groups x 12 shares
