@@ -30,9 +30,9 @@ One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_4bit`), opt-in (`GEMV_E
 QUANTMESH_GEMV=1): one thread per output feature, its codes read 16 bytes at a time and summed in
 the thread, each code's value taken from the warp lane that holds it by a shuffle, K cut into
 shares whose fp32 partials the last share adds in a fixed order. It executes fewer instructions
-than bitsandbytes' 1-row kernel and is about as fast; its use inside a compiled decode step is
-not yet measured, so it stays off until it is (docs/benchmarks.md, "Figures the code relies
-on").
+than bitsandbytes' 1-row kernel and is about as fast alone; inside a compiled decode step its
+kernels took less time, yet decoding was slower, for a reason not yet found, so it stays off
+(docs/benchmarks.md, "Figures the code relies on").
 
 Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
 bit for bit), about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`),
