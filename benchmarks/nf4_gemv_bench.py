@@ -1,5 +1,5 @@
-"""quantmesh's gemv (`quantmesh.quant.kernel4.launch_gemv`, the Triton kernel `_triton4.qm_gemv_4bit`:
-one thread per output feature, its products summed in the thread) against
+"""quantmesh's gemv (`quantmesh.quant.kernel4.launch_gemv`: the Triton kernels
+`_triton4.qm_gemv_lines`, the lanes along K, and `qm_gemv_4bit`, one thread per output feature) against
 bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of its tiles at one row, then the
 best tile (the fastest on weights that do not fit in L2) and bitsandbytes cold.
 
@@ -41,13 +41,21 @@ import qmbench as qb  # noqa: E402
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
 CALLS, REPLAYS, COPIES = 16, 50, 8
 TOL = 1e-2  # relative error of the norms against the bf16 reference
-# (BLOCK_N features a program (one a thread; more than 32 x num_warps: several a thread), BLK
-# blocks of K a share (0: one share), LUT (0: code values loaded from L1; 1: shuffled from the
-# lane that holds them), num_warps, num_stages), the likeliest first (a budget cut keeps them).
-# fmt: off
-CONFIGS = [(32, 4, 1, 1, 1), (32, 6, 1, 1, 1), (32, 8, 1, 1, 1), (32, 16, 1, 1, 1)]
-# fmt: on
-KEYS = ("BLOCK_N", "BLK", "LUT", "num_warps", "num_stages")
+# Tiles (`kernel4.gemv_config`'s keys), the likeliest first (a budget cut keeps them). KERNEL
+# "lines": `qm_gemv_lines` (lanes along K), BLOCK_N features a program, BLK blocks a share (None:
+# gemv_config cuts K for about GEMV_WARPS warps; a multiple of 32), LUT 1 (code values shuffled
+# from the lane that holds them). Else `qm_gemv_4bit` (one feature a thread), its best tile.
+_L = dict(KERNEL="lines", LUT=1, num_stages=1)
+CONFIGS = [
+    dict(_L, BLOCK_N=8, BLK=None, num_warps=1),
+    dict(_L, BLOCK_N=4, BLK=None, num_warps=1),
+    dict(_L, BLOCK_N=16, BLK=None, num_warps=1),
+    dict(_L, BLOCK_N=8, BLK=32, num_warps=1),
+    dict(_L, BLOCK_N=16, BLK=32, num_warps=2),
+    dict(_L, BLOCK_N=32, BLK=None, num_warps=4),
+    dict(_L, BLOCK_N=8, BLK=None, num_warps=2),
+    dict(BLOCK_N=32, BLK=6, LUT=1, num_warps=1, num_stages=1),
+]
 
 
 def bench_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
@@ -98,7 +106,7 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
             r["peers"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     r["sweep"], r["skipped"], r["not_run"] = [], [], []
     for tile in CONFIGS:
-        cfg = dict(zip(KEYS, tile, strict=True))
+        cfg = k4.gemv_config(1, out_f, in_f, 64, tile)  # BLK None: K cut for GEMV_WARPS warps
         if time.time() - t_start > budget_s:
             r["not_run"].append(cfg)
             continue
@@ -202,7 +210,8 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["cold_us"]):
         c = s["cfg"]
-        name = "gemv n{BLOCK_N} blk{BLK} lut{LUT} w{num_warps} st{num_stages}".format(**c)
+        name = "{} n{BLOCK_N} blk{BLK} lut{LUT} w{num_warps} st{num_stages}".format(
+            c.get("KERNEL", "gemv"), **c)  # fmt: skip
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")
@@ -223,7 +232,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     t_start = time.time()
-    R: dict = {"bench": "nf4_gemv", "ok": False, "versions": qb.versions(), "configs_keys": KEYS,
+    R: dict = {"bench": "nf4_gemv", "ok": False, "versions": qb.versions(),
                "calls_per_graph": CALLS, "replays": REPLAYS, "tol": TOL, "results": []}  # fmt: skip
     path = os.path.join(a.out, "nf4_gemv.json")
     os.makedirs(a.out, exist_ok=True)

@@ -60,13 +60,13 @@ case "$STAGE" in
       tests/distributed/test_cuda_kernel4.py 2>&1 | tail -6 ;;
   gemv)
     say "gemv tests"
-    timeout 240 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6
-    timeout 250 python3 benchmarks/nf4_gemv_bench.py --budget-s 170 --out "$OUT" 2>&1 \
+    timeout 200 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6
+    timeout 240 python3 benchmarks/nf4_gemv_bench.py --budget-s 200 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -75
     TILE=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(json.dumps(r['best']['cfg']))")
     say "ncu, gemv tile $TILE"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-    GEMV_TILE="$TILE" timeout 100 "$NCU" --clock-control none -k "regex:qm_gemv|gemm_4bit|gemv_4bit" \
+    GEMV_TILE="$TILE" timeout 90 "$NCU" --clock-control none -k "regex:qm_gemv|gemm_4bit|gemv_4bit" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section LaunchStats --section Occupancy --section InstructionStats \
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1

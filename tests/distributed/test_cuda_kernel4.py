@@ -269,7 +269,8 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     """The gemv (one row) lands within its output's rounding of x @ dequantize_4bit(W)^T for the
     7B shapes and odd ones (`out` not a multiple of a program's features, `in` not of a share),
     at the library's tiles, with K in one share (no partials) and in shares of 3 blocks, each
-    code's value loaded (LUT 0) and shuffled from its lane (LUT 1), and
+    code's value loaded (LUT 0) and shuffled from its lane (LUT 1), both kernels (one feature a
+    thread; the lanes along K, `KERNEL="lines"`, in one share and in shares of 32 blocks), and
     gives the same bits again (the per-group counts are back at zero after every call)."""
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
@@ -284,6 +285,10 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
         dict(BLOCK_N=64, BLK=0, LUT=lut, num_warps=2),  # one share: y written directly
         dict(BLOCK_N=64, BLK=5, LUT=0, num_warps=1),  # 2 features a thread
         dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=4),  # shares of 3 blocks
+        # the lanes along K: K in shares (a stride's worth, or gemv_config's), and in one
+        dict(KERNEL="lines", BLOCK_N=8, BLK=32, LUT=lut, num_warps=1),
+        k4.gemv_config(1, out_f, in_f, 64, dict(KERNEL="lines", BLOCK_N=16, LUT=lut, num_warps=2)),
+        dict(KERNEL="lines", BLOCK_N=4, BLK=0, LUT=lut, num_warps=1),
     ]
     for cfg in tiles:
         y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)

@@ -400,6 +400,10 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
     assert k4.gemv_config(1, 11008, 4096, 64)["BLK"] == 16  # 344 groups x 4 shares
     assert k4.gemv_config(1, 4096, 11008, 64)["BLK"] == 15  # 128 groups x 12 shares
     assert k4.gemv_config(1, 64, 128, 64)["BLK"] == 1  # a small weight: a share a block
+    lines = dict(KERNEL="lines", BLOCK_N=8, LUT=1, num_warps=1)  # shares: strides of 32 blocks
+    assert k4.gemv_config(1, 4096, 4096, 64, lines)["BLK"] == 32  # 512 groups x 2 shares
+    assert k4.gemv_config(1, 11008, 4096, 64, lines)["BLK"] == 64  # 1,376 groups x 1 share
+    assert k4.gemv_config(1, 4096, 11008, 64, lines)["BLK"] == 64  # 512 groups x 3 shares
     flat = torch.zeros(64 * 32, dtype=torch.uint8)
     stats = (torch.ones(32), None, None, None)
     tile = k4.gemv_config(1, 64, 128, 64)

@@ -9,7 +9,7 @@ of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1 it writes fp32 partial sums (y
 import triton
 import triton.language as tl
 
-__all__ = ["blocks_4bit", "dequant_4bit", "qm_gemv_4bit", "rows_4bit"]
+__all__ = ["blocks_4bit", "dequant_4bit", "qm_gemv_4bit", "qm_gemv_lines", "rows_4bit"]
 
 
 @triton.jit
@@ -294,6 +294,101 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
         part = _chunk_dot(q0, x_ptr + b * 32, tab, lut_ptr, LUT, BF16)
         part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a
+    _finish(acc, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr, NS)
+
+
+@triton.jit(do_not_specialize=["N", "NBLK", "blk_per", "n_slices", "zero"])
+def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
+                  cnt_ptr, N, NBLK, KW, blk_per, n_slices, zero,
+                  BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NS: tl.constexpr, LUT: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    # y (1, N) = x (1, K) @ W^T with the lanes along K. A program owns BLOCK_N features and walks
+    # its share of K in strides of 32 blocks (2,048 codes), each in 8 steps of 32 words (4 bytes,
+    # 8 codes). In a step a thread holds one word of each of its features (a (BLOCK_N, 32, 4)
+    # tile of bytes, a word's 4 bytes in one thread), so one load of a warp reads a whole
+    # 128-byte line of a feature, and x's 4 int32 words for that word (16 bytes; word m: inputs
+    # 2m and 2m + 1, byte m's high and low nibble) are read once for all BLOCK_N features, in
+    # the same layout. `zero` (0 at run time) hides the words' contiguity from the compiler,
+    # which would otherwise give a thread 16 bytes of codes and need x's 64 bytes for them in
+    # another layout (a conversion through shared memory every step). A stride's 32 absmax of a
+    # feature are loaded once, one a lane, and each step takes its word's from the lane that
+    # holds it (a shuffle), so the 8-bit statistics cost one request a feature and stride, not
+    # one a step. Per code: its value shuffled from the lane that holds it (LUT 1) or loaded
+    # (LUT 0), one multiply-add. The fp32 sums of a feature are added across the lanes at the
+    # end; K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
+    c = tl.arange(0, 32) ^ zero  # the word (step) or block (stride) of lane c
+    j = tl.arange(0, 4)  # the bytes of a word
+    b_first = pid_k * blk_per
+    b_end = tl.minimum(b_first + blk_per, NBLK)
+    off = 0.0
+    if NESTED:
+        off = tl.load(off_ptr)
+    row_q = q_ptr + rn_c[:, None, None] * KW  # int32 words of codes
+    sh = 8 * j[None, None, :]  # byte j of a word: its high nibble at bit 8j + 4, low at 8j
+    row_a = rn_c[:, None] * NBLK
+    lane = zero
+    tab = zero
+    if LUT == 1:  # the thread's lane, a scalar (each thread its own: no layout moves it)
+        lane = _lane_id(zero)
+        tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
+    acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+    for b0 in range(b_first, b_end, 32):
+        bl = b0 + tl.arange(0, 32)  # contiguous: the load puts block b0 + l in lane l
+        am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl[None, :],
+                       (bl < b_end)[None, :], NESTED, BS2).to(tl.int32, bitcast=True)  # fmt: skip
+        for s in tl.static_range(8):
+            wi = b0 * 8 + s * 32 + c
+            ok = (wi < b_end * 8)[None, :, None]
+            q = tl.load(row_q + wi[None, :, None], mask=ok, other=0)
+            xw = tl.load(x_ptr + wi[None, :, None] * 4 + j[None, None, :], mask=ok, other=0)
+            if BF16:
+                xe = (xw << 16).to(tl.float32, bitcast=True)
+                xo = (xw & -65536).to(tl.float32, bitcast=True)
+            else:
+                xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            vh = _code_value3(tab, lut_ptr, q >> (sh + 4), LUT)
+            vl = _code_value3(tab, lut_ptr, q >> sh, LUT)
+            if LUT == 1:  # the word's absmax from the lane that loaded it
+                a = _shfl(am, s * 4 + (lane >> 3)).to(tl.float32, bitcast=True)
+            else:  # loaded again (Triton's interpreter has no shuffle)
+                a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + wi[None, :] // 8,
+                              (wi < b_end * 8)[None, :], NESTED, BS2)  # fmt: skip
+            acc += tl.sum(vh * xe + vl * xo, axis=2) * a
+    _finish(tl.sum(acc, axis=1), rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
+            NS)  # fmt: skip
+
+
+@triton.jit
+def _lane_table(lut_ptr, lane):
+    # the code value (fp32 bits) picked by `lane` (0..15) from 16 scalar loads
+    t = 0
+    for i in tl.static_range(16):
+        t = tl.where(lane == i, tl.load(lut_ptr + i).to(tl.int32, bitcast=True), t)
+    return t
+
+
+@triton.jit
+def _code_value3(tab, lut_ptr, nib, LUT: tl.constexpr):
+    # the fp32 value of the low 4 bits of `nib`: shuffled from the lane holding it (tab, as in
+    # _code_value; the shuffle reads only the low 5 bits and lanes j, j + 16 hold one entry) or
+    # loaded (LUT 0)
+    if LUT == 1:
+        return _shfl(tab, nib).to(tl.float32, bitcast=True)
+    return tl.load(lut_ptr + (nib & 15))
+
+
+@triton.jit
+def _finish(acc, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
+            NS: tl.constexpr):  # fmt: skip
+    # y[rn] = the fp32 sums `acc` of this share of K: directly with one share (NS 1); else each
+    # share writes its partials (part: n_slices, N) and counts itself in cnt[pid_n], and the last
+    # adds them all in a fixed tree (deterministic), writes y and sets the count back to 0
     if NS == 1:
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
     else:

@@ -236,24 +236,28 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     return _on_codes(_gemv_op, x, packed, qs)
 
 
-def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int) -> dict[str, int]:
-    """The gemv's tiles for an (out_f, in_f) weight: `GEMV_TILE` (BLOCK_N features a program, one
-    a thread; LUT, how a code's value is found; num_warps, num_stages), with K cut into shares of
-    BLK blocks so that the grid holds about `GEMV_WARPS` warps (unless GEMV_TILE sets BLK): the
-    fastest of those timed on the 7B shapes took 1,400 to 2,000 (docs/benchmarks.md, "Figures
-    the code relies on").
+def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
+                tile: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The gemv's tiles for an (out_f, in_f) weight: `tile` (default `GEMV_TILE`: KERNEL, "lines"
+    for `_triton4.qm_gemv_lines`, else `qm_gemv_4bit`; BLOCK_N features a program; LUT, how a
+    code's value is found; num_warps, num_stages), with K cut into shares of BLK blocks (the
+    lines kernel: a multiple of its strides of 32 blocks) so that the grid holds about
+    `GEMV_WARPS` warps, unless the tile sets BLK: the fastest of those timed on the 7B shapes
+    took 1,400 to 2,000 (docs/benchmarks.md, "Figures the code relies on").
 
     Example:
-        >>> gemv_config(1, 4096, 4096, 64)["BLK"], gemv_config(1, 11008, 4096, 64)["BLK"]
+        >>> old = dict(BLOCK_N=32, LUT=1, num_warps=1, num_stages=1)
+        >>> gemv_config(1, 4096, 4096, 64, old)["BLK"], gemv_config(1, 11008, 4096, 64, old)["BLK"]
         (6, 16)
     """
-    cfg = dict(GEMV_TILE)
+    cfg = dict(GEMV_TILE if tile is None else tile)
     if not cfg.get("BLK"):
-        nblk = max(1, in_f // blocksize)
+        stride = 32 if cfg.get("KERNEL") == "lines" else 1  # the lines kernel's strides
+        units = -(-max(1, in_f // blocksize) // stride)
         groups = -(-out_f // cfg["BLOCK_N"])
         warps = groups * cfg.get("num_warps", 1)
-        shares = min(nblk, max(1, round(GEMV_WARPS / warps)))
-        cfg["BLK"] = -(-nblk // shares)
+        shares = min(units, max(1, round(GEMV_WARPS / warps)))
+        cfg["BLK"] = stride * -(-units // shares)
     return cfg
 
 
@@ -301,7 +305,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
-    if cfg.get("LUT", 0) == 1 and cfg["BLOCK_N"] != 32 * cfg.get("num_warps", 4):
+    lines = cfg.get("KERNEL") == "lines"
+    if not lines and cfg.get("LUT", 0) == 1 and cfg["BLOCK_N"] != 32 * cfg.get("num_warps", 4):
         raise ValueError(
             f"the gemv's LUT 1 takes one feature a thread (BLOCK_N = 32 x num_warps), not {cfg}"
         )
@@ -309,7 +314,9 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 
     _bnb()  # registers torch.ops.bitsandbytes (the code values)
     triton, _ = _triton()
-    from ._triton4 import qm_gemv_4bit as kernel
+    from ._triton4 import qm_gemv_4bit, qm_gemv_lines
+
+    kernel = qm_gemv_lines if lines else qm_gemv_4bit
 
     x = x.contiguous()
     if x.storage_offset() % 2:
@@ -327,11 +334,12 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         part = torch.empty((slices, out_f), dtype=torch.float32, device=x.device)
     cnt = _counters(grid[0], x.device) if slices > 1 else y
     dummy = absmax  # pointers the kernel never reads (no nested statistics)
+    zero = (0,) if lines else ()  # hides the words' contiguity from the compiler (see there)
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32), absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
-        out_f, nblk, in_f // 8, per, slices,
+        out_f, nblk, in_f // 8, per, slices, *zero,
         BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
         LUT=cfg.get("LUT", 0),
         BF16=x.dtype == torch.bfloat16,
