@@ -44,16 +44,16 @@ TOL = 1e-2  # relative error of the norms against the bf16 reference
 # Tiles (`kernel4.gemv_config`'s keys), the likeliest first (a budget cut keeps them). KERNEL
 # "lines": `qm_gemv_lines` (lanes along K), BLOCK_N features a program, BLK blocks a share (None:
 # gemv_config cuts K for about GEMV_WARPS warps; a multiple of 32), LUT 1 (code values shuffled
-# from the lane that holds them). Else `qm_gemv_4bit` (one feature a thread), its best tile.
+# from the lane that holds them), one warp (with more, Triton moves x through shared memory every
+# step). Else `qm_gemv_4bit` (one feature a thread), its best tile.
 _L = dict(KERNEL="lines", LUT=1, num_stages=1)
 CONFIGS = [
     dict(_L, BLOCK_N=8, BLK=None, num_warps=1),
     dict(_L, BLOCK_N=4, BLK=None, num_warps=1),
     dict(_L, BLOCK_N=16, BLK=None, num_warps=1),
     dict(_L, BLOCK_N=8, BLK=32, num_warps=1),
-    dict(_L, BLOCK_N=16, BLK=32, num_warps=2),
-    dict(_L, BLOCK_N=32, BLK=None, num_warps=4),
-    dict(_L, BLOCK_N=8, BLK=None, num_warps=2),
+    dict(_L, BLOCK_N=16, BLK=32, num_warps=1),
+    dict(_L, BLOCK_N=4, BLK=32, num_warps=1),
     dict(BLOCK_N=32, BLK=6, LUT=1, num_warps=1, num_stages=1),
 ]
 

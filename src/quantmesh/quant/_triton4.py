@@ -308,12 +308,13 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # tile of bytes, a word's 4 bytes in one thread), so one load of a warp reads a whole
     # 128-byte line of a feature, and x's 4 int32 words for that word (16 bytes; word m: inputs
     # 2m and 2m + 1, byte m's high and low nibble) are read once for all BLOCK_N features, in
-    # the same layout. `zero` (0 at run time) hides the words' contiguity from the compiler,
+    # the same layout. `zero` (0 at run time) hides the words' alignment from the compiler,
     # which would otherwise give a thread 16 bytes of codes and need x's 64 bytes for them in
-    # another layout (a conversion through shared memory every step). A stride's 32 absmax of a
-    # feature are loaded once, one a lane, and each step takes its word's from the lane that
-    # holds it (a shuffle), so the 8-bit statistics cost one request a feature and stride, not
-    # one a step. Per code: its value shuffled from the lane that holds it (LUT 1) or loaded
+    # another layout (a conversion through shared memory every step); their contiguity puts
+    # the lanes along K. A stride's 32 absmax of a feature are loaded once, one a lane (a 1-D
+    # tensor: element i in lane i % 32 whatever layout the compiler picks for 2-D gathers), and
+    # each step takes its word's from the lane that holds it (a shuffle), so the 8-bit
+    # statistics cost one request a feature and stride, not one a step. Per code: its value shuffled from the lane that holds it (LUT 1) or loaded
     # (LUT 0), one multiply-add. The fp32 sums of a feature are added across the lanes at the
     # end; K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
     pid_n = tl.program_id(0)
@@ -321,7 +322,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
-    c = tl.arange(0, 32) ^ zero  # the word (step) or block (stride) of lane c
+    c = tl.arange(0, 32)  # a step's words
     j = tl.arange(0, 4)  # the bytes of a word
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
@@ -330,7 +331,8 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
         off = tl.load(off_ptr)
     row_q = q_ptr + rn_c[:, None, None] * KW  # int32 words of codes
     sh = 8 * j[None, None, :]  # byte j of a word: its high nibble at bit 8j + 4, low at 8j
-    row_a = rn_c[:, None] * NBLK
+    fi = tl.arange(0, BLOCK_N * 32)  # a stride's absmax, flat: feature fi // 32, block fi % 32
+    row_a = tl.minimum(pid_n * BLOCK_N + fi // 32, N - 1) * NBLK
     lane = zero
     tab = zero
     if LUT == 1:  # the thread's lane, a scalar (each thread its own: no layout moves it)
@@ -338,11 +340,11 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     for b0 in range(b_first, b_end, 32):
-        bl = b0 + tl.arange(0, 32)  # contiguous: the load puts block b0 + l in lane l
-        am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl[None, :],
-                       (bl < b_end)[None, :], NESTED, BS2).to(tl.int32, bitcast=True)  # fmt: skip
+        bl = b0 + fi % 32
+        am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED,
+                       BS2).to(tl.int32, bitcast=True)  # fmt: skip
         for s in tl.static_range(8):
-            wi = b0 * 8 + s * 32 + c
+            wi = b0 * 8 + s * 32 + zero + c  # zero: 4-byte alignment, one word a thread
             ok = (wi < b_end * 8)[None, :, None]
             q = tl.load(row_q + wi[None, :, None], mask=ok, other=0)
             xw = tl.load(x_ptr + wi[None, :, None] * 4 + j[None, None, :], mask=ok, other=0)
@@ -356,9 +358,11 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             vl = _code_value3(tab, lut_ptr, q >> sh, LUT)
             if LUT == 1:  # the word's absmax from the lane that loaded it
                 a = _shfl(am, s * 4 + (lane >> 3)).to(tl.float32, bitcast=True)
-            else:  # loaded again (Triton's interpreter has no shuffle)
-                a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + wi[None, :] // 8,
-                              (wi < b_end * 8)[None, :], NESTED, BS2)  # fmt: skip
+            else:  # the same values without a shuffle (Triton's interpreter has none)
+                a = tl.reshape(am, (BLOCK_N, 8, 4)).to(tl.float32, bitcast=True)  # block 4t + u
+                a = tl.sum(tl.where(tl.arange(0, 8)[None, :, None] == s, a, 0.0), axis=1)
+                a = tl.broadcast_to(a[:, :, None], (BLOCK_N, 4, 8))  # word 8u + v: block 4s + u
+            a = tl.reshape(a, (BLOCK_N, 32))
             acc += tl.sum(vh * xe + vl * xo, axis=2) * a
     _finish(tl.sum(acc, axis=1), rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
             NS)  # fmt: skip
