@@ -13,7 +13,7 @@
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
 #   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
 #            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
-#   gemv     the gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
+#   gemv     the lines gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
 #            bitsandbytes at one row (hot and cold weights, ranked cold), then Nsight Compute on
 #            the best tile and on bitsandbytes' 1-row kernel (q_proj shape)
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels,
@@ -60,7 +60,8 @@ case "$STAGE" in
       tests/distributed/test_cuda_kernel4.py 2>&1 | tail -6 ;;
   gemv)
     say "gemv tests"
-    timeout 200 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py -k gemv 2>&1 | tail -6
+    timeout 200 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+      -k "gemv_lines or takes_the_gemv" 2>&1 | tail -6
     timeout 240 python3 benchmarks/nf4_gemv_bench.py --budget-s 200 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -75
     TILE=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(json.dumps(r['best']['cfg']))")

@@ -269,8 +269,7 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     """The gemv (one row) lands within its output's rounding of x @ dequantize_4bit(W)^T for the
     7B shapes and odd ones (`out` not a multiple of a program's features, `in` not of a share),
     at the library's tiles, with K in one share (no partials) and in shares of 3 blocks, each
-    code's value loaded (LUT 0) and shuffled from its lane (LUT 1), both kernels (one feature a
-    thread; the lanes along K, `KERNEL="lines"`, in one share and in shares of 32 blocks), and
+    code's value loaded (LUT 0) and shuffled from its lane (LUT 1), and
     gives the same bits again (the per-group counts are back at zero after every call)."""
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
@@ -281,15 +280,45 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     stats = k4._statistics(qs, torch.device("cuda"))
     x = torch.randn(1, in_f, device="cuda", dtype=dtype)
     tiles = [
-        dict(k4.gemv_config(1, out_f, in_f, 64), LUT=lut),
+        k4.gemv_config(1, out_f, in_f, 64, dict(BLOCK_N=32, LUT=lut, num_warps=1, num_stages=1)),
         dict(BLOCK_N=64, BLK=0, LUT=lut, num_warps=2),  # one share: y written directly
         dict(BLOCK_N=64, BLK=5, LUT=0, num_warps=1),  # 2 features a thread
         dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=4),  # shares of 3 blocks
-        # the lanes along K: K in shares (a stride's worth, or gemv_config's), and in one
-        dict(KERNEL="lines", BLOCK_N=8, BLK=32, LUT=lut, num_warps=1),
-        k4.gemv_config(1, out_f, in_f, 64, dict(KERNEL="lines", BLOCK_N=16, LUT=lut, num_warps=1)),
-        dict(KERNEL="lines", BLOCK_N=4, BLK=0, LUT=lut, num_warps=1),
     ]
+    for cfg in tiles:
+        y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
+        _check(y, x, packed, qs, dtype, (shape, cfg))
+        assert torch.equal(k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize(
+    "shape", [(4096, 4096), (11008, 4096), (4096, 11008), (33, 192), (257, 640), (100, 1088)]
+)
+def test_gemv_lines_is_dequantize_then_matmul(shape, nested, dtype):
+    """The gemv with the lanes along K (`KERNEL="lines"`, the library's tile) lands within its
+    output's rounding of x @ dequantize_4bit(W)^T for the 7B shapes and odd ones (`out` not a
+    multiple of a program's features, `in` not of a stride), with K in one share and in shares
+    of one stride, strides of 32, 16, 8 and 4 blocks, each code's value and absmax shuffled
+    from the lane that holds it (LUT 1) and loaded (LUT 0), and gives the same bits again."""
+    _need_cuda()
+    from quantmesh.quant import kernel4 as k4
+
+    out_f, in_f = shape
+    packed, qs = _quantized(out_f, in_f, nested, 64)
+    flat = packed.reshape(-1).view(torch.uint8)
+    stats = k4._statistics(qs, torch.device("cuda"))
+    x = torch.randn(1, in_f, device="cuda", dtype=dtype)
+    lines = dict(KERNEL="lines", LUT=1, num_warps=1, num_stages=1)
+    tiles = [
+        k4.gemv_config(1, out_f, in_f, 64),  # the library's
+        dict(lines, BLOCK_N=8, SB=16, BLK=16),  # shares of one stride
+        dict(lines, BLOCK_N=2, SB=8, BLK=0),  # one share
+        dict(lines, BLOCK_N=4, SB=4, BLK=12),  # shares of three strides
+        dict(lines, BLOCK_N=4, SB=32, BLK=32, LUT=0),
+    ]
+    assert tiles[0]["KERNEL"] == "lines"
     for cfg in tiles:
         y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
         _check(y, x, packed, qs, dtype, (shape, cfg))

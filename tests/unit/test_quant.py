@@ -396,14 +396,17 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
     m = _nf4_cpu_linear(64, 32)
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(1))
     _stays_off_on_cpu("GEMV_ENABLED", k4.gemv_applies, m, x)
-    assert k4.gemv_config(1, 4096, 4096, 64)["BLK"] == 6  # 128 groups x 11 shares
-    assert k4.gemv_config(1, 11008, 4096, 64)["BLK"] == 16  # 344 groups x 4 shares
-    assert k4.gemv_config(1, 4096, 11008, 64)["BLK"] == 15  # 128 groups x 12 shares
-    assert k4.gemv_config(1, 64, 128, 64)["BLK"] == 1  # a small weight: a share a block
+    old = dict(BLOCK_N=32, LUT=1, num_warps=1, num_stages=1)  # one feature a thread
+    assert k4.gemv_config(1, 4096, 4096, 64, old)["BLK"] == 6  # 128 groups x 11 shares
+    assert k4.gemv_config(1, 11008, 4096, 64, old)["BLK"] == 16  # 344 groups x 4 shares
+    assert k4.gemv_config(1, 4096, 11008, 64, old)["BLK"] == 15  # 128 groups x 12 shares
+    assert k4.gemv_config(1, 64, 128, 64, old)["BLK"] == 1  # a small weight: a share a block
     lines = dict(KERNEL="lines", BLOCK_N=8, LUT=1, num_warps=1)  # shares: strides of 32 blocks
     assert k4.gemv_config(1, 4096, 4096, 64, lines)["BLK"] == 32  # 512 groups x 2 shares
     assert k4.gemv_config(1, 11008, 4096, 64, lines)["BLK"] == 64  # 1,376 groups x 1 share
     assert k4.gemv_config(1, 4096, 11008, 64, lines)["BLK"] == 64  # 512 groups x 3 shares
+    assert k4.gemv_config(1, 4096, 11008, 64, dict(lines, SB=16))["BLK"] == 64  # 11 strides
+    assert k4.gemv_config(1, 64, 128, 64, lines)["BLK"] == 32  # one stride
     flat = torch.zeros(64 * 32, dtype=torch.uint8)
     stats = (torch.ones(32), None, None, None)
     tile = k4.gemv_config(1, 64, 128, 64)
@@ -413,7 +416,8 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
         (torch.zeros(1, 128, dtype=bf), 128, tile, "blocksize 64"),
         (torch.zeros(1, 96, dtype=bf), 64, tile, "a multiple of 64"),
         (torch.zeros(1, 128), 64, tile, "bf16 or fp16"),
-        (torch.zeros(1, 128, dtype=bf), 64, dict(tile, BLOCK_N=64), "one feature a thread"),
+        (torch.zeros(1, 128, dtype=bf), 64, dict(old, BLOCK_N=64), "one feature a thread"),
+        (torch.zeros(1, 128, dtype=bf), 64, dict(tile, SB=12), "strides"),
     ]
     for xx, bs, cfg, why in cases:
         with pytest.raises(ValueError, match=why):

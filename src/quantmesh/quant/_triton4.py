@@ -301,37 +301,37 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
 def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
                   cnt_ptr, N, NBLK, KW, blk_per, n_slices, zero,
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NS: tl.constexpr, LUT: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
-    # y (1, N) = x (1, K) @ W^T with the lanes along K. A program owns BLOCK_N features and walks
-    # its share of K in strides of 32 blocks (2,048 codes), each in 8 steps of 32 words (4 bytes,
-    # 8 codes). In a step a thread holds one word of each of its features (a (BLOCK_N, 32, 4)
-    # tile of bytes, a word's 4 bytes in one thread), so one load of a warp reads a whole
-    # 128-byte line of a feature, and x's 4 int32 words for that word (16 bytes; word m: inputs
-    # 2m and 2m + 1, byte m's high and low nibble) are read once for all BLOCK_N features, in
-    # the same layout. `zero` (0 at run time) hides the words' alignment from the compiler,
-    # which would otherwise give a thread 16 bytes of codes and need x's 64 bytes for them in
-    # another layout (a conversion through shared memory every step); their contiguity puts
-    # the lanes along K. A stride's 32 absmax of a feature are loaded once, one a lane (a 1-D
-    # tensor: element i in lane i % 32 whatever layout the compiler picks for 2-D gathers), and
-    # each step takes its word's from the lane that holds it (a shuffle), so the 8-bit
-    # statistics cost one request a feature and stride, not one a step. Per code: its value shuffled from the lane that holds it (LUT 1) or loaded
-    # (LUT 0), one multiply-add. The fp32 sums of a feature are added across the lanes at the
-    # end; K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
+                  SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
+                  BF16: tl.constexpr):  # fmt: skip
+    # y (1, N) = x (1, K) @ W^T with the lanes along K. A program (one warp) owns BLOCK_N
+    # features and walks its share of K in strides of SB blocks (64 codes each; SB 8, 16 or 32),
+    # each in SB / 4 steps of 32 int32 words (8 codes each). In a step a thread holds one word
+    # of each of its features, so one load of a warp reads a whole 128-byte line of a feature,
+    # and x's 4 int32 words for that word (16 bytes; word m: inputs 2m and 2m + 1, byte m's high
+    # and low nibble) are read once for all BLOCK_N features. `zero` (0 at run time) hides the
+    # words' alignment from the compiler, which would otherwise give a thread 16 bytes of codes
+    # and need x's 64 bytes for them in another layout (a conversion through shared memory every
+    # step); their contiguity puts the lanes along K. A stride's SB absmax of a feature are
+    # loaded once, block l % SB in lane l (a 1-D tensor: element i in lane i % 32 whatever
+    # layout the compiler picks for 2-D gathers), and each step takes its word's from the lane
+    # that holds it (a shuffle): the 8-bit statistics cost one request a feature and stride.
+    # Per code: a shift, its value shuffled from the lane that holds it (LUT 1) or loaded
+    # (LUT 0), one fused multiply-add; per word and feature one more (the absmax). The fp32
+    # sums of a feature are added across the lanes at the end; K cut into shares as in
+    # qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
     c = tl.arange(0, 32)  # a step's words
-    j = tl.arange(0, 4)  # the bytes of a word
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
     if NESTED:
         off = tl.load(off_ptr)
-    row_q = q_ptr + rn_c[:, None, None] * KW  # int32 words of codes
-    sh = 8 * j[None, None, :]  # byte j of a word: its high nibble at bit 8j + 4, low at 8j
-    fi = tl.arange(0, BLOCK_N * 32)  # a stride's absmax, flat: feature fi // 32, block fi % 32
+    row_q = q_ptr + rn_c[:, None] * KW  # int32 words of codes
+    fi = tl.arange(0, BLOCK_N * 32)  # a stride's absmax, flat: feature fi // 32, lane fi % 32
     row_a = tl.minimum(pid_n * BLOCK_N + fi // 32, N - 1) * NBLK
     lane = zero
     tab = zero
@@ -339,33 +339,50 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
         lane = _lane_id(zero)
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-    for b0 in range(b_first, b_end, 32):
-        bl = b0 + fi % 32
+    for b0 in range(b_first, b_end, SB):
+        bl = b0 + (fi % 32) % SB
         am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED,
                        BS2).to(tl.int32, bitcast=True)  # fmt: skip
-        for s in tl.static_range(8):
+        for s in tl.static_range(SB // 4):
             wi = b0 * 8 + s * 32 + zero + c  # zero: 4-byte alignment, one word a thread
-            ok = (wi < b_end * 8)[None, :, None]
-            q = tl.load(row_q + wi[None, :, None], mask=ok, other=0)
-            xw = tl.load(x_ptr + wi[None, :, None] * 4 + j[None, None, :], mask=ok, other=0)
-            if BF16:
+            ok = wi < b_end * 8
+            q = tl.load(row_q + wi[None, :], mask=ok[None, :], other=0)
+            xw = tl.load(x_ptr + wi[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+                         mask=ok[None, :, None], other=0)  # fmt: skip
+            if BF16:  # the word's high (odd input) and low (even input) halves, as fp32
                 xe = (xw << 16).to(tl.float32, bitcast=True)
                 xo = (xw & -65536).to(tl.float32, bitcast=True)
             else:
                 xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
                 xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            vh = _code_value3(tab, lut_ptr, q >> (sh + 4), LUT)
-            vl = _code_value3(tab, lut_ptr, q >> sh, LUT)
+            e0, e1, e2, e3 = _split4(xe)
+            o0, o1, o2, o3 = _split4(xo)
+            part = _code_value2(tab, lut_ptr, q >> 4, LUT) * e0  # byte j: bits 8j + 4, 8j
+            part += _code_value2(tab, lut_ptr, q, LUT) * o0
+            part += _code_value2(tab, lut_ptr, q >> 12, LUT) * e1
+            part += _code_value2(tab, lut_ptr, q >> 8, LUT) * o1
+            part += _code_value2(tab, lut_ptr, q >> 20, LUT) * e2
+            part += _code_value2(tab, lut_ptr, q >> 16, LUT) * o2
+            part += _code_value2(tab, lut_ptr, q >> 28, LUT) * e3
+            part += _code_value2(tab, lut_ptr, q >> 24, LUT) * o3
             if LUT == 1:  # the word's absmax from the lane that loaded it
                 a = _shfl(am, s * 4 + (lane >> 3)).to(tl.float32, bitcast=True)
             else:  # the same values without a shuffle (Triton's interpreter has none)
-                a = tl.reshape(am, (BLOCK_N, 8, 4)).to(tl.float32, bitcast=True)  # block 4t + u
+                a = tl.reshape(am, (BLOCK_N, 8, 4)).to(tl.float32, bitcast=True)  # lane 4t + u
                 a = tl.sum(tl.where(tl.arange(0, 8)[None, :, None] == s, a, 0.0), axis=1)
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N, 4, 8))  # word 8u + v: block 4s + u
-            a = tl.reshape(a, (BLOCK_N, 32))
-            acc += tl.sum(vh * xe + vl * xo, axis=2) * a
+            acc += part * tl.reshape(a, (BLOCK_N, 32))
     _finish(tl.sum(acc, axis=1), rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
             NS)  # fmt: skip
+
+
+@triton.jit
+def _split4(t):
+    # (1, 32, 4) -> its four (1, 32) slices along the last axis, in order
+    a, b = tl.split(tl.reshape(t, (1, 32, 2, 2)))  # j = 2p + q: q = 0 (j 0, 2), q = 1 (j 1, 3)
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
 
 
 @triton.jit
@@ -378,7 +395,7 @@ def _lane_table(lut_ptr, lane):
 
 
 @triton.jit
-def _code_value3(tab, lut_ptr, nib, LUT: tl.constexpr):
+def _code_value2(tab, lut_ptr, nib, LUT: tl.constexpr):
     # the fp32 value of the low 4 bits of `nib`: shuffled from the lane holding it (tab, as in
     # _code_value; the shuffle reads only the low 5 bits and lanes j, j + 16 hold one entry) or
     # loaded (LUT 0)

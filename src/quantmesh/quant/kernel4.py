@@ -91,7 +91,10 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
 GEMV_MAX_ROWS = 1
-GEMV_TILE = dict(BLOCK_N=32, LUT=1, num_warps=1, num_stages=1)  # gemv_config's tiles
+# gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 4 features a warp, strides
+# of 32 blocks (docs/benchmarks.md, "Figures the code relies on")
+GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=4, SB=32, LUT=1, num_warps=1,
+                                 num_stages=1)  # fmt: skip
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 
 
@@ -252,7 +255,7 @@ def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
     """
     cfg = dict(GEMV_TILE if tile is None else tile)
     if not cfg.get("BLK"):
-        stride = 32 if cfg.get("KERNEL") == "lines" else 1  # the lines kernel's strides
+        stride = cfg.get("SB", 32) if cfg.get("KERNEL") == "lines" else 1  # its strides
         units = -(-max(1, in_f // blocksize) // stride)
         groups = -(-out_f // cfg["BLOCK_N"])
         warps = groups * cfg.get("num_warps", 1)
@@ -306,6 +309,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
     lines = cfg.get("KERNEL") == "lines"
+    if lines and cfg.get("SB", 32) not in (4, 8, 16, 32):
+        raise ValueError(f"the gemv's strides (SB) are 4, 8, 16 or 32 blocks, not {cfg}")
     if not lines and cfg.get("LUT", 0) == 1 and cfg["BLOCK_N"] != 32 * cfg.get("num_warps", 4):
         raise ValueError(
             f"the gemv's LUT 1 takes one feature a thread (BLOCK_N = 32 x num_warps), not {cfg}"
@@ -334,15 +339,15 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         part = torch.empty((slices, out_f), dtype=torch.float32, device=x.device)
     cnt = _counters(grid[0], x.device) if slices > 1 else y
     dummy = absmax  # pointers the kernel never reads (no nested statistics)
-    zero = (0,) if lines else ()  # hides the words' contiguity from the compiler (see there)
+    zero = (0,) if lines else ()  # hides the words' alignment from the compiler (see there)
+    extra = dict(SB=cfg.get("SB", 32)) if lines else {}
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32), absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
         out_f, nblk, in_f // 8, per, slices, *zero,
         BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
-        LUT=cfg.get("LUT", 0),
-        BF16=x.dtype == torch.bfloat16,
+        LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
     if keep is not None:
