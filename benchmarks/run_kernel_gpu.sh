@@ -16,10 +16,9 @@
 #   gemv     the lines gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
 #            bitsandbytes at one row (hot and cold weights, ranked cold), then Nsight Compute on
 #            the best tile and on bitsandbytes' 1-row kernel (q_proj shape)
-#   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels,
-#            with the gemv, and with the adapters' one-row products as matmuls, in one process,
-#            profiled (bench_decode.py --gemv --matmul-adapters --profile); then the CUDA
-#            decode tests
+#   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels and
+#            with the gemv, in one process, profiled (bench_decode.py --gemv --profile); then the
+#            CUDA decode tests with the gemv on
 #   peer     the same shape at batch 1: peft + bitsandbytes with transformers' generate (dynamic
 #            cache, then the compiled static cache), then qm.fast_decode, in one process
 #   gaps     qm.fast_decode with the gemv only, profiled: the GPU's idle time between kernels,
@@ -73,11 +72,12 @@ case "$STAGE" in
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
   decode)
-    say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels, the gemv, matmul adapters (profiled)"
-    timeout 380 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --matmul-adapters \
-      --profile --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
-    say "the CUDA decode tests"
-    timeout 180 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
+    say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
+    timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
+      --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
+    python3 -c "import json; r = json.load(open('$OUT/result_decode_qlora.json')); print(json.dumps({k: r.get(k, {}).get('call') for k in ('qm_profile', 'qm_profile_gemv')}))"
+    say "the CUDA decode tests with the gemv (QUANTMESH_GEMV=1)"
+    QUANTMESH_GEMV=1 timeout 180 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
   peer)
     say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
     timeout 450 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \

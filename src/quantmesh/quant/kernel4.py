@@ -91,9 +91,10 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
 GEMV_MAX_ROWS = 1
-# gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 4 features a warp, strides
-# of 32 blocks (docs/benchmarks.md, "Figures the code relies on")
-GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=4, SB=32, LUT=1, num_warps=1,
+# gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 2 features a warp, strides
+# of 32 blocks: the fastest timed on the 7B shapes (docs/benchmarks.md, "Figures the code relies
+# on")
+GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=2, SB=32, LUT=1, num_warps=1,
                                  num_stages=1)  # fmt: skip
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 
