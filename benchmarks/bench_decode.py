@@ -77,13 +77,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--gemv",
         action="store_true",
-        help="qlora: also greedy with quantmesh's gemv (kernel4.GEMV_ENABLED: one row) in "
-        "place of bitsandbytes' matmul_4bit, in the same process (profiled too with --profile)",
+        help="qlora: also greedy with kernel4.GEMV_ENABLED flipped (quantmesh's one-row gemv, on "
+        "by default, against bitsandbytes' matmul_4bit), in the same process (profiled too with "
+        "--profile): qm_greedy_bnb when the gemv is on at the start, else qm_greedy_gemv",
     )
     p.add_argument(
         "--gemv-tile",
         default=None,
-        help="with --gemv: the gemv's tiles as JSON (kernel4.gemv_config's keys), else the library's",
+        help="the gemv's tiles as JSON (kernel4.gemv_config's keys), else the library's",
     )
     p.add_argument(
         "--profile",
@@ -357,7 +358,9 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     from quantmesh.lora import adapter
     from quantmesh.quant import kernel4
 
-    R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=1: every run takes it
+    R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
+    if a.gemv_tile:  # every run that takes the gemv
+        kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
     R["build_qm"] = {
         "adapters": fill_adapters(model, a.seed),
         "s": round(time.perf_counter() - t0, 2),
@@ -379,12 +382,11 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         with qb.record_errors(R, "qm_profile_error"):
             R["qm_profile"] = profile_decode(model, ids, a)
         qb.write_json(out_path, R)
-    if a.greedy and a.gemv:  # quantmesh's gemv in every quantized linear, one row
-        if a.gemv_tile:
-            kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
+    if a.greedy and a.gemv:  # quantmesh's gemv (one row) against bitsandbytes' kernel
         R["gemv_tile"] = dict(kernel4.GEMV_TILE)
-        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_gemv", kernel4, "GEMV_ENABLED",
-                   True)  # fmt: skip
+        on = kernel4.GEMV_ENABLED
+        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_bnb" if on else "qm_greedy_gemv",
+                   kernel4, "GEMV_ENABLED", not on)  # fmt: skip
     if a.greedy and a.matmul_adapters:  # the adapters' one-row products as matmuls
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_matmul_adapters", adapter,
                    "LEAN_ROWS", False)  # fmt: skip

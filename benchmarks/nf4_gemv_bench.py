@@ -17,7 +17,7 @@ GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; th
 bf16) / time. The PTX (and SASS where nvdisasm is found) of the best tile is written beside the JSON.
 
 Usage (CUDA only, from the repository root, bitsandbytes importable):
-    python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2]
+    python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2] [--tiles JSON]
 Writes DIR/nf4_gemv.json (default DIR: .bench/gemv); stops sweeping once --budget-s seconds
 (default 150) have passed since the start, noting the tiles not run.
 """
@@ -228,7 +228,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".bench/gemv")
     p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this")
     p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
+    p.add_argument("--tiles", default=None, help="a JSON list of tiles in place of CONFIGS")
     a = p.parse_args(argv)
+    if a.tiles:
+        CONFIGS[:] = json.loads(a.tiles)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

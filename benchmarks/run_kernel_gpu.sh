@@ -20,7 +20,8 @@
 #            with the gemv, in one process, profiled (bench_decode.py --gemv --profile); then the
 #            CUDA decode tests with the gemv on
 #   peer     the same shape at batch 1: peft + bitsandbytes with transformers' generate (dynamic
-#            cache, then the compiled static cache), then qm.fast_decode, in one process
+#            cache, then the compiled static cache), then qm.fast_decode, in one process; then,
+#            with TILES (a JSON list), nf4_gemv_bench.py on those gemv tiles
 #   gaps     qm.fast_decode with the gemv only, profiled: the GPU's idle time between kernels,
 #            by the kind of kernel before and after each gap
 #   b32      qm.fast_decode on the same shape at batch 32
@@ -80,8 +81,13 @@ case "$STAGE" in
     QUANTMESH_GEMV=1 timeout 180 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
   peer)
     say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
-    timeout 450 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -6 ;;
+    timeout 400 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -6
+    if [ -n "${TILES:-}" ]; then
+      say "gemv tiles: $TILES"
+      timeout 150 python3 benchmarks/nf4_gemv_bench.py --budget-s 120 --tiles "$TILES" \
+        --out "$OUT/tiles" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -24
+    fi ;;
   gaps)
     say "decode with the gemv only (QUANTMESH_GEMV=1), profiled: where the GPU idles"
     QUANTMESH_GEMV=1 timeout 200 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile \

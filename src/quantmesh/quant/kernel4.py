@@ -87,9 +87,10 @@ DEQUANT_MIN_ROWS = 8
 # at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
-# The gemv (`matmul_4bit_gemv`, one row): one thread per output feature, its products summed
-# in the thread. QUANTMESH_GEMV=1 turns it on (off: bitsandbytes' kernels, as before).
-GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=False)
+# The gemv (`matmul_4bit_gemv`, one row): on by default, 1.28x faster decoding than bitsandbytes'
+# 1-row kernel on an H200 (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0
+# turns it off (bitsandbytes' kernels, as before).
+GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=True)
 GEMV_MAX_ROWS = 1
 # gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 2 features a warp, strides
 # of 32 blocks: the fastest timed on the 7B shapes (docs/benchmarks.md, "Figures the code relies
