@@ -21,7 +21,8 @@
 #            CUDA decode tests with the gemv on
 #   peer     the same shape at batch 1: peft + bitsandbytes with transformers' generate (dynamic
 #            cache, then the compiled static cache), then qm.fast_decode, in one process; then,
-#            with TILES (a JSON list), nf4_gemv_bench.py on those gemv tiles
+#            with TILES (a JSON list), the lines gemv's CUDA tests and nf4_gemv_bench.py on
+#            those gemv tiles (NOPEER=1: those alone)
 #   gaps     qm.fast_decode with the gemv only, profiled: the GPU's idle time between kernels,
 #            by the kind of kernel before and after each gap
 #   b32      qm.fast_decode on the same shape at batch 32
@@ -80,12 +81,17 @@ case "$STAGE" in
     say "the CUDA decode tests with the gemv (QUANTMESH_GEMV=1)"
     QUANTMESH_GEMV=1 timeout 180 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
   peer)
-    say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
-    timeout 400 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -6
+    if [ -z "${NOPEER:-}" ]; then
+      say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
+      timeout 400 python3 benchmarks/bench_decode.py --mode qlora --greedy --out "$OUT" 2>&1 \
+        | grep -v "Warning\|warnings.warn" | tail -6
+    fi
     if [ -n "${TILES:-}" ]; then
+      say "the lines gemv's CUDA tests"
+      timeout 170 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+        -k gemv_lines 2>&1 | tail -3
       say "gemv tiles: $TILES"
-      timeout 150 python3 benchmarks/nf4_gemv_bench.py --budget-s 120 --tiles "$TILES" \
+      timeout 130 python3 benchmarks/nf4_gemv_bench.py --budget-s 100 --tiles "$TILES" \
         --out "$OUT/tiles" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -24
     fi ;;
   gaps)
