@@ -17,20 +17,12 @@ def absmax_of(am_ptr, am2_ptr, code2_ptr, off, blk, mask, NESTED: tl.constexpr,
               BS2: tl.constexpr):  # fmt: skip
     # the fp32 absmax of blocks `blk` (0 where masked): bitsandbytes' dequantize_blockwise
     # of the 8-bit statistics plus the offset, under double quant
-    raw = tl.load(am_ptr + blk, mask=mask, other=0)
-    return absmax_from(raw, am2_ptr, code2_ptr, off, blk, mask, NESTED, BS2)
-
-
-@triton.jit
-def absmax_from(raw, am2_ptr, code2_ptr, off, blk, mask, NESTED: tl.constexpr,
-                BS2: tl.constexpr):  # fmt: skip
-    # absmax_of with the statistics of blocks `blk` already loaded (`raw`: 8-bit codes under
-    # double quant, else the fp32 absmax)
-    a = raw
     if NESTED:
-        a = tl.load(code2_ptr + raw.to(tl.int32)) * tl.load(am2_ptr + blk // BS2, mask=mask,
-                                                            other=0.0)  # fmt: skip
+        c = tl.load(am_ptr + blk, mask=mask, other=0).to(tl.int32)
+        a = tl.load(code2_ptr + c) * tl.load(am2_ptr + blk // BS2, mask=mask, other=0.0)
         a = a + off
+    else:
+        a = tl.load(am_ptr + blk, mask=mask, other=0.0)
     return tl.where(mask, a, 0.0)
 
 
@@ -309,8 +301,8 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
 def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
                   cnt_ptr, N, NBLK, KW, blk_per, n_slices, zero,
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr, BF16: tl.constexpr,
-                  PF: tl.constexpr):  # fmt: skip
+                  SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
+                  BF16: tl.constexpr):  # fmt: skip
     # y (1, N) = x (1, K) @ W^T with the lanes along K. A program (one warp) owns BLOCK_N
     # features and walks its share of K in strides of SB blocks (64 codes each; SB 8, 16 or 32),
     # each in SB / 4 steps of 32 int32 words (8 codes each). In a step a thread holds one word
@@ -323,7 +315,6 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # loaded once, block l % SB in lane l (a 1-D tensor: element i in lane i % 32 whatever
     # layout the compiler picks for 2-D gathers), and each step takes its word's from the lane
     # that holds it (a shuffle): the 8-bit statistics cost one request a feature and stride.
-    # PF 1: a stride's 8-bit statistics are loaded during the stride before.
     # Per code: a shift, its value shuffled from the lane that holds it (LUT 1) or loaded
     # (LUT 0), one fused multiply-add; per word and feature one more (the absmax). The fp32
     # sums of a feature are added across the lanes at the end; K cut into shares as in
@@ -348,17 +339,10 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
         lane = _lane_id(zero)
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
-    bl = b_first + (fi % 32) % SB
-    raw_next = tl.load(am_ptr + row_a + bl, mask=bl < b_end, other=0)  # PF 1: a stride ahead
     for b0 in range(b_first, b_end, SB):
         bl = b0 + (fi % 32) % SB
-        if PF == 1:  # this stride's statistics came with the last; the next one's are asked for
-            raw = raw_next
-            raw_next = tl.load(am_ptr + row_a + bl + SB, mask=bl + SB < b_end, other=0)
-            am = absmax_from(raw, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED, BS2)
-        else:
-            am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED, BS2)
-        am = am.to(tl.int32, bitcast=True)
+        am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED,
+                       BS2).to(tl.int32, bitcast=True)  # fmt: skip
         for s in tl.static_range(SB // 4):
             wi = b0 * 8 + s * 32 + zero + c  # zero: 4-byte alignment, one word a thread
             ok = wi < b_end * 8

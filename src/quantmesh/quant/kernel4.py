@@ -342,7 +342,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     cnt = _counters(grid[0], x.device) if slices > 1 else y
     dummy = absmax  # pointers the kernel never reads (no nested statistics)
     zero = (0,) if lines else ()  # hides the words' alignment from the compiler (see there)
-    extra = dict(SB=cfg.get("SB", 32), PF=cfg.get("PF", 0)) if lines else {}
+    extra = dict(SB=cfg.get("SB", 32)) if lines else {}
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32), absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
