@@ -1,9 +1,11 @@
-"""The Triton kernel of `quant/kernel4.py` (imported only where Triton is installed): see there.
+"""The Triton kernels of `quant/kernel4.py` (imported only where Triton is installed): see there.
 
 x (M, K) @ W^T for W's 4-bit codes packed two per byte (high nibble first, blocks of `BS` over the
 flattened (N, K) weight, one absmax each: fp32, or 8-bit + nested fp32 absmax per `BS2` blocks +
-an offset under double quant). `lut_ptr` holds the 16 code values (fp32). One program: BLOCK_N output features, a 1/SPLIT_K share
-of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1 it writes fp32 partial sums (y: SPLIT_K, M, N).
+an offset under double quant). `lut_ptr` holds the 16 code values (fp32). `rows_4bit`: one program
+owns BLOCK_N output features, a 1/SPLIT_K share of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1
+it writes fp32 partial sums (y: SPLIT_K, M, N). The one-row gemvs (`qm_gemv_lines`,
+`qm_gemv_4bit`) and the dequantize (`dequant_4bit`) say their own layouts.
 """
 
 import triton

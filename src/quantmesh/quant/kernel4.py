@@ -1,38 +1,41 @@
-"""A 4-bit matmul for a few rows (decoding): x (M <= 64, K) @ W^T, W in bitsandbytes' packed
-4-bit layout, read once, never written out in float. Opt-in (`ENABLED`, off by default): it is
-not yet faster than bitsandbytes' own kernels (the figures: docs/benchmarks.md, "Figures the code
-relies on"), so the library's path stays bitsandbytes' until it is.
+"""4-bit matmuls on bitsandbytes' packed codes, read once and never written out in float: the
+one-row gemv (decoding one sequence; on by default), and, opt-in, a kernel for a few rows and a
+dequantize for many.
 
-bitsandbytes' `matmul_4bit` runs its gemv kernel at 1 row and dequantizes the whole weight to
-bf16 (then a dense matmul) from a few rows on. This Triton kernel streams the packed codes and the
-block statistics once per call: each program owns `BLOCK_N` output features and walks K, turning
-each byte into its two 4-bit values (high nibble first) through the 16 code values (fp32, one
-cache line), scaling them by the block's absmax (8-bit with a nested fp32 absmax and an offset
+One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_lines`), on by default (`GEMV_ENABLED`;
+QUANTMESH_GEMV=0 turns it off). The lanes of a warp run along K: in a step each lane holds one
+int32 word (8 codes) of each of the program's features, so a warp's load reads whole 128-byte
+lines, and x's 16 bytes for that word are read once for all its features. A stride's absmax are
+loaded one block a lane and taken by each step from the lane that holds them, and each code's
+value from the lane that holds it (warp shuffles). One warp a program, `GEMV_TILE`'s features
+(2) a warp, K in strides of 32 blocks; `gemv_config` cuts K into shares only where a grid would
+otherwise hold too few warps, and the shares' fp32 partials are added in a fixed order (the same
+bits every call). On an H200 it takes 0.58-0.63x the time of bitsandbytes' 1-row kernel on the 7B
+shapes, and batch-1 decoding of the 7B nf4 + LoRA shape ran 1.28x faster with it
+(docs/benchmarks.md, "A gemv with the lanes along K"). Its weights are bitsandbytes' own (the
+fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` computes it); the sums
+are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
+feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
+
+A few rows (opt-in, `ENABLED`): `matmul_4bit_rows`, a Triton kernel that streams the packed codes
+and the block statistics once per call: each program owns `BLOCK_N` output features and walks K,
+turning each byte into its two 4-bit values (high nibble first) through the 16 code values (fp32,
+one cache line), scaling them by the block's absmax (8-bit with a nested fp32 absmax and an offset
 under double quant, dequantized in the kernel) and multiplying them with all M rows at once
-(`tl.dot`, or a plain reduction along K at 1 row). The weight values are bitsandbytes' own: the
-fp32 product of the code value and the fp32 absmax, rounded to the compute dtype, exactly what
-`dequantize_4bit` writes; only the order of the sums differs from dequantize + matmul.
+(`tl.dot`, or a plain reduction along K at 1 row). It is not yet faster than bitsandbytes' own
+kernels (docs/benchmarks.md, "Figures the code relies on"). Blocks run over the flattened
+(out, in) weight, as bitsandbytes quantizes it, so any even `in` works (a block may span two rows
+when `in` is not a multiple of the blocksize); when it is, the kernel loads one absmax per block
+instead of one per byte. The block kernel (`_triton4.blocks_4bit`: whole 64-blocks, one absmax
+per block) is timed beside it by the benchmarks (`_launch` with `KERNEL="blocks"`), not used by
+the library.
 
-Blocks run over the flattened (out, in) weight, as bitsandbytes quantizes it, so any even `in`
-works (a block may span two rows when `in` is not a multiple of the blocksize); when it is, the
-kernel loads one absmax per block instead of one per byte.
-
-With `ENABLED = True`, `QuantLinear4bit.forward` (quant/bnb.py) takes it on CUDA when no autograd
-is recording, the compute dtype is bf16 or fp16 and the input has at most `MAX_ROWS` rows
-(`rows_kernel_applies`); everything else (CPU, training, longer inputs) keeps bitsandbytes' path.
-It is one torch custom op, `quantmesh::matmul_4bit_rows`, so `torch.compile` (fullgraph, CUDA
-graphs) traces it without a graph break. Tiles per row count: `choose_config`, the fastest of
-those timed (docs/benchmarks.md, "Figures the code relies on"). The block kernel
-(`_triton4.blocks_4bit`: whole 64-blocks, one absmax per block) is timed beside it by the
-benchmarks (`_launch` with `KERNEL="blocks"`), not used by the library.
-
-One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_4bit`), opt-in (`GEMV_ENABLED`,
-QUANTMESH_GEMV=1): one thread per output feature, its codes read 16 bytes at a time and summed in
-the thread, each code's value taken from the warp lane that holds it by a shuffle, K cut into
-shares whose fp32 partials the last share adds in a fixed order. It executes fewer instructions
-than bitsandbytes' 1-row kernel and is about as fast alone; inside a compiled decode step its
-kernels took less time, yet decoding was slower, for a reason not yet found, so it stays off
-(docs/benchmarks.md, "Figures the code relies on").
+`QuantLinear4bit.forward` (quant/bnb.py) takes a kernel on CUDA when no autograd is recording, the
+compute dtype is bf16 or fp16 and the input's rows are in its range (`gemv_applies`,
+`rows_kernel_applies`, `dequant_kernel_applies`); everything else (CPU, training, other inputs)
+keeps bitsandbytes' path. Each is one torch custom op (`quantmesh::gemv_4bit`,
+`quantmesh::matmul_4bit_rows`, `quantmesh::dequantize_4bit`), so `torch.compile` (fullgraph, CUDA
+graphs) traces it without a graph break.
 
 Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
 bit for bit), about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`),
@@ -232,8 +235,8 @@ def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
 
 def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype for `GEMV_MAX_ROWS` row(s), by the gemv
-    kernel (`_triton4.qm_gemv_4bit`: one thread per output feature); check `gemv_applies`
-    first.
+    (`launch_gemv` at `gemv_config`'s tile: `_triton4.qm_gemv_lines`, the lanes along K); check
+    `gemv_applies` first.
 
     Example:
         >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
@@ -289,11 +292,13 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
                 cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
-    """x (1, in) @ W^T -> (1, out) in x's dtype by `_triton4.qm_gemv_4bit` with tiles `cfg`
-    (`gemv_config`'s keys; the benchmark passes each candidate): BLOCK_N features a program (one
-    a thread), K cut into shares of BLK blocks (0: one share), LUT (0: each code's value loaded
-    from a table in L1; 1: taken from the warp's lane that holds it, by a shuffle, which needs
-    one feature a thread: BLOCK_N = 32 x num_warps), num_warps, num_stages. The blocksize must
+    """x (1, in) @ W^T -> (1, out) in x's dtype with tiles `cfg` (`gemv_config`'s keys; the
+    benchmark passes each candidate). KERNEL "lines": `_triton4.qm_gemv_lines` (the lanes along
+    K; BLOCK_N features a program, SB blocks a stride: 4, 8, 16 or 32; one warp is its fastest);
+    else `_triton4.qm_gemv_4bit` (one feature a thread). BLK: blocks a share of K (0: one
+    share); LUT: 1 takes each code's value (and, lines, each absmax) from the warp's lane that
+    holds it by a shuffle (`qm_gemv_4bit`: one feature a thread, BLOCK_N = 32 x num_warps), 0
+    loads them (Triton's interpreter runs only this); num_warps, num_stages. The blocksize must
     be 64 and `in` a multiple of it; anything else is refused before any launch. With more than
     one share, the programs of a group count themselves in a per-device int32 buffer kept zero
     between calls (`_counters`), so two such calls must not run at once on different streams.
