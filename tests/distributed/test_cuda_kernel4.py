@@ -274,18 +274,27 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
 
+    old = dict(BLOCK_N=32, LUT=lut, num_warps=1, num_stages=1)
+    _gemv_tiles_check(shape, nested, dtype, lambda out_f, in_f: [
+        k4.gemv_config(1, out_f, in_f, 64, old),
+        dict(BLOCK_N=64, BLK=0, LUT=lut, num_warps=2),  # one share: y written directly
+        dict(BLOCK_N=64, BLK=5, LUT=0, num_warps=1),  # 2 features a thread
+        dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=4),  # shares of 3 blocks
+    ])  # fmt: skip
+
+
+def _gemv_tiles_check(shape, nested, dtype, tiles_for):
+    """Each gemv tile of `tiles_for(out, in)` lands within its output's rounding of
+    x @ dequantize_4bit(W)^T (one row; a random nf4 weight of `shape`, blocksize 64) and gives the
+    same bits again."""
+    from quantmesh.quant import kernel4 as k4
+
     out_f, in_f = shape
     packed, qs = _quantized(out_f, in_f, nested, 64)
     flat = packed.reshape(-1).view(torch.uint8)
     stats = k4._statistics(qs, torch.device("cuda"))
     x = torch.randn(1, in_f, device="cuda", dtype=dtype)
-    tiles = [
-        k4.gemv_config(1, out_f, in_f, 64, dict(BLOCK_N=32, LUT=lut, num_warps=1, num_stages=1)),
-        dict(BLOCK_N=64, BLK=0, LUT=lut, num_warps=2),  # one share: y written directly
-        dict(BLOCK_N=64, BLK=5, LUT=0, num_warps=1),  # 2 features a thread
-        dict(BLOCK_N=128, BLK=3, LUT=lut, num_warps=4),  # shares of 3 blocks
-    ]
-    for cfg in tiles:
+    for cfg in tiles_for(out_f, in_f):
         y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
         _check(y, x, packed, qs, dtype, (shape, cfg))
         assert torch.equal(k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg), y)
@@ -305,24 +314,15 @@ def test_gemv_lines_is_dequantize_then_matmul(shape, nested, dtype):
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
 
-    out_f, in_f = shape
-    packed, qs = _quantized(out_f, in_f, nested, 64)
-    flat = packed.reshape(-1).view(torch.uint8)
-    stats = k4._statistics(qs, torch.device("cuda"))
-    x = torch.randn(1, in_f, device="cuda", dtype=dtype)
+    assert k4.GEMV_TILE["KERNEL"] == "lines"
     lines = dict(KERNEL="lines", LUT=1, num_warps=1, num_stages=1)
-    tiles = [
+    _gemv_tiles_check(shape, nested, dtype, lambda out_f, in_f: [
         k4.gemv_config(1, out_f, in_f, 64),  # the library's
         dict(lines, BLOCK_N=8, SB=16, BLK=16),  # shares of one stride
         dict(lines, BLOCK_N=2, SB=8, BLK=0),  # one share
         dict(lines, BLOCK_N=4, SB=4, BLK=12),  # shares of three strides
         dict(lines, BLOCK_N=4, SB=32, BLK=32, LUT=0),
-    ]
-    assert tiles[0]["KERNEL"] == "lines"
-    for cfg in tiles:
-        y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
-        _check(y, x, packed, qs, dtype, (shape, cfg))
-        assert torch.equal(k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg), y)
+    ])  # fmt: skip
 
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():

@@ -306,7 +306,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
                   BF16: tl.constexpr):  # fmt: skip
     # y (1, N) = x (1, K) @ W^T with the lanes along K. A program (one warp) owns BLOCK_N
-    # features and walks its share of K in strides of SB blocks (64 codes each; SB 8, 16 or 32),
+    # features and walks its share of K in strides of SB blocks (64 codes each; SB 4 to 32),
     # each in SB / 4 steps of 32 int32 words (8 codes each). In a step a thread holds one word
     # of each of its features, so one load of a warp reads a whole 128-byte line of a feature,
     # and x's 4 int32 words for that word (16 bytes; word m: inputs 2m and 2m + 1, byte m's high
@@ -318,9 +318,9 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # layout the compiler picks for 2-D gathers), and each step takes its word's from the lane
     # that holds it (a shuffle): the 8-bit statistics cost one request a feature and stride.
     # Per code: a shift, its value shuffled from the lane that holds it (LUT 1) or loaded
-    # (LUT 0), one fused multiply-add; per word and feature one more (the absmax). The fp32
-    # sums of a feature are added across the lanes at the end; K cut into shares as in
-    # qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
+    # (LUT 0: the interpreter's path, not fast), one fused multiply-add; per word and feature
+    # one more (the absmax). The fp32 sums of a feature are added across the lanes at the end;
+    # K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -351,7 +351,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             q = tl.load(row_q + wi[None, :], mask=ok[None, :], other=0)
             xw = tl.load(x_ptr + wi[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
                          mask=ok[None, :, None], other=0)  # fmt: skip
-            if BF16:  # the word's high (odd input) and low (even input) halves, as fp32
+            if BF16:  # the word's low half (input 2m) and high half (input 2m + 1), as fp32
                 xe = (xw << 16).to(tl.float32, bitcast=True)
                 xo = (xw & -65536).to(tl.float32, bitcast=True)
             else:

@@ -10,9 +10,9 @@ loaded one block a lane and taken by each step from the lane that holds them, an
 value from the lane that holds it (warp shuffles). One warp a program, `GEMV_TILE`'s features
 (2) a warp, K in strides of 32 blocks; `gemv_config` cuts K into shares only where a grid would
 otherwise hold too few warps, and the shares' fp32 partials are added in a fixed order (the same
-bits every call). On an H200 it takes 0.58-0.63x the time of bitsandbytes' 1-row kernel on the 7B
-shapes, and batch-1 decoding of the 7B nf4 + LoRA shape ran 1.28x faster with it
-(docs/benchmarks.md, "A gemv with the lanes along K"). Its weights are bitsandbytes' own (the
+bits every call). It is faster than bitsandbytes' 1-row kernel on the 7B shapes, alone and
+inside a compiled decode step (the figures: docs/benchmarks.md, "A gemv with the lanes along K",
+and "Figures the code relies on"). Its weights are bitsandbytes' own (the
 fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` computes it); the sums
 are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
@@ -90,9 +90,9 @@ DEQUANT_MIN_ROWS = 8
 # at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
-# The gemv (`matmul_4bit_gemv`, one row): on by default, 1.28x faster decoding than bitsandbytes'
-# 1-row kernel on an H200 (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0
-# turns it off (bitsandbytes' kernels, as before).
+# The gemv (`matmul_4bit_gemv`, one row): on by default, decoding faster than with bitsandbytes'
+# 1-row kernel (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0 turns it off
+# (bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=True)
 GEMV_MAX_ROWS = 1
 # gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 2 features a warp, strides
@@ -249,9 +249,10 @@ def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
     """The gemv's tiles for an (out_f, in_f) weight: `tile` (default `GEMV_TILE`: KERNEL, "lines"
     for `_triton4.qm_gemv_lines`, else `qm_gemv_4bit`; BLOCK_N features a program; LUT, how a
     code's value is found; num_warps, num_stages), with K cut into shares of BLK blocks (the
-    lines kernel: a multiple of its strides of 32 blocks) so that the grid holds about
-    `GEMV_WARPS` warps, unless the tile sets BLK: the fastest of those timed on the 7B shapes
-    took 1,400 to 2,000 (docs/benchmarks.md, "Figures the code relies on").
+    lines kernel: a multiple of its strides of SB blocks) so that the grid holds about
+    `GEMV_WARPS` warps, unless the tile sets BLK. The one-thread-a-feature kernel was fastest at
+    1,400 to 2,000 warps; the lines tile takes one share on every 7B shape (2,048 to 5,504
+    warps), faster than with more (docs/benchmarks.md, "Figures the code relies on").
 
     Example:
         >>> old = dict(BLOCK_N=32, LUT=1, num_warps=1, num_stages=1)
