@@ -42,19 +42,19 @@ SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
 CALLS, REPLAYS, COPIES = 16, 50, 8
 TOL = 1e-2  # relative error of the norms against the bf16 reference
 # Tiles (`kernel4.gemv_config`'s keys), the likeliest first (a budget cut keeps them). KERNEL
-# "lines": `qm_gemv_lines` (lanes along K), BLOCK_N features a program (one warp: with more,
-# Triton moves x through shared memory every step), SB blocks a stride, BLK blocks a share (None:
-# gemv_config cuts K for about GEMV_WARPS warps, in whole strides), LUT 1 (code values and
-# absmax shuffled from the lane that holds them). Else `qm_gemv_4bit` (one feature a thread).
-_L = dict(KERNEL="lines", LUT=1, num_warps=1, num_stages=1)
+# "lines": `qm_gemv_lines` (lanes along K), BLOCK_N features a program, SB blocks a stride, WK
+# warps splitting K (num_warps = WK), BLK blocks a share (None: gemv_config cuts K for about
+# GEMV_WARPS warps, in whole strides), LUT 1 (code values and absmax shuffled from the lane that
+# holds them). Else `qm_gemv_4bit` (one feature a thread). The first is the library's tile.
+_L = dict(KERNEL="lines", LUT=1, SB=32, BLK=None, num_warps=1, num_stages=1)
 CONFIGS = [
-    dict(_L, BLOCK_N=4, SB=32, BLK=None),
-    dict(_L, BLOCK_N=4, SB=16, BLK=None),
-    dict(_L, BLOCK_N=4, SB=16, BLK=16),
-    dict(_L, BLOCK_N=4, SB=8, BLK=8),
-    dict(_L, BLOCK_N=4, SB=8, BLK=16),
-    dict(_L, BLOCK_N=2, SB=32, BLK=None),
-    dict(_L, BLOCK_N=2, SB=16, BLK=16),
+    dict(_L, BLOCK_N=2),
+    dict(_L, BLOCK_N=2, WK=2, num_warps=2),
+    dict(_L, BLOCK_N=2, WK=4, num_warps=4),
+    dict(_L, BLOCK_N=4, WK=4, num_warps=4),
+    dict(_L, BLOCK_N=1, WK=8, num_warps=8),
+    dict(_L, BLOCK_N=4, WK=2, num_warps=2),
+    dict(_L, BLOCK_N=4),
     dict(_L, BLOCK_N=8, SB=16, BLK=16),
 ]
 
@@ -211,8 +211,8 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["cold_us"]):
         c = s["cfg"]
-        name = "{} n{BLOCK_N} sb{} blk{BLK} lut{LUT} w{num_warps}".format(
-            c.get("KERNEL", "gemv"), c.get("SB", "-"), **c)  # fmt: skip
+        name = "{} n{BLOCK_N} sb{} wk{} blk{BLK} lut{LUT} w{num_warps}".format(
+            c.get("KERNEL", "gemv"), c.get("SB", "-"), c.get("WK", 1), **c)  # fmt: skip
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")

@@ -309,8 +309,9 @@ def test_gemv_lines_is_dequantize_then_matmul(shape, nested, dtype):
     """The gemv with the lanes along K (`KERNEL="lines"`, the library's tile) lands within its
     output's rounding of x @ dequantize_4bit(W)^T for the 7B shapes and odd ones (`out` not a
     multiple of a program's features, `in` not of a stride), with K in one share and in shares
-    of one stride, strides of 32, 16, 8 and 4 blocks, each code's value and absmax shuffled
-    from the lane that holds it (LUT 1) and loaded (LUT 0), and gives the same bits again."""
+    of one stride, strides of 32, 16, 8 and 4 blocks, a program's warps splitting K (WK 2, 4),
+    each code's value and absmax shuffled from the lane that holds it (LUT 1) and loaded (LUT 0),
+    and gives the same bits again."""
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
 
@@ -322,6 +323,8 @@ def test_gemv_lines_is_dequantize_then_matmul(shape, nested, dtype):
         dict(lines, BLOCK_N=2, SB=8, BLK=0),  # one share
         dict(lines, BLOCK_N=4, SB=4, BLK=12),  # shares of three strides
         dict(lines, BLOCK_N=4, SB=32, BLK=32, LUT=0),
+        dict(lines, BLOCK_N=2, SB=32, BLK=0, WK=4, num_warps=4),  # warps splitting K
+        dict(lines, BLOCK_N=4, SB=16, BLK=16, WK=2, num_warps=2),
     ])  # fmt: skip
 
 

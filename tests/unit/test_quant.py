@@ -418,6 +418,8 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
         (torch.zeros(1, 128), 64, tile, "bf16 or fp16"),
         (torch.zeros(1, 128, dtype=bf), 64, dict(old, BLOCK_N=64), "one feature a thread"),
         (torch.zeros(1, 128, dtype=bf), 64, dict(tile, SB=12), "strides"),
+        (torch.zeros(1, 128, dtype=bf), 64, dict(tile, WK=2), "must be its num_warps"),
+        (torch.zeros(1, 128, dtype=bf), 64, dict(tile, SB=4, WK=2, num_warps=2), "SB a multiple"),
     ]
     for xx, bs, cfg, why in cases:
         with pytest.raises(ValueError, match=why):

@@ -304,7 +304,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                   cnt_ptr, N, NBLK, KW, blk_per, n_slices, zero,
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
-                  BF16: tl.constexpr):  # fmt: skip
+                  BF16: tl.constexpr, WK: tl.constexpr = 1):  # fmt: skip
     # y (1, N) = x (1, K) @ W^T with the lanes along K. A program (one warp) owns BLOCK_N
     # features and walks its share of K in strides of SB blocks (64 codes each; SB 4 to 32),
     # each in SB / 4 steps of 32 int32 words (8 codes each). In a step a thread holds one word
@@ -321,32 +321,40 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # (LUT 0: the interpreter's path, not fast), one fused multiply-add; per word and feature
     # one more (the absmax). The fp32 sums of a feature are added across the lanes at the end;
     # K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
+    # WK > 1 (num_warps = WK): the program's warps split K. A step reads WK x 32 consecutive
+    # words of each feature, warp w words [32w, 32w + 32); a stride's SB blocks are spread over
+    # the warps, each warp's lanes holding the absmax of the blocks its own steps read (lane
+    # 4t + u: block 4 (t WK + w) + u, read by step t); the warps' sums are added at the end.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
-    c = tl.arange(0, 32)  # a step's words
+    c = tl.arange(0, 32 * WK)  # a step's words (warp c // 32)
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
     if NESTED:
         off = tl.load(off_ptr)
     row_q = q_ptr + rn_c[:, None] * KW  # int32 words of codes
-    fi = tl.arange(0, BLOCK_N * 32)  # a stride's absmax, flat: feature fi // 32, lane fi % 32
-    row_a = tl.minimum(pid_n * BLOCK_N + fi // 32, N - 1) * NBLK
+    # a stride's absmax, flat: feature fi // (32 WK), warp (fi // 32) % WK, lane fi % 32
+    fi = tl.arange(0, BLOCK_N * 32 * WK)
+    row_a = tl.minimum(pid_n * BLOCK_N + fi // (32 * WK), N - 1) * NBLK
     lane = zero
     tab = zero
     if LUT == 1:  # the thread's lane, a scalar (each thread its own: no layout moves it)
         lane = _lane_id(zero)
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
-    acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, 32 * WK), dtype=tl.float32)
     for b0 in range(b_first, b_end, SB):
-        bl = b0 + (fi % 32) % SB
+        if WK == 1:
+            bl = b0 + (fi % 32) % SB
+        else:
+            bl = b0 + 4 * (((fi % 32) // 4 % (SB // (4 * WK))) * WK + (fi // 32) % WK) + fi % 4
         am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED,
                        BS2).to(tl.int32, bitcast=True)  # fmt: skip
-        for s in tl.static_range(SB // 4):
-            wi = b0 * 8 + s * 32 + zero + c  # zero: 4-byte alignment, one word a thread
+        for s in tl.static_range(SB // (4 * WK)):
+            wi = b0 * 8 + s * 32 * WK + zero + c  # zero: 4-byte alignment, one word a thread
             ok = wi < b_end * 8
             q = tl.load(row_q + wi[None, :], mask=ok[None, :], other=0)
             xw = tl.load(x_ptr + wi[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
@@ -370,18 +378,18 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             if LUT == 1:  # the word's absmax from the lane that loaded it
                 a = _shfl(am, s * 4 + (lane >> 3)).to(tl.float32, bitcast=True)
             else:  # the same values without a shuffle (Triton's interpreter has none)
-                a = tl.reshape(am, (BLOCK_N, 8, 4)).to(tl.float32, bitcast=True)  # lane 4t + u
+                a = tl.reshape(am, (BLOCK_N * WK, 8, 4)).to(tl.float32, bitcast=True)  # 4t + u
                 a = tl.sum(tl.where(tl.arange(0, 8)[None, :, None] == s, a, 0.0), axis=1)
-                a = tl.broadcast_to(a[:, :, None], (BLOCK_N, 4, 8))  # word 8u + v: block 4s + u
-            acc += part * tl.reshape(a, (BLOCK_N, 32))
+                a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
+            acc += part * tl.reshape(a, (BLOCK_N, 32 * WK))
     _finish(tl.sum(acc, axis=1), rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
             NS)  # fmt: skip
 
 
 @triton.jit
 def _split4(t):
-    # (1, 32, 4) -> its four (1, 32) slices along the last axis, in order
-    a, b = tl.split(tl.reshape(t, (1, 32, 2, 2)))  # j = 2p + q: q = 0 (j 0, 2), q = 1 (j 1, 3)
+    # (1, n, 4) -> its four (1, n) slices along the last axis, in order
+    a, b = tl.split(tl.reshape(t, (1, t.shape[1], 2, 2)))  # j = 2p + q: q = 0 (j 0, 2), 1 (1, 3)
     t0, t2 = tl.split(a)
     t1, t3 = tl.split(b)
     return t0, t1, t2, t3

@@ -295,7 +295,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
     """x (1, in) @ W^T -> (1, out) in x's dtype with tiles `cfg` (`gemv_config`'s keys; the
     benchmark passes each candidate). KERNEL "lines": `_triton4.qm_gemv_lines` (the lanes along
-    K; BLOCK_N features a program, SB blocks a stride: 4, 8, 16 or 32; one warp is its fastest);
+    K; BLOCK_N features a program, SB blocks a stride: 4, 8, 16 or 32; WK warps splitting K,
+    num_warps = WK: one is the measured default, more not yet run on a GPU);
     else `_triton4.qm_gemv_4bit` (one feature a thread). BLK: blocks a share of K (0: one
     share); LUT: 1 takes each code's value (and, lines, each absmax) from the warp's lane that
     holds it by a shuffle (`qm_gemv_4bit`: one feature a thread, BLOCK_N = 32 x num_warps), 0
@@ -319,6 +320,12 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     lines = cfg.get("KERNEL") == "lines"
     if lines and cfg.get("SB", 32) not in (4, 8, 16, 32):
         raise ValueError(f"the gemv's strides (SB) are 4, 8, 16 or 32 blocks, not {cfg}")
+    wk = cfg.get("WK", 1)
+    if lines and (cfg.get("SB", 32) % (4 * wk) or cfg.get("num_warps", 1) != wk):
+        raise ValueError(
+            f"the gemv's warps splitting K (WK) must be its num_warps and divide a stride into "
+            f"steps of 4 blocks a warp (SB a multiple of 4 x WK), not {cfg}"
+        )
     if not lines and cfg.get("LUT", 0) == 1 and cfg["BLOCK_N"] != 32 * cfg.get("num_warps", 4):
         raise ValueError(
             f"the gemv's LUT 1 takes one feature a thread (BLOCK_N = 32 x num_warps), not {cfg}"
@@ -348,7 +355,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     cnt = _counters(grid[0], x.device) if slices > 1 else y
     dummy = absmax  # pointers the kernel never reads (no nested statistics)
     zero = (0,) if lines else ()  # hides the words' alignment from the compiler (see there)
-    extra = dict(SB=cfg.get("SB", 32)) if lines else {}
+    extra = dict(SB=cfg.get("SB", 32), WK=cfg.get("WK", 1)) if lines else {}
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32), absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
