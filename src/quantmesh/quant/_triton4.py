@@ -367,14 +367,14 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             e0, e1, e2, e3 = _split4(xe)
             o0, o1, o2, o3 = _split4(xo)
-            part = _code_value2(tab, lut_ptr, q >> 4, LUT) * e0  # byte j: bits 8j + 4, 8j
-            part += _code_value2(tab, lut_ptr, q, LUT) * o0
-            part += _code_value2(tab, lut_ptr, q >> 12, LUT) * e1
-            part += _code_value2(tab, lut_ptr, q >> 8, LUT) * o1
-            part += _code_value2(tab, lut_ptr, q >> 20, LUT) * e2
-            part += _code_value2(tab, lut_ptr, q >> 16, LUT) * o2
-            part += _code_value2(tab, lut_ptr, q >> 28, LUT) * e3
-            part += _code_value2(tab, lut_ptr, q >> 24, LUT) * o3
+            part = _code_value(tab, lut_ptr, q, 4, LUT) * e0  # byte j: bits 8j + 4, 8j
+            part += _code_value(tab, lut_ptr, q, 0, LUT) * o0
+            part += _code_value(tab, lut_ptr, q, 12, LUT) * e1
+            part += _code_value(tab, lut_ptr, q, 8, LUT) * o1
+            part += _code_value(tab, lut_ptr, q, 20, LUT) * e2
+            part += _code_value(tab, lut_ptr, q, 16, LUT) * o2
+            part += _code_value(tab, lut_ptr, q, 28, LUT) * e3
+            part += _code_value(tab, lut_ptr, q, 24, LUT) * o3
             if LUT == 1:  # the word's absmax from the lane that loaded it
                 a = _shfl(am, s * 4 + (lane >> 3)).to(tl.float32, bitcast=True)
             else:  # the same values without a shuffle (Triton's interpreter has none)
@@ -402,16 +402,6 @@ def _lane_table(lut_ptr, lane):
     for i in tl.static_range(16):
         t = tl.where(lane == i, tl.load(lut_ptr + i).to(tl.int32, bitcast=True), t)
     return t
-
-
-@triton.jit
-def _code_value2(tab, lut_ptr, nib, LUT: tl.constexpr):
-    # the fp32 value of the low 4 bits of `nib`: shuffled from the lane holding it (tab, as in
-    # _code_value; the shuffle reads only the low 5 bits and lanes j, j + 16 hold one entry) or
-    # loaded (LUT 0)
-    if LUT == 1:
-        return _shfl(tab, nib).to(tl.float32, bitcast=True)
-    return tl.load(lut_ptr + (nib & 15))
 
 
 @triton.jit
