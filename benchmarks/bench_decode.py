@@ -361,6 +361,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
     if a.gemv_tile:  # every run that takes the gemv
         kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
+    R["gemv_tile"] = dict(kernel4.GEMV_TILE)
     R["build_qm"] = {
         "adapters": fill_adapters(model, a.seed),
         "s": round(time.perf_counter() - t0, 2),
@@ -383,7 +384,6 @@ def run_qlora(a, R: dict, out_path: str) -> None:
             R["qm_profile"] = profile_decode(model, ids, a)
         qb.write_json(out_path, R)
     if a.greedy and a.gemv:  # quantmesh's gemv (one row) against bitsandbytes' kernel
-        R["gemv_tile"] = dict(kernel4.GEMV_TILE)
         on = kernel4.GEMV_ENABLED
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_bnb" if on else "qm_greedy_gemv",
                    kernel4, "GEMV_ENABLED", not on)  # fmt: skip
