@@ -1,7 +1,8 @@
 """quantmesh's gemv (`quantmesh.quant.kernel4.launch_gemv`: the Triton kernels
 `_triton4.qm_gemv_lines`, the lanes along K, and `qm_gemv_4bit`, one thread per output feature) against
-bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of its tiles at one row, then the
-best tile (the fastest on weights that do not fit in L2) and bitsandbytes cold.
+bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of its tiles at one row (or, with
+--rows, at each of a few row counts), then the best tile (the fastest on weights that do not fit
+in L2) and bitsandbytes cold.
 
 For each 7B shape (out, in) = 4096x4096, 11008x4096, 4096x11008 (nf4 with double quant, bf16 x,
 random weights quantized by bitsandbytes' quantize_4bit), every tile of `CONFIGS` is first checked
@@ -12,13 +13,18 @@ same weight every call stays in the H200's 50 MB L2 ("hot"); "cold" rotates over
 (more bytes than L2 holds), as decoding does (each layer's weights read once a token). Every tile
 is timed both ways and ranked cold. Tiles that
 fail to compile or to launch, or give wrong results, are skipped with a note. Peers in the same
-process: bitsandbytes' matmul_4bit (its gemv kernel at one row) and the bf16 weight (x @ w.t()).
+process: bitsandbytes' matmul_4bit ("bnb": its gemv kernel at one row, dequantize + matmul at
+more), quantmesh's Triton dequantize + one matmul ("qm_dequant_mm", more than one row) and the
+bf16 weight (x @ w.t()). At more than one row the tiles are `ROW_CONFIGS` (the library's tile for
+that many rows first).
 GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for
 bf16) / time. The PTX (and SASS where nvdisasm is found) of the best tile is written beside the JSON.
 
 Usage (CUDA only, from the repository root, bitsandbytes importable):
     python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2] [--tiles JSON]
-Writes DIR/nf4_gemv.json (default DIR: .bench/gemv); stops sweeping once --budget-s seconds
+                                         [--rows 1,2,4,8,16]
+Writes DIR/nf4_gemv.json (default DIR: .bench/gemv; with --rows, DIR/nf4_gemv_rows.json); stops
+sweeping once --budget-s seconds
 (default 150) have passed since the start, noting the tiles not run.
 """
 
@@ -57,6 +63,17 @@ CONFIGS = [
     dict(_L, BLOCK_N=4),
     dict(_L, BLOCK_N=8, SB=16, BLK=16),
 ]
+# At more than one row (--rows): the library's tile for that many rows is put first (run_shape);
+# then these
+ROW_CONFIGS = [
+    dict(_L, BLOCK_N=2),
+    dict(_L, BLOCK_N=1),
+    dict(_L, BLOCK_N=1, SB=16),
+    dict(_L, BLOCK_N=2, SB=16),
+    dict(_L, BLOCK_N=1, SB=8),
+    dict(_L, BLOCK_N=2, SB=8),
+    dict(_L, BLOCK_N=4, SB=8),
+]
 
 
 def bench_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
@@ -74,9 +91,11 @@ def gbps(nbytes: int, us: float) -> int:
     return round(nbytes / (us * 1e-6) / 1e9)
 
 
-def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: str) -> dict:
-    """One shape: the peers, every tile of CONFIGS at one row (checked, then timed) until the
-    budget, then the best and bitsandbytes cold."""
+def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: str,
+              rows: int = 1) -> dict:  # fmt: skip
+    """One shape at `rows` rows: the peers, every tile of CONFIGS (one row) or of the library's
+    tile and ROW_CONFIGS (more rows), checked, then timed, until the budget; then the best and
+    bitsandbytes cold."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
@@ -91,13 +110,22 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         weights.append((w, packed, qs, flat, stats))
     w, packed, qs, flat, stats = weights[0]
     nbytes = flat.numel() + qs.absmax.numel() + 4 * qs.state2.absmax.numel()
-    x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, in_f, device="cuda", dtype=torch.bfloat16)
     ref = x @ F.dequantize_4bit(packed, qs).t()  # bf16 weights, as bitsandbytes' multiply
-    r: dict = {"out": out_f, "in": in_f, "nf4_MB": round(nbytes / 1e6, 3), "peers": {}}
+    r: dict = {"out": out_f, "in": in_f, "rows": rows, "nf4_MB": round(nbytes / 1e6, 3),
+               "peers": {}}  # fmt: skip
     peers = {
-        "bnb_gemv": (partial(bnb.matmul_4bit, x, packed.t(), qs), nbytes),
+        "bnb": (partial(bnb.matmul_4bit, x, packed.t(), qs), nbytes),
         "bf16_mm": (partial(torch.matmul, x, w.t()), 2 * out_f * in_f),
     }
+    if rows > 1:
+        shape = (out_f, in_f)
+
+        def dequant_mm():
+            w = k4.dequantize_4bit(flat, *stats, 64, "nf4", shape, torch.bfloat16)
+            return x @ w.t()
+
+        peers["qm_dequant_mm"] = (dequant_mm, nbytes)
     for name, (fn, nb) in peers.items():
         try:
             err = rel_err(fn(), ref)
@@ -106,8 +134,9 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             r["peers"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     r["sweep"], r["skipped"], r["not_run"] = [], [], []
-    for tile in CONFIGS:
-        cfg = k4.gemv_config(1, out_f, in_f, 64, tile)  # BLK None: K cut for GEMV_WARPS warps
+    tiles = CONFIGS if rows == 1 else [k4.gemv_config(rows, out_f, in_f, 64), *ROW_CONFIGS]
+    for tile in tiles:
+        cfg = k4.gemv_config(rows, out_f, in_f, 64, tile)  # BLK None: K cut for GEMV_WARPS warps
         if time.time() - t_start > budget_s:
             r["not_run"].append(cfg)
             continue
@@ -115,7 +144,7 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
                              ref, nbytes, cfg, r["skipped"])  # fmt: skip
         if row is not None:
             c = cold(weights, x, out_f, cfg, nbytes, ("ours",))
-            row.update(cold_us=c["ours_1row_us"], cold_GBps=c["ours_1row_GBps"])
+            row.update(cold_us=c["ours_us"], cold_GBps=c["ours_GBps"])
             r["sweep"].append(row)
     good = sorted((s for s in r["sweep"] if s["same_after_replays"]), key=lambda s: s["cold_us"])
     if not good:
@@ -124,7 +153,9 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
     r["cold"] = cold(weights, x, out_f, best["cfg"], nbytes)
     keep: list = []
     k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
-    dump_asm(keep[-1], os.path.join(out_dir, f"gemv_{out_f}x{in_f}"))
+    dump_asm(
+        keep[-1], os.path.join(out_dir, f"gemv_{out_f}x{in_f}" + (f"_r{rows}" if rows > 1 else ""))
+    )
     return r
 
 
@@ -161,7 +192,7 @@ def check_and_time(fn, ref: torch.Tensor, nbytes: int, cfg: dict, skipped: list)
 def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int,
          names: tuple[str, ...] = ("ours", "bnb")) -> dict:  # fmt: skip
     """Microseconds per call with each call on the next of the COPIES weights (more bytes than L2
-    holds), at one row: the tile `cfg` ("ours") and bitsandbytes' matmul_4bit ("bnb")."""
+    holds), at x's rows: the tile `cfg` ("ours") and bitsandbytes' matmul_4bit ("bnb")."""
     import bitsandbytes as bnb
 
     from quantmesh.quant import kernel4 as k4
@@ -178,8 +209,8 @@ def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int,
             return k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
 
         us = qb.graph_us(fn, CALLS, REPLAYS)  # CALLS a multiple of COPIES: each weight alike
-        out[f"{name}_1row_us"] = round(us, 2)
-        out[f"{name}_1row_GBps"] = gbps(nbytes, us)
+        out[f"{name}_us"] = round(us, 2)
+        out[f"{name}_GBps"] = gbps(nbytes, us)
     return out
 
 
@@ -196,8 +227,8 @@ def dump_asm(compiled, stem: str) -> None:
 
 def table(r: dict) -> str:
     """A compact text table of one shape's results."""
-    lines = [f"--- out={r['out']} in={r['in']} ({r['nf4_MB']} MB nf4)"]
-    bnb_us = r["peers"].get("bnb_gemv", {}).get("us")
+    lines = [f"--- out={r['out']} in={r['in']} rows={r['rows']} ({r['nf4_MB']} MB nf4)"]
+    bnb_us = r["peers"].get("bnb", {}).get("us")
 
     def line(name: str, d: dict) -> str:
         if "us" not in d:
@@ -229,29 +260,36 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this")
     p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
     p.add_argument("--tiles", default=None, help="a JSON list of tiles in place of CONFIGS")
+    p.add_argument("--rows", default=None,
+                   help="row counts (e.g. 1,2,4,8,16): each shape at each, ROW_CONFIGS above 1")  # fmt: skip
     a = p.parse_args(argv)
     if a.tiles:
         CONFIGS[:] = json.loads(a.tiles)
+        ROW_CONFIGS[:] = json.loads(a.tiles)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     t_start = time.time()
     R: dict = {"bench": "nf4_gemv", "ok": False, "versions": qb.versions(),
                "calls_per_graph": CALLS, "replays": REPLAYS, "tol": TOL, "results": []}  # fmt: skip
-    path = os.path.join(a.out, "nf4_gemv.json")
+    path = os.path.join(a.out, "nf4_gemv_rows.json" if a.rows else "nf4_gemv.json")
+    row_counts = [int(s) for s in a.rows.split(",")] if a.rows else [1]
+    R["rows"] = row_counts
     os.makedirs(a.out, exist_ok=True)
     with qb.record_errors(R), torch.no_grad():
         torch.manual_seed(0)
-        for i in (int(s) for s in a.shapes.split(",")):
-            r = run_shape(*SHAPES[i], t_start, a.budget_s, a.out)
-            R["results"].append(r)
-            print(table(r), flush=True)
-            qb.write_json(path, R)
+        for rows in row_counts:
+            for i in (int(s) for s in a.shapes.split(",")):
+                r = run_shape(*SHAPES[i], t_start, a.budget_s, a.out, rows)
+                R["results"].append(r)
+                print(table(r), flush=True)
+                qb.write_json(path, R)
         R["ok"] = True
     R["wall_s"] = round(time.time() - t_start, 1)
     qb.write_json(path, R)
-    best = {f"{r['out']}x{r['in']}": r.get("best", {}).get("us") for r in R["results"]}
-    qb.log(json.dumps({"best_us": best, "wall_s": R["wall_s"], "json": path}))
+    best = {f"{r['out']}x{r['in']}x{r['rows']}": r.get("best", {}).get("cold_us")
+            for r in R["results"]}  # fmt: skip
+    qb.log(json.dumps({"best_cold_us": best, "wall_s": R["wall_s"], "json": path}))
     return 0 if R["ok"] else 1
 
 

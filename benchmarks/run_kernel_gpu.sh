@@ -16,6 +16,10 @@
 #   gemv     the lines gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
 #            bitsandbytes at one row (hot and cold weights, ranked cold), then Nsight Compute on
 #            the best tile and on bitsandbytes' 1-row kernel (q_proj shape)
+#   rows     the lines gemv at a few rows: its CUDA tests at 2-16 rows, then
+#            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 2,4,8,16): each 7B shape at each
+#            row count, the library's tile and ROW_CONFIGS against bitsandbytes' matmul_4bit and
+#            Triton's dequantize + matmul, hot and cold
 #   decode   qm.fast_decode on the 7B nf4 + LoRA shape at batch 1 with bitsandbytes' kernels and
 #            with the gemv, in one process, profiled (bench_decode.py --gemv --profile); then the
 #            CUDA decode tests with the gemv on
@@ -30,7 +34,7 @@
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, decode, peer, gaps or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, decode, peer, gaps or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -73,6 +77,12 @@ case "$STAGE" in
       --section LaunchStats --section Occupancy --section InstructionStats \
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
+  rows)
+    say "gemv rows tests"
+    timeout 240 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+      -k "gemv_lines_rows" 2>&1 | tail -4
+    timeout 300 python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-2,4,8,16}" --budget-s 260 \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -110 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
     timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \

@@ -283,17 +283,17 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     ])  # fmt: skip
 
 
-def _gemv_tiles_check(shape, nested, dtype, tiles_for):
+def _gemv_tiles_check(shape, nested, dtype, tiles_for, rows=1):
     """Each gemv tile of `tiles_for(out, in)` lands within its output's rounding of
-    x @ dequantize_4bit(W)^T (one row; a random nf4 weight of `shape`, blocksize 64) and gives the
-    same bits again."""
+    x @ dequantize_4bit(W)^T (`rows` rows; a random nf4 weight of `shape`, blocksize 64) and gives
+    the same bits again."""
     from quantmesh.quant import kernel4 as k4
 
     out_f, in_f = shape
     packed, qs = _quantized(out_f, in_f, nested, 64)
     flat = packed.reshape(-1).view(torch.uint8)
     stats = k4._statistics(qs, torch.device("cuda"))
-    x = torch.randn(1, in_f, device="cuda", dtype=dtype)
+    x = torch.randn(rows, in_f, device="cuda", dtype=dtype)
     for cfg in tiles_for(out_f, in_f):
         y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
         _check(y, x, packed, qs, dtype, (shape, cfg))
@@ -328,12 +328,35 @@ def test_gemv_lines_is_dequantize_then_matmul(shape, nested, dtype):
     ])  # fmt: skip
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4, 8, 13, 16])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize(
+    "shape", [(4096, 4096), (11008, 4096), (4096, 11008), (33, 192), (257, 640)]
+)
+def test_gemv_lines_rows_is_dequantize_then_matmul(shape, nested, rows):
+    """The lines gemv at a few rows (each code's value found once, multiplied with every row)
+    lands within its output's rounding of x @ dequantize_4bit(W)^T, rows past the last masked
+    off (3, 13: not a power of two), with the library's tile for that many rows, K in one share
+    and in shares, strides of 32, 16 and 8 blocks, fp16 too, and gives the same bits again."""
+    _need_cuda()
+    from quantmesh.quant import kernel4 as k4
+
+    lines = dict(KERNEL="lines", LUT=1, num_warps=1, num_stages=1)
+    for dtype in (torch.bfloat16, torch.float16):
+        _gemv_tiles_check(shape, nested, dtype, lambda out_f, in_f: [
+            k4.gemv_config(rows, out_f, in_f, 64),  # the library's
+            dict(lines, BLOCK_N=1, SB=8, BLK=0),  # one share
+            dict(lines, BLOCK_N=2, SB=16, BLK=16),  # shares of one stride
+            dict(lines, BLOCK_N=4, SB=8, BLK=24),  # shares of three strides
+        ], rows=rows)  # fmt: skip
+
+
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
     """QuantLinear4bit with `GEMV_ENABLED`: one row without autograd takes the gemv, in eager and
     inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the same bits), also when
     its first call is the compiled step's (its kept buffers must not come from the CUDA graphs'
-    pool: "tensors in the cudagraph pool not tracked as outputs" in fast_decode otherwise); two
-    rows and autograd keep the other paths."""
+    pool: "tensors in the cudagraph pool not tracked as outputs" in fast_decode otherwise); more
+    rows than `GEMV_MAX_ROWS` and autograd keep the other paths."""
     _need_cuda()
     import quantmesh.quant.kernel4 as k4
 
@@ -351,7 +374,8 @@ def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
         assert not k4.gemv_applies(x, qs, torch.bfloat16)  # autograd on
         with torch.no_grad():
             assert k4.gemv_applies(x, qs, torch.bfloat16)
-            assert not k4.gemv_applies(torch.randn(2, 4096, device="cuda"), qs, torch.bfloat16)
+            more = torch.randn(k4.GEMV_MAX_ROWS + 1, 4096, device="cuda")
+            assert not k4.gemv_applies(more, qs, torch.bfloat16)
             step = torch.compile(m.forward, fullgraph=True, mode="reduce-overhead")
             ys = [step(x).clone() for _ in range(4)]
             y = m(x)

@@ -411,8 +411,16 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
     stats = (torch.ones(32), None, None, None)
     tile = k4.gemv_config(1, 64, 128, 64)
     bf = torch.bfloat16
+    # more rows: the tile of the power of two at or above them; past the limit, refused
+    assert k4.gemv_config(3, 64, 128, 64)["SB"] == k4.GEMV_ROW_TILES[4]["SB"]
+    assert k4.gemv_config(13, 64, 128, 64)["BLOCK_N"] == k4.GEMV_ROW_TILES[16]["BLOCK_N"]
+    assert sorted(k4.GEMV_ROW_TILES) == [1, 2, 4, 8, 16] == [2**i for i in range(5)]
+    assert k4.GEMV_ROWS_LIMIT == 16 and k4.GEMV_MAX_ROWS <= k4.GEMV_ROWS_LIMIT
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        k4.gemv_config(17, 64, 128, 64)
     cases = [
-        (torch.zeros(2, 128, dtype=bf), 64, tile, "one row"),
+        (torch.zeros(17, 128, dtype=bf), 64, tile, "1 to 16 row"),
+        (torch.zeros(2, 128, dtype=bf), 64, dict(old, BLOCK_N=32), "1 to 1 row"),
         (torch.zeros(1, 128, dtype=bf), 128, tile, "blocksize 64"),
         (torch.zeros(1, 96, dtype=bf), 64, tile, "a multiple of 64"),
         (torch.zeros(1, 128), 64, tile, "bf16 or fp16"),

@@ -296,16 +296,21 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
         part = _chunk_dot(q0, x_ptr + b * 32, tab, lut_ptr, LUT, BF16)
         part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a
-    _finish(acc, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr, NS)
+    _finish(acc[None, :], tl.arange(0, 1), 1, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr,
+            part_ptr, cnt_ptr, NS)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["N", "NBLK", "blk_per", "n_slices", "zero"])
+@triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero"])
 def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
-                  cnt_ptr, N, NBLK, KW, blk_per, n_slices, zero,
+                  cnt_ptr, M, N, NBLK, KW, blk_per, n_slices, zero,
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
-                  BF16: tl.constexpr, WK: tl.constexpr = 1):  # fmt: skip
-    # y (1, N) = x (1, K) @ W^T with the lanes along K. A program (one warp) owns BLOCK_N
+                  BF16: tl.constexpr, WK: tl.constexpr = 1,
+                  ROWS: tl.constexpr = 1):  # fmt: skip
+    # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
+    # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
+    # no tensor cores: the codes are read once, the products cost M times one row's). A
+    # program (one warp) owns BLOCK_N
     # features and walks its share of K in strides of SB blocks (64 codes each; SB 4 to 32),
     # each in SB / 4 steps of 32 int32 words (8 codes each). In a step a thread holds one word
     # of each of its features, so one load of a warp reads a whole 128-byte line of a feature,
@@ -320,7 +325,8 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # Per code: a shift, its value shuffled from the lane that holds it (LUT 1) or loaded
     # (LUT 0: the interpreter's path, not fast), one fused multiply-add; per word and feature
     # one more (the absmax). The fp32 sums of a feature are added across the lanes at the end;
-    # K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes.
+    # K cut into shares as in qm_gemv_4bit (`_finish`). KW: int32 words a row of codes (x's
+    # rows are KW x 4 int32 words apart: x is contiguous).
     # WK > 1 (num_warps = WK): the program's warps split K. A step reads WK x 32 consecutive
     # words of each feature, warp w words [32w, 32w + 32); a stride's SB blocks are spread over
     # the warps, each warp's lanes holding the absmax of the blocks its own steps read (lane
@@ -331,6 +337,8 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     n_mask = rn < N
     rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
     c = tl.arange(0, 32 * WK)  # a step's words (warp c // 32)
+    rm = tl.arange(0, ROWS)
+    m_ok = rm < M
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
@@ -345,7 +353,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     if LUT == 1:  # the thread's lane, a scalar (each thread its own: no layout moves it)
         lane = _lane_id(zero)
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
-    acc = tl.zeros((BLOCK_N, 32 * WK), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N, 32 * WK), dtype=tl.float32)
     for b0 in range(b_first, b_end, SB):
         if WK == 1:
             bl = b0 + (fi % 32) % SB
@@ -357,16 +365,20 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             wi = b0 * 8 + s * 32 * WK + zero + c  # zero: 4-byte alignment, one word a thread
             ok = wi < b_end * 8
             q = tl.load(row_q + wi[None, :], mask=ok[None, :], other=0)
-            xw = tl.load(x_ptr + wi[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
-                         mask=ok[None, :, None], other=0)  # fmt: skip
+            # x's words (word, row, 4): words before rows, so that the lanes run along the words
+            # as the codes' do (rows first, the compiler spread rows over lanes too)
+            x_at = x_ptr + wi[:, None, None] * 4 + rm[None, :, None] * (KW * 4)
+            xw = tl.load(x_at + tl.arange(0, 4)[None, None, :],
+                         mask=ok[:, None, None] & m_ok[None, :, None], other=0)  # fmt: skip
             if BF16:  # the word's low half (input 2m) and high half (input 2m + 1), as fp32
                 xe = (xw << 16).to(tl.float32, bitcast=True)
                 xo = (xw & -65536).to(tl.float32, bitcast=True)
             else:
                 xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
                 xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            e0, e1, e2, e3 = _split4(xe)
+            e0, e1, e2, e3 = _split4(xe)  # (ROWS, 1, 32 WK) each
             o0, o1, o2, o3 = _split4(xo)
+            q = q[None, :, :]  # (1, BLOCK_N, 32 WK): each value found once for all rows
             part = _code_value(tab, lut_ptr, q, 4, LUT) * e0  # byte j: bits 8j + 4, 8j
             part += _code_value(tab, lut_ptr, q, 0, LUT) * o0
             part += _code_value(tab, lut_ptr, q, 12, LUT) * e1
@@ -381,18 +393,19 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 a = tl.reshape(am, (BLOCK_N * WK, 8, 4)).to(tl.float32, bitcast=True)  # 4t + u
                 a = tl.sum(tl.where(tl.arange(0, 8)[None, :, None] == s, a, 0.0), axis=1)
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
-            acc += part * tl.reshape(a, (BLOCK_N, 32 * WK))
-    _finish(tl.sum(acc, axis=1), rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
-            NS)  # fmt: skip
+            acc += part * tl.reshape(a, (1, BLOCK_N, 32 * WK))
+    _finish(tl.sum(acc, axis=2), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
+            cnt_ptr, NS)  # fmt: skip
 
 
 @triton.jit
 def _split4(t):
-    # (1, n, 4) -> its four (1, n) slices along the last axis, in order
-    a, b = tl.split(tl.reshape(t, (1, t.shape[1], 2, 2)))  # j = 2p + q: q = 0 (j 0, 2), 1 (1, 3)
+    # (n, m, 4) -> its four slices along the last axis, in order, each (m, 1, n)
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))  # j = 2p + q: q 0 (j 0, 2), 1
     t0, t2 = tl.split(a)
     t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
+    return (tl.trans(t0)[:, None, :], tl.trans(t1)[:, None, :], tl.trans(t2)[:, None, :],
+            tl.trans(t3)[:, None, :])  # fmt: skip
 
 
 @triton.jit
@@ -405,21 +418,25 @@ def _lane_table(lut_ptr, lane):
 
 
 @triton.jit
-def _finish(acc, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
+def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
             NS: tl.constexpr):  # fmt: skip
-    # y[rn] = the fp32 sums `acc` of this share of K: directly with one share (NS 1); else each
-    # share writes its partials (part: n_slices, N) and counts itself in cnt[pid_n], and the last
-    # adds them all in a fixed tree (deterministic), writes y and sets the count back to 0
+    # y[rm, rn] = the fp32 sums `acc` (rows rm < M, features rn) of this share of K: directly
+    # with one share (NS 1); else each share writes its partials (part: n_slices, M, N) and
+    # counts itself in cnt[pid_n], and the last adds them all in a fixed tree (deterministic),
+    # writes y and sets the count back to 0
+    mask = (rm < M)[:, None] & n_mask[None, :]
+    at = rm[:, None] * N + rn[None, :]
     if NS == 1:
-        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(part_ptr + pid_k * N + rn, acc, mask=n_mask)
+        tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the count says so
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == n_slices - 1:  # the last share: the others' partials are in
             rs = tl.arange(0, NS)  # every share's partials loaded at once, summed as a tree
-            at = part_ptr + rs[:, None] * N + rn[None, :]
-            mask = (rs < n_slices)[:, None] & n_mask[None, :]
-            tot = tl.sum(tl.load(at, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-            tl.store(y_ptr + rn, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
+            s_ok = (rs < n_slices)[:, None, None] & mask[None, :, :]
+            parts = tl.load(part_ptr + rs[:, None, None] * M * N + at[None, :, :], mask=s_ok,
+                            other=0.0, cache_modifier=".cg")  # fmt: skip
+            tot = tl.sum(parts, axis=0)
+            tl.store(y_ptr + at, tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)

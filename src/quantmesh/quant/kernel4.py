@@ -95,11 +95,21 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # (bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=True)
 GEMV_MAX_ROWS = 1
+GEMV_ROWS_LIMIT = 16  # the most rows `launch_gemv` takes (the lines kernel; registers grow with it)
 # gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 2 features a warp, strides
 # of 32 blocks: the fastest timed on the 7B shapes (docs/benchmarks.md, "Figures the code relies
 # on")
 GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=2, SB=32, LUT=1, num_warps=1,
                                  num_stages=1)  # fmt: skip
+# More rows (the power of two at or above them): more registers a feature (each row's sums and
+# inputs), so fewer features a program and shorter strides
+GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
+    1: GEMV_TILE,
+    2: GEMV_TILE,
+    4: dict(GEMV_TILE, SB=16),
+    8: dict(GEMV_TILE, BLOCK_N=1, SB=16),
+    16: dict(GEMV_TILE, BLOCK_N=1, SB=8),
+}
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 
 
@@ -246,9 +256,11 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
                 tile: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The gemv's tiles for an (out_f, in_f) weight: `tile` (default `GEMV_TILE`: KERNEL, "lines"
-    for `_triton4.qm_gemv_lines`, else `qm_gemv_4bit`; BLOCK_N features a program; LUT, how a
-    code's value is found; num_warps, num_stages), with K cut into shares of BLK blocks (the
+    """The gemv's tiles for `rows` rows of an (out_f, in_f) weight: `tile` (default
+    `GEMV_TILE` at one row, `GEMV_ROW_TILES`' for the power of two at or above `rows` at more;
+    KERNEL, "lines" for `_triton4.qm_gemv_lines`, else `qm_gemv_4bit`; BLOCK_N features a
+    program; SB blocks a stride; LUT, how a code's value is found; num_warps, num_stages), with K
+    cut into shares of BLK blocks (the
     lines kernel: a multiple of its strides of SB blocks) so that the grid holds about
     `GEMV_WARPS` warps, unless the tile sets BLK. The one-thread-a-feature kernel was fastest at
     1,400 to 2,000 warps; the lines tile takes one share on every 7B shape (2,048 to 5,504
@@ -259,7 +271,11 @@ def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
         >>> gemv_config(1, 4096, 4096, 64, old)["BLK"], gemv_config(1, 11008, 4096, 64, old)["BLK"]
         (6, 16)
     """
-    cfg = dict(GEMV_TILE if tile is None else tile)
+    if tile is None:
+        if not 1 <= rows <= GEMV_ROWS_LIMIT:
+            raise ValueError(f"the gemv takes 1 to {GEMV_ROWS_LIMIT} rows, not {rows}")
+        tile = GEMV_ROW_TILES[_pow2(rows)] if rows > 1 else GEMV_TILE
+    cfg = dict(tile)
     if not cfg.get("BLK"):
         stride = cfg.get("SB", 32) if cfg.get("KERNEL") == "lines" else 1  # its strides
         units = -(-max(1, in_f // blocksize) // stride)
@@ -268,6 +284,11 @@ def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
         shares = min(units, max(1, round(GEMV_WARPS / warps)))
         cfg["BLK"] = stride * -(-units // shares)
     return cfg
+
+
+def _pow2(n: int) -> int:
+    """The power of two at or above n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 @torch.library.custom_op("quantmesh::gemv_4bit", mutates_args=())
@@ -293,11 +314,12 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
                 cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
-    """x (1, in) @ W^T -> (1, out) in x's dtype with tiles `cfg` (`gemv_config`'s keys; the
+    """x (rows, in) @ W^T -> (rows, out) in x's dtype with tiles `cfg` (`gemv_config`'s keys; the
     benchmark passes each candidate). KERNEL "lines": `_triton4.qm_gemv_lines` (the lanes along
-    K; BLOCK_N features a program, SB blocks a stride: 4, 8, 16 or 32; WK warps splitting K,
-    num_warps = WK: one is the measured default, more not yet run on a GPU);
-    else `_triton4.qm_gemv_4bit` (one feature a thread). BLK: blocks a share of K (0: one
+    K, 1 to `GEMV_ROWS_LIMIT` rows, each code's value found once for all of them; BLOCK_N
+    features a program, SB blocks a stride: 4, 8, 16 or 32; WK warps splitting K, num_warps =
+    WK: one is the fastest measured); else `_triton4.qm_gemv_4bit` (one row, one feature a
+    thread). BLK: blocks a share of K (0: one
     share); LUT: 1 takes each code's value (and, lines, each absmax) from the warp's lane that
     holds it by a shuffle (`qm_gemv_4bit`: one feature a thread, BLOCK_N = 32 x num_warps), 0
     loads them (Triton's interpreter runs only this); num_warps, num_stages. The blocksize must
@@ -310,14 +332,16 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         >>> y = launch_gemv(x, flat, *stats, 64, "nf4", 4096, gemv_config(1, 4096, 4096, 64))  # doctest: +SKIP
     """
     rows, in_f = x.shape
-    if rows != 1 or blocksize != 64 or in_f % 64:
+    lines = cfg.get("KERNEL") == "lines"
+    most = GEMV_ROWS_LIMIT if lines else 1
+    if not 1 <= rows <= most or blocksize != 64 or in_f % 64:
         raise ValueError(
-            f"the gemv takes one row, blocksize 64 and `in` a multiple of 64, not {rows} rows, "
-            f"blocksize {blocksize}, in={in_f}: use matmul_4bit_rows"
+            f"the gemv takes 1 to {most} row(s) (the lines kernel {GEMV_ROWS_LIMIT}), blocksize "
+            f"64 and `in` a multiple of 64, not {rows} rows, blocksize {blocksize}, in={in_f}: "
+            f"use matmul_4bit_rows or bitsandbytes' matmul_4bit"
         )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
-    lines = cfg.get("KERNEL") == "lines"
     if lines and cfg.get("SB", 32) not in (4, 8, 16, 32):
         raise ValueError(f"the gemv's strides (SB) are 4, 8, 16 or 32 blocks, not {cfg}")
     wk = cfg.get("WK", 1)
@@ -348,19 +372,24 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     per = cfg.get("BLK") or nblk
     slices = triton.cdiv(nblk, per)
     grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), slices)
-    y = torch.empty((1, out_f), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, out_f), dtype=x.dtype, device=x.device)
     part = y  # fp32 partials of each share, where there are several
     if slices > 1:
-        part = torch.empty((slices, out_f), dtype=torch.float32, device=x.device)
+        part = torch.empty((slices, rows, out_f), dtype=torch.float32, device=x.device)
     cnt = _counters(grid[0], x.device) if slices > 1 else y
     dummy = absmax  # pointers the kernel never reads (no nested statistics)
-    zero = (0,) if lines else ()  # hides the words' alignment from the compiler (see there)
-    extra = dict(SB=cfg.get("SB", 32), WK=cfg.get("WK", 1)) if lines else {}
+    # lines: the rows (M, and ROWS, its power of two), and `zero`, which hides the words'
+    # alignment from the compiler (see there)
+    m = (rows,) if lines else ()
+    zero = (0,) if lines else ()
+    extra = {}
+    if lines:
+        extra = dict(SB=cfg.get("SB", 32), WK=wk, ROWS=triton.next_power_of_2(rows))
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32), absmax,
         nested_absmax if nested else dummy, nested_code if nested else dummy,
         offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
-        out_f, nblk, in_f // 8, per, slices, *zero,
+        *m, out_f, nblk, in_f // 8, per, slices, *zero,
         BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
         LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
