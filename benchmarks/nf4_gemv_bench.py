@@ -55,24 +55,21 @@ TOL = 1e-2  # relative error of the norms against the bf16 reference
 _L = dict(KERNEL="lines", LUT=1, SB=32, BLK=None, num_warps=1, num_stages=1)
 CONFIGS = [
     dict(_L, BLOCK_N=2),
-    dict(_L, BLOCK_N=2, WK=2, num_warps=2),
-    dict(_L, BLOCK_N=2, WK=4, num_warps=4),
-    dict(_L, BLOCK_N=4, WK=4, num_warps=4),
-    dict(_L, BLOCK_N=1, WK=8, num_warps=8),
-    dict(_L, BLOCK_N=4, WK=2, num_warps=2),
     dict(_L, BLOCK_N=4),
+    dict(_L, BLOCK_N=4, WK=2, num_warps=2),
     dict(_L, BLOCK_N=8, SB=16, BLK=16),
 ]
 # At more than one row (--rows): the library's tile for that many rows is put first (run_shape);
 # then these
 ROW_CONFIGS = [
     dict(_L, BLOCK_N=2),
-    dict(_L, BLOCK_N=1),
-    dict(_L, BLOCK_N=1, SB=16),
-    dict(_L, BLOCK_N=2, SB=16),
-    dict(_L, BLOCK_N=1, SB=8),
-    dict(_L, BLOCK_N=2, SB=8),
+    dict(_L, BLOCK_N=4),
+    dict(_L, BLOCK_N=4, SB=16),
     dict(_L, BLOCK_N=4, SB=8),
+    dict(_L, BLOCK_N=4, SB=4),
+    dict(_L, BLOCK_N=8, SB=8),
+    dict(_L, BLOCK_N=8, SB=4),
+    dict(_L, BLOCK_N=2, SB=16),
 ]
 
 
@@ -151,11 +148,10 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         return r
     r["best"] = best = good[0]  # the fastest on cold weights, as decoding reads them
     r["cold"] = cold(weights, x, out_f, best["cfg"], nbytes)
-    keep: list = []
-    k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
-    dump_asm(
-        keep[-1], os.path.join(out_dir, f"gemv_{out_f}x{in_f}" + (f"_r{rows}" if rows > 1 else ""))
-    )
+    if rows == 1:  # (one row's; a file each for every row count would be many)
+        keep: list = []
+        k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
+        dump_asm(keep[-1], os.path.join(out_dir, f"gemv_{out_f}x{in_f}"))
     return r
 
 

@@ -16,7 +16,7 @@
 #   gemv     the lines gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
 #            bitsandbytes at one row (hot and cold weights, ranked cold), then Nsight Compute on
 #            the best tile and on bitsandbytes' 1-row kernel (q_proj shape)
-#   rows     the lines gemv at a few rows: its CUDA tests at 2-16 rows, then
+#   rows     the lines gemv at a few rows: its CUDA tests at 2-16 rows (NOTEST=1: not), then
 #            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 2,4,8,16): each 7B shape at each
 #            row count, the library's tile and ROW_CONFIGS against bitsandbytes' matmul_4bit and
 #            Triton's dequantize + matmul, hot and cold
@@ -29,12 +29,14 @@
 #            those gemv tiles (NOPEER=1: those alone)
 #   gaps     qm.fast_decode with the gemv only, profiled: the GPU's idle time between kernels,
 #            by the kind of kernel before and after each gap
+#   batches  qm.fast_decode on the same shape at each batch of BATCHES (default 4 8), with the
+#            gemv and with bitsandbytes' path, in one process (bench_decode.py --gemv --batch)
 #   b32      qm.fast_decode on the same shape at batch 32
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, decode, peer, gaps or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, decode, peer, gaps, batches or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -78,9 +80,11 @@ case "$STAGE" in
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
   rows)
-    say "gemv rows tests"
-    timeout 240 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
-      -k "gemv_lines_rows" 2>&1 | tail -4
+    if [ -z "${NOTEST:-}" ]; then
+      say "gemv rows tests"
+      timeout 240 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+        -k "gemv_lines_rows" 2>&1 | tail -4
+    fi
     timeout 300 python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-2,4,8,16}" --budget-s 260 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -110 ;;
   decode)
@@ -109,10 +113,16 @@ case "$STAGE" in
     QUANTMESH_GEMV=1 timeout 200 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile \
       --no-peer --new 64 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -3
     python3 -c "import json; p = json.load(open('$OUT/result_decode_qlora.json')).get('qm_profile', {}); print(json.dumps(p.get('gaps'), indent=1)); print(p.get('gpu_us_per_step'), p.get('host_per_step'))" ;;
+  batches)
+    for b in ${BATCHES:-4 8}; do
+      say "decode, 7B nf4 + LoRA, batch $b: the gemv (GEMV_MAX_ROWS rows) and bitsandbytes' path"
+      timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --no-peer \
+        --batch "$b" --new 128 --out "$OUT/b$b" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4
+    done ;;
   b32)
     say "decode, batch 32"
     timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
       --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, decode, peer, gaps, b32)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, rows, decode, peer, gaps, batches, b32)" >&2; exit 2 ;;
 esac
 say done

@@ -94,7 +94,7 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # 1-row kernel (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0 turns it off
 # (bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=True)
-GEMV_MAX_ROWS = 1
+GEMV_MAX_ROWS = 8
 GEMV_ROWS_LIMIT = 16  # the most rows `launch_gemv` takes (the lines kernel; registers grow with it)
 # gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 2 features a warp, strides
 # of 32 blocks: the fastest timed on the 7B shapes (docs/benchmarks.md, "Figures the code relies
@@ -106,9 +106,9 @@ GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=2, SB=32, LUT=1, num_wa
 GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
     1: GEMV_TILE,
     2: GEMV_TILE,
-    4: dict(GEMV_TILE, SB=16),
-    8: dict(GEMV_TILE, BLOCK_N=1, SB=16),
-    16: dict(GEMV_TILE, BLOCK_N=1, SB=8),
+    4: GEMV_TILE,
+    8: dict(GEMV_TILE, BLOCK_N=4, SB=8),
+    16: dict(GEMV_TILE, BLOCK_N=4, SB=8),
 }
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 
