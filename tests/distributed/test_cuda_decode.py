@@ -155,7 +155,8 @@ def test_compiled_decode_step_is_the_eager_step_on_nf4_lora():
 
 
 def _trained(rank: int) -> dict:
-    """Train a small Llama on a permutation map, then decode it (nf4 + LoRA) eager and compiled."""
+    """Train a small Llama on a permutation map, then decode it (nf4 + LoRA) eager and compiled,
+    one sequence, then four at once."""
     import quantmesh as qm
     from tests.models import llama
 
@@ -194,8 +195,25 @@ def _trained(rank: int) -> dict:
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
     unstacked = qm.greedy_decode(model, ids, 48, compile=True, fuse_adapters=False)[0].cpu()
     expect = chain[8:]
+    # four sequences at once: each step's matmuls take the gemv at 4 rows (kernel4's
+    # GEMV_MAX_ROWS, on by default), compiled; the reference, bitsandbytes' path, eager
+    from quantmesh.quant import kernel4 as k4
+
+    chains = [[int(s)] for s in torch.randint(0, vocab, (4,), generator=g)]
+    for c in chains:
+        for _ in range(8 + 48 - 1):
+            c.append(int(perm[c[-1]]))
+    ids4 = torch.tensor([c[:8] for c in chains], device=mesh.device)
+    batch = qm.greedy_decode(model, ids4, 48, compile=True).cpu()
+    before = k4.GEMV_ENABLED
+    k4.GEMV_ENABLED = False
+    try:
+        batch_bnb = qm.greedy_decode(model, ids4, 48, compile=False, fuse_adapters=False).cpu()
+    finally:
+        k4.GEMV_ENABLED = before
     return {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
-            "map": torch.tensor(expect)}  # fmt: skip
+            "map": torch.tensor(expect), "batch": batch, "batch_bnb": batch_bnb,
+            "batch_map": torch.tensor([c[8:] for c in chains]), "gemv_rows": k4.GEMV_MAX_ROWS}  # fmt: skip
 
 
 def test_compiled_decode_gives_a_trained_models_tokens():
@@ -206,3 +224,8 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert follows > 0.9, (out["loss"], follows)  # it learned: wide margins, not near-ties
     assert (out["compiled"] == out["eager"]).all(), (out["compiled"], out["eager"])
     assert (out["unstacked"] == out["eager"]).all(), (out["unstacked"], out["eager"])
+    # four rows at once: the gemv's rows (compiled) give bitsandbytes' path's tokens (eager)
+    assert out["gemv_rows"] >= 4, out["gemv_rows"]
+    follows = (out["batch_bnb"] == out["batch_map"]).float().mean().item()
+    assert follows > 0.9, follows
+    assert (out["batch"] == out["batch_bnb"]).all(), (out["batch"], out["batch_bnb"])

@@ -94,6 +94,10 @@ _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # 1-row kernel (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0 turns it off
 # (bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=True)
+# Up to this many rows QuantLinear4bit takes the gemv (decoding 1-8 sequences, the server's
+# small steps): faster than bitsandbytes' path and Triton's dequantize + matmul at 1 to 8 rows
+# on the 7B shapes; at 16 it is slower than the latter (docs/benchmarks.md, "Figures the code
+# relies on")
 GEMV_MAX_ROWS = 8
 GEMV_ROWS_LIMIT = 16  # the most rows `launch_gemv` takes (the lines kernel; registers grow with it)
 # gemv_config's tiles: the lanes along K (`_triton4.qm_gemv_lines`), 2 features a warp, strides
@@ -101,14 +105,16 @@ GEMV_ROWS_LIMIT = 16  # the most rows `launch_gemv` takes (the lines kernel; reg
 # on")
 GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=2, SB=32, LUT=1, num_warps=1,
                                  num_stages=1)  # fmt: skip
-# More rows (the power of two at or above them): more registers a feature (each row's sums and
-# inputs), so fewer features a program and shorter strides
+# More rows, by the power of two at or above them: from 8 rows on, 4 features a program (a
+# row's inputs, turned to fp32 once a step, serve more features) and strides of 16 blocks (fewer
+# registers); the fastest swept on the 7B shapes (docs/benchmarks.md, "Figures the code relies
+# on"). 16 rows is past GEMV_MAX_ROWS: for benchmarks and direct calls.
 GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
     1: GEMV_TILE,
     2: GEMV_TILE,
     4: GEMV_TILE,
-    8: dict(GEMV_TILE, BLOCK_N=4, SB=8),
-    16: dict(GEMV_TILE, BLOCK_N=4, SB=8),
+    8: dict(GEMV_TILE, BLOCK_N=4, SB=16),
+    16: dict(GEMV_TILE, BLOCK_N=4, SB=16),
 }
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 
