@@ -368,8 +368,10 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             # x's words (word, row, 4): words before rows, so that the lanes run along the words
             # as the codes' do (rows first, the compiler spread rows over lanes too)
             x_at = x_ptr + wi[:, None, None] * 4 + rm[None, :, None] * (KW * 4)
-            xw = tl.load(x_at + tl.arange(0, 4)[None, None, :],
-                         mask=ok[:, None, None] & m_ok[None, :, None], other=0)  # fmt: skip
+            x_ok = ok[:, None, None]
+            if ROWS > 1:  # (one row: always there; no row mask in the loop)
+                x_ok = x_ok & m_ok[None, :, None]
+            xw = tl.load(x_at + tl.arange(0, 4)[None, None, :], mask=x_ok, other=0)
             if BF16:  # the word's low half (input 2m) and high half (input 2m + 1), as fp32
                 xe = (xw << 16).to(tl.float32, bitcast=True)
                 xo = (xw & -65536).to(tl.float32, bitcast=True)
