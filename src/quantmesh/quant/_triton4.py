@@ -4,7 +4,7 @@ x (M, K) @ W^T for W's 4-bit codes packed two per byte (high nibble first, block
 flattened (N, K) weight, one absmax each: fp32, or 8-bit + nested fp32 absmax per `BS2` blocks +
 an offset under double quant). `lut_ptr` holds the 16 code values (fp32). `rows_4bit`: one program
 owns BLOCK_N output features, a 1/SPLIT_K share of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1
-it writes fp32 partial sums (y: SPLIT_K, M, N). The one-row gemvs (`qm_gemv_lines`,
+it writes fp32 partial sums (y: SPLIT_K, M, N). The gemvs (`qm_gemv_lines`, 1 to 16 rows;
 `qm_gemv_4bit`) and the dequantize (`dequant_4bit`) say their own layouts.
 """
 

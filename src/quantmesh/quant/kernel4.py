@@ -1,9 +1,11 @@
 """4-bit matmuls on bitsandbytes' packed codes, read once and never written out in float: the
-one-row gemv (decoding one sequence; on by default), and, opt-in, a kernel for a few rows and a
-dequantize for many.
+gemv for 1 to 8 rows (decoding up to 8 sequences, the server's small steps; on by default), and,
+opt-in, a kernel for a few rows and a dequantize for many.
 
-One row: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_lines`), on by default (`GEMV_ENABLED`;
-QUANTMESH_GEMV=0 turns it off). The lanes of a warp run along K: in a step each lane holds one
+1 to `GEMV_MAX_ROWS` (8) rows: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_lines`), on by
+default (`GEMV_ENABLED`; QUANTMESH_GEMV=0 turns it off). Each code's value is found once and
+multiplied with every row (fp32 fused multiply-adds); its tiles by row count are
+`GEMV_ROW_TILES`. The lanes of a warp run along K: in a step each lane holds one
 int32 word (8 codes) of each of the program's features, so a warp's load reads whole 128-byte
 lines, and x's 16 bytes for that word are read once for all its features. A stride's absmax are
 loaded one block a lane and taken by each step from the lane that holds them, and each code's
@@ -11,8 +13,9 @@ value from the lane that holds it (warp shuffles). One warp a program, `GEMV_TIL
 (2) a warp, K in strides of 32 blocks; `gemv_config` cuts K into shares only where a grid would
 otherwise hold too few warps, and the shares' fp32 partials are added in a fixed order (the same
 bits every call). It is faster than bitsandbytes' 1-row kernel on the 7B shapes, alone and
-inside a compiled decode step (the figures: docs/benchmarks.md, "A gemv with the lanes along K",
-and "Figures the code relies on"). Its weights are bitsandbytes' own (the
+inside a compiled decode step, and than bitsandbytes' path and Triton's dequantize + matmul at 2
+to 8 rows (the figures: docs/benchmarks.md, "A gemv with the lanes along K", "The gemv at 2 to 8
+rows" and "Figures the code relies on"). Its weights are bitsandbytes' own (the
 fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` computes it); the sums
 are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
@@ -235,10 +238,10 @@ def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
     return packed.new_empty((out_f, in_f), dtype=dtype)
 
 
-# ---- the gemv: one row ---------------------------------------------------------------------------
+# ---- the gemv: 1 to 8 rows ---------------------------------------------------------------------
 def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_gemv` computes x @ W^T for the QuantState `qs`: `GEMV_ENABLED`, CUDA
-    with Triton, no autograd recording, bf16/fp16 compute, `GEMV_MAX_ROWS` row(s), blocksize 64
+    with Triton, no autograd recording, bf16/fp16 compute, 1 to `GEMV_MAX_ROWS` rows, blocksize 64
     (bitsandbytes' default) and `in` a multiple of it, nested statistics in blocks of 256.
 
     Example:
@@ -250,7 +253,7 @@ def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
 
 
 def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
-    """x (..., in) @ W^T -> (..., out) in x's dtype for `GEMV_MAX_ROWS` row(s), by the gemv
+    """x (..., in) @ W^T -> (..., out) in x's dtype for 1 to `GEMV_MAX_ROWS` rows, by the gemv
     (`launch_gemv` at `gemv_config`'s tile: `_triton4.qm_gemv_lines`, the lanes along K); check
     `gemv_applies` first.
 
