@@ -84,7 +84,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--gemv-tile",
         default=None,
-        help="the gemv's tiles as JSON (kernel4.gemv_config's keys), else the library's",
+        help="the gemv's tile for the batch's rows as JSON (kernel4.gemv_config's keys), else "
+        "the library's (kernel4.GEMV_ROW_TILES)",
     )
     p.add_argument(
         "--profile",
@@ -359,9 +360,13 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     from quantmesh.quant import kernel4
 
     R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
+    # the tile of the batch's rows (the decode steps'), where the gemv takes them
+    tile = kernel4.GEMV_ROW_TILES.get(1 << (a.batch - 1).bit_length(), {})
     if a.gemv_tile:  # every run that takes the gemv
-        kernel4.GEMV_TILE.update(json.loads(a.gemv_tile))
-    R["gemv_tile"] = dict(kernel4.GEMV_TILE)
+        if not tile or a.batch > kernel4.GEMV_MAX_ROWS:
+            raise SystemExit(f"--gemv-tile: the gemv does not take batch {a.batch}'s rows")
+        tile.update(json.loads(a.gemv_tile))
+    R["gemv_tile"] = dict(tile) if a.batch <= kernel4.GEMV_MAX_ROWS else None
     R["build_qm"] = {
         "adapters": fill_adapters(model, a.seed),
         "s": round(time.perf_counter() - t0, 2),

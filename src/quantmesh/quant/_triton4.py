@@ -309,10 +309,10 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                   ROWS: tl.constexpr = 1):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
     # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
-    # no tensor cores: the codes are read once, the products cost M times one row's). A
-    # program (one warp) owns BLOCK_N
-    # features and walks its share of K in strides of SB blocks (64 codes each; SB 4 to 32),
-    # each in SB / 4 steps of 32 int32 words (8 codes each). In a step a thread holds one word
+    # no tensor cores: the codes are read once, the products cost M times one row's). A program
+    # (one warp) owns BLOCK_N features and walks its share of K in strides of SB blocks (64 codes
+    # each; SB 4 to 32), each in SB / 4 steps of 32 int32 words (8 codes each). In a step a
+    # thread holds one word
     # of each of its features, so one load of a warp reads a whole 128-byte line of a feature,
     # and x's 4 int32 words for that word (16 bytes; word m: inputs 2m and 2m + 1, byte m's high
     # and low nibble) are read once for all BLOCK_N features. `zero` (0 at run time) hides the

@@ -511,8 +511,10 @@ def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
 def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> int:
     """Hold the weight of every 4-bit linear among `layers` dequantized in `dtype` beside its codes
     (None: drop them): a speed for memory trade for serving, where a step of many rows otherwise
-    dequantizes every weight again (bitsandbytes' path from 2 rows on). One row keeps the 4-bit
-    kernel, which reads a quarter of the bytes; training (autograd on) keeps the codes' path.
+    dequantizes every weight again (bitsandbytes' path past the gemv's `GEMV_MAX_ROWS` rows, or
+    from 2 rows with the gemv off). Held, one row keeps the 4-bit kernel, which reads a quarter of
+    the bytes, and two rows or more multiply the held weight; training (autograd on) keeps the
+    codes' path.
     The values are bitsandbytes' own dequantize's. Experts' fused 4-bit tensors are not held.
     Returns the bytes held (2 bytes per weight in bf16: about 4x the codes). A parallelized
     model's layers: `[m.local for m in sharded_modules(model).values()]`.
@@ -526,7 +528,7 @@ def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> 
 
 
 _KERNELS = (  # (applies, matmul) in the order QuantLinear4bit tries them
-    (gemv_applies, matmul_4bit_gemv),  # decoding: one row, codes read once
+    (gemv_applies, matmul_4bit_gemv),  # decoding: 1 to 8 rows, codes read once
     (rows_kernel_applies, matmul_4bit_rows),  # decoding: a few rows, codes read once
     (dequant_kernel_applies, matmul_4bit_dequant),  # many rows: Triton's dequantize + a matmul
 )

@@ -108,14 +108,15 @@ GEMV_ROWS_LIMIT = 16  # the most rows `launch_gemv` takes (the lines kernel; reg
 # on")
 GEMV_TILE: dict[str, Any] = dict(KERNEL="lines", BLOCK_N=2, SB=32, LUT=1, num_warps=1,
                                  num_stages=1)  # fmt: skip
-# More rows, by the power of two at or above them: from 8 rows on, 4 features a program (a
-# row's inputs, turned to fp32 once a step, serve more features) and strides of 16 blocks (fewer
-# registers); the fastest swept on the 7B shapes (docs/benchmarks.md, "Figures the code relies
-# on"). 16 rows is past GEMV_MAX_ROWS: for benchmarks and direct calls.
+# gemv_config's tile by rows, the power of two at or above them (1: GEMV_TILE itself): from 8
+# rows on, 4 features a program (a row's inputs, turned to fp32 once a step, serve more
+# features) and strides of 16 blocks (fewer registers); the fastest swept on the 7B shapes
+# (docs/benchmarks.md, "Figures the code relies on"). 16 rows is past GEMV_MAX_ROWS: for
+# benchmarks and direct calls.
 GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
     1: GEMV_TILE,
-    2: GEMV_TILE,
-    4: GEMV_TILE,
+    2: dict(GEMV_TILE),
+    4: dict(GEMV_TILE),
     8: dict(GEMV_TILE, BLOCK_N=4, SB=16),
     16: dict(GEMV_TILE, BLOCK_N=4, SB=16),
 }
@@ -266,7 +267,7 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
                 tile: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The gemv's tiles for `rows` rows of an (out_f, in_f) weight: `tile` (default
-    `GEMV_TILE` at one row, `GEMV_ROW_TILES`' for the power of two at or above `rows` at more;
+    `GEMV_ROW_TILES`' for the power of two at or above `rows`; `GEMV_TILE` at one row;
     KERNEL, "lines" for `_triton4.qm_gemv_lines`, else `qm_gemv_4bit`; BLOCK_N features a
     program; SB blocks a stride; LUT, how a code's value is found; num_warps, num_stages), with K
     cut into shares of BLK blocks (the
@@ -283,7 +284,7 @@ def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
     if tile is None:
         if not 1 <= rows <= GEMV_ROWS_LIMIT:
             raise ValueError(f"the gemv takes 1 to {GEMV_ROWS_LIMIT} rows, not {rows}")
-        tile = GEMV_ROW_TILES[_pow2(rows)] if rows > 1 else GEMV_TILE
+        tile = GEMV_ROW_TILES[_pow2(rows)]
     cfg = dict(tile)
     if not cfg.get("BLK"):
         stride = cfg.get("SB", 32) if cfg.get("KERNEL") == "lines" else 1  # its strides
