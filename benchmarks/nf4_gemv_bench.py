@@ -18,7 +18,8 @@ more), quantmesh's Triton dequantize + one matmul ("qm_dequant_mm", more than on
 bf16 weight (x @ w.t()). At more than one row the tiles are `ROW_CONFIGS` (the library's tile for
 that many rows first).
 GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for
-bf16) / time. The PTX (and SASS where nvdisasm is found) of the best tile is written beside the JSON.
+bf16) / time. The PTX (and SASS where nvdisasm is found) of each shape's best tile at one row is
+written beside the JSON (gemv.ptx, gemv.sass: every shape's in one file each).
 
 Usage (CUDA only, from the repository root, bitsandbytes importable):
     python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2] [--tiles JSON]
@@ -148,10 +149,10 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         return r
     r["best"] = best = good[0]  # the fastest on cold weights, as decoding reads them
     r["cold"] = cold(weights, x, out_f, best["cfg"], nbytes)
-    if rows == 1:  # (one row's; a file each for every row count would be many)
+    if rows == 1:  # (one row's: the other row counts' would be many more)
         keep: list = []
         k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
-        dump_asm(keep[-1], os.path.join(out_dir, f"gemv_{out_f}x{in_f}"))
+        dump_asm(keep[-1], os.path.join(out_dir, "gemv"), f"{out_f} x {in_f}, {best['cfg']}")
     return r
 
 
@@ -210,15 +211,18 @@ def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int,
     return out
 
 
-def dump_asm(compiled, stem: str) -> None:
-    """The compiled kernel's PTX (and SASS, where Triton finds nvdisasm) beside the JSON."""
+def dump_asm(compiled, stem: str, title: str) -> None:
+    """The compiled kernel's PTX (and SASS, where Triton finds nvdisasm) appended to stem.ptx and
+    stem.sass beside the JSON, under a `// ---- title` line: two files for all the shapes, as few
+    as possible to carry back."""
     for kind in ("ptx", "sass"):
         try:
             text = compiled.asm[kind]
         except Exception as e:  # no nvdisasm: the PTX alone
             text = f"not available: {type(e).__name__}: {e}"
-        with open(f"{stem}.{kind}", "w") as f:
-            f.write(text if isinstance(text, str) else text.decode(errors="replace"))
+        with open(f"{stem}.{kind}", "a") as f:
+            text = text if isinstance(text, str) else text.decode(errors="replace")
+            f.write(f"// ---- {title}\n{text.rstrip()}\n")
 
 
 def table(r: dict) -> str:
@@ -269,6 +273,9 @@ def main(argv=None) -> int:
     R: dict = {"bench": "nf4_gemv", "ok": False, "versions": qb.versions(),
                "calls_per_graph": CALLS, "replays": REPLAYS, "tol": TOL, "results": []}  # fmt: skip
     path = os.path.join(a.out, "nf4_gemv_rows.json" if a.rows else "nf4_gemv.json")
+    for kind in ("ptx", "sass"):  # dump_asm appends each shape's: this run's alone
+        if os.path.exists(os.path.join(a.out, f"gemv.{kind}")):
+            os.remove(os.path.join(a.out, f"gemv.{kind}"))
     row_counts = [int(s) for s in a.rows.split(",")] if a.rows else [1]
     R["rows"] = row_counts
     os.makedirs(a.out, exist_ok=True)
