@@ -6,7 +6,7 @@
 #   sweep    benchmarks/nf4_rows_bench.py --sweep: one nf4 linear of each 7B shape at 1..64 rows,
 #            the kernel's candidate tiles (checked against dequantize + matmul) against
 #            bitsandbytes, dequantize + matmul, bf16 and torchao's int4, CUDA-graphed
-#   test     the kernel's and the decode loop's CUDA tests
+#   test     the kernel's (but the gemv's rows tests: see rows) and the decode loop's CUDA tests
 #   probe    Nsight Compute's counters (speed of light, memory, warp stalls) for one call of
 #            each 4-bit kernel on the q_proj shape (benchmarks/nf4_kernel_probe.py), then the
 #            slot engine's 64-row step on 7b's layers (4 of them) profiled without CUDA graphs,
@@ -44,7 +44,8 @@ case "$STAGE" in
     timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -40 ;;
   test)
-    timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py 2>&1 | tail -15
+    timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
+      -k "not gemv_lines_rows" 2>&1 | tail -15  # (the rows' tests: the rows stage)
     timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
   probe)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -68,7 +69,7 @@ case "$STAGE" in
   gemv)
     say "gemv tests"
     timeout 240 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
-      -k "gemv_lines or takes_the_gemv" 2>&1 | tail -6
+      -k "gemv_lines_is or takes_the_gemv" 2>&1 | tail -6
     timeout 210 python3 benchmarks/nf4_gemv_bench.py --budget-s 170 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -75
     TILE=$(python3 -c "import json; r = json.load(open('$OUT/nf4_gemv.json'))['results'][0]; print(json.dumps(r['best']['cfg']))")
@@ -103,7 +104,7 @@ case "$STAGE" in
     if [ -n "${TILES:-}" ]; then
       say "the lines gemv's CUDA tests"
       timeout 170 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
-        -k gemv_lines 2>&1 | tail -3
+        -k gemv_lines_is 2>&1 | tail -3
       say "gemv tiles: $TILES"
       timeout 130 python3 benchmarks/nf4_gemv_bench.py --budget-s 100 --tiles "$TILES" \
         --out "$OUT/tiles" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -24
