@@ -83,8 +83,9 @@ MAX_ROWS = 64  # inputs with more rows keep bitsandbytes' path (dequantize + mat
 ENABLED = False
 # With DEQUANT_ENABLED, from this many rows on, inputs without autograd on CUDA take
 # `matmul_4bit_dequant`: Triton's dequantize (bf16 weights bit-equal to bitsandbytes', about
-# twice as fast) + one matmul. Below it, bitsandbytes' own kernels win (its 1-row kernel; 2 and 4
-# rows: docs/benchmarks.md, "Figures the code relies on").
+# twice as fast) + one matmul; but those the gemv takes (up to GEMV_MAX_ROWS, tried first).
+# Below it, bitsandbytes' own kernels win (its 1-row kernel; 2 and 4 rows: docs/benchmarks.md,
+# "Figures the code relies on").
 DEQUANT_MIN_ROWS = 8
 # Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): 1.5x faster on the GPU
 # per call, but Triton's launcher costs more host time per call than bitsandbytes' op, and a
