@@ -214,18 +214,22 @@ def _code_value(tab, lut_ptr, qw, SHIFT: tl.constexpr, LUT: tl.constexpr):
 
 
 @triton.jit
+def _x_halves(xw, BF16: tl.constexpr):
+    # int32 words of x, two inputs each -> (the low half: input 2m, the high half: input 2m + 1)
+    # as fp32 (bf16: the word shifted or masked is already the fp32 value)
+    if BF16:
+        return (xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)
+    lo = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _word_dot(qw, xw_ptr, tab, lut_ptr, LUT: tl.constexpr, BF16: tl.constexpr):
     # sum over the 8 codes of the int32 words qw (one per thread: byte t of each holds inputs
     # 2t (high nibble) and 2t + 1) of code value x input, in fp32; xw_ptr: x's 4 words for them
     part = tl.zeros(qw.shape, dtype=tl.float32)
     for t in tl.static_range(4):
-        xw = tl.load(xw_ptr + t)  # a scalar: the same for every thread
-        if BF16:
-            xe = (xw << 16).to(tl.float32, bitcast=True)
-            xo = (xw & -65536).to(tl.float32, bitcast=True)
-        else:
-            xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xe, xo = _x_halves(tl.load(xw_ptr + t), BF16)  # a scalar: the same for every thread
         part += _code_value(tab, lut_ptr, qw, 8 * t + 4, LUT) * xe
         part += _code_value(tab, lut_ptr, qw, 8 * t, LUT) * xo
     return part
@@ -312,10 +316,10 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # no tensor cores: the codes are read once, the products cost M times one row's). A program
     # (one warp) owns BLOCK_N features and walks its share of K in strides of SB blocks (64 codes
     # each; SB 4 to 32), each in SB / 4 steps of 32 int32 words (8 codes each). In a step a
-    # thread holds one word
-    # of each of its features, so one load of a warp reads a whole 128-byte line of a feature,
-    # and x's 4 int32 words for that word (16 bytes; word m: inputs 2m and 2m + 1, byte m's high
-    # and low nibble) are read once for all BLOCK_N features. `zero` (0 at run time) hides the
+    # thread holds one word of each of its features, so one load of a warp reads a whole
+    # 128-byte line of a feature, and x's 4 int32 words for that word (16 bytes; word m: inputs
+    # 2m and 2m + 1, byte m's high and low nibble) are read once for all BLOCK_N features (and
+    # for each of the M rows). `zero` (0 at run time) hides the
     # words' alignment from the compiler, which would otherwise give a thread 16 bytes of codes
     # and need x's 64 bytes for them in another layout (a conversion through shared memory every
     # step); their contiguity puts the lanes along K. A stride's SB absmax of a feature are
@@ -372,12 +376,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             if ROWS > 1:  # (one row: always there; no row mask in the loop)
                 x_ok = x_ok & m_ok[None, :, None]
             xw = tl.load(x_at + tl.arange(0, 4)[None, None, :], mask=x_ok, other=0)
-            if BF16:  # the word's low half (input 2m) and high half (input 2m + 1), as fp32
-                xe = (xw << 16).to(tl.float32, bitcast=True)
-                xo = (xw & -65536).to(tl.float32, bitcast=True)
-            else:
-                xe = (xw & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                xo = (xw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            xe, xo = _x_halves(xw, BF16)
             e0, e1, e2, e3 = _split4(xe)  # (ROWS, 1, 32 WK) each
             o0, o1, o2, o3 = _split4(xo)
             q = q[None, :, :]  # (1, BLOCK_N, 32 WK): each value found once for all rows
