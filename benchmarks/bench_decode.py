@@ -77,9 +77,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--gemv",
         action="store_true",
-        help="qlora: also greedy with kernel4.GEMV_ENABLED flipped (quantmesh's one-row gemv, on "
-        "by default, against bitsandbytes' matmul_4bit), in the same process (profiled too with "
-        "--profile): qm_greedy_bnb when the gemv is on at the start, else qm_greedy_gemv",
+        help="qlora: also greedy with kernel4.GEMV_ENABLED flipped (quantmesh's gemv, 1 to "
+        "GEMV_MAX_ROWS rows, on by default, against bitsandbytes' matmul_4bit), in the same "
+        "process (profiled too with --profile): qm_greedy_bnb when the gemv is on at the start, "
+        "else qm_greedy_gemv",
     )
     p.add_argument(
         "--gemv-tile",
@@ -361,12 +362,14 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
     R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
-    tile = kernel4.GEMV_ROW_TILES.get(1 << (a.batch - 1).bit_length(), {})
+    tile = None
+    if a.batch <= kernel4.GEMV_MAX_ROWS:
+        tile = kernel4.GEMV_ROW_TILES[kernel4._pow2(a.batch)]
     if a.gemv_tile:  # every run that takes the gemv
-        if not tile or a.batch > kernel4.GEMV_MAX_ROWS:
+        if tile is None:
             raise SystemExit(f"--gemv-tile: the gemv does not take batch {a.batch}'s rows")
         tile.update(json.loads(a.gemv_tile))
-    R["gemv_tile"] = dict(tile) if a.batch <= kernel4.GEMV_MAX_ROWS else None
+    R["gemv_tile"] = None if tile is None else dict(tile)
     R["build_qm"] = {
         "adapters": fill_adapters(model, a.seed),
         "s": round(time.perf_counter() - t0, 2),
@@ -388,7 +391,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         with qb.record_errors(R, "qm_profile_error"):
             R["qm_profile"] = profile_decode(model, ids, a)
         qb.write_json(out_path, R)
-    if a.greedy and a.gemv:  # quantmesh's gemv (one row) against bitsandbytes' kernel
+    if a.greedy and a.gemv:  # quantmesh's gemv against bitsandbytes' kernels
         on = kernel4.GEMV_ENABLED
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_bnb" if on else "qm_greedy_gemv",
                    kernel4, "GEMV_ENABLED", not on)  # fmt: skip

@@ -386,10 +386,10 @@ def test_few_row_kernel_is_opt_in_and_cuda_only():
 
 
 def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
-    """kernel4's one-row gemv: on unless QUANTMESH_GEMV=0, never on CPU (QuantLinear4bit's
-    output unchanged by turning it on there); its tiles cut K so that a grid holds about
-    GEMV_WARPS warps (the 7B shapes: the shares the GPU sweep found fastest); and a call it
-    cannot compute is refused with the reason before any launch."""
+    """kernel4's gemv (1 to GEMV_MAX_ROWS rows): on unless QUANTMESH_GEMV=0, never on CPU
+    (QuantLinear4bit's output unchanged by turning it on there); its tiles cut K so that a grid
+    holds about GEMV_WARPS warps (the 7B shapes: the shares the GPU sweep found fastest); and a
+    call it cannot compute is refused with the reason before any launch."""
     from quantmesh.quant import kernel4 as k4
 
     assert k4.GEMV_ENABLED is (os.environ.get("QUANTMESH_GEMV") != "0")

@@ -94,9 +94,9 @@ DEQUANT_MIN_ROWS = 8
 # at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
-# The gemv (`matmul_4bit_gemv`, one row): on by default, decoding faster than with bitsandbytes'
-# 1-row kernel (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0 turns it off
-# (bitsandbytes' kernels, as before).
+# The gemv (`matmul_4bit_gemv`, 1 to GEMV_MAX_ROWS rows): on by default, decoding faster than
+# with bitsandbytes' kernels (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0
+# turns it off (bitsandbytes' kernels, as before).
 GEMV_ENABLED = env_switch("QUANTMESH_GEMV", default=True)
 # Up to this many rows QuantLinear4bit takes the gemv (decoding 1-8 sequences, the server's
 # small steps): faster than bitsandbytes' path and Triton's dequantize + matmul at 1 to 8 rows
@@ -271,9 +271,8 @@ def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
     `GEMV_ROW_TILES`' for the power of two at or above `rows`; `GEMV_TILE` at one row;
     KERNEL, "lines" for `_triton4.qm_gemv_lines`, else `qm_gemv_4bit`; BLOCK_N features a
     program; SB blocks a stride; LUT, how a code's value is found; num_warps, num_stages), with K
-    cut into shares of BLK blocks (the
-    lines kernel: a multiple of its strides of SB blocks) so that the grid holds about
-    `GEMV_WARPS` warps, unless the tile sets BLK. The one-thread-a-feature kernel was fastest at
+    cut into shares of BLK blocks (the lines kernel: a multiple of its strides of SB blocks) so
+    that the grid holds about `GEMV_WARPS` warps, unless the tile sets BLK. The one-thread-a-feature kernel was fastest at
     1,400 to 2,000 warps; the lines tile takes one share on every 7B shape (2,048 to 5,504
     warps), faster than with more (docs/benchmarks.md, "Figures the code relies on").
 
@@ -330,8 +329,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     K, 1 to `GEMV_ROWS_LIMIT` rows, each code's value found once for all of them; BLOCK_N
     features a program, SB blocks a stride: 4, 8, 16 or 32; WK warps splitting K, num_warps =
     WK: one is the fastest measured); else `_triton4.qm_gemv_4bit` (one row, one feature a
-    thread). BLK: blocks a share of K (0: one
-    share); LUT: 1 takes each code's value (and, lines, each absmax) from the warp's lane that
+    thread). BLK: blocks a share of K (0: one share); LUT: 1 takes each code's value (and, lines, each absmax) from the warp's lane that
     holds it by a shuffle (`qm_gemv_4bit`: one feature a thread, BLOCK_N = 32 x num_warps), 0
     loads them (Triton's interpreter runs only this); num_warps, num_stages. The blocksize must
     be 64 and `in` a multiple of it; anything else is refused before any launch. With more than
