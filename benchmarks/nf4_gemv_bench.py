@@ -133,8 +133,12 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
             r["peers"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     r["sweep"], r["skipped"], r["not_run"] = [], [], []
     tiles = CONFIGS if rows == 1 else [k4.gemv_config(rows, out_f, in_f, 64), *ROW_CONFIGS]
+    cfgs: list[dict] = []  # each tile once (the library's is often among ROW_CONFIGS too)
     for tile in tiles:
         cfg = k4.gemv_config(rows, out_f, in_f, 64, tile)  # BLK None: K cut for GEMV_WARPS warps
+        if cfg not in cfgs:
+            cfgs.append(cfg)
+    for cfg in cfgs:
         if time.time() - t_start > budget_s:
             r["not_run"].append(cfg)
             continue
