@@ -83,6 +83,21 @@ def parse(argv=None) -> argparse.Namespace:
         "else qm_greedy_gemv",
     )
     p.add_argument(
+        "--mma",
+        action="store_true",
+        help="qlora: also greedy with kernel4.MMA_ENABLED flipped (quantmesh's tensor-core "
+        "kernel, 9 to 64 rows, opt-in), in the same process (profiled too with --profile): "
+        "qm_greedy_mma when it is off at the start, else qm_greedy_no_mma",
+    )
+    p.add_argument(
+        "--dequant",
+        action="store_true",
+        help="qlora: also greedy with kernel4.DEQUANT_ENABLED flipped (Triton's dequantize + "
+        "one matmul from DEQUANT_MIN_ROWS rows, opt-in), in the same process (profiled too "
+        "with --profile): qm_greedy_dequant when it is off at the start, else "
+        "qm_greedy_no_dequant",
+    )
+    p.add_argument(
         "--gemv-tile",
         default=None,
         help="the gemv's tile for the batch's rows as JSON (kernel4.gemv_config's keys), else "
@@ -361,6 +376,8 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     from quantmesh.quant import kernel4
 
     R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
+    R["mma_enabled_at_start"] = kernel4.MMA_ENABLED  # QUANTMESH_MMA=1: on in every run
+    R["dequant_enabled_at_start"] = kernel4.DEQUANT_ENABLED  # QUANTMESH_TRITON_DEQUANT=1
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
     tile = None
     if a.batch <= kernel4.GEMV_MAX_ROWS:
@@ -395,6 +412,15 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         on = kernel4.GEMV_ENABLED
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_bnb" if on else "qm_greedy_gemv",
                    kernel4, "GEMV_ENABLED", not on)  # fmt: skip
+    for want, flag, stem in (
+        (a.mma, "MMA_ENABLED", "mma"),
+        (a.dequant, "DEQUANT_ENABLED", "dequant"),
+    ):
+        if a.greedy and want:  # an opt-in kernel of quantmesh's against the default path
+            on = getattr(kernel4, flag)
+            flag_phase(model, a, ids, dev, R, out_path, g,
+                       f"qm_greedy_no_{stem}" if on else f"qm_greedy_{stem}", kernel4, flag,
+                       not on)  # fmt: skip
     if a.greedy and a.matmul_adapters:  # the adapters' one-row products as matmuls
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_matmul_adapters", adapter,
                    "LEAN_ROWS", False)  # fmt: skip
@@ -421,6 +447,8 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
 KINDS = (  # kernel name fragments -> kind, first match wins
     ("qm_gemv", "quantmesh gemv"),
+    ("qm_mma", "quantmesh tensor-core 4-bit matmul"),
+    ("dequant_4bit", "quantmesh dequantize"),
     ("rows_4bit", "quantmesh 4-bit kernel"),
     ("gemm_4bit", "bitsandbytes 4-bit matmul"),  # gemm_4bit_simt: its 1-row gemv
     ("gemv_4bit", "bitsandbytes 4-bit matmul"),

@@ -1,6 +1,7 @@
 """quantmesh's gemv (`quantmesh.quant.kernel4.launch_gemv`: the Triton kernels
-`_triton4.qm_gemv_lines`, the lanes along K, and `qm_gemv_4bit`, one thread per output feature) against
-bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of its tiles at one row (or, with
+`_triton4.qm_gemv_lines`, the lanes along K, and `qm_gemv_4bit`, one thread per output feature)
+and, from 9 rows on, its tensor-core kernel (`launch_mma`: `_triton4.qm_mma_4bit`) against
+bitsandbytes' own kernels and a bf16 matmul, on a GPU: a sweep of their tiles at one row (or, with
 --rows, at each of a few row counts), then the best tile (the fastest on weights that do not fit
 in L2) and bitsandbytes cold.
 
@@ -16,14 +17,15 @@ fail to compile or to launch, or give wrong results, are skipped with a note. Pe
 process: bitsandbytes' matmul_4bit ("bnb": its gemv kernel at one row, dequantize + matmul at
 more), quantmesh's Triton dequantize + one matmul ("qm_dequant_mm", more than one row) and the
 bf16 weight (x @ w.t()). At more than one row the tiles are `ROW_CONFIGS` (the library's tile for
-that many rows first).
+that many rows first), up to the gemv's 16 rows, and from 9 rows on also `MMA_CONFIGS` (likewise).
 GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for
 bf16) / time. The PTX (and SASS where nvdisasm is found) of each shape's best tile at one row is
-written beside the JSON (gemv.ptx, gemv.sass: every shape's in one file each).
+written beside the JSON (gemv.ptx, gemv.sass: every shape's in one file each), and of the best
+tensor-core tile at the largest row count asked for (mma.ptx, mma.sass).
 
 Usage (CUDA only, from the repository root, bitsandbytes importable):
     python3 benchmarks/nf4_gemv_bench.py [--out DIR] [--budget-s S] [--shapes 0,1,2] [--tiles JSON]
-                                         [--rows 1,2,4,8,16]
+                                         [--rows 1,2,4,8,16,32,64]
 Writes DIR/nf4_gemv.json (default DIR: .bench/gemv; with --rows, DIR/nf4_gemv_rows.json); stops
 sweeping once --budget-s seconds
 (default 150) have passed since the start, noting the tiles not run.
@@ -72,6 +74,22 @@ ROW_CONFIGS = [
     dict(_L, BLOCK_N=8, SB=4),
     dict(_L, BLOCK_N=2, SB=16),
 ]
+# The tensor-core kernel's tiles (`kernel4.mma_config`'s keys; KERNEL "mma"), from 9 rows on,
+# after the library's tile for that many rows: BLOCK_N features a program, NB blocks of 64 codes
+# a step, BLK blocks a share (None: mma_config cuts K for about MMA_PROGRAMS programs; 0: one
+# share), num_stages (software pipelining of the code and x loads)
+_M = dict(KERNEL="mma", LUT=1, BLK=None, num_warps=4, num_stages=3)
+MMA_CONFIGS = [
+    dict(_M, BLOCK_N=64, NB=2),
+    dict(_M, BLOCK_N=64, NB=4),
+    dict(_M, BLOCK_N=64, NB=2, num_stages=4),
+    dict(_M, BLOCK_N=64, NB=2, num_stages=2),
+    dict(_M, BLOCK_N=128, NB=2),
+    dict(_M, BLOCK_N=128, NB=2, num_warps=8),
+    dict(_M, BLOCK_N=64, NB=2, BLK=0),
+    dict(_M, BLOCK_N=64, NB=1, num_stages=4),
+    dict(_M, BLOCK_N=32, NB=4),
+]
 
 
 def bench_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
@@ -89,11 +107,43 @@ def gbps(nbytes: int, us: float) -> int:
     return round(nbytes / (us * 1e-6) / 1e9)
 
 
+def launch(cfg: dict):
+    """The launcher of the tile `cfg`: `kernel4.launch_mma` for KERNEL "mma", else
+    `launch_gemv`."""
+    from quantmesh.quant import kernel4 as k4
+
+    return k4.launch_mma if cfg.get("KERNEL") == "mma" else k4.launch_gemv
+
+
+def tiles_at(rows: int, out_f: int, in_f: int) -> list[dict]:
+    """The tiles to time at `rows` rows, each once (the library's is often among the lists too):
+    CONFIGS at one row; up to the gemv's limit the library's gemv tile and ROW_CONFIGS; from the
+    tensor-core kernel's first row on, its library tile and MMA_CONFIGS; K cut as the library
+    cuts it where a tile leaves BLK None."""
+    from quantmesh.quant import kernel4 as k4
+
+    if rows == 1:
+        tiles = [k4.gemv_config(1, out_f, in_f, 64, t) for t in CONFIGS]
+    else:
+        tiles = []
+        if rows <= k4.GEMV_ROWS_LIMIT:
+            gemv = [k4.gemv_config(rows, out_f, in_f, 64), *ROW_CONFIGS]
+            tiles += [k4.gemv_config(rows, out_f, in_f, 64, t) for t in gemv]
+        if rows >= k4.MMA_MIN_ROWS:
+            mma = [dict(k4.mma_config(rows, out_f, in_f), KERNEL="mma"), *MMA_CONFIGS]
+            tiles += [k4.mma_config(rows, out_f, in_f, t) for t in mma]
+    once: list[dict] = []
+    for t in tiles:
+        if t not in once:
+            once.append(t)
+    return once
+
+
 def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: str,
-              rows: int = 1) -> dict:  # fmt: skip
-    """One shape at `rows` rows: the peers, every tile of CONFIGS (one row) or of the library's
-    tile and ROW_CONFIGS (more rows), checked, then timed, until the budget; then the best and
-    bitsandbytes cold."""
+              rows: int = 1, mma_asm: bool = False) -> dict:  # fmt: skip
+    """One shape at `rows` rows: the peers, every tile of `tiles_at`, checked, then timed, until
+    the budget; then the best and bitsandbytes cold. PTX: the best tile's at one row, and the
+    best tensor-core tile's with `mma_asm`."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
@@ -132,17 +182,11 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             r["peers"][name] = {"error": f"{type(e).__name__}: {e}"[:300]}
     r["sweep"], r["skipped"], r["not_run"] = [], [], []
-    tiles = CONFIGS if rows == 1 else [k4.gemv_config(rows, out_f, in_f, 64), *ROW_CONFIGS]
-    cfgs: list[dict] = []  # each tile once (the library's is often among ROW_CONFIGS too)
-    for tile in tiles:
-        cfg = k4.gemv_config(rows, out_f, in_f, 64, tile)  # BLK None: K cut for GEMV_WARPS warps
-        if cfg not in cfgs:
-            cfgs.append(cfg)
-    for cfg in cfgs:
+    for cfg in tiles_at(rows, out_f, in_f):
         if time.time() - t_start > budget_s:
             r["not_run"].append(cfg)
             continue
-        row = check_and_time(partial(k4.launch_gemv, x, flat, *stats, 64, "nf4", out_f, cfg),
+        row = check_and_time(partial(launch(cfg), x, flat, *stats, 64, "nf4", out_f, cfg),
                              ref, nbytes, cfg, r["skipped"])  # fmt: skip
         if row is not None:
             c = cold(weights, x, out_f, cfg, nbytes, ("ours",))
@@ -153,10 +197,16 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         return r
     r["best"] = best = good[0]  # the fastest on cold weights, as decoding reads them
     r["cold"] = cold(weights, x, out_f, best["cfg"], nbytes)
-    if rows == 1:  # (one row's: the other row counts' would be many more)
+    asm = []  # (one row's, and one row count's of the tensor-core kernel: few files)
+    if rows == 1:
+        asm.append(("gemv", best["cfg"]))
+    mma = [s for s in good if s["cfg"].get("KERNEL") == "mma"]
+    if mma_asm and mma:
+        asm.append(("mma", mma[0]["cfg"]))
+    for stem, cfg in asm:
         keep: list = []
-        k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, best["cfg"], keep=keep)
-        dump_asm(keep[-1], os.path.join(out_dir, "gemv"), f"{out_f} x {in_f}, {best['cfg']}")
+        launch(cfg)(x, flat, *stats, 64, "nf4", out_f, cfg, keep=keep)
+        dump_asm(keep[-1], os.path.join(out_dir, stem), f"{out_f} x {in_f}, {rows} rows, {cfg}")
     return r
 
 
@@ -196,8 +246,6 @@ def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int,
     holds), at x's rows: the tile `cfg` ("ours") and bitsandbytes' matmul_4bit ("bnb")."""
     import bitsandbytes as bnb
 
-    from quantmesh.quant import kernel4 as k4
-
     out: dict = {"copies": COPIES, "MB_all": round(COPIES * nbytes / 1e6, 1)}
     for name in names:
         turn = [0]
@@ -207,7 +255,7 @@ def cold(weights: list, x: torch.Tensor, out_f: int, cfg: dict, nbytes: int,
             turn[0] += 1
             if name == "bnb":
                 return bnb.matmul_4bit(x, packed.t(), qs)
-            return k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
+            return launch(cfg)(x, flat, *stats, 64, "nf4", out_f, cfg)
 
         us = qb.graph_us(fn, CALLS, REPLAYS)  # CALLS a multiple of COPIES: each weight alike
         out[f"{name}_us"] = round(us, 2)
@@ -246,8 +294,12 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["cold_us"]):
         c = s["cfg"]
-        name = "{} n{BLOCK_N} sb{} wk{} blk{BLK} lut{LUT} w{num_warps}".format(
-            c.get("KERNEL", "gemv"), c.get("SB", "-"), c.get("WK", 1), **c)  # fmt: skip
+        if c.get("KERNEL") == "mma":
+            name = "mma n{BLOCK_N} m{BLOCK_M} nb{NB} blk{BLK} lut{LUT} w{num_warps} s{}".format(
+                c.get("num_stages"), **c)  # fmt: skip
+        else:
+            name = "{} n{BLOCK_N} sb{} wk{} blk{BLK} lut{LUT} w{num_warps}".format(
+                c.get("KERNEL", "gemv"), c.get("SB", "-"), c.get("WK", 1), **c)  # fmt: skip
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")
@@ -265,11 +317,14 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="0,1,2", help="indices into SHAPES")
     p.add_argument("--tiles", default=None, help="a JSON list of tiles in place of CONFIGS")
     p.add_argument("--rows", default=None,
-                   help="row counts (e.g. 1,2,4,8,16): each shape at each, ROW_CONFIGS above 1")  # fmt: skip
+                   help="row counts (e.g. 1,2,4,8,16,32,64): each shape at each; ROW_CONFIGS "
+                        "above 1, MMA_CONFIGS from 9")  # fmt: skip
     a = p.parse_args(argv)
-    if a.tiles:
-        CONFIGS[:] = json.loads(a.tiles)
-        ROW_CONFIGS[:] = json.loads(a.tiles)
+    if a.tiles:  # each list keeps its own kind (mma tiles: KERNEL "mma")
+        tiles = json.loads(a.tiles)
+        CONFIGS[:] = [t for t in tiles if t.get("KERNEL") != "mma"]
+        ROW_CONFIGS[:] = CONFIGS
+        MMA_CONFIGS[:] = [t for t in tiles if t.get("KERNEL") == "mma"]
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -277,9 +332,10 @@ def main(argv=None) -> int:
     R: dict = {"bench": "nf4_gemv", "ok": False, "versions": qb.versions(),
                "calls_per_graph": CALLS, "replays": REPLAYS, "tol": TOL, "results": []}  # fmt: skip
     path = os.path.join(a.out, "nf4_gemv_rows.json" if a.rows else "nf4_gemv.json")
-    for kind in ("ptx", "sass"):  # dump_asm appends each shape's: this run's alone
-        if os.path.exists(os.path.join(a.out, f"gemv.{kind}")):
-            os.remove(os.path.join(a.out, f"gemv.{kind}"))
+    for stem in ("gemv", "mma"):  # dump_asm appends each shape's: this run's alone
+        for kind in ("ptx", "sass"):
+            if os.path.exists(os.path.join(a.out, f"{stem}.{kind}")):
+                os.remove(os.path.join(a.out, f"{stem}.{kind}"))
     row_counts = [int(s) for s in a.rows.split(",")] if a.rows else [1]
     R["rows"] = row_counts
     os.makedirs(a.out, exist_ok=True)
@@ -287,7 +343,8 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         for rows in row_counts:
             for i in (int(s) for s in a.shapes.split(",")):
-                r = run_shape(*SHAPES[i], t_start, a.budget_s, a.out, rows)
+                r = run_shape(*SHAPES[i], t_start, a.budget_s, a.out, rows,
+                              mma_asm=rows == max(row_counts))  # fmt: skip
                 R["results"].append(r)
                 print(table(r), flush=True)
                 qb.write_json(path, R)

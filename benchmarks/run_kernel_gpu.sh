@@ -31,12 +31,19 @@
 #            by the kind of kernel before and after each gap
 #   batches  qm.fast_decode on the same shape at each batch of BATCHES (default 4 8), with the
 #            gemv and with bitsandbytes' path, in one process (bench_decode.py --gemv --batch)
-#   b32      qm.fast_decode on the same shape at batch 32
+#   mma      the tensor-core kernel (9 to 64 rows, opt-in): its CUDA tests (NOTEST=1: not), then
+#            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 16,32,64): its library tile and
+#            MMA_CONFIGS (and the gemv's at 16) against bitsandbytes' matmul_4bit and Triton's
+#            dequantize + matmul, hot and cold; mma.ptx / mma.sass: the best tile's at 64 rows
+#   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
+#            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
+#            (bench_decode.py --mma --dequant --profile); then the CUDA decode tests with the
+#            tensor-core kernel's 16-row case (MMA=1: the tests first)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, decode, peer, gaps, batches or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -45,7 +52,7 @@ case "$STAGE" in
       | grep -v "Warning\|warnings.warn" | tail -40 ;;
   test)
     timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
-      -k "not gemv_lines_rows" 2>&1 | tail -15  # (the rows' tests: the rows stage)
+      -k "not gemv_lines_rows and not mma_is" 2>&1 | tail -15  # (the rows', mma's: their stages)
     timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
   probe)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -88,6 +95,14 @@ case "$STAGE" in
     fi
     timeout 300 python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-2,4,8,16}" --budget-s 260 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -110 ;;
+  mma)
+    if [ -z "${NOTEST:-}" ]; then
+      say "tensor-core kernel tests"
+      timeout 300 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+        -k "mma" 2>&1 | tail -6
+    fi
+    timeout 280 python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-16,32,64}" --budget-s 240 \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -80 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
     timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
@@ -121,9 +136,16 @@ case "$STAGE" in
         --batch "$b" --new 128 --out "$OUT/b$b" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4
     done ;;
   b32)
-    say "decode, batch 32"
-    timeout 150 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer \
-      --batch 32 --new 64 --out "$OUT/b32" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4 ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, rows, decode, peer, gaps, batches, b32)" >&2; exit 2 ;;
+    if [ -n "${MMA:-}" ]; then
+      say "the CUDA decode tests (16 sequences through the tensor-core kernel)"
+      timeout 280 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
+        -k trained 2>&1 | tail -4
+    fi
+    say "decode, batch ${BATCH:-32}: the default path, the tensor-core kernel, Triton's dequantize"
+    timeout 420 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --mma \
+      --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -5
+    python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, b32)" >&2; exit 2 ;;
 esac
 say done

@@ -44,7 +44,15 @@ POINTERS = {
 DEFAULTS = {
     "qm_gemv_lines": dict(BS2=256, NESTED=1, BLOCK_N=2, SB=32, NS=1, LUT=1, BF16=1, WK=1, ROWS=1),
     "qm_gemv_4bit": dict(BS2=256, NESTED=1, BLOCK_N=32, NS=1, LUT=1, BF16=1),
+    "qm_mma_4bit": dict(BS2=256, NESTED=1, BLOCK_N=64, BLOCK_M=32, NB=2, NS=1, LUT=1, BF16=1),
 }
+# integers the launcher passes as multiples of 16 (int32 words or bytes of a row of codes: `in`
+# a multiple of 64), which Triton specializes as such at run time
+ALIGNED_INTS = ("KW", "KH")
+# pointers a kernel takes otherwise (the tensor-core kernel reads the codes as bytes)
+KERNEL_POINTERS = {"qm_mma_4bit": {"q_ptr": "*u8"}}
+# warps a kernel runs with by default (the gemvs: WK, else 1)
+WARPS = {"qm_mma_4bit": 4}
 
 
 def loop_conversions(ttgir: str) -> list[str]:
@@ -70,6 +78,8 @@ def ptx_counts(ptx: str) -> dict[str, int]:
         "bar.sync": len(re.findall(r"\bbar\.sync", ptx)),
         "shfl": len(re.findall(r"\bshfl\.", ptx)),
         "fma.f32": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+        "mma": len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)", ptx)),
+        "cp.async": len(re.findall(r"\bcp\.async\.(?:ca|cg|bulk)", ptx)),
     }
 
 
@@ -104,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", default="qm_gemv_lines", choices=sorted(DEFAULTS))
     p.add_argument("--const", nargs="*", default=[], metavar="KEY=INT",
                    help="constexprs over the defaults, e.g. ROWS=8 BLOCK_N=4 SB=16")  # fmt: skip
-    p.add_argument("--num-warps", type=int, default=None, help="default: WK, else 1")
+    p.add_argument("--num-warps", type=int, default=None,
+                   help="default: qm_mma_4bit 4; the gemvs WK, else 1")  # fmt: skip
+    p.add_argument("--num-stages", type=int, default=1, help="software pipelining (default 1)")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--out", default=os.path.join(".bench", "triton-offline"))
     a = p.parse_args(argv)
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or key not in const:
             p.error(f"--const {item!r}: KEY=INT, KEY one of {sorted(const)}")
         const[key] = int(value)
-    for key in ("ROWS", "BLOCK_N", "NS"):  # tl.arange lengths
+    for key in ("ROWS", "BLOCK_N", "BLOCK_M", "NB", "NS"):  # tl.arange lengths
         if key in const and const[key] & (const[key] - 1):
             p.error(f"{key}={const[key]}: a power of two (the kernel's tl.arange lengths)")
     spec = importlib.util.spec_from_file_location("_triton4", _SRC)
@@ -131,20 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     fn = getattr(module, a.kernel)
     params = list(inspect.signature(fn.fn).parameters)
     const = {k: v for k, v in const.items() if k in params}
-    sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in params}
-    attrs = {(params.index(n),): [["tt.divisibility", 16]] for n in POINTERS if n in params}
-    warps = a.num_warps or const.get("WK", 1)
+    pointers = dict(POINTERS, **KERNEL_POINTERS.get(a.kernel, {}))
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in params}
+    aligned = [n for n in (*pointers, *ALIGNED_INTS) if n in params]
+    attrs = {(params.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    warps = a.num_warps or WARPS.get(a.kernel) or const.get("WK", 1)
     compiled = triton.compile(ASTSource(fn, sig, const, attrs=attrs),
                               target=GPUTarget("cuda", a.arch, 32),
-                              options=dict(num_warps=warps, num_stages=1))  # fmt: skip
+                              options=dict(num_warps=warps, num_stages=a.num_stages))  # fmt: skip
     os.makedirs(a.out, exist_ok=True)
     tag = "_".join(f"{k}{v}" for k, v in sorted(const.items()))
-    stem = os.path.join(a.out, f"{a.kernel}_{tag}_w{warps}")
+    stem = os.path.join(a.out, f"{a.kernel}_{tag}_w{warps}_s{a.num_stages}")
     for kind in ("ttgir", "ptx"):
         with open(f"{stem}.{kind}", "w") as f:
             f.write(compiled.asm[kind])
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    print(f"{a.kernel} (Triton {triton.__version__}, sm_{a.arch}, {warps} warp(s)): {const}")
+    print(
+        f"{a.kernel} (Triton {triton.__version__}, sm_{a.arch}, {warps} warp(s), "
+        f"{a.num_stages} stage(s)): {const}"
+    )
     for line in ttgir.splitlines():
         if line.startswith(("#blocked", "#linear")):
             print("  " + line.split(" = ", 1)[-1][:150])

@@ -19,8 +19,9 @@ prefix. A small Llama learns a fixed next-token map (a random permutation of the
 sequences that follow it) on the GPU, is quantized to nf4 with non-zero adapters, and the compiled
 greedy_decode (sibling adapters stacked, and each on its own) must give every token of the eager
 loop with each adapter on its own; the test first checks that the model did learn (its eager tokens follow
-the map), so that the margins are really wide. No pretrained checkpoint is used: the GPU machine has
-no network.
+the map), so that the margins are really wide. Then four and sixteen sequences at once, compiled,
+through the gemv and the tensor-core kernel (turned on for it), must give the tokens of
+bitsandbytes' path run eagerly. No pretrained checkpoint is used: the GPU machine has no network.
 Marked cuda: runs on the GPU machine.
 """
 
@@ -156,7 +157,7 @@ def test_compiled_decode_step_is_the_eager_step_on_nf4_lora():
 
 def _trained(rank: int) -> dict:
     """Train a small Llama on a permutation map, then decode it (nf4 + LoRA) eager and compiled,
-    one sequence, then four at once."""
+    one sequence, then four and sixteen at once."""
     import quantmesh as qm
     from tests.models import llama
 
@@ -196,24 +197,32 @@ def _trained(rank: int) -> dict:
     unstacked = qm.greedy_decode(model, ids, 48, compile=True, fuse_adapters=False)[0].cpu()
     expect = chain[8:]
     # four sequences at once: each step's matmuls take the gemv at 4 rows (kernel4's
-    # GEMV_MAX_ROWS, on by default), compiled; the reference, bitsandbytes' path, eager
+    # GEMV_MAX_ROWS, on by default), compiled; sixteen: the tensor-core kernel (opt-in, turned
+    # on here); the reference of each, bitsandbytes' path, eager
     from quantmesh.quant import kernel4 as k4
 
-    chains = [[int(s)] for s in torch.randint(0, vocab, (4,), generator=g)]
-    for c in chains:
-        for _ in range(8 + 48 - 1):
-            c.append(int(perm[c[-1]]))
-    ids4 = torch.tensor([c[:8] for c in chains], device=mesh.device)
-    batch = qm.greedy_decode(model, ids4, 48, compile=True).cpu()
-    before = k4.GEMV_ENABLED
-    k4.GEMV_ENABLED = False
-    try:
-        batch_bnb = qm.greedy_decode(model, ids4, 48, compile=False, fuse_adapters=False).cpu()
-    finally:
-        k4.GEMV_ENABLED = before
-    return {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
-            "map": torch.tensor(expect), "batch": batch, "batch_bnb": batch_bnb,
-            "batch_map": torch.tensor([c[8:] for c in chains]), "gemv_rows": k4.GEMV_MAX_ROWS}  # fmt: skip
+    out = {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
+           "map": torch.tensor(expect), "gemv_rows": k4.GEMV_MAX_ROWS,
+           "mma_rows": (k4.MMA_MIN_ROWS, k4.MMA_MAX_ROWS)}  # fmt: skip
+    for n, flags in ((4, {}), (16, {"MMA_ENABLED": True})):
+        chains = [[int(s)] for s in torch.randint(0, vocab, (n,), generator=g)]
+        for c in chains:
+            for _ in range(8 + 48 - 1):
+                c.append(int(perm[c[-1]]))
+        ids_n = torch.tensor([c[:8] for c in chains], device=mesh.device)
+        saved = {k: getattr(k4, k) for k in ("GEMV_ENABLED", "MMA_ENABLED")}
+        try:
+            for k, v in flags.items():
+                setattr(k4, k, v)
+            out[f"batch{n}"] = qm.greedy_decode(model, ids_n, 48, compile=True).cpu()
+            k4.GEMV_ENABLED = k4.MMA_ENABLED = False
+            out[f"batch{n}_bnb"] = qm.greedy_decode(model, ids_n, 48, compile=False,
+                                                    fuse_adapters=False).cpu()  # fmt: skip
+        finally:
+            for k, v in saved.items():
+                setattr(k4, k, v)
+        out[f"batch{n}_map"] = torch.tensor([c[8:] for c in chains])
+    return out
 
 
 def test_compiled_decode_gives_a_trained_models_tokens():
@@ -224,8 +233,11 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert follows > 0.9, (out["loss"], follows)  # it learned: wide margins, not near-ties
     assert (out["compiled"] == out["eager"]).all(), (out["compiled"], out["eager"])
     assert (out["unstacked"] == out["eager"]).all(), (out["unstacked"], out["eager"])
-    # four rows at once: the gemv's rows (compiled) give bitsandbytes' path's tokens (eager)
-    assert out["gemv_rows"] >= 4, out["gemv_rows"]
-    follows = (out["batch_bnb"] == out["batch_map"]).float().mean().item()
-    assert follows > 0.9, follows
-    assert (out["batch"] == out["batch_bnb"]).all(), (out["batch"], out["batch_bnb"])
+    # four rows at once, the gemv's, and sixteen, the tensor-core kernel's (compiled), give
+    # bitsandbytes' path's tokens (eager)
+    assert out["gemv_rows"] >= 4 and out["mma_rows"][0] <= 16 <= out["mma_rows"][1], out
+    for n in (4, 16):
+        follows = (out[f"batch{n}_bnb"] == out[f"batch{n}_map"]).float().mean().item()
+        assert follows > 0.9, (n, follows)
+        assert (out[f"batch{n}"] == out[f"batch{n}_bnb"]).all(), (n, out[f"batch{n}"],
+                                                                   out[f"batch{n}_bnb"])  # fmt: skip

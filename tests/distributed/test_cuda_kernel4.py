@@ -283,11 +283,13 @@ def test_gemv_is_dequantize_then_matmul(shape, lut, nested, dtype):
     ])  # fmt: skip
 
 
-def _gemv_tiles_check(shape, nested, dtype, tiles_for, rows=1):
-    """Each gemv tile of `tiles_for(out, in)` lands within its output's rounding of
+def _gemv_tiles_check(shape, nested, dtype, tiles_for, rows=1, launch=None):
+    """Each tile of `tiles_for(out, in)` lands within its output's rounding of
     x @ dequantize_4bit(W)^T (`rows` rows; a random nf4 weight of `shape`, blocksize 64) and gives
-    the same bits again."""
+    the same bits again, through `launch` (default the gemv's, `kernel4.launch_gemv`)."""
     from quantmesh.quant import kernel4 as k4
+
+    launch = launch or k4.launch_gemv
 
     out_f, in_f = shape
     packed, qs = _quantized(out_f, in_f, nested, 64)
@@ -295,9 +297,9 @@ def _gemv_tiles_check(shape, nested, dtype, tiles_for, rows=1):
     stats = k4._statistics(qs, torch.device("cuda"))
     x = torch.randn(rows, in_f, device="cuda", dtype=dtype)
     for cfg in tiles_for(out_f, in_f):
-        y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
-        _check(y, x, packed, qs, dtype, (shape, cfg))
-        assert torch.equal(k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg), y)
+        y = launch(x, flat, *stats, 64, "nf4", out_f, cfg)
+        _check(y, x, packed, qs, dtype, (shape, rows, cfg))
+        assert torch.equal(launch(x, flat, *stats, 64, "nf4", out_f, cfg), y)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -349,6 +351,68 @@ def test_gemv_lines_rows_is_dequantize_then_matmul(shape, nested, rows):
             dict(lines, BLOCK_N=2, SB=16, BLK=16),  # shares of one stride
             dict(lines, BLOCK_N=4, SB=8, BLK=24),  # shares of three strides
         ], rows=rows)  # fmt: skip
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize(
+    "shape", [(4096, 4096), (11008, 4096), (4096, 11008), (33, 192), (257, 640), (100, 1088)]
+)
+def test_mma_is_dequantize_then_matmul(shape, nested):
+    """The tensor-core kernel at 9 to 64 rows lands within its output's rounding of
+    x @ dequantize_4bit(W)^T for the 7B shapes and odd ones (`out` not a multiple of a program's
+    features, `in` an odd number of blocks: a step's last block masked off), rows past the last
+    masked off (9, 17, 33), with the library's tile for that many rows, K in one share and in
+    shares, steps of 1, 2 and 4 blocks, 128 and 32 features a program, each code's value loaded
+    (LUT 0), bf16 and fp16, and gives the same bits again."""
+    _need_cuda()
+    from quantmesh.quant import kernel4 as k4
+
+    for rows in (9, 16, 17, 32, 33, 64):
+        bm = max(16, 1 << (rows - 1).bit_length())
+        tile = dict(BLOCK_M=bm, LUT=1, num_warps=4, num_stages=3)
+        for dtype in (torch.bfloat16, torch.float16):
+            _gemv_tiles_check(shape, nested, dtype, lambda out_f, in_f, rows=rows, tile=tile: [
+                k4.mma_config(rows, out_f, in_f),  # the library's
+                dict(tile, BLOCK_N=64, NB=2, BLK=0),  # one share
+                dict(tile, BLOCK_N=128, NB=1, BLK=3),  # shares of three steps
+                dict(tile, BLOCK_N=32, NB=4, BLK=8, num_warps=2),
+                dict(tile, BLOCK_N=64, NB=2, BLK=6, LUT=0),
+            ], rows=rows, launch=k4.launch_mma)  # fmt: skip
+
+
+def test_quant_linear_takes_the_mma_when_enabled_and_compiles():
+    """QuantLinear4bit with `MMA_ENABLED`: 16 and 33 rows without autograd take the tensor-core
+    kernel, in eager and inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the
+    same bits), within bf16 rounding of bitsandbytes' path; a few rows keep the gemv, more than
+    `MMA_MAX_ROWS` and autograd the other paths."""
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+
+    m = _nf4_linear()
+    qs = m.weight.quant_state
+    before = k4.MMA_ENABLED
+    k4.MMA_ENABLED = True
+    try:
+        for rows in (16, 33):
+            x = torch.randn(rows, 1, 4096, device="cuda", dtype=torch.bfloat16)
+            assert not k4.mma_applies(x, qs, torch.bfloat16)  # autograd on
+            with torch.no_grad():
+                assert k4.mma_applies(x, qs, torch.bfloat16)
+                k4.MMA_ENABLED = False
+                y_bnb = m(x)
+                k4.MMA_ENABLED = True
+                assert not k4.mma_applies(x[: k4.GEMV_MAX_ROWS], qs, torch.bfloat16)
+                more = torch.randn(k4.MMA_MAX_ROWS + 1, 4096, device="cuda")
+                assert not k4.mma_applies(more, qs, torch.bfloat16)
+                step = torch.compile(m.forward, fullgraph=True, mode="reduce-overhead")
+                ys = [step(x).clone() for _ in range(3)]
+                y = m(x)
+            scale = y_bnb.float().norm()
+            assert float((y.float() - y_bnb.float()).norm() / scale) < 4e-3, rows
+            for yc in ys:
+                assert torch.equal(yc, y), rows
+    finally:
+        k4.MMA_ENABLED = before
 
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():

@@ -434,6 +434,53 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
             k4.launch_gemv(xx, flat, *stats, bs, "nf4", 64, cfg)
 
 
+def test_mma_kernel_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
+    """kernel4's tensor-core kernel (MMA_MIN_ROWS to MMA_MAX_ROWS rows): off unless
+    QUANTMESH_MMA=1, never on CPU (QuantLinear4bit's output unchanged by turning it on there),
+    tried after the gemv; its tiles take the rows' power of two (at least 16) and cut K so that
+    a grid holds about MMA_PROGRAMS programs; a call it cannot compute is refused with the
+    reason before any launch."""
+    from quantmesh.quant import bnb as qb
+    from quantmesh.quant import kernel4 as k4
+
+    assert k4.MMA_ENABLED is (os.environ.get("QUANTMESH_MMA") == "1")
+    m = _nf4_cpu_linear(64, 32)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    _stays_off_on_cpu("MMA_ENABLED", k4.mma_applies, m, x)
+    order = [applies for applies, _ in qb._KERNELS]
+    assert order.index(k4.gemv_applies) < order.index(k4.mma_applies)
+    assert k4.MMA_MIN_ROWS == k4.GEMV_MAX_ROWS + 1 and k4.MMA_MAX_ROWS == 64
+    for rows, bm in ((1, 16), (9, 16), (16, 16), (17, 32), (33, 64), (64, 64)):
+        assert k4.mma_config(rows, 4096, 4096)["BLOCK_M"] == bm
+    for shape, blk in (((4096, 4096), 8), ((11008, 4096), 22), ((4096, 11008), 22),
+                       ((64, 128), 2)):  # fmt: skip
+        cfg = k4.mma_config(32, *shape)
+        shares = -(-(shape[1] // 64) // cfg["BLK"])
+        assert cfg["BLK"] == blk and cfg["BLK"] % cfg["NB"] == 0, (shape, cfg)
+        groups = -(-shape[0] // cfg["BLOCK_N"])
+        assert shares == 1 or groups * shares <= 2 * k4.MMA_PROGRAMS, (shape, cfg)
+    assert k4.mma_config(32, 4096, 4096, dict(k4.MMA_TILE, BLK=4))["BLK"] == 4  # the tile's own
+    assert k4.mma_config(32, 4096, 4096, dict(k4.MMA_TILE, BLK=0))["BLK"] == 0  # one share
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        k4.mma_config(65, 64, 128)
+    flat = torch.zeros(64 * 32, dtype=torch.uint8)
+    stats = (torch.ones(32), None, None, None)
+    tile = k4.mma_config(16, 64, 128)
+    bf = torch.bfloat16
+    cases = [
+        (torch.zeros(17, 128, dtype=bf), 64, tile, "at most the tile's BLOCK_M"),
+        (torch.zeros(16, 128, dtype=bf), 128, tile, "blocksize 64"),
+        (torch.zeros(16, 96, dtype=bf), 64, tile, "a multiple of 64"),
+        (torch.zeros(16, 128), 64, tile, "bf16 or fp16"),
+        (torch.zeros(16, 128, dtype=bf), 64, dict(tile, BLOCK_N=48), "powers of two"),
+        (torch.zeros(16, 128, dtype=bf), 64, dict(tile, BLOCK_N=8), "at least 16"),
+        (torch.zeros(16, 128, dtype=bf), 64, dict(tile, NB=4, BLK=2), "a multiple of NB"),
+    ]
+    for xx, bs, cfg, why in cases:
+        with pytest.raises(ValueError, match=why):
+            k4.launch_mma(xx, flat, *stats, bs, "nf4", 64, cfg)
+
+
 def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
     """kernel4's many-row dequantize: off by default, never on CPU or under autograd; and a 3-D
     input whose strides do not fold into (rows, in) (one position per row, as an attention

@@ -5,13 +5,16 @@ flattened (N, K) weight, one absmax each: fp32, or 8-bit + nested fp32 absmax pe
 an offset under double quant). `lut_ptr` holds the 16 code values (fp32). `rows_4bit`: one program
 owns BLOCK_N output features, a 1/SPLIT_K share of K, all M rows (BLOCK_M >= M); with SPLIT_K > 1
 it writes fp32 partial sums (y: SPLIT_K, M, N). The gemvs (`qm_gemv_lines`, 1 to 16 rows;
-`qm_gemv_4bit`) and the dequantize (`dequant_4bit`) say their own layouts.
+`qm_gemv_4bit`), the tensor-core kernel (`qm_mma_4bit`, up to 64 rows) and the dequantize
+(`dequant_4bit`) say their own layouts.
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["blocks_4bit", "dequant_4bit", "qm_gemv_4bit", "qm_gemv_lines", "rows_4bit"]
+__all__ = [
+    "blocks_4bit", "dequant_4bit", "qm_gemv_4bit", "qm_gemv_lines", "qm_mma_4bit", "rows_4bit"
+]  # fmt: skip
 
 
 @triton.jit
@@ -396,6 +399,65 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
             acc += part * tl.reshape(a, (1, BLOCK_N, 32 * WK))
     _finish(tl.sum(acc, axis=2), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
+            cnt_ptr, NS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero"])
+def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
+                cnt_ptr, M, N, NBLK, KH, blk_per, n_slices, zero,
+                BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
+                BF16: tl.constexpr):  # fmt: skip
+    # y (M, N) = x (M, K) @ W^T for 9 to 64 rows on tensor cores, the codes read once: a program
+    # owns BLOCK_N features and all M rows (M <= BLOCK_M, a power of two >= 16) and walks its
+    # share of K in steps of NB blocks of 64 codes. A step loads the features' bytes of codes
+    # (BLOCK_N, 32 NB: byte j holds inputs 2j, high nibble, and 2j + 1, low), turns each nibble
+    # into its value (shuffled from the lane that holds it, LUT 1, or loaded, LUT 0), scales it by
+    # its block's absmax (fp32, as dequantize_4bit computes it) and rounds it to x's dtype: the
+    # weight bitsandbytes writes, in registers only. x's rows are read as int32 words, each the
+    # pair (input 2j, input 2j + 1), split into the even and the odd inputs; the high nibbles
+    # meet the even inputs and the low ones the odd in two MMAs of K = 32 NB, so neither side is
+    # interleaved. The features run along the MMA's M and the rows along its N (acc: BLOCK_N,
+    # BLOCK_M), so that 16 rows fill an instruction. K is cut into shares as in the gemvs
+    # (`_finish`, fp32 partials added in a fixed order). KH: bytes of codes a feature (x's rows
+    # are KH int32 words apart: x is contiguous). `zero` (0 at run time): the lane table's seed.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    HB: tl.constexpr = 32  # bytes of a 64-block
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    rj = tl.arange(0, NB * HB)  # a step's bytes (and x's words) from its first
+    rb = tl.arange(0, NB)
+    b_first = pid_k * blk_per
+    b_end = tl.minimum(b_first + blk_per, NBLK)
+    off = 0.0
+    if NESTED:
+        off = tl.load(off_ptr)
+    tab = zero
+    if LUT == 1:  # code value (lane & 15) in each thread (fp32 bits), for the shuffles
+        tab = _lane_table(lut_ptr, _lane_id(zero) & 15)
+    dt = tl.bfloat16 if BF16 else tl.float16
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for b0 in range(b_first, b_end, NB):
+        j_ok = b0 + rj // HB < b_end  # by whole blocks (a mask constant over 16 bytes)
+        q = tl.load(q_ptr + rn_c[:, None] * KH + b0 * HB + rj[None, :], mask=j_ok[None, :],
+                    other=0).to(tl.int32)  # fmt: skip
+        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, rn_c[:, None] * NBLK + b0 + rb[None, :],
+                      (b0 + rb < b_end)[None, :], NESTED, BS2)  # fmt: skip
+        a = a[:, :, None]  # (BLOCK_N, NB, 1): one absmax a block
+        hi = tl.reshape(_code_value(tab, lut_ptr, q, 4, LUT), (BLOCK_N, NB, HB))
+        lo = tl.reshape(_code_value(tab, lut_ptr, q, 0, LUT), (BLOCK_N, NB, HB))
+        w_hi = tl.reshape(hi * a, (BLOCK_N, NB * HB)).to(dt)
+        w_lo = tl.reshape(lo * a, (BLOCK_N, NB * HB)).to(dt)
+        x_at = x_ptr + rm[None, :] * KH + b0 * HB + rj[:, None]  # (32 NB, BLOCK_M): x^T
+        xw = tl.load(x_at, mask=j_ok[:, None] & m_ok[None, :], other=0)
+        xe, xo = _x_halves(xw, BF16)
+        acc = tl.dot(w_hi, xe.to(dt), acc)
+        acc = tl.dot(w_lo, xo.to(dt), acc)
+    _finish(tl.trans(acc), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
             cnt_ptr, NS)  # fmt: skip
 
 

@@ -32,7 +32,9 @@ from .kernel4 import (
     gemv_applies,
     matmul_4bit_dequant,
     matmul_4bit_gemv,
+    matmul_4bit_mma,
     matmul_4bit_rows,
+    mma_applies,
     rows_kernel_applies,
 )
 from .kinds import compute_dtype_for
@@ -529,6 +531,7 @@ def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> 
 
 _KERNELS = (  # (applies, matmul) in the order QuantLinear4bit tries them
     (gemv_applies, matmul_4bit_gemv),  # decoding: 1 to 8 rows, codes read once
+    (mma_applies, matmul_4bit_mma),  # opt-in, 9 to 64 rows: codes read once, tensor cores
     (rows_kernel_applies, matmul_4bit_rows),  # decoding: a few rows, codes read once
     (dequant_kernel_applies, matmul_4bit_dequant),  # many rows: Triton's dequantize + a matmul
 )

@@ -1,6 +1,6 @@
 """4-bit matmuls on bitsandbytes' packed codes, read once and never written out in float: the
 gemv for 1 to 8 rows (decoding up to 8 sequences, the server's small steps; on by default), and,
-opt-in, a kernel for a few rows and a dequantize for many.
+opt-in, a tensor-core kernel for 9 to 64 rows, a kernel for a few rows and a dequantize for many.
 
 1 to `GEMV_MAX_ROWS` (8) rows: the gemv (`matmul_4bit_gemv`, `_triton4.qm_gemv_lines`), on by
 default (`GEMV_ENABLED`; QUANTMESH_GEMV=0 turns it off). Each code's value is found once and
@@ -20,6 +20,17 @@ fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` compute
 are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
 
+9 to 64 rows (opt-in, `MMA_ENABLED`; QUANTMESH_MMA=1): the tensor-core kernel
+(`matmul_4bit_mma`, `_triton4.qm_mma_4bit`). A program owns 64 features and all the rows, and
+walks K two 64-blocks a step: it loads the features' codes (16 bytes a thread), turns each nibble
+into its value by a warp shuffle, scales it by its block's absmax and rounds it to x's dtype (the
+weight bitsandbytes' `dequantize_4bit` writes, made in registers only), and multiplies it with
+x's rows on tensor cores (the features along the instruction's M, the rows along its N, so 16
+rows fill one; Hopper's wgmma takes the weight from registers). Its sums are fp32, as a matmul's
+on the dequantized weight. K is cut into shares so that a grid holds about `MMA_PROGRAMS`
+programs, their partials added in a fixed order. It is opt-in until it is timed on a GPU; its
+correctness is checked on CPU by Triton's interpreter and on the GPU by the CUDA tests.
+
 A few rows (opt-in, `ENABLED`): `matmul_4bit_rows`, a Triton kernel that streams the packed codes
 and the block statistics once per call: each program owns `BLOCK_N` output features and walks K,
 turning each byte into its two 4-bit values (high nibble first) through the 16 code values (fp32,
@@ -35,9 +46,9 @@ the library.
 
 `QuantLinear4bit.forward` (quant/bnb.py) takes a kernel on CUDA when no autograd is recording, the
 compute dtype is bf16 or fp16 and the input's rows are in its range (`gemv_applies`,
-`rows_kernel_applies`, `dequant_kernel_applies`); everything else (CPU, training, other inputs)
+`mma_applies`, `rows_kernel_applies`, `dequant_kernel_applies`); everything else (CPU, training, other inputs)
 keeps bitsandbytes' path. Each is one torch custom op (`quantmesh::gemv_4bit`,
-`quantmesh::matmul_4bit_rows`, `quantmesh::dequantize_4bit`), so `torch.compile` (fullgraph, CUDA
+`quantmesh::mma_4bit`, `quantmesh::matmul_4bit_rows`, `quantmesh::dequantize_4bit`), so `torch.compile` (fullgraph, CUDA
 graphs) traces it without a graph break.
 
 Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
@@ -64,15 +75,22 @@ __all__ = [
     "GEMV_MAX_ROWS",
     "GEMV_WARPS",
     "MAX_ROWS",
+    "MMA_ENABLED",
+    "MMA_MAX_ROWS",
+    "MMA_MIN_ROWS",
     "choose_config",
     "dequant_kernel_applies",
     "dequantize_4bit",
     "gemv_applies",
     "gemv_config",
     "launch_gemv",
+    "launch_mma",
     "matmul_4bit_dequant",
     "matmul_4bit_gemv",
+    "matmul_4bit_mma",
     "matmul_4bit_rows",
+    "mma_applies",
+    "mma_config",
     "rows_kernel_applies",
 ]
 
@@ -122,6 +140,23 @@ GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
     16: dict(GEMV_TILE, BLOCK_N=4, SB=16),
 }
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
+# The tensor-core kernel (`matmul_4bit_mma`, `_triton4.qm_mma_4bit`) for MMA_MIN_ROWS to
+# MMA_MAX_ROWS rows (decoding 9 to 64 sequences, the server's larger steps): the codes read once,
+# dequantized in registers into the weight dequantize_4bit writes, multiplied on tensor cores.
+# Opt-in (QUANTMESH_MMA=1, or set this True) until it is timed against bitsandbytes and Triton's
+# dequantize + matmul on a GPU (`benchmarks/nf4_gemv_bench.py --rows 16,32,64`); off, those rows
+# keep the other paths. It is tried after the gemv, which takes up to GEMV_MAX_ROWS.
+MMA_ENABLED = env_switch("QUANTMESH_MMA", default=False)
+MMA_MIN_ROWS = 9  # fewer rows would leave most of a 16-row instruction empty (the gemv's range)
+MMA_MAX_ROWS = 64  # the most rows `launch_mma` takes (all in one program: BLOCK_M <= 64)
+# mma_config's tile by rows (the power of two at or above them, at least 16): BLOCK_N features
+# and all rows a program, NB blocks of 64 codes a step (two MMAs of K = 32 NB), LUT 1 (code values
+# shuffled from the lane that holds them), 4 warps (one warpgroup: the MMA's 64 features), 3
+# stages of software pipelining. Not yet timed on a GPU: chosen by compiling it for sm_90 offline
+# (benchmarks/triton_offline.py; docs/benchmarks.md, "Figures the code relies on")
+MMA_TILE: dict[str, Any] = dict(BLOCK_N=64, NB=2, LUT=1, num_warps=4, num_stages=3)
+MMA_ROW_TILES: dict[int, dict[str, Any]] = {16: MMA_TILE, 32: dict(MMA_TILE), 64: dict(MMA_TILE)}
+MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many programs
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -312,7 +347,7 @@ def _gemv_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 
 def _rows_out_fake(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
                    out_f):  # fmt: skip
-    """The (rows, out) output the matmul ops on codes (`_gemv_op`, `_rows_op`) return, for
+    """The (rows, out) output the matmul ops on codes (`_gemv_op`, `_mma_op`, `_rows_op`) return, for
     tracing: their signatures are one."""
     return x.new_empty((x.shape[0], out_f))
 
@@ -376,17 +411,11 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         x = x.clone()  # the kernel reads x as int32 words of two inputs
     if packed.storage_offset() % 4:
         packed = packed.clone()  # and the codes as int32 words of 8 codes
-    nested = nested_absmax is not None
     nblk = in_f // blocksize
     per = cfg.get("BLK") or nblk
     slices = triton.cdiv(nblk, per)
     grid = (triton.cdiv(out_f, cfg["BLOCK_N"]), slices)
-    y = torch.empty((rows, out_f), dtype=x.dtype, device=x.device)
-    part = y  # fp32 partials of each share, where there are several
-    if slices > 1:
-        part = torch.empty((slices, rows, out_f), dtype=torch.float32, device=x.device)
-    cnt = _counters(grid[0], x.device) if slices > 1 else y
-    dummy = absmax  # pointers the kernel never reads (no nested statistics)
+    y, part, cnt = _outputs(x, rows, out_f, grid)
     # lines: the rows (M, and ROWS, its power of two), and `zero`, which hides the words'
     # alignment from the compiler (see there)
     m = (rows,) if lines else ()
@@ -395,17 +424,163 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     if lines:
         extra = dict(SB=cfg.get("SB", 32), WK=wk, ROWS=triton.next_power_of_2(rows))
     compiled = kernel[grid](
-        x.view(torch.int32), packed.view(torch.int32), absmax,
-        nested_absmax if nested else dummy, nested_code if nested else dummy,
-        offset if nested else dummy, _code_values(quant_type, x.device), y, part, cnt,
+        x.view(torch.int32), packed.view(torch.int32),
+        *_kernel_statistics(absmax, nested_absmax, nested_code, offset),
+        _code_values(quant_type, x.device), y, part, cnt,
         *m, out_f, nblk, in_f // 8, per, slices, *zero,
-        BS2=256, NESTED=nested, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
+        BS2=256, NESTED=nested_absmax is not None, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
         LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra,
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
     if keep is not None:
         keep.append(compiled)
     return y
+
+
+# ---- tensor cores: 9 to 64 rows -----------------------------------------------------------------
+def mma_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
+    """Whether `matmul_4bit_mma` computes x @ W^T for the QuantState `qs`: `MMA_ENABLED`, CUDA with
+    Triton, no autograd recording, bf16/fp16 compute, `MMA_MIN_ROWS` to `MMA_MAX_ROWS` rows,
+    blocksize 64 and `in` a multiple of it, nested statistics in blocks of 256.
+
+    Example:
+        >>> mma_applies(torch.ones(16, 64), qs, torch.bfloat16)  # CPU: no  # doctest: +SKIP
+        False
+    """
+    rows = _rows_kernels_take(x, qs, compute_dtype) if MMA_ENABLED else 0
+    return (MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and int(qs.blocksize) == 64
+            and int(qs.shape[1]) % 64 == 0)  # fmt: skip
+
+
+def matmul_4bit_mma(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+    """x (..., in) @ W^T -> (..., out) in x's dtype for up to `MMA_MAX_ROWS` rows on tensor cores
+    (`launch_mma` at `mma_config`'s tile: `_triton4.qm_mma_4bit`), the codes read once and the
+    weight, as dequantize_4bit writes it, made in registers only; check `mma_applies` first.
+
+    Example:
+        >>> y = matmul_4bit_mma(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
+    """
+    return _on_codes(_mma_op, x, packed, qs)
+
+
+def mma_config(rows: int, out_f: int, in_f: int, tile: dict[str, Any] | None = None,
+               programs: int = MMA_PROGRAMS) -> dict[str, Any]:  # fmt: skip
+    """The tensor-core kernel's tiles for `rows` rows of an (out_f, in_f) weight (blocksize 64):
+    `tile` (default `MMA_ROW_TILES`' for the power of two at or above `rows`, at least 16: BLOCK_N
+    features a program, NB blocks a step, LUT, num_warps, num_stages), BLOCK_M (that power of
+    two) and K cut into shares of BLK blocks (a multiple of NB) so that the grid holds about
+    `programs` programs, unless the tile sets BLK (0: one share).
+
+    Example:
+        >>> cfg = mma_config(32, 4096, 4096)
+        >>> cfg["BLOCK_M"], cfg["BLK"], 64 // cfg["BLK"] * 4096 // cfg["BLOCK_N"]
+        (32, 8, 512)
+    """
+    if not 1 <= rows <= MMA_MAX_ROWS:
+        raise ValueError(f"the tensor-core kernel takes 1 to {MMA_MAX_ROWS} rows, not {rows}")
+    bm = max(16, _pow2(rows))
+    cfg = dict(MMA_ROW_TILES[bm] if tile is None else tile, BLOCK_M=bm)
+    if cfg.get("BLK") is None:
+        steps = -(-max(1, in_f // 64) // cfg["NB"])
+        groups = -(-out_f // cfg["BLOCK_N"])
+        shares = min(steps, max(1, round(programs / groups)))
+        cfg["BLK"] = cfg["NB"] * -(-steps // shares)
+    return cfg
+
+
+@torch.library.custom_op("quantmesh::mma_4bit", mutates_args=())
+def _mma_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+            nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+            offset: torch.Tensor | None, blocksize: int, quant_type: str,
+            out_f: int) -> torch.Tensor:  # fmt: skip
+    return launch_mma(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                      quant_type, out_f, mma_config(x.shape[0], out_f, x.shape[1]))  # fmt: skip
+
+
+_mma_op.register_fake(_rows_out_fake)
+
+
+def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+               nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+               offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+               cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
+    """x (rows, in) @ W^T -> (rows, out) in x's dtype on tensor cores, with tiles `cfg`
+    (`mma_config`'s keys; the benchmark passes each candidate): `_triton4.qm_mma_4bit`, BLOCK_N
+    features and BLOCK_M >= rows rows a program (powers of two; BLOCK_N and BLOCK_M at least 16,
+    the instruction's least), NB blocks of 64 codes a step, K in shares of BLK blocks (a multiple
+    of NB; 0: one share, whose fp32 partials are added as the gemv's are: see `launch_gemv`), LUT
+    1 shuffles each code's value from the lane that holds it (0 loads it: Triton's interpreter
+    runs only this). Anything else is refused before any launch. `keep`: a list the compiled
+    kernel is appended to (the benchmark reads its PTX).
+
+    Example:
+        >>> y = launch_mma(x, flat, *stats, 64, "nf4", 4096, mma_config(32, 4096, 4096))  # doctest: +SKIP
+    """
+    rows, in_f = x.shape
+    bm, bn, nb = cfg.get("BLOCK_M", 0), cfg.get("BLOCK_N", 0), cfg.get("NB", 0)
+    pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (bm, bn, nb))
+    if not 1 <= rows <= min(bm, MMA_MAX_ROWS) or blocksize != 64 or in_f % 64:
+        raise ValueError(
+            f"the tensor-core kernel takes 1 to {MMA_MAX_ROWS} rows (at most the tile's BLOCK_M), "
+            f"blocksize 64 and `in` a multiple of 64, not {rows} rows, BLOCK_M {bm}, blocksize "
+            f"{blocksize}, in={in_f}: use mma_config's tile, matmul_4bit_rows or bitsandbytes' "
+            f"matmul_4bit"
+        )
+    if not pow2 or bm < 16 or bn < 16 or cfg.get("BLK", 0) % nb:
+        raise ValueError(
+            f"the tensor-core kernel's BLOCK_M, BLOCK_N and NB are powers of two (BLOCK_M and "
+            f"BLOCK_N at least 16) and BLK a multiple of NB, not {cfg}"
+        )
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the tensor-core kernel computes in bf16 or fp16, not {x.dtype}")
+    from .bnb import _bnb
+
+    _bnb()  # registers torch.ops.bitsandbytes (the code values)
+    triton, _ = _triton()
+    from ._triton4 import qm_mma_4bit
+
+    x = x.contiguous()
+    if x.storage_offset() % 2:
+        x = x.clone()  # the kernel reads x as int32 words of two inputs
+    nblk = in_f // blocksize
+    per = cfg.get("BLK") or nblk
+    grid = (triton.cdiv(out_f, bn), triton.cdiv(nblk, per))
+    y, part, cnt = _outputs(x, rows, out_f, grid)
+    stats = _kernel_statistics(absmax, nested_absmax, nested_code, offset)
+    compiled = qm_mma_4bit[grid](
+        x.view(torch.int32), packed, *stats, _code_values(quant_type, x.device), y, part, cnt,
+        rows, out_f, nblk, in_f // 2, per, grid[1], 0,
+        BS2=256, NESTED=nested_absmax is not None, BLOCK_N=bn, BLOCK_M=bm, NB=nb,
+        NS=triton.next_power_of_2(grid[1]), LUT=cfg.get("LUT", 0),
+        BF16=x.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 3),
+    )  # fmt: skip
+    if keep is not None:
+        keep.append(compiled)
+    return y
+
+
+def _outputs(x: torch.Tensor, rows: int, out_f: int,
+             grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, the fp32 partials of each share of K, the groups' counts) for a kernel of `grid`
+    (groups of features, shares of K) that adds its shares as `_triton4._finish` does; with one
+    share the last two are y itself (never read)."""
+    y = torch.empty((rows, out_f), dtype=x.dtype, device=x.device)
+    if grid[1] == 1:
+        return y, y, y
+    part = torch.empty((grid[1], rows, out_f), dtype=torch.float32, device=x.device)
+    return y, part, _counters(grid[0], x.device)
+
+
+def _kernel_statistics(absmax: torch.Tensor, nested_absmax: torch.Tensor | None,
+                       nested_code: torch.Tensor | None,
+                       offset: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The four statistics pointers the kernels take: absmax itself in place of those a weight
+    without double quant lacks (never read)."""
+    if nested_absmax is None:
+        return absmax, absmax, absmax, absmax
+    assert nested_code is not None and offset is not None
+    return absmax, nested_absmax, nested_code, offset
 
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
