@@ -115,9 +115,10 @@ def test_every_tile_variant_and_blocksize():
 @pytest.mark.parametrize("nested", [True, False])
 def test_tp_shards_cut_from_a_quantized_weight(nested):
     """The codes a tp rank holds: rows (colwise) keep the 8-bit statistics when the cut starts on
-    a nested block, columns (rowwise) get fp32 ones (quant/prequant.py slice_4bit)."""
+    a nested block, columns (rowwise) get fp32 ones (quant/prequant.py slice_4bit); through the
+    row kernel, the gemv (1 and 4 rows) and the tensor-core kernel (16 and 64 rows)."""
     _need_cuda()
-    from quantmesh.quant.kernel4 import matmul_4bit_rows
+    from quantmesh.quant.kernel4 import matmul_4bit_gemv, matmul_4bit_mma, matmul_4bit_rows
     from quantmesh.quant.prequant import slice_4bit
 
     out_f, in_f = 1024, 2048
@@ -131,6 +132,12 @@ def test_tp_shards_cut_from_a_quantized_weight(nested):
             with torch.no_grad():
                 y = matmul_4bit_rows(x, part_codes, part)
             _check(y, x, part_codes, part, torch.bfloat16, (dim, ranges, rows, part.nested))
+        for matmul, rows in ((matmul_4bit_gemv, 1), (matmul_4bit_gemv, 4), (matmul_4bit_mma, 16),
+                             (matmul_4bit_mma, 64)):  # fmt: skip
+            x = torch.randn(rows, int(part.shape[1]), device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                y = matmul(x, part_codes, part)
+            _check(y, x, part_codes, part, torch.bfloat16, (matmul, dim, ranges, rows))
 
 
 def _nf4_linear():

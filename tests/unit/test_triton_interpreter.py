@@ -1,0 +1,208 @@
+"""quantmesh's Triton kernels (quant/_triton4.py, through quant/kernel4.py's launchers) run by
+Triton's interpreter on CPU, against bitsandbytes' own `dequantize_4bit` (CPU) and a matmul: the
+kernels' arithmetic in `make test`, on any machine, where the CUDA tests need a GPU.
+
+Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (read when
+`triton.jit` wraps a kernel, so before quant/_triton4.py is imported): the gemvs (1 to 8 rows),
+the tensor-core kernel (9 to 64 rows), the dequantize (bit for bit), the older row and block
+kernels, and tp shards cut from a quantized weight. A product is right when its error against
+the fp32 product of x and the dequantized weight is at most twice a plain matmul's on the same
+weight (the CUDA tests' rule). The interpreter rounds fp32 to bf16 by truncation, not to nearest
+as a GPU does: a bf16 case's plain product is the fp32 one truncated the same way, and the
+dequantize's bf16 weight must be bitsandbytes' fp32 weight truncated; the kernels that round each
+weight to x's dtype before multiplying (the row and block kernels, the tensor-core one) run in
+fp16 here. What the interpreter
+cannot run is left to the CUDA tests (tests/distributed/test_cuda_kernel4.py): warp shuffles
+(LUT 1: here every code value is loaded, LUT 0) and bf16 `tl.dot` (its numpy bf16 products are
+wrong: the tensor-core paths run in fp16 here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_triton_kernels_in_the_interpreter(family: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    code = f"import tests.unit.test_triton_interpreter as t; t.main({family!r})"
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=400)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    bad = [c for c in cases if not c["ok"]]
+    assert cases and not bad, bad
+
+
+# ---- run inside the interpreter's process -----------------------------------------------------
+def _weight(out_f: int, in_f: int, nested: bool, blocksize: int = 64, quant_type: str = "nf4",
+            seed: int = 0):  # fmt: skip
+    import bitsandbytes.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.02
+    packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested,
+                                 quant_type=quant_type)  # fmt: skip
+    return packed, qs
+
+
+def _truncated(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 as Triton's interpreter converts: the low 16 bits dropped."""
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _dequantized(packed, qs) -> torch.Tensor:
+    """bitsandbytes' fp32 weight (its CPU kernel, blocks over the flattened weight)."""
+    from quantmesh.quant.bnb import dequantize_4bit_flat
+
+    return dequantize_4bit_flat(packed, qs).float()
+
+
+def _product(y: torch.Tensor, x: torch.Tensor, packed, qs, what) -> dict:
+    """A case's record: its error and a plain matmul's, against x @ dequantize_4bit(W)^T in fp32
+    (bf16: the interpreter's plain product is the exact one truncated)."""
+    w = _dequantized(packed, qs).to(x.dtype)
+    ref = x.float() @ w.float().t()
+    mm = _truncated(ref).float() if x.dtype == torch.bfloat16 else (x @ w.t()).float()
+    err = float((y.float() - ref).norm() / ref.norm())
+    mm_err = float((mm - ref).norm() / ref.norm())
+    ok = (y.shape == (x.shape[0], w.shape[0]) and y.dtype == x.dtype
+          and err <= max(2 * mm_err, 2e-3))  # fmt: skip
+    return {"case": repr(what), "err": err, "mm_err": mm_err, "ok": bool(ok)}
+
+
+def _counts_back_at_zero() -> bool:
+    from quantmesh.quant import kernel4 as k4
+
+    return all(int(c.abs().sum()) == 0 for c in k4._COUNTERS.values())
+
+
+def _stats(qs):
+    from quantmesh.quant import kernel4 as k4
+
+    return k4._statistics(qs, torch.device("cpu"))
+
+
+def _gemv() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+
+    out = []
+    g = torch.Generator().manual_seed(1)
+    for (out_f, in_f), nested in (((64, 512), True), ((33, 192), False)):
+        packed, qs = _weight(out_f, in_f, nested)
+        flat = packed.reshape(-1).view(torch.uint8)
+        for rows, dtype in ((1, torch.bfloat16), (3, torch.float16), (8, torch.bfloat16)):
+            x = torch.randn(rows, in_f, generator=g).to(dtype)
+            lib = dict(k4.gemv_config(rows, out_f, in_f, 64), LUT=0)
+            tiles = [dict(lib, BLOCK_N=16, BLK=0), dict(lib, BLOCK_N=8, SB=4, BLK=4)]
+            if out_f == 33:  # the library's own tile (few features a program: slow here)
+                tiles.append(lib)
+            for cfg in tiles:  # one share, shares of one stride
+                y = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
+                out.append(_product(y, x, packed, qs, ("lines", out_f, in_f, rows, cfg)))
+                out[-1]["ok"] &= _counts_back_at_zero()
+        x = torch.randn(1, in_f, generator=g).to(torch.bfloat16)  # the one-thread-a-feature gemv
+        for cfg in (dict(BLOCK_N=32, BLK=0, LUT=0), dict(BLOCK_N=32, BLK=3, LUT=0)):
+            y = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
+            out.append(_product(y, x, packed, qs, ("4bit", out_f, in_f, cfg)))
+            out[-1]["ok"] &= _counts_back_at_zero()
+    return out
+
+
+def _mma() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+
+    out = []
+    g = torch.Generator().manual_seed(2)
+    for (out_f, in_f), nested in (((100, 448), True), ((33, 192), False)):  # 7, 3 blocks
+        packed, qs = _weight(out_f, in_f, nested)
+        flat = packed.reshape(-1).view(torch.uint8)
+        for rows in (9, 33, 64):
+            x = torch.randn(rows, in_f, generator=g).to(torch.float16)
+            lib = dict(k4.mma_config(rows, out_f, in_f, programs=4), LUT=0)  # K in shares
+            tiles = (lib, dict(lib, BLK=0), dict(lib, BLOCK_N=32, NB=4, BLK=4),
+                     dict(lib, BLOCK_N=16, NB=1, BLK=3))  # fmt: skip
+            for cfg in tiles:
+                y = k4.launch_mma(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
+                out.append(_product(y, x, packed, qs, ("mma", out_f, in_f, rows, cfg)))
+                out[-1]["ok"] &= _counts_back_at_zero()
+    return out
+
+
+def _dequant() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+
+    out = []
+    for shape, bs, qt in (((64, 512), 64, "nf4"), ((33, 96), 64, "fp4"), ((20, 640), 128, "nf4")):
+        for nested in (True, False):
+            packed, qs = _weight(*shape, nested, blocksize=bs, quant_type=qt)
+            flat = packed.reshape(-1).view(torch.uint8)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                w = k4.dequantize_4bit(flat, *_stats(qs), bs, qt, shape, dtype)
+                want = _dequantized(packed, qs)
+                want = _truncated(want) if dtype == torch.bfloat16 else want.to(dtype)
+                out.append({"case": repr((shape, bs, qt, nested, dtype)),
+                            "ok": bool(torch.equal(w, want))})  # fmt: skip
+    return out
+
+
+def _rows() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+
+    out = []
+    g = torch.Generator().manual_seed(3)
+    for (out_f, in_f), nested in (((64, 512), True), ((33, 96), False), ((40, 320), True)):
+        packed, qs = _weight(out_f, in_f, nested)
+        flat = packed.reshape(-1).view(torch.uint8)
+        for rows in (1, 5, 17):  # fp16: these kernels round each weight to x's dtype first
+            x = torch.randn(rows, in_f, generator=g).to(torch.float16)
+            cfgs = [k4.choose_config(rows)]
+            if in_f % 64 == 0:  # the block kernel: whole blocks
+                cfgs.append(dict(KERNEL="blocks", BLOCK_N=32, NB=4, SPLIT_K=2, DOT=int(rows > 1),
+                                 num_warps=4))  # fmt: skip
+            for cfg in cfgs:
+                y = k4._launch(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
+                out.append(_product(y, x, packed, qs, ("rows", out_f, in_f, rows, cfg)))
+    return out
+
+
+def _tp_shards() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+    from quantmesh.quant.prequant import slice_4bit
+
+    for tile in (*k4.GEMV_ROW_TILES.values(), *k4.MMA_ROW_TILES.values()):
+        tile["LUT"] = 0  # the library's tiles, their code values loaded
+    for tile in k4.GEMV_ROW_TILES.values():
+        tile["BLOCK_N"] = 16  # (fewer programs: the interpreter runs each in turn)
+    out = []
+    g = torch.Generator().manual_seed(4)
+    for nested in (True, False):
+        packed, qs = _weight(96, 256, nested)
+        flat = packed.reshape(-1).view(torch.uint8)
+        for dim, ranges in ((0, ((32, 64),)), (1, ((64, 192),))):
+            codes, part = slice_4bit(qs, dim, ranges, lambda a, b, flat=flat: flat[a:b])
+            for matmul, rows in ((k4.matmul_4bit_gemv, 1), (k4.matmul_4bit_gemv, 4),
+                                 (k4.matmul_4bit_mma, 16)):  # fmt: skip
+                x = torch.randn(rows, int(part.shape[1]), generator=g).to(torch.float16)
+                y = matmul(x, codes, part)
+                out.append(_product(y, x, codes, part, (matmul.__name__, dim, ranges, rows)))
+    return out
+
+
+def main(family: str) -> None:
+    """Run one family's cases (TRITON_INTERPRET=1 must be set) and print them as one JSON line."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are wrapped at import)")
+    cases = {"gemv": _gemv, "mma": _mma, "dequant": _dequant, "rows": _rows,
+             "tp_shards": _tp_shards}[family]()  # fmt: skip
+    print(json.dumps(cases))
