@@ -87,6 +87,8 @@ MMA_CONFIGS = [
     dict(_M, BLOCK_N=128, NB=2),
     dict(_M, BLOCK_N=128, NB=2, num_warps=8),
     dict(_M, BLOCK_N=64, NB=2, BLK=0),
+    dict(_M, BLOCK_N=64, NB=2, BLK=16),
+    dict(_M, BLOCK_N=128, NB=2, BLK=16),
     dict(_M, BLOCK_N=64, NB=1, num_stages=4),
     dict(_M, BLOCK_N=32, NB=4),
 ]
