@@ -45,7 +45,7 @@ from quantmesh.quant.names import BACKENDS, QUANTS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
-VARIANTS = ("vp_ce", "lora_bf16")
+VARIANTS = ("vp_ce", "triton_dequant", "lora_bf16")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -605,8 +605,10 @@ def main(argv=None) -> int:
 
 def run_variant(v, a, mesh, model, params, ids, autocast, V):
     """Time one prototype on the model already built: `vp_ce` keeps the head's logits split and
-    uses vocab_parallel_ce.py (tp > 1); `lora_bf16` casts the adapters to bf16, which measures what
-    the fp32 adapters' input casts cost (dp = 1 only: DDP's buckets are built for fp32)."""
+    uses vocab_parallel_ce.py (tp > 1); `triton_dequant` turns on quantmesh's Triton dequantize in
+    the 4-bit linears' forward and backward (kernel4.DEQUANT_ENABLED; compiled blocks compile
+    again); `lora_bf16` casts the adapters to bf16, which measures what the fp32 adapters' input
+    casts cost (dp = 1 only: DDP's buckets are built for fp32)."""
     dev = mesh.device
     if v not in VARIANTS:
         raise ValueError(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
@@ -624,6 +626,11 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     if v == "lora_bf16":
         for p in params:
             p.data = p.data.to(torch.bfloat16)
+    from quantmesh.quant import kernel4
+
+    dequant_before = kernel4.DEQUANT_ENABLED
+    if v == "triton_dequant":
+        kernel4.DEQUANT_ENABLED = True
     try:
         opt = torch.optim.AdamW(params, lr=a.lr)
         warm = min(3, a.warmup)
@@ -632,6 +639,7 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
             loss_fn=loss_fn,
         )  # fmt: skip
     finally:
+        kernel4.DEQUANT_ENABLED = dequant_before
         if head_style is not None:
             model.lm_head.style = head_style
     dts = gather(dt)

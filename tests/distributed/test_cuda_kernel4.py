@@ -234,10 +234,10 @@ def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_com
     qs = m.weight.quant_state
     heads = torch.randn(64, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     x = heads.transpose(1, 2).reshape(64, 1, 4096)  # as an attention output reaches o_proj
-    y_bnb = m(x).detach()  # autograd on: bitsandbytes' path
     saved = k4.DEQUANT_ENABLED  # off by default (QUANTMESH_TRITON_DEQUANT=1 turns it on)
     try:
         k4.DEQUANT_ENABLED = False
+        y_bnb = m(x).detach()  # autograd on: bitsandbytes' path
         with torch.no_grad():
             assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
             y_off = m(x)  # bitsandbytes' path, the input flattened first
@@ -250,7 +250,7 @@ def test_quant_linear_many_rows_take_the_dequant_kernel_without_autograd_and_com
 def _many_rows(m, x, qs, y_bnb, y_off):
     import quantmesh.quant.kernel4 as k4
 
-    assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)  # autograd on
+    assert k4.dequant_kernel_applies(x[:4], qs, torch.bfloat16)  # autograd on: any rows
     with torch.no_grad():
         assert k4.dequant_kernel_applies(x, qs, torch.bfloat16)
         assert not k4.dequant_kernel_applies(x[:4], qs, torch.bfloat16)  # bitsandbytes' below 8
@@ -420,6 +420,54 @@ def test_quant_linear_takes_the_mma_when_enabled_and_compiles():
                 assert torch.equal(yc, y), rows
     finally:
         k4.MMA_ENABLED = before
+
+
+def test_training_takes_the_triton_dequantize_with_bitsandbytes_values():
+    """With `DEQUANT_ENABLED`, QuantLinear4bit under autograd multiplies Triton's dequantized
+    weight, forward and backward: at 2048 rows, where bitsandbytes' own path dequantizes too, the
+    output and the input's gradient are bitsandbytes' to the bit; at 64 rows (its own kernel)
+    within bf16 rounding; compiled (torch.compile, default mode) the same bits as eager; and
+    autograd keeps no float weight for backward (only the codes)."""
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format
+
+    fmt = bnb_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(4096, 1000, bias=False, device="cuda", dtype=torch.bfloat16)
+    fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    before = k4.DEQUANT_ENABLED
+    try:
+        for rows in (2048, 64):
+            x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+            r = torch.randn(rows, 1000, device="cuda", dtype=torch.bfloat16, generator=g)
+            runs = {}
+            for name, on, fn in (("bnb", False, m.forward), ("ours", True, m.forward),
+                                 ("compiled", True, torch.compile(m.forward))):  # fmt: skip
+                k4.DEQUANT_ENABLED = on
+                x = x0.clone().requires_grad_()
+                assert k4.dequant_kernel_applies(x, m.weight.quant_state, torch.bfloat16) is on
+                saved: list = []
+                with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t, saved=saved: saved.append(tuple(t.shape)) or t, lambda t: t
+                ):
+                    y = fn(x)
+                y.backward(r)
+                runs[name] = (y.detach(), x.grad)
+                if on:
+                    assert (1000, 4096) not in saved and (4096, 1000) not in saved, saved
+            for name in ("ours", "compiled"):
+                for got, want in zip(runs[name], runs["bnb"], strict=True):
+                    if rows > 1536:  # bitsandbytes' dequantize + the same linear / matmul
+                        assert torch.equal(got, want), (name, rows)
+                    else:
+                        err = float((got.float() - want.float()).norm() / want.float().norm())
+                        assert err < 4e-3, (name, rows, err)
+            for got, want in zip(runs["compiled"], runs["ours"], strict=True):
+                assert torch.equal(got, want), rows
+    finally:
+        k4.DEQUANT_ENABLED = before
 
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():

@@ -482,9 +482,10 @@ def test_mma_kernel_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
 
 
 def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
-    """kernel4's many-row dequantize: off by default, never on CPU or under autograd; and a 3-D
-    input whose strides do not fold into (rows, in) (one position per row, as an attention
-    output reaches o_proj) gives what its contiguous copy gives, row for row."""
+    """kernel4's dequantize (many rows; training): off by default, never on CPU, with autograd
+    or without (QuantLinear4bit's output and input gradient unchanged by turning it on there);
+    and a 3-D input whose strides do not fold into (rows, in) (one position per row, as an
+    attention output reaches o_proj) gives what its contiguous copy gives, row for row."""
     from quantmesh.quant import kernel4 as k4
 
     m = _nf4_cpu_linear(128, 32)
@@ -493,13 +494,19 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
     x = heads.transpose(1, 2).reshape(16, 1, 128)  # strides (128, 32, 1): not a plain view
     # off unless QUANTMESH_TRITON_DEQUANT=1 was set when kernel4 was imported
     assert k4.DEQUANT_ENABLED is (os.environ.get("QUANTMESH_TRITON_DEQUANT") == "1")
-    saved = k4.DEQUANT_ENABLED
+    _stays_off_on_cpu("DEQUANT_ENABLED", k4.dequant_kernel_applies, m, x)
+    xg = x.detach().clone().requires_grad_()
+    r = torch.randn(16, 1, 32, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for on in (False, True):  # autograd recording (training): the CPU keeps bitsandbytes' path
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(k4, "DEQUANT_ENABLED", on)
+            assert not k4.dequant_kernel_applies(xg, qs, torch.bfloat16)
+            xg.grad = None
+            (m(xg) * r).sum().backward()
+            grads.append(xg.grad)
+    assert torch.equal(grads[0], grads[1])
     with torch.no_grad():
-        k4.DEQUANT_ENABLED = True
-        try:
-            assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)  # a CPU tensor
-        finally:
-            k4.DEQUANT_ENABLED = saved
         y = m(x)
         assert y.shape == (16, 1, 32)
         torch.testing.assert_close(y, m(x.contiguous()), rtol=0, atol=0)

@@ -5,7 +5,9 @@ kernels' arithmetic in `make test`, on any machine, where the CUDA tests need a 
 Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (read when
 `triton.jit` wraps a kernel, so before quant/_triton4.py is imported): the gemvs (1 to 8 rows),
 the tensor-core kernel (9 to 64 rows), the dequantize (bit for bit), the older row and block
-kernels, and tp shards cut from a quantized weight. A product is right when its error against
+kernels, tp shards cut from a quantized weight, and the dequantize + matmul under autograd
+(training: forward and backward bit for bit as the same `linear` and `matmul` on bitsandbytes'
+weight, keeping only the codes for backward, eager and compiled). A product is right when its error against
 the fp32 product of x and the dequantized weight is at most twice a plain matmul's on the same
 weight (the CUDA tests' rule). The interpreter rounds fp32 to bf16 by truncation, not to nearest
 as a GPU does: a bf16 case's plain product is the fp32 one truncated the same way, and the
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards")
+FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "train")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -199,10 +201,48 @@ def _tp_shards() -> list[dict]:
     return out
 
 
+def _train() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+
+    out = []
+    g = torch.Generator().manual_seed(5)
+    for (out_f, in_f), nested, rows in (((64, 512), True, 40), ((33, 192), False, 3)):
+        packed, qs = _weight(out_f, in_f, nested)
+        w = _dequantized(packed, qs).to(torch.float16)
+        x0 = torch.randn(2, rows, in_f, generator=g).to(torch.float16)
+        r = torch.randn(2, rows, out_f, generator=g).to(torch.float16)
+        ref_x = x0.clone().requires_grad_()
+        ref_y = torch.nn.functional.linear(ref_x, w)
+        ref_y.backward(r)
+        assert ref_x.grad is not None
+        ref_g = torch.matmul(r.reshape(-1, out_f), w).reshape(ref_x.shape)
+
+        def step(x, packed=packed, qs=qs):
+            return k4.matmul_4bit_dequant(x, packed, qs)
+
+        for how, fn in (("eager", step), ("compiled", torch.compile(step, backend="aot_eager",
+                                                                     fullgraph=True))):  # fmt: skip
+            x = x0.clone().requires_grad_()
+            saved: list[tuple] = []
+
+            def pack(t, saved=saved):
+                saved.append((tuple(t.shape), t.dtype))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = fn(x)
+            y.backward(r)
+            float_w = [s for s in saved if s[0] == (out_f, in_f) or s[0] == (in_f, out_f)]
+            ok = (torch.equal(y, ref_y) and x.grad is not None and torch.equal(x.grad, ref_g)
+                  and not float_w)  # fmt: skip
+            out.append({"case": repr((how, out_f, in_f, nested, rows, saved)), "ok": bool(ok)})
+    return out
+
+
 def main(family: str) -> None:
     """Run one family's cases (TRITON_INTERPRET=1 must be set) and print them as one JSON line."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are wrapped at import)")
     cases = {"gemv": _gemv, "mma": _mma, "dequant": _dequant, "rows": _rows,
-             "tp_shards": _tp_shards}[family]()  # fmt: skip
+             "tp_shards": _tp_shards, "train": _train}[family]()  # fmt: skip
     print(json.dumps(cases))

@@ -152,8 +152,9 @@ def _classes() -> dict[str, type]:
     class QuantLinear4bit(bnb.nn.Linear4bit):  # type: ignore[name-defined]  # bnb: a module
         """bitsandbytes Linear4bit, filled by `Bnb4bitFormat.quantize_into`; weight frozen.
         Without autograd, two rows or more multiply the weight held dequantized where one is
-        (`keep_dequantized`); with the opt-in kernels on CUDA, the rows go through quantmesh's
-        4-bit kernels (quant/kernel4.py); the rest through bitsandbytes."""
+        (`keep_dequantized`); on CUDA, rows a kernel of quantmesh's takes go through it
+        (quant/kernel4.py: the gemv by default, the others opt-in; under autograd only the
+        dequantize); the rest through bitsandbytes."""
 
         dense: torch.Tensor | None = None
         """The weight dequantized (`keep_dequantized`), or None: the codes alone."""
@@ -205,7 +206,7 @@ def _classes() -> dict[str, type]:
                 # would compute with the wrong statistics)
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
-            for applies, matmul in _KERNELS:  # quantmesh's opt-in kernels (CUDA, no autograd)
+            for applies, matmul in _KERNELS:  # quantmesh's kernels (CUDA; see quant/kernel4.py)
                 if applies(x, qs, cd):
                     y = matmul(x.to(cd), self.weight.data, qs)
                     return (y if bias is None else y + bias).to(x.dtype)
@@ -533,7 +534,7 @@ _KERNELS = (  # (applies, matmul) in the order QuantLinear4bit tries them
     (gemv_applies, matmul_4bit_gemv),  # decoding: 1 to 8 rows, codes read once
     (mma_applies, matmul_4bit_mma),  # opt-in, 9 to 64 rows: codes read once, tensor cores
     (rows_kernel_applies, matmul_4bit_rows),  # decoding: a few rows, codes read once
-    (dequant_kernel_applies, matmul_4bit_dequant),  # many rows: Triton's dequantize + a matmul
+    (dequant_kernel_applies, matmul_4bit_dequant),  # many rows, training: Triton's dequantize
 )
 
 

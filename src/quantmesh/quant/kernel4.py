@@ -44,17 +44,21 @@ instead of one per byte. The block kernel (`_triton4.blocks_4bit`: whole 64-bloc
 per block) is timed beside it by the benchmarks (`_launch` with `KERNEL="blocks"`), not used by
 the library.
 
-`QuantLinear4bit.forward` (quant/bnb.py) takes a kernel on CUDA when no autograd is recording, the
-compute dtype is bf16 or fp16 and the input's rows are in its range (`gemv_applies`,
-`mma_applies`, `rows_kernel_applies`, `dequant_kernel_applies`); everything else (CPU, training, other inputs)
-keeps bitsandbytes' path. Each is one torch custom op (`quantmesh::gemv_4bit`,
-`quantmesh::mma_4bit`, `quantmesh::matmul_4bit_rows`, `quantmesh::dequantize_4bit`), so `torch.compile` (fullgraph, CUDA
-graphs) traces it without a graph break.
+`QuantLinear4bit.forward` (quant/bnb.py) takes a kernel on CUDA when the compute dtype is bf16
+or fp16 and the input's rows are in its range (`gemv_applies`, `mma_applies`,
+`rows_kernel_applies`, `dequant_kernel_applies`): without autograd recording, but the dequantize,
+which also runs under autograd (training); everything else (CPU, other inputs) keeps
+bitsandbytes' path. Each is a torch custom op (`quantmesh::gemv_4bit`, `quantmesh::mma_4bit`,
+`quantmesh::matmul_4bit_rows`, `quantmesh::dequant_matmul_4bit` and its backward), so
+`torch.compile` (fullgraph, CUDA graphs) traces it without a graph break.
 
-Many rows: `dequantize_4bit` writes the weight out as bitsandbytes' `dequantize_4bit` does (bf16
-bit for bit), about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`),
-inputs of `DEQUANT_MIN_ROWS` rows or more without autograd on CUDA are multiplied by it
-(`matmul_4bit_dequant`, the custom op `quantmesh::dequantize_4bit` + one matmul).
+Many rows, and training: `dequantize_4bit` writes the weight out as bitsandbytes'
+`dequantize_4bit` does (bf16 bit for bit, the nested statistics dequantized in the same kernel),
+about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1`), inputs of
+`DEQUANT_MIN_ROWS` rows or more without autograd on CUDA, and every input under autograd, are
+multiplied by it (`matmul_4bit_dequant`: the weight, then the `linear` bitsandbytes' path makes;
+the backward dequantizes again and multiplies the gradient, keeping only the codes, as
+bitsandbytes' `MatMul4Bit` does).
 """
 
 from __future__ import annotations
@@ -103,13 +107,15 @@ ENABLED = False
 # `matmul_4bit_dequant`: Triton's dequantize (bf16 weights bit-equal to bitsandbytes', about
 # twice as fast) + one matmul; but those the gemv takes (up to GEMV_MAX_ROWS, tried first).
 # Below it, bitsandbytes' own kernels win (its 1-row kernel; 2 and 4 rows: docs/benchmarks.md,
-# "Figures the code relies on").
+# "Figures the code relies on"). With autograd (training) every row count takes it.
 DEQUANT_MIN_ROWS = 8
-# Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): 1.5x faster on the GPU
-# per call, but Triton's launcher costs more host time per call than bitsandbytes' op, and a
-# step that is not replayed from a CUDA graph pays it on every linear; the server with it on is
-# not yet measured (docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path
-# at every row count.
+# Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): Triton's dequantize
+# wherever bitsandbytes' path would dequantize the whole weight: inference from DEQUANT_MIN_ROWS
+# rows, and training, forward and backward (bitsandbytes dequantizes there too, past its own
+# kernels' rows). 1.5x faster on the GPU per inference call, but Triton's launcher costs more
+# host time per call than bitsandbytes' op, and a step that is not replayed from a CUDA graph
+# pays it on every linear; the server and training with it on are not yet measured
+# (docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # The gemv (`matmul_4bit_gemv`, 1 to GEMV_MAX_ROWS rows): on by default, decoding faster than
@@ -185,12 +191,13 @@ def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) ->
     return 1 <= rows <= MAX_ROWS and int(qs.shape[1]) % 2 == 0
 
 
-def _rows_kernels_take(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> int:
+def _rows_kernels_take(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype,
+                       autograd: bool = False) -> int:  # fmt: skip
     """The rows of `x` when quantmesh's Triton kernels can compute x @ W^T for `qs` (CUDA with
-    Triton, no autograd recording, bf16/fp16 compute, nf4/fp4 codes indexed in int32, nested
-    statistics in blocks of 256), else 0. The row kernel and the dequantize each add their own
-    bounds."""
-    if x.device.type != "cuda" or torch.is_grad_enabled() or not _HAS_TRITON:
+    Triton, no autograd recording unless `autograd`, bf16/fp16 compute, nf4/fp4 codes indexed in
+    int32, nested statistics in blocks of 256), else 0. The row kernel and the dequantize each
+    add their own bounds."""
+    if x.device.type != "cuda" or (torch.is_grad_enabled() and not autograd) or not _HAS_TRITON:
         return 0
     if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
         return 0
@@ -233,46 +240,74 @@ def _on_codes(op: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.
 
 
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
-    """Whether `matmul_4bit_dequant` computes x @ W^T for the QuantState `qs`: on CUDA with
-    Triton, no autograd recording, bf16/fp16 compute, at least `DEQUANT_MIN_ROWS` rows, and
-    statistics of the kinds the kernel reads (nested blocks of 256), once turned on
-    (`DEQUANT_ENABLED`).
+    """Whether `matmul_4bit_dequant` computes x @ W^T for the QuantState `qs`: once turned on
+    (`DEQUANT_ENABLED`), on CUDA with Triton, bf16/fp16 compute, statistics of the kinds the
+    kernel reads (nested blocks of 256), and either autograd recording (training: any rows) or
+    at least `DEQUANT_MIN_ROWS` rows.
 
     Example:
         >>> dequant_kernel_applies(torch.ones(64, 4096), qs, torch.bfloat16)  # CPU  # doctest: +SKIP
         False
     """
-    rows = _rows_kernels_take(x, qs, compute_dtype) if DEQUANT_ENABLED else 0
-    return rows >= DEQUANT_MIN_ROWS
+    if not DEQUANT_ENABLED:
+        return False
+    rows = _rows_kernels_take(x, qs, compute_dtype, autograd=True)
+    return rows >= (1 if torch.is_grad_enabled() else DEQUANT_MIN_ROWS)
 
 
 def matmul_4bit_dequant(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype: W written out by Triton's dequantize (the
-    same values as bitsandbytes' dequantize_4bit), then one matmul; check
-    `dequant_kernel_applies` first. One custom op for the weight, so `torch.compile` traces it.
+    same values as bitsandbytes' dequantize_4bit), then the matmul bitsandbytes' path makes
+    (`linear`); differentiable in x: the backward dequantizes W again and computes g @ W, as
+    bitsandbytes' does, so that only the codes are kept for it (never the float weight). Two
+    custom ops, so `torch.compile` traces both without a graph break; check
+    `dequant_kernel_applies` first.
 
     Example:
         >>> y = matmul_4bit_dequant(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
-    out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
-    flat = packed.reshape(-1).view(torch.uint8)
-    w = _dequant_op(flat, *_statistics(qs, x.device), int(qs.blocksize), str(qs.quant_type),
-                    out_f, in_f, x.dtype)  # fmt: skip
-    return (x.reshape(-1, in_f) @ w.t()).reshape(*x.shape[:-1], out_f)
+    return _on_codes(_dequant_mm_op, x, packed, qs)
 
 
-@torch.library.custom_op("quantmesh::dequantize_4bit", mutates_args=())
-def _dequant_op(packed: torch.Tensor, absmax: torch.Tensor, nested_absmax: torch.Tensor | None,
-                nested_code: torch.Tensor | None, offset: torch.Tensor | None, blocksize: int,
-                quant_type: str, out_f: int, in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    return dequantize_4bit(packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                           quant_type, (out_f, in_f), dtype)  # fmt: skip
+# x @ W^T with W dequantized by Triton, as one opaque op in forward and another in backward: like
+# bitsandbytes' MatMul4Bit only the codes and statistics are kept for backward (two ops rather
+# than an autograd.Function: see quant/bnb.py's flat_matmul_4bit)
+@torch.library.custom_op("quantmesh::dequant_matmul_4bit", mutates_args=())
+def _dequant_mm_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                   nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                   offset: torch.Tensor | None, blocksize: int, quant_type: str,
+                   out_f: int) -> torch.Tensor:  # fmt: skip
+    w = dequantize_4bit(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+                        (out_f, x.shape[1]), x.dtype)  # fmt: skip
+    return torch.nn.functional.linear(x, w)
 
 
-@_dequant_op.register_fake
-def _(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, out_f, in_f,
-      dtype):  # fmt: skip
-    return packed.new_empty((out_f, in_f), dtype=dtype)
+@torch.library.custom_op("quantmesh::dequant_matmul_4bit_grad", mutates_args=())
+def _dequant_mm_grad_op(g: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                        nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                        offset: torch.Tensor | None, blocksize: int, quant_type: str,
+                        in_f: int) -> torch.Tensor:  # fmt: skip
+    w = dequantize_4bit(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+                        (g.shape[1], in_f), g.dtype)  # fmt: skip
+    return torch.matmul(g, w)
+
+
+@_dequant_mm_grad_op.register_fake
+def _(g, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, in_f):
+    return g.new_empty((g.shape[0], in_f))
+
+
+def _dequant_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, _ = inputs
+    ctx.save_for_backward(packed, absmax, nested_absmax, nested_code, offset)  # codes only
+    ctx.meta = (blocksize, quant_type, x.shape[1])
+
+
+def _dequant_mm_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    gx = None
+    if ctx.needs_input_grad[0]:
+        gx = _dequant_mm_grad_op(g.contiguous(), *ctx.saved_tensors, *ctx.meta)
+    return (gx,) + (None,) * 8
 
 
 # ---- the gemv: 1 to 8 rows ---------------------------------------------------------------------
@@ -347,12 +382,15 @@ def _gemv_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 
 def _rows_out_fake(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
                    out_f):  # fmt: skip
-    """The (rows, out) output the matmul ops on codes (`_gemv_op`, `_mma_op`, `_rows_op`) return, for
+    """The (rows, out) output the matmul ops on codes (`_gemv_op`, `_mma_op`, `_rows_op`,
+    `_dequant_mm_op`) return, for
     tracing: their signatures are one."""
     return x.new_empty((x.shape[0], out_f))
 
 
 _gemv_op.register_fake(_rows_out_fake)
+_dequant_mm_op.register_fake(_rows_out_fake)
+_dequant_mm_op.register_autograd(_dequant_mm_backward, setup_context=_dequant_mm_setup)
 
 
 def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
