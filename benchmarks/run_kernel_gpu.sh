@@ -35,6 +35,10 @@
 #            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 16,32,64): its library tile and
 #            MMA_CONFIGS (and the gemv's at 16) against bitsandbytes' matmul_4bit and Triton's
 #            dequantize + matmul, hot and cold; mma.ptx / mma.sass: the best tile's at 64 rows
+#   train    training with Triton's dequantize (QUANTMESH_TRITON_DEQUANT's training half): its CUDA
+#            test, then bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2,
+#            compiled blocks, profiled) with bitsandbytes' dequantize and, in the same process,
+#            with Triton's (--variants triton_dequant)
 #   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
 #            (bench_decode.py --mma --dequant --profile); then the CUDA decode tests with the
@@ -43,7 +47,7 @@
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 case "$STAGE" in
@@ -135,6 +139,15 @@ case "$STAGE" in
       timeout 280 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --no-peer \
         --batch "$b" --new 128 --out "$OUT/b$b" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4
     done ;;
+  train)
+    say "training with Triton's dequantize: the CUDA tests"
+    timeout 150 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
+      -k "training_takes or many_rows" 2>&1 | tail -3
+    say "7B nf4 + LoRA, seq 2048, mb 2, compiled: bitsandbytes' dequantize, then Triton's"
+    timeout 430 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+      benchmarks/bench_train.py --quant nf4 --mb 2 --warmup 5 --steps 10 --compile --profile \
+      --variants triton_dequant \
+      --variant-steps 10 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6 ;;
   b32)
     if [ -n "${MMA:-}" ]; then
       say "the CUDA decode tests (16 sequences through the tensor-core kernel)"
@@ -146,6 +159,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, b32)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32)" >&2; exit 2 ;;
 esac
 say done
