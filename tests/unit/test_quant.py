@@ -420,7 +420,7 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
         k4.gemv_config(17, 64, 128, 64)
     cases = [
         (torch.zeros(17, 128, dtype=bf), 64, tile, "1 to 16 row"),
-        (torch.zeros(2, 128, dtype=bf), 64, dict(old, BLOCK_N=32), "1 to 1 row"),
+        (torch.zeros(2, 128, dtype=bf), 64, dict(old, BLOCK_N=32), "takes one row"),
         (torch.zeros(1, 128, dtype=bf), 128, tile, "blocksize 64"),
         (torch.zeros(1, 96, dtype=bf), 64, tile, "a multiple of 64"),
         (torch.zeros(1, 128), 64, tile, "bf16 or fp16"),

@@ -417,10 +417,10 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     lines = cfg.get("KERNEL") == "lines"
     most = GEMV_ROWS_LIMIT if lines else 1
     if not 1 <= rows <= most or blocksize != 64 or in_f % 64:
+        takes = f"1 to {most} rows" if lines else "one row (the lines kernel: more)"
         raise ValueError(
-            f"the gemv takes 1 to {most} row(s) (the lines kernel {GEMV_ROWS_LIMIT}), blocksize "
-            f"64 and `in` a multiple of 64, not {rows} rows, blocksize {blocksize}, in={in_f}: "
-            f"use matmul_4bit_rows or bitsandbytes' matmul_4bit"
+            f"the gemv takes {takes}, blocksize 64 and `in` a multiple of 64, not {rows} rows, "
+            f"blocksize {blocksize}, in={in_f}: use matmul_4bit_rows or bitsandbytes' matmul_4bit"
         )
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemv computes in bf16 or fp16, not {x.dtype}")
