@@ -470,6 +470,37 @@ def test_training_takes_the_triton_dequantize_with_bitsandbytes_values():
         k4.DEQUANT_ENABLED = before
 
 
+def test_whole_weights_take_the_triton_dequantize_with_bitsandbytes_values():
+    """With `DEQUANT_ENABLED`, a 4-bit weight dequantized whole (`compute_weight`; some experts'
+    rows, `compute_units`: how the experts' fused tensors are multiplied) comes from Triton's
+    dequantize: the same bits as bitsandbytes', eager and compiled, double quant or not, bf16
+    and fp32."""
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format
+
+    before = k4.DEQUANT_ENABLED
+    try:
+        for double_quant, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+            fmt = bnb_format(QuantConfig(format="nf4", double_quant=double_quant))
+            m = fmt.new_linear(1024, 8 * 96, bias=False, device="cuda", dtype=dtype)
+            fmt.quantize_into(m, torch.randn(8 * 96, 1024, device="cuda", dtype=dtype) * 0.02)
+            qs = m.weight.quant_state
+            index = torch.tensor([1, 5, 6], device="cuda")
+            got = {}
+            for on in (False, True):
+                k4.DEQUANT_ENABLED = on
+                assert k4.dequantize_weight_applies(m.weight, "nf4", 8 * 96 * 1024, dtype) is on
+                whole = torch.compile(lambda m=m, fmt=fmt: fmt.compute_weight(m), fullgraph=True)
+                got[on] = (fmt.compute_weight(m), fmt.compute_units(m, 8, index), whole())
+            for a, b in zip(got[False], got[True], strict=True):
+                assert a.dtype == qs.dtype and torch.equal(a, b), (double_quant, dtype)
+            assert torch.equal(got[True][2], got[True][0])
+    finally:
+        k4.DEQUANT_ENABLED = before
+
+
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
     """QuantLinear4bit with `GEMV_ENABLED`: one row without autograd takes the gemv, in eager and
     inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the same bits), also when

@@ -482,8 +482,9 @@ def test_mma_kernel_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
 
 
 def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
-    """kernel4's dequantize (many rows; training): off by default, never on CPU, with autograd
-    or without (QuantLinear4bit's output and input gradient unchanged by turning it on there);
+    """kernel4's dequantize (many rows; training; weights dequantized whole): off by default,
+    never on CPU, with autograd or without (QuantLinear4bit's output and input gradient, and a
+    whole weight, unchanged by turning it on there);
     and a 3-D input whose strides do not fold into (rows, in) (one position per row, as an
     attention output reaches o_proj) gives what its contiguous copy gives, row for row."""
     from quantmesh.quant import kernel4 as k4
@@ -506,6 +507,12 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
             (m(xg) * r).sum().backward()
             grads.append(xg.grad)
     assert torch.equal(grads[0], grads[1])
+    fmt = get_format(QuantConfig(format="nf4"))  # a weight dequantized whole (the experts')
+    whole = fmt.compute_weight(m)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(k4, "DEQUANT_ENABLED", True)
+        assert not k4.dequantize_weight_applies(m.weight, "nf4", whole.numel(), whole.dtype)
+        assert torch.equal(fmt.compute_weight(m), whole)
     with torch.no_grad():
         y = m(x)
         assert y.shape == (16, 1, 32)

@@ -3,20 +3,23 @@ Triton's interpreter on CPU, against bitsandbytes' own `dequantize_4bit` (CPU) a
 kernels' arithmetic in `make test`, on any machine, where the CUDA tests need a GPU.
 
 Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (read when
-`triton.jit` wraps a kernel, so before quant/_triton4.py is imported): the gemvs (1 to 8 rows),
-the tensor-core kernel (9 to 64 rows), the dequantize (bit for bit), the older row and block
-kernels, tp shards cut from a quantized weight, and the dequantize + matmul under autograd
-(training: forward and backward bit for bit as the same `linear` and `matmul` on bitsandbytes'
-weight, keeping only the codes for backward, eager and compiled). A product is right when its error against
-the fp32 product of x and the dequantized weight is at most twice a plain matmul's on the same
-weight (the CUDA tests' rule). The interpreter rounds fp32 to bf16 by truncation, not to nearest
-as a GPU does: a bf16 case's plain product is the fp32 one truncated the same way, and the
-dequantize's bf16 weight must be bitsandbytes' fp32 weight truncated; the kernels that round each
-weight to x's dtype before multiplying (the row and block kernels, the tensor-core one) run in
-fp16 here. What the interpreter
-cannot run is left to the CUDA tests (tests/distributed/test_cuda_kernel4.py): warp shuffles
-(LUT 1: here every code value is loaded, LUT 0) and bf16 `tl.dot` (its numpy bf16 products are
-wrong: the tensor-core paths run in fp16 here).
+`triton.jit` wraps a kernel, so before quant/_triton4.py is imported):
+- the gemvs (1 to 8 rows) and the tensor-core kernel (9 to 64 rows);
+- the dequantize, bit for bit, also as the op the experts' weights take;
+- the older row and block kernels;
+- tp shards cut from a quantized weight;
+- the dequantize + matmul under autograd (training): forward and backward bit for bit as the
+  same `linear` and `matmul` on bitsandbytes' weight, keeping only the codes for backward, eager
+  and compiled.
+
+A product is right when its error against the fp32 product of x and the dequantized weight is at
+most twice a plain matmul's on the same weight (the CUDA tests' rule). The interpreter rounds
+fp32 to bf16 by truncation, not to nearest as a GPU does: a bf16 case's plain product is the fp32
+one truncated the same way, the dequantize's bf16 weight must be bitsandbytes' fp32 weight
+truncated, and the kernels that round each weight to x's dtype before multiplying (the row and
+block kernels, the tensor-core one) run in fp16 here. What the interpreter cannot run is left to
+the CUDA tests (tests/distributed/test_cuda_kernel4.py): warp shuffles (LUT 1: here every code
+value is loaded, LUT 0) and bf16 `tl.dot` (its numpy bf16 products are wrong).
 """
 
 from __future__ import annotations
@@ -145,16 +148,22 @@ def _dequant() -> list[dict]:
     from quantmesh.quant import kernel4 as k4
 
     out = []
-    for shape, bs, qt in (((64, 512), 64, "nf4"), ((33, 96), 64, "fp4"), ((20, 640), 128, "nf4")):
+    from quantmesh.quant.bnb import _flat_args
+
+    shapes = (((64, 512), 64, "nf4"), ((33, 96), 64, "fp4"), ((20, 640), 128, "nf4"),
+              ((8, 1024), 256, "nf4"))  # fmt: skip
+    for shape, bs, qt in shapes:
         for nested in (True, False):
             packed, qs = _weight(*shape, nested, blocksize=bs, quant_type=qt)
             flat = packed.reshape(-1).view(torch.uint8)
+            absmax = _flat_args(qs)[0]  # fp32, as compute_weight passes it
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                w = k4.dequantize_4bit(flat, *_stats(qs), bs, qt, shape, dtype)
                 want = _dequantized(packed, qs)
                 want = _truncated(want) if dtype == torch.bfloat16 else want.to(dtype)
+                w = k4.dequantize_4bit(flat, *_stats(qs), bs, qt, shape, dtype)
+                w2 = k4.dequantize_weight(packed, absmax, bs, qt, *shape, dtype)  # the op
                 out.append({"case": repr((shape, bs, qt, nested, dtype)),
-                            "ok": bool(torch.equal(w, want))})  # fmt: skip
+                            "ok": bool(torch.equal(w, want) and torch.equal(w2, want))})  # fmt: skip
     return out
 
 

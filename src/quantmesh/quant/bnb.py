@@ -29,6 +29,8 @@ from torch import nn
 from .base import QuantConfig, QuantError, QuantFormat
 from .kernel4 import (
     dequant_kernel_applies,
+    dequantize_weight,
+    dequantize_weight_applies,
     gemv_applies,
     matmul_4bit_dequant,
     matmul_4bit_gemv,
@@ -657,7 +659,10 @@ def _flat_args(qs: Any) -> tuple:
 
 def _flat_weight(packed: torch.Tensor, absmax: torch.Tensor, bs: int, qt: str, out_f: int,
                  in_f: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    # (out, in): the codes dequantized as one row of out*in elements (blocks of the flat weight)
+    # (out, in): the codes dequantized as one row of out*in elements (blocks of the flat weight),
+    # by quantmesh's Triton dequantize where kernel4.DEQUANT_ENABLED turns it on (the same values)
+    if dequantize_weight_applies(packed, qt, out_f * in_f, dtype):
+        return dequantize_weight(packed, absmax, bs, qt, out_f, in_f, dtype)
     flat = torch.ops.bitsandbytes.dequantize_4bit(packed, absmax, bs, qt, [1, out_f * in_f], dtype)
     return flat.view(out_f, in_f)
 

@@ -58,7 +58,8 @@ about twice as fast; with `DEQUANT_ENABLED` (opt-in, `QUANTMESH_TRITON_DEQUANT=1
 `DEQUANT_MIN_ROWS` rows or more without autograd on CUDA, and every input under autograd, are
 multiplied by it (`matmul_4bit_dequant`: the weight, then the `linear` bitsandbytes' path makes;
 the backward dequantizes again and multiplies the gradient, keeping only the codes, as
-bitsandbytes' `MatMul4Bit` does).
+bitsandbytes' `MatMul4Bit` does); so are weights dequantized whole outside a linear, the
+experts' fused tensors (`dequantize_weight`, the op `quantmesh::dequantize_weight_4bit`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ __all__ = [
     "choose_config",
     "dequant_kernel_applies",
     "dequantize_4bit",
+    "dequantize_weight",
+    "dequantize_weight_applies",
     "gemv_applies",
     "gemv_config",
     "launch_gemv",
@@ -111,8 +114,9 @@ ENABLED = False
 DEQUANT_MIN_ROWS = 8
 # Opt-in (QUANTMESH_TRITON_DEQUANT=1 in the environment, or set this True): Triton's dequantize
 # wherever bitsandbytes' path would dequantize the whole weight: inference from DEQUANT_MIN_ROWS
-# rows, and training, forward and backward (bitsandbytes dequantizes there too, past its own
-# kernels' rows). 1.5x faster on the GPU per inference call, but Triton's launcher costs more
+# rows, training, forward and backward (bitsandbytes dequantizes there too, past its own
+# kernels' rows), and weights dequantized whole outside a linear (the experts' fused tensors:
+# `dequantize_weight`). 1.5x faster on the GPU per inference call, but Triton's launcher costs more
 # host time per call than bitsandbytes' op, and a step that is not replayed from a CUDA graph
 # pays it on every linear; the server and training with it on are not yet measured
 # (docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path at every row count.
@@ -779,11 +783,12 @@ def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
                     nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                     offset: torch.Tensor | None, blocksize: int, quant_type: str,
-                    shape: tuple[int, int], dtype: torch.dtype, nbk: int = 128,
+                    shape: tuple[int, int], dtype: torch.dtype, nbk: int | None = None,
                     num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """The 4-bit weight (`shape`) in `dtype`, as bitsandbytes' `dequantize_4bit` writes it, by the
-    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program, `num_warps` warps each);
-    for many rows, dequantize + matmul. CUDA with Triton only (or Triton's interpreter).
+    Triton kernel `_triton4.dequant_4bit` (`nbk` blocks per program, default about 4,096 codes
+    and at most 128 blocks; `num_warps` warps each); for many rows, dequantize + matmul. CUDA
+    with Triton only (or Triton's interpreter).
 
     Example:
         >>> w = dequantize_4bit(flat, qs.absmax, None, None, None, 64, "nf4", (4096, 4096),
@@ -796,6 +801,7 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
     from ._triton4 import dequant_4bit as kernel
 
     n_bytes = packed.numel()
+    nbk = nbk or max(1, min(128, 8192 // blocksize))  # a (nbk, blocksize / 2) tile of bytes
     w = torch.empty(shape, dtype=dtype, device=packed.device)
     nested = nested_absmax is not None
     dummy = absmax
@@ -807,6 +813,45 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
         enable_fp_fusion=False,  # the nested absmax as bitsandbytes makes it: x * y, then + offset
     )  # fmt: skip
     return w
+
+
+def dequantize_weight_applies(packed: torch.Tensor, quant_type: str, numel: int,
+                              dtype: torch.dtype) -> bool:  # fmt: skip
+    """Whether `dequantize_weight` writes out this 4-bit weight (`numel` values, fp32 absmax per
+    block of the flattened weight) in `dtype`: `DEQUANT_ENABLED`, CUDA with Triton, nf4/fp4 codes
+    indexed in int32, a float dtype. The 4-bit layers whose whole weight is dequantized outside
+    QuantLinear4bit's matmul take it there (`Bnb4bitFormat.compute_weight`, `compute_units`: the
+    experts' fused tensors).
+
+    Example:
+        >>> dequantize_weight_applies(packed, "nf4", 4096 * 4096, torch.bfloat16)  # CPU  # doctest: +SKIP
+        False
+    """
+    return (DEQUANT_ENABLED and packed.device.type == "cuda" and _HAS_TRITON
+            and quant_type in ("nf4", "fp4") and numel < _INT32_LIMIT
+            and dtype in (torch.bfloat16, torch.float16, torch.float32))  # fmt: skip
+
+
+@torch.library.custom_op("quantmesh::dequantize_weight_4bit", mutates_args=())
+def dequantize_weight(packed: torch.Tensor, absmax: torch.Tensor, blocksize: int,
+                      quant_type: str, out_f: int, in_f: int,
+                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The (out_f, in_f) weight of the 4-bit codes `packed` (blocks over the flattened weight, one
+    fp32 absmax each) in `dtype`: the values of bitsandbytes' `dequantize_4bit`, by Triton's
+    (`dequantize_4bit`); a custom op, traced by `torch.compile`. Check
+    `dequantize_weight_applies` first.
+
+    Example:
+        >>> w = dequantize_weight(packed, absmax, 64, "nf4", 4096, 4096, torch.bfloat16)  # doctest: +SKIP
+    """
+    flat = packed.reshape(-1).view(torch.uint8)
+    return dequantize_4bit(flat, absmax, None, None, None, blocksize, quant_type, (out_f, in_f),
+                           dtype)  # fmt: skip
+
+
+@dequantize_weight.register_fake
+def _(packed, absmax, blocksize, quant_type, out_f, in_f, dtype):
+    return absmax.new_empty((out_f, in_f), dtype=dtype)
 
 
 def _code_values(quant_type: str, device: torch.device) -> torch.Tensor:
