@@ -58,6 +58,12 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="GPU time by kernel of 2 more steps")
     p.add_argument(
+        "--triton-dequant",
+        action="store_true",
+        help="qm: quantmesh's Triton dequantize for the 4-bit weights, experts' included "
+        "(kernel4.DEQUANT_ENABLED; as QUANTMESH_TRITON_DEQUANT=1)",
+    )
+    p.add_argument(
         "--expert-adapters",
         choices=["built", "activations", "deltas"],
         default="built",
@@ -254,7 +260,12 @@ def main(argv=None) -> int:
     name += f"_chunk{a.loss_chunk}" if a.loss_chunk else ""
     name += f"_{a.checkpoint}" if a.checkpoint != "none" else ""
     name += f"_{a.expert_adapters}" if a.expert_adapters != "built" else ""
-    R.update(loss_chunk=a.loss_chunk, checkpoint=a.checkpoint)
+    if a.triton_dequant:
+        from quantmesh.quant import kernel4
+
+        kernel4.DEQUANT_ENABLED = True
+        name += "_tdq"
+    R.update(loss_chunk=a.loss_chunk, checkpoint=a.checkpoint, triton_dequant=a.triton_dequant)
     if a.mode == "unsloth":
         R["unsloth_gc"] = a.unsloth_gc
         name += "" if a.unsloth_gc == "unsloth" else "_nogc"
