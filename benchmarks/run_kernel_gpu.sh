@@ -50,6 +50,17 @@ set -u
 STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train or b32}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
+# a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
+# count of ROWS (default $3) within a budget of $4 s
+rows_stage() {
+  if [ -z "${NOTEST:-}" ]; then
+    say "CUDA tests: $1"
+    timeout "$2" python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py -k "$1" \
+      2>&1 | tail -6
+  fi
+  timeout $(($4 + 40)) python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-$3}" --budget-s "$4" \
+    --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -110
+}
 case "$STAGE" in
   sweep)
     timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \
@@ -91,22 +102,8 @@ case "$STAGE" in
       --section LaunchStats --section Occupancy --section InstructionStats \
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
-  rows)
-    if [ -z "${NOTEST:-}" ]; then
-      say "gemv rows tests"
-      timeout 240 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
-        -k "gemv_lines_rows" 2>&1 | tail -4
-    fi
-    timeout 300 python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-2,4,8,16}" --budget-s 260 \
-      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -110 ;;
-  mma)
-    if [ -z "${NOTEST:-}" ]; then
-      say "tensor-core kernel tests"
-      timeout 300 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
-        -k "mma" 2>&1 | tail -6
-    fi
-    timeout 280 python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-16,32,64}" --budget-s 240 \
-      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -80 ;;
+  rows) rows_stage "gemv_lines_rows" 240 "2,4,8,16" 260 ;;
+  mma) rows_stage "mma" 300 "16,32,64" 240 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
     timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
