@@ -15,8 +15,10 @@ same weight every call stays in the H200's 50 MB L2 ("hot"); "cold" rotates over
 is timed both ways and ranked cold. Tiles that
 fail to compile or to launch, or give wrong results, are skipped with a note. Peers in the same
 process: bitsandbytes' matmul_4bit ("bnb": its gemv kernel at one row, dequantize + matmul at
-more), quantmesh's Triton dequantize + one matmul ("qm_dequant_mm", more than one row) and the
-bf16 weight (x @ w.t()). At more than one row the tiles are `ROW_CONFIGS` (the library's tile for
+more), quantmesh's Triton dequantize + one matmul ("qm_dequant_mm", more than one row), the
+bf16 weight (x @ w.t()) and torchao's int4 weight-only ("torchao_int4": its own format, group
+128, so its error against the nf4 reference is not comparable; its bytes: codes and bf16
+scales and zeros). At more than one row the tiles are `ROW_CONFIGS` (the library's tile for
 that many rows first), up to the gemv's 16 rows, and from 9 rows on also `MMA_CONFIGS` (likewise).
 GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for
 bf16) / time. The PTX (and SASS where nvdisasm is found) of each shape's best tile at one row is
@@ -46,6 +48,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "src"))  # this tree's kernels first
 import qmbench as qb  # noqa: E402
+from nf4_rows_bench import torchao_int4  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
 CALLS, REPLAYS, COPIES = 16, 50, 8
@@ -168,6 +171,11 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
         "bnb": (partial(bnb.matmul_4bit, x, packed.t(), qs), nbytes),
         "bf16_mm": (partial(torch.matmul, x, w.t()), 2 * out_f * in_f),
     }
+    ao = torchao_int4(w)  # torchao's int4 weight-only (its own format: group 128, asymmetric)
+    if isinstance(ao, str):
+        r["peers"]["torchao_int4"] = {"error": ao}
+    else:
+        peers["torchao_int4"] = (partial(ao, x), out_f * in_f // 2 + 4 * out_f * in_f // 128)
     if rows > 1:
         shape = (out_f, in_f)
 
