@@ -485,8 +485,9 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
             NS: tl.constexpr):  # fmt: skip
     # y[rm, rn] = the fp32 sums `acc` (rows rm < M, features rn) of this share of K: directly
     # with one share (NS 1); else each share writes its partials (part: n_slices, M, N) and
-    # counts itself in cnt[pid_n], and the last adds them all in a fixed tree (deterministic),
-    # writes y and sets the count back to 0
+    # counts itself in cnt[pid_n], and the last adds them all in a fixed order (deterministic:
+    # a tree over all of them at once, or, past 4,096 sums, one share after another), writes y
+    # and sets the count back to 0
     mask = (rm < M)[:, None] & n_mask[None, :]
     at = rm[:, None] * N + rn[None, :]
     if NS == 1:
@@ -496,10 +497,16 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
         tl.debug_barrier()  # every thread's partial stored before the count says so
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == n_slices - 1:  # the last share: the others' partials are in
-            rs = tl.arange(0, NS)  # every share's partials loaded at once, summed as a tree
-            s_ok = (rs < n_slices)[:, None, None] & mask[None, :, :]
-            parts = tl.load(part_ptr + rs[:, None, None] * M * N + at[None, :, :], mask=s_ok,
-                            other=0.0, cache_modifier=".cg")  # fmt: skip
-            tot = tl.sum(parts, axis=0)
+            if NS * acc.shape[0] * acc.shape[1] <= 4096:  # (the gemvs' few rows and features)
+                rs = tl.arange(0, NS)  # every share's partials loaded at once, summed as a tree
+                s_ok = (rs < n_slices)[:, None, None] & mask[None, :, :]
+                parts = tl.load(part_ptr + rs[:, None, None] * M * N + at[None, :, :],
+                                mask=s_ok, other=0.0, cache_modifier=".cg")  # fmt: skip
+                tot = tl.sum(parts, axis=0)
+            else:  # too many to hold at once (they spilled): one share after another, in order
+                tot = tl.zeros(acc.shape, dtype=tl.float32)
+                for i in range(0, n_slices):
+                    tot += tl.load(part_ptr + i * M * N + at, mask=mask, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
             tl.store(y_ptr + at, tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)
