@@ -2,18 +2,19 @@
 of its loop: the checks behind the gemv's layout notes (DEVELOPERS.md, "A Triton kernel can be
 compiled without a GPU").
 
-For `qm_gemv_lines` (default) or `qm_gemv_4bit`, with the constexprs given (the rest at the
-library's one-row tile), it prints:
+For `qm_gemv_lines` (default), `qm_gemv_4bit` or `qm_mma_4bit` (the tensor-core kernel), with
+the constexprs given (the rest at the library's tile), it prints:
 - the layouts Triton chose (`#blocked` lines of the TTGIR) and the layout conversions inside a
   loop (`ttg.convert_layout` in an `scf.for` body; some move no data);
-- PTX counts: shared-memory stores and loads, `bar.sync`, warp shuffles and fp32 fused
-  multiply-adds, and the shared-memory ones inside loops: a conversion that moves data between
-  lanes every step shows there (the gemv's loop should have none);
+- PTX counts: shared-memory stores and loads, `bar.sync`, warp shuffles, fp32 fused
+  multiply-adds, tensor-core instructions and `cp.async`, and the shared-memory ones inside
+  loops: a conversion that moves data between lanes every step shows there (the gemv's loop
+  should have none; the tensor-core kernel's moves x into shared memory, as wgmma reads it);
 - registers and spills from `ptxas -v` (the copy beside Triton's own), where it is found.
 
 Use the GPU image's Triton version (3.6 in its CUDA 13 image): 3.6 and 3.9 break ties between
-equally contiguous dimensions differently. Triton is not among the project's CPU packages;
-install it beside them, e.g. in a virtualenv of its own (no torch needed):
+equally contiguous dimensions differently. The project's CPU packages hold Triton 3.8 (for the
+interpreter test); install 3.6 beside them, e.g. in a virtualenv of its own (no torch needed):
 
     python3 -m venv /path/tri36 && /path/tri36/bin/pip install --no-deps triton==3.6.0
     /path/tri36/bin/python benchmarks/triton_offline.py --const ROWS=8 BLOCK_N=4 SB=16
