@@ -68,7 +68,7 @@ case "$STAGE" in
   test)
     timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
       -k "not gemv_lines_rows and not mma_is" 2>&1 | tail -15  # (the rows', mma's: their stages)
-    timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
+    timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
   probe)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     timeout 200 "$NCU" --clock-control none -k "regex:4bit|Dequantize" --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -110,7 +110,7 @@ case "$STAGE" in
       --no-peer --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
     python3 -c "import json; r = json.load(open('$OUT/result_decode_qlora.json')); print(json.dumps({k: r.get(k, {}).get('call') for k in ('qm_profile', 'qm_profile_gemv')}))"
     say "the CUDA decode tests with the gemv (QUANTMESH_GEMV=1)"
-    QUANTMESH_GEMV=1 timeout 240 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
+    QUANTMESH_GEMV=1 timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -4 ;;
   peer)
     if [ -z "${NOPEER:-}" ]; then
       say "decode, 7B nf4 + LoRA, batch 1: peft + bitsandbytes (dynamic, static cache), then ours"
