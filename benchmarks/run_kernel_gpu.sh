@@ -6,7 +6,8 @@
 #   sweep    benchmarks/nf4_rows_bench.py --sweep: one nf4 linear of each 7B shape at 1..64 rows,
 #            the kernel's candidate tiles (checked against dequantize + matmul) against
 #            bitsandbytes, dequantize + matmul, bf16 and torchao's int4, CUDA-graphed
-#   test     the kernel's (but the gemv's rows tests: see rows) and the decode loop's CUDA tests
+#   test     the kernels' CUDA tests (but the gemv's rows tests and the tensor-core kernel's: see
+#            rows and mma) and the decode loop's
 #   probe    Nsight Compute's counters (speed of light, memory, warp stalls) for one call of
 #            each 4-bit kernel on the q_proj shape (benchmarks/nf4_kernel_probe.py), then the
 #            slot engine's 64-row step on 7b's layers (4 of them) profiled without CUDA graphs,
