@@ -20,7 +20,8 @@ Usage (one GPU; the lead's session):
     python benchmarks/bench_serve.py --shape smollm2 --out .bench/serve
     python benchmarks/bench_serve.py --shape 7b --quant nf4 --out .bench/serve
     python benchmarks/bench_serve.py --smoke --out .bench/smoke  # tiny, CPU, tp=2: checks the script
-Writes OUT/result_serve_<shape>_<quant>_tp<N>_<engine>_<cuda graphs>.json.
+Writes OUT/result_serve_<shape>_<quant>_tp<N>_<engine>_<cuda graphs>[_dense][_mma][_tdq].json
+(--keep-dequantized; QUANTMESH_MMA=1; QUANTMESH_TRITON_DEQUANT=1 in the environment).
 """
 
 from __future__ import annotations
@@ -301,9 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                  "requests_per_client": a.requests, "engine": a.engine,
                  "cuda_graphs": graphs, "keep_dequantized": a.keep_dequantized,
                  "triton_dequant": os.environ.get("QUANTMESH_TRITON_DEQUANT", ""),
+                 "mma": os.environ.get("QUANTMESH_MMA", ""),
+                 "gemv": os.environ.get("QUANTMESH_GEMV", ""),
                  "server_start_s": start_s,
                  "max_model_len": a.max_model_len, "phases": []}  # fmt: skip
     tag = "_dense" if a.keep_dequantized else ""
+    tag += "_mma" if os.environ.get("QUANTMESH_MMA") == "1" else ""
+    tag += "_tdq" if os.environ.get("QUANTMESH_TRITON_DEQUANT") == "1" else ""
     path = out / f"result_serve_{a.shape}_{a.quant}_tp{a.tp}_{a.engine}_{graphs}{tag}.json"
     path.write_text(json.dumps(res, indent=1))  # the start's time, should a phase be cut off
     try:

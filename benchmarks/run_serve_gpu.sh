@@ -13,8 +13,11 @@
 #            its replays alone, with kernel tables, at 1 and 64 rows
 #   peers    the batch peers: peft + bitsandbytes with transformers' static-cache `generate`
 #            and qm.fast_decode, 32 rows decoded at once (bench_decode.py --mode qlora --batch 32)
-#   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py)
+#   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py; K: a pytest
+#            -k selection, e.g. K=sdpa; any QUANTMESH_* switch in the environment applies)
 #   dequant  bench_serve as in `serve` with the Triton dequantize on, then `profile` at 32 rows
+#   mma      bench_serve as in `serve` with the tensor-core 4-bit kernel on (QUANTMESH_MMA=1: 9 to
+#            64 rows on the codes, no weight held), then `profile` at 32 rows
 #   dense    bench_serve as in `serve` with --keep-dequantized (the 4-bit weights held in bf16 too)
 #   gap      where a 32-row step's time goes: held_gemm_bench.py (the held weights' matmuls,
 #            separate against siblings fused), then bench_serve with --keep-dequantized, whose
@@ -26,7 +29,7 @@
 # Needs the bitsandbytes wheel and the server's wheels in .whl/ and .whl/extra/ (git-ignored;
 # DEVELOPERS.md says how to make them). Results under $OUT (default .bench/serve-gpu).
 set -u
-STAGE=${1:?stage: serve, profile, peers, test, all, dequant, dense or gap}
+STAGE=${1:?stage: serve, profile, peers, test, all, dequant, mma, dense or gap}
 GRAPHS=${2:-captured}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" serve-gpu extra
@@ -63,11 +66,12 @@ case "$STAGE" in
       --out "$OUT" 2>&1 | tail -3
     say "bench_serve ($GRAPHS${DENSE:+, --keep-dequantized}), $(left) s left"
     serve_bench "$(left)" ${DENSE:+--keep-dequantized} ;;
-  dequant)
-    # the server with the Triton dequantize on (QUANTMESH_TRITON_DEQUANT=1), then one step at
-    # 32 rows profiled outside the server (GPU time against host time), the same setting
-    export QUANTMESH_TRITON_DEQUANT=1
-    say "bench_serve ($GRAPHS, Triton dequantize)"
+  dequant | mma)
+    # the server with the Triton dequantize (QUANTMESH_TRITON_DEQUANT=1) or the tensor-core
+    # kernel (QUANTMESH_MMA=1) on, then one step at 32 rows profiled outside the server (GPU time
+    # against host time), the same setting
+    if [ "$STAGE" = mma ]; then export QUANTMESH_MMA=1; else export QUANTMESH_TRITON_DEQUANT=1; fi
+    say "bench_serve ($GRAPHS, $STAGE)"
     serve_bench 380
     say "slot step profile at 32 rows, $(left) s left"
     timeout "$(left)" python3 benchmarks/slot_step_profile.py --batch 32 --cuda-graphs "$GRAPHS" \
@@ -82,7 +86,8 @@ case "$STAGE" in
     say "bench_serve ($GRAPHS, --keep-dequantized)"
     serve_bench 560 --keep-dequantized ;;
   test)
-    timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s 2>&1 | tail -15 ;;
-  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant, dense, gap)" >&2; exit 2 ;;
+    timeout 560 python3 -m pytest -q -m cuda tests/distributed/test_cuda_serve.py -s \
+      ${K:+-k "$K"} 2>&1 | tail -15 ;;
+  *) echo "unknown stage: $STAGE (serve, profile, peers, test, all, dequant, mma, dense, gap)" >&2; exit 2 ;;
 esac
 say done
