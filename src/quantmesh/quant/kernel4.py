@@ -550,9 +550,9 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     (`mma_config`'s keys; the benchmark passes each candidate): `_triton4.qm_mma_4bit`, BLOCK_N
     features and BLOCK_M >= rows rows a program (powers of two; BLOCK_N and BLOCK_M at least 16,
     the instruction's least), NB blocks of 64 codes a step, K in shares of BLK blocks (a multiple
-    of NB; 0: one share, whose fp32 partials are added as the gemv's are: see `launch_gemv`), LUT
-    1 shuffles each code's value from the lane that holds it (0 loads it: Triton's interpreter
-    runs only this). Anything else is refused before any launch. `keep`: a list the compiled
+    of NB; 0: one share; the shares' fp32 partials are added as the gemv's are: see
+    `launch_gemv`), LUT 1 shuffles each code's value from the lane that holds it (0 loads it:
+    Triton's interpreter runs only this). Anything else is refused before any launch. `keep`: a list the compiled
     kernel is appended to (the benchmark reads its PTX).
 
     Example:
@@ -568,7 +568,7 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
             f"{blocksize}, in={in_f}: use mma_config's tile, matmul_4bit_rows or bitsandbytes' "
             f"matmul_4bit"
         )
-    if not pow2 or bm < 16 or bn < 16 or cfg.get("BLK", 0) % nb:
+    if not pow2 or bm < 16 or bn < 16 or (cfg.get("BLK") or 0) % nb:
         raise ValueError(
             f"the tensor-core kernel's BLOCK_M, BLOCK_N and NB are powers of two (BLOCK_M and "
             f"BLOCK_N at least 16) and BLK a multiple of NB, not {cfg}"
