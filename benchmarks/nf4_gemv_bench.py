@@ -18,8 +18,9 @@ process: bitsandbytes' matmul_4bit ("bnb": its gemv kernel at one row, dequantiz
 more), quantmesh's Triton dequantize + one matmul ("qm_dequant_mm", more than one row), the
 bf16 weight (x @ w.t()) and torchao's int4 weight-only ("torchao_int4": its own format, group
 128, so its error against the nf4 reference is not comparable; its bytes: codes and bf16
-scales and zeros). At more than one row the tiles are `ROW_CONFIGS` (the library's tile for
-that many rows first), up to the gemv's 16 rows, and from 9 rows on also `MMA_CONFIGS` (likewise).
+scales and zeros). At 2 to 8 rows the tiles are `ROW_CONFIGS` (the library's tile for that many
+rows first); from 9 rows on `MMA_CONFIGS` (likewise), and the gemv's library tile where it takes
+the rows (up to 16).
 GB/s = the bytes read once (packed codes + 8-bit absmax + nested fp32 absmax; the bf16 weight for
 bf16) / time. The PTX (and SASS where nvdisasm is found) of each shape's best tile at one row is
 written beside the JSON (gemv.ptx, gemv.sass: every shape's in one file each), and of the best
@@ -121,22 +122,23 @@ def launch(cfg: dict):
 
 
 def tiles_at(rows: int, out_f: int, in_f: int) -> list[dict]:
-    """The tiles to time at `rows` rows, each once (the library's is often among the lists too):
-    CONFIGS at one row; up to the gemv's limit the library's gemv tile and ROW_CONFIGS; from the
-    tensor-core kernel's first row on, its library tile and MMA_CONFIGS; K cut as the library
-    cuts it where a tile leaves BLK None."""
+    """The tiles to time at `rows` rows, each once (the library's is often among the lists too),
+    the likeliest first (a budget cut keeps them): CONFIGS at one row; up to the gemv's
+    `GEMV_MAX_ROWS` its library tile and ROW_CONFIGS; from the tensor-core kernel's first row on,
+    its library tile and MMA_CONFIGS, then the gemv's library tile alone where it takes the rows;
+    K cut as the library cuts it where a tile leaves BLK None."""
     from quantmesh.quant import kernel4 as k4
 
     if rows == 1:
         tiles = [k4.gemv_config(1, out_f, in_f, 64, t) for t in CONFIGS]
+    elif rows < k4.MMA_MIN_ROWS:
+        gemv = [k4.gemv_config(rows, out_f, in_f, 64), *ROW_CONFIGS]
+        tiles = [k4.gemv_config(rows, out_f, in_f, 64, t) for t in gemv]
     else:
-        tiles = []
-        if rows <= k4.GEMV_ROWS_LIMIT:
-            gemv = [k4.gemv_config(rows, out_f, in_f, 64), *ROW_CONFIGS]
-            tiles += [k4.gemv_config(rows, out_f, in_f, 64, t) for t in gemv]
-        if rows >= k4.MMA_MIN_ROWS:
-            mma = [dict(k4.mma_config(rows, out_f, in_f), KERNEL="mma"), *MMA_CONFIGS]
-            tiles += [k4.mma_config(rows, out_f, in_f, t) for t in mma]
+        mma = [dict(k4.mma_config(rows, out_f, in_f), KERNEL="mma"), *MMA_CONFIGS]
+        tiles = [k4.mma_config(rows, out_f, in_f, t) for t in mma]
+        if rows <= k4.GEMV_ROWS_LIMIT:  # (its sweep at 16 rows: docs/benchmarks.md)
+            tiles.append(k4.gemv_config(rows, out_f, in_f, 64))
     once: list[dict] = []
     for t in tiles:
         if t not in once:
@@ -328,7 +330,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default=None, help="a JSON list of tiles in place of CONFIGS")
     p.add_argument("--rows", default=None,
                    help="row counts (e.g. 1,2,4,8,16,32,64): each shape at each; ROW_CONFIGS "
-                        "above 1, MMA_CONFIGS from 9")  # fmt: skip
+                        "at 2-8, MMA_CONFIGS from 9")  # fmt: skip
     a = p.parse_args(argv)
     if a.tiles:  # each list keeps its own kind (mma tiles: KERNEL "mma")
         tiles = json.loads(a.tiles)

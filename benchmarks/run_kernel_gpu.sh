@@ -33,9 +33,10 @@
 #   batches  qm.fast_decode on the same shape at each batch of BATCHES (default 4 8), with the
 #            gemv and with bitsandbytes' path, in one process (bench_decode.py --gemv --batch)
 #   mma      the tensor-core kernel (9 to 64 rows, opt-in): its CUDA tests (NOTEST=1: not), then
-#            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 16,32,64): its library tile and
-#            MMA_CONFIGS (and the gemv's at 16) against bitsandbytes' matmul_4bit and Triton's
-#            dequantize + matmul, hot and cold; mma.ptx / mma.sass: the best tile's at 64 rows
+#            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 32,64,16): its library tile and
+#            MMA_CONFIGS (and the gemv's library tile at 16) against bitsandbytes' matmul_4bit,
+#            Triton's dequantize + matmul and torchao's int4, hot and cold; mma.ptx / mma.sass:
+#            the best tile's at 64 rows
 #   train    training with Triton's dequantize (QUANTMESH_TRITON_DEQUANT's training half): its CUDA
 #            test, then bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2,
 #            compiled blocks, profiled) with bitsandbytes' dequantize and, in the same process,
@@ -104,7 +105,7 @@ case "$STAGE" in
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
   rows) rows_stage "gemv_lines_rows" 240 "2,4,8,16" 260 ;;
-  mma) rows_stage "mma" 300 "16,32,64" 240 ;;
+  mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
     timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
