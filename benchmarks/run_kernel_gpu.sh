@@ -43,8 +43,8 @@
 #            with Triton's (--variants triton_dequant)
 #   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
-#            (bench_decode.py --mma --dequant --profile); then the CUDA decode tests with the
-#            tensor-core kernel's 16-row case (MMA=1: the tests first)
+#            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
+#            the tensor-core kernel run in the test and decode stages.)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
@@ -148,11 +148,6 @@ case "$STAGE" in
       --variants triton_dequant \
       --variant-steps 10 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6 ;;
   b32)
-    if [ -n "${MMA:-}" ]; then
-      say "the CUDA decode tests (16 sequences through the tensor-core kernel)"
-      timeout 280 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
-        -k trained 2>&1 | tail -4
-    fi
     say "decode, batch ${BATCH:-32}: the default path, the tensor-core kernel, Triton's dequantize"
     timeout 420 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --mma \
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
