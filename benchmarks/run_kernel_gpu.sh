@@ -68,7 +68,7 @@ case "$STAGE" in
     timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -40 ;;
   test)
-    timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
+    timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
       -k "not gemv_lines_rows and not mma_is" 2>&1 | tail -15  # (the rows', mma's: their stages)
     timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
   probe)
