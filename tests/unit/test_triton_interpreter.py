@@ -7,7 +7,7 @@ Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (rea
 - the gemvs (1 to 8 rows) and the tensor-core kernel (9 to 64 rows);
 - the dequantize, bit for bit, also as the op the experts' weights take;
 - the older row and block kernels;
-- tp shards cut from a quantized weight;
+- tp shards cut from a quantized weight, the ops also traced and run compiled;
 - the dequantize + matmul under autograd (training): forward and backward bit for bit as the
   same `linear` and `matmul` on bitsandbytes' weight, keeping only the codes for backward, eager
   and compiled.
@@ -207,6 +207,10 @@ def _tp_shards() -> list[dict]:
                 x = torch.randn(rows, int(part.shape[1]), generator=g).to(torch.float16)
                 y = matmul(x, codes, part)
                 out.append(_product(y, x, codes, part, (matmul.__name__, dim, ranges, rows)))
+                if nested and dim == 0:  # the op traced (its fake) and run compiled: same bits
+                    step = torch.compile(lambda x, m=matmul, c=codes, q=part: m(x, c, q),
+                                         backend="aot_eager", fullgraph=True)  # fmt: skip
+                    out[-1]["ok"] &= bool(torch.equal(step(x), y))
     return out
 
 

@@ -49,7 +49,7 @@ or fp16 and the input's rows are in its range (`gemv_applies`, `mma_applies`,
 `rows_kernel_applies`, `dequant_kernel_applies`): without autograd recording, but the dequantize,
 which also runs under autograd (training); everything else (CPU, other inputs) keeps
 bitsandbytes' path. Each is a torch custom op (`quantmesh::gemv_4bit`, `quantmesh::mma_4bit`,
-`quantmesh::matmul_4bit_rows`, `quantmesh::dequant_matmul_4bit` and its backward), so
+`quantmesh::matmul_4bit_rows`, `quantmesh::dequant_matmul_4bit`, forward and backward), so
 `torch.compile` (fullgraph, CUDA graphs) traces it without a graph break.
 
 Many rows, and training: `dequantize_4bit` writes the weight out as bitsandbytes'
@@ -243,6 +243,29 @@ def _on_codes(op: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.
     return y.reshape(*x.shape[:-1], out_f)
 
 
+def _codes_op(name: str, launch: Any, config: Any) -> Any:
+    """The custom op `quantmesh::<name>`(x (rows, in), the flat codes, the four statistics,
+    blocksize, quant type, out) -> (rows, out): `launch` (`launch_gemv`'s arguments) at the tile
+    `config(rows, out, in, blocksize)`; one op, so that `torch.compile` traces it whole. The
+    matmul ops on codes (the gemv, the tensor-core kernel, the row kernel) are made by it."""
+
+    def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+           nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+           offset: torch.Tensor | None, blocksize: int, quant_type: str,
+           out_f: int) -> torch.Tensor:  # fmt: skip
+        cfg = config(x.shape[0], out_f, x.shape[1], blocksize)
+        return launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                      quant_type, out_f, cfg)  # fmt: skip
+
+    def fake(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+             out_f):  # fmt: skip
+        return x.new_empty((x.shape[0], out_f))  # for tracing
+
+    made = torch.library.custom_op(f"quantmesh::{name}", op, mutates_args=())
+    made.register_fake(fake)
+    return made
+
+
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_dequant` computes x @ W^T for the QuantState `qs`: once turned on
     (`DEQUANT_ENABLED`), on CUDA with Triton, bf16/fp16 compute, statistics of the kinds the
@@ -263,8 +286,8 @@ def matmul_4bit_dequant(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch
     """x (..., in) @ W^T -> (..., out) in x's dtype: W written out by Triton's dequantize (the
     same values as bitsandbytes' dequantize_4bit), then the matmul bitsandbytes' path makes
     (`linear`); differentiable in x: the backward dequantizes W again and computes g @ W, as
-    bitsandbytes' does, so that only the codes are kept for it (never the float weight). Two
-    custom ops, so `torch.compile` traces both without a graph break; check
+    bitsandbytes' does, so that only the codes are kept for it (never the float weight). One
+    custom op for both, so `torch.compile` traces them without a graph break; check
     `dequant_kernel_applies` first.
 
     Example:
@@ -273,36 +296,29 @@ def matmul_4bit_dequant(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch
     return _on_codes(_dequant_mm_op, x, packed, qs)
 
 
-# x @ W^T with W dequantized by Triton, as one opaque op in forward and another in backward: like
-# bitsandbytes' MatMul4Bit only the codes and statistics are kept for backward (two ops rather
-# than an autograd.Function: see quant/bnb.py's flat_matmul_4bit)
+# x @ W^T with W dequantized by Triton, and in backward g @ W, by one opaque op: like
+# bitsandbytes' MatMul4Bit only the codes and statistics are kept for backward (an op rather than
+# an autograd.Function: see quant/bnb.py's flat_matmul_4bit)
 @torch.library.custom_op("quantmesh::dequant_matmul_4bit", mutates_args=())
-def _dequant_mm_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+def _dequant_mm_op(t: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                    nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-                   offset: torch.Tensor | None, blocksize: int, quant_type: str,
-                   out_f: int) -> torch.Tensor:  # fmt: skip
+                   offset: torch.Tensor | None, blocksize: int, quant_type: str, n: int,
+                   grad: bool = False) -> torch.Tensor:  # fmt: skip
+    # forward (grad False): t = x (rows, in), W (n = out, in), x @ W^T with bitsandbytes' linear;
+    # backward: t = g (rows, out), W (out, n = in), g @ W as bitsandbytes' backward computes it
+    shape = (t.shape[1], n) if grad else (n, t.shape[1])
     w = dequantize_4bit(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
-                        (out_f, x.shape[1]), x.dtype)  # fmt: skip
-    return torch.nn.functional.linear(x, w)
+                        shape, t.dtype)  # fmt: skip
+    return torch.matmul(t, w) if grad else torch.nn.functional.linear(t, w)
 
 
-@torch.library.custom_op("quantmesh::dequant_matmul_4bit_grad", mutates_args=())
-def _dequant_mm_grad_op(g: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-                        nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-                        offset: torch.Tensor | None, blocksize: int, quant_type: str,
-                        in_f: int) -> torch.Tensor:  # fmt: skip
-    w = dequantize_4bit(packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
-                        (g.shape[1], in_f), g.dtype)  # fmt: skip
-    return torch.matmul(g, w)
-
-
-@_dequant_mm_grad_op.register_fake
-def _(g, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, in_f):
-    return g.new_empty((g.shape[0], in_f))
+@_dequant_mm_op.register_fake
+def _(t, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, n, grad=False):
+    return t.new_empty((t.shape[0], n))
 
 
 def _dequant_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type, _ = inputs
+    x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type = inputs[:8]
     ctx.save_for_backward(packed, absmax, nested_absmax, nested_code, offset)  # codes only
     ctx.meta = (blocksize, quant_type, x.shape[1])
 
@@ -310,8 +326,8 @@ def _dequant_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 def _dequant_mm_backward(ctx: Any, g: torch.Tensor) -> tuple:
     gx = None
     if ctx.needs_input_grad[0]:
-        gx = _dequant_mm_grad_op(g.contiguous(), *ctx.saved_tensors, *ctx.meta)
-    return (gx,) + (None,) * 8
+        gx = _dequant_mm_op(g.contiguous(), *ctx.saved_tensors, *ctx.meta, grad=True)
+    return (gx,) + (None,) * 9
 
 
 # ---- the gemv: 1 to 8 rows ---------------------------------------------------------------------
@@ -375,25 +391,6 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@torch.library.custom_op("quantmesh::gemv_4bit", mutates_args=())
-def _gemv_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-             offset: torch.Tensor | None, blocksize: int, quant_type: str,
-             out_f: int) -> torch.Tensor:  # fmt: skip
-    return launch_gemv(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                       quant_type, out_f, gemv_config(x.shape[0], out_f, x.shape[1], blocksize))  # fmt: skip
-
-
-def _rows_out_fake(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
-                   out_f):  # fmt: skip
-    """The (rows, out) output the matmul ops on codes (`_gemv_op`, `_mma_op`, `_rows_op`,
-    `_dequant_mm_op`) return, for
-    tracing: their signatures are one."""
-    return x.new_empty((x.shape[0], out_f))
-
-
-_gemv_op.register_fake(_rows_out_fake)
-_dequant_mm_op.register_fake(_rows_out_fake)
 _dequant_mm_op.register_autograd(_dequant_mm_backward, setup_context=_dequant_mm_setup)
 
 
@@ -530,18 +527,6 @@ def mma_config(rows: int, out_f: int, in_f: int, tile: dict[str, Any] | None = N
     return cfg
 
 
-@torch.library.custom_op("quantmesh::mma_4bit", mutates_args=())
-def _mma_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-            nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-            offset: torch.Tensor | None, blocksize: int, quant_type: str,
-            out_f: int) -> torch.Tensor:  # fmt: skip
-    return launch_mma(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                      quant_type, out_f, mma_config(x.shape[0], out_f, x.shape[1]))  # fmt: skip
-
-
-_mma_op.register_fake(_rows_out_fake)
-
-
 def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
@@ -625,6 +610,12 @@ def _kernel_statistics(absmax: torch.Tensor, nested_absmax: torch.Tensor | None,
     return absmax, nested_absmax, nested_code, offset
 
 
+_gemv_op = _codes_op("gemv_4bit", launch_gemv, gemv_config)
+_mma_op = _codes_op(
+    "mma_4bit", launch_mma, lambda rows, out_f, in_f, bs: mma_config(rows, out_f, in_f)
+)
+
+
 def _counters(n: int, device: torch.device) -> torch.Tensor:
     """`n` int32 zeros on `device`: the gemv's per-group counts, which the last program of each
     group sets back to 0. Kept per (device, n) and never freed (`_kept`)."""
@@ -685,18 +676,6 @@ def choose_config(rows: int) -> dict[str, int]:
     return dict(BLOCK_N=64, BLOCK_K=128, DOT=1, SPLIT_K=2, num_warps=4, num_stages=3)
 
 
-@torch.library.custom_op("quantmesh::matmul_4bit_rows", mutates_args=())
-def _rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
-             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
-             offset: torch.Tensor | None, blocksize: int, quant_type: str,
-             out_f: int) -> torch.Tensor:  # fmt: skip
-    return _launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
-                   out_f, choose_config(x.shape[0]))  # fmt: skip
-
-
-_rows_op.register_fake(_rows_out_fake)
-
-
 def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
             nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
             offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
@@ -737,6 +716,9 @@ def _launch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return y[0] if split == 1 else y.sum(0).to(x.dtype)
+
+
+_rows_op = _codes_op("matmul_4bit_rows", _launch, lambda rows, *_: choose_config(rows))
 
 
 def _launch_blocks(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
