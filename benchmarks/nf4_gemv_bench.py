@@ -62,6 +62,7 @@ TOL = 1e-2  # relative error of the norms against the bf16 reference
 _L = dict(KERNEL="lines", LUT=1, SB=32, BLK=None, num_warps=1, num_stages=1)
 CONFIGS = [
     dict(_L, BLOCK_N=2),
+    dict(_L, BLOCK_N=1),  # twice the programs: about one wave at 4096 features (not yet timed)
     dict(_L, BLOCK_N=4),
     dict(_L, BLOCK_N=4, WK=2, num_warps=2),
     dict(_L, BLOCK_N=8, SB=16, BLK=16),
