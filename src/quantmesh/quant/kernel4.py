@@ -341,7 +341,7 @@ def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
         False
     """
     rows = _rows_kernels_take(x, qs, compute_dtype) if GEMV_ENABLED else 0
-    return 1 <= rows <= GEMV_MAX_ROWS and int(qs.blocksize) == 64 and int(qs.shape[1]) % 64 == 0
+    return 1 <= rows <= GEMV_MAX_ROWS and _whole_64_blocks(qs)
 
 
 def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
@@ -445,9 +445,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
 
     kernel = qm_gemv_lines if lines else qm_gemv_4bit
 
-    x = x.contiguous()
-    if x.storage_offset() % 2:
-        x = x.clone()  # the kernel reads x as int32 words of two inputs
+    x = _as_words(x)
     if packed.storage_offset() % 4:
         packed = packed.clone()  # and the codes as int32 words of 8 codes
     nblk = in_f // blocksize
@@ -487,8 +485,7 @@ def mma_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
         False
     """
     rows = _rows_kernels_take(x, qs, compute_dtype) if MMA_ENABLED else 0
-    return (MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and int(qs.blocksize) == 64
-            and int(qs.shape[1]) % 64 == 0)  # fmt: skip
+    return MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and _whole_64_blocks(qs)
 
 
 def matmul_4bit_mma(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
@@ -566,9 +563,7 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     triton, _ = _triton()
     from ._triton4 import qm_mma_4bit
 
-    x = x.contiguous()
-    if x.storage_offset() % 2:
-        x = x.clone()  # the kernel reads x as int32 words of two inputs
+    x = _as_words(x)
     nblk = in_f // blocksize
     per = cfg.get("BLK") or nblk
     grid = (triton.cdiv(out_f, bn), triton.cdiv(nblk, per))
@@ -585,6 +580,19 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     if keep is not None:
         keep.append(compiled)
     return y
+
+
+def _whole_64_blocks(qs: Any) -> bool:
+    """Whether the QuantState `qs` has blocks of 64 that rows of `in` fill whole: what the gemv
+    and the tensor-core kernel read (each row of codes a run of whole blocks)."""
+    return int(qs.blocksize) == 64 and int(qs.shape[1]) % 64 == 0
+
+
+def _as_words(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous, starting on a 4-byte boundary: the gemv and the tensor-core kernel read it as
+    int32 words of two bf16/fp16 inputs."""
+    x = x.contiguous()
+    return x.clone() if x.storage_offset() % 2 else x
 
 
 def _outputs(x: torch.Tensor, rows: int, out_f: int,
