@@ -45,7 +45,7 @@ from quantmesh.quant.names import BACKENDS, QUANTS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
-VARIANTS = ("vp_ce", "triton_dequant", "lora_bf16")
+VARIANTS = ("vp_ce", "triton_dequant", "keep_elementwise", "lora_bf16")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -607,13 +607,20 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     """Time one prototype on the model already built: `vp_ce` keeps the head's logits split and
     uses vocab_parallel_ce.py (tp > 1); `triton_dequant` turns on quantmesh's Triton dequantize in
     the 4-bit linears' forward and backward (kernel4.DEQUANT_ENABLED; compiled blocks compile
-    again); `lora_bf16` casts the adapters to bf16, which measures what the fp32 adapters' input
-    casts cost (dp = 1 only: DDP's buckets are built for fp32)."""
+    again); `keep_elementwise` compiles the blocks again with `recompute_elementwise=False` (torch's
+    own partitioner rules: the norms' outputs, SiLU(gate) * up and the adapters' bf16 weight copies
+    kept, not recomputed in backward; --compile only), then back; `lora_bf16` casts the adapters
+    to bf16, which measures what the fp32 adapters' input casts cost (dp = 1 only: DDP's buckets
+    are built for fp32). A variant's peak memory includes the main run's AdamW states, which stay
+    alive beside the variant's own (2 x 4 bytes per adapter parameter)."""
     dev = mesh.device
     if v not in VARIANTS:
         raise ValueError(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     if v == "vp_ce" and mesh.tp == 1:
         V["skipped"] = "needs tp > 1"
+        return
+    if v == "keep_elementwise" and not a.compile:
+        V["skipped"] = "needs --compile"
         return
     if v == "lora_bf16" and mesh.dp > 1:
         V["skipped"] = "changes parameter dtypes under DDP"
@@ -631,6 +638,8 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     dequant_before = kernel4.DEQUANT_ENABLED
     if v == "triton_dequant":
         kernel4.DEQUANT_ENABLED = True
+    if v == "keep_elementwise":
+        recompile_blocks(model, a, recompute_elementwise=False)
     try:
         opt = torch.optim.AdamW(params, lr=a.lr)
         warm = min(3, a.warmup)
@@ -640,6 +649,8 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         )  # fmt: skip
     finally:
         kernel4.DEQUANT_ENABLED = dequant_before
+        if v == "keep_elementwise":
+            recompile_blocks(model, a)
         if head_style is not None:
             model.lm_head.style = head_style
     dts = gather(dt)
@@ -654,6 +665,16 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     if not all(math.isfinite(x) for x in losses):
         V["warning"] = "non-finite loss"
     qb.log(f"variant {v}: {tok:,.0f} tokens/s")
+
+
+def recompile_blocks(model, a, **kw):
+    """Compile the blocks again from scratch: dynamo's caches are cleared first, or an equal
+    torch.compile of the same code would reuse the graphs (and the partitioner's choices) already
+    made."""
+    import quantmesh as qm
+
+    torch._dynamo.reset()
+    qm.compile_blocks(model, mode=a.compile_mode, **kw)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ case "$STAGE" in
     say "7B nf4 + LoRA, seq 2048, mb 2, compiled: bitsandbytes' dequantize, then Triton's"
     timeout 430 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
       benchmarks/bench_train.py --quant nf4 --mb 2 --warmup 5 --steps 10 --compile --profile \
-      --variants triton_dequant \
+      --variants triton_dequant,keep_elementwise \
       --variant-steps 10 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6 ;;
   b32)
     say "decode, batch ${BATCH:-32}: the default path, the tensor-core kernel, Triton's dequantize"

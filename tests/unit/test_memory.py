@@ -57,13 +57,15 @@ def _seven_b(positions: int = 147456):
 def _assert_near_h200_peaks(runs: list[tuple[dict, float]]) -> None:
     """Each run (estimate_memory's keywords on top of the benchmarks' recipe: 7B, nf4 + LoRA r16
     on the seven projections, bf16, checkpointed, loss in chunks of 1024) estimated within 10% of
-    its peak measured on one H200, in GiB."""
+    its peak measured on one H200, in GiB. Every peak was measured before compiled blocks
+    recomputed elementwise results (`recompute_elementwise=False`, torch's partitioner rules)."""
     import quantmesh as qm
 
     m = _seven_b()
     for kw, peak_gib in runs:
         est = estimate_memory(m, quant="nf4", lora=qm.LoraConfig(r=16), dtype=torch.bfloat16,
-                              checkpointing=True, loss_chunk_tokens=1024, **kw)  # fmt: skip
+                              checkpointing=True, loss_chunk_tokens=1024,
+                              recompute_elementwise=False, **kw)  # fmt: skip
         got = est.total / 2**30
         assert abs(got / peak_gib - 1) < 0.10, (kw, got, peak_gib)
 
@@ -301,7 +303,9 @@ def test_activations_and_peak_in_the_gpu_recipe() -> None:
     assert abs((est.activations + est.logits) / got["peak"] - 1) < 0.01, (est, got)
 
 
-def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float) -> dict:
+def _compiled_step(
+    rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float, lean: bool = True
+) -> dict:
     """Bytes the compiled blocks' forward saves (plus the eager rest of the model: the final norm,
     RoPE's tables, the adapters' bf16 weight copies), nf4 + bf16 autocast as on GPU. A compiled
     block is one autograd Function: its `save_for_backward` goes through the saved-tensor hooks, so
@@ -322,7 +326,8 @@ def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float)
     dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES / bucket_scale)
     model = _recipe_model(cfg)
     # inductor's min-cut partitioner chooses what is saved: the estimate models its choice
-    assert qm.compile_blocks(model, backend="inductor") == cfg["num_hidden_layers"]
+    layers = qm.compile_blocks(model, backend="inductor", recompute_elementwise=lean)
+    assert layers == cfg["num_hidden_layers"]
     saved: dict[int, int] = {}
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
     # The root's forward (not model.model): DDP's hooks are on the root, and DDPOptimizer splits
@@ -334,22 +339,26 @@ def _compiled_step(rank: int, cfg: dict, seq: int, mb: int, bucket_scale: float)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [1, 2])
-def test_compiled_activations_match_what_the_compiled_blocks_save(dp: int, monkeypatch) -> None:
+@pytest.mark.parametrize("dp,lean", [(1, True), (1, False), (2, True)])
+def test_compiled_activations_match_what_the_compiled_blocks_save(
+    dp: int, lean: bool, monkeypatch
+) -> None:
     """compiled=True: the norms keep their bf16 inputs (not fp32 upcasts), SiLU(gate) is
     recomputed; under DDP the split graph keeps SiLU(gate) again (dp=2 splits at up_proj here, as
-    at 7B: the scaled model's adapters are 8 times smaller, and so is DDP's first bucket)."""
+    at 7B: the scaled model's adapters are 8 times smaller, and so is DDP's first bucket). With
+    recompute_elementwise (lean, the default) the adapters' shared inputs (the norms' outputs and
+    SiLU(gate) * up) and autocast's weight copies are recomputed in backward, not kept."""
     import torch.distributed as dist
 
     import quantmesh as qm
 
     seq, mb, scale = 200, 2, 8.0
-    got = run_ranks(_compiled_step, dp, LLAMA_SCALED, seq, mb, scale, timeout=300)
+    got = run_ranks(_compiled_step, dp, LLAMA_SCALED, seq, mb, scale, lean, timeout=300)
     monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", int(2**20 / scale))
     meta = _model(True, **LLAMA_SCALED)
-    kw = dict(quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), seq_len=seq, micro_batch=mb,
-              dtype=torch.bfloat16, dp=dp)  # fmt: skip
-    est = estimate_memory(meta, compiled=True, **kw)
+    lora = qm.LoraConfig(r=16, alpha=32)
+    kw = dict(quant="nf4", lora=lora, seq_len=seq, micro_batch=mb, dtype=torch.bfloat16, dp=dp)
+    est = estimate_memory(meta, compiled=True, recompute_elementwise=lean, **kw)
     assert not est.notes, est.notes
     assert abs(est.activations / got[0]["saved"] - 1) < 0.01, (est, got)
     # Eager's formula over-counts a compiled block by 4 h + 2 i bytes per layer and token: the
@@ -358,7 +367,50 @@ def test_compiled_activations_match_what_the_compiled_blocks_save(dp: int, monke
     h, i, tokens, layers = 512, 1376, seq * mb, 2
     eager = estimate_memory(meta, **kw)
     fewer = tokens * (layers * (4 * h + (2 * i if dp == 1 else 0)) - 2 * h)
+    if lean:
+        # and the shared inputs (2 h + i, less layer 0's input norm output) and the weight copies
+        fewer += tokens * (layers * (2 * h + i) - h) * 2
+        copies = sum(lora.r * (i_ + o) for i_, o in [(h, h)] * 4 + [(h, i)] * 2 + [(i, h)])
+        fewer += (layers * copies - 3 * lora.r * h) * 2
     assert eager.activations - est.activations == fewer
+
+
+def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool) -> dict:
+    """Loss and gradients of one step of the GPU recipe with compiled blocks (inductor), B
+    non-zero so that every adapter's A gets a gradient."""
+    import quantmesh as qm
+
+    model = _recipe_model(cfg)
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if p.requires_grad and "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02, generator=g)
+    qm.compile_blocks(model, backend="inductor", recompute_elementwise=lean)
+    ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads}
+
+
+@pytest.mark.slow
+def test_recomputing_elementwise_results_keeps_the_values() -> None:
+    """recompute_elementwise changes what a compiled block keeps, not what it computes: the same
+    loss, and every adapter gradient equal to keeping them but for bf16 roundings of the
+    recomputed SiLU(gate) * up (down_proj's A: its input made again in backward)."""
+    lean, keep = (
+        run_ranks(_compiled_grads, 1, LLAMA_SCALED, 64, 2, flag, timeout=300)[0]
+        for flag in (True, False)
+    )
+    assert lean["loss"] == keep["loss"]
+    assert lean["grads"].keys() == keep["grads"].keys() and len(keep["grads"]) == 28
+    for name, got in lean["grads"].items():
+        want = keep["grads"][name]
+        if "down_proj.lora_A" not in name:
+            assert torch.equal(got, want), name
+        else:  # within a bf16 rounding of the largest gradient
+            assert (got - want).abs().max() <= 2**-6 * want.abs().max(), name
 
 
 def test_checkpointing_and_chunked_loss_terms() -> None:
@@ -392,10 +444,14 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     compiled_tiled = estimate_memory(m, checkpointing=True, compiled=True, tile_tokens=4, **kw)
     assert compiled_tiled.activations < compiled.activations
     c_attn = tokens * (2 * q + 2 * kv) * 4
-    c_block = estimate_memory(m, compiled=True, **kw).activations // layers
-    # per MLP token the compiled block keeps gate and up, and down's input (an adapter reads it)
-    c_tiled = c_block - (tokens - 4 * 3) * 3 * 96 * 4 + tokens * h * 4
-    assert compiled_tiled.activations == c_tiled + max(c_attn, mlp_tile) + layers * tokens * h * 4
+    # per MLP token the compiled block keeps gate and up (down's input, which its adapter reads,
+    # is recomputed: recompute_elementwise), and down's input too when told to keep it
+    for lean, mlp_keeps in ((True, 2), (False, 3)):
+        c_kw = dict(kw, compiled=True, recompute_elementwise=lean)
+        c_block = estimate_memory(m, **c_kw).activations // layers
+        c_tiled = c_block - (tokens - 4 * 3) * mlp_keeps * 96 * 4 + tokens * h * 4
+        got = estimate_memory(m, checkpointing=True, tile_tokens=4, **c_kw).activations
+        assert got == c_tiled + max(c_attn, mlp_tile) + layers * tokens * h * 4
     # chunked loss: one chunk's 12 bytes per logit, plus the labelled tokens' hidden states
     chunked = estimate_memory(m, loss_chunk_tokens=8, **kw)
     assert chunked.logits == 8 * v * 12 + tokens * h * 4
@@ -468,14 +524,15 @@ def test_tiled_checkpointing_estimate_is_within_10_percent_of_the_h200_peaks() -
 def test_out_of_memory_at_long_sequences_proposes_checkpointing_offload_and_tiles(
     monkeypatch,
 ) -> None:
-    """The 7B shape at 114,688 tokens on a 24 GiB card: only checkpointing with offloaded inputs
-    and MLP tiles fits (as measured on one H200), and the error says so."""
+    """The 7B shape at 131,072 tokens on a 24 GiB card: only checkpointing with offloaded inputs
+    and MLP tiles fits (by the estimate, with compiled blocks that recompute elementwise results;
+    at 114,688 tokens, before they did, one H200 measured the same), and the error says so."""
     import quantmesh as qm
     from quantmesh.cli import plan_cmd
     from quantmesh.cli.errors import CliError
 
     m = _seven_b(131072)
-    mem = dict(model=m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=114688, micro_batch=1,
+    mem = dict(model=m, quant="nf4", lora=qm.LoraConfig(r=16), seq_len=131072, micro_batch=1,
                dtype=torch.bfloat16, compiled=True, checkpointing=False,
                offload_activations=False, loss_chunk_tokens=1024, tile_tokens=None)  # fmt: skip
     hints = plan_cmd.memory_alternatives(plan_cmd.RunShape(**mem))

@@ -98,3 +98,24 @@ def test_blocks_out_of_range_is_refused_before_anything_changes(k: int) -> None:
     with pytest.raises(ValueError, match=rf"blocks={k}\): Stack has 4 blocks; pass 1 to 4"):
         qm.checkpoint_blocks(net, blocks=k)
     assert not any(is_checkpointed(b) for b in net.layers)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_compiled_blocks_let_the_partitioner_recompute_only_while_they_compile(lean) -> None:
+    """compile_blocks(recompute_elementwise=...) turns AOTAutograd's ban on recomputing what the
+    backward holds for a matmul off while a block's graph is made (the backend runs inside the
+    call), and leaves the process's setting as it was around and after every call."""
+    import torch._functorch.config as aot_config
+
+    seen: list[bool] = []
+
+    def backend(gm, example_inputs):
+        seen.append(aot_config.ban_recompute_materialized_backward)
+        return gm.forward
+
+    net = _net(n=3)
+    assert qm.compile_blocks(net, backend=backend, recompute_elementwise=lean) == 3
+    before = aot_config.ban_recompute_materialized_backward
+    _step(net, torch.randn(1, 12, 8, requires_grad=True))
+    assert seen and set(seen) == {not lean}  # one graph for the three blocks (or more), each so
+    assert aot_config.ban_recompute_materialized_backward is before

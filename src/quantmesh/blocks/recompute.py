@@ -56,6 +56,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..plan.auto import blocks_of
+from .compile import compile_fn, compile_module
 
 __all__ = ["checkpoint_blocks"]
 
@@ -166,7 +167,7 @@ def _uncheckpoint(block: nn.Module) -> None:
         block.__dict__.pop(key, None)
     kwargs = block.__dict__.get(COMPILE_KWARGS)
     if kwargs is not None:
-        block.compile(**kwargs)
+        compile_module(block, kwargs)
 
 
 def install(block: nn.Module) -> None:
@@ -192,7 +193,7 @@ def install(block: nn.Module) -> None:
         if block.__dict__.get(_TILE) is not None:
             # the tiles run outside the block's graph (_run_tiles): a break by design
             kwargs = {**kwargs, "fullgraph": False}
-        inner = torch.compile(inner, **kwargs)
+        inner = compile_fn(inner, kwargs)
         for name in block.__dict__.get(_TILED, ()):  # children tiled before compile_blocks
             block.get_submodule(name).__dict__[_TILE_COMPILE] = _compile_kwargs(block)
     offload = block.__dict__.get(_OFFLOAD, False)
@@ -416,7 +417,7 @@ def _run_tiles(
     if kwargs is not None:
         key = (cls, repr(sorted(kwargs.items())))
         if key not in _COMPILED_TILES:
-            _COMPILED_TILES[key] = torch.compile(cls.forward, **kwargs)
+            _COMPILED_TILES[key] = compile_fn(cls.forward, kwargs)
         forward = _COMPILED_TILES[key]
     return _tiled(child, functools.partial(forward, child), tile, moves, x)
 

@@ -53,14 +53,20 @@ rank 0 more), in bytes:
                                 and their fp32 rsqrt rows
                  (2 q + 2 kv) a v, q and k after RoPE, SDPA's output; 4 bytes of log-sum-exp per
                                 local head (as eager)
-                 2 i a          gate and up (SiLU(gate) is recomputed); down_proj's input
-                                SiLU(gate) * up is kept as the adapters' shared `i` below
-                 inputs, n r a  the adapters' shared inputs (h, h, i) and A outputs (as eager)
-               in all (4 h + 2 q + 2 kv + 3 i + n r) a + 8 + 4 x local heads, where eager keeps
-               8 h + (2 h + 2 q + 2 kv + 4 i + n r) a + 8 + 4 x local heads: 4 h + 2 i bytes less
-               at a = 2. Layer 0's block keeps neither its input nor that rsqrt row (no gradient
-               flows into it); the final norm runs eager and keeps its fp32 input (4 h + 4). The
-               adapters' bf16 weight copies, RoPE's tables and the logits are as eager. The 4-bit
+                 2 i a          gate and up (SiLU(gate) is recomputed)
+                 n r a          the adapters' A outputs (as eager)
+               in all (2 h + 2 q + 2 kv + 2 i + n r) a + 8 + 4 x local heads. That is with
+               `compile_blocks`' default `recompute_elementwise`: the adapters' shared inputs (the
+               two norms' outputs and down_proj's input SiLU(gate) * up) are recomputed in
+               backward from what the block keeps, and so are autocast's bf16 copies of the
+               adapter weights, except in layer 0, which keeps its input norm's output (h a; its
+               input is not kept). With `recompute_elementwise=False` (torch's own partitioner
+               rules, which never recompute what the backward holds for a matmul) a block keeps
+               those inputs too, (h, h, i) a, and the weight copies as eager: (4 h + 2 q + 2 kv +
+               3 i + n r) a + 8 + 4 x local heads, where eager keeps 8 h + (2 h + 2 q + 2 kv + 4 i
+               + n r) a + 8 + 4 x local heads. Layer 0's block keeps neither its input nor that
+               rsqrt row (no gradient flows into it); the final norm runs eager and keeps its fp32
+               input (4 h + 4). RoPE's tables and the logits are as eager. The 4-bit
                matmul keeps only its packed weight and quant state in the graph too (the input is
                not saved). dp > 1: DDP runs the blocks under dynamo's DDPOptimizer, which splits
                each compiled block where DDP's first gradient bucket fills
@@ -287,6 +293,7 @@ def estimate_memory(
     dtype: torch.dtype = torch.float32,
     act_bytes: int | None = None,
     compiled: bool = False,
+    recompute_elementwise: bool = True,
     checkpointing: bool = False,
     offload_activations: bool = False,
     loss_chunk_tokens: int = 0,
@@ -300,7 +307,9 @@ def estimate_memory(
     `model` may be a meta skeleton (`qm.empty_model()`); only shapes are read. `dtype` is the dtype of
     unquantized weights; `act_bytes` the activation size (default: 2 for bf16/fp16 `dtype`, else 4).
     `compiled`: the blocks are compiled (`qm.compile_blocks`), so their activations are what the
-    compiled graphs save (module docstring, "compiled"), less than eager autograd keeps.
+    compiled graphs save (module docstring, "compiled"), less than eager autograd keeps;
+    `recompute_elementwise` as `compile_blocks`' (on by default: the norms' outputs, SiLU(gate) * up
+    and the adapters' autocast weight copies are recomputed in backward, not kept).
     `checkpointing` (`qm.checkpoint_blocks`): each block keeps only its input, one block's
     activations live at a time (recomputed in backward); `offload_activations`: those inputs are in
     host memory. `loss_chunk_tokens` > 0: the chunked loss (train/loss.py), one chunk of logits at a
@@ -342,7 +351,7 @@ def estimate_memory(
         est = _for_rank(
             model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled,
             (checkpointing, offload_activations, loss_chunk_tokens, tile_tokens,
-             checkpointed_blocks),
+             checkpointed_blocks), lean=compiled and recompute_elementwise,
         )  # fmt: skip
         if fsdp:
             _shard_over_dp(est, model, resolved, r, qcfg, fmt, lora, dtype, dp, offload_base)
@@ -466,6 +475,7 @@ def _for_rank(
     dp: int,
     compiled: bool = False,
     memory_modes: tuple[bool, bool, int, int | None, int | None] = (False, False, 0, None, None),
+    lean: bool = False,
 ) -> MemoryEstimate:
     from ..lora.adapter import lora_targets
     from ..tp.experts import expert_lora_targets, find_experts, local_sizes
@@ -574,7 +584,20 @@ def _for_rank(
         est.notes.append("no transformers config: activations and logits are not estimated")
         return est
     act, logits, workspace, mlp_tok, attn_workspace = _activations(
-        dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb, dp, compiled, est.notes
+        dims,
+        resolved,
+        rank,
+        widths,
+        targets,
+        lora,
+        fmt,
+        a,
+        seq,
+        mb,
+        dp,
+        compiled,
+        est.notes,
+        lean=lean,
     )
     ckpt, offload, chunk, tile, k = memory_modes
     tokens = seq * mb
@@ -659,11 +682,13 @@ def _activations(
     dp: int = 1,
     compiled: bool = False,
     notes: list[str] | None = None,
+    lean: bool = False,
 ) -> tuple[int, int, int, int, int]:
     """(activation bytes, logits bytes, one block's backward workspace, the MLP's share of a
     layer's activations per token, the attention's backward workspace) from the per-layer formula
-    in the module docstring. The workspace is the MLP's widest gradients, live together in its
-    backward: the down projection's input gradient and, gated, those of gate and up; the
+    in the module docstring; `lean`: compiled with `recompute_elementwise`. The workspace is the
+    MLP's widest gradients, live together in its backward: the down projection's input gradient
+    and, gated, those of gate and up; the
     attention's are the gradients of SDPA's output, q, k and v and flash attention's fp32
     accumulator of q's gradient."""
     h, hd = dims.hidden, dims.head_dim
@@ -717,6 +742,10 @@ def _activations(
     # Only dropout gives an adapter its own input: under autocast A's matmul reads x itself (bf16,
     # no cast), and without autocast x already has the adapters' dtype (fp32), so `.to` is a no-op.
     copies = lora.dropout > 0
+    # Compiled with recompute_elementwise, the shared inputs are recomputed in backward: the norms'
+    # outputs from the norms' inputs and rsqrt rows, SiLU(gate) * up from gate and up, all kept.
+    lean = lean and not copies
+    kept = dict.fromkeys(shared, 0) if lean else shared
     # Per layer and token, in bytes.
     # the two RMSNorm inputs, upcast to fp32 (eager); compiled, as they are (the upcast is redone)
     per_tok = 2 * (h * a if compiled else 4 * h)
@@ -728,7 +757,7 @@ def _activations(
     if copies:
         per_tok += adapter_inputs * a
     else:
-        per_tok += sum(shared[r] for r in roles) * a
+        per_tok += sum(kept[r] for r in roles) * a
     if fmt is not None and fmt.name == "int8":
         # LLM.int8's matmul keeps its input for backward: every role's shared input, once.
         per_tok += sum(shared[r] for r in shared if copies or r not in roles) * a
@@ -756,8 +785,13 @@ def _activations(
     first = [f for f in mine if roles_of[f] == "attn_in"]
     if lora.dropout > 0:
         act -= tokens * sum(widths[f][2] for f in first) * mask
-    if a < 4:
-        # Autocast's bf16 copies of the fp32 adapter weights, kept by their matmuls for backward.
+    if lean and "attn_in" in roles:
+        # Layer 0 keeps its input norm's output for its adapters instead: that norm's input is
+        # not kept (above), so the output cannot be recomputed from it.
+        act += tokens * h * a
+    if a < 4 and not lean:
+        # Autocast's bf16 copies of the fp32 adapter weights, kept by their matmuls for backward
+        # (compiled with recompute_elementwise, cast again in backward).
         act += sum(lora.r * (widths[f][2] + widths[f][3]) for f in targets) * a
         act -= sum(lora.r * widths[f][2] for f in first) * a
     if dims.rotary:
@@ -773,7 +807,7 @@ def _activations(
     # Compiled blocks leave that term out: their measured peaks came closer without it
     # (docs/benchmarks.md, "Figures the code relies on").
     attn_workspace = tokens * ((2 * q + 2 * kv) * a + (0 if compiled else 4 * q))
-    mlp_tok = (mlp_keep + (i if "mlp_out" in roles and not copies else 0)) * a
+    mlp_tok = (mlp_keep + (kept["mlp_out"] if "mlp_out" in roles and not copies else 0)) * a
     return int(act), int(logits), int(workspace), int(mlp_tok), int(attn_workspace)
 
 
