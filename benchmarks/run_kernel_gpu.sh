@@ -40,7 +40,8 @@
 #   train    training with Triton's dequantize (QUANTMESH_TRITON_DEQUANT's training half): its CUDA
 #            test, then bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2,
 #            compiled blocks, profiled) with bitsandbytes' dequantize and, in the same process,
-#            with Triton's (--variants triton_dequant)
+#            with Triton's and with torch's own partitioner rule (--variants
+#            triton_dequant,keep_elementwise: what recompute_elementwise costs)
 #   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
 #            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
