@@ -523,7 +523,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if qb.is_kernel(ev):
             per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total
     kinds: dict[str, float] = {}
     for name, us in per_kernel.items():
@@ -545,7 +545,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
     timed = [
         (ev.time_range.start, ev.time_range.end, kind_of_kernel(ev.name))
         for ev in prof.events()
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.start >= first
+        if qb.is_kernel(ev) and ev.time_range.start >= first
     ]
     total = sum(per_kernel.values())
     host = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
@@ -566,8 +566,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         "replays": len(graph_at),
         "call": call,
         "kernels_per_step": round(
-            sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
-            / steps,
+            sum(1 for ev in prof.events() if qb.is_kernel(ev)) / steps,
             1,
         ),
     }

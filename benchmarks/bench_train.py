@@ -409,7 +409,6 @@ def profile_steps(model, opt, ids, device, autocast, loss_fn):
     """Two profiled steps: the share of GPU kernel time per category (kernels only; NCCL runs on
     its own stream, so the shares are of summed kernel time, which can exceed the wall time) and
     the op table. On CPU the same over self CPU time."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -428,8 +427,9 @@ def profile_steps(model, opt, ids, device, autocast, loss_fn):
         wall = time.perf_counter() - t0
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = prof.key_averages()
-    if cuda:  # kernel rows only: CPU ops report their kernels' time too (double counting)
-        timed = [r for r in rows if getattr(r, "device_type", None) == DeviceType.CUDA]
+    if cuda:  # kernel rows only: CPU ops report their kernels' time too (double counting), and
+        # user annotations (the optimizer's step) span their kernels
+        timed = [r for r in rows if qb.is_kernel(r)]
     else:
         timed = list(rows)
     shares = dict.fromkeys([c for c, _ in CATEGORIES] + ["other"], 0.0)

@@ -174,6 +174,16 @@ def fill_random(model, *, seed: int, gen_device=None) -> dict[str, float]:
 
 
 # ---- devices and memory -------------------------------------------------------------------------
+def is_kernel(ev) -> bool:
+    """Whether a profiler event (or key_averages row) is a device kernel: on a GPU and not a user
+    annotation. `record_function` ranges (`Optimizer.step#AdamW.step`, for one) appear on the
+    device too, spanning their kernels and the gaps between them; counted as kernels, they count
+    their kernels twice (torch's own tables leave them out of device totals)."""
+    return ev.device_type != torch.autograd.DeviceType.CPU and not getattr(
+        ev, "is_user_annotation", False
+    )
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
