@@ -571,6 +571,8 @@ def main(argv=None) -> int:
                 R["profile"] = profile_steps(model, opt, ids, dev, autocast, hf_loss)
                 if mesh.rank == 0:
                     qb.log("profile shares", R["profile"]["shares"])
+            if mesh.rank == 0:
+                qb.write_json(out_path, R)
             dist.barrier()
 
         # ---- prototype speed-ups, timed on the same model ----
@@ -581,6 +583,8 @@ def main(argv=None) -> int:
                 V = R["variants"][v] = {}
                 with qb.record_errors(V):
                     run_variant(v, a, mesh, model, params, ids, autocast, V)
+                if mesh.rank == 0:  # each variant kept as it ends (a later one may hang)
+                    qb.write_json(out_path, R)
                 dist.barrier()
                 if v == "lora_bf16":
                     break  # it changes the model: nothing may follow it

@@ -168,3 +168,18 @@ def test_scheduler_host_bench_smoke(tmp_path: Path) -> None:
         res = json.loads((tmp_path / "scheduler_host.json").read_text())
         assert res["post"] == post and res["runs"][0]["steps"] == 4, res  # 5 tokens: 1 + 4 steps
         assert res["host_ms_per_step_median"] > 0, res
+
+
+@pytest.mark.slow
+def test_bench_train_smoke_compiled_with_the_kept_elementwise_variant(tmp_path: Path) -> None:
+    """--compile --variants keep_elementwise: the blocks compiled again from scratch under
+    torch's own partitioner rule (dynamo's caches cleared), timed, then back to the default."""
+    bench_on_ranks(
+        1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
+        "keep_elementwise", "--variant-steps", "1", "--out", str(tmp_path), timeout=300,
+    )  # fmt: skip
+    res = json.loads(next(tmp_path.glob("result_qm_*.json")).read_text())
+    assert res["ok"], res.get("traceback")
+    v = res["variants"]["keep_elementwise"]
+    assert "error" not in v and v["tokens_per_s"] > 0, v
+    assert all(x == x for x in v["losses_first"])
