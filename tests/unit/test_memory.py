@@ -461,6 +461,21 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     assert estimate_memory(m, loss_chunk_tokens=4096, **kw).logits == base.logits  # one chunk
 
 
+def test_a_mixture_of_experts_says_its_activations_are_approximate() -> None:
+    """The activation terms know dense MLPs; a model with fused experts gets a note saying so,
+    eager and compiled (never a figure that looks exact); a dense model gets none."""
+    import quantmesh as qm
+    from tests.zoo import ZOO
+
+    kw = dict(lora=qm.LoraConfig(r=8), seq_len=24, micro_batch=2, dtype=torch.bfloat16)
+    moe = ZOO["qwen3_moe"].build(0)
+    for compiled in (False, True):
+        notes = " ".join(estimate_memory(moe, compiled=compiled, **kw).notes)
+        assert "mixture of experts: the experts' activations are not modelled" in notes
+    dense = _model(True, **TINY)
+    assert not any("experts" in n for n in estimate_memory(dense, **kw).notes)
+
+
 def test_fsdp_splits_the_replica_over_dp_and_offload_moves_blocks_to_host() -> None:
     import quantmesh as qm
 

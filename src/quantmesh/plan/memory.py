@@ -583,6 +583,13 @@ def _for_rank(
     if dims is None:
         est.notes.append("no transformers config: activations and logits are not estimated")
         return est
+    if experts and lora is not None:
+        # The terms below know dense MLPs only. (ShardedExperts with a quantized base or expert
+        # adapters runs checkpointed, keeping its inputs: tp/experts.py.)
+        est.notes.append(
+            "mixture of experts: the experts' activations are not modelled (the MLP terms are a "
+            f"dense MLP's of intermediate_size {dims.inter}): the activations are approximate"
+        )
     act, logits, workspace, mlp_tok, attn_workspace = _activations(
         dims,
         resolved,
