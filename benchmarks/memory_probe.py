@@ -31,6 +31,7 @@ Usage:
     python benchmarks/memory_probe.py --dropout 0.1
     python benchmarks/memory_probe.py --autocast --compile --graphs
     python benchmarks/memory_probe.py --autocast --compile --dp 2
+    python benchmarks/memory_probe.py --autocast --compile --keep-elementwise
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def probe(rank: int, args: dict) -> dict:
         record_partitions(graphs, args["ddp_bucket_scale"])
     model, lora = build(cfg, args["tp"], quant, args["r"], args["dropout"], dtype)
     if args["compile"]:
-        qm.compile_blocks(model)
+        qm.compile_blocks(model, recompute_elementwise=not args["keep_elementwise"])
     seq, mb = args["seq"], args["mb"]
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
 
@@ -182,7 +183,7 @@ def probe(rank: int, args: dict) -> dict:
     meta = _meta(cfg)
     est = estimate_memory(
         meta, tp=args["tp"], dp=args["dp"], quant=quant, lora=lora, seq_len=seq, micro_batch=mb,
-        dtype=dtype, compiled=args["compile"],
+        dtype=dtype, compiled=args["compile"], recompute_elementwise=not args["keep_elementwise"],
     )  # fmt: skip
     res = {
         "rank": rank,
@@ -221,6 +222,11 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (DDP)")
     p.add_argument("--compile", action="store_true", help="qm.compile_blocks (inductor)")
     p.add_argument("--graphs", action="store_true", help="saved activations of each compiled graph")
+    p.add_argument(
+        "--keep-elementwise",
+        action="store_true",
+        help="with --compile: compile_blocks(recompute_elementwise=False), torch's partitioner rule",
+    )
     p.add_argument("--ddp-bucket-scale", type=float, help="divide DDP's bucket caps (8 / width)")
     p.add_argument("--width", type=int, default=1, help="hidden, MLP width, heads and vocab times")
     p.add_argument("--quant", default="nf4", choices=["nf4", "int8", "none"])
@@ -242,6 +248,7 @@ def main(argv=None) -> int:
         "tp": a.tp,
         "dp": a.dp,
         "compile": a.compile,
+        "keep_elementwise": a.keep_elementwise,
         "graphs": a.graphs,
         "ddp_bucket_scale": a.ddp_bucket_scale or 8 / a.width,
         "quant": a.quant,
