@@ -18,8 +18,8 @@ outputs (the adapters' A read them for their gradients), SiLU(gate) * up (down_p
 autocast's bf16 copies of the adapters' weights. Each is one elementwise pass over tensors the
 block keeps anyway (the block's input and the residual with their rsqrt rows; gate and up), so
 `compile_blocks` lets the partitioner recompute them in backward (`recompute_elementwise`, on by
-default): 2 h + i of a layer's (4 h + 2 q + 2 kv + 3 i) bytes per token and width unit, about 29%
-of a Llama-2-7B block's saved activations, for one more write of each in backward.
+default): 2 h + i of the 4 h + 2 q + 2 kv + 3 i values a layer keeps per token, about 29% of a
+Llama-2-7B block's saved activations, for one more write of each in backward.
 """
 
 from __future__ import annotations

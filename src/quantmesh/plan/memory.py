@@ -591,21 +591,9 @@ def _for_rank(
             f"dense MLP's of intermediate_size {dims.inter}): the activations are approximate"
         )
     act, logits, workspace, mlp_tok, attn_workspace = _activations(
-        dims,
-        resolved,
-        rank,
-        widths,
-        targets,
-        lora,
-        fmt,
-        a,
-        seq,
-        mb,
-        dp,
-        compiled,
-        est.notes,
+        dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb, dp, compiled, est.notes,
         lean=lean,
-    )
+    )  # fmt: skip
     ckpt, offload, chunk, tile, k = memory_modes
     tokens = seq * mb
     if k is not None and k > dims.layers:
@@ -695,9 +683,8 @@ def _activations(
     layer's activations per token, the attention's backward workspace) from the per-layer formula
     in the module docstring; `lean`: compiled with `recompute_elementwise`. The workspace is the
     MLP's widest gradients, live together in its backward: the down projection's input gradient
-    and, gated, those of gate and up; the
-    attention's are the gradients of SDPA's output, q, k and v and flash attention's fp32
-    accumulator of q's gradient."""
+    and, gated, those of gate and up; the attention's are the gradients of SDPA's output, q, k and
+    v and flash attention's fp32 accumulator of q's gradient."""
     h, hd = dims.hidden, dims.head_dim
     q_full, kv_full = dims.heads * hd, dims.kv_heads * hd
 
