@@ -375,16 +375,22 @@ def test_compiled_activations_match_what_the_compiled_blocks_save(
     assert eager.activations - est.activations == fewer
 
 
-def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool) -> dict:
-    """Loss and gradients of one step of the GPU recipe with compiled blocks (inductor), B
-    non-zero so that every adapter's A gets a gradient."""
+def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool, tp: int = 1) -> dict:
+    """Loss and gradients of one step of the GPU recipe with compiled blocks (inductor) at `tp`,
+    B non-zero so that every adapter's A gets a gradient (the same values on every rank and under
+    either rule)."""
     import quantmesh as qm
 
-    model = _recipe_model(cfg)
+    mesh = qm.init_mesh(tp=tp)
+    model = _model(False, **cfg)
+    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
+                   dtype=torch.bfloat16)  # fmt: skip
+    model.train()
     g = torch.Generator().manual_seed(1)
     for name, p in model.named_parameters():
         if p.requires_grad and "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02, generator=g)
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     qm.compile_blocks(model, backend="inductor", recompute_elementwise=lean)
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -395,22 +401,26 @@ def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool) -> dict
 
 
 @pytest.mark.slow
-def test_recomputing_elementwise_results_keeps_the_values() -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_recomputing_elementwise_results_keeps_the_values(tp: int) -> None:
     """recompute_elementwise changes what a compiled block keeps, not what it computes: the same
     loss, and every adapter gradient equal to keeping them but for bf16 roundings of the
-    recomputed SiLU(gate) * up (down_proj's A: its input made again in backward)."""
+    recomputed SiLU(gate) * up (down_proj's A: its input made again in backward); at tp = 2 with
+    the tp collectives in the graphs too."""
     lean, keep = (
-        run_ranks(_compiled_grads, 1, LLAMA_SCALED, 64, 2, flag, timeout=300)[0]
+        run_ranks(_compiled_grads, tp, LLAMA_SCALED, 64, 2, flag, tp, timeout=300)
         for flag in (True, False)
     )
-    assert lean["loss"] == keep["loss"]
-    assert lean["grads"].keys() == keep["grads"].keys() and len(keep["grads"]) == 28
-    for name, got in lean["grads"].items():
-        want = keep["grads"][name]
-        if "down_proj.lora_A" not in name:
-            assert torch.equal(got, want), name
-        else:  # within a bf16 rounding of the largest gradient
-            assert (got - want).abs().max() <= 2**-6 * want.abs().max(), name
+    for lean_r, keep_r in zip(lean, keep, strict=True):
+        assert lean_r["loss"] == keep_r["loss"]
+        grads = keep_r["grads"]
+        assert lean_r["grads"].keys() == grads.keys() and len(grads) == 28
+        for name, got in lean_r["grads"].items():
+            want = grads[name]
+            if "down_proj.lora_A" not in name:
+                assert torch.equal(got, want), name
+            else:  # within a bf16 rounding of the largest gradient
+                assert (got - want).abs().max() <= 2**-6 * want.abs().max(), name
 
 
 def test_checkpointing_and_chunked_loss_terms() -> None:
