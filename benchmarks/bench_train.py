@@ -45,7 +45,7 @@ from quantmesh.quant.names import BACKENDS, QUANTS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
-VARIANTS = ("vp_ce", "triton_dequant", "keep_elementwise", "lora_bf16")
+VARIANTS = ("vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "lora_bf16")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -613,7 +613,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     the 4-bit linears' forward and backward (kernel4.DEQUANT_ENABLED; compiled blocks compile
     again); `keep_elementwise` compiles the blocks again with `recompute_elementwise=False` (torch's
     own partitioner rules: the norms' outputs, SiLU(gate) * up and the adapters' bf16 weight copies
-    kept, not recomputed in backward; --compile only), then back; `lora_bf16` casts the adapters
+    kept, not recomputed in backward; --compile only), then back; `keep_dequantized` holds the
+    4-bit weights dequantized in bf16 (`qm.keep_dequantized`: no dequantization in any matmul, for
+    about 4x the codes' memory; nf4/fp4 only), then drops them; `lora_bf16` casts the adapters
     to bf16, which measures what the fp32 adapters' input casts cost (dp = 1 only: DDP's buckets
     are built for fp32). A variant's peak memory includes the main run's AdamW states, which stay
     alive beside the variant's own (2 x 4 bytes per adapter parameter)."""
@@ -625,6 +627,11 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         return
     if v == "keep_elementwise" and not a.compile:
         V["skipped"] = "needs --compile"
+        return
+    if v == "keep_dequantized" and (
+        a.quant not in ("nf4", "fp4") or a.quant_backend != "bitsandbytes"
+    ):
+        V["skipped"] = "needs --quant nf4 or fp4 (bitsandbytes)"
         return
     if v == "lora_bf16" and mesh.dp > 1:
         V["skipped"] = "changes parameter dtypes under DDP"
@@ -644,6 +651,11 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         kernel4.DEQUANT_ENABLED = True
     if v == "keep_elementwise":
         recompile_blocks(model, a, recompute_elementwise=False)
+    if v == "keep_dequantized":
+        import quantmesh as qm
+
+        cd = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the 4-bit compute dtype
+        V["held_GiB"] = round(qm.keep_dequantized(model, cd) / 2**30, 3)
     try:
         opt = torch.optim.AdamW(params, lr=a.lr)
         warm = min(3, a.warmup)
@@ -655,6 +667,10 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         kernel4.DEQUANT_ENABLED = dequant_before
         if v == "keep_elementwise":
             recompile_blocks(model, a)
+        if v == "keep_dequantized":
+            import quantmesh as qm
+
+            qm.keep_dequantized(model, None)
         if head_style is not None:
             model.lm_head.style = head_style
     dts = gather(dt)

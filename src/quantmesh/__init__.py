@@ -62,6 +62,7 @@ _EXPORTS = {
     "verify_plan": "parallel.verify",
     "VerifyReport": "parallel.verify",
     "estimate_memory": "plan.memory",
+    "keep_dequantized": "quant.bnb",
     "MemoryEstimate": "plan.memory",
 }
 

@@ -321,6 +321,9 @@ class ParallelConfig:
     """Shard the frozen base and the adapters over dp with torch's FSDP2, one layer at a time."""
     offload_base: bool = False
     """With fsdp: keep the layers' shards of the base in host memory."""
+    keep_dequantized: bool = False
+    """bitsandbytes nf4/fp4: also hold each 4-bit weight dequantized (qm.keep_dequantized): no
+    dequantization in any matmul, forward or backward, for 4x the codes' memory (bf16)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
@@ -338,6 +341,15 @@ class ParallelConfig:
         if self.fsdp:
             quant = None if self.quant == "none" else self.quant
             check_fsdp_options(pp=self.pp, quant=quant, backend=self.quant_backend)
+        if self.keep_dequantized and not (
+            self.quant in ("nf4", "fp4") and self.quant_backend == "bitsandbytes"
+        ):
+            raise QuantError(
+                f"keep_dequantized with quant={self.quant!r}, quant_backend="
+                f"{self.quant_backend!r}: only bitsandbytes' 4-bit layers hold a dequantized "
+                "weight; pass --quant nf4 (or fp4) with --quant-backend bitsandbytes, or leave "
+                "--keep-dequantized out"
+            )
 
 
 @dataclass(kw_only=True)

@@ -171,15 +171,21 @@ def test_scheduler_host_bench_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_train_smoke_compiled_with_the_kept_elementwise_variant(tmp_path: Path) -> None:
-    """--compile --variants keep_elementwise: the blocks compiled again from scratch under
-    torch's own partitioner rule (dynamo's caches cleared), timed, then back to the default."""
+def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
+    tmp_path: Path,
+) -> None:
+    """--compile --variants keep_elementwise,keep_dequantized: the blocks compiled again from
+    scratch under torch's own partitioner rule (dynamo's caches cleared), timed, then back to the
+    default; then the 4-bit weights held dequantized, timed, then dropped."""
     bench_on_ranks(
         1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
-        "keep_elementwise", "--variant-steps", "1", "--out", str(tmp_path), timeout=300,
+        "keep_elementwise,keep_dequantized", "--variant-steps", "1", "--out", str(tmp_path),
+        timeout=300,
     )  # fmt: skip
     res = json.loads(next(tmp_path.glob("result_qm_*.json")).read_text())
     assert res["ok"], res.get("traceback")
-    v = res["variants"]["keep_elementwise"]
-    assert "error" not in v and v["tokens_per_s"] > 0, v
-    assert all(x == x for x in v["losses_first"])
+    for name in ("keep_elementwise", "keep_dequantized"):
+        v = res["variants"][name]
+        assert "error" not in v and v["tokens_per_s"] > 0, (name, v)
+        assert all(x == x for x in v["losses_first"])
+    assert res["variants"]["keep_dequantized"]["held_GiB"] > 0

@@ -549,9 +549,10 @@ def test_compute_units_equals_the_whole_weights_rows(key):
 
 
 @pytest.mark.parametrize("key", ["bnb-nf4", "bnb-fp4"])
-def test_kept_dequantized_weight_multiplies_many_rows_without_autograd(key):
-    """keep_dequantized: 2+ rows without autograd multiply the held weight (bitsandbytes' own
-    dequantize), giving what the codes' path gives; one row and autograd keep the codes' path."""
+def test_kept_dequantized_weight_multiplies_many_rows_and_every_row_under_autograd(key):
+    """keep_dequantized: 2+ rows without autograd, and any rows under autograd, multiply the held
+    weight (bitsandbytes' own dequantize), giving what the codes' path gives; one row without
+    autograd keeps the codes' path."""
     from quantmesh.quant.bnb import dequantized_bytes, keep_dequantized
 
     fmt, m, _ = _quantized(key)
@@ -568,10 +569,34 @@ def test_kept_dequantized_weight_multiplies_many_rows_without_autograd(key):
         m.dense.zero_()  # which path ran: the held weight is zeros now, the bias alone is left
         assert torch.equal(m(x), m.bias.expand(5, OUT))
         assert not torch.equal(m(x[:1]), m.bias[None])
-    xg = x.clone().requires_grad_(True)
-    m(xg).sum().backward()  # autograd: the codes, so the input gets its gradient through them
-    assert xg.grad is not None and xg.grad.abs().sum() > 0
+    xg = x[:1].clone().requires_grad_(True)
+    y = m(xg)  # autograd, even one row: the held weight (zeros), forward and backward
+    assert torch.equal(y, m.bias[None])
+    y.sum().backward()
+    assert xg.grad is not None and torch.equal(xg.grad, torch.zeros_like(xg))
     assert keep_dequantized(model, None) == 0 and m.dense is None
+    xg.grad = None
+    m(xg).sum().backward()  # no longer held: the codes
+    assert xg.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("key", ["bnb-nf4", "bnb-fp4"])
+def test_training_on_the_held_weight_gives_the_codes_values(key):
+    """Under autograd the held weight (in the compute dtype) gives the output and the input
+    gradient that bitsandbytes' 4-bit matmul gives from the codes, bit for bit (CPU, fp32)."""
+    from quantmesh.quant.bnb import keep_dequantized
+
+    _, m, _ = _quantized(key)
+    x = _x().requires_grad_(True)
+    g = torch.randn(5, OUT, generator=torch.Generator().manual_seed(3))
+    y = m(x)
+    (y * g).sum().backward()
+    want, want_grad = y.detach(), x.grad.clone()
+    assert keep_dequantized(m, torch.float32) == OUT * IN * 4  # a module: its 4-bit layers
+    x.grad = None
+    y = m(x)
+    (y * g).sum().backward()
+    assert torch.equal(y.detach(), want) and torch.equal(x.grad, want_grad)
 
 
 def test_serve_keep_dequantized_refuses_a_model_without_4bit_layers():

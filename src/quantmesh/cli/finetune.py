@@ -501,6 +501,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         loss_chunk_tokens=cfg.train.loss_chunk_tokens,
         tile_tokens=act.tile_tokens or None,
         checkpointed_blocks=act.checkpoint_blocks,
+        keep_dequantized=par.keep_dequantized,
         microbatches=cfg.train.grad_accum,
         pp_schedule=cfg.train.pp_schedule,
         pipeline=cfg.pipeline,

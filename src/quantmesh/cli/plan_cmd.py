@@ -157,6 +157,8 @@ class RunShape:
     loss_chunk_tokens: int = 0
     tile_tokens: int | None = None
     checkpointed_blocks: int | None = None
+    keep_dequantized: bool = False
+    """The 4-bit weights also held dequantized (`qm.keep_dequantized`)."""
     microbatches: int = 1
     """At pp > 1: micro-batches per step, each of micro_batch rows."""
     pp_schedule: str = "1f1b"
@@ -180,6 +182,7 @@ class RunShape:
             loss_chunk_tokens=self.loss_chunk_tokens,
             tile_tokens=self.tile_tokens or None,
             checkpointed_blocks=self.checkpointed_blocks,
+            keep_dequantized=self.keep_dequantized,
         )
 
     def estimate(self) -> MemoryEstimate:
@@ -249,6 +252,12 @@ def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[t
     """
     if shape.lora is None:
         return []
+    if shape.keep_dequantized:  # the held weights first: they are the run's own choice of speed
+        plain = shape.but(keep_dequantized=False)
+        return [
+            ("without --keep-dequantized", plain.estimate().total),
+            *memory_alternatives(plain, budget=budget),
+        ]
     out: list[tuple[str, int]] = []
     partial = shape.checkpointed_blocks is not None
     if budget is not None and (not shape.checkpointing or partial):
@@ -308,6 +317,8 @@ def fewest_checkpointed(shape: RunShape, budget: int) -> tuple[int, int] | None:
 
 def _why(flags: str) -> str:
     """What the last mechanism `flags` turns on does, for an error message."""
+    if flags.startswith("without --keep-dequantized"):
+        return "each matmul dequantizes its weight again, in forward and in backward"
     if flags.startswith("--fsdp"):
         return (
             "the base sharded over dp, gathered one layer at a time; --quant-backend torchao "
@@ -414,6 +425,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--fsdp", action="store_true", help="base and adapters sharded over dp (FSDP2)")
     p.add_argument("--offload-base", action="store_true", help="with --fsdp: base shards on host")
+    p.add_argument(
+        "--keep-dequantized",
+        action="store_true",
+        help="bitsandbytes nf4/fp4: the weights also held dequantized, as finetune's flag holds them",
+    )
     p.add_argument(
         "--gpu-memory",
         type=float,
@@ -565,6 +581,7 @@ def shape_of_args(
         loss_chunk_tokens=getattr(args, "loss_chunk_tokens", 0),
         tile_tokens=getattr(args, "tile_tokens", 0) or None,
         checkpointed_blocks=getattr(args, "checkpoint_blocks", None),
+        keep_dequantized=getattr(args, "keep_dequantized", False),
         microbatches=getattr(args, "microbatches", 1),
         pp_schedule=getattr(args, "pp_schedule", "1f1b"),
         pipeline=PipelineConfig(virtual=getattr(args, "pp_virtual", 1)),

@@ -440,10 +440,8 @@ def _keep_dequantized(model: Any, device: Any, dtype: Any) -> None:
 
     from ..quant.bnb import dequantized_bytes, keep_dequantized
     from ..serve.engine import ServeError
-    from ..tp.layers import sharded_modules
 
-    layers = [*model.modules(), *(m.local for m in sharded_modules(model).values())]
-    need = dequantized_bytes(layers, dtype)
+    need = dequantized_bytes(model, dtype)
     if need == 0:
         raise ServeError(
             "--keep-dequantized: the model has no 4-bit linear layers (serve it with --quant nf4 "
@@ -457,7 +455,7 @@ def _keep_dequantized(model: Any, device: Any, dtype: Any) -> None:
                 f"{free / 2**30:.1f} GiB are free on {device}; leave the flag out, or serve at a "
                 "larger --tp"
             )
-    keep_dequantized(layers, dtype)
+    keep_dequantized(model, dtype)
 
 
 def choose_engine(

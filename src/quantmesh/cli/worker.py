@@ -106,6 +106,14 @@ def finetune(payload: str) -> int:
         fsdp=par.fsdp,
         offload_base=par.offload_base,
     )
+    if par.keep_dequantized:  # in the dtype the 4-bit matmuls compute in: the codes' values
+        from ..quant.kinds import compute_dtype_for
+
+        qc = cfg.quant_config()
+        assert qc is not None  # ParallelConfig refuses keep_dequantized without a 4-bit quant
+        held = qm.keep_dequantized(model, compute_dtype_for(qc, mesh.device))
+        if rank0:
+            print(f"keep-dequantized: {held / 2**30:.2f} GiB of 4-bit weights held", flush=True)
     if act.checkpointing:
         qm.checkpoint_blocks(
             model,

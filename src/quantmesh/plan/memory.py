@@ -137,7 +137,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..config import check_offload_base
+from ..config import QuantError, check_offload_base
 from .styles import Style
 
 if TYPE_CHECKING:
@@ -177,6 +177,8 @@ class MemoryEstimate:
     transient: int = 0
     """The largest dequantized weight during a quantized matmul (+ FSDP offload's copied-in
     shards)."""
+    held: int = 0
+    """The 4-bit weights held dequantized (`keep_dequantized`), in the compute dtype."""
     gathered: int = 0
     """FSDP: parameters gathered whole at the peak (the root group, two blocks in flight)."""
     host: int = 0
@@ -189,7 +191,9 @@ class MemoryEstimate:
     """Assumptions and caveats that apply to this model."""
 
     def __post_init__(self) -> None:
-        for name in ("weights", "lora", "grads", "optimizer", "ddp", "activations", "logits"):
+        for name in (
+            "weights", "lora", "grads", "optimizer", "ddp", "activations", "logits", "held",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} bytes; expected >= 0")
 
@@ -205,6 +209,7 @@ class MemoryEstimate:
             + self.activations
             + self.logits
             + self.transient
+            + self.held
             + self.gathered
         )
 
@@ -219,6 +224,7 @@ class MemoryEstimate:
             ("activations", self.activations),
             ("logits + loss", self.logits),
             ("dequantized weight (transient)", self.transient),
+            ("4-bit weights held dequantized", self.held),
             ("FSDP: gathered (root + 2 blocks)", self.gathered),
         ]
         w = max(len(r[0]) for r in rows)
@@ -301,6 +307,7 @@ def estimate_memory(
     checkpointed_blocks: int | None = None,
     fsdp: bool = False,
     offload_base: bool = False,
+    keep_dequantized: bool = False,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train (with `lora`) or run (without) `model` under the plan.
 
@@ -319,7 +326,9 @@ def estimate_memory(
     its attention, whose gradients are not tiled). `checkpointed_blocks` (with `checkpointing`):
     only that many blocks are (`checkpoint_blocks(blocks=...)`, all when None); the others keep
     their activations, untiled. `fsdp` / `offload_base`: as
-    `qm.parallelize(fsdp=..., offload_base=...)` (module docstring, "fsdp").
+    `qm.parallelize(fsdp=..., offload_base=...)` (module docstring, "fsdp"). `keep_dequantized`:
+    the 4-bit linears' weights are also held dequantized (`qm.keep_dequantized`), at 2 bytes a
+    weight with bf16 activations, else 4.
 
     Example:
         >>> est = estimate_memory(model, tp=2, quant="nf4", lora=qm.LoraConfig(r=16),
@@ -345,6 +354,14 @@ def estimate_memory(
     resolved = (plan or auto_plan(model, tp)).resolve(model, tp)
     qcfg = resolve_quant(quant)
     fmt = get_format(qcfg) if qcfg is not None else None
+    if keep_dequantized and not (
+        qcfg is not None and qcfg.backend == "bitsandbytes" and qcfg.format in ("nf4", "fp4")
+    ):
+        raise QuantError(
+            f"keep_dequantized=True with quant={quant!r}: only bitsandbytes' 4-bit linears (nf4, "
+            "fp4) hold a dequantized weight; leave keep_dequantized out (CLI: --keep-dequantized "
+            "needs --quant nf4 or fp4 with --quant-backend bitsandbytes)"
+        )
     a = act_bytes or (2 if dtype in (torch.bfloat16, torch.float16) else 4)
     best: MemoryEstimate | None = None
     for r in range(tp):
@@ -353,6 +370,8 @@ def estimate_memory(
             (checkpointing, offload_activations, loss_chunk_tokens, tile_tokens,
              checkpointed_blocks), lean=compiled and recompute_elementwise,
         )  # fmt: skip
+        if not keep_dequantized:
+            est.held = 0
         if fsdp:
             _shard_over_dp(est, model, resolved, r, qcfg, fmt, lora, dtype, dp, offload_base)
         if best is None or est.total > best.total:
@@ -552,6 +571,7 @@ def _for_rank(
                     assert fmt is not None
                     est.weights += int(n * fmt.bytes_per_param(in_l))
                     largest_dq = max(largest_dq, n * (2 if a == 2 else 4))
+                    est.held += n * (2 if a == 2 else 4)  # kept by estimate_memory if asked
                 else:
                     est.weights += n * dt_bytes
             else:  # bias: split with the outputs of a colwise layer, whole otherwise

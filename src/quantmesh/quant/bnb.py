@@ -169,9 +169,9 @@ def _classes() -> dict[str, type]:
 
         def keep_dequantized(self, dtype: torch.dtype | None) -> int:
             """Hold the weight dequantized in `dtype` beside its codes (None: drop it); inputs of
-            two rows or more without autograd then multiply it directly, with the values
-            bitsandbytes' dequantize gives (what its own matmul multiplies from 8 rows on). Returns
-            the bytes held."""
+            two rows or more, and any input under autograd, then multiply it directly, with the
+            values bitsandbytes' dequantize gives (what its own matmul multiplies from 8 rows on,
+            and under autograd in forward and backward). Returns the bytes held."""
             self.__dict__.pop("dense", None)
             self.__dict__.pop("held_run", None)
             if dtype is None:
@@ -192,10 +192,13 @@ def _classes() -> dict[str, type]:
             cd = self.compute_dtype or x.dtype
             bias = None if self.bias is None else self.bias.to(cd)  # differentiable, no rewrite
             dense = self.dense
-            if dense is not None and x.numel() > x.shape[-1] and not torch.is_grad_enabled():
-                x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)  # two rows or more: the held weight
-                run = self.held_run  # (a member reads the run's tensor, never its own view:
-                # a compiled block region refuses two inputs that alias)
+            grad = torch.is_grad_enabled()
+            if dense is not None and (grad or x.numel() > x.shape[-1]):
+                # the held weight: two rows or more, or any under autograd (training: no
+                # dequantize in forward or backward; autograd keeps the held tensor itself)
+                x2 = x.reshape(-1, x.shape[-1]).to(dense.dtype)
+                run = None if grad else self.held_run  # (a member reads the run's tensor, never
+                # its own view: a compiled block region refuses two inputs that alias)
                 if run is not None:
                     y = run.output(self.held_index, x, x2)
                 else:
@@ -513,23 +516,39 @@ def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
 
 
-def keep_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> int:
-    """Hold the weight of every 4-bit linear among `layers` dequantized in `dtype` beside its codes
-    (None: drop them): a speed for memory trade for serving, where a step of many rows otherwise
+def _four_bit_layers(layers: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    """The bitsandbytes 4-bit linears among `layers`, or of a model (its sharded layers' local
+    modules included), each once."""
+    if isinstance(layers, nn.Module):
+        from ..tp.layers import sharded_modules
+
+        layers = [*layers.modules(), *(m.local for m in sharded_modules(layers).values())]
+    cls = _classes()["QuantLinear4bit"]
+    found: dict[int, nn.Module] = {}
+    for m in layers:
+        if isinstance(m, cls):
+            found.setdefault(id(m), m)
+    return list(found.values())
+
+
+def keep_dequantized(layers: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None) -> int:
+    """Hold the weight of every 4-bit linear among `layers` (or of a model, parallelized or not)
+    dequantized in `dtype` beside its codes (None: drop them): a speed for memory trade for serving, where a step of many rows otherwise
     dequantizes every weight again (bitsandbytes' path past the gemv's `GEMV_MAX_ROWS` rows, or
-    from 2 rows with the gemv off). Held, one row keeps the 4-bit kernel, which reads a quarter of
-    the bytes, and two rows or more multiply the held weight; training (autograd on) keeps the
-    codes' path.
-    The values are bitsandbytes' own dequantize's. Experts' fused 4-bit tensors are not held.
-    Returns the bytes held (2 bytes per weight in bf16: about 4x the codes). A parallelized
-    model's layers: `[m.local for m in sharded_modules(model).values()]`.
+    from 2 rows with the gemv off), and for training, where every matmul otherwise dequantizes its
+    weight in forward and again in backward. Held, one row without autograd keeps the 4-bit
+    kernel, which reads a quarter of the bytes; two rows or more, and any input under autograd,
+    multiply the held weight.
+    The values are bitsandbytes' own dequantize's: for training, hold them in the layers' compute
+    dtype (`QuantConfig.compute_dtype`; bf16 on GPUs, fp32 on CPU), and forward and backward give
+    the codes' path's values. Experts' fused 4-bit tensors are not held. Returns the bytes held (2
+    bytes per weight in bf16: about 4x the codes).
 
     Example:
-        >>> keep_dequantized(layers, torch.bfloat16) / 2**30  # doctest: +SKIP
+        >>> qm.keep_dequantized(model, torch.bfloat16) / 2**30  # doctest: +SKIP
         12.1
     """
-    cls = _classes()["QuantLinear4bit"]
-    return sum(cast(Any, m).keep_dequantized(dtype) for m in layers if isinstance(m, cls))
+    return sum(cast(Any, m).keep_dequantized(dtype) for m in _four_bit_layers(layers))
 
 
 _KERNELS = (  # (applies, matmul) in the order QuantLinear4bit tries them
@@ -613,16 +632,15 @@ def fuse_held_siblings(runs: Iterable[list[nn.Module]]) -> int:
     return joined
 
 
-def dequantized_bytes(layers: Iterable[nn.Module], dtype: torch.dtype) -> int:
+def dequantized_bytes(layers: nn.Module | Iterable[nn.Module], dtype: torch.dtype) -> int:
     """The bytes `keep_dequantized(layers, dtype)` would hold, computed without allocating.
 
     Example:
         >>> dequantized_bytes(layers, torch.bfloat16) / 2**30  # doctest: +SKIP
         12.1
     """
-    cls = _classes()["QuantLinear4bit"]
     per = torch.empty(0, dtype=dtype).element_size()
-    quantized = [cast(nn.Linear, m) for m in layers if isinstance(m, cls)]
+    quantized = [cast(nn.Linear, m) for m in _four_bit_layers(layers)]
     return sum(m.in_features * m.out_features * per for m in quantized)
 
 
