@@ -12,32 +12,17 @@ import pytest
 import torch
 
 from quantmesh.testing import run_ranks
-from tests.unit.test_memory import LLAMA_SCALED, _model, _seven_b
+from tests.unit.test_memory import LLAMA_SCALED, _adapted_recipe, _one_step, _seven_b
 
 
 def _step(rank: int, held: bool, backend: str | None) -> dict:
     import quantmesh as qm
 
-    mesh = qm.init_mesh(tp=1)
-    model = _model(False, **LLAMA_SCALED)
-    qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32),
-                   dtype=torch.bfloat16)  # fmt: skip
-    model.train()
-    g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
-        if p.requires_grad and "lora_B" in name:  # non-zero B: every A gets a gradient
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model = _adapted_recipe(LLAMA_SCALED)
     held_bytes = qm.keep_dequantized(model, torch.float32) if held else 0  # CPU computes in fp32
     if backend:
         qm.compile_blocks(model, backend=backend)
-    ids = torch.randint(0, LLAMA_SCALED["vocab_size"], (2, 64),
-                        generator=torch.Generator().manual_seed(0))  # fmt: skip
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": loss.item(), "grads": grads, "held": held_bytes}
+    return {**_one_step(model, LLAMA_SCALED, 64, 2), "held": held_bytes}
 
 
 @pytest.mark.slow

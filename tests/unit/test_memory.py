@@ -375,10 +375,10 @@ def test_compiled_activations_match_what_the_compiled_blocks_save(
     assert eager.activations - est.activations == fewer
 
 
-def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool, tp: int = 1) -> dict:
-    """Loss and gradients of one step of the GPU recipe with compiled blocks (inductor) at `tp`,
-    B non-zero so that every adapter's A gets a gradient (the same values on every rank and under
-    either rule)."""
+def _adapted_recipe(cfg: dict, tp: int = 1):
+    """The GPU recipe's model at `tp` (nf4 base, bf16 weights, fp32 LoRA r16 on all 7 linears) in
+    training mode, B non-zero so that every adapter's A gets a gradient (the same values on every
+    rank and in every process)."""
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=tp)
@@ -391,13 +391,26 @@ def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool, tp: int
         if p.requires_grad and "lora_B" in name:
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    qm.compile_blocks(model, backend="inductor", recompute_elementwise=lean)
+    return model
+
+
+def _one_step(model, cfg: dict, seq: int, mb: int) -> dict:
+    """The loss and the gradients of one bf16-autocast step on fixed random tokens."""
     ids = torch.randint(0, cfg["vocab_size"], (mb, seq), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": loss.item(), "grads": grads}
+
+
+def _compiled_grads(rank: int, cfg: dict, seq: int, mb: int, lean: bool, tp: int = 1) -> dict:
+    """One step of the GPU recipe with compiled blocks (inductor) at `tp`."""
+    import quantmesh as qm
+
+    model = _adapted_recipe(cfg, tp)
+    qm.compile_blocks(model, backend="inductor", recompute_elementwise=lean)
+    return _one_step(model, cfg, seq, mb)
 
 
 @pytest.mark.slow

@@ -533,13 +533,13 @@ def _four_bit_layers(layers: nn.Module | Iterable[nn.Module]) -> list[nn.Module]
 
 def keep_dequantized(layers: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None) -> int:
     """Hold the weight of every 4-bit linear among `layers` (or of a model, parallelized or not)
-    dequantized in `dtype` beside its codes (None: drop them): a speed for memory trade for serving, where a step of many rows otherwise
-    dequantizes every weight again (bitsandbytes' path past the gemv's `GEMV_MAX_ROWS` rows, or
-    from 2 rows with the gemv off), and for training, where every matmul otherwise dequantizes its
-    weight in forward and again in backward. Held, one row without autograd keeps the 4-bit
-    kernel, which reads a quarter of the bytes; two rows or more, and any input under autograd,
-    multiply the held weight.
-    The values are bitsandbytes' own dequantize's: for training, hold them in the layers' compute
+    dequantized in `dtype` beside its codes (None: drop them): a speed for memory trade for
+    serving, where a step of many rows otherwise dequantizes every weight again (bitsandbytes'
+    path past the gemv's `GEMV_MAX_ROWS` rows, or from 2 rows with the gemv off), and for
+    training, where every matmul otherwise dequantizes its weight in forward and again in
+    backward. Held, one row without autograd keeps the 4-bit kernel, which reads a quarter of the
+    bytes; two rows or more, and any input under autograd, multiply the held weight. The values
+    are bitsandbytes' own dequantize's: for training, hold them in the layers' compute
     dtype (`QuantConfig.compute_dtype`; bf16 on GPUs, fp32 on CPU), and forward and backward give
     the codes' path's values. Experts' fused 4-bit tensors are not held. Returns the bytes held (2
     bytes per weight in bf16: about 4x the codes).
