@@ -100,3 +100,35 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     assert len(said) == 1 and "this compiler takes no block regions" in said[0], said
     assert torch.equal(got, ref)
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
+
+
+def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back() -> None:
+    """A model whose blocks `compile_blocks` compiled for training decodes with `fast_decode`
+    (the blocks' own compile inside the marked regions and the static cache failed: torch refuses
+    a nested region's aliased cache writes), gives the uncompiled model's tokens, and trains
+    through its compiled blocks again afterwards."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    import quantmesh as qm
+
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example: list) -> object:
+        graphs.append(len(gm.graph.nodes))
+        return lookup_backend("aot_eager")(gm, example)
+
+    torch._dynamo.reset()
+    model = llama(layers=2, vocab=64, seed=1).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    ref = qm.fast_decode(model, ids, 6, compile=False)
+    assert qm.compile_blocks(model, backend=counting) == 2
+    impls = [b._compiled_call_impl for b in model.model.layers]
+    assert all(impls)
+    got = qm.fast_decode(model, ids, 6, mode=None)
+    again = qm.fast_decode(model, ids, 6, mode=None)
+    assert torch.equal(got, ref) and torch.equal(again, ref)
+    assert graphs == []  # no block graph compiled for the prefill or inside the step
+    assert [b._compiled_call_impl for b in model.model.layers] == impls  # given back
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert graphs  # the training forward ran the blocks' compiled call

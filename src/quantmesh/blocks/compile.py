@@ -24,9 +24,10 @@ Llama-2-7B block's saved activations, for one more write of each in backward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,7 +36,13 @@ from torch import nn
 from ..config import env_switch
 from ..plan.auto import blocks_of
 
-__all__ = ["compile_blocks", "compile_fn", "mark_block_regions", "unmark_block_regions"]
+__all__ = [
+    "blocks_uncompiled",
+    "compile_blocks",
+    "compile_fn",
+    "mark_block_regions",
+    "unmark_block_regions",
+]
 
 RECOMPUTE_ELEMENTWISE = "recompute_elementwise"
 """compile_blocks' own keyword, kept with torch.compile's in a block's recorded keywords and taken
@@ -130,6 +137,34 @@ def compile_fn(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., 
 def compile_module(module: nn.Module, kwargs: dict[str, Any]) -> None:
     """`module.compile(**kwargs)` through `compile_fn`: the module's call compiled in place."""
     module._compiled_call_impl = compile_fn(module._call_impl, kwargs)
+
+
+@contextlib.contextmanager
+def blocks_uncompiled(model: nn.Module) -> Iterator[int]:
+    """Run the blocks that `compile_blocks` compiled as written while the context lasts, then
+    compiled again. A decode step compiles the whole model itself (one block for every block,
+    `mark_block_regions`) and its prefill is eager: a block's own training compile inside either
+    would trace the static cache's writes into a nested region, which torch refuses, and would
+    compile inference graphs nobody asked for. Yields the number of blocks set aside.
+    (A checkpointed block keeps its compile inside the checkpoint: its forward is no longer the
+    class's, so the decode step traces it on its own, as without regions.)
+
+    Example:
+        >>> with blocks_uncompiled(model) as n:  # doctest: +SKIP
+        ...     new = qm.fast_decode(model, ids, 32)
+    """
+    held = [
+        (block, block._compiled_call_impl)
+        for _, block in blocks_of(model)
+        if block._compiled_call_impl is not None
+    ]
+    for block, _ in held:
+        block._compiled_call_impl = None
+    try:
+        yield len(held)
+    finally:
+        for block, impl in held:
+            block._compiled_call_impl = impl
 
 
 REGIONS_ENV = "QUANTMESH_COMPILE_REGIONS"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks.compile import mark_block_regions, unmark_block_regions
+from ..blocks.compile import blocks_uncompiled, mark_block_regions, unmark_block_regions
 from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
 from ..tp.layers import ShardedModule, sharded_modules
@@ -220,7 +220,9 @@ def fast_decode(
     LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the
     steps: one matmul for their A's and one for their B's (block-diagonal) instead of two per
     adapter (`quantmesh.infer.decode.AdapterStack`; it keeps a copy of those adapters, refreshed at
-    every call). `fuse_adapters=False` runs each adapter on its own.
+    every call). `fuse_adapters=False` runs each adapter on its own. Blocks compiled for training
+    (`compile_blocks`) run uncompiled while it decodes (the step is compiled as a whole) and
+    compiled again after.
 
     Example:
         >>> ids = tok("Once upon a time", return_tensors="pt").input_ids.to(mesh.device)  # doctest: +SKIP
@@ -274,45 +276,49 @@ def fast_decode(
         full[:, :prompt] = mask
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (batch, prompt)
         padding = (full, pos)
-    # prefill, eager: it allocates the cache (transformers marks its tensors static for the graphs)
-    logits = dec.prefill(input_ids, padding)  # (batch, vocab)
-    device = logits.device
-    if padding is not None:
-        step_pos = padding[1][:, -1:] + 1  # (batch, 1): the first new token's position per row
-    if sampled:
-        gen = torch.Generator(device=device).manual_seed(seed)  # alike on every rank
-        t_rows = torch.tensor(temps, dtype=torch.float32, device=device)  # (batch,)
-        p_rows = torch.tensor(tops, dtype=torch.float32, device=device)  # (batch,)
-        vocab = logits.shape[-1]
-        tok = sample_tokens(logits, t_rows, p_rows, gen).unsqueeze(-1)  # (batch, 1)
-    else:
-        tok = logits.argmax(dim=-1, keepdim=True)  # (batch, 1)
-    eos = None
-    if eos_token_id is not None:
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        eos = torch.tensor(ids, dtype=tok.dtype, device=tok.device)  # (n_eos,)
-    out = torch.empty(batch, max_new_tokens, dtype=tok.dtype, device=tok.device)
-    out[:, :1] = tok
-    done = 1
-    dec.stacked(True)
-    try:
-        for i in range(1, max_new_tokens):
-            sample = None
-            if sampled:
-                sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
-            if padding is not None:
-                tok = dec.run(tok, sample, (padding[0], step_pos))
-                step_pos = step_pos + 1
-            else:
-                tok = dec.run(tok, sample)
-            tok = tok.clone()  # a copy: a CUDA graph's output is rewritten by the next replay
-            out[:, i : i + 1] = tok
-            done = i + 1
-            if eos is not None and done % check_every == 0:
-                if bool(torch.isin(out[:, :done], eos).any(dim=1).all()):
-                    break
-    finally:
-        dec.stacked(False)
+    # the blocks run as the step's compile traces them: a training compile of theirs
+    # (compile_blocks) is set aside while decoding (blocks_uncompiled)
+    with blocks_uncompiled(model):
+        # prefill, eager: it allocates the cache (transformers marks its tensors static for the
+        # graphs)
+        logits = dec.prefill(input_ids, padding)  # (batch, vocab)
+        device = logits.device
+        if padding is not None:
+            step_pos = padding[1][:, -1:] + 1  # (batch, 1): the first new token's position per row
+        if sampled:
+            gen = torch.Generator(device=device).manual_seed(seed)  # alike on every rank
+            t_rows = torch.tensor(temps, dtype=torch.float32, device=device)  # (batch,)
+            p_rows = torch.tensor(tops, dtype=torch.float32, device=device)  # (batch,)
+            vocab = logits.shape[-1]
+            tok = sample_tokens(logits, t_rows, p_rows, gen).unsqueeze(-1)  # (batch, 1)
+        else:
+            tok = logits.argmax(dim=-1, keepdim=True)  # (batch, 1)
+        eos = None
+        if eos_token_id is not None:
+            ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            eos = torch.tensor(ids, dtype=tok.dtype, device=tok.device)  # (n_eos,)
+        out = torch.empty(batch, max_new_tokens, dtype=tok.dtype, device=tok.device)
+        out[:, :1] = tok
+        done = 1
+        dec.stacked(True)
+        try:
+            for i in range(1, max_new_tokens):
+                sample = None
+                if sampled:
+                    sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
+                if padding is not None:
+                    tok = dec.run(tok, sample, (padding[0], step_pos))
+                    step_pos = step_pos + 1
+                else:
+                    tok = dec.run(tok, sample)
+                tok = tok.clone()  # a copy: a CUDA graph's output is rewritten by the next replay
+                out[:, i : i + 1] = tok
+                done = i + 1
+                if eos is not None and done % check_every == 0:
+                    if bool(torch.isin(out[:, :done], eos).any(dim=1).all()):
+                        break
+        finally:
+            dec.stacked(False)
     out = out[:, :done]
     if eos is not None:  # everything after a row's first EOS becomes that EOS
         hit = torch.isin(out, eos)  # (batch, done)
