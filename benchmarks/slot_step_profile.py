@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
     ).eval()  # fmt: skip
     if a.keep_dequantized:
-        from quantmesh.quant.bnb import keep_dequantized
+        from quantmesh.parallel.held import keep_dequantized
         from quantmesh.tp.layers import sharded_modules
 
         layers = [m.local for m in sharded_modules(model).values()]

@@ -62,7 +62,7 @@ _EXPORTS = {
     "verify_plan": "parallel.verify",
     "VerifyReport": "parallel.verify",
     "estimate_memory": "plan.memory",
-    "keep_dequantized": "quant.bnb",
+    "keep_dequantized": "parallel.held",
     "MemoryEstimate": "plan.memory",
 }
 

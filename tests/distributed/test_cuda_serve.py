@@ -37,7 +37,7 @@ def _script(rank: int, attn: str, dense: bool = False) -> dict:
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=8), dtype=torch.bfloat16)
     model.eval()
     if dense:  # serve --keep-dequantized: steps of 2+ rows multiply the held bf16 weights
-        from quantmesh.quant.bnb import keep_dequantized
+        from quantmesh.parallel.held import keep_dequantized
         from quantmesh.tp.layers import sharded_modules
 
         assert keep_dequantized([m.local for m in sharded_modules(model).values()], torch.bfloat16)

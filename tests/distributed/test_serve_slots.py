@@ -385,7 +385,8 @@ def _with_and_without_dequantized(rank: int) -> dict:
     """The same plans on the slot engine (eager) at tp=2, the 4-bit weights held dequantized
     (`serve --keep-dequantized`) and not: each step's logits, and what was held."""
     from quantmesh.cli.serve import _keep_dequantized
-    from quantmesh.quant.bnb import HeldRun, keep_dequantized
+    from quantmesh.parallel.held import keep_dequantized
+    from quantmesh.quant.bnb import HeldRun
     from quantmesh.serve.engine import Admit, Plan
     from quantmesh.serve.slots import SlotBatch
     from quantmesh.tp.layers import sharded_modules
@@ -446,7 +447,8 @@ def _held_compiled(rank: int) -> dict:
     """A compiled slot step (aot_eager) over 4-bit weights held dequantized and joined per run
     of siblings, its q/k/v with biases, against the eager slot engine: the worst difference of
     the logits, and the siblings served from their run's one matmul while tracing."""
-    from quantmesh.quant.bnb import HeldRun, keep_dequantized
+    from quantmesh.parallel.held import keep_dequantized
+    from quantmesh.quant.bnb import HeldRun
     from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
     from quantmesh.tp.layers import sharded_modules

@@ -553,7 +553,7 @@ def test_kept_dequantized_weight_multiplies_many_rows_and_every_row_under_autogr
     """keep_dequantized: 2+ rows without autograd, and any rows under autograd, multiply the held
     weight (bitsandbytes' own dequantize), giving what the codes' path gives; one row without
     autograd keeps the codes' path."""
-    from quantmesh.quant.bnb import dequantized_bytes, keep_dequantized
+    from quantmesh.parallel.held import dequantized_bytes, keep_dequantized
 
     fmt, m, _ = _quantized(key)
     x = _x()
@@ -584,7 +584,7 @@ def test_kept_dequantized_weight_multiplies_many_rows_and_every_row_under_autogr
 def test_training_on_the_held_weight_gives_the_codes_values(key):
     """Under autograd the held weight (in the compute dtype) gives the output and the input
     gradient that bitsandbytes' 4-bit matmul gives from the codes, bit for bit (CPU, fp32)."""
-    from quantmesh.quant.bnb import keep_dequantized
+    from quantmesh.parallel.held import keep_dequantized
 
     _, m, _ = _quantized(key)
     x = _x().requires_grad_(True)

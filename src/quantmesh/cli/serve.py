@@ -438,7 +438,7 @@ def _keep_dequantized(model: Any, device: Any, dtype: Any) -> None:
     the free GPU memory (ServeError naming the fix otherwise; no check on CPU)."""
     import torch
 
-    from ..quant.bnb import dequantized_bytes, keep_dequantized
+    from ..parallel.held import dequantized_bytes, keep_dequantized
     from ..serve.engine import ServeError
 
     need = dequantized_bytes(model, dtype)

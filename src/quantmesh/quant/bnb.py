@@ -46,10 +46,10 @@ __all__ = [
     "Bnb4bitFormat",
     "Bnb8bitFormat",
     "dequantize_4bit_flat",
-    "dequantized_bytes",
     "format_of",
     "fuse_held_siblings",
-    "keep_dequantized",
+    "held_bytes",
+    "hold_dequantized",
     "quant_state_from_tensors",
 ]
 
@@ -516,13 +516,14 @@ def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
 
 
-def _four_bit_layers(layers: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
-    """The bitsandbytes 4-bit linears among `layers`, or of a model (its sharded layers' local
-    modules included), each once."""
+def _four_bit_layers(layers: Iterable[nn.Module]) -> list[nn.Module]:
+    """The bitsandbytes 4-bit linears among `layers`, each once. A model is refused: its sharded
+    layers' local modules are not its children (`qm.keep_dequantized` walks a model)."""
     if isinstance(layers, nn.Module):
-        from ..tp.layers import sharded_modules
-
-        layers = [*layers.modules(), *(m.local for m in sharded_modules(layers).values())]
+        raise TypeError(
+            f"hold_dequantized / held_bytes take a list of layers, not a {type(layers).__name__}: "
+            "for a model (parallelized or not) use qm.keep_dequantized(model, dtype)"
+        )
     cls = _classes()["QuantLinear4bit"]
     found: dict[int, nn.Module] = {}
     for m in layers:
@@ -531,22 +532,14 @@ def _four_bit_layers(layers: nn.Module | Iterable[nn.Module]) -> list[nn.Module]
     return list(found.values())
 
 
-def keep_dequantized(layers: nn.Module | Iterable[nn.Module], dtype: torch.dtype | None) -> int:
-    """Hold the weight of every 4-bit linear among `layers` (or of a model, parallelized or not)
-    dequantized in `dtype` beside its codes (None: drop them): a speed for memory trade for
-    serving, where a step of many rows otherwise dequantizes every weight again (bitsandbytes'
-    path past the gemv's `GEMV_MAX_ROWS` rows, or from 2 rows with the gemv off), and for
-    training, where every matmul otherwise dequantizes its weight in forward and again in
-    backward. Held, one row without autograd keeps the 4-bit kernel, which reads a quarter of the
-    bytes; two rows or more, and any input under autograd, multiply the held weight. The values
-    are bitsandbytes' own dequantize's: for training, hold them in the layers' compute
-    dtype (`QuantConfig.compute_dtype`; bf16 on GPUs, fp32 on CPU), and forward and backward give
-    the codes' path's values. Experts' fused 4-bit tensors are not held. Returns the bytes held (2
-    bytes per weight in bf16: about 4x the codes).
+def hold_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> int:
+    """Hold the weight of every bitsandbytes 4-bit linear among `layers` dequantized in `dtype`
+    beside its codes (None: drop them); returns the bytes held. What holding does, and the model
+    level (a parallelized model's sharded layers included): `qm.keep_dequantized`.
 
     Example:
-        >>> qm.keep_dequantized(model, torch.bfloat16) / 2**30  # doctest: +SKIP
-        12.1
+        >>> hold_dequantized([q_proj, k_proj], torch.bfloat16)  # doctest: +SKIP
+        67108864
     """
     return sum(cast(Any, m).keep_dequantized(dtype) for m in _four_bit_layers(layers))
 
@@ -632,11 +625,11 @@ def fuse_held_siblings(runs: Iterable[list[nn.Module]]) -> int:
     return joined
 
 
-def dequantized_bytes(layers: nn.Module | Iterable[nn.Module], dtype: torch.dtype) -> int:
-    """The bytes `keep_dequantized(layers, dtype)` would hold, computed without allocating.
+def held_bytes(layers: Iterable[nn.Module], dtype: torch.dtype) -> int:
+    """The bytes `hold_dequantized(layers, dtype)` would hold, computed without allocating.
 
     Example:
-        >>> dequantized_bytes(layers, torch.bfloat16) / 2**30  # doctest: +SKIP
+        >>> held_bytes(layers, torch.bfloat16) / 2**30  # doctest: +SKIP
         12.1
     """
     per = torch.empty(0, dtype=dtype).element_size()
