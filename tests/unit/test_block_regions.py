@@ -102,21 +102,30 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
 
 
-def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back() -> None:
+def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monkeypatch) -> None:
     """A model whose blocks `compile_blocks` compiled for training decodes with `fast_decode`
-    (the blocks' own compile inside the marked regions and the static cache failed: torch refuses
-    a nested region's aliased cache writes), gives the uncompiled model's tokens, and trains
-    through its compiled blocks again afterwards."""
+    (the blocks' own compile of a marked region around the cache's writes failed: torch refuses
+    the region's aliased writes), gives the uncompiled model's tokens, trains through its
+    compiled blocks again afterwards (the regions unmarked), and decodes again without a new
+    compile."""
     from torch._dynamo.backends.registry import lookup_backend
 
     import quantmesh as qm
 
-    graphs: list[int] = []
+    import quantmesh.config
+
+    graphs: list[int] = []  # the blocks' own compiles
+    steps: list[int] = []  # the decode step's
 
     def counting(gm: torch.fx.GraphModule, example: list) -> object:
         graphs.append(len(gm.graph.nodes))
         return lookup_backend("aot_eager")(gm, example)
 
+    def stepping(gm: torch.fx.GraphModule, example: list) -> object:
+        steps.append(len(gm.graph.nodes))
+        return lookup_backend("aot_eager")(gm, example)
+
+    monkeypatch.setattr(quantmesh.config, "compile_options", lambda *a, **k: {"backend": stepping})
     torch._dynamo.reset()
     model = llama(layers=2, vocab=64, seed=1).eval()
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
@@ -128,7 +137,13 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back() -> 
     again = qm.fast_decode(model, ids, 6, mode=None)
     assert torch.equal(got, ref) and torch.equal(again, ref)
     assert graphs == []  # no block graph compiled for the prefill or inside the step
+    assert len(steps) == 1  # one step graph, for both calls
     assert [b._compiled_call_impl for b in model.model.layers] == impls  # given back
+    assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked after
     model.train()
-    model(input_ids=ids, labels=ids).loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()  # use_cache: a cache in every block
     assert graphs  # the training forward ran the blocks' compiled call
+    graphs.clear()
+    model.eval()
+    assert torch.equal(qm.fast_decode(model, ids, 6, mode=None), ref)
+    assert graphs == [] and len(steps) == 1  # marked again alike: the step's guards held

@@ -47,6 +47,21 @@ def _x(seed: int = 1, n: int = 5) -> torch.Tensor:
 
 
 # ---- forward and gradients against the dequantized weight ---------------------------------------
+@pytest.mark.parametrize("key", list(CONFIGS))
+@pytest.mark.parametrize("training", [True, False])
+def test_inputs_of_any_rank_give_their_rows_outputs(key, training):
+    """A quantized linear maps the last dim of a 4-D input as it maps the rows of a 2-D one
+    (bitsandbytes' int8 matmul flattened 3-D inputs only: DeepSeek-V3's decode failed)."""
+    _, m, _ = _quantized(key)
+    m.train(training)
+    x = _x(n=12)
+    with torch.no_grad():
+        flat = m(x)
+        deep = m(x.view(2, 1, 6, IN))
+    assert deep.shape == (2, 1, 6, OUT)
+    torch.testing.assert_close(deep.reshape(12, OUT), flat, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("key", ["bnb-nf4", "bnb-nf4-nodq", "bnb-fp4", "ao-nf4", "ao-int8"])
 def test_forward_matches_dequantized(key):
     fmt, m, _ = _quantized(key)

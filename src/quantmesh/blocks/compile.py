@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +38,7 @@ from ..config import env_switch
 from ..plan.auto import blocks_of
 
 __all__ = [
-    "blocks_uncompiled",
+    "blocks_for_decoding",
     "compile_blocks",
     "compile_fn",
     "mark_block_regions",
@@ -139,34 +140,6 @@ def compile_module(module: nn.Module, kwargs: dict[str, Any]) -> None:
     module._compiled_call_impl = compile_fn(module._call_impl, kwargs)
 
 
-@contextlib.contextmanager
-def blocks_uncompiled(model: nn.Module) -> Iterator[int]:
-    """Run the blocks that `compile_blocks` compiled as written while the context lasts, then
-    compiled again. A decode step compiles the whole model itself (one block for every block,
-    `mark_block_regions`) and its prefill is eager: a block's own training compile inside either
-    would trace the static cache's writes into a nested region, which torch refuses, and would
-    compile inference graphs nobody asked for. Yields the number of blocks set aside.
-    (A checkpointed block keeps its compile inside the checkpoint: its forward is no longer the
-    class's, so the decode step traces it on its own, as without regions.)
-
-    Example:
-        >>> with blocks_uncompiled(model) as n:  # doctest: +SKIP
-        ...     new = qm.fast_decode(model, ids, 32)
-    """
-    held = [
-        (block, block._compiled_call_impl)
-        for _, block in blocks_of(model)
-        if block._compiled_call_impl is not None
-    ]
-    for block, _ in held:
-        block._compiled_call_impl = None
-    try:
-        yield len(held)
-    finally:
-        for block, impl in held:
-            block._compiled_call_impl = impl
-
-
 REGIONS_ENV = "QUANTMESH_COMPILE_REGIONS"
 """On (default) or off: whether a compiled decode step of the whole model (`fast_decode`, the
 server's slot steps) compiles one block and reuses it for every block (`mark_block_regions`)."""
@@ -185,22 +158,45 @@ def mark_block_regions(model: nn.Module) -> int:
         >>> mark_block_regions(model)  # doctest: +SKIP
         32
     """
-    import torch
+    return len(_mark(model))
 
-    region = getattr(torch.compiler, "nested_compile_region", None)
-    if region is None or not env_switch(REGIONS_ENV, default=True):
-        return 0
-    wrapped: dict[type, Any] = {}
-    n = 0
+
+def regions_available() -> bool:
+    """Whether `mark_block_regions` marks anything: torch has nested compile regions and
+    $QUANTMESH_COMPILE_REGIONS is not 0."""
+    has = getattr(torch.compiler, "nested_compile_region", None) is not None
+    return has and env_switch(REGIONS_ENV, default=True)
+
+
+_REGION_FORWARD: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
+"""A block class -> its forward marked as a region, made once: blocks marked again (every
+`fast_decode` call) get the very function the step was compiled with, whatever a torch version's
+guards check of it (torch 2.13's hold for a new wrapper too: no recompile either way)."""
+
+
+def _mark(model: nn.Module) -> list[nn.Module]:
+    """`mark_block_regions`: the blocks marked now."""
+    if not regions_available():
+        return []
+    marked = []
     for _, block in blocks_of(model):
         if "forward" in block.__dict__:  # marked already, or replaced by someone else
             continue
         cls = type(block)
-        if cls not in wrapped:
-            wrapped[cls] = region(cls.forward)
-        block.forward = wrapped[cls].__get__(block, cls)
-        n += 1
-    return n
+        if cls not in _REGION_FORWARD:
+            _REGION_FORWARD[cls] = torch.compiler.nested_compile_region(cls.forward)
+        block.forward = _REGION_FORWARD[cls].__get__(block, cls)
+        marked.append(block)
+    return marked
+
+
+def _unmark(block: nn.Module) -> bool:
+    """Undo `_mark` on one block, if ours; whether it was."""
+    fn = getattr(block.__dict__.get("forward"), "__func__", None)
+    if hasattr(fn, "__marked_compile_region_fn__"):  # ours: torch's region wrapper
+        del block.__dict__["forward"]
+        return True
+    return False
 
 
 def unmark_block_regions(model: nn.Module) -> int:
@@ -212,10 +208,36 @@ def unmark_block_regions(model: nn.Module) -> int:
         >>> unmark_block_regions(model)  # doctest: +SKIP
         32
     """
-    n = 0
-    for _, block in blocks_of(model):
-        fn = getattr(block.__dict__.get("forward"), "__func__", None)
-        if hasattr(fn, "__marked_compile_region_fn__"):  # ours: torch's region wrapper
-            del block.__dict__["forward"]
-            n += 1
-    return n
+    return sum(_unmark(block) for _, block in blocks_of(model))
+
+
+@contextlib.contextmanager
+def blocks_for_decoding(model: nn.Module, regions: bool) -> Iterator[int]:
+    """The blocks as a decode step's whole-model compile wants them, while the context lasts:
+    with `regions`, marked as one compile region (`mark_block_regions`; yields how many), and
+    with a training compile of theirs (`compile_blocks`) set aside. On leaving, both are undone,
+    and a training forward runs the blocks' compiled call, without regions, again: a block's own
+    compile that traced a marked forward around a KV cache's writes is refused by torch (the
+    writes alias the region's inputs). Marking again installs the same function, and the step
+    does not recompile (test). A checkpointed block keeps its compile inside the
+    checkpoint: its forward is not the class's, so it is neither marked nor set aside.
+
+    Example:
+        >>> with blocks_for_decoding(model, regions=True) as n:  # doctest: +SKIP
+        ...     logits = step(tok)
+    """
+    held = [
+        (block, block._compiled_call_impl)
+        for _, block in blocks_of(model)
+        if block._compiled_call_impl is not None
+    ]
+    for block, _ in held:
+        block._compiled_call_impl = None
+    marked = _mark(model) if regions else []
+    try:
+        yield len(marked)
+    finally:
+        for block in marked:
+            _unmark(block)
+        for block, impl in held:
+            block._compiled_call_impl = impl

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..blocks.compile import blocks_uncompiled, mark_block_regions, unmark_block_regions
+from ..blocks.compile import blocks_for_decoding, regions_available, unmark_block_regions
 from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
 from ..tp.layers import ShardedModule, sharded_modules
@@ -86,15 +86,18 @@ class _Decoder:
             **({"logits_to_keep": 1} if "logits_to_keep" in params else {}),
         }
         self.model = model
-        regions = 0
+        # the step compiles one block for all of them: fast_decode marks the blocks as one
+        # region while it decodes (blocks_for_decoding)
+        self.regions = compile and regions_available()
         if compile:
             _static_statistics(model)
-            regions = mark_block_regions(model)  # the step compiles one block for all of them
         from ..config import compile_options
 
         self.opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says so
         self.compiled: Any = torch.compile(self.step, fullgraph=True, **self.opts)
-        self.run: Any = (self._first_run if regions else self.compiled) if compile else self.step
+        self.run: Any = (
+            (self._first_run if self.regions else self.compiled) if compile else self.step
+        )
 
     def _first_run(self, *args: Any) -> torch.Tensor:
         """The compiled step's first call; where the compiler refuses the block regions (a
@@ -110,6 +113,7 @@ class _Decoder:
                 f"{first}); compiling them all",
                 stacklevel=3,
             )
+            self.regions = False  # later calls leave the blocks unmarked
             unmark_block_regions(self.model)
             torch._dynamo.reset()
             self.compiled = torch.compile(self.step, fullgraph=True, **self.opts)
@@ -161,6 +165,23 @@ class _Decoder:
         """Turn the adapter stacks on (for the steps) or off."""
         for stack in self.stacks or []:
             stack.active = on
+
+
+def _refuse_eager_experts(model: nn.Module) -> None:
+    """Refuse a compiled step over experts that run transformers' eager implementation: it loops
+    over the experts a batch hits, a count only the data gives, which a fullgraph compile cannot
+    trace (torch stops with a data-dependent-size error deep in the model's code)."""
+    for name, m in model.named_modules():
+        local = m.__dict__.get("local", m)  # a sharded layer's own module
+        cfg = getattr(local, "config", None)
+        if hasattr(local, "has_gate") and getattr(cfg, "_experts_implementation", None) == "eager":
+            raise ValueError(
+                f"{name} runs transformers' eager experts implementation, which loops over the "
+                "experts each batch hits: a compiled decode step cannot trace that loop. Load the "
+                'model with experts_implementation="grouped_mm" (transformers\' default), or set '
+                'model.config._experts_implementation = "grouped_mm" before decoding; or decode '
+                "with compile=False"
+            )
 
 
 def _static_statistics(model: nn.Module) -> None:
@@ -254,6 +275,8 @@ def fast_decode(
             f"through the stages (one token crossing every stage per step) is not implemented; "
             f"decode with tp instead: qm.init_mesh(tp={st.mesh.tp * st.mesh.pp}) (or pp=1)"
         )
+    if compile:
+        _refuse_eager_experts(model)
     padded = _check_mask(attention_mask, input_ids)
     sampled = any(t > 0 for t in temps)
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
@@ -276,9 +299,9 @@ def fast_decode(
         full[:, :prompt] = mask
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (batch, prompt)
         padding = (full, pos)
-    # the blocks run as the step's compile traces them: a training compile of theirs
-    # (compile_blocks) is set aside while decoding (blocks_uncompiled)
-    with blocks_uncompiled(model):
+    # the blocks as the step's compile wants them while decoding: one region, and a training
+    # compile of theirs (compile_blocks) set aside (blocks_for_decoding)
+    with blocks_for_decoding(model, dec.regions):
         # prefill, eager: it allocates the cache (transformers marks its tensors static for the
         # graphs)
         logits = dec.prefill(input_ids, padding)  # (batch, vocab)

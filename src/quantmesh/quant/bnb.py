@@ -132,9 +132,17 @@ class _Int8CastFilter(logging.Filter):
         return "inputs will be cast from" not in record.getMessage()
 
 
-@functools.cache
+_BNB: Any = None  # bitsandbytes once imported (`_bnb`)
+
+
 def _bnb() -> Any:
-    """bitsandbytes, imported once and quietly (it warns that an optional CPU kernel is absent)."""
+    """bitsandbytes, imported once and quietly (it warns that an optional CPU kernel is absent).
+    Kept in a global, not a `functools.cache`: torch.compile reads a global as a constant, where
+    it traces a cached function's body again (its logging calls break a fullgraph compile: the
+    int8 experts' dequantize in a decode step)."""
+    global _BNB
+    if _BNB is not None:
+        return _BNB
     lg = logging.getLogger("bitsandbytes")
     level = lg.level
     lg.setLevel(logging.ERROR)
@@ -144,6 +152,7 @@ def _bnb() -> Any:
     finally:
         lg.setLevel(level)
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(_Int8CastFilter())
+    _BNB = bitsandbytes
     return bitsandbytes
 
 
@@ -240,7 +249,10 @@ def _classes() -> dict[str, type]:
             self.state.CB, self.state.SCB = w.data, scb
             self.state.is_training = self.training
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return bnb.matmul(x, w, bias=bias, state=self.state)
+            # as (rows, in): bitsandbytes' int8 matmul flattens 3-D inputs only, and fails on
+            # more dims (DeepSeek-V3's attention reads a 4-D tensor through kv_b_proj)
+            y = bnb.matmul(x.reshape(-1, x.shape[-1]), w, bias=bias, state=self.state)
+            return y.view(*x.shape[:-1], y.shape[-1])
 
     out: dict[str, type] = {"QuantLinear4bit": QuantLinear4bit, "QuantLinear8bit": QuantLinear8bit}
     for cls in out.values():
