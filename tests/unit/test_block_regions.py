@@ -111,7 +111,6 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     from torch._dynamo.backends.registry import lookup_backend
 
     import quantmesh as qm
-
     import quantmesh.config
 
     graphs: list[int] = []  # the blocks' own compiles
