@@ -59,7 +59,8 @@ def _base_bytes(model: nn.Module) -> int:
 
 
 def job_save(mesh, folder: str) -> dict:
-    """Default LoRA (every projection, experts included) at tp=2, B nonzero, saved."""
+    """Default LoRA (every projection, experts included) at tp=2, B nonzero, saved, and exported
+    merged (`qm.export`: the expert adapters merged into the fused tensors) to `folder`-merged."""
     import quantmesh as qm
     from tests.zoo import ZOO
 
@@ -68,6 +69,7 @@ def job_save(mesh, folder: str) -> dict:
     qm.parallelize(model, mesh, lora=qm.LoraConfig(r=2, alpha=4))
     _nonzero_b(model)
     qm.save_adapter(model, folder)
+    qm.export(model, f"{folder}-merged")
     with torch.no_grad():
         return {"logits": model(**case.inputs()).logits}
 
@@ -306,6 +308,7 @@ def _jobs(rank: int, world: int, folder: str) -> dict:
 def results() -> dict:
     """{"tp2": rank 0's results, "tp3": ..., "peft": logits of peft on the saved folder}."""
     import peft
+    from transformers import AutoModelForCausalLM
 
     from quantmesh.testing import run_ranks
     from tests.zoo import ZOO
@@ -316,10 +319,14 @@ def results() -> dict:
         tp3 = run_ranks(_jobs, 3, 3, folder, timeout=600)
         case = ZOO[ARCH]
         pm = peft.PeftModel.from_pretrained(case.build(0), folder)
+        merged = AutoModelForCausalLM.from_pretrained(f"{folder}-merged")
+        merged.config._experts_implementation = "eager"  # as the zoo's models run
         with torch.no_grad():
             peft_logits = pm(**case.inputs()).logits
             base_logits = case.build(0)(**case.inputs()).logits
-    return {"tp2": tp2, "tp3": tp3, "peft": peft_logits, "base": base_logits}
+            merged_logits = merged(**case.inputs()).logits
+    return {"tp2": tp2, "tp3": tp3, "peft": peft_logits, "base": base_logits,
+            "merged": merged_logits}  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -333,6 +340,14 @@ def test_saved_expert_adapter_is_peft_format_and_loads_at_another_tp() -> None:
     assert _rel(saved, r["peft"]) < 1e-5  # peft.PeftModel.from_pretrained: the same model
     for rank in r["tp3"]:
         assert _rel(rank["load"]["logits"], saved) < 1e-5  # load_adapter at tp=3
+
+
+def test_export_merges_the_expert_adapters() -> None:
+    """qm.export at tp=2 gathers the fused expert tensors with their per-expert adapters merged
+    (they had been left out without a word): transformers' model of the folder gives the
+    adapted model's logits."""
+    r = results()
+    assert _rel(r["merged"], r["tp2"][0]["save"]["logits"]) < 1e-5
 
 
 def test_nf4_experts_train() -> None:

@@ -2,9 +2,10 @@
 
 Tensor by tensor, in model order: the ranks of the first data-parallel replica gather one
 module's shards over tp (quantized weights dequantized first), LoRA is merged in
-(W + scale * B @ A, transposed for Conv1D's (in, out) layout), and global rank 0 appends the
-result to the current safetensors shard file, which is written and freed once it reaches
-`max_shard_size`. So rank 0 holds at most one shard file's worth plus one module, never the model.
+(W + scale * B @ A, transposed for Conv1D's (in, out) layout; an experts module's per-expert
+adapters into each expert of its fused tensors, `ShardedExperts.merged_local`), and global rank 0
+appends the result to the current safetensors shard file, which is written and freed once it
+reaches `max_shard_size`. So rank 0 holds at most one shard file's worth plus one module, never the model.
 
 The folder: `model.safetensors` (or `model-0000i-of-0000N.safetensors` + the index json),
 `config.json` and `generation_config.json` when the model has a transformers config. Tied weights
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from ..parallel.state import parallel_state
+from ..tp.experts import ShardedExperts
 from ..tp.gather import module_tensors
 from ..tp.layers import ShardedModule
 from .full import _refuse_fsdp
@@ -47,7 +49,10 @@ __all__ = ["export"]
 
 
 def _merged(m: ShardedModule, name: str, local: torch.Tensor, merge: bool) -> torch.Tensor:
-    """Full tensor `name` of `m` in checkpoint layout, LoRA merged into the weight. Collective."""
+    """Full tensor `name` of `m` in checkpoint layout, LoRA merged into the weight (an experts
+    module's per-expert adapters into its expert tensors). Collective."""
+    if isinstance(m, ShardedExperts):  # per-expert adapters, merged in this rank's slice
+        return full_tensor(m, name, m.merged_local(name, local) if merge else local)
     t = full_tensor(m, name, local)
     if name != "weight" or not merge or m.lora is None:
         return t

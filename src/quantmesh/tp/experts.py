@@ -514,6 +514,21 @@ class ShardedExperts(ShardedModule):
             out[t] = ad
         return out
 
+    @torch.no_grad()
+    def merged_local(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """This rank's slice `local` of expert tensor `name` (checkpoint layout, float) with its
+        per-expert adapter merged in, W_e + scale * B_e @ A_e in fp32, in `local`'s dtype;
+        `local` itself when the tensor has no adapter (`qm.export`).
+
+        Example:
+            >>> experts.merged_local("down_proj", experts.checkpoint_tensors()["down_proj"])  # doctest: +SKIP
+        """
+        ad = self.expert_adapters().get(name)
+        if ad is None:
+            return local
+        delta = ad.weight_delta(self.transposed, None, self._factors(self.tensors[name]))
+        return (local.float() + delta.float()).to(local.dtype)
+
     # ---- forward ------------------------------------------------------------------------------
     def _effective(
         self, hit: torch.Tensor | None = None, units: int = 0, deltas: bool = True
