@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import tempfile
 import warnings
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,26 +389,48 @@ def test_refusals_name_the_fix() -> None:
     assert "stay whole and in float on every rank: w (" in ref["warned"][0]
 
 
-def _pp_loss(rank: int, pp: int) -> float:
+def _pp_loss(rank: int, pp: int, folder: str) -> tuple[float, float]:
+    """A step's loss with every adapter's B nonzero (experts included), the adapter saved to
+    `folder`, and the loss of a fresh model with that adapter loaded, at pp stages."""
     import quantmesh as qm
+    from quantmesh.io.adapter import adapter_lora_config
     from tests.zoo import ZOO
 
     mesh = qm.init_mesh(pp=pp)
     case = ZOO["mixtral"]
     model = copy.deepcopy(case.build(0))
     qm.parallelize(model, mesh, lora=qm.LoraConfig(r=2, alpha=4), quant="nf4")
+    _nonzero_b(model)
     ids = case.inputs()["input_ids"]
-    return float(qm.train_step(model, {"input_ids": ids, "labels": ids}, microbatches=2))
+    batch = {"input_ids": ids, "labels": ids}
+    loss = float(qm.train_step(model, batch, microbatches=2))
+    qm.save_adapter(model, folder)
+    fresh = copy.deepcopy(case.build(0))
+    qm.parallelize(fresh, mesh, lora=adapter_lora_config(folder), quant="nf4")
+    qm.load_adapter(fresh, folder)
+    return loss, float(qm.train_step(fresh, batch, microbatches=2))
 
 
 def test_pipeline_stages_cut_through_moe_blocks() -> None:
     """The other stages learn an MoE block's output shape on meta tensors, where the routing (by
-    values) cannot run: pp=2 trains like pp=1, nf4 experts with adapters."""
+    values) cannot run: pp=2 trains like pp=1, nf4 experts with adapters. The adapter saved at
+    pp=2 (the experts' from every stage: refused before) is pp=1's, tensor for tensor, and loads
+    back at pp=2."""
+    from safetensors.torch import load_file
+
     from quantmesh.testing import run_ranks
 
-    (one,) = run_ranks(_pp_loss, 1, 1, timeout=300)
-    two = run_ranks(_pp_loss, 2, 2, timeout=300)
+    with tempfile.TemporaryDirectory() as tmp:
+        (one,) = run_ranks(_pp_loss, 1, 1, f"{tmp}/pp1", timeout=300)
+        two = run_ranks(_pp_loss, 2, 2, f"{tmp}/pp2", timeout=300)
+        files = [load_file(f"{tmp}/pp{n}/adapter_model.safetensors") for n in (1, 2)]
+        configs = [json.loads(Path(f"{tmp}/pp{n}/adapter_config.json").read_text()) for n in (1, 2)]
     assert two == [one, one], (one, two)
+    assert one[1] == one[0]  # loaded back: the same step
+    assert sorted(files[0]) == sorted(files[1]) and any(".experts." in k for k in files[0])
+    for k, v in files[0].items():
+        assert torch.equal(files[1][k], v), k
+    assert configs[1] == configs[0] and configs[0]["target_parameters"], configs
 
 
 def test_grouped_experts_add_their_adapters_on_the_activations_like_the_weight_deltas() -> None:

@@ -273,12 +273,6 @@ def save_adapter(
 
     st = parallel_state(model, required=False)
     pp_mesh = st.mesh if st is not None and st.mesh.pp > 1 else None
-    if pp_mesh is not None and _expert_modules(model):
-        raise LoraError(
-            f"save_adapter at pp={pp_mesh.pp} with adapters on expert tensors: gathering them "
-            "from the pipeline stages is not implemented yet; train MoE adapters at pp=1 (tp and "
-            "dp), or leave the experts out of LoraConfig(targets=...)"
-        )
     if pp_mesh is not None:  # the file and its config cover every pipeline stage's adapters
         from ..pipeline.parts import stage_lora_config
 
@@ -288,6 +282,7 @@ def save_adapter(
                 _lora_modules(model),
                 lambda m, mods: _adapter_config(m, mods, base_model_name_or_path),
                 _peft_targets,
+                other_adapters=bool(_expert_modules(model)),
             ),
             "save_adapter",
         )
@@ -384,10 +379,15 @@ def adapter_lora_config(path: str | os.PathLike) -> LoraConfig:
     )  # fmt: skip
 
 
+def _key_module(key: str) -> str:
+    """The module an adapter file key belongs to (PEFT's `base_layer` levels dropped)."""
+    return key.rsplit(".", 2)[0].replace(".base_layer", "")
+
+
 def _is_expert_key(key: str, owners: list[str]) -> bool:
     """True when file key `key` is an adapter of an expert tensor of one of `owners` (modules
     named in target_parameters, as full names or suffixes)."""
-    module = key.rsplit(".", 2)[0].replace(".base_layer", "")
+    module = _key_module(key)
     return any(module == o or module.endswith(f".{o}") for o in owners if o)
 
 
@@ -407,8 +407,16 @@ def _check_adapter(
             key, want, keys, reader, f" (the adapter of expert tensor {e.fqn}.{t})"
         )
     owners = [t.rpartition(".")[0] for t in cfg.get("target_parameters") or []]
+    st = parallel_state(model, required=False)
+    elsewhere: set[str] = set()  # module names other pipeline stages hold: theirs to load
+    if st is not None and st.mesh.pp > 1:
+        from ..pipeline.parts import elsewhere_keys
+
+        elsewhere = {k.rsplit(".", 1)[0] for k in elsewhere_keys(model)}
     if extra_experts := sorted(
-        k for k in keys if _is_expert_key(k, owners) and k not in expert_keys
+        k
+        for k in keys
+        if _is_expert_key(k, owners) and k not in expert_keys and _key_module(k) not in elsewhere
     ):
         problems.append(f"expert adapters the model has no LoRA for: {extra_experts[:10]}")
     keys -= {k for k in keys if k in expert_keys or _is_expert_key(k, owners)}
@@ -416,12 +424,7 @@ def _check_adapter(
     other = sorted(k for k in keys if not re.search(r"\.lora_[AB]\.weight$", k))
     if other:
         problems.append(f"tensors other than lora_A/lora_B: {other[:10]}")
-    st = parallel_state(model, required=False)
-    if st is not None and st.mesh.pp > 1:  # adapters of other pipeline stages: theirs to load
-        from ..pipeline.parts import elsewhere_keys
-
-        elsewhere = {k.rsplit(".", 1)[0] for k in elsewhere_keys(model)}  # module names
-        in_file = {f for f in in_file if f not in elsewhere}
+    in_file -= elsewhere
     if missing := sorted(in_file - set(mods)):
         problems.append(f"adapter modules without LoRA in the model: {missing[:10]}")
     if extra := sorted(set(mods) - in_file):

@@ -65,11 +65,14 @@ def stage_lora_config(
     mods: dict[str, Any],
     make: Callable[[nn.Module, dict], dict],
     targets: Callable[[nn.Module, set[str]], Any],
+    other_adapters: bool = False,
 ) -> tuple[dict[str, Any], dict]:
     """(this stage's adapter modules, the PEFT config of the whole model's adapters). Collective
-    over the world: every rank sends its modules' names and its config (`make`); the first config
-    stands for all, with target_modules (`targets`) over every stage's modules."""
-    mine = (sorted(mods), make(model, mods) if mods else None)
+    over the world: every rank that holds adapters (`mods`, or `other_adapters`: an experts
+    module's) sends its modules' names and its config (`make`); the first config of a stage with
+    adapter modules stands for all, with target_modules (`targets`) over every stage's modules
+    and target_parameters (expert tensors) over every stage's."""
+    mine = (sorted(mods), make(model, mods) if mods or other_adapters else None)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     names = {n for ns, _ in everyone for n in ns}
@@ -79,7 +82,7 @@ def stage_lora_config(
             f"{type(model).__name__} has no LoRA adapters on any pipeline stage to save; "
             f"parallelize it with lora=qm.LoraConfig(...) first"
         )
-    first = configs[0]
+    first = next((c for ns, c in everyone if c is not None and ns), configs[0])
     for c in configs:
         if (c["r"], c["lora_alpha"]) != (first["r"], first["lora_alpha"]):
             raise PipelineError(
@@ -87,5 +90,7 @@ def stage_lora_config(
                 f"r={first['r']}, alpha={first['lora_alpha']}; a PEFT adapter has one of each"
             )
     config = dict(first)
-    config["target_modules"] = targets(model, names)
+    config["target_modules"] = targets(model, names) if names else []
+    params = sorted({t for c in configs for t in c.get("target_parameters") or []})
+    config["target_parameters"] = params or None
     return mods, config
