@@ -153,3 +153,21 @@ def test_plan_says_whether_a_gpu_fits_and_the_fewest_layers_to_checkpoint(
     # at pp > 1 the ways out are per pp rank, without the ones pp refuses (fsdp, partial)
     assert "If this does not fit, the fullest pp rank needs: --checkpointing: " in out
     assert "--checkpoint-blocks" not in out and "--fsdp" not in out
+
+
+def test_plan_lists_the_experts_beside_the_plan(tmp_path: Path, capsys) -> None:
+    """The experts modules, split by quantmesh outside the plan's rules, get their rows too (they
+    had none: the largest tensors of a mixture of experts were missing from the table)."""
+    from tests.moe_folders import moe_dir
+
+    folder = moe_dir("qwen3_moe", tmp_path / "full")  # hidden 32, 4 experts of 16 features
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text((folder / "config.json").read_text())
+    assert main(["plan", str(tmp_path / "cfg"), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    glob = "model.layers.*.mlp.experts (x2)"
+    line = next((ln for ln in out.splitlines() if ln.startswith(glob + " ")), None)
+    assert line is not None, out
+    assert line.split()[3] == "experts", line
+    assert "gate_up_proj 4x16x32/4x16x32, down_proj 4x32x8/4x32x8" in line, line
+    assert line.endswith("experts: 16 intermediate features split over tp"), line

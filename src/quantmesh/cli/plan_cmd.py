@@ -480,9 +480,10 @@ def plan_report(model, args: argparse.Namespace) -> str:
     from ..lora.adapter import lora_targets
     from ..plan.auto import auto_plan
     from ..plan.memory import format_bytes
+    from ..tp.experts import expert_rows
 
     plan = auto_plan(model, args.tp)
-    table = plan.table(model, args.tp)
+    table = plan.table(model, args.tp, extra=expert_rows(model, args.tp))
     lora = None
     if args.lora_r:
         kw: dict[str, Any] = (

@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
 def verify_worker(payload: str) -> int:
     """One rank of `quantmesh verify`: build the model, verify, print (rank 0)."""
     import quantmesh as qm
+    from quantmesh.tp.experts import expert_rows
 
     cfg = json.loads(payload)
     mesh = qm.init_mesh(tp=cfg["tp"])
@@ -124,5 +125,6 @@ def verify_worker(payload: str) -> int:
         print(report.table(), flush=True)
         if report.verified:
             print(flush=True)
-            print(report.apply(plan).table(model, mesh.tp), flush=True)
+            extra = expert_rows(model, mesh.tp)
+            print(report.apply(plan).table(model, mesh.tp, extra=extra), flush=True)
     return 0 if report.verified else 1

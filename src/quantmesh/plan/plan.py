@@ -271,8 +271,16 @@ class Plan:
         return Entry(fqn, tname, style, split, why, kind, heads, style)
 
     # ------------------------------------------------------------------------------------------
-    def table(self, model: nn.Module | None = None, tp: int | None = None) -> str:
-        """The plan as a table: module, type, style, local weight shape per rank, and why."""
+    def table(
+        self,
+        model: nn.Module | None = None,
+        tp: int | None = None,
+        extra: list[tuple[str, str, str, str, str]] | None = None,
+    ) -> str:
+        """The plan as a table: module, type, style, local weight shape per rank, and why.
+        `extra`: rows of modules split outside the plan, (fqn, type, style, shapes, why), listed
+        after the plan's own (repeated blocks once, as theirs): the experts modules
+        (`quantmesh.tp.experts.expert_rows`)."""
         model = model if model is not None else self._model
         tp = tp if tp is not None else self._tp
         if model is None or tp is None:
@@ -281,6 +289,9 @@ class Plan:
         rows: list[tuple[str, ...]] = [("module", "type", "style", "local weight per rank", "why")]
         for e in _collapse(res, model):
             rows.append(e)
+        rows += _collapse_rows(
+            [(_globify(f, model), t, st, sh, why) for f, t, st, sh, why in extra or []]
+        )
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
@@ -326,14 +337,21 @@ def _globify(fqn: str, model: nn.Module) -> str:
 
 def _collapse(res: Resolved, model: nn.Module) -> list[tuple[str, ...]]:
     """One row per distinct (glob, type, style, shapes, why): repeated blocks print once."""
-    seen: dict[tuple, int] = {}
-    rows: list[list] = []
+    keys = []
     for e in res.entries.values():
         mod = model.get_submodule(e.fqn)
         shapes = "/".join(
             "x".join(str(d) for d in e.local_shape(mod, r)) for r in range(res.tp if e.split else 1)
         )
-        key = (_globify(e.fqn, model), e.type_name, e.style, shapes, e.reason)
+        keys.append((_globify(e.fqn, model), e.type_name, str(e.style), shapes, e.reason))
+    return _collapse_rows(keys)
+
+
+def _collapse_rows(keys: list[tuple[str, str, str, str, str]]) -> list[tuple[str, ...]]:
+    """Equal rows once, their count after the name (" (x32)")."""
+    seen: dict[tuple, int] = {}
+    rows: list[list] = []
+    for key in keys:
         if key in seen:
             rows[seen[key]][5] += 1
             continue

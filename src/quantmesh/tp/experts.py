@@ -206,6 +206,40 @@ def local_sizes(module: nn.Module, tensors: list[ExpertTensor], tp: int, rank: i
     return out
 
 
+def expert_rows(model: nn.Module, tp: int) -> list[tuple[str, str, str, str, str]]:
+    """The plan table's rows of the experts modules (`Plan.table(extra=...)`), which
+    ShardedExperts splits outside the plan: (fqn, type, "experts", each tensor's local shape on
+    every rank, why).
+
+    Example:
+        >>> expert_rows(model, 2)[0][3]  # doctest: +SKIP
+        'gate_up_proj 4x32x64/4x32x64, down_proj 4x64x16/4x64x16'
+    """
+    rows = []
+    for fqn, tensors in find_experts(model).items():
+        module = model.get_submodule(fqn)
+        second = tensors[1]
+        inter = int(cast(torch.Tensor, module._parameters[second.name]).shape[second.in_dim])
+        split = tp > 1 and inter >= tp
+        cells = []
+        for t in tensors:
+            shapes = []
+            for rank in range(tp if split else 1):
+                shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
+                if split:
+                    shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
+                shapes.append("x".join(map(str, shape)))
+            cells.append(f"{t.name} {'/'.join(shapes)}")
+        if split:
+            why = f"experts: {inter} intermediate features split over tp"
+        elif tp > 1:
+            why = f"experts whole on every rank: {inter} intermediate features cannot be cut over tp={tp}"
+        else:
+            why = "experts"
+        rows.append((fqn, type(module).__name__, "experts", ", ".join(cells), why))
+    return rows
+
+
 def expert_lora_targets(
     experts: dict[str, list[ExpertTensor]], selected: list[str]
 ) -> dict[str, list[str]]:
