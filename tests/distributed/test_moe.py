@@ -310,6 +310,7 @@ def _jobs(rank: int, world: int, folder: str) -> dict:
 def results() -> dict:
     """{"tp2": rank 0's results, "tp3": ..., "peft": logits of peft on the saved folder}."""
     import peft
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from quantmesh.testing import run_ranks
@@ -322,13 +323,14 @@ def results() -> dict:
         case = ZOO[ARCH]
         pm = peft.PeftModel.from_pretrained(case.build(0), folder)
         merged = AutoModelForCausalLM.from_pretrained(f"{folder}-merged")
+        merged_keys = list(load_file(f"{folder}-merged/model.safetensors"))
         merged.config._experts_implementation = "eager"  # as the zoo's models run
         with torch.no_grad():
             peft_logits = pm(**case.inputs()).logits
             base_logits = case.build(0)(**case.inputs()).logits
             merged_logits = merged(**case.inputs()).logits
     return {"tp2": tp2, "tp3": tp3, "peft": peft_logits, "base": base_logits,
-            "merged": merged_logits}  # fmt: skip
+            "merged": merged_logits, "merged_keys": merged_keys}  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -346,10 +348,14 @@ def test_saved_expert_adapter_is_peft_format_and_loads_at_another_tp() -> None:
 
 def test_export_merges_the_expert_adapters() -> None:
     """qm.export at tp=2 gathers the fused expert tensors with their per-expert adapters merged
-    (they had been left out without a word): transformers' model of the folder gives the
+    (they had been left out without a word) and writes them one tensor per expert, as
+    `save_pretrained` and the Hub store them: transformers' model of the folder gives the
     adapted model's logits."""
     r = results()
     assert _rel(r["merged"], r["tp2"][0]["save"]["logits"]) < 1e-5
+    experts = [k for k in r["merged_keys"] if ".experts." in k]
+    assert experts and all(k.split(".experts.")[1][0].isdigit() for k in experts), experts
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in experts, experts
 
 
 def test_nf4_experts_train() -> None:

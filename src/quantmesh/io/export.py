@@ -12,6 +12,10 @@ The folder: `model.safetensors` (or `model-0000i-of-0000N.safetensors` + the ind
 are written once, as transformers does (`lm_head.weight` is left out when tied to the embedding);
 if merging LoRA or quantizing made the tied tensors differ, both are written and the config says
 `tie_word_embeddings: false`.
+A transformers model's tensors are written in the stored layout its `save_pretrained` writes
+(transformers' `revert_weight_conversion`, one repeated block at a time: a mixture of experts'
+fused expert tensors as one tensor per expert, as on the Hub), so that tools reading Hub
+checkpoints read the folder too.
 
 Example:
     >>> qm.export(model, "out/merged")                             # doctest: +SKIP
@@ -30,6 +34,7 @@ import torch
 from torch import nn
 
 from ..parallel.state import parallel_state
+from ..plan.auto import blocks_of
 from ..tp.experts import ShardedExperts
 from ..tp.gather import module_tensors
 from ..tp.layers import ShardedModule
@@ -62,6 +67,46 @@ def _merged(m: ShardedModule, name: str, local: torch.Tensor, merge: bool) -> to
     if m.kind.name == "Conv1D":  # checkpoint layout (in, out)
         delta = delta.t()
     return (t.float() + delta).to(t.dtype)
+
+
+class _StoredLayout:
+    """Hands each (name, tensor) to `add` in the layout transformers' `save_pretrained` stores:
+    its `revert_weight_conversion` (the model's conversion mapping run backwards) over one
+    repeated block's tensors at a time, since a conversion's tensors (an expert's gate and up, a
+    fused q|k|v) all live in one block; other tensors one by one. Without a reverter (not a
+    transformers model, or a transformers without one) the names go through as they are."""
+
+    def __init__(self, model: nn.Module, add: Any, hf: bool) -> None:
+        self.model, self.add = model, add
+        self.revert: Any = None
+        if hf:
+            try:
+                from transformers.core_model_loading import revert_weight_conversion
+
+                self.revert = revert_weight_conversion
+            except ImportError:  # a transformers before conversion mappings: names as they are
+                pass
+        self.blocks = [f"{n}." for n, _ in blocks_of(model)]
+        self.block: str | None = None
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        if self.revert is None:
+            self.add(name, value)
+            return
+        block = next((b for b in self.blocks if name.startswith(b)), None)
+        if block != self.block:
+            self.flush()
+            self.block = block
+        self.pending[name] = value
+        if block is None:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            for name, value in self.revert(self.model, self.pending).items():
+                self.add(name, value.contiguous())
+        self.pending = {}
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -164,6 +209,7 @@ def export(
         untied = False
         if in_first_replica(model):
             writer = ShardWriter(w.folder, "model", max_bytes) if w.folder is not None else None
+            stored = _StoredLayout(model, writer.add if writer is not None else None, hf)
             written: set[str] = set()
             for names, value, t in _tensors(model, merge_lora, dtype):
                 if hf and _tie_views(model, t, merge_lora):
@@ -175,10 +221,11 @@ def export(
                     if any(n in g and (g - {n}) & written for g in tied_groups):
                         untied = True
                     if writer is not None:
-                        w.run(writer.add, n, value)
+                        w.run(stored.put, n, value)
                     written.add(n)
                 del value
             if writer is not None:
+                w.run(stored.flush)
                 w.run(writer.close)
         if hf and w:
             w.run(_save_configs, model, w.folder, dtype, untied)
