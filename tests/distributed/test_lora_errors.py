@@ -31,6 +31,14 @@ def test_lora_target_matching_nothing_names_the_linears():
         r"linear layer names in this model: head",
     ):
         lora_targets(TinyCNN(), qm.LoraConfig(targets=["q_proj"]))
+    from tests.models import gpt2
+
+    with pytest.raises(  # GPT-2's Conv1D layers take LoRA too: they are named (they were not)
+        qm.LoraError,
+        match=r"the default LoRA targets .* match no module of GPT2LMHeadModel; linear layer "
+        r"names in this model: c_attn, c_fc, c_proj, lm_head;",
+    ):
+        lora_targets(gpt2(), qm.LoraConfig())
 
 
 def test_parallelize_errors():

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..config import DEFAULT_TARGETS, LoraConfig, LoraError
 from ..plan.styles import FeatureSplit, Style, slice_dim
+from ..tp.kinds import kind_of
 
 __all__ = [
     "Adapter",
@@ -104,11 +105,11 @@ def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None =
         if default:
             t = ", ".join(DEFAULT_TARGETS)
         if not any(t == n.rsplit(".", 1)[-1] or t == n or fnmatch.fnmatchcase(n, t) for n in names):
-            leaves = sorted(
+            leaves = sorted(  # what LoRA applies to: linear layers, GPT-2's Conv1D among them
                 {
                     n.rsplit(".", 1)[-1]
                     for n, m in model.named_modules()
-                    if n and isinstance(m, nn.Linear)
+                    if n and (k := kind_of(m)) is not None and k.linear_like
                 }
             )
             what = (
