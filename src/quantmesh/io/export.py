@@ -5,7 +5,8 @@ module's shards over tp (quantized weights dequantized first), LoRA is merged in
 (W + scale * B @ A, transposed for Conv1D's (in, out) layout; an experts module's per-expert
 adapters into each expert of its fused tensors, `ShardedExperts.merged_local`), and global rank 0
 appends the result to the current safetensors shard file, which is written and freed once it
-reaches `max_shard_size`. So rank 0 holds at most one shard file's worth plus one module, never the model.
+reaches `max_shard_size`. So rank 0 holds at most one shard file's worth plus one module (a
+transformers model: one repeated block, see below), never the model.
 
 The folder: `model.safetensors` (or `model-0000i-of-0000N.safetensors` + the index json),
 `config.json` and `generation_config.json` when the model has a transformers config. Tied weights

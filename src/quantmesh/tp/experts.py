@@ -233,7 +233,10 @@ def expert_rows(model: nn.Module, tp: int) -> list[tuple[str, str, str, str, str
         if split:
             why = f"experts: {inter} intermediate features split over tp"
         elif tp > 1:
-            why = f"experts whole on every rank: {inter} intermediate features cannot be cut over tp={tp}"
+            why = (
+                f"experts whole on every rank: {inter} intermediate features cannot be cut "
+                f"over tp={tp}"
+            )
         else:
             why = "experts"
         rows.append((fqn, type(module).__name__, "experts", ", ".join(cells), why))
@@ -555,7 +558,9 @@ class ShardedExperts(ShardedModule):
         `local` itself when the tensor has no adapter (`qm.export`).
 
         Example:
-            >>> experts.merged_local("down_proj", experts.checkpoint_tensors()["down_proj"])  # doctest: +SKIP
+            >>> local = experts.checkpoint_tensors()["down_proj"]  # doctest: +SKIP
+            >>> experts.merged_local("down_proj", local).shape  # doctest: +SKIP
+            torch.Size([4, 64, 16])
         """
         ad = self.expert_adapters().get(name)
         if ad is None:
