@@ -194,16 +194,29 @@ def local_sizes(module: nn.Module, tensors: list[ExpertTensor], tp: int, rank: i
         >>> local_sizes(experts, expert_tensors(experts), 2, 0)["down_proj"]  # doctest: +SKIP
         (6144, (16, 96))
     """
-    first, second = tensors
-    w2 = cast(torch.Tensor, module._parameters[second.name])
-    inter = int(w2.shape[second.in_dim])
     out = {}
     for t in tensors:
-        shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
-        if tp > 1 and inter >= tp:
-            shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
+        shape = _local_shape(module, tensors, t, tp, rank)
         out[t.name] = (math.prod(shape), (shape[t.in_dim], shape[t.out_dim]))
     return out
+
+
+def _intermediate(module: nn.Module, tensors: list[ExpertTensor]) -> int:
+    """The experts' intermediate features (the second projection's input dim)."""
+    second = tensors[1]
+    return int(cast(torch.Tensor, module._parameters[second.name]).shape[second.in_dim])
+
+
+def _local_shape(
+    module: nn.Module, tensors: list[ExpertTensor], t: ExpertTensor, tp: int, rank: int
+) -> list[int]:
+    """Tensor `t`'s shape on tp rank `rank`: its intermediate features cut as ShardedExperts
+    cuts them, whole when there are fewer of them than ranks."""
+    shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
+    inter = _intermediate(module, tensors)
+    if tp > 1 and inter >= tp:
+        shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
+    return shape
 
 
 def expert_rows(model: nn.Module, tp: int) -> list[tuple[str, str, str, str, str]]:
@@ -218,17 +231,14 @@ def expert_rows(model: nn.Module, tp: int) -> list[tuple[str, str, str, str, str
     rows = []
     for fqn, tensors in find_experts(model).items():
         module = model.get_submodule(fqn)
-        second = tensors[1]
-        inter = int(cast(torch.Tensor, module._parameters[second.name]).shape[second.in_dim])
+        inter = _intermediate(module, tensors)
         split = tp > 1 and inter >= tp
         cells = []
         for t in tensors:
-            shapes = []
-            for rank in range(tp if split else 1):
-                shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
-                if split:
-                    shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
-                shapes.append("x".join(map(str, shape)))
+            shapes = [
+                "x".join(map(str, _local_shape(module, tensors, t, tp, rank)))
+                for rank in range(tp if split else 1)
+            ]
             cells.append(f"{t.name} {'/'.join(shapes)}")
         if split:
             why = f"experts: {inter} intermediate features split over tp"
