@@ -166,6 +166,23 @@ def check_offload_base(*, fsdp: bool, offload_base: bool) -> None:
         )
 
 
+def check_keep_dequantized(*, quant: str | None, backend: str) -> None:
+    """Raise QuantError when weights are to be held dequantized without a base of bitsandbytes'
+    4-bit linears (`quant`: the format, None for an unquantized base), the only layers that hold
+    one (`qm.keep_dequantized`).
+
+    Example:
+        >>> check_keep_dequantized(quant="nf4", backend="bitsandbytes")
+    """
+    if not (quant in ("nf4", "fp4") and backend == "bitsandbytes"):
+        raise QuantError(
+            f"keep_dequantized with quant={quant!r}, quant_backend={backend!r}: only "
+            "bitsandbytes' 4-bit linears (nf4, fp4) hold a dequantized weight; pass --quant nf4 "
+            "(or fp4) with --quant-backend bitsandbytes, or leave --keep-dequantized out (API: "
+            "keep_dequantized=False)"
+        )
+
+
 def check_fsdp_options(*, pp: int, quant: str | None, backend: str) -> None:
     """Raise FsdpError when fsdp cannot shard this layout exactly: pipeline stages, or a base that
     bitsandbytes quantizes (`quant`: its format, None for an unquantized base).
@@ -341,15 +358,8 @@ class ParallelConfig:
         if self.fsdp:
             quant = None if self.quant == "none" else self.quant
             check_fsdp_options(pp=self.pp, quant=quant, backend=self.quant_backend)
-        if self.keep_dequantized and not (
-            self.quant in ("nf4", "fp4") and self.quant_backend == "bitsandbytes"
-        ):
-            raise QuantError(
-                f"keep_dequantized with quant={self.quant!r}, quant_backend="
-                f"{self.quant_backend!r}: only bitsandbytes' 4-bit layers hold a dequantized "
-                "weight; pass --quant nf4 (or fp4) with --quant-backend bitsandbytes, or leave "
-                "--keep-dequantized out"
-            )
+        if self.keep_dequantized:
+            check_keep_dequantized(quant=self.quant, backend=self.quant_backend)
 
 
 @dataclass(kw_only=True)

@@ -137,7 +137,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..config import QuantError, check_offload_base
+from ..config import check_keep_dequantized, check_offload_base
 from .styles import Style
 
 if TYPE_CHECKING:
@@ -354,13 +354,10 @@ def estimate_memory(
     resolved = (plan or auto_plan(model, tp)).resolve(model, tp)
     qcfg = resolve_quant(quant)
     fmt = get_format(qcfg) if qcfg is not None else None
-    if keep_dequantized and not (
-        qcfg is not None and qcfg.backend == "bitsandbytes" and qcfg.format in ("nf4", "fp4")
-    ):
-        raise QuantError(
-            f"keep_dequantized=True with quant={quant!r}: only bitsandbytes' 4-bit linears (nf4, "
-            "fp4) hold a dequantized weight; leave keep_dequantized out (CLI: --keep-dequantized "
-            "needs --quant nf4 or fp4 with --quant-backend bitsandbytes)"
+    if keep_dequantized:
+        check_keep_dequantized(
+            quant=qcfg.format if qcfg is not None else None,
+            backend=qcfg.backend if qcfg is not None else "bitsandbytes",
         )
     a = act_bytes or (2 if dtype in (torch.bfloat16, torch.float16) else 4)
     best: MemoryEstimate | None = None
