@@ -69,3 +69,54 @@ def expert_keys(folder: Path) -> list[str]:
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         return [k for k in f.keys() if ".experts." in k and k.split(".experts.")[1][0].isdigit()]
+
+
+def quantized_per_expert(folder: Path, root: Path, kind: str) -> tuple[Path, Path]:
+    """A bitsandbytes folder as transformers 4 saved one, from the float `folder`: every decoder
+    linear, each expert's too, stored quantized (`kind`: nf4, nf4_dq, fp4 or int8; 4-bit in 64
+    blocks with float32 statistics dtype, as `Linear4bit` quantizes). Returns (that folder, a float
+    folder holding bitsandbytes' dequantized values of the same weights: the reference).
+
+    transformers 5 cannot write this layout (it fuses the experts and quantizes only linears), so
+    the codes come from bitsandbytes' functions, which `Linear4bit` / `Linear8bitLt` call.
+    """
+    import json
+    import shutil
+
+    import bitsandbytes.functional as F
+    from safetensors.torch import load_file, save_file
+
+    fmt, dq = kind.split("_")[0], kind.endswith("_dq")
+    quant, floats = {}, {}
+    for k, v in load_file(str(folder / "model.safetensors")).items():
+        if (
+            not (k.endswith("proj.weight") or ".experts." in k)
+            or v.dim() != 2
+            or "layers." not in k
+        ):
+            quant[k] = floats[k] = v
+            continue
+        if fmt == "int8":
+            cb, scb, _ = F.int8_vectorwise_quant(v.half())
+            quant[k], quant[k[: -len("weight")] + "SCB"] = cb, scb
+            quant[k[: -len("weight")] + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
+            floats[k] = F.int8_vectorwise_dequant(cb, scb)
+            continue
+        codes, qs = F.quantize_4bit(v, blocksize=64, compress_statistics=dq, quant_type=fmt,
+                                    quant_storage=torch.uint8)  # fmt: skip
+        quant[k] = codes
+        quant.update({f"{k}.{s}": t for s, t in qs.as_dict(packed=True).items()})
+        floats[k] = F.dequantize_4bit(codes, qs)
+    cfg = json.loads((folder / "config.json").read_text())
+    ref = root / "reference"
+    for out, tensors in ((root / kind, quant), (ref, floats)):
+        out.mkdir(parents=True)
+        shutil.copy(folder / "config.json", out / "config.json")
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if fmt == "int8":
+        qc = {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 6.0}
+    else:
+        qc = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": fmt,
+              "bnb_4bit_use_double_quant": dq, "bnb_4bit_compute_dtype": "float32"}  # fmt: skip
+    (root / kind / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return root / kind, ref

@@ -186,7 +186,10 @@ def from_pretrained(
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
     if quant is None and qcfg is not None:  # as stored: exactly the layers saved quantized
         with open_checkpoint(path, key_map=hf_key_map(model)) as ckpt:
-            qcfg.targets = sorted(sw.module for sw in stored_weights(ckpt).values())
+            stored = {sw.module for sw in stored_weights(ckpt).values()}
+            # experts stored one quantized linear each, fused here: their module quantizes again
+            stored |= {k.rsplit(".", 1)[0] for k in ckpt.decoded}
+            qcfg.targets = sorted(stored)
         if not qcfg.targets:
             raise QuantError(
                 f"{path}/config.json has a bitsandbytes quantization_config, but the checkpoint "

@@ -417,6 +417,10 @@ def _load(
                 if bar is not None:
                     bar.update(_nbytes(t, src, reader, stored))
                 continue
+            if src in reader.decoded:
+                result.prequantized[t.key.rsplit(".", 1)[0]] = _decoded_how(
+                    reader.decoded[src], _owner(t)
+                )
             value = reader.read(src, t.dim, t.ranges, dtype=t.dtype, device=t.device)
             _put(t, value)
             del value
@@ -464,15 +468,26 @@ def _nbytes(t: _Target, src: str, reader: CheckpointReader, stored: Mapping[str,
     return t.nbytes(1) // (2 if sw.format in ("nf4", "fp4") else 1)
 
 
+def _decoded_how(fmt: str, owner: nn.Module) -> str:
+    """What loading a converted key whose pieces were stored quantized does (`io.encoded`)."""
+    if getattr(owner, "fmt", None) is None:
+        return f"dequantized ({fmt} pieces -> float, exact)"
+    return (
+        f"requantized: stored as one {fmt} tensor per piece (one linear per expert), fused here "
+        "from their exact values and quantized again in the model's blocks (the stored values "
+        "where the blocks line up and the statistics are not double-quantized)"
+    )
+
+
 def _report_requantized(result: LoadResult) -> None:
     redo = [m for m, how in result.prequantized.items() if how.startswith("requantized")]
     if redo:
         warnings.warn(
-            f"load_checkpoint: {len(redo)} pre-quantized weight(s) were requantized on tp rank "
-            f"{_rank()} because this rank's part cuts quantization blocks (e.g. {redo[0]}: "
-            f"{result.prequantized[redo[0]]}); their values differ from the stored ones by up to "
-            "the format's rounding error. Pick a tp whose cuts fall on blocks to load them "
-            "exactly (LoadResult.prequantized says what was done per module)",
+            f"load_checkpoint: {len(redo)} pre-quantized weight(s) were requantized on rank "
+            f"{_rank()} (e.g. {redo[0]}: {result.prequantized[redo[0]]}); their values may differ "
+            "from the stored ones by up to the format's rounding error. Where a tp cut splits "
+            "quantization blocks, a tp whose cuts fall on blocks loads them exactly "
+            "(LoadResult.prequantized says what was done per module)",
             stacklevel=4,
         )
 

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import QuantmeshError
 from .convert import ConversionError, Leaf, Node, Piece, assemble
+from .encoded import decode_pieces
 
 __all__ = ["CheckpointKeyError", "CheckpointReader", "open_checkpoint"]
 
@@ -376,11 +377,21 @@ class CheckpointReader:
         rename = (
             key_map if callable(key_map) else (lambda k: key_map.get(k, k)) if key_map else None
         )
+        self.decoded: dict[str, str] = {}
+        """{converted model key: format} where pieces were stored quantized by bitsandbytes and
+        are read as their exact dequantized values (`quantmesh.io.encoded`)."""
         order: list[str] = []  # model keys and converted targets, in checkpoint order
         pieces: dict[str, list[tuple[str, Piece, Leaf]]] = {}
+        decoded, used = decode_pieces(
+            shards, lambda k: rename is not None and isinstance(rename(k), Piece)
+        )
         for ckey, shard in shards.items():
+            if ckey in used:  # the statistics of a piece read as values
+                self._renamed[ckey] = None
+                continue
             mkey = rename(ckey) if rename else ckey
             if isinstance(mkey, Piece):
+                shard = decoded.get(ckey, shard)
                 self._renamed[ckey] = mkey.target
                 shape, dtype = shard.info(ckey)
                 self._leaf_shards[ckey] = shard
@@ -418,6 +429,11 @@ class CheckpointReader:
                     )
                 self._converted[mkey] = node
                 self._origin[mkey] = pieces[name][0][0]
+                formats = {
+                    decoded[leaf.key].format for leaf in node.leaves() if leaf.key in decoded
+                }
+                if formats:
+                    self.decoded[mkey] = "/".join(sorted(formats))
                 self._order.append(mkey)
         self._closed = False
 

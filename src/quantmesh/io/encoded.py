@@ -1,0 +1,140 @@
+"""Pieces of a converted key that bitsandbytes stored quantized, read as their exact values.
+
+A model saved quantized by bitsandbytes while its experts were separate linears (transformers 4;
+e.g. the `-bnb-4bit` uploads of mixture-of-experts models) stores each expert's weight as codes:
+`...experts.3.gate_proj.weight` packed uint8 with its statistics beside it
+(`.absmax`, `.quant_map`, `.quant_state.bitsandbytes__nf4`, ...), or int8 rows with `.SCB`
+scales. transformers 5 fuses the experts into one 3-D tensor per projection, and no stored code
+layout is one of those. `decode_pieces` wraps each such piece so that it reads as bitsandbytes'
+dequantized values (in the dtype it was quantized from for 4-bit, float32 for int8): the
+conversion stacks them like float pieces, and the model quantizes the fused tensor again in its
+own blocks. Their statistics are consumed. A reader decodes one piece at a time (one held).
+
+Example:
+    >>> decoded, used = decode_pieces(shards, rename)  # doctest: +SKIP
+    >>> decoded["model.layers.0.mlp.experts.3.gate_proj.weight"].info(...)  # doctest: +SKIP
+    ((768, 2048), torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..quant.base import QuantError
+
+__all__ = ["DecodedPiece", "decode_pieces"]
+
+TAG_4BIT = ".quant_state.bitsandbytes__"  # <m>.weight.quant_state.bitsandbytes__nf4
+STATS_4BIT = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+
+
+def _whole(shard: Any, key: str) -> torch.Tensor:
+    shape, _ = shard.info(key)
+    return shard.block(key, tuple(slice(None) for _ in shape))
+
+
+class DecodedPiece:
+    """One stored quantized weight as a shard of one key holding its dequantized values.
+
+    `format` is "nf4", "fp4" or "int8"; `parts` maps each stored key the value needs (the codes
+    and statistics) to its shard. `held` is a one-entry cache shared by a reader's pieces.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        format: str,
+        parts: dict[str, Any],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        held: dict[str, torch.Tensor],
+    ):
+        self.key, self.format, self.parts = key, format, parts
+        self.shape, self.dtype, self._held = shape, dtype, held
+
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.shape, self.dtype
+
+    def _value(self) -> torch.Tensor:
+        if self.key not in self._held:
+            self._held.clear()  # one piece at a time: the reader reads pieces in turn
+            self._held[self.key] = self._decode()
+        return self._held[self.key]
+
+    def _decode(self) -> torch.Tensor:
+        from ..quant.bnb import _bnb
+        from ..quant.prequant import stored_4bit_state
+
+        F = _bnb().functional
+        codes = _whole(self.parts[self.key], self.key)
+        if self.format == "int8":
+            scb_key = self.key[: -len("weight")] + "SCB"
+            scb = _whole(self.parts[scb_key], scb_key).float()
+            return F.int8_vectorwise_dequant(codes, scb)  # CB * SCB / 127, float32
+        prefix = self.key + "."
+        stats = {k[len(prefix) :]: _whole(s, k) for k, s in self.parts.items() if k != self.key}
+        qs = stored_4bit_state(stats)
+        return F.dequantize_4bit(codes, qs)  # (out, in) in the dtype it was quantized from
+
+    def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._value()[index]
+
+    def close(self) -> None:
+        self._held.pop(self.key, None)
+        for shard in self.parts.values():
+            shard.close()
+
+
+def decode_pieces(
+    shards: dict[str, Any], is_piece: Callable[[str], bool]
+) -> tuple[dict[str, DecodedPiece], dict[str, str]]:
+    """({piece key: DecodedPiece}, {statistics key: the piece key it belongs to}) for the keys of
+    `shards` ({checkpoint key: shard}) that `is_piece` and that bitsandbytes stored quantized.
+
+    Example:
+        >>> decode_pieces({"w": shard}, lambda k: True)  # doctest: +SKIP
+        ({}, {})
+    """
+    held: dict[str, torch.Tensor] = {}
+    decoded: dict[str, DecodedPiece] = {}
+    used: dict[str, str] = {}
+    for k in shards:
+        if TAG_4BIT not in k:
+            continue
+        wkey, _, fmt = k.rpartition(TAG_4BIT)
+        if wkey not in shards or not is_piece(wkey):
+            continue
+        blob = _whole(shards[k], k).reshape(-1).to(torch.uint8)
+        info = json.loads(bytes(blob.tolist()).decode("utf-8"))
+        stats = [f"{wkey}.{s}" for s in STATS_4BIT if f"{wkey}.{s}" in shards] + [k]
+        dtype = getattr(torch, str(info.get("dtype", "float32")).replace("torch.", ""))
+        parts = {key: shards[key] for key in [wkey, *stats]}
+        shape = tuple(int(s) for s in info["shape"])
+        decoded[wkey] = DecodedPiece(wkey, info.get("quant_type", fmt), parts, shape, dtype, held)
+        used.update((s, wkey) for s in stats)
+    for k in shards:
+        if not k.endswith(".SCB"):
+            continue
+        wkey = k[: -len("SCB")] + "weight"
+        if wkey not in shards or not is_piece(wkey) or shards[wkey].info(wkey)[1] != torch.int8:
+            continue
+        shape = shards[wkey].info(wkey)[0]
+        parts = {wkey: shards[wkey], k: shards[k]}
+        decoded[wkey] = DecodedPiece(wkey, "int8", parts, shape, torch.float32, held)
+        used[k] = wkey
+        fmt_key = k[: -len("SCB")] + "weight_format"
+        if fmt_key in shards:
+            if int(_whole(shards[fmt_key], fmt_key).reshape(-1)[0]) != 0:
+                raise QuantError(
+                    f"{fmt_key} says the int8 weight is not in bitsandbytes' row-major layout "
+                    "(0); save the model again with bitsandbytes >= 0.45"
+                )
+            used[fmt_key] = wkey
+    return decoded, used

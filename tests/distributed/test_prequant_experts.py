@@ -1,0 +1,106 @@
+"""Mixture-of-experts folders saved quantized by bitsandbytes one linear per expert (as transformers
+4 saved them, e.g. the `-bnb-4bit` uploads), loaded by `qm.from_pretrained` "as stored".
+
+transformers 5 fuses the experts into 3-D tensors and fails on this layout (its loading report
+refuses the packed shapes), so the reference is built from bitsandbytes' own dequantize: a float
+folder holding the dequantized values of every stored weight. The experts are read as those values,
+fused, and quantized again in the model's blocks; the attention's codes are kept as stored.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.moe_folders import moe_dir, quantized_per_expert
+
+pytestmark = pytest.mark.slow
+
+IDS = torch.tensor([[1, 5, 9, 33, 12, 7, 40, 22], [3, 60, 2, 17, 8, 8, 51, 30]])
+REL_TOL = 2e-6  # summation order of fp32 logits, relative to the largest logit (test_hf.py)
+# double quant: the absmax of the fused tensor's blocks is quantized again in other groups of 256
+DQ_TOL = 1e-4
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _load(folder: Path, **kw) -> tuple[torch.nn.Module, list[str]]:
+    import quantmesh as qm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = qm.from_pretrained(folder, qm.init_mesh(tp=1), progress=False, **kw)
+    return model, [str(w.message) for w in caught if "requantized" in str(w.message)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["nf4", "nf4_dq", "fp4", "int8"])
+def test_per_expert_codes_load_into_fused_quantized_experts(tmp_path, arch, kind):
+    from transformers import AutoModelForCausalLM
+
+    from quantmesh.tp.experts import ShardedExperts
+
+    folder = moe_dir(arch, tmp_path / "float", hidden_size=64)
+    stored, reference = quantized_per_expert(folder, tmp_path / "q", kind)
+    model, warned = _load(stored)
+    experts = [m for m in model.modules() if isinstance(m, ShardedExperts)]
+    # quantized as stored, not held in float (a 30B MoE's experts would not fit)
+    assert len(experts) == 2 and all(e.fmt.name == kind.split("_")[0] for e in experts)
+    got = _logits(model)
+    if kind == "int8":  # a float matmul is not int8's; the same model from the reference's values
+        want = _logits(_load(reference, quant="int8")[0])
+        assert _err(got, want) < REL_TOL
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+        assert _err(got, _logits(ref)) < (DQ_TOL if kind.endswith("_dq") else REL_TOL)
+    # said: the experts were quantized again
+    assert len(warned) == 1 and "one linear per expert" in warned[0]
+
+
+def test_a_float_model_takes_the_per_expert_values_exactly(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from quantmesh.io.hf import hf_key_map
+    from quantmesh.io.load import load_checkpoint
+
+    folder = moe_dir("qwen3_moe", tmp_path / "float", hidden_size=64)
+    stored, reference = quantized_per_expert(folder, tmp_path / "q", "nf4_dq")
+    ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    model, _ = _load(reference)  # a float model, then the quantized folder's values into it
+    res = load_checkpoint(model, stored, key_map=hf_key_map(model), progress=False)
+    assert _err(_logits(model), _logits(ref)) < REL_TOL
+    assert res.prequantized["model.layers.0.mlp.experts"].startswith("dequantized (nf4 pieces")
+    assert res.prequantized["model.layers.0.self_attn.q_proj"].startswith("dequantized (nf4")
+
+
+def _tp2(rank: int, stored: str, reference: str, out: str) -> None:
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=2)
+    got = _logits(qm.from_pretrained(stored, mesh, progress=False))
+    same = qm.QuantConfig(format="nf4", double_quant=False)  # the stored folder's
+    want = _logits(qm.from_pretrained(reference, mesh, quant=same, progress=False))
+    if rank == 0:
+        torch.save((got, want), out)
+
+
+def test_per_expert_codes_load_at_tp2(tmp_path):
+    """Each rank reads its slice of the fused experts from the per-expert codes, and quantizes it
+    as it would the same values read from a float folder."""
+    from quantmesh.testing import run_ranks
+
+    folder = moe_dir("qwen3_moe", tmp_path / "float", hidden_size=64)
+    stored, reference = quantized_per_expert(folder, tmp_path / "q", "nf4")
+    run_ranks(_tp2, 2, str(stored), str(reference), str(tmp_path / "tp2.pt"), timeout=300)
+    got, want = torch.load(tmp_path / "tp2.pt")
+    assert _err(got, want) < REL_TOL
