@@ -104,3 +104,31 @@ def test_per_expert_codes_load_at_tp2(tmp_path):
     run_ranks(_tp2, 2, str(stored), str(reference), str(tmp_path / "tp2.pt"), timeout=300)
     got, want = torch.load(tmp_path / "tp2.pt")
     assert _err(got, want) < REL_TOL
+
+
+def test_float_experts_of_a_quantized_folder_are_said_and_quantized_on_request(tmp_path):
+    """transformers 5 + bitsandbytes quantizes the attention only: the experts stay float as
+    stored, said with the fix; quant="nf4" quantizes them too (the attention from its codes)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from quantmesh.tp.experts import ShardedExperts
+
+    folder = moe_dir("qwen3_moe", tmp_path / "float", hidden_size=64)
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    saved = AutoModelForCausalLM.from_pretrained(folder, quantization_config=bnb, device_map="cpu")
+    saved.save_pretrained(tmp_path / "q")
+    import quantmesh as qm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = qm.from_pretrained(tmp_path / "q", qm.init_mesh(tp=1), progress=False)
+    said = [str(w.message) for w in caught if "experts module(s) in float" in str(w.message)]
+    assert len(said) == 1 and "quant='nf4'" in said[0]
+    assert not any(isinstance(m, ShardedExperts) for m in model.modules())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = qm.from_pretrained(tmp_path / "q", qm.init_mesh(tp=1), quant="nf4", progress=False)
+    assert not [w for w in caught if "in float" in str(w.message)]
+    experts = [m for m in model.modules() if isinstance(m, ShardedExperts)]
+    assert len(experts) == 2 and all(e.fmt.name == "nf4" for e in experts)

@@ -134,6 +134,24 @@ def _config_dtype(config: Any) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
 
 
+def _say_float_experts(path: Path, model: nn.Module, stored: set[str], fmt: str) -> None:
+    """Warn (rank 0) when a folder loaded as stored keeps experts in float: transformers 5's
+    bitsandbytes quantizes linears only, so its folders hold quantized attention and float
+    experts, most of a mixture of experts' bytes."""
+    import warnings
+
+    from ..tp.experts import find_experts
+
+    floats = sorted(set(find_experts(model)) - stored)
+    if floats and int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(
+            f"{path} stores {len(floats)} experts module(s) in float (e.g. {floats[0]}), beside "
+            f"layers quantized as {fmt}: they stay float as stored (transformers' bitsandbytes "
+            f"quantizes linear layers only). Pass quant={fmt!r} to quantize the experts too",
+            stacklevel=3,
+        )
+
+
 def from_pretrained(
     path: str | os.PathLike,
     mesh: Mesh,
@@ -190,6 +208,7 @@ def from_pretrained(
             # experts stored one quantized linear each, fused here: their module quantizes again
             stored |= {k.rsplit(".", 1)[0] for k in ckpt.decoded}
             qcfg.targets = sorted(stored)
+        _say_float_experts(path, model, stored, qcfg.format)
         if not qcfg.targets:
             raise QuantError(
                 f"{path}/config.json has a bitsandbytes quantization_config, but the checkpoint "
