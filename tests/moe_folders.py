@@ -120,3 +120,40 @@ def quantized_per_expert(folder: Path, root: Path, kind: str) -> tuple[Path, Pat
               "bnb_4bit_use_double_quant": dq, "bnb_4bit_compute_dtype": "float32"}  # fmt: skip
     (root / kind / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     return root / kind, ref
+
+
+def fp8_folder(folder: Path, root: Path, block: int = 128) -> tuple[Path, Path]:
+    """An fp8 folder as DeepSeek-V3's and Qwen3's `-FP8` checkpoints are stored, from the float
+    `folder`: every decoder projection (each expert's too) as float8_e4m3fn with one float32
+    `weight_scale_inv` per `block` x `block` block (the block's largest |value| / 448). Returns
+    (that folder, a float folder of its values: the fp8 value times its block's scale)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    quant, floats = {}, {}
+    for k, v in load_file(str(folder / "model.safetensors")).items():
+        if not k.endswith("proj.weight") or v.dim() != 2 or "layers." not in k:
+            quant[k] = floats[k] = v
+            continue
+        rows, cols = -(-v.shape[0] // block), -(-v.shape[1] // block)
+        pad = torch.zeros(rows * block, cols * block)
+        pad[: v.shape[0], : v.shape[1]] = v.float()
+        blocks = pad.view(rows, block, cols, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # (rows, cols)
+        big = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        big = big[: v.shape[0], : v.shape[1]]
+        q = (v.float() / big).to(torch.float8_e4m3fn)
+        quant[k], quant[k[: -len("weight")] + "weight_scale_inv"] = q, scale
+        floats[k] = q.float() * big
+    cfg = json.loads((folder / "config.json").read_text())
+    ref = root / "reference"
+    for out, tensors in ((root / "fp8", quant), (ref, floats)):
+        out.mkdir(parents=True)
+        shutil.copy(folder / "config.json", out / "config.json")
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": [block, block]}  # fmt: skip
+    (root / "fp8" / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return root / "fp8", ref

@@ -14,6 +14,12 @@ Example:
     >>> decoded, used = decode_pieces(shards, rename)  # doctest: +SKIP
     >>> decoded["model.layers.0.mlp.experts.3.gate_proj.weight"].info(...)  # doctest: +SKIP
     ((768, 2048), torch.bfloat16)
+
+Weights stored in fp8 with block scales (quant_method "fp8": DeepSeek-V3's, Qwen3's `-FP8`
+checkpoints; `<m>.weight` float8_e4m3fn, `<m>.weight_scale_inv` one float32 per 128 x 128 block)
+read as their float values too, plain keys and pieces alike, a chunk of rows at a time: quantmesh
+computes in none of these formats, so the model holds them in float or quantizes them as `quant=`
+says.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 
 from ..quant.base import QuantError
 
-__all__ = ["DecodedPiece", "decode_pieces"]
+__all__ = ["DecodedPiece", "Fp8Weight", "decode_stored"]
 
 TAG_4BIT = ".quant_state.bitsandbytes__"  # <m>.weight.quant_state.bitsandbytes__nf4
 STATS_4BIT = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -92,19 +98,88 @@ class DecodedPiece:
             shard.close()
 
 
-def decode_pieces(
+FP8_BLOCK = 128  # the block of every fp8 checkpoint with block scales (weight_block_size)
+
+
+class Fp8Weight:
+    """One fp8 weight with block scales (`weight_scale_inv`) as a shard of one key holding its
+    float32 values (fp8 value x its block's scale, as transformers' fp8 dequantize computes them),
+    decoded per block of rows read: no whole float copy is made."""
+
+    format = "fp8"
+
+    def __init__(self, key: str, shard: Any, scale_key: str, scale_shard: Any, block: tuple):
+        self.key, self.shard, self.scale_key, self.scale_shard = key, shard, scale_key, scale_shard
+        self.shape: tuple[int, ...] = tuple(shard.info(key)[0])
+        self.rows, self.cols = block
+
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.shape, torch.float32
+
+    def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        rows = index[0] if index else slice(None)
+        r0, r1, _ = rows.indices(self.shape[0])
+        w = self.shard.block(self.key, (slice(r0, r1),)).to(torch.float32)
+        b0, b1 = r0 // self.rows, (r1 - 1) // self.rows + 1 if r1 > r0 else r0 // self.rows
+        scale = self.scale_shard.block(self.scale_key, (slice(b0, b1),)).to(torch.float32)
+        scale = scale.repeat_interleave(self.rows, 0)[r0 - b0 * self.rows :][: r1 - r0]
+        scale = scale.repeat_interleave(self.cols, 1)[:, : self.shape[1]]
+        return (w * scale)[(slice(None),) + tuple(index[1:])]
+
+    def close(self) -> None:
+        self.shard.close()
+        self.scale_shard.close()
+
+
+def _fp8_block(key: str, shape: tuple[int, ...], scales: tuple[int, ...]) -> tuple[int, int]:
+    """The (rows, cols) block of an fp8 weight from its scale grid: 128 x 128 where the grid fits
+    it, else the one block size the grid divides evenly; refused when neither fits."""
+    if len(shape) != 2 or len(scales) != 2:
+        raise QuantError(
+            f"{key}: an fp8 weight of shape {shape} with scales {scales}; only 2-D weights with a "
+            "2-D grid of block scales are read"
+        )
+    block = []
+    for n, k in zip(shape, scales, strict=True):
+        if -(-n // FP8_BLOCK) == k:
+            block.append(FP8_BLOCK)
+        elif k and n % k == 0:
+            block.append(n // k)
+        else:
+            raise QuantError(
+                f"{key}: fp8 weight {shape} with a scale grid {scales}, which no block size "
+                f"fits ({FP8_BLOCK} would give {-(-n // FP8_BLOCK)}); load the float model instead"
+            )
+    return block[0], block[1]
+
+
+def decode_stored(
     shards: dict[str, Any], is_piece: Callable[[str], bool]
-) -> tuple[dict[str, DecodedPiece], dict[str, str]]:
-    """({piece key: DecodedPiece}, {statistics key: the piece key it belongs to}) for the keys of
-    `shards` ({checkpoint key: shard}) that `is_piece` and that bitsandbytes stored quantized.
+) -> tuple[dict[str, DecodedPiece | Fp8Weight], dict[str, str]]:
+    """({checkpoint key: its decoded shard}, {consumed key: the key it decodes with}) for the keys
+    of `shards` ({checkpoint key: shard}) read as values: pieces (`is_piece`) that bitsandbytes
+    stored quantized, and every fp8 weight with block scales.
 
     Example:
-        >>> decode_pieces({"w": shard}, lambda k: True)  # doctest: +SKIP
+        >>> decode_stored({"w": shard}, lambda k: True)  # doctest: +SKIP
         ({}, {})
     """
     held: dict[str, torch.Tensor] = {}
-    decoded: dict[str, DecodedPiece] = {}
+    decoded: dict[str, DecodedPiece | Fp8Weight] = {}
     used: dict[str, str] = {}
+    for k in shards:
+        if not k.endswith(".weight_scale_inv"):
+            continue
+        wkey = k[: -len("_scale_inv")]
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        if wkey not in shards or shards[wkey].info(wkey)[1] != fp8:
+            continue
+        block = _fp8_block(wkey, tuple(shards[wkey].info(wkey)[0]), tuple(shards[k].info(k)[0]))
+        decoded[wkey] = Fp8Weight(wkey, shards[wkey], k, shards[k], block)
+        used[k] = wkey
     for k in shards:
         if TAG_4BIT not in k:
             continue

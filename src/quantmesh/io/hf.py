@@ -134,6 +134,13 @@ def _config_dtype(config: Any) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
 
 
+def _stored_method(path: Path) -> str | None:
+    import json
+
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    return str(qc.get("quant_method", "")).lower() or None
+
+
 def _say_float_experts(path: Path, model: nn.Module, stored: set[str], fmt: str) -> None:
     """Warn (rank 0) when a folder loaded as stored keeps experts in float: transformers 5's
     bitsandbytes quantizes linears only, so its folders hold quantized attention and float
@@ -202,6 +209,15 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
+    if quant is None and _stored_method(path) == "fp8" and int(os.environ.get("RANK", "0")) == 0:
+        import warnings
+
+        warnings.warn(
+            f"{path} is stored in fp8, which quantmesh does not compute in: with quant=None its "
+            f"weights load as float ({dtype}), about twice the stored bytes in bf16. Pass "
+            "quant='nf4' (or 'int8') to quantize them on the ranks as they load",
+            stacklevel=2,
+        )
     if quant is None and qcfg is not None:  # as stored: exactly the layers saved quantized
         with open_checkpoint(path, key_map=hf_key_map(model)) as ckpt:
             stored = {sw.module for sw in stored_weights(ckpt).values()}

@@ -258,7 +258,9 @@ def fill_stored(
 def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConfig | None:
     """The QuantConfig that loads the folder `path` as it is stored, given the user's `quant=`.
 
-    A folder without `quantization_config` in config.json returns `quant` unchanged. A
+    A folder without `quantization_config` in config.json returns `quant` unchanged, and so does an
+    fp8 folder with block scales (its weights are read as float values, quantized as `quant` says).
+    A
     bitsandbytes folder gives its format (nf4/fp4/int8), double quant and int8 threshold (from_pretrained
     then targets exactly the layers stored quantized). A `quant=` that names another format is an
     error. Other methods are refused.
@@ -275,6 +277,15 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
     if not qc:
         return user
     method = str(qc.get("quant_method", "?")).lower()
+    if method == "fp8":  # block-scaled fp8, read as float values (io/encoded.py)
+        fmt = str(qc.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3" or qc.get("weight_block_size") is None:
+            raise QuantError(
+                f"{path} holds fp8 weights ({fmt}, weight_block_size="
+                f"{qc.get('weight_block_size')}); quantmesh reads e4m3 weights with block scales "
+                f"(weight_scale_inv) only; {_FLOAT_FIX}"
+            )
+        return user
     if method != "bitsandbytes":
         what = _OTHER_METHODS.get(method, "is a quantization method quantmesh does not read")
         raise QuantError(

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import QuantmeshError
 from .convert import ConversionError, Leaf, Node, Piece, assemble
-from .encoded import decode_pieces
+from .encoded import decode_stored
 
 __all__ = ["CheckpointKeyError", "CheckpointReader", "open_checkpoint"]
 
@@ -378,20 +378,23 @@ class CheckpointReader:
             key_map if callable(key_map) else (lambda k: key_map.get(k, k)) if key_map else None
         )
         self.decoded: dict[str, str] = {}
-        """{converted model key: format} where pieces were stored quantized by bitsandbytes and
-        are read as their exact dequantized values (`quantmesh.io.encoded`)."""
+        """{model key: stored format} of the keys read as their dequantized values
+        (`quantmesh.io.encoded`): converted keys whose pieces bitsandbytes stored quantized, and
+        fp8 weights with block scales."""
         order: list[str] = []  # model keys and converted targets, in checkpoint order
         pieces: dict[str, list[tuple[str, Piece, Leaf]]] = {}
-        decoded, used = decode_pieces(
+        decoded, used = decode_stored(
             shards, lambda k: rename is not None and isinstance(rename(k), Piece)
         )
         for ckey, shard in shards.items():
-            if ckey in used:  # the statistics of a piece read as values
+            if ckey in used:  # the statistics or scales of a weight read as values
                 self._renamed[ckey] = None
                 continue
+            shard = decoded.get(ckey, shard)
             mkey = rename(ckey) if rename else ckey
+            if ckey in decoded and isinstance(mkey, str):
+                self.decoded[mkey] = decoded[ckey].format
             if isinstance(mkey, Piece):
-                shard = decoded.get(ckey, shard)
                 self._renamed[ckey] = mkey.target
                 shape, dtype = shard.info(ckey)
                 self._leaf_shards[ckey] = shard
