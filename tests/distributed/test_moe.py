@@ -373,8 +373,10 @@ def test_rank_holds_its_share_of_the_base_and_the_estimate_says_so() -> None:
     facts = results()["tp2"][0]["bytes"]
     for name, f in facts.items():
         assert f["estimate"] == f["held"], (name, f)
-        if not f["verify_kept"]:  # 1/2 + the replicated rest (norms, routers, embeddings' rest)
-            assert f["fraction"] <= 0.62, (name, f)
+        # 1/2 + the replicated rest (norms, routers, embeddings' rest); 24 expert features
+        # (Qwen3-MoE's, gpt-oss') are cut 16 / 8 (groups of 8 for grouped_mm): 0.633 / 0.636
+        if not f["verify_kept"]:
+            assert f["fraction"] <= 0.64, (name, f)
     # none is kept whole: OLMoE's q / k norms over all heads take their statistic over tp, and
     # gpt-oss's attention sinks (one per head) are read through each rank's heads
     assert all(not f["verify_kept"] for f in facts.values()), facts
@@ -453,3 +455,34 @@ def test_compiled_blocks_trace_nf4_experts_with_adapters() -> None:
     for rank in results()["tp2"]:
         for path, c in rank["compiled"].items():
             assert c["n_grads"] > 0 and c["logits"] < 1e-5 and c["grads"] < 1e-5, (path, c)
+
+
+def _grouped_tp3(rank: int, folder: str) -> tuple[list, torch.Tensor]:
+    import quantmesh as qm
+    from quantmesh.tp.experts import ShardedExperts
+
+    model = qm.from_pretrained(folder, qm.init_mesh(tp=3), progress=False)
+    assert model.config._experts_implementation == "grouped_mm"
+    experts = next(m for m in model.modules() if isinstance(m, ShardedExperts))
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 33, 12, 7, 40, 22]])).logits
+    return [tuple(p.shape) for p in experts.parameters()], logits
+
+
+def test_experts_split_in_groups_that_grouped_mm_takes(tmp_path):
+    """grouped_mm refuses strides that are not a multiple of 16 bytes: 40 intermediate features
+    over tp 3 were cut 14 / 13 / 13 and failed deep in transformers' forward; now 16 / 16 / 8."""
+    import quantmesh as qm
+    from quantmesh.testing import run_ranks
+    from tests.moe_folders import moe_dir
+
+    folder = moe_dir("mixtral", tmp_path / "m", intermediate_size=40)
+    res = run_ranks(_grouped_tp3, 3, str(folder), timeout=300)
+    assert [shapes for shapes, _ in res] == [
+        [(4, 32, 32), (4, 32, 16)], [(4, 32, 32), (4, 32, 16)], [(4, 16, 32), (4, 32, 8)]
+    ]  # fmt: skip
+    one = qm.from_pretrained(folder, qm.init_mesh(tp=1), progress=False)
+    with torch.no_grad():
+        want = one(torch.tensor([[1, 5, 9, 33, 12, 7, 40, 22]])).logits
+    got = res[0][1]
+    assert float((got - want).abs().max() / want.abs().max()) < 2e-6

@@ -525,12 +525,12 @@ def _for_rank(
                     assert lora is not None  # expert_lora comes from it
                     e = int(getattr(mod, "num_experts", 1))
                     est.lora_params += lora.r * e * (in_l + out_l)
-            split_bias = {t.bias for t in experts[fqn] if t.first}
+            first = next(t for t in experts[fqn] if t.first)
+            share = (sizes[first.name][0], mod._parameters[first.name].numel())  # local / whole
             for pname, p in own:  # biases: the first projection's split, the second's whole
                 if pname not in sizes:
-                    est.weights += (
-                        p.numel() * dt_bytes // (resolved.tp if pname in split_bias else 1)
-                    )
+                    n = p.numel() * share[0] // share[1] if pname == first.bias else p.numel()
+                    est.weights += n * dt_bytes
             # the forward dequantizes both tensors (and adds the adapters' deltas), and backward
             # holds one tensor's gradient too
             extra = deq if fqn in expert_lora else 0

@@ -174,16 +174,23 @@ def unhandled_3d(model: nn.Module, experts: dict[str, Any]) -> list[str]:
     return [n for n in out if not isinstance(model.get_submodule(n.rpartition(".")[0]), nn.Conv2d)]
 
 
+GROUP = 8  # features: 16 bytes in bf16, the stride grouped_mm needs
+
+
 def _inter_split(module: nn.Module, t: ExpertTensor, inter: int, tp: int) -> FeatureSplit:
-    """The split of tensor `t`'s `split_dim` over tp: I cut in balanced blocks, the first
-    projection's gated features kept with their partners."""
-    counts = balanced_counts(inter, tp)
-    base = unit_split(inter, 1, counts)
+    """The split of tensor `t`'s `split_dim` over tp: I cut in balanced blocks of GROUP features
+    where I has enough of them (else of one), the first projection's gated features kept with
+    their partners. grouped_mm refuses strides that are not a multiple of 16 bytes, so a rank's
+    I must be a multiple of 8 features in bf16 (Mixtral's 14336 at tp 3: 4784 / 4776 / 4776,
+    not 4779 / 4779 / 4778)."""
+    unit = GROUP if inter % GROUP == 0 and inter // GROUP >= tp else 1
+    counts = balanced_counts(inter // unit, tp)
+    base = unit_split(inter, unit, counts)
     if not t.first or not bool(getattr(module, "has_gate", True)):
         return base
     if bool(getattr(module, "is_concatenated", True)):  # [gate; up]: each half cut alike
         return segmented_split([base, base])
-    return unit_split(2 * inter, 2, counts)  # gate, up interleaved: neighbouring pairs
+    return unit_split(2 * inter, 2 * unit, counts)  # gate, up interleaved: neighbouring pairs
 
 
 def local_sizes(module: nn.Module, tensors: list[ExpertTensor], tp: int, rank: int) -> dict:
