@@ -86,7 +86,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--mma",
         action="store_true",
         help="qlora: also greedy with kernel4.MMA_ENABLED flipped (quantmesh's tensor-core "
-        "kernel, 9 to 64 rows, opt-in), in the same process (profiled too with --profile): "
+        "kernel, 9 to 64 rows, on by default), in the same process (profiled too with --profile): "
         "qm_greedy_mma when it is off at the start, else qm_greedy_no_mma",
     )
     p.add_argument(

@@ -32,7 +32,7 @@
 #            by the kind of kernel before and after each gap
 #   batches  qm.fast_decode on the same shape at each batch of BATCHES (default 4 8), with the
 #            gemv and with bitsandbytes' path, in one process (bench_decode.py --gemv --batch)
-#   mma      the tensor-core kernel (9 to 64 rows, opt-in): its CUDA tests (NOTEST=1: not), then
+#   mma      the tensor-core kernel (9 to 64 rows, on by default): its CUDA tests (NOTEST=1: not), then
 #            benchmarks/nf4_gemv_bench.py --rows (ROWS, default 32,64,16): its library tile and
 #            MMA_CONFIGS (and the gemv's library tile at 16) against bitsandbytes' matmul_4bit,
 #            Triton's dequantize + matmul and torchao's int4, hot and cold; mma.ptx / mma.sass:

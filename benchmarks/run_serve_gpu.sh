@@ -16,7 +16,7 @@
 #   test     the CUDA tests of the slot engine (tests/distributed/test_cuda_serve.py; K: a pytest
 #            -k selection, e.g. K=sdpa; any QUANTMESH_* switch in the environment applies)
 #   dequant  bench_serve as in `serve` with the Triton dequantize on, then `profile` at 32 rows
-#   mma      bench_serve as in `serve` with the tensor-core 4-bit kernel on (QUANTMESH_MMA=1: 9 to
+#   mma      bench_serve as in `serve` with the tensor-core 4-bit kernel on (the default now: 9 to
 #            64 rows on the codes, no weight held), then `profile` at 32 rows
 #   dense    bench_serve as in `serve` with --keep-dequantized (the 4-bit weights held in bf16 too)
 #   gap      where a 32-row step's time goes: held_gemm_bench.py (the held weights' matmuls,

@@ -449,16 +449,16 @@ def test_gemv_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
             k4.launch_gemv(xx, flat, *stats, bs, "nf4", 64, cfg)
 
 
-def test_mma_kernel_is_opt_in_cuda_only_and_refuses_what_it_cannot_compute():
-    """kernel4's tensor-core kernel (MMA_MIN_ROWS to MMA_MAX_ROWS rows): off unless
-    QUANTMESH_MMA=1, never on CPU (QuantLinear4bit's output unchanged by turning it on there),
+def test_mma_kernel_is_on_cuda_only_and_refuses_what_it_cannot_compute():
+    """kernel4's tensor-core kernel (MMA_MIN_ROWS to MMA_MAX_ROWS rows): on unless
+    QUANTMESH_MMA=0, never on CPU (QuantLinear4bit's output unchanged by turning it on there),
     tried after the gemv; its tiles take the rows' power of two (at least 16) and cut K so that
     a grid holds about MMA_PROGRAMS programs; a call it cannot compute is refused with the
     reason before any launch."""
     from quantmesh.quant import bnb as qb
     from quantmesh.quant import kernel4 as k4
 
-    assert k4.MMA_ENABLED is (os.environ.get("QUANTMESH_MMA") == "1")
+    assert k4.MMA_ENABLED is (os.environ.get("QUANTMESH_MMA") != "0")
     m = _nf4_cpu_linear(64, 32)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
     _stays_off_on_cpu("MMA_ENABLED", k4.mma_applies, m, x)

@@ -20,16 +20,17 @@ fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` compute
 are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
 
-9 to 64 rows (opt-in, `MMA_ENABLED`; QUANTMESH_MMA=1): the tensor-core kernel
-(`matmul_4bit_mma`, `_triton4.qm_mma_4bit`). A program owns 64 features and all the rows, and
+9 to 64 rows (by default, `MMA_ENABLED`; QUANTMESH_MMA=0 turns it off): the tensor-core kernel
+(`matmul_4bit_mma`, `_triton4.qm_mma_4bit`). A program owns 64 or 128 features and all the rows, and
 walks K two 64-blocks a step: it loads the features' codes (16 bytes a thread), turns each nibble
 into its value by a warp shuffle, scales it by its block's absmax and rounds it to x's dtype (the
 weight bitsandbytes' `dequantize_4bit` writes, made in registers only), and multiplies it with
 x's rows on tensor cores (the features along the instruction's M, the rows along its N, so 16
 rows fill one; Hopper's wgmma takes the weight from registers). Its sums are fp32, as a matmul's
 on the dequantized weight. K is cut into shares so that a grid holds about `MMA_PROGRAMS`
-programs, their partials added in a fixed order. It is opt-in until it is timed on a GPU; its
-correctness is checked on CPU by Triton's interpreter and on the GPU by the CUDA tests.
+programs, their partials added in a fixed order. Timed on an H200 against bitsandbytes, Triton's
+dequantize + matmul and torchao's int4 (docs/benchmarks.md); its correctness is checked on CPU by
+Triton's interpreter and on the GPU by the CUDA tests.
 
 A few rows (opt-in, `ENABLED`): `matmul_4bit_rows`, a Triton kernel that streams the packed codes
 and the block statistics once per call: each program owns `BLOCK_N` output features and walks K,
@@ -153,19 +154,26 @@ GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many war
 # The tensor-core kernel (`matmul_4bit_mma`, `_triton4.qm_mma_4bit`) for MMA_MIN_ROWS to
 # MMA_MAX_ROWS rows (decoding 9 to 64 sequences, the server's larger steps): the codes read once,
 # dequantized in registers into the weight dequantize_4bit writes, multiplied on tensor cores.
-# Opt-in (QUANTMESH_MMA=1, or set this True) until it is timed against bitsandbytes and Triton's
-# dequantize + matmul on a GPU (`benchmarks/nf4_gemv_bench.py --rows 16,32,64`); off, those rows
-# keep the other paths. It is tried after the gemv, which takes up to GEMV_MAX_ROWS.
-MMA_ENABLED = env_switch("QUANTMESH_MMA", default=False)
+# On by default: on the 7B shapes it took 0.39-0.69x bitsandbytes' time at 16-64 rows and beat
+# Triton's dequantize + matmul and torchao's int4 (decoding 32 sequences 1.59x the tokens/s of
+# bitsandbytes' path; docs/benchmarks.md, "Figures the code relies on"). QUANTMESH_MMA=0 turns it
+# off (those rows keep the other paths). It is tried after the gemv, which takes up to
+# GEMV_MAX_ROWS.
+MMA_ENABLED = env_switch("QUANTMESH_MMA", default=True)
 MMA_MIN_ROWS = 9  # fewer rows would leave most of a 16-row instruction empty (the gemv's range)
 MMA_MAX_ROWS = 64  # the most rows `launch_mma` takes (all in one program: BLOCK_M <= 64)
 # mma_config's tile by rows (the power of two at or above them, at least 16): BLOCK_N features
 # and all rows a program, NB blocks of 64 codes a step (two MMAs of K = 32 NB), LUT 1 (code values
 # shuffled from the lane that holds them), 4 warps (one warpgroup: the MMA's 64 features), 3
-# stages of software pipelining. Not yet timed on a GPU: chosen by compiling it for sm_90 offline
-# (benchmarks/triton_offline.py; docs/benchmarks.md, "Figures the code relies on")
+# stages of software pipelining: the fastest swept at 32 rows. At 16 and 64 rows 128 features a
+# program and shares of 16 blocks were (at 64 rows 23 / 53 / 54 us cold on the 7B shapes, against
+# 48 / 54 / 70; docs/benchmarks.md, "Figures the code relies on")
 MMA_TILE: dict[str, Any] = dict(BLOCK_N=64, NB=2, LUT=1, num_warps=4, num_stages=3)
-MMA_ROW_TILES: dict[int, dict[str, Any]] = {16: MMA_TILE, 32: dict(MMA_TILE), 64: dict(MMA_TILE)}
+MMA_ROW_TILES: dict[int, dict[str, Any]] = {
+    16: dict(MMA_TILE, BLOCK_N=128, BLK=16),
+    32: dict(MMA_TILE),
+    64: dict(MMA_TILE, BLOCK_N=128, BLK=16),
+}
 MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many programs
 
 
