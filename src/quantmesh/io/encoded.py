@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..quant.base import QuantError
+from ..config import QuantError
 
 __all__ = ["DecodedPiece", "Fp8Weight", "decode_stored"]
 
@@ -75,10 +75,8 @@ class DecodedPiece:
         return self._held[self.key]
 
     def _decode(self) -> torch.Tensor:
-        from ..quant.bnb import _bnb
-        from ..quant.prequant import stored_4bit_state
+        import bitsandbytes.functional as F  # a bitsandbytes folder: bitsandbytes is there
 
-        F = _bnb().functional
         codes = _whole(self.parts[self.key], self.key)
         if self.format == "int8":
             scb_key = self.key[: -len("weight")] + "SCB"
@@ -86,7 +84,7 @@ class DecodedPiece:
             return F.int8_vectorwise_dequant(codes, scb)  # CB * SCB / 127, float32
         prefix = self.key + "."
         stats = {k[len(prefix) :]: _whole(s, k) for k, s in self.parts.items() if k != self.key}
-        qs = stored_4bit_state(stats)
+        qs = F.QuantState.from_dict(stats, device=torch.device("cpu"))
         return F.dequantize_4bit(codes, qs)  # (out, in) in the dtype it was quantized from
 
     def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:

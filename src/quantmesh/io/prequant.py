@@ -35,6 +35,7 @@ from torch import nn
 
 from ..quant.base import QuantConfig, QuantError
 from ..tp.layers import ShardedModule
+from .encoded import STATS_4BIT, TAG_4BIT
 from .reader import CheckpointReader, Ranges
 
 __all__ = [
@@ -45,8 +46,8 @@ __all__ = [
     "fill_stored",
 ]
 
-_4BIT_TAG = ".quant_state.bitsandbytes__"  # <m>.weight.quant_state.bitsandbytes__nf4
-_4BIT_STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+_4BIT_TAG = TAG_4BIT  # <m>.weight.quant_state.bitsandbytes__nf4
+_4BIT_STATS = STATS_4BIT
 
 # what to say for quantization methods quantmesh does not read (transformers' quant_method names)
 _PACKED_FOR_KERNELS = (

@@ -28,7 +28,7 @@ weight bitsandbytes' `dequantize_4bit` writes, made in registers only), and mult
 x's rows on tensor cores (the features along the instruction's M, the rows along its N, so 16
 rows fill one; Hopper's wgmma takes the weight from registers). Its sums are fp32, as a matmul's
 on the dequantized weight. K is cut into shares so that a grid holds about `MMA_PROGRAMS`
-programs, their partials added in a fixed order. Timed on an H200 against bitsandbytes, Triton's
+programs, their partials added in a fixed order. Timed on a GPU against bitsandbytes, Triton's
 dequantize + matmul and torchao's int4 (docs/benchmarks.md); its correctness is checked on CPU by
 Triton's interpreter and on the GPU by the CUDA tests.
 
@@ -154,11 +154,10 @@ GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many war
 # The tensor-core kernel (`matmul_4bit_mma`, `_triton4.qm_mma_4bit`) for MMA_MIN_ROWS to
 # MMA_MAX_ROWS rows (decoding 9 to 64 sequences, the server's larger steps): the codes read once,
 # dequantized in registers into the weight dequantize_4bit writes, multiplied on tensor cores.
-# On by default: on the 7B shapes it took 0.39-0.69x bitsandbytes' time at 16-64 rows and beat
-# Triton's dequantize + matmul and torchao's int4 (decoding 32 sequences 1.59x the tokens/s of
-# bitsandbytes' path; docs/benchmarks.md, "Figures the code relies on"). QUANTMESH_MMA=0 turns it
-# off (those rows keep the other paths). It is tried after the gemv, which takes up to
-# GEMV_MAX_ROWS.
+# On by default: on the 7B shapes it is faster than bitsandbytes' path at 16-64 rows, and than
+# Triton's dequantize + matmul and torchao's int4 but at one shape, and decoding 32 sequences with
+# it is faster (docs/benchmarks.md, "Figures the code relies on"). QUANTMESH_MMA=0 turns it off
+# (those rows keep the other paths). It is tried after the gemv, which takes up to GEMV_MAX_ROWS.
 MMA_ENABLED = env_switch("QUANTMESH_MMA", default=True)
 MMA_MIN_ROWS = 9  # fewer rows would leave most of a 16-row instruction empty (the gemv's range)
 MMA_MAX_ROWS = 64  # the most rows `launch_mma` takes (all in one program: BLOCK_M <= 64)
@@ -166,8 +165,7 @@ MMA_MAX_ROWS = 64  # the most rows `launch_mma` takes (all in one program: BLOCK
 # and all rows a program, NB blocks of 64 codes a step (two MMAs of K = 32 NB), LUT 1 (code values
 # shuffled from the lane that holds them), 4 warps (one warpgroup: the MMA's 64 features), 3
 # stages of software pipelining: the fastest swept at 32 rows. At 16 and 64 rows 128 features a
-# program and shares of 16 blocks were (at 64 rows 23 / 53 / 54 us cold on the 7B shapes, against
-# 48 / 54 / 70; docs/benchmarks.md, "Figures the code relies on")
+# program and shares of 16 blocks were (docs/benchmarks.md, "Figures the code relies on")
 MMA_TILE: dict[str, Any] = dict(BLOCK_N=64, NB=2, LUT=1, num_warps=4, num_stages=3)
 MMA_ROW_TILES: dict[int, dict[str, Any]] = {
     16: dict(MMA_TILE, BLOCK_N=128, BLK=16),
