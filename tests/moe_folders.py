@@ -157,3 +157,47 @@ def fp8_folder(folder: Path, root: Path, block: int = 128) -> tuple[Path, Path]:
           "weight_block_size": [block, block]}  # fmt: skip
     (root / "fp8" / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     return root / "fp8", ref
+
+
+def mxfp4_folder(folder: Path, root: Path) -> tuple[Path, Path]:
+    """A gpt-oss folder as its Hub checkpoints store the experts (quant_method "mxfp4"), from the
+    float gpt-oss `folder`: each expert tensor replaced by random `<t>_blocks` (E, out, in/32, 16)
+    uint8 codes and `<t>_scales` (E, out, in/32) exponents near 2^-7. Returns (that folder, the
+    float folder transformers' own dequantize makes of it: `Mxfp4Config(dequantize=True)`, saved)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for k, v in load_file(str(folder / "model.safetensors")).items():
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[k] = v
+            continue
+        e, n_in, n_out = v.shape  # gpt-oss holds its experts (E, in, out)
+        out[k + "_blocks"] = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8,
+                                           generator=g)  # fmt: skip
+        out[k + "_scales"] = torch.randint(118, 124, (e, n_out, n_in // 32), dtype=torch.uint8,
+                                           generator=g)  # fmt: skip
+    q = root / "mxfp4"
+    q.mkdir(parents=True)
+    save_file(out, str(q / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (q / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(
+        q, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    ref.config.quantization_config = None
+    delattr(ref.config, "quantization_config")
+    ref.save_pretrained(root / "reference")
+    return q, root / "reference"

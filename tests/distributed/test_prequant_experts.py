@@ -167,7 +167,7 @@ def test_fp8_folders_load_as_their_values_float_or_quantized(tmp_path, arch):
     assert _err(got, want) < REL_TOL
 
 
-def _fp8_tp2(rank: int, stored: str, reference: str, out: str) -> None:
+def _nf4_tp2(rank: int, stored: str, reference: str, out: str) -> None:
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=2)
@@ -184,7 +184,7 @@ def test_fp8_folders_load_by_slices_at_tp2(tmp_path):
 
     folder = moe_dir("deepseek_v3", tmp_path / "float", **FP8_SHAPES["deepseek_v3"])
     stored, reference = fp8_folder(folder, tmp_path / "q")
-    run_ranks(_fp8_tp2, 2, str(stored), str(reference), str(tmp_path / "tp2.pt"), timeout=300)
+    run_ranks(_nf4_tp2, 2, str(stored), str(reference), str(tmp_path / "tp2.pt"), timeout=300)
     got, want = torch.load(tmp_path / "tp2.pt")
     assert _err(got, want) < REL_TOL
 
@@ -202,3 +202,39 @@ def test_fp8_folders_other_than_e4m3_blocks_are_refused(tmp_path):
     (stored / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(qm.QuantError, match="block scales"):
         qm.from_pretrained(stored, qm.init_mesh(tp=1), progress=False)
+
+
+# ---- MXFP4 (gpt-oss' experts on the Hub) ----------------------------------------------------------
+MXFP4_SHAPE = dict(hidden_size=64, intermediate_size=32)  # inputs in groups of 32 codes
+
+
+def test_mxfp4_folders_load_as_transformers_dequantizes_them(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from quantmesh.tp.experts import ShardedExperts
+    from tests.moe_folders import mxfp4_folder
+
+    folder = moe_dir("gpt_oss", tmp_path / "float", **MXFP4_SHAPE)
+    stored, reference = mxfp4_folder(folder, tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    model, warned = _load(stored, dtype=torch.float32)  # quant=None: the float values, said
+    assert _err(_logits(model), _logits(ref)) < REL_TOL
+    said = [w for w in warned if "stored in mxfp4" in w]
+    assert len(said) == 1 and "quant='nf4'" in said[0]
+    # quant="nf4": the experts quantized from those values, as from the float folder
+    model = _load(stored, quant="nf4", dtype=torch.float32)[0]
+    experts = [m for m in model.modules() if isinstance(m, ShardedExperts)]
+    assert len(experts) == 2 and all(e.fmt.name == "nf4" for e in experts)
+    want = _logits(_load(reference, quant="nf4", dtype=torch.float32)[0])
+    assert _err(_logits(model), want) < REL_TOL
+
+
+def test_mxfp4_folders_load_by_slices_at_tp2(tmp_path):
+    from quantmesh.testing import run_ranks
+    from tests.moe_folders import mxfp4_folder
+
+    folder = moe_dir("gpt_oss", tmp_path / "float", **MXFP4_SHAPE)
+    stored, reference = mxfp4_folder(folder, tmp_path)
+    run_ranks(_nf4_tp2, 2, str(stored), str(reference), str(tmp_path / "tp2.pt"), timeout=300)
+    got, want = torch.load(tmp_path / "tp2.pt")
+    assert _err(got, want) < REL_TOL

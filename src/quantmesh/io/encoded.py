@@ -17,9 +17,10 @@ Example:
 
 Weights stored in fp8 with block scales (quant_method "fp8": DeepSeek-V3's, Qwen3's `-FP8`
 checkpoints; `<m>.weight` float8_e4m3fn, `<m>.weight_scale_inv` one float32 per 128 x 128 block)
-read as their float values too, plain keys and pieces alike, a chunk of rows at a time: quantmesh
-computes in none of these formats, so the model holds them in float or quantizes them as `quant=`
-says.
+read as their float values too, plain keys and pieces alike, a chunk of rows at a time; and so do
+gpt-oss' experts stored in MXFP4 (quant_method "mxfp4": `<t>_blocks` and `<t>_scales`, read as the
+model's tensor `<t>`). quantmesh computes in none of these formats, so the model holds them in
+float or quantizes them as `quant=` says.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from ..config import QuantError
 
-__all__ = ["DecodedPiece", "Fp8Weight", "decode_stored"]
+__all__ = ["DecodedPiece", "Fp8Weight", "Mxfp4Weight", "decode_stored"]
 
 TAG_4BIT = ".quant_state.bitsandbytes__"  # <m>.weight.quant_state.bitsandbytes__nf4
 STATS_4BIT = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -132,6 +133,63 @@ class Fp8Weight:
         self.scale_shard.close()
 
 
+# e2m1: the 16 values of a 4-bit code (sign, 2 exponent bits, 1 mantissa bit)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+class Mxfp4Weight:
+    """gpt-oss' experts in MXFP4 as a shard of one key, the model's tensor: `<t>_blocks` (E, out,
+    in/32, 16) uint8, two e2m1 codes a byte (the low nibble first), and `<t>_scales` (E, out,
+    in/32) uint8, a power of two per 32 codes biased by 127, read as the (E, in, out) float32
+    tensor gpt-oss holds (code value x 2^(scale - 127): exact, as transformers' dequantize
+    computes it), a chunk of experts at a time."""
+
+    format = "mxfp4"
+
+    def __init__(self, key: str, blocks: tuple[str, Any], scales: tuple[str, Any]):
+        self.key, (self.bkey, self.bshard), (self.skey, self.sshard) = key, blocks, scales
+        e, out, groups, width = self.bshard.info(self.bkey)[0]
+        self.shape: tuple[int, ...] = (e, groups * width * 2, out)
+
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.shape, torch.float32
+
+    def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        rows = index[0] if index else slice(None)
+        e0, e1, _ = rows.indices(self.shape[0])
+        codes = self.bshard.block(self.bkey, (slice(e0, e1),)).to(torch.uint8)
+        exps = self.sshard.block(self.skey, (slice(e0, e1),)).to(torch.int32) - 127
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        vals = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1)
+        vals = torch.ldexp(vals.flatten(-2), exps.unsqueeze(-1))  # (e, out, in/32, 32)
+        w = vals.flatten(-2).transpose(1, 2)  # (e, in, out)
+        return w[(slice(None),) + tuple(index[1:])]
+
+    def close(self) -> None:
+        self.bshard.close()
+        self.sshard.close()
+
+
 def _fp8_block(key: str, shape: tuple[int, ...], scales: tuple[int, ...]) -> tuple[int, int]:
     """The (rows, cols) block of an fp8 weight from its scale grid: 128 x 128 where the grid fits
     it, else the one block size the grid divides evenly; refused when neither fits."""
@@ -156,18 +214,33 @@ def _fp8_block(key: str, shape: tuple[int, ...], scales: tuple[int, ...]) -> tup
 
 def decode_stored(
     shards: dict[str, Any], is_piece: Callable[[str], bool]
-) -> tuple[dict[str, DecodedPiece | Fp8Weight], dict[str, str]]:
-    """({checkpoint key: its decoded shard}, {consumed key: the key it decodes with}) for the keys
-    of `shards` ({checkpoint key: shard}) read as values: pieces (`is_piece`) that bitsandbytes
-    stored quantized, and every fp8 weight with block scales.
+) -> tuple[dict[str, DecodedPiece | Fp8Weight | Mxfp4Weight], dict[str, str]]:
+    """({key: its decoded shard}, {consumed key: the key it decodes with}) for the keys of
+    `shards` ({checkpoint key: shard}) read as values: pieces (`is_piece`) that bitsandbytes
+    stored quantized, every fp8 weight with block scales, and MXFP4 tensors (whose key, `<t>`,
+    the checkpoint does not hold: `<t>_blocks` and `<t>_scales` are consumed).
 
     Example:
         >>> decode_stored({"w": shard}, lambda k: True)  # doctest: +SKIP
         ({}, {})
     """
     held: dict[str, torch.Tensor] = {}
-    decoded: dict[str, DecodedPiece | Fp8Weight] = {}
+    decoded: dict[str, DecodedPiece | Fp8Weight | Mxfp4Weight] = {}
     used: dict[str, str] = {}
+    for k in shards:  # MXFP4: <t>_blocks + <t>_scales -> <t>, a key the checkpoint does not hold
+        if not k.endswith("_blocks") or k[: -len("_blocks")] in shards:
+            continue
+        key, skey = k[: -len("_blocks")], k[: -len("_blocks")] + "_scales"
+        shape, dtype = shards[k].info(k)
+        if skey not in shards or dtype != torch.uint8 or len(shape) != 4:
+            continue
+        if tuple(shards[skey].info(skey)[0]) != tuple(shape[:3]):
+            raise QuantError(
+                f"{k} {tuple(shape)} and {skey} {tuple(shards[skey].info(skey)[0])}: MXFP4 blocks "
+                "need one scale per 32 codes; the checkpoint is damaged, download it again"
+            )
+        decoded[key] = Mxfp4Weight(key, (k, shards[k]), (skey, shards[skey]))
+        used[k] = used[skey] = key
     for k in shards:
         if not k.endswith(".weight_scale_inv"):
             continue

@@ -209,12 +209,14 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    if quant is None and _stored_method(path) == "fp8" and int(os.environ.get("RANK", "0")) == 0:
+    method = _stored_method(path)
+    if quant is None and method in ("fp8", "mxfp4") and int(os.environ.get("RANK", "0")) == 0:
         import warnings
 
+        grows = "about twice" if method == "fp8" else "about four times"
         warnings.warn(
-            f"{path} is stored in fp8, which quantmesh does not compute in: with quant=None its "
-            f"weights load as float ({dtype}), about twice the stored bytes in bf16. Pass "
+            f"{path} is stored in {method}, which quantmesh does not compute in: with quant=None "
+            f"its weights load as float ({dtype}), {grows} the stored bytes in bf16. Pass "
             "quant='nf4' (or 'int8') to quantize them on the ranks as they load",
             stacklevel=2,
         )

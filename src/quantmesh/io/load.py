@@ -469,9 +469,9 @@ def _nbytes(t: _Target, src: str, reader: CheckpointReader, stored: Mapping[str,
 
 
 def _decoded_how(fmt: str, owner: nn.Module) -> str:
-    """What loading a converted key whose pieces were stored quantized does (`io.encoded`)."""
-    if fmt == "fp8":  # a format quantmesh does not compute in: quant= chose the model's
-        return "dequantized (fp8 -> float, exact)" + (
+    """What loading a key read as its stored values does (`io.encoded`)."""
+    if fmt in ("fp8", "mxfp4"):  # formats quantmesh does not compute in: quant= chose the model's
+        return f"dequantized ({fmt} -> float, exact)" + (
             "" if getattr(owner, "fmt", None) is None else ", then quantized as the model says"
         )
     if getattr(owner, "fmt", None) is None:

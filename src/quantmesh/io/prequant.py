@@ -259,8 +259,9 @@ def fill_stored(
 def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConfig | None:
     """The QuantConfig that loads the folder `path` as it is stored, given the user's `quant=`.
 
-    A folder without `quantization_config` in config.json returns `quant` unchanged, and so does an
-    fp8 folder with block scales (its weights are read as float values, quantized as `quant` says).
+    A folder without `quantization_config` in config.json returns `quant` unchanged, and so do an
+    fp8 folder with block scales and an MXFP4 one (their weights are read as float values,
+    quantized as `quant` says).
     A
     bitsandbytes folder gives its format (nf4/fp4/int8), double quant and int8 threshold (from_pretrained
     then targets exactly the layers stored quantized). A `quant=` that names another format is an
@@ -278,6 +279,8 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
     if not qc:
         return user
     method = str(qc.get("quant_method", "?")).lower()
+    if method == "mxfp4":  # gpt-oss' experts, read as float values (io/encoded.py)
+        return user
     if method == "fp8":  # block-scaled fp8, read as float values (io/encoded.py)
         fmt = str(qc.get("fmt", "e4m3")).lower()
         if fmt != "e4m3" or qc.get("weight_block_size") is None:

@@ -379,18 +379,25 @@ class CheckpointReader:
         )
         self.decoded: dict[str, str] = {}
         """{model key: stored format} of the keys read as their dequantized values
-        (`quantmesh.io.encoded`): converted keys whose pieces bitsandbytes stored quantized, and
-        fp8 weights with block scales."""
+        (`quantmesh.io.encoded`): converted keys whose pieces bitsandbytes stored quantized, fp8
+        weights with block scales, MXFP4 tensors."""
         order: list[str] = []  # model keys and converted targets, in checkpoint order
         pieces: dict[str, list[tuple[str, Piece, Leaf]]] = {}
         decoded, used = decode_stored(
             shards, lambda k: rename is not None and isinstance(rename(k), Piece)
         )
+        listed: list[tuple[str, Any]] = []  # checkpoint keys (or decoded ones) and their shards
+        made: set[str] = set()
         for ckey, shard in shards.items():
             if ckey in used:  # the statistics or scales of a weight read as values
                 self._renamed[ckey] = None
+                into = used[ckey]
+                if into not in shards and into not in made:  # MXFP4's <t>, a key of its own
+                    made.add(into)
+                    listed.append((into, decoded[into]))
                 continue
-            shard = decoded.get(ckey, shard)
+            listed.append((ckey, decoded.get(ckey, shard)))
+        for ckey, shard in listed:
             mkey = rename(ckey) if rename else ckey
             if ckey in decoded and isinstance(mkey, str):
                 self.decoded[mkey] = decoded[ckey].format
