@@ -422,6 +422,31 @@ def test_quant_linear_takes_the_mma_when_enabled_and_compiles():
         k4.MMA_ENABLED = before
 
 
+def test_the_training_switch_takes_the_dequantize_under_autograd_only():
+    """`DEQUANT_TRAINING` alone: Triton's dequantize where autograd records (training), and
+    bitsandbytes' path for the same rows without it (inference keeps its default)."""
+    _need_cuda()
+    import quantmesh.quant.kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format
+
+    fmt = bnb_format(QuantConfig(format="nf4"))
+    m = fmt.new_linear(4096, 1000, bias=False, device="cuda", dtype=torch.bfloat16)
+    fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    qs = m.weight.quant_state
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    before = (k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING)
+    try:
+        k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING = False, True
+        assert k4.dequant_kernel_applies(x.clone().requires_grad_(), qs, torch.bfloat16)
+        with torch.no_grad():
+            assert not k4.dequant_kernel_applies(x, qs, torch.bfloat16)
+        k4.DEQUANT_TRAINING = False
+        assert not k4.dequant_kernel_applies(x.clone().requires_grad_(), qs, torch.bfloat16)
+    finally:
+        k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING = before
+
+
 def test_training_takes_the_triton_dequantize_with_bitsandbytes_values():
     """With `DEQUANT_ENABLED`, QuantLinear4bit under autograd multiplies Triton's dequantized
     weight, forward and backward: at 2048 rows, where bitsandbytes' own path dequantizes too, the

@@ -510,13 +510,16 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
     x = heads.transpose(1, 2).reshape(16, 1, 128)  # strides (128, 32, 1): not a plain view
     # off unless QUANTMESH_TRITON_DEQUANT=1 was set when kernel4 was imported
     assert k4.DEQUANT_ENABLED is (os.environ.get("QUANTMESH_TRITON_DEQUANT") == "1")
+    assert k4.DEQUANT_TRAINING is (os.environ.get("QUANTMESH_TRITON_DEQUANT_TRAINING") == "1")
     _stays_off_on_cpu("DEQUANT_ENABLED", k4.dequant_kernel_applies, m, x)
+    _stays_off_on_cpu("DEQUANT_TRAINING", k4.dequant_kernel_applies, m, x)
     xg = x.detach().clone().requires_grad_()
     r = torch.randn(16, 1, 32, generator=torch.Generator().manual_seed(2))
     grads = []
     for on in (False, True):  # autograd recording (training): the CPU keeps bitsandbytes' path
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(k4, "DEQUANT_ENABLED", on)
+            mp.setattr(k4, "DEQUANT_TRAINING", on)
             assert not k4.dequant_kernel_applies(xg, qs, torch.bfloat16)
             xg.grad = None
             (m(xg) * r).sum().backward()
@@ -526,6 +529,7 @@ def test_dequant_kernel_is_opt_in_and_cuda_only_and_inputs_are_flattened():
     whole = fmt.compute_weight(m)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(k4, "DEQUANT_ENABLED", True)
+        mp.setattr(k4, "DEQUANT_TRAINING", True)
         assert not k4.dequantize_weight_applies(m.weight, "nf4", whole.numel(), whole.dtype)
         assert torch.equal(fmt.compute_weight(m), whole)
     with torch.no_grad():

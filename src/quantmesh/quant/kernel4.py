@@ -75,6 +75,7 @@ from ..config import env_switch
 
 __all__ = [
     "DEQUANT_ENABLED",
+    "DEQUANT_TRAINING",
     "DEQUANT_MIN_ROWS",
     "ENABLED",
     "GEMV_ENABLED",
@@ -122,6 +123,17 @@ DEQUANT_MIN_ROWS = 8
 # pays it on every linear; the server and training with it on are not yet measured
 # (docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path at every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
+# The training half alone (QUANTMESH_TRITON_DEQUANT_TRAINING=1): Triton's dequantize under autograd
+# only (forward and backward of training, the experts' weights dequantized whole in a training
+# forward), inference keeping bitsandbytes' path. A compiled 7B training step ran faster with it
+# (docs/benchmarks.md, "Figures the code relies on"); opt-in until its default is measured too.
+DEQUANT_TRAINING = env_switch("QUANTMESH_TRITON_DEQUANT_TRAINING", default=False)
+
+
+def _dequant_on() -> bool:
+    return DEQUANT_ENABLED or (DEQUANT_TRAINING and torch.is_grad_enabled())
+
+
 _INT32_LIMIT = 2**31  # the kernel indexes the flat weight in int32
 # The gemv (`matmul_4bit_gemv`, 1 to GEMV_MAX_ROWS rows): on by default, decoding faster than
 # with bitsandbytes' kernels (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV=0
@@ -274,7 +286,7 @@ def _codes_op(name: str, launch: Any, config: Any) -> Any:
 
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_dequant` computes x @ W^T for the QuantState `qs`: once turned on
-    (`DEQUANT_ENABLED`), on CUDA with Triton, bf16/fp16 compute, statistics of the kinds the
+    (`DEQUANT_ENABLED`, or `DEQUANT_TRAINING` under autograd), on CUDA with Triton, bf16/fp16 compute, statistics of the kinds the
     kernel reads (nested blocks of 256), and either autograd recording (training: any rows) or
     at least `DEQUANT_MIN_ROWS` rows.
 
@@ -282,7 +294,7 @@ def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype)
         >>> dequant_kernel_applies(torch.ones(64, 4096), qs, torch.bfloat16)  # CPU  # doctest: +SKIP
         False
     """
-    if not DEQUANT_ENABLED:
+    if not _dequant_on():
         return False
     rows = _rows_kernels_take(x, qs, compute_dtype, autograd=True)
     return rows >= (1 if torch.is_grad_enabled() else DEQUANT_MIN_ROWS)
@@ -814,7 +826,8 @@ def dequantize_4bit(packed: torch.Tensor, absmax: torch.Tensor,
 def dequantize_weight_applies(packed: torch.Tensor, quant_type: str, numel: int,
                               dtype: torch.dtype) -> bool:  # fmt: skip
     """Whether `dequantize_weight` writes out this 4-bit weight (`numel` values, fp32 absmax per
-    block of the flattened weight) in `dtype`: `DEQUANT_ENABLED`, CUDA with Triton, nf4/fp4 codes
+    block of the flattened weight) in `dtype`: `DEQUANT_ENABLED` (or `DEQUANT_TRAINING` under
+    autograd), CUDA with Triton, nf4/fp4 codes
     indexed in int32, a float dtype. The 4-bit layers whose whole weight is dequantized outside
     QuantLinear4bit's matmul take it there (`Bnb4bitFormat.compute_weight`, `compute_units`: the
     experts' fused tensors).
@@ -823,7 +836,7 @@ def dequantize_weight_applies(packed: torch.Tensor, quant_type: str, numel: int,
         >>> dequantize_weight_applies(packed, "nf4", 4096 * 4096, torch.bfloat16)  # CPU  # doctest: +SKIP
         False
     """
-    return (DEQUANT_ENABLED and packed.device.type == "cuda" and _HAS_TRITON
+    return (_dequant_on() and packed.device.type == "cuda" and _HAS_TRITON
             and quant_type in ("nf4", "fp4") and numel < _INT32_LIMIT
             and dtype in (torch.bfloat16, torch.float16, torch.float32))  # fmt: skip
 
