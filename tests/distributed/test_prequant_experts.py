@@ -9,6 +9,7 @@ fused, and quantized again in the model's blocks; the attention's codes are kept
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -161,6 +162,18 @@ def test_fp8_folders_load_as_their_values_float_or_quantized(tmp_path, arch):
         tf = AutoModelForCausalLM.from_pretrained(stored, dtype=torch.float32,
                                                   quantization_config=deq).eval()  # fmt: skip
         assert _err(floats, _logits(tf)) < REL_TOL
+    # read bytes are counted at the stored width: the fp8 weights and the rest, not the scales
+    from safetensors import safe_open
+
+    from quantmesh.io.hf import hf_key_map
+    from quantmesh.io.load import load_checkpoint
+
+    res = load_checkpoint(model, stored, key_map=hf_key_map(model), progress=False)
+    with safe_open(str(stored / "model.safetensors"), framework="pt") as f:
+        nbytes = [(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()]
+    size = {"F8_E4M3": 1, "F32": 4, "BF16": 2, "F16": 2}
+    want = sum(math.prod(shape) * size[dt] for k, shape, dt in nbytes if "scale_inv" not in k)
+    assert res.bytes_read == want
     # quant="nf4": the same model as the float values quantized
     got = _logits(_load(stored, quant="nf4", dtype=torch.float32)[0])
     want = _logits(_load(reference, quant="nf4", dtype=torch.float32)[0])

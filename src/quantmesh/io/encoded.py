@@ -1,26 +1,28 @@
-"""Pieces of a converted key that bitsandbytes stored quantized, read as their exact values.
+"""Stored weights read as their values: formats quantmesh does not compute in, or layouts no
+model tensor has, decoded as the reader reads them.
 
-A model saved quantized by bitsandbytes while its experts were separate linears (transformers 4;
-e.g. the `-bnb-4bit` uploads of mixture-of-experts models) stores each expert's weight as codes:
-`...experts.3.gate_proj.weight` packed uint8 with its statistics beside it
-(`.absmax`, `.quant_map`, `.quant_state.bitsandbytes__nf4`, ...), or int8 rows with `.SCB`
-scales. transformers 5 fuses the experts into one 3-D tensor per projection, and no stored code
-layout is one of those. `decode_pieces` wraps each such piece so that it reads as bitsandbytes'
-dequantized values (in the dtype it was quantized from for 4-bit, float32 for int8): the
-conversion stacks them like float pieces, and the model quantizes the fused tensor again in its
-own blocks. Their statistics are consumed. A reader decodes one piece at a time (one held).
+- Pieces of a converted key that bitsandbytes stored quantized. A model saved quantized while its
+  experts were separate linears (transformers 4; e.g. the `-bnb-4bit` uploads of mixture-of-
+  experts models) stores each expert's weight as codes (`...experts.3.gate_proj.weight` packed
+  uint8 with `.absmax`, `.quant_map`, `.quant_state.bitsandbytes__nf4`, ... beside it) or int8
+  rows with `.SCB` scales. transformers 5 fuses the experts into one 3-D tensor per projection,
+  which no stored code layout is. Each piece reads as bitsandbytes' dequantized values (4-bit in
+  the dtype it was quantized from, int8 in float32), the conversion stacks them like float
+  pieces, and the model quantizes the fused tensor again in its own blocks. One piece is held
+  at a time.
+- fp8 with block scales (quant_method "fp8": DeepSeek-V3's, Qwen3's `-FP8` checkpoints; `<m>.weight`
+  float8_e4m3fn, `<m>.weight_scale_inv` one float32 per 128 x 128 block), plain keys and pieces
+  alike, a chunk of rows at a time.
+- gpt-oss' experts in MXFP4 (quant_method "mxfp4": `<t>_blocks` and `<t>_scales`, read as the
+  model's tensor `<t>`), a chunk of experts at a time.
+
+The model holds the values in float or quantizes them as `quant=` says. Statistics and scales
+are consumed: they are no keys of the reader.
 
 Example:
-    >>> decoded, used = decode_pieces(shards, rename)  # doctest: +SKIP
+    >>> decoded, used = decode_stored(shards, is_piece)  # doctest: +SKIP
     >>> decoded["model.layers.0.mlp.experts.3.gate_proj.weight"].info(...)  # doctest: +SKIP
     ((768, 2048), torch.bfloat16)
-
-Weights stored in fp8 with block scales (quant_method "fp8": DeepSeek-V3's, Qwen3's `-FP8`
-checkpoints; `<m>.weight` float8_e4m3fn, `<m>.weight_scale_inv` one float32 per 128 x 128 block)
-read as their float values too, plain keys and pieces alike, a chunk of rows at a time; and so do
-gpt-oss' experts stored in MXFP4 (quant_method "mxfp4": `<t>_blocks` and `<t>_scales`, read as the
-model's tensor `<t>`). quantmesh computes in none of these formats, so the model holds them in
-float or quantizes them as `quant=` says.
 """
 
 from __future__ import annotations
@@ -134,24 +136,8 @@ class Fp8Weight:
 
 
 # e2m1: the 16 values of a 4-bit code (sign, 2 exponent bits, 1 mantissa bit)
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 
 
 class Mxfp4Weight:

@@ -427,7 +427,7 @@ def _load(
             written.update(t.keys)
             if sharder is not None:  # fsdp: a block whose tensors are all written is sharded
                 sharder.filled(t.keys)
-            n = t.nbytes(reader.dtype(src).itemsize)
+            n = _nbytes(t, src, reader, stored)
             result.bytes_read += n
             if bar is not None:
                 bar.update(n)
@@ -463,9 +463,11 @@ def _load(
 def _nbytes(t: _Target, src: str, reader: CheckpointReader, stored: Mapping[str, Any]) -> int:
     """Stored bytes of this rank's part of `src` (the progress bar's unit)."""
     sw = stored.get(src)
-    if sw is None:
+    fmt = sw.format if sw is not None else reader.decoded.get(src)
+    if fmt is None:
         return t.nbytes(reader.dtype(src).itemsize)
-    return t.nbytes(1) // (2 if sw.format in ("nf4", "fp4") else 1)
+    four = {"nf4", "fp4", "mxfp4"}  # read as values (io/encoded.py): counted at the stored width
+    return t.nbytes(1) // (2 if set(fmt.split("/")) <= four else 1)
 
 
 def _decoded_how(fmt: str, owner: nn.Module) -> str:
