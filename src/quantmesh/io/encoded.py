@@ -46,7 +46,22 @@ def _whole(shard: Any, key: str) -> torch.Tensor:
     return shard.block(key, tuple(slice(None) for _ in shape))
 
 
-class DecodedPiece:
+class _OneKey:
+    """A shard of one key, `key`, whose values have `shape` and `dtype` (the reader's shard API:
+    keys, info, block, close)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def keys(self) -> list[str]:
+        return [self.key]
+
+    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.shape, self.dtype
+
+
+class DecodedPiece(_OneKey):
     """One stored quantized weight as a shard of one key holding its dequantized values.
 
     `format` is "nf4", "fp4" or "int8"; `parts` maps each stored key the value needs (the codes
@@ -64,12 +79,6 @@ class DecodedPiece:
     ):
         self.key, self.format, self.parts = key, format, parts
         self.shape, self.dtype, self._held = shape, dtype, held
-
-    def keys(self) -> list[str]:
-        return [self.key]
-
-    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.shape, self.dtype
 
     def _value(self) -> torch.Tensor:
         if self.key not in self._held:
@@ -102,7 +111,7 @@ class DecodedPiece:
 FP8_BLOCK = 128  # the block of every fp8 checkpoint with block scales (weight_block_size)
 
 
-class Fp8Weight:
+class Fp8Weight(_OneKey):
     """One fp8 weight with block scales (`weight_scale_inv`) as a shard of one key holding its
     float32 values (fp8 value x its block's scale, as transformers' fp8 dequantize computes them),
     decoded per block of rows read: no whole float copy is made."""
@@ -113,12 +122,6 @@ class Fp8Weight:
         self.key, self.shard, self.scale_key, self.scale_shard = key, shard, scale_key, scale_shard
         self.shape: tuple[int, ...] = tuple(shard.info(key)[0])
         self.rows, self.cols = block
-
-    def keys(self) -> list[str]:
-        return [self.key]
-
-    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.shape, torch.float32
 
     def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         rows = index[0] if index else slice(None)
@@ -140,7 +143,7 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 
 
-class Mxfp4Weight:
+class Mxfp4Weight(_OneKey):
     """gpt-oss' experts in MXFP4 as a shard of one key, the model's tensor: `<t>_blocks` (E, out,
     in/32, 16) uint8, two e2m1 codes a byte (the low nibble first), and `<t>_scales` (E, out,
     in/32) uint8, a power of two per 32 codes biased by 127, read as the (E, in, out) float32
@@ -153,12 +156,6 @@ class Mxfp4Weight:
         self.key, (self.bkey, self.bshard), (self.skey, self.sshard) = key, blocks, scales
         e, out, groups, width = self.bshard.info(self.bkey)[0]
         self.shape: tuple[int, ...] = (e, groups * width * 2, out)
-
-    def keys(self) -> list[str]:
-        return [self.key]
-
-    def info(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.shape, torch.float32
 
     def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         rows = index[0] if index else slice(None)
