@@ -40,8 +40,8 @@ from ..pipeline.cut import PipelineConfig
 from ..plan.plan import Plan
 from ..quant.base import QuantConfig, QuantError
 from .convert import Piece, check_converter
-from .load import _targets, expected_keys, load_checkpoint
-from .prequant import folder_quant, stored_weights
+from .load import _rank, _targets, expected_keys, load_checkpoint
+from .prequant import folder_quant, stored_method, stored_weights
 from .reader import open_checkpoint
 
 if TYPE_CHECKING:
@@ -134,13 +134,6 @@ def _config_dtype(config: Any) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
 
 
-def _stored_method(path: Path) -> str | None:
-    import json
-
-    qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
-    return str(qc.get("quant_method", "")).lower() or None
-
-
 def _say_float_experts(path: Path, model: nn.Module, stored: set[str], fmt: str) -> None:
     """Warn (rank 0) when a folder loaded as stored keeps experts in float: transformers 5's
     bitsandbytes quantizes linears only, so its folders hold quantized attention and float
@@ -150,7 +143,7 @@ def _say_float_experts(path: Path, model: nn.Module, stored: set[str], fmt: str)
     from ..tp.experts import find_experts
 
     floats = sorted(set(find_experts(model)) - stored)
-    if floats and int(os.environ.get("RANK", "0")) == 0:
+    if floats and _rank() == 0:
         warnings.warn(
             f"{path} stores {len(floats)} experts module(s) in float (e.g. {floats[0]}), beside "
             f"layers quantized as {fmt}: they stay float as stored (transformers' bitsandbytes "
@@ -209,8 +202,8 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    method = _stored_method(path)
-    if quant is None and method in ("fp8", "mxfp4") and int(os.environ.get("RANK", "0")) == 0:
+    method = stored_method(path)
+    if quant is None and method in ("fp8", "mxfp4") and _rank() == 0:
         import warnings
 
         grows = "about twice" if method == "fp8" else "about four times"

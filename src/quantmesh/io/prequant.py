@@ -44,10 +44,8 @@ __all__ = [
     "refuse_packed_keys",
     "stored_weights",
     "fill_stored",
+    "stored_method",
 ]
-
-_4BIT_TAG = TAG_4BIT  # <m>.weight.quant_state.bitsandbytes__nf4
-_4BIT_STATS = STATS_4BIT
 
 # what to say for quantization methods quantmesh does not read (transformers' quant_method names)
 _PACKED_FOR_KERNELS = (
@@ -117,10 +115,10 @@ def stored_weights(reader: CheckpointReader) -> dict[str, StoredWeight]:
     have = set(keys)
     out: dict[str, StoredWeight] = {}
     for k in keys:
-        if _4BIT_TAG in k:
-            wkey, _, fmt = k.rpartition(_4BIT_TAG)
+        if TAG_4BIT in k:
+            wkey, _, fmt = k.rpartition(TAG_4BIT)
             info = _blob(reader, k)
-            extra = [f"{wkey}.{s}" for s in _4BIT_STATS if f"{wkey}.{s}" in have] + [k]
+            extra = [f"{wkey}.{s}" for s in STATS_4BIT if f"{wkey}.{s}" in have] + [k]
             shape = tuple(int(s) for s in info["shape"])
             if len(shape) != 2 or wkey not in have:
                 raise QuantError(
@@ -256,16 +254,31 @@ def fill_stored(
     return counter[0], f"dequantized ({sw.format} -> float, exact)"
 
 
+def _quantization_config(path: str | Path) -> dict[str, Any] | None:
+    cfg_file = Path(path) / "config.json"
+    qc = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    return qc or None
+
+
+def stored_method(path: str | Path) -> str | None:
+    """The `quant_method` of the folder's `quantization_config` (lower case), None without one.
+
+    Example:
+        >>> stored_method("gpt-oss-20b")  # doctest: +SKIP
+        'mxfp4'
+    """
+    qc = _quantization_config(path)
+    return None if qc is None else str(qc.get("quant_method", "?")).lower()
+
+
 def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConfig | None:
     """The QuantConfig that loads the folder `path` as it is stored, given the user's `quant=`.
 
     A folder without `quantization_config` in config.json returns `quant` unchanged, and so do an
     fp8 folder with block scales and an MXFP4 one (their weights are read as float values,
-    quantized as `quant` says).
-    A
-    bitsandbytes folder gives its format (nf4/fp4/int8), double quant and int8 threshold (from_pretrained
-    then targets exactly the layers stored quantized). A `quant=` that names another format is an
-    error. Other methods are refused.
+    quantized as `quant` says). A bitsandbytes folder gives its format (nf4/fp4/int8), double
+    quant and int8 threshold (from_pretrained then targets exactly the layers stored quantized).
+    A `quant=` that names another format is an error. Other methods are refused.
 
     Example:
         >>> folder_quant("llama-nf4", None).format  # doctest: +SKIP
@@ -273,8 +286,7 @@ def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConf
     """
     from ..quant.base import resolve_quant
 
-    cfg_file = Path(path) / "config.json"
-    qc = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    qc = _quantization_config(path)
     user = resolve_quant(quant)
     if not qc:
         return user

@@ -21,8 +21,8 @@ are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread 
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
 
 9 to 64 rows (by default, `MMA_ENABLED`; QUANTMESH_MMA=0 turns it off): the tensor-core kernel
-(`matmul_4bit_mma`, `_triton4.qm_mma_4bit`). A program owns 64 or 128 features and all the rows, and
-walks K two 64-blocks a step: it loads the features' codes (16 bytes a thread), turns each nibble
+(`matmul_4bit_mma`, `_triton4.qm_mma_4bit`). A program owns 64 or 128 features and all the rows,
+and walks K two 64-blocks a step: it loads the features' codes (16 bytes a thread), turns each nibble
 into its value by a warp shuffle, scales it by its block's absmax and rounds it to x's dtype (the
 weight bitsandbytes' `dequantize_4bit` writes, made in registers only), and multiplies it with
 x's rows on tensor cores (the features along the instruction's M, the rows along its N, so 16
@@ -120,8 +120,9 @@ DEQUANT_MIN_ROWS = 8
 # kernels' rows), and weights dequantized whole outside a linear (the experts' fused tensors:
 # `dequantize_weight`). 1.5x faster on the GPU per inference call, but Triton's launcher costs more
 # host time per call than bitsandbytes' op, and a step that is not replayed from a CUDA graph
-# pays it on every linear; the server and training with it on are not yet measured
-# (docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path at every row count.
+# pays it on every linear; the server with it on is not yet measured (training is: see
+# DEQUANT_TRAINING; docs/benchmarks.md, "Figures the code relies on"). Off: bitsandbytes' path at
+# every row count.
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 # The training half alone (QUANTMESH_TRITON_DEQUANT_TRAINING=1): Triton's dequantize under autograd
 # only (forward and backward of training, the experts' weights dequantized whole in a training
@@ -286,9 +287,9 @@ def _codes_op(name: str, launch: Any, config: Any) -> Any:
 
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     """Whether `matmul_4bit_dequant` computes x @ W^T for the QuantState `qs`: once turned on
-    (`DEQUANT_ENABLED`, or `DEQUANT_TRAINING` under autograd), on CUDA with Triton, bf16/fp16 compute, statistics of the kinds the
-    kernel reads (nested blocks of 256), and either autograd recording (training: any rows) or
-    at least `DEQUANT_MIN_ROWS` rows.
+    (`DEQUANT_ENABLED`, or `DEQUANT_TRAINING` under autograd), on CUDA with Triton, bf16/fp16
+    compute, statistics of the kinds the kernel reads (nested blocks of 256), and either autograd
+    recording (training: any rows) or at least `DEQUANT_MIN_ROWS` rows.
 
     Example:
         >>> dequant_kernel_applies(torch.ones(64, 4096), qs, torch.bfloat16)  # CPU  # doctest: +SKIP
@@ -827,10 +828,9 @@ def dequantize_weight_applies(packed: torch.Tensor, quant_type: str, numel: int,
                               dtype: torch.dtype) -> bool:  # fmt: skip
     """Whether `dequantize_weight` writes out this 4-bit weight (`numel` values, fp32 absmax per
     block of the flattened weight) in `dtype`: `DEQUANT_ENABLED` (or `DEQUANT_TRAINING` under
-    autograd), CUDA with Triton, nf4/fp4 codes
-    indexed in int32, a float dtype. The 4-bit layers whose whole weight is dequantized outside
-    QuantLinear4bit's matmul take it there (`Bnb4bitFormat.compute_weight`, `compute_units`: the
-    experts' fused tensors).
+    autograd), CUDA with Triton, nf4/fp4 codes indexed in int32, a float dtype. The 4-bit layers
+    whose whole weight is dequantized outside QuantLinear4bit's matmul take it there
+    (`Bnb4bitFormat.compute_weight`, `compute_units`: the experts' fused tensors).
 
     Example:
         >>> dequantize_weight_applies(packed, "nf4", 4096 * 4096, torch.bfloat16)  # CPU  # doctest: +SKIP
