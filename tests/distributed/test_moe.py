@@ -486,3 +486,37 @@ def test_experts_split_in_groups_that_grouped_mm_takes(tmp_path):
         want = one(torch.tensor([[1, 5, 9, 33, 12, 7, 40, 22]])).logits
     got = res[0][1]
     assert float((got - want).abs().max() / want.abs().max()) < 2e-6
+
+
+def _grouped_tp2(rank: int, folder: str) -> tuple[list, str | None, torch.Tensor]:
+    import quantmesh as qm
+    from quantmesh.tp.experts import ShardedExperts
+
+    model = qm.from_pretrained(folder, qm.init_mesh(tp=2), progress=False)
+    assert model.config._experts_implementation == "grouped_mm"
+    experts = next(m for m in model.modules() if isinstance(m, ShardedExperts))
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 33, 12, 7, 40, 22]])).logits
+    return [tuple(p.shape) for p in experts.parameters()], experts.split_reason, logits
+
+
+def test_experts_with_no_cut_in_groups_of_8_stay_whole_and_say_so(tmp_path):
+    """20 intermediate features have no cut over tp 2 that grouped_mm takes (10 / 10 failed deep
+    in transformers' forward: strides not a multiple of 16 bytes): the experts stay whole on every
+    rank, as at tp 1, and the plan's row says why."""
+    import quantmesh as qm
+    from quantmesh.testing import run_ranks
+    from quantmesh.tp.experts import expert_rows
+    from tests.moe_folders import moe_dir
+
+    folder = moe_dir("mixtral", tmp_path / "m", intermediate_size=20)
+    res = run_ranks(_grouped_tp2, 2, str(folder), timeout=300)
+    for shapes, reason, _ in res:
+        assert shapes == [(4, 40, 32), (4, 32, 20)], shapes
+        assert reason is not None and "groups of 8" in reason, reason
+    one = qm.from_pretrained(folder, qm.init_mesh(tp=1), progress=False)
+    with torch.no_grad():
+        want = one(torch.tensor([[1, 5, 9, 33, 12, 7, 40, 22]])).logits
+    assert float((res[0][2] - want).abs().max() / want.abs().max()) < 2e-6
+    (row,) = expert_rows(one, 2)[:1]
+    assert "experts whole on every rank: 20 intermediate features cannot be cut" in row[4], row

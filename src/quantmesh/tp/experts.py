@@ -177,13 +177,30 @@ def unhandled_3d(model: nn.Module, experts: dict[str, Any]) -> list[str]:
 GROUP = 8  # features: 16 bytes in bf16, the stride grouped_mm needs
 
 
+def whole_reason(inter: int, tp: int) -> str | None:
+    """Why experts of `inter` intermediate features stay whole on every rank at `tp`; None when
+    they split. grouped_mm (transformers' experts kernel) refuses strides that are not a multiple
+    of 16 bytes, so every rank's share must be a multiple of GROUP features: a cut of 40 over tp 3
+    into 14 / 13 / 13 failed deep in the forward. Where no such cut exists the experts are kept
+    whole, exactly as at tp 1, and the plan says so.
+
+    Example:
+        >>> whole_reason(40, 3) is None, whole_reason(16, 3)
+        (True, '16 intermediate features cannot be cut over tp=3 in groups of 8 (grouped_mm needs every rank's share to be a multiple of 16 bytes)')
+    """  # noqa: E501
+    if tp <= 1 or (inter % GROUP == 0 and inter // GROUP >= tp):
+        return None
+    return (
+        f"{inter} intermediate features cannot be cut over tp={tp} in groups of {GROUP} "
+        "(grouped_mm needs every rank's share to be a multiple of 16 bytes)"
+    )
+
+
 def _inter_split(module: nn.Module, t: ExpertTensor, inter: int, tp: int) -> FeatureSplit:
-    """The split of tensor `t`'s `split_dim` over tp: I cut in balanced blocks of GROUP features
-    where I has enough of them (else of one), the first projection's gated features kept with
-    their partners. grouped_mm refuses strides that are not a multiple of 16 bytes, so a rank's
-    I must be a multiple of 8 features in bf16 (Mixtral's 14336 at tp 3: 4784 / 4776 / 4776,
-    not 4779 / 4779 / 4778)."""
-    unit = GROUP if inter % GROUP == 0 and inter // GROUP >= tp else 1
+    """The split of tensor `t`'s `split_dim` over tp (`whole_reason` is None): I cut in balanced
+    blocks of GROUP features, the first projection's gated features kept with their partners
+    (Mixtral's 14336 at tp 3: 4784 / 4776 / 4776, not 4779 / 4779 / 4778)."""
+    unit = GROUP
     counts = balanced_counts(inter // unit, tp)
     base = unit_split(inter, unit, counts)
     if not t.first or not bool(getattr(module, "has_gate", True)):
@@ -218,10 +235,10 @@ def _local_shape(
     module: nn.Module, tensors: list[ExpertTensor], t: ExpertTensor, tp: int, rank: int
 ) -> list[int]:
     """Tensor `t`'s shape on tp rank `rank`: its intermediate features cut as ShardedExperts
-    cuts them, whole when there are fewer of them than ranks."""
+    cuts them, whole where `whole_reason` says."""
     shape = list(cast(torch.Tensor, module._parameters[t.name]).shape)
     inter = _intermediate(module, tensors)
-    if tp > 1 and inter >= tp:
+    if tp > 1 and whole_reason(inter, tp) is None:
         shape[t.split_dim] = _inter_split(module, t, inter, tp).size(rank)
     return shape
 
@@ -239,7 +256,8 @@ def expert_rows(model: nn.Module, tp: int) -> list[tuple[str, str, str, str, str
     for fqn, tensors in find_experts(model).items():
         module = model.get_submodule(fqn)
         inter = _intermediate(module, tensors)
-        split = tp > 1 and inter >= tp
+        whole = whole_reason(inter, tp)
+        split = tp > 1 and whole is None
         cells = []
         for t in tensors:
             shapes = [
@@ -250,10 +268,7 @@ def expert_rows(model: nn.Module, tp: int) -> list[tuple[str, str, str, str, str
         if split:
             why = f"experts: {inter} intermediate features split over tp"
         elif tp > 1:
-            why = (
-                f"experts whole on every rank: {inter} intermediate features cannot be cut "
-                f"over tp={tp}"
-            )
+            why = f"experts whole on every rank: {whole}"
         else:
             why = "experts"
         rows.append((fqn, type(module).__name__, "experts", ", ".join(cells), why))
@@ -332,9 +347,7 @@ class ShardedExperts(ShardedModule):
         first, second = tensors
         w2 = cast(torch.Tensor, orig._parameters[second.name])
         self.inter = int(w2.shape[second.in_dim])
-        self.split_reason = None
-        if tp > 1 and self.inter < tp:
-            self.split_reason = f"{self.inter} intermediate features cannot be cut over tp={tp}"
+        self.split_reason = whole_reason(self.inter, tp)
         self.tp = tp if self.split_reason is None else 1
         self.group = group if self.tp > 1 else None
         self.splits = (
