@@ -114,7 +114,8 @@ FP8_BLOCK = 128  # the block of every fp8 checkpoint with block scales (weight_b
 class Fp8Weight(_OneKey):
     """One fp8 weight with block scales (`weight_scale_inv`) as a shard of one key holding its
     float32 values (fp8 value x its block's scale, as transformers' fp8 dequantize computes them),
-    decoded per block of rows read: no whole float copy is made."""
+    decoded for the rows and columns read only: no whole float copy is made, and a rank that
+    reads its columns (a row-parallel split) decodes those alone."""
 
     format = "fp8"
 
@@ -124,18 +125,37 @@ class Fp8Weight(_OneKey):
         self.rows, self.cols = block
 
     def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        rows = index[0] if index else slice(None)
-        r0, r1, _ = rows.indices(self.shape[0])
-        w = self.shard.block(self.key, (slice(r0, r1),)).to(torch.float32)
-        b0, b1 = r0 // self.rows, (r1 - 1) // self.rows + 1 if r1 > r0 else r0 // self.rows
-        scale = self.scale_shard.block(self.scale_key, (slice(b0, b1),)).to(torch.float32)
-        scale = scale.repeat_interleave(self.rows, 0)[r0 - b0 * self.rows :][: r1 - r0]
-        scale = scale.repeat_interleave(self.cols, 1)[:, : self.shape[1]]
-        return (w * scale)[(slice(None),) + tuple(index[1:])]
+        (r0, r1), (c0, c1) = _span(index, 0, self.shape[0]), _span(index, 1, self.shape[1])
+        w = self.shard.block(self.key, (slice(r0, r1), slice(c0, c1))).to(torch.float32)
+        (b0, b1), (d0, d1) = _blocks(r0, r1, self.rows), _blocks(c0, c1, self.cols)
+        scale = self.scale_shard.block(self.scale_key, (slice(b0, b1), slice(d0, d1)))
+        scale = scale.to(torch.float32).repeat_interleave(self.rows, 0)
+        scale = scale[r0 - b0 * self.rows :][: r1 - r0].repeat_interleave(self.cols, 1)
+        return (w * scale[:, c0 - d0 * self.cols :][:, : c1 - c0])[_rest(index, 2)]
 
     def close(self) -> None:
         self.shard.close()
         self.scale_shard.close()
+
+
+def _span(index: tuple[slice, ...], dim: int, size: int) -> tuple[int, int]:
+    """The (start, stop) that `index` reads along `dim` of `size` (all of it where `index` stops
+    short); a slice with a step is refused (the reader reads contiguous blocks)."""
+    cut = index[dim] if dim < len(index) else slice(None)
+    start, stop, step = cut.indices(size)
+    if step != 1:
+        raise ValueError(f"a stored weight is read in contiguous blocks, not with step {step}")
+    return start, max(start, stop)
+
+
+def _blocks(start: int, stop: int, block: int) -> tuple[int, int]:
+    """The blocks of `block` elements that elements start:stop lie in."""
+    return start // block, max(start // block, -(-stop // block))
+
+
+def _rest(index: tuple[slice, ...], dims: int) -> tuple[slice, ...]:
+    """What `index` reads past its first `dims` dims (already cut)."""
+    return (slice(None),) * dims + tuple(index[dims:])
 
 
 # e2m1: the 16 values of a 4-bit code (sign, 2 exponent bits, 1 mantissa bit)
@@ -143,12 +163,16 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
 
 
+MX_GROUP = 32  # MXFP4: codes per scale
+
+
 class Mxfp4Weight(_OneKey):
     """gpt-oss' experts in MXFP4 as a shard of one key, the model's tensor: `<t>_blocks` (E, out,
     in/32, 16) uint8, two e2m1 codes a byte (the low nibble first), and `<t>_scales` (E, out,
     in/32) uint8, a power of two per 32 codes biased by 127, read as the (E, in, out) float32
     tensor gpt-oss holds (code value x 2^(scale - 127): exact, as transformers' dequantize
-    computes it), a chunk of experts at a time."""
+    computes it), a chunk of experts at a time, and only the input and output features read (a
+    rank's share of a split)."""
 
     format = "mxfp4"
 
@@ -158,15 +182,17 @@ class Mxfp4Weight(_OneKey):
         self.shape: tuple[int, ...] = (e, groups * width * 2, out)
 
     def block(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        rows = index[0] if index else slice(None)
-        e0, e1, _ = rows.indices(self.shape[0])
-        codes = self.bshard.block(self.bkey, (slice(e0, e1),)).to(torch.uint8)
-        exps = self.sshard.block(self.skey, (slice(e0, e1),)).to(torch.int32) - 127
+        e, k, n = self.shape
+        (e0, e1), (k0, k1), (n0, n1) = _span(index, 0, e), _span(index, 1, k), _span(index, 2, n)
+        g0, g1 = _blocks(k0, k1, MX_GROUP)  # the 32-code groups the rows k0:k1 lie in
+        cut = (slice(e0, e1), slice(n0, n1), slice(g0, g1))
+        codes = self.bshard.block(self.bkey, cut).to(torch.uint8)
+        exps = self.sshard.block(self.skey, cut).to(torch.int32) - 127
         lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
         vals = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1)
-        vals = torch.ldexp(vals.flatten(-2), exps.unsqueeze(-1))  # (e, out, in/32, 32)
-        w = vals.flatten(-2).transpose(1, 2)  # (e, in, out)
-        return w[(slice(None),) + tuple(index[1:])]
+        vals = torch.ldexp(vals.flatten(-2), exps.unsqueeze(-1))  # (e, n, groups, 32)
+        w = vals.flatten(-2).transpose(1, 2)  # (e, k, n) from group g0's first row
+        return w[:, k0 - g0 * MX_GROUP :][:, : k1 - k0][_rest(index, 3)]
 
     def close(self) -> None:
         self.bshard.close()
