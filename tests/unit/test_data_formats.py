@@ -281,6 +281,99 @@ def test_datasets_folders(tmp_path, chat_tok, reference):
         build_dataset(tmp_path / "ab", chat_tok, seq_len=16)
 
 
+FLAT = [  # records a table of text holds: alpaca and prompt-response rows, one set of columns
+    {"instruction": USER, "input": "", "output": BOT, "prompt": "", "response": ""},
+    {"instruction": "", "input": "", "output": "", "prompt": "hello world", "response": "a b\nc"},
+]
+
+
+def test_csv_tsv_and_compressed_files_read_like_jsonl(tmp_path, chat_tok):
+    """CSV and TSV (a header row naming the columns) give the records JSONL gives; so do JSONL,
+    JSON, CSV and text compressed with gzip, bzip2 or xz, alone and in a folder. Before, a .csv
+    file was read as one plain text document (header, commas and all), and a .jsonl.gz failed
+    as text that is not UTF-8."""
+    import bz2
+    import csv
+    import gzip
+    import io
+    import lzma
+
+    flat = [{k: v for k, v in r.items() if v} for r in FLAT]  # the empty cells: absent keys
+    ref = build_dataset(write_jsonl(tmp_path / "r.jsonl", flat), chat_tok, seq_len=16,
+                        packing=False)  # fmt: skip
+    assert ref.files[0].formats == {"alpaca": 1, "prompt-response": 1}
+
+    def table(delimiter: str) -> str:
+        out = io.StringIO()
+        w = csv.DictWriter(out, fieldnames=list(FLAT[0]), delimiter=delimiter)
+        w.writeheader()
+        w.writerows(FLAT)
+        return out.getvalue()
+
+    def same(path, formats=None) -> None:
+        ds = build_dataset(path, chat_tok, seq_len=16, packing=False)
+        assert len(ds.train) == len(ref.train), path
+        for a, b in zip(ds.train, ref.train, strict=True):
+            assert torch.equal(a["input_ids"], b["input_ids"]), path
+            assert torch.equal(a["labels"], b["labels"]), path
+        assert ds.files[0].formats == (formats or ref.files[0].formats), path
+
+    (tmp_path / "d.csv").write_text(table(","))
+    (tmp_path / "d.tsv").write_text(table("\t"))
+    for name in ("d.csv", "d.tsv"):
+        same(tmp_path / name)
+    jsonl = (tmp_path / "r.jsonl").read_bytes()
+    for ext, compress in ((".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)):
+        (tmp_path / f"c.jsonl{ext}").write_bytes(compress(jsonl))
+        same(tmp_path / f"c.jsonl{ext}")
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(flat).encode()))
+    (tmp_path / "t.csv.xz").write_bytes(lzma.compress(table(",").encode()))
+    (tmp_path / "noext").write_bytes(gzip.compress(jsonl))  # found by its first bytes
+    for name in ("a.json.gz", "t.csv.xz", "noext"):
+        same(tmp_path / name)
+    text = build_dataset(_gz(tmp_path / "w.txt.gz", "hello world"), chat_tok, seq_len=4)
+    assert text.files[0].formats == {"text": 1}
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "0.csv").write_text(table(","))
+    (shards / "1.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (shards / "2.parquet.gz").write_bytes(b"")  # Parquet compresses its own pages: not data
+    ds = build_dataset([shards], chat_tok, seq_len=16, packing=False)
+    assert [f.path for f in ds.files] == [str(shards / "0.csv"), str(shards / "1.jsonl.gz")]
+    assert ds.skipped == [str(shards / "2.parquet.gz")]
+
+
+def _gz(path, text: str):
+    import gzip
+
+    path.write_bytes(gzip.compress(text.encode()))
+    return path
+
+
+def test_csv_and_compression_errors_name_the_file_and_the_fix(tmp_path):
+    import gzip
+
+    (tmp_path / "ragged.csv").write_text("instruction,output\nhow,fine\nhow,fine,thanks\n")
+    with pytest.raises(DataError, match=r"ragged.csv row 1 \(line 3\): 3 fields, but the header "
+                       r"has 2 \(instruction, output\); quote fields that hold a comma"):  # fmt: skip
+        scan_data([tmp_path / "ragged.csv"])
+    (tmp_path / "twice.csv").write_text("text,text\na,b\n")
+    with pytest.raises(DataError, match=r"twice.csv: the header row \['text', 'text'\] has empty "
+                       "or repeated column names"):  # fmt: skip
+        scan_data([tmp_path / "twice.csv"])
+    (tmp_path / "z.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 8)
+    with pytest.raises(DataError, match=r"z.jsonl.zst: compressed with zstd, which quantmesh does "
+                       r"not read; decompress it first \(zstd -d z.jsonl.zst\)"):  # fmt: skip
+        scan_data([tmp_path / "z.jsonl.zst"])
+    (tmp_path / "p.parquet.gz").write_bytes(gzip.compress(b"PAR1 and pages"))
+    with pytest.raises(DataError, match=r"p.parquet.gz: a parquet file compressed with gzip; "
+                       "decompress it and pass the .parquet file itself"):  # fmt: skip
+        scan_data([tmp_path / "p.parquet.gz"])
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:-12])
+    with pytest.raises(DataError, match=r"cut.jsonl.gz: not a readable gzip file"):
+        scan_data([tmp_path / "cut.jsonl.gz"])
+
+
 # ---------------------------------------------------------------------------------------- errors
 def test_errors_name_the_file_the_row_the_keys_and_the_formats(tmp_path, chat_tok):
     import pyarrow as pa

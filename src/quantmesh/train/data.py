@@ -219,7 +219,8 @@ def _documents(
         if src.kind == "text" and data_format not in ("auto", "text"):
             raise DataError(
                 f"{src.path}: a plain text file, but --data-format {data_format}; pass "
-                f"{data_format} records in .jsonl / .json / .parquet, or leave --data-format auto"
+                f"{data_format} records in .jsonl / .json / .csv / .parquet, or leave --data-format "
+                "auto"
             )
         for pos, obj in records(src):
             where = src.where(pos)

@@ -1,11 +1,15 @@
 """Data files and folders -> records, streamed: JSONL line by line, a JSON array a record at a
-time (pieces of the file, each element decoded once whole), Parquet and Arrow by record batch, a
-`datasets` folder (`save_to_disk`) memory-mapped; a plain text file is one record.
+time (pieces of the file, each element decoded once whole), CSV and TSV a row at a time (the
+header row names the columns), Parquet and Arrow by record batch, a `datasets` folder
+(`save_to_disk`) memory-mapped; a plain text file is one record. JSONL, JSON, CSV, TSV and text
+files may be compressed with gzip, bzip2 or xz (found by their first bytes: `train.jsonl.gz`);
+they are decompressed as they are read.
 
 A path is a file, a folder saved by `datasets` (`dataset_info.json` + `state.json`, or a
 `dataset_dict.json` of splits: its "train" split), or a folder of shards: its data files
-(.jsonl, .ndjson, .json, .parquet, .arrow, .txt) and the `datasets` folders inside it, recursively,
-in name order; any other file there is listed as skipped.
+(.jsonl, .ndjson, .json, .csv, .tsv, .parquet, .arrow, .txt, and the first five and .txt with
+.gz, .bz2 or .xz after them) and the `datasets` folders inside it, recursively, in name order;
+any other file there is listed as skipped.
 
 Example:
     >>> sources, skipped = expand(["shards/"])        # doctest: +SKIP
@@ -16,20 +20,29 @@ Example:
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import csv
+import gzip
+import io
 import json
+import lzma
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from .formats import DataError
 
 __all__ = ["Source", "expand", "records"]
 
 _TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
-_FOLDER_EXTS = {".jsonl", ".ndjson", ".json", ".parquet", ".arrow", ".txt"}
+_FOLDER_EXTS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet", ".arrow", ".txt"}
 _BATCH = 1024  # rows per record batch read from Parquet / Arrow / datasets
+# compressed files, by their first bytes; a folder reads these suffixes after a data file's
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
+          (b"\x28\xb5\x2f\xfd", "zstd"))  # fmt: skip
+_COMPRESSED_EXTS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
 
 
 @dataclass(frozen=True)
@@ -38,9 +51,26 @@ class Source:
 
     path: Path
     kind: str
-    """"text", "jsonl", "json", "parquet", "arrow" or "datasets"."""
+    """"text", "jsonl", "json", "csv", "tsv", "parquet", "arrow" or "datasets"."""
     split: str | None = None
     """The split read from a DatasetDict folder."""
+    compression: str | None = None
+    """"gzip", "bzip2" or "xz": the file is decompressed as it is read."""
+
+    def open(self) -> BinaryIO:
+        """The file's bytes, decompressed.
+
+        Example:
+            >>> Source(Path("a.jsonl.gz"), "jsonl", compression="gzip").open().readline()  # doctest: +SKIP
+            b'{"text": "hello"}\\n'
+        """  # noqa: E501
+        if self.compression == "gzip":
+            return cast(BinaryIO, gzip.open(self.path, "rb"))
+        if self.compression == "bzip2":
+            return cast(BinaryIO, bz2.open(self.path, "rb"))
+        if self.compression == "xz":
+            return cast(BinaryIO, lzma.open(self.path, "rb"))
+        return self.path.open("rb")
 
     def where(self, pos: int) -> str:
         """Names record `pos` in errors: a JSONL line (from 1), else a row (from 0)."""
@@ -83,7 +113,7 @@ def expand(paths: Sequence[str | Path]) -> tuple[list[Source], list[Path]]:
                 )
             sources += found
         else:
-            sources.append(Source(p, _file_kind(p)))
+            sources.append(_file_source(p))
     return sources, skipped
 
 
@@ -94,8 +124,8 @@ def _walk(d: Path, skipped: list[Path]) -> list[Source]:
     for c in sorted(d.iterdir()):
         if c.is_dir():
             out += _walk(c, skipped)
-        elif c.suffix.lower() in _FOLDER_EXTS and not c.name.startswith("."):
-            out.append(Source(c, _file_kind(c)))
+        elif _data_name(c.name) and not c.name.startswith("."):
+            out.append(_file_source(c))
         else:
             skipped.append(c)
     return out
@@ -115,10 +145,49 @@ def _datasets_source(d: Path) -> Source:
     )
 
 
-def _file_kind(p: Path) -> str:
+def _data_name(name: str) -> bool:
+    """Whether a file in a folder is data by its name: a data file's suffix, or one followed by a
+    compression suffix (Parquet and Arrow compress their own pages)."""
+    path = Path(name.lower())
+    if path.suffix in _COMPRESSED_EXTS:
+        path = Path(path.stem)
+        return path.suffix in _FOLDER_EXTS - {".parquet", ".arrow"}
+    return path.suffix in _FOLDER_EXTS
+
+
+def _file_source(p: Path) -> Source:
+    """How file `p` is read: by its first bytes (compression, Parquet, Arrow), then its name and
+    first characters."""
     with p.open("rb") as f:
         head = f.read(8)
-    ext = p.suffix.lower()
+    compression = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+    name = p.name.lower()
+    if compression is None:
+        return Source(p, _file_kind(p, head, Path(name).suffix))
+    if compression == "zstd":
+        raise DataError(
+            f"{p}: compressed with zstd, which quantmesh does not read; decompress it first "
+            f"(zstd -d {p.name}), or compress it with gzip, bzip2 or xz"
+        )
+    inner = Path(name[: -len(Path(name).suffix)]) if Path(name).suffix in _COMPRESSED_EXTS else None
+    src = Source(p, "text", compression=compression)
+    try:
+        with src.open() as f:
+            head = f.read(8)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        raise DataError(f"{p}: not a readable {compression} file ({e})") from None
+    kind = _file_kind(src, head, inner.suffix if inner is not None else "")
+    if kind in ("parquet", "arrow"):
+        raise DataError(
+            f"{p}: a {kind} file compressed with {compression}; decompress it and pass the "
+            f".{kind} file itself ({kind} compresses its own pages)"
+        )
+    return Source(p, kind, compression=compression)
+
+
+def _file_kind(src: Path | Source, head: bytes, ext: str) -> str:
+    """The kind of a file from its first bytes `head` (decompressed) and its suffix `ext` (the
+    one before a compression suffix)."""
     # by content first: a Parquet or Arrow file is never read as text
     if head[:4] == b"PAR1" or ext == ".parquet":
         return "parquet"
@@ -128,7 +197,9 @@ def _file_kind(p: Path) -> str:
         return "text"
     if ext in (".jsonl", ".ndjson"):
         return "jsonl"
-    with p.open("rb") as f:
+    if ext in (".csv", ".tsv"):
+        return ext[1:]
+    with src.open() if isinstance(src, Source) else src.open("rb") as f:
         start = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
     if start[:1] == b"[" and ext == ".json":
         return "json"
@@ -149,16 +220,68 @@ def records(src: Source) -> Iterator[tuple[int, Any]]:
         >>> next(records(Source(Path("a.jsonl"), "jsonl")))  # doctest: +SKIP
         (1, {'text': 'hello'})
     """
-    if src.kind == "text":
-        text = _decode(src.path, src.path.read_bytes(), 0)
-        if text.strip():
-            yield 0, {"text": text}
-    elif src.kind == "jsonl":
-        yield from _jsonl(src.path)
-    elif src.kind == "json":
-        yield from _json_array(src.path)
-    else:
+    if src.kind in ("parquet", "arrow", "datasets"):
         yield from _tabular(src)
+        return
+    try:
+        if src.kind == "text":
+            with src.open() as f:
+                text = _decode(src.path, f.read(), 0)
+            if text.strip():
+                yield 0, {"text": text}
+        elif src.kind == "jsonl":
+            yield from _jsonl(src)
+        elif src.kind == "json":
+            yield from _json_array(src)
+        else:
+            yield from _csv(src)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+        if src.compression is None:
+            raise
+        raise DataError(f"{src.path}: not a readable {src.compression} file ({e})") from None
+
+
+_CSV_FIELD = 1 << 30  # characters a CSV field may hold (the csv module's default: 131,072)
+
+
+def _csv(src: Source) -> Iterator[tuple[int, Any]]:
+    """The rows of a CSV (TSV: tab-separated) file with a header row, as {column: text}, one at a
+    time; an empty cell is None (no value). Every row must have the header's number of fields."""
+    if csv.field_size_limit() < _CSV_FIELD:
+        csv.field_size_limit(_CSV_FIELD)  # long documents in a text column
+    with src.open() as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+        reader = csv.reader(text, delimiter="\t" if src.kind == "tsv" else ",")
+        try:
+            header = next(reader, None)
+            if header is None:
+                return
+            if len(set(header)) != len(header) or any(not h.strip() for h in header):
+                raise DataError(
+                    f"{src.path}: the header row {header} has empty or repeated column names; "
+                    "the first row must name each column once"
+                )
+            for pos, row in enumerate(reader):
+                if not row:
+                    continue  # a blank line
+                if len(row) != len(header):
+                    raise DataError(
+                        f"{src.where(pos)} (line {reader.line_num}): {len(row)} fields, but the "
+                        "header has "
+                        f"{len(header)} ({', '.join(header)}); quote fields that hold a "
+                        f"{'tab' if src.kind == 'tsv' else 'comma'}"
+                    )
+                # an empty cell is CSV's only null: no value, as a missing key or a null is
+                yield pos, {h: v if v != "" else None for h, v in zip(header, row, strict=True)}
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{src.path}: expected UTF-8 text, found byte 0x{e.object[e.start]:02x} that is "
+                "not valid UTF-8; re-save the file as UTF-8"
+            ) from None
+        except csv.Error as e:
+            raise DataError(
+                f"{src.path} line {reader.line_num}: not readable as {src.kind.upper()} ({e})"
+            ) from None
 
 
 def _decode(path: Path, raw: bytes, line0: int) -> str:
@@ -173,11 +296,11 @@ def _decode(path: Path, raw: bytes, line0: int) -> str:
         ) from None
 
 
-def _json_array(path: Path) -> Iterator[tuple[int, Any]]:
+def _json_array(src: Source) -> Iterator[tuple[int, Any]]:
     """The records of a JSON array, one at a time: the file is read in pieces and each element
     decoded as soon as it is whole (`JSONDecoder.raw_decode`), so a rank holds one record and
     one piece of the file, never the whole of it."""
-    text = _JsonText(path)
+    text = _JsonText(src)
     decoder = json.JSONDecoder()
     try:
         if text.next_char() != "[":
@@ -221,11 +344,11 @@ class _JsonText:
     """The text of a JSON file read so far: `buf[pos:]` is still to be parsed; `more()` reads on,
     dropping the text before `pos`. Keeps the line and column of `pos` for errors."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, src: Source):
+        self.path = src.path
         self.buf = ""
         self.pos = 0
-        self._file = path.open("rb")
+        self._file = src.open()
         self._decoder = codecs.getincrementaldecoder("utf-8-sig")()
         self._bytes = 0  # bytes read
         self._byte_lines = 0  # newlines in the bytes read
@@ -284,8 +407,9 @@ class _JsonText:
         self._file.close()
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open("rb") as f:
+def _jsonl(src: Source) -> Iterator[tuple[int, Any]]:
+    path = src.path
+    with src.open() as f:
         for lineno, raw in enumerate(f, start=1):
             line = _decode(path, raw, lineno).strip()
             if not line:
