@@ -350,8 +350,16 @@ def _gz(path, text: str):
     return path
 
 
-def test_csv_and_compression_errors_name_the_file_and_the_fix(tmp_path):
+def test_csv_and_compression_errors_name_the_file_and_the_fix(tmp_path, monkeypatch):
     import gzip
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"'tatsu-lab/alpaca' is a Hugging Face Hub "
+                       r"dataset, save it first: .*load_dataset\('tatsu-lab/alpaca', "
+                       r"split='train'\).save_to_disk\('alpaca'\)\" and pass --data alpaca"):  # fmt: skip
+        scan_data(["tatsu-lab/alpaca"])
+    with pytest.raises(FileNotFoundError, match=r"'data/x.jsonl' does not exist; check the path$"):
+        scan_data(["data/x.jsonl"])
 
     (tmp_path / "ragged.csv").write_text("instruction,output\nhow,fine\nhow,fine,thanks\n")
     with pytest.raises(DataError, match=r"ragged.csv row 1 \(line 3\): 3 fields, but the header "

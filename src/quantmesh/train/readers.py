@@ -102,7 +102,9 @@ def expand(paths: Sequence[str | Path]) -> tuple[list[Source], list[Path]]:
     skipped: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
-            raise FileNotFoundError(f"data path {str(p)!r} does not exist; check the path")
+            raise FileNotFoundError(
+                f"data path {str(p)!r} does not exist; check the path" + _hub_hint(p)
+            )
         if p.is_dir():
             found = _walk(p, skipped)
             if not found:
@@ -115,6 +117,18 @@ def expand(paths: Sequence[str | Path]) -> tuple[list[Source], list[Path]]:
         else:
             sources.append(_file_source(p))
     return sources, skipped
+
+
+def _hub_hint(p: Path) -> str:
+    """For a missing path shaped like a Hub dataset id (`owner/name`): how to make it a folder."""
+    parts = str(p).split("/")
+    if len(parts) != 2 or not all(parts) or p.suffix or str(p).startswith((".", "~")):
+        return ""
+    return (
+        f" (--data reads local files; if {str(p)!r} is a Hugging Face Hub dataset, save it "
+        'first: python -c "import datasets; datasets.load_dataset('
+        f"'{p}', split='train').save_to_disk('{parts[1]}')\" and pass --data {parts[1]})"
+    )
 
 
 def _walk(d: Path, skipped: list[Path]) -> list[Source]:
