@@ -84,11 +84,35 @@ def _model_case(mesh, bias: bool, head_lora: bool) -> dict:
     }
 
 
+def _unlabelled_case(mesh) -> dict:
+    """A micro-batch without one labelled token, through the chunked loss of a split head: it
+    returned a zero outside the graph, and its backward raised ("element 0 of tensors does not
+    require grad"; a packed example of prompt tokens alone does it). Its gradients are zero:
+    the step equals the same batch in one micro-batch."""
+    import quantmesh as qm
+
+    model = tiny_llama()
+    qm.parallelize(model, mesh, lora=qm.LoraConfig(r=4, targets=TARGETS))
+    nonzero_lora_b_(model)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[1] = -100  # the second micro-batch: prompt tokens only
+    grads = []
+    for microbatches in (2, 1):
+        model.zero_grad(set_to_none=True)
+        batch = {"input_ids": ids, "labels": labels}
+        loss = qm.train_step(model, batch, microbatches=microbatches, chunk_tokens=7)
+        grads.append((float(loss), whole_lora(model)))
+    (l2, g2), (l1, g1) = grads
+    err = max(((g2[k] - v).abs().max() / v.abs().max()).item() for k, v in g1.items())
+    return {"loss_err": abs(l2 - l1) / abs(l1), "grad_err": err}
+
+
 def _rank(rank: int) -> dict:
     import quantmesh as qm
 
     mesh = qm.init_mesh(tp=3)
-    out = {"function": _function_case(rank, mesh.tp_group)}
+    out = {"function": _function_case(rank, mesh.tp_group), "unlabelled": _unlabelled_case(mesh)}
     for bias in (False, True):
         for head_lora in (False, True):
             out[(bias, head_lora)] = _model_case(mesh, bias, head_lora)
@@ -104,6 +128,12 @@ def test_the_function_equals_cross_entropy_on_the_whole_logits(facts: list[dict]
     for rank, f in enumerate(facts):
         got = f["function"]
         assert got["loss_err"] < 1e-12 and got["grad_err"] < 1e-12, (rank, got)
+
+
+def test_a_micro_batch_without_labels_adds_nothing_and_does_not_fail(facts: list[dict]) -> None:
+    for rank, f in enumerate(facts):
+        got = f["unlabelled"]
+        assert got["loss_err"] < 1e-6 and got["grad_err"] < 1e-5, (rank, got)
 
 
 @pytest.mark.parametrize("bias", [False, True])

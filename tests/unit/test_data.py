@@ -100,6 +100,26 @@ def test_pad_token_used_and_untrainable_tail_dropped(tmp_path):
     assert ds.train[1]["labels"].tolist() == ids("d <eos>") + [IGNORE_INDEX]
 
 
+def test_packed_chunks_of_context_alone_are_left_out_and_said(tmp_path):
+    """A packed chunk whose labels are all ignored (the middle of a long prompt) adds nothing to
+    the loss: it was kept, and a step on it was an optimizer step on zero gradients (or, with a
+    split head, failed in backward). It is left out, and the summary says how many."""
+    from quantmesh.train.data import IGNORE_INDEX
+
+    tok = make_tokenizer(TEMPLATE, pad=True)
+    prompt = " ".join(["a b c d e f g h"] * 2)  # 16 words of context
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": prompt, "response": "fine thanks"}])
+    ds = build_dataset(tmp_path / "d.jsonl", tok, seq_len=4)
+    assert ds.dropped > 0 and ds.train, ds
+    for e in ds.train:  # every kept chunk has a target
+        assert (e["labels"][1:] != IGNORE_INDEX).any(), e
+    assert ds.num_trained == sum(int((e["labels"][1:] != IGNORE_INDEX).sum()) for e in ds.train)
+    assert (
+        f"data: {ds.dropped} packed examples with no trained token (context alone, such as the "
+        "middle of a long prompt) were left out" in ds.summary()
+    )
+
+
 def test_long_text_is_cut_into_pieces_without_changing_tokens(tmp_path, tok):
     # > 8 KiB of text goes through the batched piece path; a word-level tokenizer must give the
     # same ids as one call on the whole text.

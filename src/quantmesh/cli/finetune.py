@@ -146,8 +146,9 @@ class FinetuneConfig:
     model: str = ""
     """Folder of a transformers causal LM (config.json, weights, tokenizer)."""
     data: list[str] = field(default_factory=list)
-    """Training files and folders: .jsonl, .json, .parquet, .arrow, .txt, datasets folders
-    (save_to_disk), folders of shards (README: "Training data")."""
+    """Training files and folders: .jsonl, .json, .csv, .tsv, .parquet, .arrow, .txt (text
+    kinds also .gz, .bz2, .xz), datasets folders (save_to_disk), folders of shards (README:
+    "Training data")."""
     data_format: str = field(default="auto", metadata={"choices": DATA_FORMATS})
     """The records' format: auto (named by each record's keys) or one format for every record."""
     train_on: str = field(default="assistant", metadata={"choices": TRAIN_ON})

@@ -38,7 +38,7 @@ from .readers import Source
 
 __all__ = ["CACHE_VERSION", "cache_key", "entry", "load", "save"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Raised when what is stored, or how examples are built from the same inputs, changes."""
 
 _DTYPES = {torch.int64: "I64", torch.bool: "BOOL"}

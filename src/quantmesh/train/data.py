@@ -177,7 +177,8 @@ class PackedDataset:
     truncated: int = 0
     """Without packing: documents cut at seq_len."""
     dropped: int = 0
-    """Without packing: documents left out, with no trained token within seq_len."""
+    """Examples left out, with no trained token: documents within seq_len (without packing), or
+    packed chunks of context alone (with packing)."""
 
     def summary(self) -> str:
         """What the run trains on, as printed by `quantmesh finetune`.
@@ -197,11 +198,16 @@ class PackedDataset:
             f"trained ({what[self.train_on]}) -> {len(self.train)} train / {len(self.eval)} eval "
             f"examples of {self.seq_len} ({layout})"
         )
-        if self.truncated or self.dropped:
+        if not self.packing and (self.truncated or self.dropped):
             lines.append(
                 f"data: {self.truncated} documents longer than {self.seq_len} tokens were cut; "
                 f"{self.dropped} documents with no trained token within {self.seq_len} were left "
                 "out (raise --seq-len, or pack)"
+            )
+        elif self.dropped:
+            lines.append(
+                f"data: {self.dropped} packed examples with no trained token (context alone, such "
+                "as the middle of a long prompt) were left out: they would add nothing to the loss"
             )
         return "\n".join(lines)
 
@@ -508,7 +514,7 @@ def _build(
         ids = torch.cat(stream_ids) if stream_ids else torch.zeros(0, dtype=torch.long)
         labels = torch.cat(stream_labels) if stream_labels else torch.zeros(0, dtype=torch.long)
         del stream_ids, stream_labels
-        chunks_ids, chunks_labels = _pack(ids, labels, seq_len, pad)
+        chunks_ids, chunks_labels, dropped = _pack(ids, labels, seq_len, pad)
     else:
         both = torch.stack(rows) if rows else torch.zeros(0, 2, seq_len, dtype=torch.long)
         chunks_ids, chunks_labels = both[:, 0], both[:, 1]
@@ -741,10 +747,10 @@ def shared_dataset(
 
 def _pack(
     x: torch.Tensor, y: torch.Tensor, seq_len: int, pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut the stream into (n, seq_len) chunks; the last partial chunk is padded (labels -100)
-    and kept only if it still has a target (position 0's label is never a target: no token
-    precedes it)."""
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Cut the stream into (n, seq_len) chunks, and how many full chunks were left out: a chunk is
+    kept only if it has a target (position 0's label is never one: no token precedes it); the
+    last partial chunk is padded (labels -100)."""
     n_full, rest = divmod(x.numel(), seq_len)
     if rest and bool((y[n_full * seq_len + 1 :] != IGNORE_INDEX).any()):
         fill = seq_len - rest
@@ -752,7 +758,12 @@ def _pack(
         y = torch.cat([y, torch.full((fill,), IGNORE_INDEX, dtype=torch.long)])
         n_full += 1
     n_tok = n_full * seq_len
-    return x[:n_tok].view(n_full, seq_len), y[:n_tok].view(n_full, seq_len)
+    xs, ys = x[:n_tok].view(n_full, seq_len), y[:n_tok].view(n_full, seq_len)
+    useful = (ys[:, 1:] != IGNORE_INDEX).any(dim=1)
+    if bool(useful.all()):
+        return xs, ys, 0
+    # a chunk of context alone (a long prompt's middle): nothing for the loss, only an empty step
+    return xs[useful], ys[useful], int((~useful).sum())
 
 
 # --------------------------------------------------------------------------------------- batching

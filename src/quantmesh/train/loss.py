@@ -138,6 +138,11 @@ def _chunked(
     t = target.index_select(0, keep)
     if h.requires_grad and _frozen(head):
         return _FrozenHeadLoss.apply(h, t, head, chunk_tokens), int(keep.numel())
+    if h.shape[0] == 0:
+        # no labelled token (a packed example of prompt tokens alone): zero, but in the graph,
+        # so that backward runs on every rank as on the others (DDP's reduction, tp's
+        # collectives) and adds zero gradients
+        return h.float().sum(), 0
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, h.shape[0], chunk_tokens):
         total = total + checkpoint(
