@@ -20,6 +20,12 @@ attends to exactly the keys it would attend to alone. New rows' prompts are pref
 padding (alone, or with rows of the same prompt length), then padded into the batch. Leading columns that no row needs
 any more are trimmed when rows leave.
 
+Sliding-window attention (gpt-oss, Gemma 2 and 3, Mistral's first models: `attention_windows`)
+is served by the mask, not by the cache: every layer keeps all its keys, and a sliding layer's
+mask lets a token read its last W keys (itself included), as transformers' own sliding-window
+mask does. Here the model builds that mask from the padding mask (the window counts cache
+columns, and a row's padding shifts its queries and keys alike); the slot engine builds it itself.
+
 Example:
     >>> batch = Batch(model, bank)                                      # doctest: +SKIP
     >>> step, pre, errors = batch.execute(Plan(admit=[Admit(7, ids, 0)]))  # doctest: +SKIP
@@ -41,7 +47,7 @@ from ..errors import QuantmeshError
 from .bank import AdapterBank
 from .host import upload
 
-__all__ = ["Admit", "Batch", "Plan", "ServeError", "autocast_dtype"]
+__all__ = ["Admit", "Batch", "Plan", "ServeError", "attention_windows", "autocast_dtype"]
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -57,6 +63,36 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 class ServeError(QuantmeshError, RuntimeError):
     """The model cannot be served this way; the message names the fix."""
+
+
+def attention_windows(model: nn.Module, config: Any) -> list[int | None]:
+    """Each decoder layer's attention: None for full attention, W for a sliding window (a token
+    reads its last W keys, itself included), as transformers' cache for `config` lays the layers
+    out. Other kinds (chunked, recurrent, linear attention) are refused: the engines serve these
+    two only.
+
+    Example:
+        >>> attention_windows(model, model.config)  # doctest: +SKIP
+        [128, None, 128, None]
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    out: list[int | None] = []
+    other: set[str] = set()
+    for layer in DynamicCache(config=config).layers:
+        if type(layer) is DynamicLayer:
+            out.append(None)
+        elif type(layer) is DynamicSlidingWindowLayer:
+            out.append(int(layer.sliding_window))
+        else:
+            other.add(type(layer).__name__)
+    if other:
+        raise ServeError(
+            f"{type(model).__name__} uses KV cache layers {sorted(other)}; serve runs full and "
+            "sliding-window attention only (no chunked, recurrent or linear-attention layers)"
+        )
+    return out
 
 
 @dataclass
@@ -113,9 +149,6 @@ class Batch:
         agree: Callable[[list[bool]], list[bool]] | None = None,
         share: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
         config = getattr(model, "config", None)
         params = inspect.signature(model.forward).parameters
         names = [n for n in ("past_key_values", "cache") if n in params]  # by transformers version
@@ -125,11 +158,22 @@ class Batch:
                 "(its forward takes neither past_key_values nor cache); serve needs one"
             )
         self.cache_arg = names[0]
-        kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
-        if kinds - {DynamicLayer.__name__}:
+        windows = attention_windows(model, config)
+        sizes = {w for w in windows if w is not None}
+        if len(sizes) > 1:
             raise ServeError(
-                f"{type(model).__name__} uses KV cache layers {sorted(kinds)}; serve batches "
-                "full-attention caches only (no sliding-window or recurrent layers)"
+                f"{type(model).__name__}'s sliding layers have windows of {sorted(sizes)} "
+                "tokens; serve masks one window size"
+            )
+        self.window: int | None = sizes.pop() if sizes else None
+        """The sliding layers' window (None: every layer attends fully)."""
+        types = getattr(config, "layer_types", None)
+        # a model with layer types takes one mask per type; without, one mask serves every layer
+        self.masks_by_type = self.window is not None and types is not None
+        if self.window is not None and not self.masks_by_type and None in windows:
+            raise ServeError(
+                f"{type(model).__name__} mixes sliding-window and full layers without "
+                "config.layer_types, so it cannot take a mask per layer; serve cannot mask it"
             )
         self.model, self.bank, self.config = model, bank, config
         self.agree = agree or (lambda ok: ok)
@@ -256,7 +300,8 @@ class Batch:
 
         if any(a.start or not a.last for a in group):
             raise RuntimeError("this engine prefills whole prompts (its chunk is None)")
-        cache = DynamicCache(config=self.config)
+        # sliding layers keep every key too: the mask limits what they read (module doc)
+        cache = DynamicCache(config=self.config) if self.window is None else DynamicCache()
         k, p = len(group), len(group[0].prompt)
         ids = upload([a.prompt for a in group], self.device)  # (k, p)
         self.bank.set_rows([a.slot for a in group])

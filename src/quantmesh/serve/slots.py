@@ -271,8 +271,8 @@ class SlotBatch(Batch):
         t = ids.shape[1]
         pos = self.pos_buf[lo : lo + b]
         q = pos[:, None] + torch.arange(t, device=pos.device)  # (b, t): positions of the tokens
-        ok = torch.arange(le, device=pos.device)[None, None, :] <= q[:, :, None]  # (b, t, le)
-        mask = self._mask(ok[:, None])  # (b, 1, t, le)
+        ahead = q[:, :, None] - torch.arange(le, device=pos.device)[None, None, :]  # (b, t, le)
+        mask = self._masks(ahead[:, None] >= 0, ahead[:, None])  # (b, 1, t, le)
         keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=q, use_cache=True,
                          **{self.cache_arg: self.slot_cache}, **keep)  # fmt: skip
@@ -293,12 +293,25 @@ class SlotBatch(Batch):
             torch._check(t.shape[0] == 1)
         ids, pos, seg = self.pack_buf[0:1], self.pack_buf[1:2], self.pack_buf[2]
         at = torch.arange(seg.shape[0], device=seg.device)
-        ok = (seg[None, :] == seg[:, None]) & (at[None, :] <= at[:, None])  # (t, t)
-        out = self.model(input_ids=ids, attention_mask=self._mask(ok[None, None]),
+        ahead = at[:, None] - at[None, :]  # (t, t): within a prompt, its positions' distance
+        ok = (seg[None, :] == seg[:, None]) & (ahead >= 0)
+        out = self.model(input_ids=ids, attention_mask=self._masks(ok[None, None], ahead),
                          position_ids=pos, use_cache=True,
                          **{self.cache_arg: self.slot_cache})  # fmt: skip
         logits: torch.Tensor = out.logits
         return logits[0]
+
+    def _masks(self, ok: torch.Tensor, ahead: torch.Tensor) -> Any:
+        """The attention mask of the forward: `ok` (b, 1, t, keys) the keys each token may read
+        under full attention, `ahead` its position minus each key's. Sliding layers read the
+        keys fewer than `window` behind too: the mask for every layer when all slide, else one
+        mask per layer type (the engine module's doc)."""
+        if self.window is None:
+            return self._mask(ok)
+        near = self._mask(ok & (ahead < self.window))
+        if not self.masks_by_type:
+            return near
+        return {"full_attention": self._mask(ok), "sliding_attention": near}
 
     def _mask(self, ok: torch.Tensor) -> torch.Tensor:
         """A boolean (b, 1, t, keys) mask as the attention takes it: eager adds a float one."""
