@@ -233,7 +233,8 @@ def check_pp_schedule(
         raise PipelineError(
             f"schedule={schedule!r} needs microbatches >= pp ranks ({microbatches} < {pp}); use "
             f"microbatches={pp} or more, or schedule='gpipe' (CLI: --pp-schedule {schedule} "
-            f"needs --microbatches (grad_accum) >= --pp: {microbatches} < {pp})"
+            f"needs --grad-accum >= --pp: {microbatches} < {pp}; pass --grad-accum {pp} or "
+            "--pp-schedule gpipe)"
         )
 
 

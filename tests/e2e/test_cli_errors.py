@@ -147,7 +147,10 @@ def test_pipeline_settings_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
     base = ["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
             "--seq-len", "64", "--nproc", "2", "--pp", "2"]  # fmt: skip
     err = _fails([*base, "--microbatches", "1"], capsys, monkeypatch)
-    assert "--pp-schedule 1f1b needs --microbatches (grad_accum) >= --pp: 1 < 2" in err
+    assert (
+        "--pp-schedule 1f1b needs --grad-accum >= --pp: 1 < 2; pass --grad-accum 2 or "
+        "--pp-schedule gpipe" in err
+    )
     err = _fails([*base[:-4], "--nproc", "3", "--pp", "2", "--microbatches", "2"], capsys,
                  monkeypatch)  # fmt: skip
     assert "--tp 1 x --pp 2 = 2 does not divide the 3 processes" in err

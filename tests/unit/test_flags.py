@@ -156,7 +156,8 @@ def test_toml_keys_are_the_option_names(tmp_path: Path) -> None:
         ({"lr": 0}, config.TrainError, "lr=0.0; expected a positive learning rate"),
         ({"lora_dropout": 1.0}, config.LoraError, "LoRA dropout=1.0; use a value in [0, 1)"),
         ({"pp": 2, "nproc": 2}, config.PipelineError,
-         "--pp-schedule 1f1b needs --microbatches (grad_accum) >= --pp: 1 < 2"),
+         "--pp-schedule 1f1b needs --grad-accum >= --pp: 1 < 2; pass --grad-accum 2 or "
+         "--pp-schedule gpipe"),
         ({"pp_virtual": 2}, config.PipelineError, "--pp-schedule interleaved1f1b with --pp-virtual 2"),
         ({"pp_schedule": "interleaved1f1b"}, config.PipelineError, "--pp-virtual 2 or more"),
         ({"tile_tokens": 8}, CliError, "--tile-tokens needs --checkpointing"),
