@@ -141,6 +141,21 @@ def test_resume_repeats_the_uninterrupted_run_exactly(workdir: Path, readme_run:
     assert [r["loss"] for r in resumed] == [original[s] for s in range(21, 31)]
 
 
+def test_resuming_a_finished_run_says_nothing_is_left(workdir: Path, readme_run: list) -> None:
+    """A run resumed from its last checkpoint has no step left: it is refused with the fix, not
+    reported as "done: loss nan, 0 tokens/s"."""
+    out = workdir / "quantmesh-out"
+    assert (out / "checkpoints/step-000030").is_dir(), "the README's fine-tune saved no step 30"
+    proc = cli("finetune", str(workdir / "finetune.toml"), "--resume",
+               str(out / "checkpoints/step-000030"), "--output-dir", str(workdir / "again"),
+               cwd=workdir)  # fmt: skip
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert (
+        "the checkpoint is at step 30, this run's last step: nothing is left to train; raise "
+        "steps (or epochs)" in proc.stderr
+    ), proc.stderr[-3000:]
+
+
 def test_the_python_example_is_the_file_and_runs(workdir: Path) -> None:
     script = REPO / "examples" / "quickstart.py"
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)

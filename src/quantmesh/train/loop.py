@@ -261,8 +261,12 @@ def train(
                 "resume from a checkpoint written by train, or call load_state yourself"
             )
         start = saved
-    if start > total:
-        raise TrainError(f"the checkpoint is at step {start}, past this run's {total} steps")
+    if start >= total:
+        raise TrainError(
+            f"the checkpoint is at step {start}, "
+            + (f"past this run's {total} steps" if start > total else "this run's last step")
+            + ": nothing is left to train; raise steps (or epochs) to train on from it"
+        )
 
     metrics = out / "metrics.jsonl"
     history = _read_metrics(metrics, start) if resume else []
