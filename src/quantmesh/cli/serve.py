@@ -37,6 +37,9 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 ENGINES = ("auto", "dynamic", "slots")
 GC_PAUSE_S = 0.05
 """A garbage collection pausing the serving process longer than this is said."""
+SAME_PRESS_S = 1.0
+"""Signals to the server within this many seconds of the first are one press of Ctrl-C (a
+terminal's reaches rank 0 directly and through the launcher); a later one stops at once."""
 SWITCH_INTERVAL_S = 0.0005
 """The serving process's GIL switch interval (Python's default: 5 ms): see `_serve`."""
 
@@ -514,6 +517,8 @@ def _serve(
     engine: str,
     say: Callable[[str], None],
 ) -> int:
+    import asyncio
+    import logging
     import math
     import socket
     import threading
@@ -541,17 +546,33 @@ def _serve(
     app = build_app(sched, tok, info)
 
     class Server(uvicorn.Server):
+        first_exit = 0.0  # when the first signal came
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # SIGTERM or Ctrl-C (SIGINT, forwarded by the launcher): the first drains the running
-            # requests for up to --grace seconds, any second one stops at once. Not re-raised
-            # after the server returns (uvicorn's own handler would re-raise a SIGINT as a
-            # KeyboardInterrupt here, before the tp ranks were told to stop).
-            if self.should_exit:
+            # SIGTERM or Ctrl-C (SIGINT): the first drains the running requests for up to --grace
+            # seconds, a second one stops at once. A terminal's Ctrl-C reaches this rank twice,
+            # from the terminal (one process group) and forwarded by the launcher, within
+            # milliseconds: a signal within SAME_PRESS_S of the first is that same press. Not
+            # re-raised after the server returns (uvicorn's own handler would re-raise a SIGINT
+            # as a KeyboardInterrupt here, before the tp ranks were told to stop).
+            now = time.monotonic()
+            if not self.should_exit:
+                self.first_exit = now
+            elif now - self.first_exit > SAME_PRESS_S:
                 self.force_exit = True
             self.should_exit = True
 
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
+    # lifespan off: the app has no startup or shutdown handlers, and a stop at once (a second
+    # Ctrl-C) left uvicorn's lifespan task to be cancelled with a traceback
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=max(1, math.ceil(cfg.grace_s))))  # fmt: skip
+
+    def asked_for(record: logging.LogRecord) -> bool:
+        # a stop at once cancels the running streams: that is what was asked, not an error
+        err = record.exc_info[1] if record.exc_info else None
+        return not (server.force_exit and isinstance(err, asyncio.CancelledError))
+
+    logging.getLogger("uvicorn.error").addFilter(asked_for)
 
     def fatal(e: BaseException) -> None:
         server.should_exit = True

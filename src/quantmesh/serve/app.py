@@ -511,7 +511,13 @@ class _Mail:
             self.calls.append((fn, x))
             first = len(self.calls) == 1
         if first:  # later posts ride on this wake-up until it runs
-            self.loop.call_soon_threadsafe(self._run)
+            if self.loop.is_closed():  # the server stopped at once (a second Ctrl-C): the
+                return  # requests' handlers are gone with their loop, nobody reads these
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # closed between the check and the call
+                if not self.loop.is_closed():
+                    raise
 
     def _run(self) -> None:
         with self.lock:
