@@ -10,6 +10,7 @@ their count over all 4 micro-batches of the step.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,45 @@ def test_conversations_dp2_tp2_pp2_no_packing(tmp_path: Path) -> None:
     assert abs(masked - unmasked) > 1e-3
     # fp32 on both sides; the sharded run sums in another order: 1e-4 is loose for 1e-6 noise.
     assert abs(rows[0]["loss"] - masked) < 1e-4, (rows[0]["loss"], masked, unmasked)
+
+
+def test_ctrl_c_stops_the_run_and_names_the_checkpoint_to_resume(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal (SIGINT to the whole process group: the launcher and every worker,
+    the launcher forwarding its own) stops the run with one line naming the latest checkpoint
+    and how to resume, exit code 130, and no traceback. Before, the launcher's SignalException
+    and a worker's KeyboardInterrupt during a checkpoint's clean-up were printed as tracebacks."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    data = tmp_path / "instructions.jsonl"
+    _instructions(data, n=96)
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quantmesh.cli.main", "finetune", "--model", str(model_dir),
+         "--data", str(data), "--nproc", "2", "--tp", "2", "--seq-len", "32", "--epochs", "50",
+         "--save-every", "2", "--no-progress", "--output-dir", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 150
+        while not (out / "checkpoints/step-000002/state").is_dir() and time.time() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert (out / "checkpoints/step-000002/state").is_dir(), "no checkpoint in 150 s"
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (proc.returncode, stderr[-3000:])
+    assert re.search(r"quantmesh finetune: stopped \(SIGINT\); the latest checkpoint is \S+"
+                     r"checkpoints/step-\d{6}; resume with --resume \S+", stderr), stderr[-3000:]  # fmt: skip
+    assert "Traceback" not in stderr + stdout, stderr[-3000:]

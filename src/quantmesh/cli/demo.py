@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -108,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
         "prompt": args.prompt,
         "max_new_tokens": args.max_new_tokens,
     }
-    rc = run_workers(nproc, ["quantmesh.cli.worker", "demo", json.dumps(payload)])
+    rc = run_workers(
+        nproc,
+        ["quantmesh.cli.worker", "demo", json.dumps(payload)],
+        on_signal=lambda sig: print(f"quantmesh demo: stopped ({sig})", file=sys.stderr),
+    )
     if rc == 0:
         print(f"demo finished in {time.perf_counter() - t0:.0f} s", flush=True)
     return rc

@@ -396,10 +396,22 @@ def run(args: argparse.Namespace) -> int:
     return run_workers(
         launch.nproc,
         ["quantmesh.cli.worker", "finetune", cfg.to_json()],
+        on_signal=lambda sig: _interrupted(sig, Path(cfg.output_dir).expanduser()),
         nnodes=str(launch.nnodes),
         rdzv_endpoint=launch.rdzv_endpoint,
         node_rank=launch.node_rank,
     )
+
+
+def _interrupted(sig: str, out: Path) -> None:
+    """Ctrl-C or SIGTERM stopped the run: say where it can go on from."""
+    from ..train.loop import resolve_resume
+
+    try:
+        where = f"the latest checkpoint is {resolve_resume(out)}; resume with --resume {out}"
+    except FileNotFoundError:
+        where = "no checkpoint was saved yet (--save-every sets how often)"
+    print(f"quantmesh finetune: stopped ({sig}); {where}", file=sys.stderr, flush=True)
 
 
 RUN_PRODUCTS = ("metrics.jsonl", "loss.png", "adapter", "checkpoints", "logs")

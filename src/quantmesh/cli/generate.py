@@ -177,7 +177,11 @@ def run(args: argparse.Namespace) -> int:
     payload = json.dumps(asdict(cfg))
     if under_torchrun:
         return worker.run_in_place("generate", payload)
-    return run_workers(cfg.tp, ["quantmesh.cli.worker", "generate", payload])
+    return run_workers(
+        cfg.tp,
+        ["quantmesh.cli.worker", "generate", payload],
+        on_signal=lambda sig: print(f"quantmesh generate: stopped ({sig})", file=sys.stderr),
+    )
 
 
 def check_adapter(model, adapter: str | Path) -> None:

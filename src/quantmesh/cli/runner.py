@@ -13,11 +13,13 @@ import contextlib
 import io
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .errors import DEBUG_ENV, ERROR_DIR_ENV, EXIT_USAGE, is_user_error, one_line
 
@@ -39,7 +41,6 @@ def exit_fast(fn: Callable[[], int | None]) -> NoReturn:
         ...     exit_fast(main)
     """
     import atexit
-    import threading
 
     code: int | str | None
     try:
@@ -65,6 +66,14 @@ def exit_fast(fn: Callable[[], int | None]) -> NoReturn:
     os._exit(int(code or 0))
 
 
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """SIGINT in a worker: a KeyboardInterrupt once. A terminal's Ctrl-C reaches a worker twice
+    (from the terminal, and forwarded by the launcher): a second one would interrupt the first's
+    clean-up (a checkpoint's temporary folder being removed) with a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def worker_main(fn: Callable[[], int | None], *, log_dir: Path | None = None) -> int:
     """Run a worker's body; on failure print one line naming the rank and leave the details behind.
 
@@ -76,6 +85,8 @@ def worker_main(fn: Callable[[], int | None], *, log_dir: Path | None = None) ->
         >>> sys.exit(worker_main(lambda: train(cfg), log_dir=Path("out/logs")))  # doctest: +SKIP
     """
     rank = int(os.environ.get("RANK", "0"))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return int(fn() or 0)
     except KeyboardInterrupt:
@@ -102,16 +113,36 @@ def worker_main(fn: Callable[[], int | None], *, log_dir: Path | None = None) ->
         return EXIT_USAGE if is_user_error(e) else 1
 
 
-def run_workers(nproc: int, module_args: list[str], **launch_kw) -> int:
+def run_workers(
+    nproc: int,
+    module_args: list[str],
+    *,
+    on_signal: Callable[[str], None] | None = None,
+    **launch_kw: Any,
+) -> int:
     """Launch `python -m <module_args>` on `nproc` workers; on failure print one line per cause.
 
     The first worker to fail names itself and the first line of its error; the launcher's own
-    report (and torch's agent logging) is replaced by that line.
+    report (and torch's agent logging) is replaced by that line. With `on_signal`, a SIGINT or
+    SIGTERM to the launcher (Ctrl-C), which stops the workers, calls it with the signal's name
+    and returns 128 + its number instead of raising torch's SignalException.
 
     Example:
         >>> run_workers(2, ["quantmesh.cli.worker", "finetune", "run.json"])  # doctest: +SKIP
         0
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return _run_workers(nproc, module_args, **launch_kw)
+    except SignalException as e:
+        if on_signal is None:
+            raise
+        on_signal(e.sigval.name)
+        return 128 + int(e.sigval)
+
+
+def _run_workers(nproc: int, module_args: list[str], **launch_kw: Any) -> int:
     import tempfile
 
     from .launch import forked_workers_apply, launch
