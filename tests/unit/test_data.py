@@ -100,6 +100,16 @@ def test_pad_token_used_and_untrainable_tail_dropped(tmp_path):
     assert ds.train[1]["labels"].tolist() == ids("d <eos>") + [IGNORE_INDEX]
 
 
+def test_the_summary_of_plain_text_says_every_token_is_trained(tmp_path, tok):
+    """train_on chooses among a conversation's turns; plain text has none, and was summed up as
+    "(assistant turns)"."""
+    (tmp_path / "a.txt").write_text("a b c d e f g h")
+    assert "trained (all: plain text) ->" in build_dataset(tmp_path / "a.txt", tok, 4).summary()
+    write_jsonl(tmp_path / "c.jsonl", [{"prompt": "a b", "response": "c d"}])
+    mixed = build_dataset([tmp_path / "a.txt", tmp_path / "c.jsonl"], tok, 4).summary()
+    assert "trained (assistant turns) ->" in mixed
+
+
 def test_packed_chunks_of_context_alone_are_left_out_and_said(tmp_path):
     """A packed chunk whose labels are all ignored (the middle of a long prompt) adds nothing to
     the loss: it was kept, and a step on it was an optimizer step on zero gradients (or, with a

@@ -192,10 +192,13 @@ class PackedDataset:
         if self.skipped:
             lines.append(f"data: skipped (not data files): {', '.join(self.skipped)}")
         what = {"assistant": "assistant turns", "last": "last assistant turns", "all": "all"}
+        trained = what[self.train_on]
+        if self.files and all(set(f.formats) <= {"text"} for f in self.files):
+            trained = "all: plain text"  # train_on picks among turns: text has none
         layout = "packed" if self.packing else "one per document, padded"
         lines.append(
             f"data: {self.num_documents} documents, {self.num_tokens} tokens, {self.num_trained} "
-            f"trained ({what[self.train_on]}) -> {len(self.train)} train / {len(self.eval)} eval "
+            f"trained ({trained}) -> {len(self.train)} train / {len(self.eval)} eval "
             f"examples of {self.seq_len} ({layout})"
         )
         if not self.packing and (self.truncated or self.dropped):
