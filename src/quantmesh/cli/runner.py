@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -142,6 +142,27 @@ def run_workers(
         return 128 + int(e.sigval)
 
 
+@contextlib.contextmanager
+def _quiet_elastic() -> Iterator[None]:
+    """torch's elastic loggers at CRITICAL while the context lasts: the parent's level alone does
+    not do, as torch sets a level on each of its elastic loggers (the agent's "Received 2 death
+    signal, shutting down workers" came through)."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401 - its loggers made now
+
+    names = [
+        n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")
+    ]
+    loggers = [logging.getLogger(n) for n in ["torch.distributed.elastic", *names]]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def _run_workers(nproc: int, module_args: list[str], **launch_kw: Any) -> int:
     import tempfile
 
@@ -154,16 +175,12 @@ def _run_workers(nproc: int, module_args: list[str], **launch_kw: Any) -> int:
 
     with tempfile.TemporaryDirectory(prefix="quantmesh-errors-") as err_dir:
         os.environ[ERROR_DIR_ENV] = err_dir
-        elastic = logging.getLogger("torch.distributed.elastic")
-        old_level = elastic.level
         captured = io.StringIO()
         try:
-            # torch's agent logs every SIGTERM it sends to the other workers; our line says it all.
-            elastic.setLevel(logging.CRITICAL)
-            with contextlib.redirect_stderr(captured):
+            # torch's agent logs every signal it sends to the workers; our line says it all
+            with _quiet_elastic(), contextlib.redirect_stderr(captured):
                 rc = launch(nproc, module_args, module=True, **launch_kw)
         finally:
-            elastic.setLevel(old_level)
             os.environ.pop(ERROR_DIR_ENV, None)
         if rc == 0:
             return 0
