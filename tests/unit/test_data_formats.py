@@ -86,6 +86,24 @@ def test_each_format_trains_exactly_the_assistant_turn(tmp_path, chat_tok, fmt):
     assert torch.equal(named.train[0]["labels"], ds.train[0]["labels"])
 
 
+def test_content_given_as_text_parts_trains_like_a_string(tmp_path, chat_tok):
+    """OpenAI's content parts ([{"type": "text", "text": ...}], as newer datasets and clients
+    write messages) are the texts joined, as the server reads them; any other part is refused."""
+    parts = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "how "}, {"type": "text", "text": "are you"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": BOT}]},
+    ]}  # fmt: skip
+    want = build_dataset(write_jsonl(tmp_path / "s.jsonl", [ONE_TURN["messages"]]), chat_tok, 32)
+    got = build_dataset(write_jsonl(tmp_path / "p.jsonl", [parts]), chat_tok, 32)
+    assert torch.equal(got.train[0]["input_ids"], want.train[0]["input_ids"])
+    assert torch.equal(got.train[0]["labels"], want.train[0]["labels"])
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                          {"role": "assistant", "content": BOT}]}  # fmt: skip
+    with pytest.raises(DataError, match=r"i.jsonl line 1: messages\[0\]\['content'\]\[0\]: a "
+                       "content part of type 'image_url'; only text parts"):  # fmt: skip
+        build_dataset(write_jsonl(tmp_path / "i.jsonl", [image]), chat_tok, 32)
+
+
 def test_alpaca_input_and_plain_prompt_completion(tmp_path, chat_tok):
     f = write_jsonl(
         tmp_path / "d.jsonl",

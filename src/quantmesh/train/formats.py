@@ -258,6 +258,22 @@ def _str(obj: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _text_parts(parts: list[Any], where: str) -> str:
+    """A message's content given as OpenAI's content parts ([{"type": "text", "text": ...}]):
+    the texts joined; any other part (an image, audio) is refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(text, str):
+            raise DataError(
+                f"{where}['content'][{j}]: a content part of type {kind!r}; only text parts "
+                "({'type': 'text', 'text': ...}) are trained on"
+            )
+        texts.append(text)
+    return "".join(texts)
+
+
 def _messages(
     value: Any, where: str, key: str
 ) -> tuple[tuple[dict[str, Any], ...], tuple[bool, ...]]:
@@ -275,10 +291,12 @@ def _messages(
         # Arrow tables give every row every field of the column's struct: None means absent
         m = {k: v for k, v in m.items() if v is not None}
         role, content = m.get("role"), m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: text parts joined, as serve does
+            m["content"] = content = _text_parts(content, f"{where}: {key}[{i}]")
         if not isinstance(role, str) or not isinstance(content, str):
             raise DataError(
-                f"{where}: {key}[{i}] needs a string 'role' and a string 'content' (multi-part "
-                f"or tool-call content is not supported); got keys {sorted(m)}"
+                f"{where}: {key}[{i}] needs a string 'role' and a string 'content' (or a list of "
+                f"text parts; tool-call messages are not supported); got keys {sorted(m)}"
             )
         weight = m.pop("weight", 1)
         if weight not in (0, 1) or isinstance(weight, bool):
