@@ -39,6 +39,22 @@ def test_a_folder_without_config_json(tiny: Path, capsys, monkeypatch) -> None:
     assert "has no config.json (it holds: " in err and "ok.txt" in err
 
 
+def test_a_folder_without_a_tokenizer(tiny: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """finetune, generate and serve need the tokenizer: each says so before a worker starts
+    (generate and serve failed in rank 0 with transformers' own error about slow tokenizers)."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny / "tiny", bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):  # fmt: skip
+        (bare / name).unlink(missing_ok=True)
+    for argv in (["finetune", "--model", str(bare), "--data", str(tiny / "ok.txt")],
+                 ["generate", str(bare), "--prompt", "hi"], ["serve", str(bare)]):  # fmt: skip
+        err = _fails(argv, capsys, monkeypatch)
+        assert f"model folder '{bare}' has no tokenizer (none of tokenizer.json" in err, argv
+
+
 def test_data_in_the_wrong_format(tiny: Path, capsys, monkeypatch) -> None:
     bad = tiny / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"foo": 1}) + "\n")

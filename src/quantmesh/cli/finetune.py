@@ -445,6 +445,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     from .plan_cmd import (
         RunShape,
         check_memory,
+        check_tokenizer,
         device_budget,
         load_skeleton,
         memory_alternatives,
@@ -454,7 +455,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     par, act, launch = cfg.parallel, cfg.activations, cfg.launch
     assert launch.nproc is not None and par.dp is not None  # set by _resolve_mesh
     config, model = load_skeleton(cfg.model)
-    _check_tokenizer(Path(cfg.model).expanduser())
+    check_tokenizer(cfg.model)
     max_pos = getattr(config, "max_position_embeddings", None)
     if isinstance(max_pos, int) and cfg.seq_len > max_pos:
         raise CliError(
@@ -556,12 +557,3 @@ def _fewer_checkpointed(shape: RunShape, budget: int, n_blocks: int) -> str | No
         f"{format_bytes(t)} per rank, and runs faster (each recomputed layer costs about a third "
         "of its step time)"
     )
-
-
-def _check_tokenizer(path: Path) -> None:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((path / n).is_file() for n in names):
-        raise CliError(
-            f"model folder {str(path)!r} has no tokenizer (none of {', '.join(names)}); save "
-            "the tokenizer next to the model (tokenizer.save_pretrained(folder))"
-        )

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     """The `generate` command: check, then launch tp workers (or run in place under torchrun)."""
     from ..io.prequant import folder_quant
     from . import worker
-    from .plan_cmd import load_skeleton
+    from .plan_cmd import check_tokenizer, load_skeleton
     from .runner import run_workers
 
     with user_errors():
@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             fast=args.fast,
         )
         _, model = load_skeleton(cfg.model)
+        check_tokenizer(cfg.model)
         folder_quant(cfg.model, None if cfg.quant == "none" else cfg.quant)  # --quant vs folder
         if cfg.adapter:
             check_adapter(model, cfg.adapter)

@@ -39,6 +39,24 @@ CPU_RUNTIME_BYTES = 1 << 30  # a CPU worker's python, torch, transformers and bi
 CUDA_RUNTIME_BYTES = 3 << 29  # CUDA context (~0.5 GiB), cuBLAS / NCCL workspaces, fragmentation
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer(model_dir: str | Path) -> None:
+    """CliError when the model folder holds no tokenizer (finetune, generate and serve need one;
+    transformers' own error, deep in a worker, does not say what is missing).
+
+    Example:
+        >>> check_tokenizer("SmolLM2-135M-Instruct")  # doctest: +SKIP
+    """
+    path = Path(model_dir).expanduser()
+    if path.is_dir() and not any((path / n).is_file() for n in TOKENIZER_FILES):
+        raise CliError(
+            f"model folder {str(path)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer next to the model (tokenizer.save_pretrained(folder))"
+        )
+
+
 def load_skeleton(model_dir: str | Path):
     """(config, model on meta) of a transformers folder; CliError when it is not one.
 

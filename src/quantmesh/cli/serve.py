@@ -296,7 +296,7 @@ def check(cfg: ServeConfig) -> None:
     from ..io.adapter import adapter_lora_config
     from ..plan.auto import auto_plan
     from .generate import check_adapter
-    from .plan_cmd import load_skeleton
+    from .plan_cmd import check_tokenizer, load_skeleton
 
     missing = missing_server_packages()
     if missing:
@@ -305,6 +305,7 @@ def check(cfg: ServeConfig) -> None:
             "'quantmesh[serve]' (fastapi, uvicorn, sse-starlette)"
         )
     config, model = load_skeleton(cfg.model)
+    check_tokenizer(cfg.model)
     for name, path in cfg.adapters.items():
         try:
             check_adapter(model, path)
