@@ -171,3 +171,22 @@ def test_plan_lists_the_experts_beside_the_plan(tmp_path: Path, capsys) -> None:
     assert line.split()[3] == "experts", line
     assert "gate_up_proj 4x16x32/4x16x32, down_proj 4x32x8/4x32x8" in line, line
     assert line.endswith("experts: 16 intermediate features split over tp"), line
+
+
+def test_plan_says_what_a_folder_in_a_format_quantmesh_does_not_compute_in_costs(
+    tmp_path: Path, capsys
+) -> None:
+    """gpt-oss' MXFP4 experts load as float without --quant: the plan's estimate is of that, and
+    a note says so and names the flag that keeps them in 4 bits (the loader warned; the plan,
+    where the memory is decided, did not)."""
+    from tests.moe_folders import moe_dir, mxfp4_folder
+
+    stored, _ = mxfp4_folder(moe_dir("gpt_oss", tmp_path / "f", intermediate_size=64,
+                                     hidden_size=64), tmp_path / "mx")  # fmt: skip
+    assert main(["plan", str(stored), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "is stored in mxfp4, which quantmesh does not compute in: without quantization its " \
+           "weights load as float, about four times the stored bytes in bf16, as estimated " \
+           "here; --quant nf4 (or int8) holds them in 4" in out, out  # fmt: skip
+    assert main(["plan", str(stored), "--tp", "2", "--quant", "nf4"]) == 0
+    assert "stored in mxfp4" not in capsys.readouterr().out

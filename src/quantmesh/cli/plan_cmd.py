@@ -511,7 +511,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         )
         lora = LoraConfig(r=args.lora_r, dropout=args.lora_dropout, **kw)
         lora_targets(model, lora)  # names that match nothing are an error, with the valid names
-    from ..io.prequant import folder_quant
+    from ..io.prequant import folder_quant, held_as_float
     from ..quant.base import QuantConfig
 
     backend = getattr(args, "quant_backend", BACKENDS[0])
@@ -546,6 +546,10 @@ def plan_report(model, args: argparse.Namespace) -> str:
         "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
     ]
     lines += [f"Note: {n}" for n in est.notes]
+    grows = held_as_float(folder) if folder and quant is None else None
+    if grows is not None:
+        lines.append(f"Note: {grows}, as estimated here; --quant nf4 (or int8) holds them in 4 "
+                     "(or 8) bits, quantized on the ranks as they load")  # fmt: skip
     if shape.pp > 1:
         lines += ["", stage_report(shape)]
     gib = getattr(args, "gpu_memory", None)

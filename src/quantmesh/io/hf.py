@@ -41,7 +41,7 @@ from ..plan.plan import Plan
 from ..quant.base import QuantConfig, QuantError
 from .convert import Piece, check_converter
 from .load import _rank, _targets, expected_keys, load_checkpoint
-from .prequant import folder_quant, stored_method, stored_weights
+from .prequant import folder_quant, held_as_float, stored_weights
 from .reader import open_checkpoint
 
 if TYPE_CHECKING:
@@ -202,15 +202,13 @@ def from_pretrained(
     with empty_model():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._name_or_path = str(path)  # save_adapter writes it as base_model_name_or_path
-    method = stored_method(path)
-    if quant is None and method in ("fp8", "mxfp4") and _rank() == 0:
+    grows = held_as_float(path)
+    if quant is None and grows is not None and _rank() == 0:
         import warnings
 
-        grows = "about twice" if method == "fp8" else "about four times"
         warnings.warn(
-            f"{path} is stored in {method}, which quantmesh does not compute in: with quant=None "
-            f"its weights load as float ({dtype}), {grows} the stored bytes in bf16. Pass "
-            "quant='nf4' (or 'int8') to quantize them on the ranks as they load",
+            f"{grows} (quant=None: {dtype}). Pass quant='nf4' (or 'int8') to quantize them on "
+            "the ranks as they load",
             stacklevel=2,
         )
     if quant is None and qcfg is not None:  # as stored: exactly the layers saved quantized

@@ -271,6 +271,24 @@ def stored_method(path: str | Path) -> str | None:
     return None if qc is None else str(qc.get("quant_method", "?")).lower()
 
 
+def held_as_float(path: str | Path) -> str | None:
+    """Why the folder's weights grow when loaded without quant= (a format quantmesh does not
+    compute in: fp8, MXFP4), None when they do not.
+
+    Example:
+        >>> held_as_float("gpt-oss-20b")  # doctest: +SKIP
+        'gpt-oss-20b is stored in mxfp4, which quantmesh does not compute in: without quantization its weights load as float, about four times the stored bytes in bf16'
+    """  # noqa: E501
+    method = stored_method(path)
+    if method not in ("fp8", "mxfp4"):
+        return None
+    grows = "about twice" if method == "fp8" else "about four times"
+    return (
+        f"{path} is stored in {method}, which quantmesh does not compute in: without "
+        f"quantization its weights load as float, {grows} the stored bytes in bf16"
+    )
+
+
 def folder_quant(path: str | Path, quant: str | QuantConfig | None) -> QuantConfig | None:
     """The QuantConfig that loads the folder `path` as it is stored, given the user's `quant=`.
 
