@@ -484,9 +484,77 @@ def test_checkpointing_and_chunked_loss_terms() -> None:
     assert estimate_memory(m, loss_chunk_tokens=4096, **kw).logits == base.logits  # one chunk
 
 
+# scaled shapes (hidden 256, 2 layers, SDPA, bf16 autocast, nf4 + LoRA r16): (config class,
+# model class, fields, the bound on |estimate / saved - 1|)
+MOE_SHAPES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, head_dim=64,
+        decoder_sparse_step=1, intermediate_size=768), 0.02),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        intermediate_size=896, num_local_experts=8, num_experts_per_tok=2), 0.02),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        intermediate_size=128, num_experts=16, num_experts_per_tok=4, num_key_value_heads=4), 0.02),
+    # its shared expert's output, scaled by a sigmoid gate, is kept too (h a): not in the formula
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        intermediate_size=640, moe_intermediate_size=128, shared_expert_intermediate_size=384,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1), 0.07),
+    # not a mixture: its per-head q and k norms (their fp32 inputs and rsqrt rows), exact
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=640, head_dim=64), 1e-6),
+}  # fmt: skip
+
+
+def _saved_and_estimated(name: str) -> tuple[int, int]:
+    import transformers
+
+    import quantmesh as qm
+
+    config_cls, model_cls, fields, _ = MOE_SHAPES[name]
+    shared = dict(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    cfg = getattr(transformers, config_cls)(**{**shared, **fields})  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    if "moe" in name or name == "mixtral":
+        cfg._experts_implementation = "grouped_mm"
+    seq, mb = 128, 2
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg)
+    with qm.empty_model():
+        meta = getattr(transformers, model_cls)(cfg)
+    lora = qm.LoraConfig(r=16)
+    est = estimate_memory(meta, lora=lora, seq_len=seq, micro_batch=mb, dtype=torch.bfloat16,
+                          quant="nf4")  # fmt: skip
+    qm.parallelize(model, qm.init_mesh(tp=1), quant="nf4", lora=lora, dtype=torch.bfloat16)
+    model.train()
+    saved: dict[int, int] = {}
+    ids = torch.randint(0, 512, (mb, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16), _counting_saved(model, saved):
+        model.model(input_ids=ids)
+    return sum(saved.values()), est.activations
+
+
+@pytest.mark.parametrize("name", list(MOE_SHAPES))
+def test_expert_layers_keep_their_input_and_the_routing(name: str) -> None:
+    """An expert layer's MLP keeps the experts' input and the routing (they run checkpointed),
+    not a dense MLP of `intermediate_size`: against the bytes autograd saves, within the bound
+    of each shape. Before, the dense terms stood in for the experts (Mixtral's shape: 1.24x the
+    saved bytes; at its real size, intermediate 14336 against hidden 4096, far more), and no
+    norm on q and k was counted (Qwen3: 0.90x)."""
+    saved, estimated = _saved_and_estimated(name)
+    bound = MOE_SHAPES[name][3]
+    assert abs(estimated / saved - 1) <= bound, (name, estimated, saved, estimated / saved)
+
+
 def test_a_mixture_of_experts_says_its_activations_are_approximate() -> None:
-    """The activation terms know dense MLPs; a model with fused experts gets a note saying so,
-    eager and compiled (never a figure that looks exact); a dense model gets none."""
+    """The routing's terms differ by router: a model with fused experts gets a note saying the
+    activations are approximate, eager and compiled (never a figure that looks exact); a dense
+    model gets none."""
     import quantmesh as qm
     from tests.zoo import ZOO
 
@@ -494,7 +562,9 @@ def test_a_mixture_of_experts_says_its_activations_are_approximate() -> None:
     moe = ZOO["qwen3_moe"].build(0)
     for compiled in (False, True):
         notes = " ".join(estimate_memory(moe, compiled=compiled, **kw).notes)
-        assert "mixture of experts: the experts' activations are not modelled" in notes
+        assert "mixture of experts: the experts keep their input and the routing" in notes
+        assert "the activations are approximate" in notes
+    assert "compiled=True with experts" in " ".join(estimate_memory(moe, compiled=True, **kw).notes)
     dense = _model(True, **TINY)
     assert not any("experts" in n for n in estimate_memory(dense, **kw).notes)
 

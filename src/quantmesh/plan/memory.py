@@ -42,7 +42,16 @@ rank 0 more), in bytes:
                input needs no gradient, which also keep no dropout mask), and RoPE's cos and sin
                (2 x seq_len x head_dim x a). Checked against saved-tensor hooks on CPU (exact, byte
                for byte, at tp 1 and 2, fp32 and bf16 autocast, with and without dropout but for
-               the CPU noise size noted above)
+               the CPU noise size noted above). Norms on the queries and keys (Qwen3, Gemma 3)
+               keep their fp32 inputs and rsqrt rows: 4 (q + kv) + 4 x their rows per token
+  experts      a layer whose MLP is fused experts (a mixture of experts) keeps, instead of a dense
+               MLP's terms, the experts' input (h a: they run checkpointed with a quantized base
+               or expert adapters) and the routing: k int64 ids, k weights in fp32 and in a, the
+               router's fp32 probabilities over the E experts, 4 bytes of their sum, per token;
+               a shared expert's linears add a dense MLP's terms. Dense and expert layers are
+               summed, each kind from its own first layer (DeepSeek-V3's first layers are
+               dense). Routers differ: within 2% of the saved bytes for Qwen3-MoE, Mixtral and
+               OLMoE shapes, 6% for Qwen2-MoE's (its gated shared expert keeps its output)
   compiled     activations instead, with `compiled=True` (`qm.compile_blocks`: each block one
                inductor graph): a block keeps what AOTAutograd's min-cut partitioner returns from
                the compiled forward for the backward, not what eager autograd keeps: it recomputes
@@ -263,6 +272,21 @@ class _Dims:
     inter: int
     vocab: int
     rotary: bool = False
+    qk_norm: str | None = None
+    """A norm on the queries and keys (Qwen3, OLMo 2, Gemma 3): "head" (per head), "all" (over a
+    projection's whole output) or None."""
+
+
+def _qk_norm(model: nn.Module, head_dim: int) -> str | None:
+    """Whether the first layer's attention norms its queries (a `q_norm` module), per head or
+    over the whole projection, by the norm weight's size."""
+    for fqn, m in model.named_modules():
+        if fqn.rsplit(".", 1)[-1] == "q_norm":
+            w = getattr(m, "weight", None)
+            if w is None:
+                return None
+            return "head" if w.numel() == head_dim else "all"
+    return None
 
 
 def _dims(model: nn.Module) -> _Dims | None:
@@ -283,7 +307,7 @@ def _dims(model: nn.Module) -> _Dims | None:
     rotary = any(
         getattr(cfg, k, None) is not None for k in ("rope_parameters", "rope_theta", "rotary_dim")
     )
-    return _Dims(h, layers, heads, kv, hd, int(inter), vocab, rotary)
+    return _Dims(h, layers, heads, kv, hd, int(inter), vocab, rotary, _qk_norm(model, hd))
 
 
 def estimate_memory(
@@ -510,6 +534,7 @@ def _for_rank(
         if lora is not None
         else {}
     )
+    moe: _Moe | None = None
     for fqn, mod in model.named_modules():
         own = list(mod.named_parameters(recurse=False))
         if not own:
@@ -517,6 +542,16 @@ def _for_rank(
         if fqn in experts:  # expert tensors: split like ShardedExperts, quantized when selected
             q = fmt is not None and qcfg is not None and qcfg.selects(fqn) and not qcfg.skips(fqn)
             sizes = local_sizes(mod, experts[fqn], resolved.tp, rank)
+            second = next(t for t in experts[fqn] if not t.first)
+            layer = _layer_of(fqn)
+            moe = _Moe(
+                layers=(moe.layers if moe else frozenset())
+                | ({layer} if layer is not None else set()),
+                experts=int(getattr(mod, "num_experts", 1)),
+                top_k=_top_k(model),
+                inter=sizes[second.name][1][0],
+                checkpointed=(moe is not None and moe.checkpointed) or q or fqn in expert_lora,
+            )
             deq = 0
             for name, (n, (in_l, out_l)) in sizes.items():
                 est.weights += int(n * fmt.bytes_per_param(in_l)) if q and fmt else n * dt_bytes
@@ -600,16 +635,16 @@ def _for_rank(
     if dims is None:
         est.notes.append("no transformers config: activations and logits are not estimated")
         return est
-    if experts and lora is not None:
-        # The terms below know dense MLPs only. (ShardedExperts with a quantized base or expert
-        # adapters runs checkpointed, keeping its inputs: tp/experts.py.)
+    if moe is not None and lora is not None:
         est.notes.append(
-            "mixture of experts: the experts' activations are not modelled (the MLP terms are a "
-            f"dense MLP's of intermediate_size {dims.inter}): the activations are approximate"
+            "mixture of experts: the experts keep their input and the routing"
+            + ("" if moe.checkpointed else " and each routed copy's intermediates")
+            + "; the routing's terms differ by router (measured within 10% of the saved bytes "
+            "on CPU, eager): the activations are approximate"
         )
     act, logits, workspace, mlp_tok, attn_workspace = _activations(
         dims, resolved, rank, widths, targets, lora, fmt, a, seq, mb, dp, compiled, est.notes,
-        lean=lean,
+        lean=lean, moe=moe,
     )  # fmt: skip
     ckpt, offload, chunk, tile, k = memory_modes
     tokens = seq * mb
@@ -680,6 +715,19 @@ def _head_columns(
     return widths[fqn][3]
 
 
+@dataclass(frozen=True)
+class _Moe:
+    """The experts of a model, as the activation terms need them: their layers, how many experts,
+    how many a token is routed to, this rank's intermediate features of one expert, and whether
+    they run checkpointed (a quantized base or expert adapters: tp/experts.py)."""
+
+    layers: frozenset[int]
+    experts: int
+    top_k: int
+    inter: int
+    checkpointed: bool
+
+
 def _activations(
     dims: _Dims,
     resolved: Resolved,
@@ -695,13 +743,17 @@ def _activations(
     compiled: bool = False,
     notes: list[str] | None = None,
     lean: bool = False,
+    moe: _Moe | None = None,
 ) -> tuple[int, int, int, int, int]:
     """(activation bytes, logits bytes, one block's backward workspace, the MLP's share of a
     layer's activations per token, the attention's backward workspace) from the per-layer formula
     in the module docstring; `lean`: compiled with `recompute_elementwise`. The workspace is the
     MLP's widest gradients, live together in its backward: the down projection's input gradient
     and, gated, those of gate and up; the attention's are the gradients of SDPA's output, q, k and
-    v and flash attention's fp32 accumulator of q's gradient."""
+    v and flash attention's fp32 accumulator of q's gradient. A model with experts (`moe`) sums
+    its dense and its expert layers, each kind by its own first layer: an expert layer's MLP
+    keeps the experts' input and the routing (the experts run checkpointed), plus the dense
+    terms of a shared expert's linears."""
     h, hd = dims.hidden, dims.head_dim
     q_full, kv_full = dims.heads * hd, dims.kv_heads * hd
 
@@ -712,15 +764,40 @@ def _activations(
                 return e.split.size(rank)
         return full_out
 
-    q, kv, i = local_width(q_full), local_width(kv_full), local_width(dims.inter)
+    q, kv = local_width(q_full), local_width(kv_full)
     tokens = seq * mb
-    # The first block's linears, by role; told apart by their full widths.
-    block = _first_block(widths)
-    gated = sum(1 for f in block if widths[f][0] == h and widths[f][1] == dims.inter) >= 2
-    mlp_keep = (3 if gated else 1) * i  # gate, SiLU(gate), up  |  fc1 output
-    if compiled and gated:
-        mlp_keep = 2 * i  # the compiled backward recomputes SiLU(gate) from gate
     notes = notes if notes is not None else []
+    expert_layers = moe.layers if moe is not None else frozenset()
+    dense = [n for n in range(dims.layers) if n not in expert_layers]
+    kinds = [(len(dense), _block(widths, dense[0]) if dense else [], False)]
+    if moe is not None and expert_layers:
+        kinds.append((len(expert_layers), _block(widths, min(expert_layers)), True))
+    kinds = [k for k in kinds if k[0]]
+
+    def mlp_of(block: list[str], routed: bool) -> tuple[bool, int]:
+        """(gated, this rank's intermediate width) of a block's dense MLP linears; a layer with
+        experts only has none (0)."""
+        if not routed:  # told apart by their full widths
+            gated = sum(1 for f in block if widths[f][0] == h and widths[f][1] == dims.inter) >= 2
+            return gated, local_width(dims.inter)
+        roles_of = _roles(block)
+        ins = [f for f in block if roles_of[f] == "mlp_in" and widths[f][0] == h]
+        outs = [f for f in block if roles_of[f] == "mlp_out"]
+        if not outs:
+            return False, 0
+        return len(ins) >= 2, widths[outs[0]][2]  # the down projection's local in-width
+
+    def routed_keep() -> int:
+        """Bytes an expert layer's MLP keeps per token for the experts: checkpointed, their
+        input (h a) and the routing (the ids, int64; the weights, fp32 and in a; the router's
+        fp32 probabilities over every expert; their sum); else also each routed copy's
+        intermediates (gate, up and their product: 3 i a)."""
+        assert moe is not None
+        keep = h * a + 4 * moe.experts + moe.top_k * (8 + 4 + a) + 4
+        if not moe.checkpointed:
+            keep += moe.top_k * 3 * moe.inter * a
+        return keep
+
     if compiled and lora is None:
         notes.append(
             "compiled=True: without LoRA nothing is saved; the forward estimate is eager's"
@@ -731,7 +808,9 @@ def _activations(
             for what, cond in (
                 ("LoRA dropout", lora is not None and lora.dropout > 0),
                 ("int8", fmt is not None and fmt.name == "int8"),
-                ("a non-gated MLP", not gated),
+                ("a non-gated MLP", any(not mlp_of(b, r)[0] for _, b, r in kinds if not r)),
+                ("experts", moe is not None),
+                ("q and k norms", dims.qk_norm is not None),
             )
             if cond
         ]
@@ -741,62 +820,100 @@ def _activations(
             )
     if lora is None:
         # Forward only: no autograd graph; one layer's temporaries at a time, plus the logits.
-        one_layer = tokens * (4 * h + 3 * q + 2 * kv + mlp_keep + i) * a
+        one_layer = 0
+        for _, block, routed in kinds:
+            gated, i = mlp_of(block, routed)
+            mlp_keep = (3 if gated else 1) * i
+            moe_tmp = moe.top_k * 3 * moe.inter if routed and moe is not None else 0
+            one = tokens * (4 * h + 3 * q + 2 * kv + mlp_keep + i + moe_tmp) * a
+            one_layer = max(one_layer, one)
         return int(one_layer), int(tokens * dims.vocab * (a + 4)), 0, 0, 0
 
-    roles_of = _roles(block)
-    mine = [f for f in block if f in set(targets)]
-    roles = {roles_of[f] for f in mine}
-    # The one tensor each role's adapters read when they need no copy. o_proj reads the attention
-    # output, which SDPA keeps anyway (counted above), so it adds nothing.
-    shared = {"attn_in": h, "mlp_in": h, "attn_out": 0, "mlp_out": i}
-    # Only dropout gives an adapter its own input: under autocast A's matmul reads x itself (bf16,
-    # no cast), and without autocast x already has the adapters' dtype (fp32), so `.to` is a no-op.
     copies = lora.dropout > 0
     # Compiled with recompute_elementwise, the shared inputs are recomputed in backward: the norms'
     # outputs from the norms' inputs and rsqrt rows, SiLU(gate) * up from gate and up, all kept.
     lean = lean and not copies
-    kept = dict.fromkeys(shared, 0) if lean else shared
-    # Per layer and token, in bytes.
-    # the two RMSNorm inputs, upcast to fp32 (eager); compiled, as they are (the upcast is redone)
-    per_tok = 2 * (h * a if compiled else 4 * h)
-    per_tok += 2 * 4  # and their fp32 rsqrt(mean(x^2)) rows
-    per_tok += (2 * q + 2 * kv) * a  # SDPA: q and k after RoPE, v, and its output
-    per_tok += 4 * (q // hd)  # SDPA's fp32 log-sum-exp, one per local head
-    per_tok += mlp_keep * a
-    adapter_inputs = sum(widths[f][2] for f in mine)  # local in-width of each adapter's A
-    if copies:
-        per_tok += adapter_inputs * a
-    else:
-        per_tok += sum(kept[r] for r in roles) * a
-    if fmt is not None and fmt.name == "int8":
-        # LLM.int8's matmul keeps its input for backward: every role's shared input, once.
-        per_tok += sum(shared[r] for r in shared if copies or r not in roles) * a
-    per_tok += len(mine) * lora.r * a  # A's output, kept by B (a rowwise adapter copies it out of
-    # the all-reduce buffer it shared with the base output, so that buffer is not kept: r, not out + r)
     mask = 1 if a < 4 else 4  # a dropout mask: bool on CUDA (fused kernel); fp32 noise on CPU
-    if lora.dropout > 0:
-        per_tok += adapter_inputs * mask
-    split = _ddp_split_at(block, mine, widths, lora, roles_of) if compiled and dp > 1 else None
-    if split == "up":
-        per_tok += i * a  # SiLU(gate): the first split graph's output, kept by the second
-    elif split is not None:
-        notes.append(
-            f"compiled=True, dp > 1: DDPOptimizer splits each block at {split} (not measured; "
-            "only a split at up_proj is in the estimate)"
-        )
+
+    def per_token(block: list[str], routed: bool) -> tuple[int, int, int]:
+        """(bytes one layer of this kind keeps per token, its MLP's share, its MLP's backward
+        workspace per token)."""
+        gated, i = mlp_of(block, routed)
+        mlp_keep = (3 if gated else 1) * i  # gate, SiLU(gate), up  |  fc1 output
+        if compiled and gated:
+            mlp_keep = 2 * i  # the compiled backward recomputes SiLU(gate) from gate
+        roles_of = _roles(block)
+        mine = [f for f in block if f in set(targets)]
+        roles = {roles_of[f] for f in mine}
+        # The one tensor each role's adapters read when they need no copy. o_proj reads the
+        # attention output, which SDPA keeps anyway (counted above), so it adds nothing. In an
+        # expert layer the experts keep the MLP's input themselves (routed_keep).
+        shared = {"attn_in": h, "mlp_in": 0 if routed else h, "attn_out": 0, "mlp_out": i}
+        # Only dropout gives an adapter its own input: under autocast A's matmul reads x itself
+        # (bf16, no cast), and without autocast x already has the adapters' dtype (fp32), so
+        # `.to` is a no-op.
+        kept = dict.fromkeys(shared, 0) if lean else shared
+        # the two RMSNorm inputs, upcast to fp32 (eager); compiled, as they are (the upcast is
+        # redone)
+        per_tok = 2 * (h * a if compiled else 4 * h)
+        per_tok += 2 * 4  # and their fp32 rsqrt(mean(x^2)) rows
+        per_tok += (2 * q + 2 * kv) * a  # SDPA: q and k after RoPE, v, and its output
+        per_tok += 4 * (q // hd)  # SDPA's fp32 log-sum-exp, one per local head
+        if dims.qk_norm is not None:
+            # the q and k norms keep their fp32 inputs and rsqrt rows (per head, or one a token)
+            rows = (q + kv) // hd if dims.qk_norm == "head" else 2
+            per_tok += 4 * (q + kv) + 4 * rows
+        per_tok += mlp_keep * a
+        adapter_inputs = sum(widths[f][2] for f in mine)  # local in-width of each adapter's A
+        if copies:
+            per_tok += adapter_inputs * a
+        else:
+            per_tok += sum(kept[r] for r in roles) * a
+        if fmt is not None and fmt.name == "int8":
+            # LLM.int8's matmul keeps its input for backward: every role's shared input, once.
+            per_tok += sum(shared[r] for r in shared if copies or r not in roles) * a
+        per_tok += len(mine) * lora.r * a  # A's output, kept by B (a rowwise adapter copies it
+        # out of the all-reduce buffer it shared with the base output, so that buffer is not
+        # kept: r, not out + r)
+        if lora.dropout > 0:
+            per_tok += adapter_inputs * mask
+        split = _ddp_split_at(block, mine, widths, lora, roles_of) if compiled and dp > 1 else None
+        if split == "up":
+            per_tok += i * a  # SiLU(gate): the first split graph's output, kept by the second
+        elif split is not None:
+            notes.append(
+                f"compiled=True, dp > 1: DDPOptimizer splits each block at {split} (not "
+                "measured; only a split at up_proj is in the estimate)"
+            )
+        mlp_tok = (mlp_keep + (kept["mlp_out"] if "mlp_out" in roles and not copies else 0)) * a
+        work = (3 if gated else 2) * i * a
+        if routed:
+            keep = routed_keep()
+            per_tok += keep
+            mlp_tok += keep
+            assert moe is not None
+            # the experts' recompute and backward: gate, up and their product per routed copy
+            work = max(work, moe.top_k * 3 * moe.inter * a)
+        return per_tok, mlp_tok, work
+
     # Layer 0's input norm keeps nothing (the embedding is frozen: no gradient flows back there);
     # the final norm keeps its fp32 input instead: L layers' worth in all.
-    act = tokens * dims.layers * per_tok
+    act = mlp_tok = work = 0
+    for n, block, routed in kinds:
+        per_tok, mlp_kind, work_kind = per_token(block, routed)
+        act += tokens * n * per_tok
+        mlp_tok, work = max(mlp_tok, mlp_kind), max(work, work_kind)
     if compiled:
         # That norm input was counted as h a (the compiled blocks'); the final norm is eager: fp32.
         act += tokens * (4 * h - h * a)
     # Layer 0's attention-input adapters read that norm's output, which needs no gradient either:
     # no dropout mask and no weight cast is kept for them (A's input, kept for A's gradient, is).
-    first = [f for f in mine if roles_of[f] == "attn_in"]
+    block0 = _block(widths, 0)
+    roles0 = _roles(block0)
+    first = [f for f in block0 if f in set(targets) and roles0[f] == "attn_in"]
     if lora.dropout > 0:
         act -= tokens * sum(widths[f][2] for f in first) * mask
-    if lean and "attn_in" in roles:
+    if lean and first:
         # Layer 0 keeps its input norm's output for its adapters instead: that norm's input is
         # not kept (above), so the output cannot be recomputed from it.
         act += tokens * h * a
@@ -812,13 +929,12 @@ def _activations(
     # (A split head's input is not held past its forward: copy shares are emptied by their
     # parent's forward hook, and the head has no colwise sibling to share with.)
     logits = tokens * dims.vocab * 12
-    workspace = (3 if gated else 2) * tokens * i * a
+    workspace = tokens * work
     # The attention's backward, live together: the gradient of SDPA's output, those of q, k and v,
     # and (eager) a further 4 bytes per q feature, the size of an fp32 q-gradient accumulator.
     # Compiled blocks leave that term out: their measured peaks came closer without it
     # (docs/benchmarks.md, "Figures the code relies on").
     attn_workspace = tokens * ((2 * q + 2 * kv) * a + (0 if compiled else 4 * q))
-    mlp_tok = (mlp_keep + (kept["mlp_out"] if "mlp_out" in roles and not copies else 0)) * a
     return int(act), int(logits), int(workspace), int(mlp_tok), int(attn_workspace)
 
 
@@ -868,7 +984,26 @@ def _roles(block: list[str]) -> dict[str, str]:
     return out
 
 
-def _first_block(widths: dict) -> list[str]:
-    """Linear-like modules of the first repeated block (FQNs with a `.0.` segment)."""
-    block = [f for f in widths if ".0." in f".{f}."]
-    return block or list(widths)
+def _top_k(model: nn.Module) -> int:
+    """Experts a token is routed to, from the model's config (1 where it names none)."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    for name in ("num_experts_per_tok", "moe_top_k", "top_k", "num_experts_per_token"):
+        k = getattr(cfg, name, None)
+        if isinstance(k, int) and k > 0:
+            return k
+    return 1
+
+
+def _layer_of(fqn: str) -> int | None:
+    """The layer a module belongs to: the first number in its name (`model.layers.3.mlp`: 3)."""
+    for part in fqn.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def _block(widths: dict, layer: int) -> list[str]:
+    """Linear-like modules of repeated block `layer` (all of them where no name has a layer)."""
+    block = [f for f in widths if _layer_of(f) == layer]
+    return block or ([] if any(_layer_of(f) is not None for f in widths) else list(widths))
