@@ -55,6 +55,24 @@ def test_a_folder_without_a_tokenizer(tiny: Path, tmp_path: Path, capsys, monkey
         assert f"model folder '{bare}' has no tokenizer (none of tokenizer.json" in err, argv
 
 
+def test_fsdp_with_experts_is_refused_before_launch(tiny: Path, tmp_path: Path, capsys,
+                                                    monkeypatch) -> None:  # fmt: skip
+    """FSDP does not shard experts modules: --fsdp on a mixture of experts is refused before any
+    worker starts (rank 0 refused it after loading)."""
+    import shutil
+
+    from tests.moe_folders import moe_dir
+
+    folder = moe_dir("mixtral", tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / "tiny" / name, folder / name)
+    err = _fails(["finetune", "--model", str(folder), "--data", str(tiny / "ok.txt"), "--fsdp",
+                  "--nproc", "2", "--seq-len", "32", "--quant-backend", "torchao"],
+                 capsys, monkeypatch)  # fmt: skip
+    assert "--fsdp with experts modules (model.layers.0.mlp.experts, ...): FSDP2" in err, err
+    assert "(leave --fsdp out)" in err
+
+
 def test_data_in_the_wrong_format(tiny: Path, capsys, monkeypatch) -> None:
     bad = tiny / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"foo": 1}) + "\n")

@@ -190,3 +190,15 @@ def test_plan_says_what_a_folder_in_a_format_quantmesh_does_not_compute_in_costs
            "here; --quant nf4 (or int8) holds them in 4" in out, out  # fmt: skip
     assert main(["plan", str(stored), "--tp", "2", "--quant", "nf4"]) == 0
     assert "stored in mxfp4" not in capsys.readouterr().out
+
+
+def test_plan_never_proposes_fsdp_for_experts(tmp_path: Path, capsys) -> None:
+    """FSDP does not shard experts modules (parallelize refuses it): the ways out a plan lists
+    for a mixture of experts leave --fsdp out, and so does the note on --quant-backend."""
+    from tests.moe_folders import moe_dir
+
+    folder = moe_dir("mixtral", tmp_path / "m")
+    assert main(["plan", str(folder), "--tp", "2", "--lora-r", "8", "--quant", "nf4"]) == 0
+    out = capsys.readouterr().out
+    assert "If this does not fit: --checkpointing" in out, out
+    assert "--fsdp" not in out, out

@@ -439,6 +439,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
 
     from ..io.prequant import folder_quant
     from ..lora.adapter import lora_targets
+    from ..parallel.fsdp import fsdp_blocked_by
     from ..plan.auto import auto_plan, blocks_of
     from ..train.data import scan_data
     from ..train.loop import resolve_resume
@@ -474,6 +475,8 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
             "GPU(s); one worker drives one GPU: lower --nproc (or --tp / --dp)"
         )
     lora_targets(model, cfg.lora)  # names that match nothing: LoraError listing the linear layers
+    if par.fsdp and (why := fsdp_blocked_by(model)) is not None:
+        raise CliError(f"--fsdp with {why} (leave --fsdp out)")
     plan = auto_plan(model, par.tp)
     plan.resolve(model, par.tp)  # PlanError: a split the model cannot take
     if par.pp > 1:  # PipelineError: a model that cannot be cut into these stages

@@ -268,6 +268,8 @@ def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[t
         >>> memory_alternatives(shape, budget=2**34)[0]  # doctest: +SKIP
         ('--checkpointing --checkpoint-blocks 12', 17112760320)
     """
+    from ..parallel.fsdp import fsdp_blocked_by
+
     if shape.lora is None:
         return []
     if shape.keep_dequantized:  # the held weights first: they are the run's own choice of speed
@@ -294,7 +296,7 @@ def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[t
         flags = f"--checkpointing --offload-activations --tile-tokens {TILE_TOKENS}"
         steps.append((flags, {**ckpt_off, "tile_tokens": TILE_TOKENS}))
     out += [(flags, shape.but(**kw).estimate().total) for flags, kw in steps]
-    if not shape.fsdp:
+    if not shape.fsdp and fsdp_blocked_by(shape.model) is None:
         for flags, off in (("--fsdp", False), ("--fsdp --offload-base", True)):
             out.append((flags, shape.but(fsdp=True, offload_base=off).estimate().total))
     return out
@@ -570,7 +572,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
                 f"If this does not fit: {'; '.join(alt)} per {unit} (dp={args.dp}"
                 + (
                     "; with --fsdp a quantized base needs --quant-backend torchao)"
-                    if not shape.fsdp
+                    if any(flags.startswith("--fsdp") for flags, _ in alternatives)
                     else ")"
                 )
             )

@@ -49,6 +49,25 @@ __all__ = [
 ]
 
 
+def fsdp_blocked_by(model: nn.Module) -> str | None:
+    """Why FSDP cannot shard `model` whatever the settings (its experts modules), None when it
+    can: parallelize refuses fsdp=True for it, and neither `plan` nor `finetune` proposes it.
+
+    Example:
+        >>> fsdp_blocked_by(mixtral)  # doctest: +SKIP
+        'experts modules (model.layers.0.mlp.experts, ...): FSDP2 of split and quantized ...'
+    """
+    from ..tp.experts import find_experts
+
+    found = list(find_experts(model))
+    if not found:
+        return None
+    return (
+        f"experts modules ({found[0]}, ...): FSDP2 of split and quantized expert tensors is not "
+        "supported yet; train with dp replicas, and tp to split the experts"
+    )
+
+
 def check_fsdp(qcfg: QuantConfig | None, data_parallel: bool, mesh: Mesh) -> None:
     """Raise FsdpError when fsdp cannot be applied exactly (before any allocation or collective).
 

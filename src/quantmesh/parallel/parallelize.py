@@ -33,7 +33,7 @@ from ..tp.experts import expert_lora_targets, find_experts, unhandled_3d
 from ..tp.kinds import kind_of
 from ..tp.rng import RngRegions
 from .dp import apply_dp
-from .fsdp import FsdpError, apply_fsdp, check_fsdp
+from .fsdp import FsdpError, apply_fsdp, check_fsdp, fsdp_blocked_by
 from .layersplit import install_moves, layer_placement
 from .state import ParallelState, attach_state, parallel_state
 
@@ -185,12 +185,8 @@ def _parallelize(
     if fsdp and hasattr(fmt, "shards"):  # torchao nf4: block-scale groups within dp shards
         setattr(fmt, "shards", mesh.dp)  # noqa: B010 - only that format has the attribute
     wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
-    if fsdp and (moe := [f for f, w in wrap.items() if "experts" in w]):
-        raise FsdpError(
-            f"fsdp=True with experts modules ({moe[0]}, ...): FSDP2 of split and quantized expert "
-            "tensors is not supported yet; use dp replicas (fsdp=False) with tp to split the "
-            "experts"
-        )
+    if fsdp and (why := fsdp_blocked_by(model)) is not None:
+        raise FsdpError(f"fsdp=True with {why} (fsdp=False)")
 
     # 2. prove the split exact on the tp group; replicate what is not (the reasons go in the plan)
     report = None
