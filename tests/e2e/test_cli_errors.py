@@ -71,6 +71,10 @@ def test_fsdp_with_experts_is_refused_before_launch(tiny: Path, tmp_path: Path, 
                  capsys, monkeypatch)  # fmt: skip
     assert "--fsdp with experts modules (model.layers.0.mlp.experts, ...): FSDP2" in err, err
     assert "(leave --fsdp out)" in err
+    # dropout on expert adapters: refused here too, not on rank 0 after loading
+    err = _fails(["finetune", "--model", str(folder), "--data", str(tiny / "ok.txt"),
+                  "--seq-len", "32", "--lora-dropout", "0.1"], capsys, monkeypatch)  # fmt: skip
+    assert "LoRA on the expert tensors of model.layers.0.mlp.experts with dropout=0.1" in err
 
 
 def test_data_in_the_wrong_format(tiny: Path, capsys, monkeypatch) -> None:

@@ -202,3 +202,24 @@ def test_plan_never_proposes_fsdp_for_experts(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "If this does not fit: --checkpointing" in out, out
     assert "--fsdp" not in out, out
+
+
+def test_plan_and_finetune_take_expert_tensor_targets(tmp_path: Path, capsys, monkeypatch) -> None:
+    """An expert tensor (`gate_up_proj`, `*experts.down_proj`) is a LoRA target parallelize and
+    serve take: plan and finetune's checks refused it as matching no module."""
+    from quantmesh.cli.finetune import FinetuneConfig, check_finetune
+    from tests.moe_folders import moe_dir
+
+    from .test_cli_common import make_tiny_llama
+
+    folder = moe_dir("qwen3_moe", tmp_path / "m")
+    assert main(["plan", str(folder), "--lora-r", "8", "--lora-targets", "gate_up_proj"]) == 0
+    assert "lora adapters" in capsys.readouterr().out
+    tiny = make_tiny_llama(tmp_path / "tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tiny / name).read_bytes())
+    (tmp_path / "d.txt").write_text("to be or not to be " * 20)
+    cfg = FinetuneConfig.from_settings({"model": str(folder), "data": [str(tmp_path / "d.txt")],
+                                        "lora_targets": ["q_proj", "*experts.down_proj"],
+                                        "seq_len": 32, "output_dir": str(tmp_path / "o")})  # fmt: skip
+    check_finetune(cfg)  # no error

@@ -438,9 +438,9 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     import torch
 
     from ..io.prequant import folder_quant
-    from ..lora.adapter import lora_targets
     from ..parallel.fsdp import fsdp_blocked_by
     from ..plan.auto import auto_plan, blocks_of
+    from ..tp.experts import select_lora
     from ..train.data import scan_data
     from ..train.loop import resolve_resume
     from .plan_cmd import (
@@ -474,7 +474,8 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
             f"--nproc {launch.nproc} workers on this node, but it has {torch.cuda.device_count()} "
             "GPU(s); one worker drives one GPU: lower --nproc (or --tp / --dp)"
         )
-    lora_targets(model, cfg.lora)  # names that match nothing: LoraError listing the linear layers
+    # names that match nothing (modules or expert tensors), dropout on expert tensors: LoraError
+    select_lora(model, cfg.lora)
     if par.fsdp and (why := fsdp_blocked_by(model)) is not None:
         raise CliError(f"--fsdp with {why} (leave --fsdp out)")
     plan = auto_plan(model, par.tp)

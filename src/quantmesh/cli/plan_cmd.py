@@ -497,10 +497,9 @@ def run(args: argparse.Namespace) -> int:
 def plan_report(model, args: argparse.Namespace) -> str:
     """The table and the estimate as printed by `quantmesh plan`."""
 
-    from ..lora.adapter import lora_targets
     from ..plan.auto import auto_plan
     from ..plan.memory import format_bytes
-    from ..tp.experts import expert_rows
+    from ..tp.experts import expert_rows, select_lora
 
     plan = auto_plan(model, args.tp)
     table = plan.table(model, args.tp, extra=expert_rows(model, args.tp))
@@ -512,7 +511,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
             else {}
         )
         lora = LoraConfig(r=args.lora_r, dropout=args.lora_dropout, **kw)
-        lora_targets(model, lora)  # names that match nothing are an error, with the valid names
+        select_lora(model, lora)  # names that match nothing are an error, with the valid names
     from ..io.prequant import folder_quant, held_as_float
     from ..quant.base import QuantConfig
 

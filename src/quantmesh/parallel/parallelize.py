@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import check_offload_base
 from ..errors import QuantmeshError
-from ..lora.adapter import LoraConfig, LoraError, lora_targets
+from ..lora.adapter import LoraConfig, LoraError
 from ..lora.peft import inner_model, restore_adapters, rewrap, unwrap_peft
 from ..pipeline.cut import PipelineConfig, check_ties, drop_others, plan_stages, stage_plan
 from ..pipeline.schedule import build_runtime
@@ -29,7 +29,7 @@ from ..quant.base import QuantConfig, QuantError, get_format, resolve_quant
 from ..quant.bnb import format_of
 from ..quant.kinds import check_quantizable, is_quantized_linear, quantizable
 from ..tp.apply import apply_tp, norm_params, shared_params
-from ..tp.experts import expert_lora_targets, find_experts, unhandled_3d
+from ..tp.experts import find_experts, select_lora, unhandled_3d
 from ..tp.kinds import kind_of
 from ..tp.rng import RngRegions
 from .dp import apply_dp
@@ -408,16 +408,9 @@ def _wrap_plan(
             stacklevel=4,
         )
     if lora is not None:
-        tensor_names = [f"{f}.{t.name}" for f, ts in experts.items() for t in ts]
-        selected = lora_targets(model, lora, extra=tensor_names)
-        for owner, names in expert_lora_targets(experts, selected).items():
-            if lora.dropout > 0:
-                raise LoraError(
-                    f"LoRA on the expert tensors of {owner} with dropout={lora.dropout}: an "
-                    "expert adapter is a weight delta (as PEFT's target_parameters), which "
-                    "cannot drop its input; use dropout=0, or leave the experts out of "
-                    "LoraConfig(targets=...) (e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
-                )
+        tensor_names = {f"{f}.{t.name}" for f, ts in experts.items() for t in ts}
+        selected, adapted = select_lora(model, lora, experts)
+        for owner, names in adapted.items():
             wrap.setdefault(owner, {"experts": experts[owner]})["lora_tensors"] = names
         for fqn in selected:
             if fqn in experts or fqn in tensor_names:  # expert tensors: above

@@ -294,6 +294,34 @@ def expert_lora_targets(
     return out
 
 
+def select_lora(
+    model: nn.Module, lora: Any, experts: dict[str, list[ExpertTensor]] | None = None
+) -> tuple[list[str], dict[str, list[str]]]:
+    """(every name `lora` selects: modules and expert tensors, {experts fqn: tensor names} it
+    adapts), checked: a target that matches nothing, and dropout on expert tensors, are refused
+    (LoraError) before anything is built. `experts`: `find_experts(model)`, when known.
+
+    Example:
+        >>> select_lora(mixtral, LoraConfig(r=8))[1]["model.layers.0.mlp.experts"]  # doctest: +SKIP
+        ['gate_up_proj', 'down_proj']
+    """
+    from ..config import LoraError
+    from ..lora.adapter import lora_targets
+
+    experts = find_experts(model) if experts is None else experts
+    tensor_names = [f"{f}.{t.name}" for f, ts in experts.items() for t in ts]
+    selected = lora_targets(model, lora, extra=tensor_names)
+    adapted = expert_lora_targets(experts, selected)
+    if adapted and lora.dropout > 0:
+        raise LoraError(
+            f"LoRA on the expert tensors of {next(iter(adapted))} with dropout={lora.dropout}: an "
+            "expert adapter is a weight delta (as PEFT's target_parameters), which cannot drop "
+            "its input; use dropout=0, or leave the experts out of LoraConfig(targets=...) (e.g. "
+            "['q_proj', 'k_proj', 'v_proj', 'o_proj'])"
+        )
+    return selected, adapted
+
+
 class ShardedExperts(ShardedModule):
     """An experts module holding this rank's slice of every expert tensor (quantized or float),
     with optional per-expert LoRA; the model's own experts forward runs on them.
