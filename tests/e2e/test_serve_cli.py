@@ -65,6 +65,9 @@ def test_serve_takes_expert_adapters_and_expert_targets(
     from tests.moe_folders import moe_dir
 
     model = moe_dir("qwen3_moe", tmp_path / "moe")
+    tiny = make_tiny_llama(tmp_path / "tiny")  # its tokenizer: serve checks the folder has one
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((tiny / name).read_bytes())
     adapter = make_adapter(model, tmp_path / "a", r=4, targets=["q_proj"], seed=0,
                            parameters=["mlp.experts.down_proj"])  # fmt: skip
     launched: list[list[str]] = []
