@@ -25,8 +25,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .errors import QuantmeshError
@@ -92,6 +95,32 @@ def compile_options(mode: str | None = None, backend: str | None = None) -> dict
 
 class ConfigError(QuantmeshError, ValueError):
     """An option out of its range (a mesh size below 1); the message names the fix."""
+
+
+@contextlib.contextmanager
+def quiet_loggers(
+    *names: str, level: int = logging.ERROR, children: bool = False
+) -> Iterator[None]:
+    """The loggers `names` (with `children`, every logger below them made so far too, as torch
+    sets a level on each of its own) at `level` while the context lasts, as they were after.
+
+    Example:
+        >>> with quiet_loggers("torchao"):
+        ...     pass
+    """
+    all_names = list(names)
+    if children:
+        made = logging.root.manager.loggerDict
+        all_names += [n for n in made if any(n.startswith(f"{p}.") for p in names)]
+    loggers = [logging.getLogger(n) for n in all_names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, old in zip(loggers, levels, strict=True):
+            lg.setLevel(old)
 
 
 def env_switch(name: str, default: bool) -> bool:

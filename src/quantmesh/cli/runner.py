@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -142,25 +142,14 @@ def run_workers(
         return 128 + int(e.sigval)
 
 
-@contextlib.contextmanager
-def _quiet_elastic() -> Iterator[None]:
-    """torch's elastic loggers at CRITICAL while the context lasts: the parent's level alone does
-    not do, as torch sets a level on each of its elastic loggers (the agent's "Received 2 death
-    signal, shutting down workers" came through)."""
+def _quiet_elastic() -> contextlib.AbstractContextManager:
+    """torch's elastic loggers at CRITICAL (each has a level of its own: the agent's "Received 2
+    death signal, shutting down workers" came through the parent's)."""
     import torch.distributed.elastic.agent.server.api  # noqa: F401 - its loggers made now
 
-    names = [
-        n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")
-    ]
-    loggers = [logging.getLogger(n) for n in ["torch.distributed.elastic", *names]]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+    from ..config import quiet_loggers
+
+    return quiet_loggers("torch.distributed.elastic", level=logging.CRITICAL, children=True)
 
 
 def _run_workers(nproc: int, module_args: list[str], **launch_kw: Any) -> int:

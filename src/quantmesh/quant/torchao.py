@@ -18,18 +18,16 @@ import paths of torchao 0.17 and 0.18 are both tried.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import logging
 import math
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import quiet_loggers
 from .base import QuantConfig, QuantError, QuantFormat
 from .kinds import compute_dtype_for
 
@@ -60,23 +58,10 @@ def torchao_format(config: QuantConfig) -> QuantFormat:
     raise QuantError(f"torchao has no format {config.format!r} here; use 'nf4' or 'int8'")
 
 
-@contextlib.contextmanager
-def _quiet(*names: str) -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, lv in zip(loggers, levels, strict=True):
-            lg.setLevel(lv)
-
-
 @functools.cache
 def _ao() -> dict[str, Any]:
     """torchao's pieces used here, from whichever path this torchao version has."""
-    with _quiet("torchao", "torch.utils._pytree"):
+    with quiet_loggers("torchao", "torch.utils._pytree"):
         try:  # torchao >= 0.18
             from torchao.quantization import NF4Tensor, to_nf4
         except ImportError:  # torchao <= 0.17
