@@ -170,28 +170,26 @@ def _data_name(name: str) -> bool:
 
 
 def _file_source(p: Path) -> Source:
-    """How file `p` is read: by its first bytes (compression, Parquet, Arrow), then its name and
+    """How file `p` is read: its compression by its first bytes, then its kind by its first
+    bytes decompressed (Parquet, Arrow), its name (the suffix under a compression suffix) and its
     first characters."""
     with p.open("rb") as f:
-        head = f.read(8)
-    compression = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
-    name = p.name.lower()
-    if compression is None:
-        return Source(p, _file_kind(p, head, Path(name).suffix))
+        raw = f.read(8)
+    compression = next((name for magic, name in _MAGIC if raw.startswith(magic)), None)
     if compression == "zstd":
         raise DataError(
             f"{p}: compressed with zstd, which quantmesh does not read; decompress it first "
             f"(zstd -d {p.name}), or compress it with gzip, bzip2 or xz"
         )
-    inner = Path(name[: -len(Path(name).suffix)]) if Path(name).suffix in _COMPRESSED_EXTS else None
+    name = Path(p.name.lower())
+    if compression is not None:  # the data file's suffix is the one under the compression's
+        name = Path(name.stem) if name.suffix in _COMPRESSED_EXTS else Path("")
     src = Source(p, "text", compression=compression)
     try:
-        with src.open() as f:
-            head = f.read(8)
+        kind = _file_kind(src, name.suffix)
     except (OSError, EOFError, lzma.LZMAError) as e:
-        raise DataError(f"{p}: not a readable {compression} file ({e})") from None
-    kind = _file_kind(src, head, inner.suffix if inner is not None else "")
-    if kind in ("parquet", "arrow"):
+        raise _unreadable(src, e) from None
+    if compression is not None and kind in ("parquet", "arrow"):
         raise DataError(
             f"{p}: a {kind} file compressed with {compression}; decompress it and pass the "
             f".{kind} file itself ({kind} compresses its own pages)"
@@ -199,9 +197,19 @@ def _file_source(p: Path) -> Source:
     return Source(p, kind, compression=compression)
 
 
-def _file_kind(src: Path | Source, head: bytes, ext: str) -> str:
-    """The kind of a file from its first bytes `head` (decompressed) and its suffix `ext` (the
-    one before a compression suffix)."""
+def _unreadable(src: Source, e: BaseException) -> BaseException:
+    """The error reading `src` raised: a compressed file that does not decompress is the data's
+    fault, said as a DataError; anything else is raised as it is."""
+    if src.compression is None:
+        return e
+    return DataError(f"{src.path}: not a readable {src.compression} file ({e})")
+
+
+def _file_kind(src: Source, ext: str) -> str:
+    """The kind of a file from its first bytes (decompressed) and `ext`, the suffix of its data
+    file's name."""
+    with src.open() as f:
+        head = f.read(4096)
     # by content first: a Parquet or Arrow file is never read as text
     if head[:4] == b"PAR1" or ext == ".parquet":
         return "parquet"
@@ -213,8 +221,7 @@ def _file_kind(src: Path | Source, head: bytes, ext: str) -> str:
         return "jsonl"
     if ext in (".csv", ".tsv"):
         return ext[1:]
-    with src.open() if isinstance(src, Source) else src.open("rb") as f:
-        start = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    start = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if start[:1] == b"[" and ext == ".json":
         return "json"
     if ext == ".json":
@@ -250,9 +257,7 @@ def records(src: Source) -> Iterator[tuple[int, Any]]:
         else:
             yield from _csv(src)
     except (OSError, EOFError, lzma.LZMAError) as e:
-        if src.compression is None:
-            raise
-        raise DataError(f"{src.path}: not a readable {src.compression} file ({e})") from None
+        raise _unreadable(src, e) from None
 
 
 _CSV_FIELD = 1 << 30  # characters a CSV field may hold (the csv module's default: 131,072)
