@@ -621,3 +621,15 @@ def test_tokens_posted_to_the_event_loop_share_one_wake_up() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_message_content_parts_are_read_as_training_data_reads_them() -> None:
+    """A chat message's content parts: the text parts joined, any other part refused naming its
+    type; the same rule (`train.formats.non_text_part`) as a training record's."""
+    from quantmesh.serve.protocol import ApiError, ChatMessage
+
+    parts = [{"type": "text", "text": "how "}, {"type": "text", "text": "are you"}]
+    assert ChatMessage(role="user", content=parts).text() == "how are you"
+    image = ChatMessage(role="user", content=[*parts, {"type": "image_url", "image_url": {}}])
+    with pytest.raises(ApiError, match="content part of type 'image_url' is not supported"):
+        image.text()

@@ -198,14 +198,14 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(
-                    400, f"message content part of type {part.get('type')!r} is not supported; "
-                    "send text parts only", param="messages")  # fmt: skip
-            parts.append(part["text"])
-        return "".join(parts)
+        from ..train.formats import non_text_part
+
+        bad = non_text_part(self.content)
+        if bad is not None:
+            raise ApiError(
+                400, f"message content part of type {bad[1]!r} is not supported; "
+                "send text parts only", param="messages")  # fmt: skip
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatRequest(_Common):

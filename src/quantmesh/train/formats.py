@@ -37,6 +37,7 @@ __all__ = [
     "detect",
     "needs",
     "no_format_error",
+    "non_text_part",
     "to_document",
     "used_keys",
 ]
@@ -258,20 +259,32 @@ def _str(obj: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text_parts(parts: list[Any], where: str) -> str:
-    """A message's content given as OpenAI's content parts ([{"type": "text", "text": ...}]):
-    the texts joined; any other part (an image, audio) is refused."""
-    texts = []
+def non_text_part(parts: list[Any]) -> tuple[int, Any] | None:
+    """(index, type) of the first of OpenAI's content parts that is not a text part
+    ({"type": "text", "text": str}), None when all are: the rule training data and the server
+    both read message content by (the texts joined).
+
+    Example:
+        >>> non_text_part([{"type": "text", "text": "hi"}, {"type": "image_url"}])
+        (1, 'image_url')
+    """
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get("text") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(text, str):
-            raise DataError(
-                f"{where}['content'][{j}]: a content part of type {kind!r}; only text parts "
-                "({'type': 'text', 'text': ...}) are trained on"
-            )
-        texts.append(text)
-    return "".join(texts)
+        if kind != "text" or not isinstance(part.get("text"), str):
+            return j, kind
+    return None
+
+
+def _text_parts(parts: list[Any], where: str) -> str:
+    """A message's content given as OpenAI's content parts: the texts joined; any other part (an
+    image, audio) is refused."""
+    bad = non_text_part(parts)
+    if bad is not None:
+        raise DataError(
+            f"{where}['content'][{bad[0]}]: a content part of type {bad[1]!r}; only text parts "
+            "({'type': 'text', 'text': ...}) are trained on"
+        )
+    return "".join(part["text"] for part in parts)
 
 
 def _messages(
