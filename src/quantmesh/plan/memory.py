@@ -534,7 +534,9 @@ def _for_rank(
         if lora is not None
         else {}
     )
-    moe: _Moe | None = None
+    moe_layers: set[int] = set()
+    moe_shape = (0, 0)  # (experts, this rank's intermediate features of one)
+    moe_checkpointed = False
     for fqn, mod in model.named_modules():
         own = list(mod.named_parameters(recurse=False))
         if not own:
@@ -543,15 +545,10 @@ def _for_rank(
             q = fmt is not None and qcfg is not None and qcfg.selects(fqn) and not qcfg.skips(fqn)
             sizes = local_sizes(mod, experts[fqn], resolved.tp, rank)
             second = next(t for t in experts[fqn] if not t.first)
-            layer = _layer_of(fqn)
-            moe = _Moe(
-                layers=(moe.layers if moe else frozenset())
-                | ({layer} if layer is not None else set()),
-                experts=int(getattr(mod, "num_experts", 1)),
-                top_k=_top_k(model),
-                inter=sizes[second.name][1][0],
-                checkpointed=(moe is not None and moe.checkpointed) or q or fqn in expert_lora,
-            )
+            if (layer := _layer_of(fqn)) is not None:
+                moe_layers.add(layer)
+            moe_shape = (int(getattr(mod, "num_experts", 1)), sizes[second.name][1][0])
+            moe_checkpointed = moe_checkpointed or q or fqn in expert_lora
             deq = 0
             for name, (n, (in_l, out_l)) in sizes.items():
                 est.weights += int(n * fmt.bytes_per_param(in_l)) if q and fmt else n * dt_bytes
@@ -610,6 +607,17 @@ def _for_rank(
                 n = out_l if style.is_colwise else p.numel()
                 est.weights += n * dt_bytes
     est.transient = largest_dq
+    moe = (
+        _Moe(
+            frozenset(moe_layers),
+            experts=moe_shape[0],
+            top_k=_top_k(model),
+            inter=moe_shape[1],
+            checkpointed=moe_checkpointed,
+        )  # fmt: skip
+        if experts
+        else None
+    )
 
     targets = (
         [
@@ -830,6 +838,7 @@ def _activations(
         return int(one_layer), int(tokens * dims.vocab * (a + 4)), 0, 0, 0
 
     copies = lora.dropout > 0
+    adapted = set(targets)
     # Compiled with recompute_elementwise, the shared inputs are recomputed in backward: the norms'
     # outputs from the norms' inputs and rsqrt rows, SiLU(gate) * up from gate and up, all kept.
     lean = lean and not copies
@@ -843,7 +852,7 @@ def _activations(
         if compiled and gated:
             mlp_keep = 2 * i  # the compiled backward recomputes SiLU(gate) from gate
         roles_of = _roles(block)
-        mine = [f for f in block if f in set(targets)]
+        mine = [f for f in block if f in adapted]
         roles = {roles_of[f] for f in mine}
         # The one tensor each role's adapters read when they need no copy. o_proj reads the
         # attention output, which SDPA keeps anyway (counted above), so it adds nothing. In an
@@ -910,7 +919,7 @@ def _activations(
     # no dropout mask and no weight cast is kept for them (A's input, kept for A's gradient, is).
     block0 = _block(widths, 0)
     roles0 = _roles(block0)
-    first = [f for f in block0 if f in set(targets) and roles0[f] == "attn_in"]
+    first = [f for f in block0 if f in adapted and roles0[f] == "attn_in"]
     if lora.dropout > 0:
         act -= tokens * sum(widths[f][2] for f in first) * mask
     if lean and first:
