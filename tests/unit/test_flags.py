@@ -141,6 +141,28 @@ def test_toml_keys_are_the_option_names(tmp_path: Path) -> None:
         finetune.config_from_args(args)
 
 
+
+def test_a_model_folder_or_data_file_in_the_settings_place_names_its_flag(tmp_path: Path) -> None:
+    """`quantmesh finetune FOLDER` (as `generate FOLDER`) was told the "config file" did not
+    exist; a data file there was parsed as TOML."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(CliError, match=re.escape(f"is a model folder, and the positional "
+                                                 f"argument is a TOML settings file; pass "
+                                                 f"--model {model}")):  # fmt: skip
+        finetune.load_config(model)
+    with pytest.raises(CliError, match=re.escape(f"pass --model or --data {tmp_path}")):
+        finetune.load_config(tmp_path)
+    data = tmp_path / "chat.jsonl.gz"
+    data.write_bytes(b"")
+    with pytest.raises(CliError, match=re.escape(f"looks like training data, and the positional "
+                                                 f"argument is a TOML settings file; pass "
+                                                 f"--data {data}")):  # fmt: skip
+        finetune.load_config(data)
+    with pytest.raises(CliError, match="config file .* does not exist; check the path"):
+        finetune.load_config(tmp_path / "run.toml")
+
 @pytest.mark.parametrize(
     ("settings", "error", "text"),
     [

@@ -33,6 +33,7 @@ from ..config import (
     check_pp_schedule,
 )
 from ..train.formats import FORMATS
+from ..train.readers import data_name
 from . import flags
 from .errors import CliError, user_errors
 
@@ -313,8 +314,20 @@ def load_config(path: str | os.PathLike) -> dict:
             ) from None
 
     path = Path(path)
+    if path.is_dir():
+        what = "a model folder" if (path / "config.json").is_file() else "a folder"
+        fix = f"--model {path}" if what == "a model folder" else f"--model or --data {path}"
+        raise CliError(
+            f"{str(path)!r} is {what}, and the positional argument is a TOML settings file; "
+            f"pass {fix}"
+        )
     if not path.is_file():
         raise CliError(f"config file {str(path)!r} does not exist; check the path")
+    if data_name(path.name):
+        raise CliError(
+            f"{str(path)!r} looks like training data, and the positional argument is a TOML "
+            f"settings file; pass --data {path}"
+        )
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, cast
 
 from .formats import DataError
 
-__all__ = ["Source", "expand", "records"]
+__all__ = ["Source", "data_name", "expand", "records"]
 
 _TEXT_EXTS = {".txt", ".text", ".md", ".rst"}
 _FOLDER_EXTS = {".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet", ".arrow", ".txt"}
@@ -138,7 +138,7 @@ def _walk(d: Path, skipped: list[Path]) -> list[Source]:
     for c in sorted(d.iterdir()):
         if c.is_dir():
             out += _walk(c, skipped)
-        elif _data_name(c.name) and not c.name.startswith("."):
+        elif data_name(c.name) and not c.name.startswith("."):
             out.append(_file_source(c))
         else:
             skipped.append(c)
@@ -159,9 +159,14 @@ def _datasets_source(d: Path) -> Source:
     )
 
 
-def _data_name(name: str) -> bool:
+def data_name(name: str) -> bool:
     """Whether a file in a folder is data by its name: a data file's suffix, or one followed by a
-    compression suffix (Parquet and Arrow compress their own pages)."""
+    compression suffix (Parquet and Arrow compress their own pages).
+
+    Example:
+        >>> data_name("chat.jsonl.gz"), data_name("run.toml")
+        (True, False)
+    """
     path = Path(name.lower())
     if path.suffix in _COMPRESSED_EXTS:
         path = Path(path.stem)
