@@ -274,6 +274,7 @@ DEFAULT_TARGETS = (
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
     "gate_proj", "up_proj", "down_proj", "gate_up_proj",
 )  # fmt: skip
+ALL_LINEAR = "all-linear"  # PEFT's target: every linear layer but the output head
 
 
 @dataclass(kw_only=True)
@@ -294,7 +295,8 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Module names (a bare name matches any module of that name) or globs on full names; a
     name also selects the expert tensors of that name (`gate_up_proj`, `down_proj` of an experts
-    module), and an experts module's own name selects all of its expert tensors. The default,
+    module), and an experts module's own name selects all of its expert tensors; "all-linear" is
+    PEFT's shorthand for every linear layer but the output head. The default,
     every projection of the common families (attention, MLA, MLP, experts), skips names a model
     does not have; names given explicitly must each match something."""
     seed: int = 0

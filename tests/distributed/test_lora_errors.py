@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -41,10 +43,49 @@ def test_lora_target_matching_nothing_names_the_linears():
         lora_targets(gpt2(), qm.LoraConfig())
 
 
+def test_all_linear_is_peft_s_every_linear_layer_but_the_head():
+    """PEFT's `target_modules="all-linear"` was refused as matching no module."""
+    from quantmesh.lora.adapter import lora_targets
+    from tests.models import gpt2, llama
+
+    got = lora_targets(llama(), qm.LoraConfig(targets="all-linear"))
+    leaves = {n.rsplit(".", 1)[-1] for n in got}
+    assert leaves == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert len(got) == 7 * 2 and "lm_head" not in got
+    got = lora_targets(gpt2(), qm.LoraConfig(targets=["all-linear"]))  # Conv1D layers are linear
+    assert {n.rsplit(".", 1)[-1] for n in got} == {"c_attn", "c_fc", "c_proj"}
+    # a model with no get_output_embeddings has no head to leave out
+    assert lora_targets(TinyCNN(), qm.LoraConfig(targets="all-linear")) == ["head"]
+    with pytest.raises(qm.LoraError, match=r"LoRA target 'all-linear' matches no module of "
+                                           r"Sequential; it has no linear layers; pass"):  # fmt: skip
+        lora_targets(torch.nn.Sequential(torch.nn.ReLU()), qm.LoraConfig(targets="all-linear"))
+
+
+def test_a_selected_module_that_is_not_linear_is_refused_where_targets_are_read():
+    """A target selecting a non-linear module (`mlp`: a MoE block) passed `plan` and finetune's
+    checks before launch and failed on rank 0 after loading; experts modules are selectable."""
+    import transformers as tf
+
+    from quantmesh.tp.experts import select_lora
+
+    cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)  # fmt: skip
+    with torch.device("meta"):
+        model = tf.MixtralForCausalLM(cfg)
+    with pytest.raises(qm.LoraError, match=re.escape(
+            "LoRA target model.layers.0.mlp is a MixtralSparseMoeBlock, selected by ['mlp']; LoRA "
+            "applies to linear layers (and the expert tensors of experts modules) only; narrow "
+            "LoraConfig(targets=...) (CLI: --lora-targets)")):  # fmt: skip
+        select_lora(model, qm.LoraConfig(targets=["q_proj", "mlp"]))
+    selected, adapted = select_lora(model, qm.LoraConfig(targets=["experts"]))
+    assert adapted == {"model.layers.0.mlp.experts": ["gate_up_proj", "down_proj"]}
+
 def test_parallelize_errors():
     # one rank, in the spawn shared with test_lora_dp.py (_lora_cases.parallelize_errors)
     out = result(("parallelize_errors",))[0]
-    assert "LoRA target conv is a Conv2d; LoRA applies to linear layers only" in out["lora_conv"]
+    assert "LoRA target conv is a Conv2d, selected by ['conv']; LoRA applies to linear" in out[
+        "lora_conv"
+    ]
     assert "conv is a Conv2d; bitsandbytes quantizes only linear layers" in out["quant_conv"]
     assert out["conv_dtype"] == str(torch.float32)
     assert out["head_quant"] == "ShardedModule"

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..config import DEFAULT_TARGETS, LoraConfig, LoraError
+from ..config import ALL_LINEAR, DEFAULT_TARGETS, LoraConfig, LoraError
 from ..plan.styles import FeatureSplit, Style, slice_dim
 from ..tp.kinds import kind_of
 
@@ -92,26 +92,40 @@ def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None = None) -> list[str]:
     """FQNs of the modules (and of the `extra` tensor names: expert tensors) `config.targets`
-    selects; raises when a target given explicitly matches nothing, or the default nothing at all.
+    selects, in the model's order; raises LoraError when a target given explicitly matches
+    nothing, the default matches nothing at all, or a selected module is neither linear-like nor
+    an experts module (the owner of `extra` tensors). `"all-linear"` is PEFT's: every linear
+    layer but the output head (`get_output_embeddings()`; a model without it has none), expert
+    tensors not among them (name them beside it).
 
     Example:
         >>> lora_targets(model, LoraConfig(targets=["q_proj"]))  # doctest: +SKIP
         ['model.layers.0.self_attn.q_proj', ...]
+        >>> lora_targets(llama, LoraConfig(targets=["all-linear"]))[-1]  # doctest: +SKIP
+        'model.layers.31.mlp.down_proj'
     """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear = {
+        n for n, m in model.named_modules()
+        if n and (k := kind_of(m)) is not None and k.linear_like
+    }  # fmt: skip
     names = [n for n, _ in model.named_modules() if n] + list(extra or [])
-    found = [n for n in names if config.matches(n)]
+    every = ALL_LINEAR in config.targets
+    found = [
+        n for n in names
+        if config.matches(n) or (every and n in linear and model.get_submodule(n) is not head)
+    ]  # fmt: skip
     default = sorted(config.targets) == sorted(DEFAULT_TARGETS)
+    flag = " (CLI: --lora-targets)"
     for t in config.targets if not (default and found) else []:
         if default:
             t = ", ".join(DEFAULT_TARGETS)
-        if not any(t == n.rsplit(".", 1)[-1] or t == n or fnmatch.fnmatchcase(n, t) for n in names):
-            leaves = sorted(  # what LoRA applies to: linear layers, GPT-2's Conv1D among them
-                {
-                    n.rsplit(".", 1)[-1]
-                    for n, m in model.named_modules()
-                    if n and (k := kind_of(m)) is not None and k.linear_like
-                }
-            )
+        if t == ALL_LINEAR:
+            hit = any(n in linear and model.get_submodule(n) is not head for n in names)
+        else:
+            hit = any(_selects(t, n) for n in names)
+        if not hit:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})  # GPT-2's Conv1D among them
             what = (
                 f"the default LoRA targets ({t}) match" if default else f"LoRA target {t!r} matches"
             )
@@ -120,12 +134,31 @@ def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None =
                 glob = "*" + ".".join(extra[0].split(".")[-2:])
                 kinds = sorted({e.rsplit(".", 1)[-1] for e in extra})
                 tensors = f"; expert tensors: {', '.join(kinds)} (or a glob such as {glob!r})"
+            have = (
+                f"linear layer names in this model: {', '.join(leaves[:20])}"
+                if leaves else "it has no linear layers"
+            )  # fmt: skip
             raise LoraError(
-                f"{what} no module of {type(model).__name__}; linear layer "
-                f"names in this model: {', '.join(leaves[:20])}{tensors}; pass "
-                "LoraConfig(targets=[...])"
+                f"{what} no module of {type(model).__name__}; {have}{tensors}; pass "
+                f"LoraConfig(targets=[...]){flag}"
+            )
+    owners = {e.rsplit(".", 1)[0] for e in extra or []}  # experts modules: their tensors
+    tensors = set(extra or [])
+    for n in found:
+        if n not in linear and n not in owners and n not in tensors:
+            m = model.get_submodule(n)
+            raise LoraError(
+                f"LoRA target {n} is a {type(m).__name__}, selected by "
+                f"{[t for t in config.targets if _selects(t, n)]}; LoRA "
+                "applies to linear layers (and the expert tensors of experts modules) only; "
+                f"narrow LoraConfig(targets=...){flag}"
             )
     return found
+
+
+def _selects(target: str, fqn: str) -> bool:
+    """Whether one LoRA target names `fqn`: its last name, its full name or a glob on it."""
+    return target == fqn.rsplit(".", 1)[-1] or target == fqn or fnmatch.fnmatchcase(fqn, target)
 
 
 def _init_A(fqn: str, r: int, in_full: int, seed: int) -> torch.Tensor:

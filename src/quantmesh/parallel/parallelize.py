@@ -415,13 +415,6 @@ def _wrap_plan(
         for fqn in selected:
             if fqn in experts or fqn in tensor_names:  # expert tensors: above
                 continue
-            m = model.get_submodule(fqn)
-            k = kind_of(m)
-            if k is None or not k.linear_like:
-                raise LoraError(
-                    f"LoRA target {fqn} is a {type(m).__name__}; LoRA applies to linear layers "
-                    f"only; narrow LoraConfig(targets=...)"
-                )
             e = resolved.entries.get(fqn)
             if e is not None and e.style == Style.VOCAB:
                 raise LoraError(f"LoRA on a vocab-split embedding ({fqn}) is not supported")
