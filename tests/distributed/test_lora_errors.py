@@ -80,12 +80,14 @@ def test_a_selected_module_that_is_not_linear_is_refused_where_targets_are_read(
     selected, adapted = select_lora(model, qm.LoraConfig(targets=["experts"]))
     assert adapted == {"model.layers.0.mlp.experts": ["gate_up_proj", "down_proj"]}
 
+
 def test_parallelize_errors():
     # one rank, in the spawn shared with test_lora_dp.py (_lora_cases.parallelize_errors)
     out = result(("parallelize_errors",))[0]
-    assert "LoRA target conv is a Conv2d, selected by ['conv']; LoRA applies to linear" in out[
-        "lora_conv"
-    ]
+    assert (
+        "LoRA target conv is a Conv2d, selected by ['conv']; LoRA applies to linear"
+        in out["lora_conv"]
+    )
     assert "conv is a Conv2d; bitsandbytes quantizes only linear layers" in out["quant_conv"]
     assert out["conv_dtype"] == str(torch.float32)
     assert out["head_quant"] == "ShardedModule"

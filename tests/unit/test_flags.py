@@ -141,7 +141,6 @@ def test_toml_keys_are_the_option_names(tmp_path: Path) -> None:
         finetune.config_from_args(args)
 
 
-
 def test_a_model_folder_or_data_file_in_the_settings_place_names_its_flag(tmp_path: Path) -> None:
     """`quantmesh finetune FOLDER` (as `generate FOLDER`) was told the "config file" did not
     exist; a data file there was parsed as TOML."""
@@ -162,6 +161,7 @@ def test_a_model_folder_or_data_file_in_the_settings_place_names_its_flag(tmp_pa
         finetune.load_config(data)
     with pytest.raises(CliError, match="config file .* does not exist; check the path"):
         finetune.load_config(tmp_path / "run.toml")
+
 
 @pytest.mark.parametrize(
     ("settings", "error", "text"),
