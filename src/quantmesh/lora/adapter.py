@@ -104,7 +104,8 @@ def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None =
         >>> lora_targets(llama, LoraConfig(targets=["all-linear"]))[-1]  # doctest: +SKIP
         'model.layers.31.mlp.down_proj'
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     linear = {
         n for n, m in model.named_modules()
         if n and (k := kind_of(m)) is not None and k.linear_like
@@ -143,9 +144,9 @@ def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None =
                 f"LoraConfig(targets=[...]){flag}"
             )
     owners = {e.rsplit(".", 1)[0] for e in extra or []}  # experts modules: their tensors
-    tensors = set(extra or [])
+    named = set(extra or [])
     for n in found:
-        if n not in linear and n not in owners and n not in tensors:
+        if n not in linear and n not in owners and n not in named:
             m = model.get_submodule(n)
             raise LoraError(
                 f"LoRA target {n} is a {type(m).__name__}, selected by "
