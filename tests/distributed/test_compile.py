@@ -467,6 +467,49 @@ def test_left_padded_rows_decode_as_they_would_alone():
         assert not torch.equal(r["unmasked"][1], r["alone"][1])  # the mask is what made it right
 
 
+def _repeat(rank: int) -> dict:
+    """fast_decode with a repetition penalty at tp=2: transformers' `generate` with the same
+    penalty (greedy), eager and compiled; left-padded rows as each alone; a sampled draw compiled
+    like eager."""
+    import quantmesh as qm
+
+    model, ids = _decoding_model(2)
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False, repetition_penalty=1.5,
+                         eos_token_id=None, pad_token_id=0)[:, 8:]  # fmt: skip
+    plain = qm.greedy_decode(model, ids, 20, compile=False)
+    eager = qm.fast_decode(model, ids, 20, repetition_penalty=1.5, compile=False)
+    compiled = qm.fast_decode(model, ids, 20, repetition_penalty=1.5, mode=None)
+    short = ids[1, 3:]
+    kw = {"repetition_penalty": [1.5, 2.0], "compile": False}
+    alone = torch.cat([
+        qm.fast_decode(model, ids[0:1], 12, repetition_penalty=1.5, compile=False),
+        qm.fast_decode(model, short[None], 12, repetition_penalty=2.0, compile=False),
+    ])  # fmt: skip
+    pad = torch.full((3,), int(alone[1, 0]), dtype=ids.dtype)  # penalized, it would change row 1
+    batch = torch.stack([ids[0], torch.cat([pad, short])])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    padded = qm.fast_decode(model, batch, 12, attention_mask=mask, **kw)
+    padded_compiled = qm.fast_decode(model, batch, 12, attention_mask=mask, mode=None,
+                                     repetition_penalty=[1.5, 2.0])  # fmt: skip
+    sampled = {"temperature": 0.9, "top_p": 0.9, "seed": 3, "repetition_penalty": 1.3}
+    drawn = [qm.fast_decode(model, ids, 20, compile=c, mode=None, **sampled) for c in (False, True)]
+    return {"ref": ref, "plain": plain, "eager": eager, "compiled": compiled, "alone": alone,
+            "padded": padded, "padded_compiled": padded_compiled, "drawn": drawn}  # fmt: skip
+
+
+def test_repetition_penalty_decodes_like_generate():
+    """`quantmesh generate --fast` refused `--repetition-penalty` (the demo's setting): the fast
+    loop had none."""
+    for r in _results("repeat"):
+        assert not torch.equal(r["ref"], r["plain"])  # the penalty changes these replies
+        assert torch.equal(r["eager"], r["ref"])
+        assert torch.equal(r["compiled"], r["ref"])
+        assert torch.equal(r["padded"], r["alone"])  # pads are not penalized: each row alone
+        assert torch.equal(r["padded_compiled"], r["alone"])
+        assert torch.equal(r["drawn"][1], r["drawn"][0])
+
+
 def _stacked(rank: int) -> dict:
     """nf4 + LoRA (non-zero B) at tp=2: the decode step with sibling adapters stacked against
     each adapter on its own, eager and compiled; which stacks formed; that every member took its
@@ -570,6 +613,7 @@ CASES = {  # name -> (rank function, its arguments after rank)
     ("sampled", 1): (_sampled, (1,)),
     ("sampled", 2): (_sampled, (2,)),
     ("padded",): (_padded, ()),
+    ("repeat",): (_repeat, ()),
     ("stacked",): (_stacked, ()),
     ("dropout",): (_dropout_warning, ()),
 }

@@ -55,7 +55,7 @@ def test_generate_decodes_fast_on_gpus_unless_a_setting_needs_generate() -> None
 
     assert cfg().use_fast(cuda=True) and not cfg().use_fast(cuda=False)
     assert cfg(temperature=0.7, top_p=0.9).use_fast(cuda=True)  # sampling runs in the fast loop
-    assert not cfg(repetition_penalty=1.2).use_fast(cuda=True)  # only generate() has it
+    assert cfg(repetition_penalty=1.2).use_fast(cuda=True)  # the fast loop has it too
     assert not cfg(kv_cache=False).use_fast(cuda=True)
     assert not cfg(fast=False).use_fast(cuda=True)
     assert cfg(fast=True).use_fast(cuda=False)

@@ -61,7 +61,7 @@ class GenerateConfig:
     fast: bool | None = None
     """Decode with qm.fast_decode (static cache; on GPUs a compiled step replayed as a CUDA
     graph), greedy or sampled: the reply printed when it is complete. None (the default): on
-    with CUDA GPUs unless --repetition-penalty or --no-kv-cache asks for transformers' path."""
+    with CUDA GPUs unless --no-kv-cache asks for transformers' path."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -75,10 +75,9 @@ class GenerateConfig:
                 f"--temperature {self.temperature} --top-p {self.top_p}; expected temperature "
                 ">= 0 (0 = greedy) and 0 < top-p <= 1"
             )
-        if self.fast and (self.repetition_penalty != 1.0 or not self.kv_cache):
+        if self.fast and not self.kv_cache:
             raise CliError(
-                "--fast decodes with a static KV cache and no repetition penalty; drop "
-                "--repetition-penalty and --no-kv-cache, or drop --fast"
+                "--fast decodes with a static KV cache; drop --no-kv-cache, or drop --fast"
             )
         if not self.prompts or not all(p.strip() for p in self.prompts):
             raise CliError("no prompt given; pass --prompt TEXT (repeat it for several)")
@@ -91,7 +90,7 @@ class GenerateConfig:
         """Whether to decode with qm.fast_decode on this device (`fast` None decides by it)."""
         if self.fast is not None:
             return self.fast
-        return cuda and self.repetition_penalty == 1.0 and self.kv_cache
+        return cuda and self.kv_cache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -120,7 +119,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="decode with a static cache and (on GPUs) a CUDA-graphed step, the reply printed "
-        "whole (default on GPUs, unless --repetition-penalty / --no-kv-cache)",
+        "whole (default on GPUs, unless --no-kv-cache)",
     )
     p.add_argument(
         "--no-fast",
@@ -293,6 +292,7 @@ def generate_text(model, tokenizer, prompt: str, cfg: GenerateConfig, *, stream:
         with autocast:  # compiled on GPUs only: on CPU the compile would cost more than it saves
             new = fast_decode(model, ids, cfg.max_new_tokens, eos_token_id=eos,
                               temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                              repetition_penalty=cfg.repetition_penalty,
                               compile=device.type == "cuda")  # fmt: skip
         text = tokenizer.decode(new[0], skip_special_tokens=True)
         if stream and mesh.rank == 0:

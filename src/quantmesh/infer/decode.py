@@ -37,7 +37,7 @@ from ..blocks.compile import blocks_for_decoding, regions_available, unmark_bloc
 from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
 from ..tp.layers import ShardedModule, sharded_modules
-from .sampling import pick_tokens, sample_tokens, uniform_noise
+from .sampling import pick_tokens, repetition_penalized, sample_tokens, uniform_noise
 
 __all__ = [
     "AdapterStack",
@@ -65,6 +65,7 @@ class _Decoder:
         sampled: bool = False,
         padded: bool = False,
         fuse: bool = True,
+        penalized: bool = False,
     ) -> None:
         from transformers import StaticCache
 
@@ -75,7 +76,7 @@ class _Decoder:
                 f"{type(model).__name__}.forward takes neither `past_key_values` nor `cache`; "
                 "greedy_decode needs a transformers causal LM"
             )
-        self.key = (batch, max_len, compile, mode, sampled, padded, fuse)
+        self.key = (batch, max_len, compile, mode, sampled, padded, fuse, penalized)
         self.fuse = fuse
         self.stacks: list[AdapterStack] | None = None  # found in the first prefill (fuse)
         config: Any = model.config  # a transformers PreTrainedConfig
@@ -134,11 +135,15 @@ class _Decoder:
         tok: torch.Tensor,  # (batch, 1)
         sample: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         padding: tuple[torch.Tensor, torch.Tensor] | None = None,
+        repeat: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # -> (batch, 1)
         """The next tokens: argmax, or with `sample` = (noise (batch, vocab), temperature
         (batch,), top_p (batch,)) a draw; `padding` = (attention mask (batch, cache length),
-        position ids (batch, 1)) for left-padded rows."""
+        position ids (batch, 1)) for left-padded rows; `repeat` = (seen (batch, vocab) bool,
+        repetition penalty (batch,)): the penalty on the tokens seen."""
         logits = self.logits(tok, **_padding_kw(padding))
+        if repeat is not None:
+            logits = repetition_penalized(logits, *repeat)
         if sample is None:
             return logits.argmax(dim=-1, keepdim=True)
         return pick_tokens(logits, *sample).unsqueeze(-1)
@@ -213,6 +218,7 @@ def fast_decode(
     temperature: float | list[float] = 0.0,
     top_p: float | list[float] = 1.0,
     seed: int = 0,
+    repetition_penalty: float | list[float] = 1.0,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | list[int] | None = None,
     compile: bool = True,
@@ -229,7 +235,10 @@ def fast_decode(
     Greedy when `temperature` is 0 (the default), else sampled with `temperature` and nucleus
     `top_p`, either one value for every row or one per row (a row with temperature 0 is greedy).
     Draws come from `seed` alone: the same seed and batch size give the same tokens on every rank,
-    eager or compiled (up to near-ties that rounding may flip). The model must be a transformers
+    eager or compiled (up to near-ties that rounding may flip). `repetition_penalty` (one value
+    or one per row; 1 = off) is transformers': the logits of every token already in the row
+    (prompt or reply; pads excluded) are divided by it where positive and multiplied where
+    negative, before temperature and top-p. The model must be a transformers
     causal LM (plain, quantized, or parallelized by quantmesh); its config gives the static
     cache's layout. `compile=False` runs the same loop eagerly. The first call compiles the step
     (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
@@ -261,10 +270,15 @@ def fast_decode(
     batch, prompt = input_ids.shape
     temps = _rows("temperature", temperature, batch)
     tops = _rows("top_p", top_p, batch)
+    reps = _rows("repetition_penalty", repetition_penalty, batch)
     if any(t < 0 or t != t for t in temps) or not all(0 < p <= 1 for p in tops):
         raise ValueError(
             f"temperature={temperature}, top_p={top_p}; expected temperature >= 0 (0 = greedy) "
             "and 0 < top_p <= 1"
+        )
+    if not all(r > 0 and r != float("inf") for r in reps):
+        raise ValueError(
+            f"repetition_penalty={repetition_penalty}; expected > 0 (1 = off; > 1 curbs loops)"
         )
     from ..parallel.state import parallel_state
 
@@ -279,15 +293,17 @@ def fast_decode(
         _refuse_eager_experts(model)
     padded = _check_mask(attention_mask, input_ids)
     sampled = any(t > 0 for t in temps)
+    penalized = any(r != 1.0 for r in reps)
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
-    key = (batch, max_len, compile, mode, sampled, padded, fuse_adapters)
+    key = (batch, max_len, compile, mode, sampled, padded, fuse_adapters, penalized)
     # the compiled step is cached on the model itself (a plain model works too), not in the
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")
     if dec is None or dec.key != key:
-        dec = _Decoder(model, batch, max_len, compile, mode, sampled, padded, fuse_adapters)
+        dec = _Decoder(model, batch, max_len, compile, mode, sampled, padded, fuse_adapters,
+                       penalized)  # fmt: skip
         model.__dict__["_quantmesh_decoder"] = dec
     padding = None
     if padded:
@@ -308,6 +324,16 @@ def fast_decode(
         device = logits.device
         if padding is not None:
             step_pos = padding[1][:, -1:] + 1  # (batch, 1): the first new token's position per row
+        repeat = None
+        if penalized:  # (seen, penalty): the prompt's tokens, pads excluded, then each new one
+            vocab = logits.shape[-1]
+            prompt_ids = input_ids.to(device)
+            if attention_mask is not None:  # pads go to a spare column, dropped
+                prompt_ids = torch.where(attention_mask.to(device) != 0, prompt_ids, vocab)
+            seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+            seen = seen.scatter_(1, prompt_ids, True)[:, :vocab].contiguous()
+            repeat = (seen, torch.tensor(reps, dtype=torch.float32, device=device))
+            logits = repetition_penalized(logits, *repeat)
         if sampled:
             gen = torch.Generator(device=device).manual_seed(seed)  # alike on every rank
             t_rows = torch.tensor(temps, dtype=torch.float32, device=device)  # (batch,)
@@ -323,17 +349,21 @@ def fast_decode(
         out = torch.empty(batch, max_new_tokens, dtype=tok.dtype, device=tok.device)
         out[:, :1] = tok
         done = 1
+        args: tuple = ()  # the step's arguments after (token, noise, padding)
         dec.stacked(True)
         try:
             for i in range(1, max_new_tokens):
                 sample = None
                 if sampled:
                     sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
+                if repeat is not None:  # outside the step: it reads `seen`, never writes it
+                    repeat[0].scatter_(1, tok, True)
+                    args = (repeat,)
                 if padding is not None:
-                    tok = dec.run(tok, sample, (padding[0], step_pos))
+                    tok = dec.run(tok, sample, (padding[0], step_pos), *args)
                     step_pos = step_pos + 1
                 else:
-                    tok = dec.run(tok, sample)
+                    tok = dec.run(tok, sample, None, *args)
                 tok = tok.clone()  # a copy: a CUDA graph's output is rewritten by the next replay
                 out[:, i : i + 1] = tok
                 done = i + 1

@@ -23,6 +23,7 @@ __all__ = [
     "nucleus_logits",
     "penalize",
     "pick_tokens",
+    "repetition_penalized",
     "sample_tokens",
     "uniform_noise",
 ]
@@ -94,13 +95,27 @@ def penalize(
         >>> penalize(torch.tensor([[2.0, 2.0]]), seen, torch.zeros(1, 2), repetition=2.0)
         tensor([[2., 1.]])
     """
-    z = logits.float()
-    r = _per_row(repetition, z)
-    seen = prompt_mask | (counts > 0)
-    z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    z = repetition_penalized(logits, prompt_mask | (counts > 0), repetition)
     c = counts.float()
     z = z - _per_row(frequency, z) * c - _per_row(presence, z) * (c > 0).float()
     return z
+
+
+def repetition_penalized(
+    logits: torch.Tensor, seen: torch.Tensor, repetition: float | torch.Tensor
+) -> torch.Tensor:  # (batch, vocab), (batch, vocab) bool -> (batch, vocab) float32
+    """Logits with CTRL's repetition penalty (transformers' `repetition_penalty`; 1 = off): the
+    tokens marked `seen` have their positive logits divided by it and their negative ones
+    multiplied. Traceable (a compiled decode step applies it).
+
+    Example:
+        >>> repetition_penalized(torch.tensor([[2.0, -2.0, 2.0]]),
+        ...                      torch.tensor([[True, True, False]]), 2.0)
+        tensor([[ 1., -4.,  2.]])
+    """
+    z = logits.float()
+    r = _per_row(repetition, z)
+    return torch.where(seen, torch.where(z > 0, z / r, z * r), z)
 
 
 def pick_tokens(
