@@ -160,6 +160,7 @@ def demo_worker(payload: str) -> int:
         prompts=[d["prompt"]],
         max_new_tokens=d["max_new_tokens"],
         repetition_penalty=REPETITION_PENALTY,
+        fast=False,  # streamed; two short replies would not repay compiling the fast step
     )
     say(f"\n>>> {d['prompt']}\n--- before fine-tuning:")
     before = generate_text(model, tok, d["prompt"], gen, stream=True)
