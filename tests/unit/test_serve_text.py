@@ -146,3 +146,54 @@ def test_the_stream_decodes_as_the_tokenizer_does_with_or_without_its_wrapper(to
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     finally:
         tok.clean_up_tokenization_spaces = False
+
+
+def _byte_fallback_bpe():
+    """A SentencePiece-shaped BPE (Llama 2, Mistral, Gemma): ▁ for a space, and characters out of
+    its vocabulary as `<0xNN>` byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>", *bytes_])
+    tk.train_from_iterator(["To be, or not to be, that is the question."] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("make", [_byte_level_bpe, _byte_fallback_bpe])
+def test_logprob_bytes_are_each_token_s_own_and_join_into_the_text(make) -> None:
+    """A token holding part of a character showed U+FFFD as its string and its bytes (OpenAI
+    gives the token's own bytes); a SentencePiece token lost its leading space."""
+    from quantmesh.serve.protocol import chat_logprobs, completion_logprobs, token_bytes
+
+    tk = make()
+    text = "To be, 日本 🌊 or not"
+    ids = tk(text, add_special_tokens=False)["input_ids"]
+    raw = [token_bytes(tk, i) for i in ids]
+    joined = b"".join(raw).decode("utf-8")
+    assert joined == (" " + text if make is _byte_fallback_bpe else text)  # ▁ before the first
+    partial = [b for b in raw if not _utf8(b)]
+    assert partial, "no character split over tokens: this would test nothing"
+    content = chat_logprobs(tk, [(i, -1.0, [(i, -1.0)]) for i in ids])["content"]
+    assert [bytes(c["bytes"]) for c in content] == raw
+    assert [bytes(c["top_logprobs"][0]["bytes"]) for c in content] == raw
+    for c, b in zip(content, raw):  # whole UTF-8 as text; else OpenAI's bytes:\xNN form
+        want = b.decode() if _utf8(b) else "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+        assert c["token"] == want
+    legacy = completion_logprobs(tk, [(i, -1.0, []) for i in ids])
+    assert legacy["tokens"] == [c["token"] for c in content]
+    # offsets count whole characters: a token's offset is where its first whole character starts
+    done = [len(b"".join(raw[:k]).decode("utf-8", "ignore")) for k in range(len(raw))]
+    assert legacy["text_offset"] == done
+
+
+def _utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -6,7 +6,10 @@ at the value that means "off" (`tools: []`, `logit_bias: {}`, ...), and a field 
 refused as unknown. Nothing a client sends is silently ignored.
 
 Logprobs are the model's own: `log_softmax` of the raw logits (before penalties, temperature and
-filters), as OpenAI and vLLM report by default. Token strings are each token decoded alone.
+filters), as OpenAI and vLLM report by default. A token's `bytes` are its own bytes (a byte-level
+BPE token's, a byte-fallback token's, a SentencePiece piece's with its space), so the bytes of
+consecutive tokens join into the text even where a character spans tokens; its string is those
+bytes as text, or `bytes:\\xNN...` where they are not whole UTF-8 (as OpenAI writes such tokens).
 
 Example:
     >>> CompletionRequest(model="m", prompt=[1, 2, 3]).prompts()
@@ -17,6 +20,9 @@ Example:
 
 from __future__ import annotations
 
+import codecs
+import re
+import weakref
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -29,6 +35,7 @@ __all__ = [
     "CompletionRequest",
     "chat_logprobs",
     "completion_logprobs",
+    "token_bytes",
     "unsupported",
 ]
 
@@ -226,8 +233,76 @@ class ChatRequest(_Common):
 
 
 # ---- logprobs in OpenAI's shapes -------------------------------------------------------------
-def _piece(tokenizer: Any, tok: int) -> str:
-    return str(tokenizer.decode([tok]))
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_PIECE_KINDS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a piece."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_table()
+
+
+def _piece_kind(tokenizer: Any) -> str:
+    """How the tokenizer's pieces hold bytes: "byte-level" (GPT-2's alphabet), "metaspace"
+    (SentencePiece's ▁ for a space) or "text" (decode the token alone)."""
+    try:
+        return _PIECE_KINDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    name, text = type(decoder).__name__, repr(decoder)
+    kind = "text"
+    if name == "ByteLevel":
+        kind = "byte-level"
+    elif name == "Metaspace" or 'Replace(pattern=String("▁"), content=" ")' in text:
+        kind = "metaspace"
+    try:
+        _PIECE_KINDS[tokenizer] = kind
+    except TypeError:  # not weakly referable: found again next time
+        pass
+    return kind
+
+
+def token_bytes(tokenizer: Any, tok: int) -> bytes:
+    """The bytes token `tok` stands for: its piece read as bytes (byte-level BPE, `<0xNN>` byte
+    fallback, SentencePiece's ▁ as a space), else the token decoded alone, as UTF-8.
+
+    Example:
+        >>> token_bytes(smollm2_tokenizer, 23274)  # the first of the two tokens of '日' # doctest: +SKIP
+        b'\\xe6\\x97'
+    """
+    kind = _piece_kind(tokenizer)
+    piece = tokenizer.convert_ids_to_tokens(tok) if kind != "text" else None
+    if isinstance(piece, str):
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        if kind == "byte-level" and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        if kind == "metaspace":
+            return piece.replace("▁", " ").encode("utf-8")
+    return str(tokenizer.decode([tok])).encode("utf-8")
+
+
+def _token_entry(tokenizer: Any, tok: int) -> tuple[str, bytes]:
+    """(string, bytes) of a token as logprobs show it: `bytes:\\xNN...` where the bytes are not
+    whole UTF-8."""
+    b = token_bytes(tokenizer, tok)
+    try:
+        return b.decode("utf-8"), b
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b), b
 
 
 def completion_logprobs(tokenizer: Any, entries: list[Logprob]) -> dict[str, Any]:
@@ -244,16 +319,17 @@ def completion_logprobs(tokenizer: Any, entries: list[Logprob]) -> dict[str, Any
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     at = 0
+    chars = codecs.getincrementaldecoder("utf-8")("ignore")  # a split character counts once whole
     for tok, lp, alts in entries:
-        text = _piece(tokenizer, tok)
+        text, raw = _token_entry(tokenizer, tok)
         tokens.append(text)
         offsets.append(at)
-        at += len(text)
+        at += len(chars.decode(raw))
         lps.append(lp)
         if lp is None:  # echo's first token: nothing predicts it
             tops.append(None)
             continue
-        top = {_piece(tokenizer, t): alp for t, alp in alts}
+        top = {_token_entry(tokenizer, t)[0]: alp for t, alp in alts}
         top.setdefault(text, lp)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -268,8 +344,8 @@ def chat_logprobs(tokenizer: Any, entries: list[Logprob]) -> dict[str, Any]:
     """
 
     def one(tok: int, lp: float | None) -> dict[str, Any]:  # None never comes in a chat
-        text = _piece(tokenizer, tok)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        text, raw = _token_entry(tokenizer, tok)
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
 
     return {"content": [{**one(t, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
                         for t, lp, alts in entries]}  # fmt: skip
