@@ -181,7 +181,7 @@ def test_logprob_bytes_are_each_token_s_own_and_join_into_the_text(make) -> None
     content = chat_logprobs(tk, [(i, -1.0, [(i, -1.0)]) for i in ids])["content"]
     assert [bytes(c["bytes"]) for c in content] == raw
     assert [bytes(c["top_logprobs"][0]["bytes"]) for c in content] == raw
-    for c, b in zip(content, raw):  # whole UTF-8 as text; else OpenAI's bytes:\xNN form
+    for c, b in zip(content, raw, strict=True):  # whole UTF-8: text; else bytes:\xNN
         want = b.decode() if _utf8(b) else "bytes:" + "".join(f"\\x{x:02x}" for x in b)
         assert c["token"] == want
     legacy = completion_logprobs(tk, [(i, -1.0, []) for i in ids])
