@@ -83,6 +83,41 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(D, 64)
+        self.down = nn.Linear(64, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wg = nn.Linear(D, 4)
+
+
+class RoutedBlock(nn.Module):
+    """An MLP scaled per token by a router's top weight (as a mixture of experts' gate): the
+    router's linear comes before the MLP's, so structure puts it in the MLP's column group,
+    though a softmax reads its output, not the row layer. Each group is exact alone (without
+    the MLP split, the router has no row partner and stays whole), not together."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.attn = attn
+        self.gate = Router()
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln(x))
+        w = self.gate.wg(x).softmax(-1).max(-1, keepdim=True).values
+        return x + self.mlp(x) * w
+
+
 class TwoArgs(nn.Module):
     """A forward of two required arguments: no probe input can be made from the model."""
 
@@ -95,10 +130,10 @@ class TwoArgs(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, make_attn):
+    def __init__(self, make_attn, block: type[nn.Module] = Block):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList([Block(make_attn()) for _ in range(2)])
+        self.layers = nn.ModuleList([block(make_attn()) for _ in range(2)])
         self.head = nn.Linear(D, V)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -115,6 +150,7 @@ CASES = {
     "slopes": lambda: Net(lambda: Attn(slopes=True)),
     "odd_names": lambda: Net(OddNames),
     "uneven_heads": lambda: Net(lambda: Attn(heads=3)),
+    "router": lambda: Net(Attn, RoutedBlock),
 }
 
 
@@ -254,6 +290,19 @@ def test_a_split_that_fails_is_replicated_with_the_reason(facts: dict, case: str
     assert attn and all(n not in f["split"] for n in attn), f
     assert all(f["reasons"][n].startswith("replicated: verify: not exact") for n in attn), f
     assert "layers.0.up" in f["split"]  # the MLP still splits
+
+
+def test_groups_exact_alone_but_not_together_keep_the_largest_that_are(facts: dict) -> None:
+    """Every group was replicated when the groups were exact alone but not together (HunYuan-MoE's
+    router beside its shared MLP left 0.62 of its weights split); now they are added one at a
+    time, the largest first, and only the router, which breaks the rest, stays whole."""
+    f = facts["router"]
+    assert not f["exact_as_planned"]
+    assert "layers.0.gate.wg" not in f["split"], f
+    why = f["reasons"]["layers.0.gate.wg"]
+    assert why.startswith("replicated: verify: exact alone, not with ") and "layers.*.mlp" in why
+    for kept in ("layers.0.mlp.up", "layers.0.mlp.down", "layers.0.attn.q_proj", "embed", "head"):
+        assert kept in f["split"], (kept, f["split"])
 
 
 def test_a_head_count_of_an_unknown_layout_is_found_by_value(facts: dict) -> None:

@@ -12,7 +12,10 @@ scales its output). So every plan is checked by running it:
    rank's tp group. Outputs and every gradient are compared (sharded gradients gathered).
 3. When the whole plan is not exact, each group of sharded modules (the sharded children of one
    parent: an attention, an MLP; the embedding; the head) is probed alone, and a group that is not
-   exact on its own is replicated, with the measured error as the reason.
+   exact on its own is replicated, with the measured error as the reason. Groups exact alone but
+   not together are then added one at a time, the largest first; each is kept when the plan of
+   those kept so far stays exact (a router's linear that structure put in an MLP's column group
+   stays whole, the MLP split).
 4. A replicated parameter whose gradient differs per rank but sums over the tp group to the
    reference (a norm shared by all heads, applied to each rank's heads: Qwen3's q_norm) gets its
    gradient all-reduced over tp ("reduce_grads"). That is a rule, not a model-specific fix: a
@@ -637,13 +640,52 @@ def _verify(
         changed = report.replicated or report.contiguous or report.attrs
         final = run(report.apply(plan)) if changed else whole
         report.groups.append(GroupVerdict("plan with those changes", [], final.ok, final.detail))
+        if not final.ok:  # exact alone, not together: keep the groups that are exact together
+            final = _compatible_groups(plan, probe, groups, report, run)
         report.reduce_grads = sorted({_param_glob(n, probe) for n in final.partial})
-        if not final.ok:  # the groups interact: keep nothing split
-            for m in everything:
-                report.replicated.setdefault(
-                    m, f"replicated: verify: the split plan is not exact ({final.detail})"
-                )
     return report
+
+
+def _compatible_groups(
+    plan: Plan,
+    probe: nn.Module,
+    groups: dict[str, list[str]],
+    report: VerifyReport,
+    run: Callable[[Plan], _Outcome],
+) -> _Outcome:
+    """Groups exact alone but not together (a router's linear joined an MLP's column group, its
+    output read by a softmax rather than by the MLP's row layer): add them one at a time, the
+    largest first, each kept when the plan of those kept so far stays exact, the rest replicated
+    with the reason. One probe per group; returns the outcome of the plan kept."""
+    left = {g: ms for g, ms in groups.items() if not any(m in report.replicated for m in ms)}
+
+    def size(glob: str) -> int:
+        mods = [
+            n
+            for n, _ in probe.named_modules()
+            if any(fnmatch.fnmatchcase(n, m) for m in left[glob])
+        ]
+        return sum(p.numel() for n in mods for p in probe.get_submodule(n).parameters())
+
+    kept: list[str] = []
+    outcome = _Outcome(True, "nothing split")
+    for glob in sorted(left, key=size, reverse=True):
+        rest = {m: "" for g in left if g not in kept and g != glob for m in left[g]}
+        out = run(report.apply(plan).override({m: Style.REPLICATE.value for m in rest}) if rest
+                  else report.apply(plan))  # fmt: skip
+        report.groups.append(GroupVerdict(f"with {glob}", left[glob], out.ok, out.detail))
+        if out.ok:
+            kept.append(glob)
+            outcome = out
+            continue
+        for m in left[glob]:
+            report.replicated[m] = (
+                f"replicated: verify: exact alone, not with {', '.join(kept) or 'the rest'} "
+                f"split ({out.detail})"
+            )
+    if not kept:  # nothing split: the reference itself
+        return run(report.apply(plan))
+    return outcome
 
 
 def _sizes_per_rank(
