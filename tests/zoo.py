@@ -733,6 +733,51 @@ ZOO: dict[str, ZooCase] = {
         # without adapters: no reference for those
         lora_skip=("gate_proj", "up_proj", "down_proj"),
     ),
+    "phimoe": ZooCase(
+        "moe",
+        _hf(
+            "PhimoeConfig",
+            "PhimoeForCausalLM",
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.0,
+            input_jitter_noise=0.0,
+            attention_dropout=0.0,
+        ),
+        lm_inputs,
+        "router: an nn.Linear whose forward returns a tuple (left whole, in float)",
+        lora_skip=("router",),  # not a linear (peft's LoRA on it fails too)
+    ),
+    "hunyuan_v1_moe": ZooCase(
+        "moe",
+        _hf(
+            "HunYuanMoEV1Config",
+            "HunYuanMoEV1ForCausalLM",
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            max_position_embeddings=64,
+            num_experts=4,
+            moe_topk=2,
+            attention_dropout=0.0,
+        ),
+        lm_inputs,
+        "router linear before the shared MLP's (verify keeps it whole), q/k norms after rotary",
+        # as deepseek_v3: peft maps the MLP names onto the fused experts (no reference for the
+        # shared MLP's linears)
+        lora_skip=("gate_proj", "up_proj", "down_proj"),
+    ),
 }
 
 DECODERS = [n for n, c in ZOO.items() if c.family in ("decoder", "moe")]

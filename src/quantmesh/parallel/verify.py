@@ -680,8 +680,8 @@ def _compatible_groups(
             continue
         for m in left[glob]:
             report.replicated[m] = (
-                f"replicated: verify: exact alone, not with {', '.join(kept) or 'the rest'} "
-                f"split ({out.detail})"
+                f"replicated: verify: exact alone, not beside the larger groups kept split "
+                f"({out.detail})"
             )
     if not kept:  # nothing split: the reference itself
         return run(report.apply(plan))

@@ -17,6 +17,7 @@ import fnmatch
 
 from torch import nn
 
+from ..quant.kinds import not_a_linear
 from ..tp.kinds import Kind, expert_tensors, kind_of
 from .plan import Plan
 from .styles import HF_STYLE_ALIASES, Style
@@ -350,6 +351,8 @@ def _replicate_notes(model: nn.Module, rules: dict, notes: dict) -> None:
             why = f"replicated: {t}"
         elif isinstance(m, nn.Embedding):
             why = "replicated: small embedding"
+        elif (odd := not_a_linear(m)) is not None:
+            why = f"replicated: {odd}"
         elif kind_of(m) is None:
             why = f"replicated: {t} has no parallel form"
         else:  # a linear or conv outside any column/row pair (a classifier, a pooler)

@@ -13,6 +13,7 @@ from torch import nn
 from .base import QuantConfig, QuantError
 
 __all__ = [
+    "not_a_linear",
     "quantizable",
     "check_quantizable",
     "is_conv1d",
@@ -49,6 +50,49 @@ def is_quantized_linear(module: nn.Module) -> bool:
     return any(c.__name__ in _QUANTIZED_NAMES for c in type(module).__mro__)
 
 
+_FORWARDS: dict[type, str | None] = {}  # nn.Linear subclass with a forward of its own -> verdict
+
+
+def not_a_linear(module: nn.Module) -> str | None:
+    """Why an nn.Linear subclass with a forward of its own is not a linear layer (its forward
+    returns something other than the linear's output: PhiMoE's router returns a tuple of logits,
+    weights and chosen experts), else None. Decided once per class, by one forward of the module
+    on a probe input (on meta where the weights are; in eval mode, the random state kept).
+
+    Example:
+        >>> not_a_linear(nn.Linear(4, 2)) is None
+        True
+    """
+    cls = type(module)
+    if not isinstance(module, nn.Linear) or cls.forward is nn.Linear.forward:
+        return None
+    if is_quantized_linear(module):
+        return None
+    if cls in _FORWARDS:
+        return _FORWARDS[cls]
+    w = module.weight
+    x = torch.ones(2, module.in_features, dtype=w.dtype, device=w.device)
+    why: str | None = None
+    was = module.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            module.eval()
+            y = module(x)
+    except Exception as e:  # noqa: BLE001 - any failure means: not a plain linear
+        why = f"its forward fails on a probe input ({type(e).__name__}: {str(e)[:80]})"
+    else:
+        if not isinstance(y, torch.Tensor):
+            why = f"its forward returns a {type(y).__name__}, not the linear's output"
+        elif tuple(y.shape) != (2, module.out_features):
+            why = f"its forward returns shape {tuple(y.shape)} for (2, {module.in_features})"
+    finally:
+        module.train(was)
+    if why is not None:
+        why = f"{cls.__name__} is an nn.Linear whose own forward is not a linear's: {why}"
+    _FORWARDS[cls] = why
+    return why
+
+
 def _why_not(module: nn.Module) -> str | None:
     """None when `module` can be quantized, else the reason (a sentence fragment)."""
     kind = type(module).__name__
@@ -63,6 +107,8 @@ def _why_not(module: nn.Module) -> str | None:
         )
     if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
         return f"is {a_kind} whose shape is not known yet; run one forward to materialize it"
+    if (why := not_a_linear(module)) is not None:
+        return f"is not a linear layer ({why})"
     if isinstance(module, nn.Linear) or is_conv1d(module):
         return None
     return f"is {a_kind}"

@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..quant.kinds import is_conv1d, is_quantized_linear
+from ..quant.kinds import is_conv1d, is_quantized_linear, not_a_linear
 
 __all__ = ["ExpertTensor", "Kind", "expert_tensors", "kind_of"]
 
@@ -40,9 +40,12 @@ CONV2D = Kind("Conv2d", 0, 1, 1, False)
 
 
 def kind_of(module: nn.Module) -> Kind | None:
-    """The Kind of `module`, or None when quantmesh cannot shard it (it is then replicated)."""
-    if isinstance(module, nn.Linear) or is_quantized_linear(module):
+    """The Kind of `module`, or None when quantmesh cannot shard it (it is then replicated): an
+    nn.Linear subclass whose own forward is not a linear's (`not_a_linear`) has none."""
+    if is_quantized_linear(module):
         return LINEAR
+    if isinstance(module, nn.Linear):
+        return LINEAR if not_a_linear(module) is None else None
     if is_conv1d(module):
         return CONV1D
     if isinstance(module, nn.Embedding):
