@@ -778,6 +778,30 @@ ZOO: dict[str, ZooCase] = {
         # shared MLP's linears)
         lora_skip=("gate_proj", "up_proj", "down_proj"),
     ),
+    "afmoe": ZooCase(
+        "moe",
+        _hf(
+            "AfmoeConfig",
+            "AfmoeForCausalLM",
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            max_position_embeddings=64,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            attention_dropout=0.0,
+        ),
+        lm_inputs,
+        "a dense first layer, then experts whose router linear precedes the shared MLP's",
+        lora_skip=("gate_proj", "up_proj", "down_proj"),  # as deepseek_v3 (peft's mapping)
+    ),
 }
 
 DECODERS = [n for n, c in ZOO.items() if c.family in ("decoder", "moe")]

@@ -143,6 +143,14 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def _dense_then_routed() -> Net:
+    """A dense first block, then a routed one (DeepSeek's first_k_dense_replace, AFMoE): a probe
+    of the first block alone never met the router, which the plan then split wrongly."""
+    net = Net(Attn)
+    net.layers[1] = RoutedBlock(Attn())
+    return net
+
+
 CASES = {
     "plain": lambda: Net(Attn),
     "shared_norm": lambda: Net(lambda: Attn(shared_norm=True)),
@@ -151,6 +159,7 @@ CASES = {
     "odd_names": lambda: Net(OddNames),
     "uneven_heads": lambda: Net(lambda: Attn(heads=3)),
     "router": lambda: Net(Attn, RoutedBlock),
+    "dense_then_routed": _dense_then_routed,
 }
 
 
@@ -303,6 +312,12 @@ def test_groups_exact_alone_but_not_together_keep_the_largest_that_are(facts: di
     assert why.startswith("replicated: verify: exact alone, not beside the larger groups kept"), why
     for kept in ("layers.0.mlp.up", "layers.0.mlp.down", "layers.0.attn.q_proj", "embed", "head"):
         assert kept in f["split"], (kept, f["split"])
+
+
+def test_the_probe_keeps_a_block_of_each_structure(facts: dict) -> None:
+    f = facts["dense_then_routed"]
+    assert "layers.1.gate.wg" not in f["split"] and "layers.1.mlp.up" in f["split"], f
+    assert f["reasons"]["layers.1.gate.wg"].startswith("replicated: verify: exact alone"), f
 
 
 def test_a_head_count_of_an_unknown_layout_is_found_by_value(facts: dict) -> None:

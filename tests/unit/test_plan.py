@@ -138,6 +138,18 @@ def test_llama_uses_its_own_plan_and_splits_kv_groups(llama_8_4, llama_9_3) -> N
     )
 
 
+def test_a_style_of_the_models_plan_we_do_not_know_is_replicated_and_said() -> None:
+    """DeepSeek-V2's plan asks for 'mla_kv_a_proj' (a newer transformers' style): every plan of
+    DeepSeek-V2, GLM-4.7-Flash and LongCat failed with "unknown style"."""
+    model = M.llama(heads=8, kv_heads=4)
+    model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.k_proj": "mla_kv_a_proj"}
+    r = rows(str(qm.auto_plan(model, tp=2)))
+    assert r["model.layers.*.self_attn.k_proj (x2)"][1:4:2] == (
+        "replicate",
+        "replicated: the model's plan asks for 'mla_kv_a_proj', not implemented here",
+    )
+
+
 def test_unsplittable_kv_heads_say_why(llama_9_3) -> None:
     r = rows(str(qm.auto_plan(llama_9_3, tp=4)))
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):

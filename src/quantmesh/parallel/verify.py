@@ -6,8 +6,9 @@ shapes, head attributes); structure cannot see what a module's forward does with
 q|k|v laid out per head, a per-head parameter applied to sharded heads, an embedding subclass that
 scales its output). So every plan is checked by running it:
 
-1. A probe: a copy of the model with each repeated block list cut to its first block, random
-   weights (the same on every rank), and small random inputs (the same on every rank).
+1. A probe: a copy of the model with each repeated block list cut to the first block of each
+   distinct structure (a dense first layer, then the expert layers), random weights (the same on
+   every rank), and small random inputs (the same on every rank).
 2. The probe runs whole (the reference) and then sharded by the plan, forward and backward, on this
    rank's tp group. Outputs and every gradient are compared (sharded gradients gathered).
 3. When the whole plan is not exact, each group of sharded modules (the sharded children of one
@@ -133,9 +134,22 @@ class VerifyReport:
 
 
 # ---- the probe model and its inputs -------------------------------------------------------------
+MAX_PROBE_BLOCKS = 8  # distinct block structures a probe keeps per block list, at most
+
+
+def _structure(block: nn.Module) -> tuple:
+    """What a plan's globs over blocks could meet differently in two blocks: each submodule's
+    name and class, each parameter's name and shape."""
+    mods = tuple((n, type(m).__name__) for n, m in block.named_modules())
+    return mods, tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+
+
 def _reduced_copy(model: nn.Module, keep: int | None = 1) -> nn.Module:
-    """A copy of `model` with each repeated block list cut to its first `keep` blocks (None: all);
-    parameters are fresh meta tensors (never a copy of the model's weights), buffers are copied."""
+    """A copy of `model` with each repeated block list cut to the first block of each distinct
+    structure (`_structure`: a dense first layer and the mixture-of-experts layers after it are
+    two; `MAX_PROBE_BLOCKS` at most), or to its first `keep` blocks where they are all alike
+    (None: all blocks); parameters are fresh meta tensors (never a copy of the model's weights),
+    buffers are copied."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
@@ -145,7 +159,12 @@ def _reduced_copy(model: nn.Module, keep: int | None = 1) -> nn.Module:
     for name in lists:
         ml = model.get_submodule(name)
         saved[name] = dict(ml._modules)
-        ml._modules = {k: v for i, (k, v) in enumerate(saved[name].items()) if i < (keep or 0)}
+        kept: dict[tuple, nn.Module] = {}
+        for b in saved[name].values():
+            if b is not None and len(kept) < MAX_PROBE_BLOCKS:
+                kept.setdefault(_structure(b), b)
+        firsts = list(kept.values()) if len(kept) > 1 else list(saved[name].values())[: keep or 0]
+        ml._modules = {str(i): b for i, b in enumerate(firsts)}  # renumbered, as a ModuleList
     try:
         probe = copy.deepcopy(model, memo)
     finally:

@@ -20,7 +20,7 @@ from torch import nn
 from ..quant.kinds import not_a_linear
 from ..tp.kinds import Kind, expert_tensors, kind_of
 from .plan import Plan
-from .styles import HF_STYLE_ALIASES, Style
+from .styles import HF_STYLE_ALIASES, STYLES, Style
 
 __all__ = ["auto_plan"]
 
@@ -113,7 +113,9 @@ def auto_plan(model: nn.Module, tp: int) -> Plan:
     if hf:
         rules.update(hf)
         for k, v in hf.items():
-            if HF_STYLE_ALIASES.get(v, v) == "replicate" and v not in _HF_REPLICATE:
+            unknown = v not in HF_STYLE_ALIASES and v not in STYLES  # a newer transformers' style
+            if unknown or (HF_STYLE_ALIASES.get(v, v) == "replicate" and v not in _HF_REPLICATE):
+                rules[k] = Style.REPLICATE
                 notes[k] = f"replicated: the model's plan asks for {v!r}, not implemented here"
             else:
                 notes[k] = "model's own tp plan"
