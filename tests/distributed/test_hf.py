@@ -48,7 +48,19 @@ def _facts(rank: int, d: dict) -> dict:
     f["buffers"] = {n: b.clone() for n, b in m.named_buffers()}
     f["gpt2"] = logits(qm.from_pretrained(d["gpt2"], mesh, progress=False), ids)
     f["legacy"] = logits(qm.from_pretrained(d["legacy"], mesh, progress=False), ids)
+    f["dtypes"] = {}
+    for name in HELD:  # in bf16, as transformers loads them
+        m = qm.from_pretrained(d[name], mesh, dtype=torch.bfloat16, progress=False)
+        f["dtypes"][name] = _dtypes(m)
     return f
+
+
+HELD = ("deepseek_v3", "hunyuan_v1_moe", "afmoe")  # a router or a bias kept in float32
+
+
+def _dtypes(model) -> dict[str, torch.dtype]:
+    """Every parameter's and buffer's dtype, but for the shards of quantmesh's layers."""
+    return {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +69,37 @@ def dirs(tmp_path_factory):
     aligned = llama_dir(root / "aligned", hidden=256, heads=8, kv=4, head_dim=32, inter=256,
                         bias=False)  # fmt: skip
     gpt2 = gpt2_dir(root / "gpt2")
+    from tests.zoo import ZOO
+
+    held = {}
+    for name in HELD:
+        ZOO[name].build(0).save_pretrained(root / name)
+        held[name] = str(root / name)
     return {"aligned": str(aligned), "llama": str(llama_dir(root / "llama")), "gpt2": str(gpt2),
-            "legacy": str(gpt2_legacy_dir(gpt2, root / "legacy"))}  # fmt: skip
+            "legacy": str(gpt2_legacy_dir(gpt2, root / "legacy")), **held}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def facts(dirs):
     return run_ranks(_facts, 4, dirs, timeout=240)
+
+
+@slow
+@pytest.mark.parametrize("name", HELD)
+def test_weights_transformers_keeps_in_float32_stay_float32(facts, dirs, name):
+    """In bf16, DeepSeek-V3's router weight, HunYuan-MoE's router linear (built in float32) and
+    AFMoE's expert bias were cast to bf16 (transformers keeps them in float32: its
+    `_keep_in_fp32_modules_strict`, and a parameter the model makes in a dtype of its own)."""
+    from transformers import AutoModelForCausalLM
+
+    want = _dtypes(AutoModelForCausalLM.from_pretrained(dirs[name], dtype=torch.bfloat16))
+    got = facts[0]["dtypes"][name]
+    kept = {n for n, d in want.items() if d == torch.float32}
+    assert kept, "nothing kept in float32: this would test nothing"
+    assert {n: got.get(n) for n in kept} == {n: torch.float32 for n in kept}
+    assert {n for n, d in got.items() if d == torch.float32} <= kept | {
+        n for n in got if n not in want  # quantmesh's own tensors (none in float32 expected)
+    }
 
 
 @slow

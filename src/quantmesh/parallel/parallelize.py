@@ -73,7 +73,9 @@ def parallelize(
         plan: a Plan or {fqn/glob: style}; None = `qm.auto_plan(model, mesh.tp)`.
         quant: None, "nf4", "fp4", "int8" or a QuantConfig (every linear except `skip`).
         lora: adapters on the targeted linears; everything else is frozen.
-        dtype: cast floating-point weights (e.g. torch.bfloat16); None keeps the model's.
+        dtype: cast floating-point weights (e.g. torch.bfloat16); None keeps the model's. What
+            transformers keeps in float32 stays so (`tp.apply.held_dtypes`: a model's
+            `_keep_in_fp32_modules_strict`, a router it builds in float32).
         data_parallel: sync trainable gradients over mesh.dp (torch's DDP engine).
         verify: at tp > 1, prove the plan exact first (`qm.verify_plan`: a one-block random copy
             run whole and split on the tp group); modules whose split is not exact are

@@ -22,7 +22,7 @@ from .kinds import kind_of
 from .layers import ShardedModule, inside_sharded, sharded_modules, share_colwise_copies
 from .rng import RngRegions
 
-__all__ = ["apply_tp", "norm_params", "shared_params", "split_norm", "view_heads"]
+__all__ = ["apply_tp", "held_dtypes", "norm_params", "shared_params", "split_norm", "view_heads"]
 
 
 def shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -33,6 +33,38 @@ def shared_params(model: nn.Module) -> list[list[tuple[str, str]]]:
             if p is not None:
                 owners.setdefault(id(p), []).append((fqn, pname))
     return [o for o in owners.values() if len(o) > 1]
+
+
+def held_dtypes(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    """{parameter or buffer name: the dtype it keeps} when the model is cast to `dtype`, as
+    transformers loads it: the names of its `_keep_in_fp32_modules_strict` (fp16, bf16) and
+    `_keep_in_fp32_modules` (fp16) stay float32, and a floating parameter the model made in a
+    dtype other than most of its weights' (a router built in float32 in a bf16 model) keeps it.
+
+    Example:
+        >>> held_dtypes(deepseek_v3_in_bf16, torch.bfloat16)  # doctest: +SKIP
+        {'model.layers.1.mlp.gate.weight': torch.float32}
+    """
+    import re
+
+    if dtype is None:
+        return {}
+    held: dict[str, torch.dtype] = {}
+    sizes: dict[torch.dtype, int] = {}
+    params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    for _, p in params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) > 1:  # the model's own dtype: most of its weights'
+        own = max(sizes, key=lambda d: sizes[d])
+        held.update({n: p.dtype for n, p in params if p.dtype != own})
+    plan = getattr(model, "_get_dtype_plan", None)
+    patterns = plan(dtype) if callable(plan) else {}
+    if patterns:  # transformers' reading: each "*" any run, searched in the name
+        found = re.compile("|".join(f"(?:{k.replace('*', '.*')})" for k in patterns))
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and found.search(n):
+                held[n] = torch.float32
+    return held
 
 
 def _retie_unwrapped(model: nn.Module, shared, built: dict[str, ShardedModule]) -> None:
@@ -69,6 +101,7 @@ def apply_tp(
     Example:
         >>> apply_tp(model, mesh, plan.resolve(model, mesh.tp), wrap=..., placement={"": dev})  # doctest: +SKIP
     """
+    held = held_dtypes(model, dtype)  # a router kept in float32 (transformers' rule)
     shared = shared_params(model)
     # modules whose weights are tied (an embedding and its head)
     tied = [[f for f, p in g if p == "weight"] for g in shared]
@@ -94,7 +127,7 @@ def apply_tp(
             rank=mesh.tp_rank,
             group=mesh.tp_group if split is not None else None,
             device=device,
-            dtype=dtype,
+            dtype=held.get(f"{fqn}.weight", dtype),
             fmt=wrap[fqn].get("fmt"),
         )
         m.fill_from(orig)  # when it holds values (not on meta)
@@ -112,7 +145,7 @@ def apply_tp(
             if n in built and built[n] is not first and first.fmt is None and built[n].fmt is None:
                 built[n].tie_weight(first)
     _retie_unwrapped(model, shared, built)
-    _materialize_rest(model, placement, dtype)
+    _materialize_rest(model, placement, dtype, held)
     track = _has_dropout(model)  # without dropout, the RNG-region bookkeeping is pure overhead
     for m in built.values():
         m.set_rng(rng, track)  # the experts never track: their routed computation is whole
@@ -240,9 +273,13 @@ def _has_dropout(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _materialize_rest(model: nn.Module, placement, dtype) -> None:
-    """Everything not sharded: meta -> empty on its device; real -> moved (and cast) there.
-    A parameter shared by several modules (tied weights) stays shared."""
+def _materialize_rest(
+    model: nn.Module, placement, dtype, held: dict[str, torch.dtype] | None = None
+) -> None:
+    """Everything not sharded: meta -> empty on its device; real -> moved (and cast) there, but
+    the parameters and buffers in `held` (`held_dtypes`) in their dtype. A parameter shared by
+    several modules (tied weights) stays shared."""
+    held = held or {}
     done: dict[int, nn.Parameter] = {}
     sharded = sharded_modules(model)
     for fqn, mod in model.named_modules(remove_duplicate=False):
@@ -256,6 +293,7 @@ def _materialize_rest(model: nn.Module, placement, dtype) -> None:
                 mod._parameters[name] = done[id(p)]
                 continue
             dt = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
+            dt = held.get(f"{fqn}.{name}" if fqn else name, dt)
             if p.device.type == "meta":
                 new = torch.empty_like(p, device=dev, dtype=dt)
             elif p.device != dev or p.dtype != dt:
@@ -266,7 +304,8 @@ def _materialize_rest(model: nn.Module, placement, dtype) -> None:
         for name, b in list(mod._buffers.items()):
             if b is None:
                 continue
+            bt = held.get(f"{fqn}.{name}" if fqn else name, b.dtype)
             if b.device.type == "meta":
-                mod._buffers[name] = torch.empty_like(b, device=dev)
-            elif b.device != dev:
-                mod._buffers[name] = b.to(dev)
+                mod._buffers[name] = torch.empty_like(b, device=dev, dtype=bt)
+            elif b.device != dev or b.dtype != bt:
+                mod._buffers[name] = b.to(dev, bt)
