@@ -98,7 +98,9 @@ def test_weights_transformers_keeps_in_float32_stay_float32(facts, dirs, name):
     assert kept, "nothing kept in float32: this would test nothing"
     assert {n: got.get(n) for n in kept} == {n: torch.float32 for n in kept}
     assert {n for n, d in got.items() if d == torch.float32} <= kept | {
-        n for n in got if n not in want  # quantmesh's own tensors (none in float32 expected)
+        n
+        for n in got
+        if n not in want  # quantmesh's own tensors (none in float32 expected)
     }
 
 
