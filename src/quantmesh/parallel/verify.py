@@ -62,6 +62,10 @@ __all__ = ["VerifyReport", "GroupVerdict", "verify_plan", "probe_inputs", "made_
 
 TOLERANCE = 1e-4  # relative error (max abs difference / max abs reference), fp32
 PROBE_TIMEOUT_S = 60.0
+# gloo (CPU ranks): a probe's collectives wait on the other ranks' one-block compute, at most
+# seconds; a wrong split that makes ranks disagree on their collectives (experts routed
+# differently per rank all-reduce gradients of other sizes) then costs this, not a minute
+GLOO_PROBE_TIMEOUT_S = 15.0
 MAX_SIZE_CANDIDATES = 6  # integer attributes tried per failing group (all their subsets: 63 probes)
 
 
@@ -601,8 +605,9 @@ def verify_plan(
         if failure:
             report.skipped = failure
             return report
-        agreeing = _ProbeGroups(mesh, "verify.agree", PROBE_TIMEOUT_S * 3)
-        pgroups = _ProbeGroups(mesh, "verify.probe", PROBE_TIMEOUT_S)
+        wait = GLOO_PROBE_TIMEOUT_S if _is_gloo(mesh.tp_group) else PROBE_TIMEOUT_S
+        agreeing = _ProbeGroups(mesh, "verify.agree", wait * 3)
+        pgroups = _ProbeGroups(mesh, "verify.probe", wait)
         try:
             agree_group = agreeing.get()
             run: Callable[[Plan], _Outcome] = lambda p: _probe(  # noqa: E731
@@ -660,7 +665,7 @@ def _verify(
         final = run(report.apply(plan)) if changed else whole
         report.groups.append(GroupVerdict("plan with those changes", [], final.ok, final.detail))
         if not final.ok:  # exact alone, not together: keep the groups that are exact together
-            final = _compatible_groups(plan, probe, groups, report, run)
+            final = _compatible_groups(plan, probe, groups, report, run, final)
         report.reduce_grads = sorted({_param_glob(n, probe) for n in final.partial})
     return report
 
@@ -671,11 +676,13 @@ def _compatible_groups(
     groups: dict[str, list[str]],
     report: VerifyReport,
     run: Callable[[Plan], _Outcome],
+    together: _Outcome,
 ) -> _Outcome:
     """Groups exact alone but not together (a router's linear joined an MLP's column group, its
     output read by a softmax rather than by the MLP's row layer): add them one at a time, the
     largest first, each kept when the plan of those kept so far stays exact, the rest replicated
-    with the reason. One probe per group; returns the outcome of the plan kept."""
+    with the reason. One probe per group (the last one's, all of them, is `together`, known
+    already); returns the outcome of the plan kept."""
     left = {g: ms for g, ms in groups.items() if not any(m in report.replicated for m in ms)}
 
     def size(glob: str) -> int:
@@ -690,8 +697,10 @@ def _compatible_groups(
     outcome = _Outcome(True, "nothing split")
     for glob in sorted(left, key=size, reverse=True):
         rest = {m: "" for g in left if g not in kept and g != glob for m in left[g]}
-        out = run(report.apply(plan).override({m: Style.REPLICATE.value for m in rest}) if rest
-                  else report.apply(plan))  # fmt: skip
+        if rest:
+            out = run(report.apply(plan).override({m: Style.REPLICATE.value for m in rest}))
+        else:  # every group: the plan that failed together (a wrong split may hang a probe)
+            out = together
         report.groups.append(GroupVerdict(f"with {glob}", left[glob], out.ok, out.detail))
         if out.ok:
             kept.append(glob)
