@@ -41,6 +41,7 @@ class ZooCase:
     inputs: Callable[[], dict[str, torch.Tensor]]
     notes: str = ""  # what this config exercises (heads, GQA, fused projections, ...)
     lora_skip: tuple[str, ...] = field(default_factory=tuple)  # name suffixes left out of LoRA
+    # (linear layers and expert tensors)
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -801,6 +802,31 @@ ZOO: dict[str, ZooCase] = {
         lm_inputs,
         "a dense first layer, then experts whose router linear precedes the shared MLP's",
         lora_skip=("gate_proj", "up_proj", "down_proj"),  # as deepseek_v3 (peft's mapping)
+    ),
+    "llama4": ZooCase(
+        "moe",
+        _hf(
+            "Llama4TextConfig",
+            "Llama4ForCausalLM",
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=32,
+            intermediate_size_mlp=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=12,
+            max_position_embeddings=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=1,
+            attention_dropout=0.0,
+        ),
+        lm_inputs,
+        "experts (E, H, 2I) read by bmm, no is_transposed (layout from shapes); router: an "
+        "nn.Linear returning a tuple",
+        # the router is not a linear; the experts declare no is_transposed (no PEFT layout)
+        lora_skip=("router", "experts.gate_up_proj", "experts.down_proj"),
     ),
 }
 

@@ -271,6 +271,7 @@ def job_lora(name: str, mesh) -> dict:
     targets = linear_names(ref, case.lora_skip)
     # the expert tensors too (PEFT: target_parameters), each by its full name
     tensors = [f"{f}.{t.name}" for f, ts in find_experts(ref).items() for t in ts]
+    tensors = [t for t in tensors if not t.endswith(case.lora_skip)]
     model = copy.deepcopy(ref)
     cfg = qm.LoraConfig(r=LORA_R, alpha=LORA_ALPHA, targets=targets + tensors)
     qm.parallelize(model, mesh, lora=cfg)

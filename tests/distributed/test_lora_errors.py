@@ -81,6 +81,30 @@ def test_a_selected_module_that_is_not_linear_is_refused_where_targets_are_read(
     assert adapted == {"model.layers.0.mlp.experts": ["gate_up_proj", "down_proj"]}
 
 
+def test_expert_tensors_of_an_undeclared_layout_take_no_adapter():
+    """Llama 4's experts ((E, H, 2I), read by bmm, no is_transposed) are split and quantized by
+    their shapes, but PEFT reads such tensors as (E, out, in): adapters on them are refused by
+    name and left out of the default targets, with a warning."""
+    import warnings
+
+    import transformers as tf
+
+    from quantmesh.tp.experts import select_lora
+
+    cfg = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                              intermediate_size_mlp=32, num_hidden_layers=1, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, num_local_experts=4)  # fmt: skip
+    with torch.device("meta"):
+        model = tf.Llama4ForCausalLM(cfg)
+    with pytest.raises(qm.LoraError, match="Llama4TextExperts .* does not declare is_transposed"):
+        select_lora(model, qm.LoraConfig(targets=["q_proj", "gate_up_proj"]))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        selected, adapted = select_lora(model, qm.LoraConfig())
+    assert adapted == {} and not any("experts." in n for n in selected), selected
+    assert "model.layers.0.self_attn.q_proj" in selected
+    assert any("default LoRA targets leave out expert tensors" in str(x.message) for x in w)
+
 def test_parallelize_errors():
     # one rank, in the spawn shared with test_lora_dp.py (_lora_cases.parallelize_errors)
     out = result(("parallelize_errors",))[0]

@@ -1,6 +1,6 @@
 """The architecture zoo under tensor parallelism: does `qm.parallelize` compute what the model does?
 
-Every model of `tests/zoo.py` (35 transformers classes: decoders, encoders, encoder-decoders,
+Every model of `tests/zoo.py` (36 transformers classes: decoders, encoders, encoder-decoders,
 mixtures of experts, ViT) is parallelized with the auto plan at tp=2 and at tp=3 (uneven: 128
 vocabulary rows are 43+43+42, 6 heads with 3 KV heads are 1+1+1 groups, 4 heads are 2+1+1) and
 checked against itself in the same rank process:

@@ -2,7 +2,9 @@
 
 transformers 5 stores a block's experts as 3-D parameters read by one experts module
 (`gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I); transposed, (E, H, 2I) and (E, I, H), where
-the module says `is_transposed`; a bias per expert where it has them). The rules:
+the module says `is_transposed`, or where the shapes say so in a module that does not (Llama 4's,
+read by `bmm`: split and quantized, but given no adapters, since PEFT reads such tensors the other
+way round); a bias per expert where it has them). The rules:
 
 - **Split the intermediate dimension I of every expert, like a dense MLP.** The first projection's
   output features and the second's input features are cut at the same places (a gated first
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any, cast
 
 import torch
@@ -305,13 +308,35 @@ def select_lora(
         >>> select_lora(mixtral, LoraConfig(r=8))[1]["model.layers.0.mlp.experts"]  # doctest: +SKIP
         ['gate_up_proj', 'down_proj']
     """
-    from ..config import LoraError
+    from ..config import DEFAULT_TARGETS, LoraError
     from ..lora.adapter import lora_targets
 
     experts = find_experts(model) if experts is None else experts
     tensor_names = [f"{f}.{t.name}" for f, ts in experts.items() for t in ts]
     selected = lora_targets(model, lora, extra=tensor_names)
     adapted = expert_lora_targets(experts, selected)
+    # PEFT reads a 3-D parameter as (E, out, in) unless its module says `is_transposed`: an
+    # experts module whose layout quantmesh reads from the shapes (Llama 4's (E, H, 2I), read
+    # by bmm) has no PEFT-compatible adapter layout here
+    odd = [f for f in adapted if getattr(model.get_submodule(f), "is_transposed", None) is None]
+    if odd:
+        kind = type(model.get_submodule(odd[0])).__name__
+        why = (
+            f"{kind} ({odd[0]}, ...) does not declare is_transposed, so PEFT reads its (E, H, 2I) "
+            "tensors as (E, out, in), the other way round from its forward; quantmesh does not "
+            "write adapters in that reading"
+        )
+        if sorted(lora.targets) != sorted(DEFAULT_TARGETS):
+            raise LoraError(
+                f"LoRA on expert tensors: {why}; leave the experts out of "
+                "LoraConfig(targets=...) (CLI: --lora-targets), e.g. ['q_proj', 'k_proj', "
+                "'v_proj', 'o_proj']"
+            )
+        warnings.warn(f"quantmesh: the default LoRA targets leave out expert tensors: {why}",
+                      stacklevel=3)  # fmt: skip
+        drop = {f"{f}.{t}" for f in odd for t in adapted[f]} | set(odd)
+        selected = [n for n in selected if n not in drop]
+        adapted = {f: ts for f, ts in adapted.items() if f not in odd}
     if adapted and lora.dropout > 0:
         raise LoraError(
             f"LoRA on the expert tensors of {next(iter(adapted))} with dropout={lora.dropout}: an "
@@ -370,7 +395,7 @@ class ShardedExperts(ShardedModule):
         self.fqn, self.kind, self.style = fqn, EXPERTS, Style.REPLICATE
         self.tp_rank, self.fmt = rank, fmt
         self.tensors = {t.name: t for t in tensors}
-        self.transposed = bool(getattr(orig, "is_transposed", False))
+        self.transposed = tensors[0].in_dim == 1  # (E, in, out): declared or read from shapes
         self.num_experts = int(cast(Any, orig).num_experts)
         first, second = tensors
         w2 = cast(torch.Tensor, orig._parameters[second.name])

@@ -77,7 +77,10 @@ def expert_tensors(module: nn.Module) -> list[ExpertTensor] | None:
     An experts module declares its layout the way transformers' experts interface reads it:
     `num_experts`, `is_transposed` and `has_gate` attributes and 3-D parameters named
     `gate_up_proj` (or `up_proj` without a gate) and `down_proj`, each (E, ., .), with
-    `<name>_bias` (E, out) where `has_bias`.
+    `<name>_bias` (E, out) where `has_bias`. A module with `num_experts` and those two tensors
+    but no `is_transposed` (Llama 4's experts: (E, H, 2I) and (E, I, H), read by `bmm`) is
+    transposed where the shapes say so: the hidden size on the inner dim of both, the first's
+    other dim twice the second's.
 
     Example:
         >>> [t.name for t in expert_tensors(model.model.layers[0].mlp.experts)]  # doctest: +SKIP
@@ -85,7 +88,7 @@ def expert_tensors(module: nn.Module) -> list[ExpertTensor] | None:
     """
     transposed = getattr(module, "is_transposed", None)
     n = getattr(module, "num_experts", None)
-    if not isinstance(transposed, bool) or not isinstance(n, int):
+    if not isinstance(n, int) or not (transposed is None or isinstance(transposed, bool)):
         return None
     gated = bool(getattr(module, "has_gate", True))
     names = ("gate_up_proj" if gated else "up_proj", "down_proj")
@@ -95,6 +98,11 @@ def expert_tensors(module: nn.Module) -> list[ExpertTensor] | None:
     w1, w2 = (cast(torch.Tensor, params[k]) for k in names)
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != n or w2.shape[0] != n:
         return None
+    if transposed is None:  # undeclared: (E, H, 2I) and (E, I, H) only
+        ratio = 2 if gated else 1
+        if not (w1.shape[1] == w2.shape[2] and w1.shape[2] == ratio * w2.shape[1]):
+            return None
+        transposed = True
     i_dim, o_dim = (1, 2) if transposed else (2, 1)
     hidden, inter = int(w1.shape[i_dim]), int(w2.shape[i_dim])
     if int(w2.shape[o_dim]) != hidden or int(w1.shape[o_dim]) != (2 * inter if gated else inter):
