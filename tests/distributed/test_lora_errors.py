@@ -105,6 +105,7 @@ def test_expert_tensors_of_an_undeclared_layout_take_no_adapter():
     assert "model.layers.0.self_attn.q_proj" in selected
     assert any("default LoRA targets leave out expert tensors" in str(x.message) for x in w)
 
+
 def test_parallelize_errors():
     # one rank, in the spawn shared with test_lora_dp.py (_lora_cases.parallelize_errors)
     out = result(("parallelize_errors",))[0]
