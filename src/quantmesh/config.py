@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ __all__ = [
     "check_quant",
     "compile_options",
     "env_switch",
+    "lora_scale",
 ]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -274,6 +276,18 @@ DEFAULT_TARGETS = (
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
     "gate_proj", "up_proj", "down_proj", "gate_up_proj",
 )  # fmt: skip
+
+
+def lora_scale(alpha: float, r: int, rslora: bool = False) -> float:
+    """The factor on an adapter's output: alpha / r, or alpha / sqrt(r) for rsLoRA (PEFT's).
+
+    Example:
+        >>> lora_scale(32, 16), lora_scale(32, 16, rslora=True)
+        (2.0, 8.0)
+    """
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
 ALL_LINEAR = "all-linear"  # PEFT's target: every linear layer but the output head
 
 
@@ -301,6 +315,9 @@ class LoraConfig:
     does not have; names given explicitly must each match something."""
     seed: int = 0
     """Seed of A's initialization; the same seed gives the same adapters at any tp size."""
+    rslora: bool = False
+    """Rank-stabilized LoRA (PEFT's `use_rslora`): the output is multiplied by alpha / sqrt(r)
+    instead of alpha / r."""
 
     def __post_init__(self) -> None:
         if not _positive_int(self.r):
@@ -315,7 +332,7 @@ class LoraConfig:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / self.r
+        return lora_scale(self.alpha, self.r, self.rslora)
 
     def matches(self, fqn: str) -> bool:
         last = fqn.rsplit(".", 1)[-1]

@@ -115,6 +115,18 @@ def _spawn_a(rank: int, d: dict) -> dict:
         f[f"{name}_logits"] = logits(m, ids)
         qm.save_adapter(m, d[f"{name}_adapter"])
         qm.export(m, d[f"{name}_export"], max_shard_size=20_000)  # several files + an index
+    # rsLoRA (scale alpha / sqrt(r)): saved, and PEFT's own adapter loaded
+    m = qm.from_pretrained(d["llama"], mesh, lora=_lora(targets=LLAMA_TARGETS, rslora=True),
+                           progress=False)  # fmt: skip
+    _random_b(m)
+    f["rslora_logits"] = logits(m, ids)
+    qm.save_adapter(m, d["rslora_adapter"])
+    from quantmesh.io.adapter import adapter_lora_config
+
+    lora = adapter_lora_config(d["peft_rslora"])
+    m = qm.from_pretrained(d["llama"], mesh, lora=lora, progress=False)
+    qm.load_adapter(m, d["peft_rslora"])
+    f["peft_rslora_logits"] = logits(m, ids)
     # nf4 base + LoRA: exported dequantized and merged
     m = qm.from_pretrained(d["llama"], mesh, quant="nf4", lora=_lora(targets=LLAMA_TARGETS),
                            progress=False)  # fmt: skip
@@ -237,9 +249,24 @@ def d(tmp_path_factory):
     root = tmp_path_factory.mktemp("save")
     out = {"llama": str(llama_dir(root / "llama")), "gpt2": str(gpt2_dir(root / "gpt2"))}
     for name in ("llama_adapter", "gpt2_adapter", "llama_export", "gpt2_export", "nf4_export",
-                 "state", "adapter_dp", "export_dp", "state_dp"):  # fmt: skip
+                 "state", "adapter_dp", "export_dp", "state_dp", "rslora_adapter"):  # fmt: skip
         out[name] = str(root / name)
+    out["peft_rslora"] = _peft_rslora(out["llama"], root / "peft_rslora")
     return out
+
+
+def _peft_rslora(base: str, path) -> str:
+    """An rsLoRA adapter written by PEFT itself (nonzero B)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    pm = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_TARGETS, use_rslora=True),
+    )
+    _random_b(pm)
+    pm.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +301,26 @@ def test_peft_loads_the_adapter(a, d, name):
     assert _err(a[0][f"{name}_logits"], want) <= REL_TOL
     plain = logits(AutoModelForCausalLM.from_pretrained(d[name]).eval(), token_ids())
     assert _err(plain, want) > 1e-2  # the adapter really changes the outputs
+
+
+def test_rslora_adapters_are_peft_s(a, d):
+    """rsLoRA (`use_rslora`, alpha / sqrt(r)) adapters were refused as a LoRA feature quantmesh
+    does not load; now trained, saved and loaded at tp=2, each equal to PEFT's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads(open(f"{d['rslora_adapter']}/adapter_config.json").read())
+    assert cfg["use_rslora"] is True and cfg["lora_alpha"] == 8 and cfg["r"] == 4
+    for adapter, ours in (
+        ("rslora_adapter", "rslora_logits"),
+        ("peft_rslora", "peft_rslora_logits"),
+    ):
+        base = AutoModelForCausalLM.from_pretrained(d["llama"])
+        want = logits(PeftModel.from_pretrained(base, d[adapter]).eval(), token_ids())
+        assert _err(a[0][ours], want) <= REL_TOL, adapter
+    plain = AutoModelForCausalLM.from_pretrained(d["llama"])
+    lora = logits(PeftModel.from_pretrained(plain, d["llama_adapter"]).eval(), token_ids())
+    assert _err(a[0]["rslora_logits"], lora) > 1e-3  # not the plain scale (the same B)
 
 
 def test_adapter_loads_at_any_tp(a, b, c):

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import lora_scale
 from ..lora.adapter import LoraAdapter, LoraConfig, LoraError
 from ..lora.peft import inner_model
 from ..parallel.fsdp import fill_from_whole
@@ -181,14 +182,24 @@ def _task_type(model: nn.Module) -> str | None:
     )
 
 
+def _rslora(model: nn.Module) -> bool:
+    """Whether the model's adapters are rank-stabilized (LoraConfig.rslora)."""
+    st = parallel_state(model, required=False)
+    return bool(getattr(st.lora, "rslora", False)) if st is not None else False
+
+
 def _alpha(model: nn.Module, scale: float, r: int) -> float | int:
-    """lora_alpha as the user gave it (scale = alpha / r), not re-derived through a float product."""
+    """lora_alpha as the user gave it (scale = alpha / r, or alpha / sqrt(r) for rsLoRA), not
+    re-derived through a float product."""
     st = parallel_state(model, required=False)
     cfg = st.lora if st is not None else None
+    rs = _rslora(model)
     alpha = (
-        cfg.alpha if isinstance(cfg, LoraConfig) and math.isclose(cfg.alpha / r, scale) else None
+        cfg.alpha
+        if isinstance(cfg, LoraConfig) and math.isclose(lora_scale(cfg.alpha, r, rs), scale)
+        else None
     )
-    alpha = round(scale * r, 9) if alpha is None else alpha
+    alpha = round(scale * (math.sqrt(r) if rs else r), 9) if alpha is None else alpha
     return int(alpha) if float(alpha).is_integer() else float(alpha)
 
 
@@ -232,7 +243,7 @@ def _adapter_config(
         "exclude_modules": None,
         "bias": "none",
         "fan_in_fan_out": any(m.kind.name == "Conv1D" for m in mods.values()),
-        "use_rslora": False,
+        "use_rslora": _rslora(model),
         "use_dora": False,
         "lora_bias": False,
         "init_lora_weights": True,
@@ -327,7 +338,7 @@ def _read_adapter_config(path: Path) -> dict:
     bad = []
     if cfg.get("peft_type") != "LORA":
         bad.append(f"peft_type={cfg.get('peft_type')!r} (expected 'LORA')")
-    for flag in ("use_dora", "use_rslora", "lora_bias"):
+    for flag in ("use_dora", "lora_bias"):
         if cfg.get(flag):
             bad.append(f"{flag}=true")
     if cfg.get("bias", "none") != "none":
@@ -340,7 +351,8 @@ def _read_adapter_config(path: Path) -> dict:
     if bad:
         raise LoraError(
             f"{cfg_path} uses LoRA features quantmesh does not load: {', '.join(bad)}; quantmesh "
-            "loads plain LoRA (one r and alpha, no bias, no DoRA/rsLoRA, no extra saved modules)"
+            "loads plain LoRA and rsLoRA (one r and alpha, no bias, no DoRA, no extra saved "
+            "modules)"
         )
     return cfg
 
@@ -375,7 +387,7 @@ def adapter_lora_config(path: str | os.PathLike) -> LoraConfig:
     fqns += [f"*{t}" for t in params]
     return LoraConfig(
         r=int(cfg["r"]), alpha=cfg["lora_alpha"], dropout=float(cfg.get("lora_dropout") or 0.0),
-        targets=fqns,
+        targets=fqns, rslora=bool(cfg.get("use_rslora")),
     )  # fmt: skip
 
 
@@ -468,7 +480,8 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                 f"{type(model).__name__} has no LoRA modules to load {path} into; parallelize it "
                 "with lora=quantmesh.io.adapter.adapter_lora_config(path) first"
             )
-        r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        r, alpha, rs = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
+        scale = lora_scale(alpha, r, rs)
         p = float(cfg.get("lora_dropout") or 0.0)
         with open_checkpoint(_adapter_weights(path), key_map=_peft_key) as reader:
             _check_adapter(model, reader, cfg, mods)  # everything, before reading any data
@@ -480,12 +493,12 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> None:
                     fill_from_whole(dest, reader.read(key, dim, ranges, dtype=dest.dtype,
                                                       device=dest.device))  # fmt: skip
                 for m in mods.values():  # the same A and B, the adapter's scale and dropout
-                    m.set_adapter(_lora(m).retuned(scale=alpha / r, dropout=p))
+                    m.set_adapter(_lora(m).retuned(scale=scale, dropout=p))
                 for e in experts.values():
                     for t, ead in e.expert_adapters().items():
-                        e.set_expert_adapter(t, ead.retuned(scale=alpha / r))
+                        e.set_expert_adapter(t, ead.retuned(scale=scale))
         st = parallel_state(model, required=False)
         if st is not None and st.lora is not None:
-            st.lora = dataclasses.replace(st.lora, alpha=alpha, dropout=p)
+            st.lora = dataclasses.replace(st.lora, alpha=alpha, dropout=p, rslora=rs)
 
     agreed(run, "load_adapter")

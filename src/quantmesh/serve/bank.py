@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import lora_scale
 from ..infer.decode import sibling_runs
 from ..io.adapter import (
     _adapter_weights,
@@ -423,6 +424,7 @@ class AdapterBank:
             )
         cfg = _read_adapter_config(folder)
         r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+        scale = lora_scale(alpha, r, bool(cfg.get("use_rslora")))
         if not self.mods and not self.experts:
             raise LoraError(
                 "the server has no LoRA modules; restart it with --adapter NAME=DIR or "
@@ -483,7 +485,7 @@ class AdapterBank:
                 + f". It was trained on {base!r}; serve that model, or an adapter trained on this one"
             )
         modules = tuple(fqns) + tuple(f"{f}.{t}" for f, names in tensors.items() for t in names)
-        return AdapterInfo(path=str(folder), r=r, scale=alpha / r, modules=modules)
+        return AdapterInfo(path=str(folder), r=r, scale=scale, modules=modules)
 
     def _expert_targets(self, params: list[str]) -> dict[str, list[str]]:
         """{experts module: the tensors PEFT's `target_parameters` select, in the module's
