@@ -334,6 +334,11 @@ class LoraConfig:
     def scaling(self) -> float:
         return lora_scale(self.alpha, self.r, self.rslora)
 
+    @property
+    def default_targets(self) -> bool:
+        """Whether `targets` are the default (every projection a model has), not names given."""
+        return sorted(self.targets) == sorted(DEFAULT_TARGETS)
+
     def matches(self, fqn: str) -> bool:
         last = fqn.rsplit(".", 1)[-1]
         return any(t == last or t == fqn or fnmatch.fnmatchcase(fqn, t) for t in self.targets)

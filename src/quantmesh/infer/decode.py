@@ -349,7 +349,6 @@ def fast_decode(
         out = torch.empty(batch, max_new_tokens, dtype=tok.dtype, device=tok.device)
         out[:, :1] = tok
         done = 1
-        args: tuple = ()  # the step's arguments after (token, noise, padding)
         dec.stacked(True)
         try:
             for i in range(1, max_new_tokens):
@@ -358,12 +357,11 @@ def fast_decode(
                     sample = (uniform_noise(batch, vocab, gen, device), t_rows, p_rows)
                 if repeat is not None:  # outside the step: it reads `seen`, never writes it
                     repeat[0].scatter_(1, tok, True)
-                    args = (repeat,)
                 if padding is not None:
-                    tok = dec.run(tok, sample, (padding[0], step_pos), *args)
+                    tok = dec.run(tok, sample, (padding[0], step_pos), repeat)
                     step_pos = step_pos + 1
                 else:
-                    tok = dec.run(tok, sample, None, *args)
+                    tok = dec.run(tok, sample, None, repeat)
                 tok = tok.clone()  # a copy: a CUDA graph's output is rewritten by the next replay
                 out[:, i : i + 1] = tok
                 done = i + 1

@@ -106,23 +106,19 @@ def lora_targets(model: nn.Module, config: LoraConfig, extra: list[str] | None =
     """
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    linear = {
-        n for n, m in model.named_modules()
-        if n and (k := kind_of(m)) is not None and k.linear_like
-    }  # fmt: skip
-    names = [n for n, _ in model.named_modules() if n] + list(extra or [])
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    linear = {n for n, m in modules if (k := kind_of(m)) is not None and k.linear_like}
+    every_linear = {n for n, m in modules if n in linear and m is not head}  # "all-linear"
+    names = [n for n, _ in modules] + list(extra or [])
     every = ALL_LINEAR in config.targets
-    found = [
-        n for n in names
-        if config.matches(n) or (every and n in linear and model.get_submodule(n) is not head)
-    ]  # fmt: skip
-    default = sorted(config.targets) == sorted(DEFAULT_TARGETS)
+    found = [n for n in names if config.matches(n) or (every and n in every_linear)]
+    default = config.default_targets
     flag = " (CLI: --lora-targets)"
     for t in config.targets if not (default and found) else []:
         if default:
             t = ", ".join(DEFAULT_TARGETS)
         if t == ALL_LINEAR:
-            hit = any(n in linear and model.get_submodule(n) is not head for n in names)
+            hit = bool(every_linear)
         else:
             hit = any(_selects(t, n) for n in names)
         if not hit:

@@ -686,19 +686,19 @@ def _compatible_groups(
     left = {g: ms for g, ms in groups.items() if not any(m in report.replicated for m in ms)}
 
     def size(glob: str) -> int:
-        mods = [
-            n
-            for n, _ in probe.named_modules()
+        return sum(
+            p.numel()
+            for n, mod in probe.named_modules()
             if any(fnmatch.fnmatchcase(n, m) for m in left[glob])
-        ]
-        return sum(p.numel() for n in mods for p in probe.get_submodule(n).parameters())
+            for p in mod.parameters()
+        )
 
     kept: list[str] = []
-    outcome = _Outcome(True, "nothing split")
+    outcome: _Outcome | None = None  # the plan of the groups kept
     for glob in sorted(left, key=size, reverse=True):
-        rest = {m: "" for g in left if g not in kept and g != glob for m in left[g]}
+        rest = [m for g in left if g not in kept and g != glob for m in left[g]]
         if rest:
-            out = run(report.apply(plan).override({m: Style.REPLICATE.value for m in rest}))
+            out = run(report.apply(plan).override(dict.fromkeys(rest, Style.REPLICATE.value)))
         else:  # every group: the plan that failed together (a wrong split may hang a probe)
             out = together
         report.groups.append(GroupVerdict(f"with {glob}", left[glob], out.ok, out.detail))
@@ -711,9 +711,7 @@ def _compatible_groups(
                 f"replicated: verify: exact alone, not beside the larger groups kept split "
                 f"({out.detail})"
             )
-    if not kept:  # nothing split: the reference itself
-        return run(report.apply(plan))
-    return outcome
+    return outcome if outcome is not None else run(report.apply(plan))  # none: nothing split
 
 
 def _sizes_per_rank(

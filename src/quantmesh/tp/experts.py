@@ -308,7 +308,7 @@ def select_lora(
         >>> select_lora(mixtral, LoraConfig(r=8))[1]["model.layers.0.mlp.experts"]  # doctest: +SKIP
         ['gate_up_proj', 'down_proj']
     """
-    from ..config import DEFAULT_TARGETS, LoraError
+    from ..config import LoraError
     from ..lora.adapter import lora_targets
 
     experts = find_experts(model) if experts is None else experts
@@ -326,7 +326,7 @@ def select_lora(
             "tensors as (E, out, in), the other way round from its forward; quantmesh does not "
             "write adapters in that reading"
         )
-        if sorted(lora.targets) != sorted(DEFAULT_TARGETS):
+        if not lora.default_targets:
             raise LoraError(
                 f"LoRA on expert tensors: {why}; leave the experts out of "
                 "LoraConfig(targets=...) (CLI: --lora-targets), e.g. ['q_proj', 'k_proj', "
