@@ -522,9 +522,11 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         qm.fast_decode(model, ids, steps + 1)
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
+    count: dict[str, int] = {}
     for ev in prof.events():
         if qb.is_kernel(ev):
             per_kernel[ev.name] = per_kernel.get(ev.name, 0.0) + ev.device_time_total
+            count[ev.name] = count.get(ev.name, 0) + 1
     kinds: dict[str, float] = {}
     for name, us in per_kernel.items():
         kind = kind_of_kernel(name)
@@ -553,7 +555,7 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         "graph_launches": sum(1 for n in host if "GraphLaunch" in n),
         "kernel_launches": sum(1 for n in host if "LaunchKernel" in n),
     }
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
     return {
         "steps": steps,
         "gpu_us_per_step": round(total / steps, 1),
@@ -561,6 +563,11 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
             k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
         },
         "top_kernels_us_per_step": {n[:90]: round(v / steps, 1) for n, v in top},
+        # (launches a step, microseconds a launch) of the same kernels: many small kernels a
+        # layer cost more than their own time (each one's start and end in the graph)
+        "top_kernels_launches_per_step": {
+            n[:90]: (round(count[n] / steps, 1), round(v / max(count[n], 1), 2)) for n, v in top
+        },
         "host_per_step": {k: round(v / steps, 1) for k, v in launches.items()},
         "gaps": kernel_gaps(timed, max(1, len(graph_at))),
         "replays": len(graph_at),

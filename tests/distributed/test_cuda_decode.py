@@ -196,13 +196,18 @@ def _trained(rank: int) -> dict:
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
     unstacked = qm.greedy_decode(model, ids, 48, compile=True, fuse_adapters=False)[0].cpu()
     expect = chain[8:]
+    # a repetition penalty inside the compiled, CUDA-graphed step (the demo's setting): the
+    # eager loop's tokens with the same penalty
+    rep_eager = qm.fast_decode(model, ids, 48, repetition_penalty=1.3, compile=False)[0].cpu()
+    rep_compiled = qm.fast_decode(model, ids, 48, repetition_penalty=1.3)[0].cpu()
     # four sequences at once: each step's matmuls take the gemv at 4 rows (kernel4's
     # GEMV_MAX_ROWS, on by default), compiled; sixteen: the tensor-core kernel (opt-in, turned
     # on here); the reference of each, bitsandbytes' path, eager
     from quantmesh.quant import kernel4 as k4
 
     out = {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
-           "map": torch.tensor(expect), "gemv_rows": k4.GEMV_MAX_ROWS,
+           "map": torch.tensor(expect), "rep_eager": rep_eager, "rep_compiled": rep_compiled,
+           "gemv_rows": k4.GEMV_MAX_ROWS,
            "mma_rows": (k4.MMA_MIN_ROWS, k4.MMA_MAX_ROWS)}  # fmt: skip
     for n, flags in ((4, {}), (16, {"MMA_ENABLED": True})):
         chains = [[int(s)] for s in torch.randint(0, vocab, (n,), generator=g)]
@@ -233,6 +238,9 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert follows > 0.9, (out["loss"], follows)  # it learned: wide margins, not near-ties
     assert (out["compiled"] == out["eager"]).all(), (out["compiled"], out["eager"])
     assert (out["unstacked"] == out["eager"]).all(), (out["unstacked"], out["eager"])
+    # the penalty in the compiled, CUDA-graphed step gives the eager loop's tokens (its
+    # arithmetic against transformers' is checked on CPU: test_compile.py)
+    assert (out["rep_compiled"] == out["rep_eager"]).all(), (out["rep_compiled"], out["rep_eager"])
     # four rows at once, the gemv's, and sixteen, the tensor-core kernel's (compiled), give
     # bitsandbytes' path's tokens (eager)
     assert out["gemv_rows"] >= 4 and out["mma_rows"][0] <= 16 <= out["mma_rows"][1], out
