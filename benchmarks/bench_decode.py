@@ -90,6 +90,13 @@ def parse(argv=None) -> argparse.Namespace:
         "qm_greedy_mma when it is off at the start, else qm_greedy_no_mma",
     )
     p.add_argument(
+        "--join",
+        action="store_true",
+        help="qlora: also greedy with kernel4.JOIN_ENABLED flipped (the sibling layers' 4-bit "
+        "codes read as one weight, opt-in), in the same process (profiled too with --profile): "
+        "qm_greedy_join when it is off at the start, else qm_greedy_no_join",
+    )
+    p.add_argument(
         "--dequant",
         action="store_true",
         help="qlora: also greedy with kernel4.DEQUANT_ENABLED flipped (Triton's dequantize + "
@@ -378,6 +385,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
     R["mma_enabled_at_start"] = kernel4.MMA_ENABLED  # QUANTMESH_MMA=1: on in every run
     R["dequant_enabled_at_start"] = kernel4.DEQUANT_ENABLED  # QUANTMESH_TRITON_DEQUANT=1
+    R["join_enabled_at_start"] = kernel4.JOIN_ENABLED  # QUANTMESH_JOIN_CODES=1
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
     tile = None
     if a.batch <= kernel4.GEMV_MAX_ROWS:
@@ -415,6 +423,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     for want, flag, stem in (
         (a.mma, "MMA_ENABLED", "mma"),
         (a.dequant, "DEQUANT_ENABLED", "dequant"),
+        (a.join, "JOIN_ENABLED", "join"),
     ):
         if a.greedy and want:  # an opt-in kernel of quantmesh's against the default path
             on = getattr(kernel4, flag)

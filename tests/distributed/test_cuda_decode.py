@@ -21,7 +21,8 @@ greedy_decode (sibling adapters stacked, and each on its own) must give every to
 loop with each adapter on its own; the test first checks that the model did learn (its eager tokens follow
 the map), so that the margins are really wide. Then four and sixteen sequences at once, compiled,
 through the gemv and the tensor-core kernel (turned on for it), must give the tokens of
-bitsandbytes' path run eagerly. No pretrained checkpoint is used: the GPU machine has no network.
+bitsandbytes' path run eagerly; and so must one and sixteen with the sibling layers' codes joined
+(`kernel4.JOIN_ENABLED`), and one with a repetition penalty its eager loop's. No pretrained checkpoint is used: the GPU machine has no network.
 Marked cuda: runs on the GPU machine.
 """
 
@@ -227,6 +228,19 @@ def _trained(rank: int) -> dict:
             for k, v in saved.items():
                 setattr(k4, k, v)
         out[f"batch{n}_map"] = torch.tensor([c[8:] for c in chains])
+        out[f"ids{n}"] = ids_n
+    # the siblings' codes joined (q/k/v, gate/up read as one weight: kernel4.JOIN_ENABLED), last
+    # (the join is in place): one sequence through the gemv, sixteen through the tensor-core
+    # kernel, compiled; the same tokens as above
+    saved = k4.JOIN_ENABLED
+    try:
+        k4.JOIN_ENABLED = True
+        out["joined"] = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+        out["batch16_joined"] = qm.greedy_decode(model, out.pop("ids16"), 48, compile=True).cpu()
+    finally:
+        k4.JOIN_ENABLED = saved
+    out.pop("ids4")
+    out["runs"] = sum(getattr(m, "codes_run", None) is not None for m in model.modules())
     return out
 
 
@@ -249,3 +263,7 @@ def test_compiled_decode_gives_a_trained_models_tokens():
         assert follows > 0.9, (n, follows)
         assert (out[f"batch{n}"] == out[f"batch{n}_bnb"]).all(), (n, out[f"batch{n}"],
                                                                    out[f"batch{n}_bnb"])  # fmt: skip
+    # the joined codes: 4 blocks x (q, k, v; gate, up) layers in runs, the same tokens
+    assert out["runs"] == 4 * 5, out["runs"]
+    assert (out["joined"] == out["eager"]).all(), (out["joined"], out["eager"])
+    assert (out["batch16_joined"] == out["batch16_bnb"]).all(), out["batch16_joined"]

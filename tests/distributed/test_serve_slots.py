@@ -398,9 +398,9 @@ def _with_and_without_dequantized(rank: int) -> dict:
     shared = [0]  # siblings after the first whose output came from their run's one matmul
     output = HeldRun.output
 
-    def counted(run: HeldRun, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    def counted(run: HeldRun, i: int, x: torch.Tensor, *products) -> torch.Tensor:
         shared[0] += int(i > 0 and run.x is x)
-        return output(run, i, x, x2)
+        return output(run, i, x, *products)
 
     HeldRun.output = counted  # type: ignore[method-assign]  # this rank's process only
     for held in (False, True):
@@ -458,9 +458,9 @@ def _held_compiled(rank: int) -> dict:
     shared = [0]
     output = HeldRun.output
 
-    def counted(run: HeldRun, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    def counted(run: HeldRun, i: int, x: torch.Tensor, *products) -> torch.Tensor:
         shared[0] += int(i > 0 and run.x is x)
-        return output(run, i, x, x2)
+        return output(run, i, x, *products)
 
     HeldRun.output = counted  # type: ignore[method-assign]  # this rank's process only
     comp = SlotBatch(model, bank, max_batch=4, max_len=64, ladder=(1, 2), compile=True,

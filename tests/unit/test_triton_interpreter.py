@@ -8,6 +8,9 @@ Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (rea
 - the dequantize, bit for bit, also as the op the experts' weights take;
 - the older row and block kernels;
 - tp shards cut from a quantized weight, the ops also traced and run compiled;
+- sibling weights joined into one (`quant.bnb.CodesRun`: each member's own offset under double
+  quant, one per nested block): the gemv and the tensor-core kernel on the joined codes give
+  each member's own product, and the members' views dequantize to their weights as before;
 - the dequantize + matmul under autograd (training): forward and backward bit for bit as the
   same `linear` and `matmul` on bitsandbytes' weight, keeping only the codes for backward, eager
   and compiled.
@@ -34,7 +37,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "train")
+FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "train")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,11 +54,11 @@ def test_triton_kernels_in_the_interpreter(family: str) -> None:
 
 # ---- run inside the interpreter's process -----------------------------------------------------
 def _weight(out_f: int, in_f: int, nested: bool, blocksize: int = 64, quant_type: str = "nf4",
-            seed: int = 0):  # fmt: skip
+            seed: int = 0, scale: float = 0.02):  # fmt: skip
     import bitsandbytes.functional as F
 
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(out_f, in_f, generator=g) * 0.02
+    w = torch.randn(out_f, in_f, generator=g) * scale
     packed, qs = F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested,
                                  quant_type=quant_type)  # fmt: skip
     return packed, qs
@@ -214,6 +217,101 @@ def _tp_shards() -> list[dict]:
     return out
 
 
+def _joined() -> list[dict]:
+    from quantmesh.quant import kernel4 as k4
+    from quantmesh.quant.bnb import CodesRun, _joinable
+
+    for tile in (*k4.GEMV_ROW_TILES.values(), *k4.MMA_ROW_TILES.values()):
+        tile["LUT"] = 0  # the library's tiles, their code values loaded
+    for tile in k4.GEMV_ROW_TILES.values():
+        tile["BLOCK_N"] = 16  # (fewer programs: the interpreter runs each in turn)
+    out = []
+    g = torch.Generator().manual_seed(6)
+    # nested: each member a whole number of nested blocks (256 blocks of 64); not: any rows
+    for nested, outs, in_f in ((True, (64, 32, 96), 512), (False, (40, 24), 192)):
+        members = []
+        for i, o in enumerate(outs):
+            # scales apart: each member's offset (the mean of its absmax) far from the others'
+            packed, qs = _weight(o, in_f, nested, seed=10 + i, scale=0.02 * 4**i)
+            m = torch.nn.Module()
+            m.weight = torch.nn.Parameter(packed, requires_grad=False)
+            m.weight.quant_state = qs
+            members.append(m)
+        before = [_dequantized(m.weight.data, m.weight.quant_state) for m in members]
+        offsets = {float(m.weight.quant_state.offset) for m in members} if nested else set()
+        ok = _joinable(members) and (not nested or len(offsets) == len(outs))  # offsets differ
+        run = CodesRun(members)
+        after = [_dequantized(m.weight.data, m.weight.quant_state) for m in members]
+        views = all(m.weight.data.untyped_storage().data_ptr()
+                    == run.codes.untyped_storage().data_ptr() for m in members)  # fmt: skip
+        ok &= views and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        out.append({"case": repr(("views", nested, outs)), "ok": bool(ok)})
+        w = torch.cat(before)  # the joined weight, fp32
+        for matmul, rows in ((k4.matmul_4bit_gemv, 1), (k4.matmul_4bit_gemv, 3),
+                             (k4.matmul_4bit_mma, 16)):  # fmt: skip
+            x = torch.randn(rows, in_f, generator=g).to(torch.float16)
+            y = matmul(x, run.codes, run.qs)
+            own = torch.cat([matmul(x, m.weight.data, m.weight.quant_state) for m in members], 1)
+            ref = x.float() @ w.t()
+            mm = (x @ w.to(x.dtype).t()).float()
+            err = float((y.float() - ref).norm() / ref.norm())
+            mm_err = float((mm - ref).norm() / ref.norm())
+            ok = (y.shape == (rows, sum(outs)) and err <= max(2 * mm_err, 2e-3)
+                  and torch.equal(y, own))  # fmt: skip
+            out.append({"case": repr((matmul.__name__, nested, outs, rows)), "err": err,
+                        "mm_err": mm_err, "ok": bool(ok)})  # fmt: skip
+    return out + _joined_layers()
+
+
+def _joined_layers() -> list[dict]:
+    """Three 4-bit layers of quantmesh's reading one input, their codes joined
+    (`join_sibling_codes`, with the switch on): the first one's forward launches the gemv once
+    for all three and the others take their columns, eager and compiled (aot_eager), with the
+    bits each gave alone; a layer given another tensor takes its own launch."""
+    from quantmesh.quant import kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format, join_sibling_codes
+
+    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
+    fmt = bnb_format(QuantConfig(format="nf4"))
+    g = torch.Generator().manual_seed(7)
+    layers = []
+    for i, o in enumerate((64, 32, 96)):
+        m = fmt.new_linear(512, o, bias=False, device="meta", dtype=torch.float16)
+        fmt.quantize_into(m, torch.randn(o, 512, generator=g) * 0.02 * 4**i)
+        m.compute_dtype = torch.float16
+        layers.append(m)
+    launches = [0]
+    real = k4._gemv_op
+
+    def counted(*args, **kw):
+        launches[0] += 1
+        return real(*args, **kw)
+
+    k4._gemv_op = counted  # (matmul_4bit_gemv looks it up at call time)
+    x, other = (torch.randn(1, 512, generator=g).to(torch.float16) for _ in range(2))
+
+    def forward(x, y):
+        return [m(x) for m in layers] + [layers[1](y)]  # the last: another tensor
+
+    with torch.no_grad():
+        alone = forward(x, other)
+        n_alone = launches[0]
+        k4.JOIN_ENABLED = False
+        off = join_sibling_codes([layers])  # the switch off: nothing joined
+        k4.JOIN_ENABLED = True
+        on = join_sibling_codes([layers])
+        launches[0] = 0
+        joined = forward(x, other)
+        n_joined = launches[0]
+        compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)(x, other)
+    same = all(torch.equal(a, b) for a, b in zip(alone, joined, strict=True))
+    same_c = all(torch.equal(a, b) for a, b in zip(alone, compiled, strict=True))
+    ok = off == 0 and on == 1 and n_alone == 4 and n_joined == 2 and same and same_c
+    case = ("layers", off, on, n_alone, n_joined, same, same_c)
+    return [{"case": repr(case), "ok": bool(ok)}]
+
+
 def _train() -> list[dict]:
     from quantmesh.quant import kernel4 as k4
 
@@ -257,5 +355,5 @@ def main(family: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are wrapped at import)")
     cases = {"gemv": _gemv, "mma": _mma, "dequant": _dequant, "rows": _rows,
-             "tp_shards": _tp_shards, "train": _train}[family]()  # fmt: skip
+             "tp_shards": _tp_shards, "joined": _joined, "train": _train}[family]()  # fmt: skip
     print(json.dumps(cases))

@@ -36,6 +36,7 @@ from torch import nn
 from ..blocks.compile import blocks_for_decoding, regions_available, unmark_block_regions
 from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
+from ..quant import kernel4
 from ..tp.layers import ShardedModule, sharded_modules
 from .sampling import pick_tokens, repetition_penalized, sample_tokens, uniform_noise
 
@@ -44,6 +45,7 @@ __all__ = [
     "StackedLora",
     "fast_decode",
     "greedy_decode",
+    "join_sibling_codes_in",
     "sibling_runs",
     "stack_sibling_adapters",
 ]
@@ -79,6 +81,7 @@ class _Decoder:
         self.key = (batch, max_len, compile, mode, sampled, padded, fuse, penalized)
         self.fuse = fuse
         self.stacks: list[AdapterStack] | None = None  # found in the first prefill (fuse)
+        self.joined = False  # the 4-bit siblings' codes joined (fuse, kernel4.JOIN_ENABLED)
         config: Any = model.config  # a transformers PreTrainedConfig
         self.cache = StaticCache(config=config, max_cache_len=max_len)
         self.kw = {names[0]: self.cache, "use_cache": True}
@@ -152,16 +155,24 @@ class _Decoder:
         self, input_ids: torch.Tensor, padding: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
         """The last position's logits; the cache then holds the prompt. The first prefill of a
-        fusing decoder also finds the adapters that read one tensor (`stack_sibling_adapters`);
-        every prefill copies their current weights into the stacks."""
+        fusing decoder also finds the adapters that read one tensor (`stack_sibling_adapters`)
+        and, with `kernel4.JOIN_ENABLED`, joins the 4-bit codes of such layers
+        (`join_sibling_codes_in`); every prefill copies the adapters' current weights into the
+        stacks."""
         self.cache.reset()  # in place: the tensors keep their addresses
         kw = {**self.prefill_kw, **_padding_kw(padding)}
-        if self.fuse and self.stacks is None:
-            with stack_sibling_adapters(self.model) as stacks:
-                logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
+        join = self.fuse and kernel4.JOIN_ENABLED and not self.joined
+        with contextlib.ExitStack() as finding:
+            stacks = None
+            if self.fuse and self.stacks is None:
+                stacks = finding.enter_context(stack_sibling_adapters(self.model))
+            if join:  # the 4-bit siblings' codes, joined once per decoder (the switch may flip)
+                finding.enter_context(join_sibling_codes_in(self.model))
+                self.joined = True
+            logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
+        if stacks is not None:
             self.stacks = stacks  # built from the current weights
         else:
-            logits = self.model(input_ids=input_ids, **kw).logits
             for stack in self.stacks or []:
                 stack.refresh()  # the adapters may have trained since the last call
         return logits[:, -1]
@@ -614,6 +625,29 @@ def sibling_runs(
         members = [m for m in run if seen[id(m)] == 1]
         if len(members) >= 2:
             found.append(members)
+
+
+@contextlib.contextmanager
+def join_sibling_codes_in(model: nn.Module) -> Iterator[None]:
+    """Find, during the one eager forward run inside the block, the layers that read the same
+    tensor one after another (`sibling_runs`; not rowwise or vocabulary shards), and join the 4-bit
+    codes of each run where the kernels can read them as one weight (`quant.bnb.
+    join_sibling_codes`: only with `quant.kernel4.JOIN_ENABLED`; in place, no memory added).
+
+    Example:
+        >>> with join_sibling_codes_in(model):  # doctest: +SKIP
+        ...     model(input_ids=ids)
+    """
+    if not kernel4.JOIN_ENABLED:
+        yield
+        return
+    from ..quant.bnb import join_sibling_codes
+
+    layers = sharded_modules(model).values()
+    mods = [m for m in layers if m.style not in (Style.ROWWISE, Style.VOCAB)]
+    with sibling_runs(mods, lambda first, m: True) as runs:
+        yield
+    join_sibling_codes([[m.local for m in run] for run in runs])
 
 
 @contextlib.contextmanager

@@ -313,7 +313,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
                   BF16: tl.constexpr, WK: tl.constexpr = 1,
-                  ROWS: tl.constexpr = 1):  # fmt: skip
+                  ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
     # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
     # no tensor cores: the codes are read once, the products cost M times one row's). A program
@@ -338,6 +338,8 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # words of each feature, warp w words [32w, 32w + 32); a stride's SB blocks are spread over
     # the warps, each warp's lanes holding the absmax of the blocks its own steps read (lane
     # 4t + u: block 4 (t WK + w) + u, read by step t); the warps' sums are added at the end.
+    # OFFS: the nested statistics' offset is one per nested block (`off_ptr`: sibling weights
+    # joined into one, each with its own offset), else one value.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -349,7 +351,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
-    if NESTED:
+    if NESTED and not OFFS:
         off = tl.load(off_ptr)
     row_q = q_ptr + rn_c[:, None] * KW  # int32 words of codes
     # a stride's absmax, flat: feature fi // (32 WK), warp (fi // 32) % WK, lane fi % 32
@@ -366,7 +368,10 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
             bl = b0 + (fi % 32) % SB
         else:
             bl = b0 + 4 * (((fi % 32) // 4 % (SB // (4 * WK))) * WK + (fi // 32) % WK) + fi % 4
-        am = absmax_of(am_ptr, am2_ptr, code2_ptr, off, row_a + bl, bl < b_end, NESTED,
+        b_off = off
+        if NESTED and OFFS:  # each nested block's own offset
+            b_off = tl.load(off_ptr + (row_a + bl) // BS2, mask=bl < b_end, other=0.0)
+        am = absmax_of(am_ptr, am2_ptr, code2_ptr, b_off, row_a + bl, bl < b_end, NESTED,
                        BS2).to(tl.int32, bitcast=True)  # fmt: skip
         for s in tl.static_range(SB // (4 * WK)):
             wi = b0 * 8 + s * 32 * WK + zero + c  # zero: 4-byte alignment, one word a thread
@@ -407,7 +412,7 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
                 cnt_ptr, M, N, NBLK, KH, blk_per, n_slices, zero,
                 BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_M: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
-                BF16: tl.constexpr):  # fmt: skip
+                BF16: tl.constexpr, OFFS: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for 9 to 64 rows on tensor cores, the codes read once: a program
     # owns BLOCK_N features and all M rows (M <= BLOCK_M, a power of two >= 16) and walks its
     # share of K in steps of NB blocks of 64 codes. A step loads the features' bytes of codes
@@ -421,6 +426,7 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
     # BLOCK_M), so that 16 rows fill an instruction. K is cut into shares as in the gemvs
     # (`_finish`, fp32 partials added in a fixed order). KH: bytes of codes a feature (x's rows
     # are KH int32 words apart: x is contiguous). `zero` (0 at run time): the lane table's seed.
+    # OFFS: one offset per nested block (siblings joined), as in qm_gemv_lines.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HB: tl.constexpr = 32  # bytes of a 64-block
@@ -434,7 +440,7 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
     b_first = pid_k * blk_per
     b_end = tl.minimum(b_first + blk_per, NBLK)
     off = 0.0
-    if NESTED:
+    if NESTED and not OFFS:
         off = tl.load(off_ptr)
     tab = zero
     if LUT == 1:  # code value (lane & 15) in each thread (fp32 bits), for the shuffles
@@ -445,8 +451,12 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
         j_ok = b0 + rj // HB < b_end  # by whole blocks (a mask constant over 16 bytes)
         q = tl.load(q_ptr + rn_c[:, None] * KH + b0 * HB + rj[None, :], mask=j_ok[None, :],
                     other=0).to(tl.int32)  # fmt: skip
-        a = absmax_of(am_ptr, am2_ptr, code2_ptr, off, rn_c[:, None] * NBLK + b0 + rb[None, :],
-                      (b0 + rb < b_end)[None, :], NESTED, BS2)  # fmt: skip
+        blk = rn_c[:, None] * NBLK + b0 + rb[None, :]
+        b_ok = (b0 + rb < b_end)[None, :]
+        b_off = off
+        if NESTED and OFFS:  # each nested block's own offset
+            b_off = tl.load(off_ptr + blk // BS2, mask=b_ok, other=0.0)
+        a = absmax_of(am_ptr, am2_ptr, code2_ptr, b_off, blk, b_ok, NESTED, BS2)
         a = a[:, :, None]  # (BLOCK_N, NB, 1): one absmax a block
         hi = tl.reshape(_code_value(tab, lut_ptr, q, 4, LUT), (BLOCK_N, NB, HB))
         lo = tl.reshape(_code_value(tab, lut_ptr, q, 0, LUT), (BLOCK_N, NB, HB))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -32,6 +32,7 @@ from .kernel4 import (
     dequantize_weight,
     dequantize_weight_applies,
     gemv_applies,
+    joined_codes_on,
     matmul_4bit_dequant,
     matmul_4bit_gemv,
     matmul_4bit_mma,
@@ -172,6 +173,9 @@ def _classes() -> dict[str, type]:
         held_run: HeldRun | None = None
         """Its siblings' held weights as one (`fuse_held_siblings`), or None."""
         held_index = 0
+        codes_run: CodesRun | None = None
+        """Its siblings' codes as one (`join_sibling_codes`), or None."""
+        codes_index = 0
 
         def reset_parameters(self) -> None:  # the weight comes from quantize_into
             pass
@@ -194,6 +198,19 @@ def _classes() -> dict[str, type]:
             self.dense = w
             return w.numel() * w.element_size()
 
+        def _kernel_product(self, matmul: Callable, x: torch.Tensor, xc: torch.Tensor, qs: Any,
+                            grad: bool) -> torch.Tensor:  # fmt: skip
+            """x @ W^T by a kernel of quantmesh's (`matmul`, `xc`: x in the compute dtype): the
+            run's joined codes read once for its siblings where it has one
+            (`join_sibling_codes`), else this layer's own codes."""
+            run = self.codes_run
+            if run is None or grad or matmul not in _JOINED_KERNELS or not joined_codes_on():
+                return matmul(xc, self.weight.data, qs)
+            x2 = xc.reshape(-1, x.shape[-1])
+            y = run.output(self.codes_index, x, lambda: matmul(x2, run.codes, run.qs),
+                           lambda: matmul(x2, self.weight.data, qs))  # fmt: skip
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             qs = getattr(self.weight, "quant_state", None)
             if qs is None:
@@ -209,7 +226,10 @@ def _classes() -> dict[str, type]:
                 run = None if grad else self.held_run  # (a member reads the run's tensor, never
                 # its own view: a compiled block region refuses two inputs that alias)
                 if run is not None:
-                    y = run.output(self.held_index, x, x2)
+                    w = run.w
+                    o, n = run.out_at[self.held_index], run.outs[self.held_index]
+                    y = run.output(self.held_index, x, lambda: torch.nn.functional.linear(x2, w),
+                                   lambda: torch.nn.functional.linear(x2, w[o : o + n]))  # fmt: skip
                 else:
                     y = torch.nn.functional.linear(x2, dense)
                 if bias is not None:
@@ -222,7 +242,7 @@ def _classes() -> dict[str, type]:
                 return (y if bias is None else y + bias).to(x.dtype)
             for applies, matmul in _KERNELS:  # quantmesh's kernels (CUDA; see quant/kernel4.py)
                 if applies(x, qs, cd):
-                    y = matmul(x.to(cd), self.weight.data, qs)
+                    y = self._kernel_product(matmul, x, x.to(cd), qs, grad)
                     return (y if bias is None else y + bias).to(x.dtype)
             # (rows, in) @ (out, in)^T -> (rows, out); the kernel dequantizes blocks in `cd`. The
             # rows flattened first: a 3-D input whose strides do not fold (an attention output
@@ -558,13 +578,47 @@ def hold_dequantized(layers: Iterable[nn.Module], dtype: torch.dtype | None) -> 
 
 _KERNELS = (  # (applies, matmul) in the order QuantLinear4bit tries them
     (gemv_applies, matmul_4bit_gemv),  # decoding: 1 to 8 rows, codes read once
-    (mma_applies, matmul_4bit_mma),  # opt-in, 9 to 64 rows: codes read once, tensor cores
-    (rows_kernel_applies, matmul_4bit_rows),  # decoding: a few rows, codes read once
+    (mma_applies, matmul_4bit_mma),  # 9 to 64 rows: codes read once, tensor cores
+    (rows_kernel_applies, matmul_4bit_rows),  # opt-in: a few rows, codes read once
     (dequant_kernel_applies, matmul_4bit_dequant),  # many rows, training: Triton's dequantize
 )
+# the kernels that read a CodesRun's joined codes (an offset per nested block: kernel4._offsets)
+_JOINED_KERNELS = (matmul_4bit_gemv, matmul_4bit_mma)
 
 
-class HeldRun:
+class _SiblingRun:
+    """Sibling layers that read one tensor (q, k, v; gate, up) whose weights are one (sum of
+    outs, in) weight: the first sibling's forward multiplies it once (`joined`), and each sibling
+    takes its own columns of that output when it gets the very tensor the first one got
+    (otherwise `own`, its own product). `HeldRun` holds the weights dequantized; `CodesRun` joins
+    the 4-bit codes themselves."""
+
+    def __init__(self, outs: list[int]) -> None:
+        self.outs = outs
+        self.out_at = [sum(outs[:i]) for i in range(len(outs))]
+        self.n = len(outs)
+        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
+        self.out: torch.Tensor | None = None  # (rows, sum of outs)
+
+    def output(self, i: int, x: torch.Tensor, joined: Callable[[], torch.Tensor],
+               own: Callable[[], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """Sibling `i`'s (rows, out_i) without bias: its columns of `joined()` (the first
+        sibling's product, for all of them) when `x` (its input as it came) is the tensor the
+        first sibling got in this forward, else `own()`."""
+        o, n = self.out_at[i], self.outs[i]
+        if i == 0:
+            self.x = x
+            self.out = joined()
+        if self.x is x and self.out is not None:
+            y = self.out[:, o : o + n]
+        else:
+            y = own()
+        if i == self.n - 1:  # the last sibling: hold no tensor past this forward
+            self.x = self.out = None
+        return y
+
+
+class HeldRun(_SiblingRun):
     """Sibling 4-bit layers that read one tensor (q, k, v; gate, up), their held weights
     (`keep_dequantized`) one (sum of outs, in) tensor: the first sibling's forward multiplies it
     once, and each sibling takes its own columns of that output, when it gets the very tensor the
@@ -578,8 +632,7 @@ class HeldRun:
 
     def __init__(self, members: list[nn.Module]) -> None:
         ws = [cast(torch.Tensor, cast(Any, m).dense) for m in members]
-        self.outs = [int(w.shape[0]) for w in ws]
-        self.out_at = [sum(self.outs[:i]) for i in range(len(ws))]
+        super().__init__([int(w.shape[0]) for w in ws])
         self.w = torch.cat(ws)
         for i, m in enumerate(members):
             o = self.out_at[i]
@@ -589,25 +642,115 @@ class HeldRun:
             m.dense, m.held_run, m.held_index = view, self, i  # type: ignore[assignment]
         if self.w.is_cuda:
             torch._dynamo.mark_static_address(self.w, guard=False)
-        self.n = len(members)
-        self.x: torch.Tensor | None = None  # the input of this forward's first sibling
-        self.out: torch.Tensor | None = None  # (rows, sum of outs)
 
-    def output(self, i: int, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-        """Sibling `i`'s (rows, out_i) without bias: its columns of the first sibling's one
-        matmul when `x` (its input as it came) is the tensor the first sibling got in this
-        forward, else its own rows of the joined weight times `x2` (x as (rows, in))."""
-        o, n = self.out_at[i], self.outs[i]
-        if i == 0:
-            self.x = x
-            self.out = torch.nn.functional.linear(x2, self.w)
-        if self.x is x and self.out is not None:
-            y = self.out[:, o : o + n]
-        else:
-            y = torch.nn.functional.linear(x2, self.w[o : o + n])
-        if i == self.n - 1:  # the last sibling: hold no tensor past this forward
-            self.x = self.out = None
-        return y
+
+class CodesRun(_SiblingRun):
+    """Sibling 4-bit layers that read one tensor (q, k, v; gate, up), their packed codes and
+    statistics joined into one (sum of outs, in) weight: the gemv and the tensor-core kernel
+    (quant/kernel4.py) then read all of them in one launch, with more programs in flight than
+    each narrow weight gives. The members' codes and statistics become views of the joined
+    tensors, so no memory is added; each keeps its own QuantState (bitsandbytes' path, training
+    and saving read them as before). Under double quant each member keeps its own offset: the
+    joined state holds one per nested block (the kernels' OFFS), so every weight is the one
+    bitsandbytes dequantizes. Made by `join_sibling_codes`.
+
+    Example:
+        >>> run = CodesRun([q, k, v])  # doctest: +SKIP
+    """
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        F = _bnb().functional
+        qss = [cast(Any, m).weight.quant_state for m in members]
+        super().__init__([int(q.shape[0]) for q in qss])
+        first = qss[0]
+        codes = [cast(Any, m).weight.data for m in members]
+        self.codes = torch.cat([c.reshape(-1).view(torch.uint8) for c in codes])
+        absmax = torch.cat([q.absmax for q in qss])
+        state2, offset = None, first.offset
+        if first.nested:
+            nested = torch.cat([q.state2.absmax for q in qss])
+            offset = torch.cat([  # one offset per nested block, each member's own
+                torch.full_like(q.state2.absmax, float(q.offset), dtype=torch.float32)
+                for q in qss
+            ])  # fmt: skip
+            s2 = first.state2
+            state2 = F.QuantState(absmax=nested, code=s2.code, blocksize=s2.blocksize,
+                                  dtype=s2.dtype)  # fmt: skip
+        self.qs = F.QuantState(absmax=absmax, shape=torch.Size([sum(self.outs), first.shape[1]]),
+                               code=first.code, blocksize=first.blocksize,
+                               quant_type=first.quant_type, dtype=first.dtype, offset=offset,
+                               state2=state2)  # fmt: skip
+        at_c = at_a = at_n = 0  # where each member's codes, absmax and nested absmax begin
+        views: list[torch.Tensor] = []
+        for i, (m, q, c) in enumerate(zip(members, qss, codes, strict=True)):
+            n, k = c.numel() * c.element_size(), q.absmax.numel()
+            cast(Any, m).weight.data = self.codes[at_c : at_c + n].view(c.dtype).view(c.shape)
+            q.absmax = absmax[at_a : at_a + k]
+            views += [cast(Any, m).weight.data, q.absmax]
+            at_c, at_a = at_c + n, at_a + k
+            if state2 is not None:
+                k2 = q.state2.absmax.numel()
+                q.state2.absmax = state2.absmax[at_n : at_n + k2]
+                views.append(q.state2.absmax)
+                at_n += k2
+            m.codes_run, m.codes_index = self, i  # type: ignore[assignment]
+        if self.codes.is_cuda:  # read in place by CUDA graphs (the members' views too)
+            joined = [self.codes, absmax, *(() if state2 is None else (state2.absmax, offset))]
+            for t in joined + views:
+                torch._dynamo.mark_static_address(t, guard=False)
+
+
+def join_sibling_codes(runs: Iterable[list[nn.Module]]) -> int:
+    """Join the packed codes of each run of sibling 4-bit layers (`CodesRun`) where the gemv and
+    the tensor-core kernel can read them as one weight (when `kernel4.JOIN_ENABLED`, else none):
+    every member a 4-bit linear of
+    quantmesh's in no run yet, on one device, with one input width, quant type, compute dtype
+    and code table, blocks of 64 that rows fill whole, and under double quant nested blocks of
+    256 that no two members share. Returns the number of runs joined; a run that does not
+    qualify is left as it is (its members keep their own launches).
+
+    Example:
+        >>> join_sibling_codes([[q, k, v], [gate, up]])  # doctest: +SKIP
+        2
+    """
+    runs = [run for run in runs if len(run) >= 2]
+    if not runs or not joined_codes_on():  # (nothing to join: bitsandbytes stays unimported)
+        return 0
+    cls = _classes()["QuantLinear4bit"]
+    joined = 0
+    for run in runs:
+        if all(isinstance(m, cls) for m in run) and _joinable(run):
+            CodesRun(list(run))
+            joined += 1
+    return joined
+
+
+def _joinable(run: list[nn.Module]) -> bool:
+    """Whether `CodesRun` can join the codes of `run` (see `join_sibling_codes`)."""
+    qss: list[Any] = [getattr(cast(Any, m).weight, "quant_state", None) for m in run]
+    if any(q is None or getattr(m, "codes_run", None) is not None
+           for m, q in zip(run, qss, strict=True)):  # fmt: skip
+        return False
+    first = qss[0]
+    codes = [cast(Any, m).weight.data for m in run]
+    same = {(c.device, c.dtype, int(q.shape[1]), q.quant_type, q.dtype, q.nested,
+             int(q.blocksize)) for c, q in zip(codes, qss, strict=True)}  # fmt: skip
+    if len(same) > 1 or int(first.blocksize) != 64 or int(first.shape[1]) % 64:
+        return False
+    if sum(int(q.shape[0]) for q in qss) * int(first.shape[1]) >= 2**31 - 1:
+        return False  # (the kernels index the flat weight in int32)
+    if not all(c.is_contiguous() and torch.equal(q.code, first.code)
+               for c, q in zip(codes, qss, strict=True)):  # fmt: skip
+        return False
+    if first.nested:
+        s2 = first.state2
+        return all(
+            int(q.state2.blocksize) == 256
+            and q.absmax.numel() % 256 == 0
+            and torch.equal(q.state2.code, s2.code)
+            for q in qss
+        )
+    return True
 
 
 def fuse_held_siblings(runs: Iterable[list[nn.Module]]) -> int:

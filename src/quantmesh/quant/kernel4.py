@@ -81,6 +81,7 @@ __all__ = [
     "GEMV_ENABLED",
     "GEMV_MAX_ROWS",
     "GEMV_WARPS",
+    "JOIN_ENABLED",
     "MAX_ROWS",
     "MMA_ENABLED",
     "MMA_MAX_ROWS",
@@ -92,6 +93,7 @@ __all__ = [
     "dequantize_weight_applies",
     "gemv_applies",
     "gemv_config",
+    "joined_codes_on",
     "launch_gemv",
     "launch_mma",
     "matmul_4bit_dequant",
@@ -186,11 +188,20 @@ MMA_ROW_TILES: dict[int, dict[str, Any]] = {
     64: dict(MMA_TILE, BLOCK_N=128, BLK=16),
 }
 MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many programs
+# Sibling 4-bit layers that read one tensor (q, k, v; gate, up) read as one weight by the gemv
+# and the tensor-core kernel (`quant.bnb.join_sibling_codes`: their codes joined in place, no
+# memory added; fast_decode's first prefill and the server's slot engine find the runs): one
+# launch a run, and more programs in flight than each narrow weight gives. Opt-in
+# (QUANTMESH_JOIN_CODES=1) until a GPU times it against separate launches.
+JOIN_ENABLED = env_switch("QUANTMESH_JOIN_CODES", default=False)
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
 # check below costs nothing inside a compiled step
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+# the devices whose inputs the kernels take (Triton's interpreter runs them on CPU: the tests
+# that check the layers' wiring there add "cpu")
+KERNEL_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def _triton() -> Any:
@@ -199,6 +210,17 @@ def _triton() -> Any:
     import triton.language as tl
 
     return triton, tl
+
+
+def joined_codes_on() -> bool:
+    """Whether sibling layers' joined codes (`quant.bnb.CodesRun`) are read as one weight:
+    `JOIN_ENABLED`, read at call time (a compiled step is guarded on it).
+
+    Example:
+        >>> joined_codes_on() in (True, False)
+        True
+    """
+    return JOIN_ENABLED
 
 
 def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
@@ -220,7 +242,11 @@ def _rows_kernels_take(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype,
     Triton, no autograd recording unless `autograd`, bf16/fp16 compute, nf4/fp4 codes indexed in
     int32, nested statistics in blocks of 256), else 0. The row kernel and the dequantize each
     add their own bounds."""
-    if x.device.type != "cuda" or (torch.is_grad_enabled() and not autograd) or not _HAS_TRITON:
+    if (
+        x.device.type not in KERNEL_DEVICES
+        or (torch.is_grad_enabled() and not autograd)
+        or not _HAS_TRITON
+    ):
         return 0
     if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
         return 0
@@ -485,7 +511,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         _code_values(quant_type, x.device), y, part, cnt,
         *m, out_f, nblk, in_f // 8, per, slices, *zero,
         BS2=256, NESTED=nested_absmax is not None, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
-        LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra,
+        LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra, **_offsets(offset),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
     if keep is not None:
@@ -594,7 +620,7 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         BS2=256, NESTED=nested_absmax is not None, BLOCK_N=bn, BLOCK_M=bm, NB=nb,
         NS=triton.next_power_of_2(grid[1]), LUT=cfg.get("LUT", 0),
         BF16=x.dtype == torch.bfloat16, num_warps=cfg.get("num_warps", 4),
-        num_stages=cfg.get("num_stages", 3),
+        num_stages=cfg.get("num_stages", 3), **_offsets(offset),
     )  # fmt: skip
     if keep is not None:
         keep.append(compiled)
@@ -624,6 +650,12 @@ def _outputs(x: torch.Tensor, rows: int, out_f: int,
         return y, y, y
     part = torch.empty((grid[1], rows, out_f), dtype=torch.float32, device=x.device)
     return y, part, _counters(grid[0], x.device)
+
+
+def _offsets(offset: torch.Tensor | None) -> dict[str, bool]:
+    """The gemv's and the tensor-core kernel's OFFS: an offset per nested block (sibling weights
+    joined, `quant.bnb.CodesRun`) rather than one value; the default keeps their compiled form."""
+    return {"OFFS": True} if offset is not None and offset.numel() > 1 else {}
 
 
 def _kernel_statistics(absmax: torch.Tensor, nested_absmax: torch.Tensor | None,

@@ -46,7 +46,7 @@ from torch import nn
 from ..blocks.compile import mark_block_regions, unmark_block_regions
 from ..config import CUDA_GRAPHS
 from ..infer.decode import CACHE_STEP, _static_statistics
-from ..quant.bnb import fuse_held_siblings
+from ..quant.bnb import fuse_held_siblings, join_sibling_codes
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
 from .host import upload
@@ -473,6 +473,9 @@ class SlotBatch(Batch):
                     # ... and which held 4-bit weights: each run's joined into one (a no-op
                     # without `keep_dequantized`)
                     fuse_held_siblings([[m.local for m in run] for run in self.bank.runs])
+                    # ... and their codes, read as one weight by the kernels (a no-op unless
+                    # kernel4.JOIN_ENABLED)
+                    join_sibling_codes([[m.local for m in run] for run in self.bank.runs])
                 else:
                     forward()
             layers: list[Any] = list(cache.layers)
