@@ -51,7 +51,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "src"))  # this tree's k
 import qmbench as qb  # noqa: E402
 from nf4_rows_bench import torchao_int4  # noqa: E402
 
-SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in)
+# (out, in): the 7B shapes, then q/k/v and gate/up joined (kernel4.JOIN_ENABLED: --shapes 3,4)
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (3 * 4096, 4096), (2 * 11008, 4096)]
 CALLS, REPLAYS, COPIES = 16, 50, 8
 TOL = 1e-2  # relative error of the norms against the bf16 reference
 # Tiles (`kernel4.gemv_config`'s keys), the likeliest first (a budget cut keeps them). KERNEL
