@@ -204,7 +204,13 @@ def _classes() -> dict[str, type]:
             run's joined codes read once for its siblings where it has one
             (`join_sibling_codes`), else this layer's own codes."""
             run = self.codes_run
-            if run is None or grad or matmul not in _JOINED_KERNELS or not joined_codes_on():
+            if (
+                run is None
+                or grad
+                or matmul not in _JOINED_KERNELS
+                or not joined_codes_on()
+                or run.codes.device != x.device
+            ):  # (a model moved since: its own codes)
                 return matmul(xc, self.weight.data, qs)
             x2 = xc.reshape(-1, x.shape[-1])
             y = run.output(self.codes_index, x, lambda: matmul(x2, run.codes, run.qs),
