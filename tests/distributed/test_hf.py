@@ -217,3 +217,51 @@ def test_refuses_missing_folders_and_false_quantization_configs(tmp_path, dirs):
     (q / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(qm.QuantError, match="holds a checkpoint quantized by awq"):
         qm.from_pretrained(q, mesh=None)
+
+
+def _quantized_where(rank: int, folder: str) -> dict:
+    """Which linears quantmesh quantizes in T5 (whose `wo` transformers keeps in float32) at
+    tp=2, and the warnings it gave."""
+    import warnings
+
+    from transformers import T5ForConditionalGeneration
+
+    import quantmesh as qm
+
+    mesh = qm.init_mesh(tp=2)
+    model = T5ForConditionalGeneration.from_pretrained(folder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qm.parallelize(model, mesh, quant="nf4")
+        named = qm.QuantConfig(targets=["wo"])  # named targets: quantized as named
+        other = qm.parallelize(T5ForConditionalGeneration.from_pretrained(folder), mesh,
+                               quant=named)  # fmt: skip
+
+    def four_bit(m) -> set[str]:
+        return {n for n, mod in m.named_modules()  # (a sharded layer holds its own in `local`)
+                if type(mod.__dict__.get("local", mod)).__name__ == "QuantLinear4bit"}  # fmt: skip
+
+    return {"quantized": four_bit(model), "named": four_bit(other),
+            "warned": [str(w.message) for w in caught if "_keep_in_fp32_modules" in str(w.message)]}  # fmt: skip
+
+
+def test_nf4_leaves_the_modules_transformers_keeps_in_float_as_its_bitsandbytes_does(tmp_path):
+    """T5 keeps its feed-forward `wo` in float32 (`_keep_in_fp32_modules`), and transformers'
+    bitsandbytes integration leaves those linears unquantized: quantmesh's nf4 quantizes the very
+    layers transformers' does (no more), says which it left and why, and quantizes them when
+    `targets` names them."""
+    from transformers import BitsAndBytesConfig, T5ForConditionalGeneration
+
+    from tests.zoo import ZOO
+
+    ZOO["t5"].build(0).save_pretrained(tmp_path / "t5")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    ref = T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", quantization_config=bnb,
+                                                     device_map="cpu")  # fmt: skip
+    want = {n for n, m in ref.named_modules() if type(m).__name__ == "Linear4bit"}
+    wo = {n for n, _ in ref.named_modules() if n.endswith(".wo")}
+    assert wo and not wo & want  # transformers' own: T5's wo left in float
+    for got in run_ranks(_quantized_where, 2, str(tmp_path / "t5"), timeout=240):
+        assert got["quantized"] == want, sorted(got["quantized"] ^ want)
+        assert got["named"] == wo, sorted(got["named"] ^ wo)
+        assert len(got["warned"]) == 1 and "wo" in got["warned"][0], got["warned"]

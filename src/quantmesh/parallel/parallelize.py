@@ -8,6 +8,7 @@ gradient sync over dp.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
 from collections.abc import Iterator
@@ -158,6 +159,8 @@ def _parallelize(
     if plan is None:
         plan = auto_plan(model, mesh.tp)
     qcfg = resolve_quant(quant)
+    if qcfg is not None:  # the modules the model keeps in float stay unquantized (transformers')
+        qcfg = qcfg.for_model(model)
     if lora is not None and not isinstance(lora, LoraConfig):
         raise LoraError(f"lora={lora!r}; pass qm.LoraConfig(r=..., targets=[...]) or None")
     cut = None
@@ -187,6 +190,8 @@ def _parallelize(
     if fsdp and hasattr(fmt, "shards"):  # torchao nf4: block-scale groups within dp shards
         setattr(fmt, "shards", mesh.dp)  # noqa: B010 - only that format has the attribute
     wrap = _wrap_plan(model, resolved, qcfg, fmt, lora)
+    if qcfg is not None:
+        _say_kept_float(model, qcfg)
     if fsdp and (why := fsdp_blocked_by(model)) is not None:
         raise FsdpError(f"fsdp=True with {why} (fsdp=False)")
 
@@ -346,6 +351,26 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _is_leaf_with_weight(m: nn.Module) -> bool:
     return getattr(m, "weight", None) is not None and not list(m.children())
+
+
+def _say_kept_float(model: nn.Module, qcfg: QuantConfig) -> None:
+    """Warn, naming them, of the linear layers left unquantized because the model keeps them in
+    float32 (`QuantConfig.kept_float`), as transformers' bitsandbytes integration leaves them."""
+    user = dataclasses.replace(qcfg, kept_float=[])  # the skips the user asked for
+    kept = [
+        fqn for fqn, m in model.named_modules()
+        if fqn and qcfg.model_keeps_float(fqn) and not user.skips(fqn) and qcfg.selects(fqn)
+        and (k := kind_of(m)) is not None and k.linear_like
+    ]  # fmt: skip
+    if kept:
+        warnings.warn(
+            f"quantmesh: {len(kept)} linear layer(s) stay unquantized because the model keeps "
+            f"them in float32 ({type(model).__name__}._keep_in_fp32_modules = "
+            f"{qcfg.kept_float}), as transformers' bitsandbytes integration leaves them: "
+            f"{', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}; name them in "
+            "QuantConfig(targets=...) to quantize them anyway",
+            stacklevel=4,
+        )
 
 
 def _wrap_plan(

@@ -377,6 +377,8 @@ def estimate_memory(
         plan = Plan(plan)
     resolved = (plan or auto_plan(model, tp)).resolve(model, tp)
     qcfg = resolve_quant(quant)
+    if qcfg is not None:  # as parallelize reads it: the model's own float modules stay float
+        qcfg = qcfg.for_model(model)
     fmt = get_format(qcfg) if qcfg is not None else None
     if keep_dequantized:
         check_keep_dequantized(

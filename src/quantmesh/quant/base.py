@@ -7,7 +7,9 @@ it this rank's float shard (already sliced, already on the target device) to qua
 from __future__ import annotations
 
 import abc
+import dataclasses
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +48,11 @@ class QuantConfig:
     """Modules to quantize (FQNs, globs or bare names); None = every linear layer not skipped. A
     target that is not a linear layer is an error (only linears have quantized forms)."""
 
+    kept_float: list[str] = field(default_factory=list, repr=False)
+    """Patterns of modules the model itself keeps in float (transformers'
+    `_keep_in_fp32_modules`), set by `for_model`: skipped as transformers' bitsandbytes
+    integration skips them (`keeps_float`), unless `targets` names modules explicitly."""
+
     def __post_init__(self) -> None:
         check_quant(self.format, self.backend)
         if self.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
@@ -62,9 +69,47 @@ class QuantConfig:
         return any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.targets)
 
     def skips(self, fqn: str) -> bool:
-        """True when `fqn` matches one of `skip` (glob on the FQN, or a bare module name)."""
+        """True when `fqn` matches one of `skip` (glob on the FQN, or a bare module name), or,
+        with no `targets`, one of `kept_float` (the model's own float modules)."""
         last = fqn.rsplit(".", 1)[-1]
-        return any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.skip)
+        if any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.skip):
+            return True
+        return self.model_keeps_float(fqn)
+
+    def model_keeps_float(self, fqn: str) -> bool:
+        """True when `fqn` is one of the model's own float modules (`kept_float`) and no
+        `targets` are given (named targets are quantized as named)."""
+        return self.targets is None and keeps_float(fqn, self.kept_float)
+
+    def for_model(self, model: nn.Module) -> QuantConfig:
+        """This config with `kept_float` set to the modules `model` keeps in float32
+        (transformers' `_keep_in_fp32_modules`: T5's `wo`, DeepSeek-V3.2's
+        `indexer.weights_proj`), which transformers' bitsandbytes integration leaves
+        unquantized; quantmesh leaves them so too, so that its nf4 model is transformers'.
+
+        Example:
+            >>> class M(nn.Module):
+            ...     _keep_in_fp32_modules = ["indexer.weights_proj"]
+            >>> QuantConfig().for_model(M()).skips("model.layers.0.attn.indexer.weights_proj")
+            True
+        """
+        keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+        return dataclasses.replace(self, kept_float=sorted(str(k) for k in keep))
+
+
+def keeps_float(fqn: str, patterns: list[str]) -> bool:
+    """Whether `fqn` matches one of `patterns` as transformers matches the modules its quantizers
+    leave alone: from the start up to a module boundary, as a regex with that boundary, or as a
+    suffix.
+
+    Example:
+        >>> keeps_float("encoder.block.0.layer.1.DenseReluDense.wo", ["wo"])
+        True
+        >>> keeps_float("model.layers.0.mlp.gate_proj", ["mlp.gate"])
+        False
+    """
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", fqn) or fqn.endswith(p) for p in patterns)
 
 
 def resolve_quant(quant: str | QuantConfig | None) -> QuantConfig | None:
