@@ -47,11 +47,16 @@
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
 #            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
 #            the tensor-core kernel run in the test and decode stages.)
+#   join     the sibling layers' codes read as one weight (QUANTMESH_JOIN_CODES, opt-in): qm.fast_decode
+#            on the same shape at batch 1 without and with it, in one process, profiled
+#            (bench_decode.py --join --profile), then nf4_gemv_bench.py on the joined q/k/v and
+#            gate/up shapes against their members (1, 4, 16 and 32 rows, the library's tiles),
+#            then the trained model's CUDA decode test (which decodes it joined too)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train or b32}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32 or join}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -107,6 +112,16 @@ case "$STAGE" in
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_gemv.txt" 2>&1
     grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Executed Instructions  |Issued Ipc|Stall Long|Stall Short|Stall Wait|Stall MIO|Stall LG|No Eligible" "$OUT/ncu_gemv.txt" | head -60 ;;
   rows) rows_stage "gemv_lines_rows" 240 "2,4,8,16" 260 ;;
+  join)
+    say "decode, 7B nf4 + LoRA, batch 1: separate launches, then the siblings' codes joined (profiled)"
+    timeout 270 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile --join --no-peer \
+      --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4
+    say "one linear: the 7B shapes and the joined ones"
+    timeout 170 python3 benchmarks/nf4_gemv_bench.py --rows 1,4,16,32 --shapes 0,3,1,4 --budget-s 140 \
+      --tiles '[{"KERNEL": "lines", "BLOCK_N": 2, "SB": 32, "LUT": 1, "num_warps": 1, "num_stages": 1}]' \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -30
+    say "the trained model's CUDA decode test"
+    timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
