@@ -190,14 +190,22 @@ def _rows() -> list[dict]:
     return out
 
 
+def _interpreter_tiles() -> None:
+    """The library's tiles as the interpreter runs them: code values loaded (no shuffles), and
+    the gemv's with fewer programs (the interpreter runs each in turn)."""
+    from quantmesh.quant import kernel4 as k4
+
+    for tile in (*k4.GEMV_ROW_TILES.values(), *k4.MMA_ROW_TILES.values()):
+        tile["LUT"] = 0
+    for tile in k4.GEMV_ROW_TILES.values():
+        tile["BLOCK_N"] = 16
+
+
 def _tp_shards() -> list[dict]:
     from quantmesh.quant import kernel4 as k4
     from quantmesh.quant.prequant import slice_4bit
 
-    for tile in (*k4.GEMV_ROW_TILES.values(), *k4.MMA_ROW_TILES.values()):
-        tile["LUT"] = 0  # the library's tiles, their code values loaded
-    for tile in k4.GEMV_ROW_TILES.values():
-        tile["BLOCK_N"] = 16  # (fewer programs: the interpreter runs each in turn)
+    _interpreter_tiles()
     out = []
     g = torch.Generator().manual_seed(4)
     for nested in (True, False):
@@ -221,10 +229,7 @@ def _joined() -> list[dict]:
     from quantmesh.quant import kernel4 as k4
     from quantmesh.quant.bnb import CodesRun, _joinable
 
-    for tile in (*k4.GEMV_ROW_TILES.values(), *k4.MMA_ROW_TILES.values()):
-        tile["LUT"] = 0  # the library's tiles, their code values loaded
-    for tile in k4.GEMV_ROW_TILES.values():
-        tile["BLOCK_N"] = 16  # (fewer programs: the interpreter runs each in turn)
+    _interpreter_tiles()
     out = []
     g = torch.Generator().manual_seed(6)
     # nested: each member a whole number of nested blocks (256 blocks of 64); not: any rows
