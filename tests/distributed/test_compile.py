@@ -582,6 +582,65 @@ def test_stacked_sibling_adapters_decode_like_separate_ones():
             assert torch.equal(r[k], r["row_plain"]), k
 
 
+def _joined(rank: int) -> dict:
+    """nf4 + LoRA at tp=2: the model's outputs, LoRA gradients, full state and decoded tokens
+    before and after fast_decode joined its sibling layers' codes (kernel4.JOIN_ENABLED): the
+    join changes where the codes live (views of one tensor per run), nothing else."""
+    import quantmesh as qm
+    from quantmesh.quant import kernel4 as k4
+    from tests.models import nonzero_lora_b_
+
+    mesh = qm.init_mesh(tp=2)
+    model = qm.parallelize(_llama(), mesh, quant="nf4", lora=qm.LoraConfig(r=4, alpha=8))
+    nonzero_lora_b_(model, std=0.5)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def facts() -> dict:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.eval()
+        return {"logits": out.logits.detach(), "grads": grads, "state": qm.full_state_dict(model),
+                "tokens": qm.greedy_decode(model, ids, 12, compile=False)}  # fmt: skip
+
+    before = facts()
+    saved = k4.JOIN_ENABLED
+    try:
+        k4.JOIN_ENABLED = True
+        joined_tokens = qm.greedy_decode(model, ids, 12, compile=False)  # the prefill joins
+        locals_ = [m.__dict__.get("local", m) for m in model.modules()]
+        runs = {id(r): r for m in locals_ if (r := getattr(m, "codes_run", None)) is not None}
+        views = all(
+            m.weight.data.untyped_storage().data_ptr() == m.codes_run.codes.untyped_storage().data_ptr()
+            for m in locals_ if getattr(m, "codes_run", None) is not None
+        )  # fmt: skip
+        after = facts()
+    finally:
+        k4.JOIN_ENABLED = saved
+    same = {k: torch.equal(before[k], after[k]) for k in ("logits", "tokens")}
+    same["grads"] = before["grads"].keys() == after["grads"].keys() and all(
+        torch.equal(before["grads"][n], after["grads"][n]) for n in before["grads"]
+    )
+    if rank == 0:  # (full_state_dict gathers to rank 0)
+        same["state"] = before["state"].keys() == after["state"].keys() and all(
+            torch.equal(before["state"][k], after["state"][k]) for k in before["state"]
+        )
+    members = sorted(len(r.outs) for r in runs.values())
+    return {"same": same, "runs": members, "views": views,
+            "joined_tokens": torch.equal(joined_tokens, before["tokens"])}  # fmt: skip
+
+
+def test_joined_sibling_codes_change_nothing_but_where_the_codes_live():
+    for r in _results("joined"):
+        # gate/up of each of 2 blocks; the q/k/v shards (128 and 64 blocks of 64) do not hold
+        # whole nested blocks of 256, so they stay apart (their statistics could not be joined)
+        assert r["runs"] == [2, 2], r
+        assert r["views"] and r["joined_tokens"], r
+        assert all(r["same"].values()), r["same"]
+
+
 def _dropout_warning(rank: int) -> list[str]:
     import warnings
 
@@ -615,6 +674,7 @@ CASES = {  # name -> (rank function, its arguments after rank)
     ("padded",): (_padded, ()),
     ("repeat",): (_repeat, ()),
     ("stacked",): (_stacked, ()),
+    ("joined",): (_joined, ()),
     ("dropout",): (_dropout_warning, ()),
 }
 
