@@ -11,6 +11,9 @@ Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (rea
 - sibling weights joined into one (`quant.bnb.CodesRun`: each member's own offset under double
   quant, one per nested block): the gemv and the tensor-core kernel on the joined codes give
   each member's own product, and the members' views dequantize to their weights as before;
+- `fast_decode` of a small fp16 Llama (nf4 + LoRA) whose 4-bit linears take the gemv: with the
+  sibling codes joined, compiled (aot_eager, the block region), the tokens of the eager loop
+  without the join, in fewer launches a step;
 - the dequantize + matmul under autograd (training): forward and backward bit for bit as the
   same `linear` and `matmul` on bitsandbytes' weight, keeping only the codes for backward, eager
   and compiled.
@@ -37,7 +40,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "train")
+FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "decode", "train")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -317,6 +320,55 @@ def _joined_layers() -> list[dict]:
     return [{"case": repr(case), "ok": bool(ok)}]
 
 
+def _decode() -> list[dict]:
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import quantmesh as qm
+    from quantmesh.quant import kernel4 as k4
+    from tests.models import nonzero_lora_b_
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
+    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
+    _interpreter_tiles()
+    mesh = qm.init_mesh()
+    # every projection a whole number of nested blocks (256 blocks of 64): q/k/v and gate/up join
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                      max_position_embeddings=64, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float16)
+    quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
+    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
+    nonzero_lora_b_(model, std=0.2).eval()
+    launches = [0]
+    real = k4._gemv_op
+
+    def counted(*args, **kw):
+        launches[0] += 1
+        return real(*args, **kw)
+
+    k4._gemv_op = counted  # (matmul_4bit_gemv looks it up at call time)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    new = 3
+    runs = {}
+    try:
+        for name, join, kw in (("plain", False, {"compile": False}),
+                               ("joined_compiled", True, {"mode": None})):  # fmt: skip
+            k4.JOIN_ENABLED = join
+            launches[0] = 0
+            runs[name] = (qm.fast_decode(model, ids, new, **kw)[0].tolist(), launches[0])
+    finally:
+        dist.destroy_process_group()
+    (plain, n_plain), (comp, n_comp) = runs["plain"], runs["joined_compiled"]
+    # every forward (the prefill's 6 rows too) launches 7 gemvs a layer alone, 4 joined; the
+    # prefill joins the runs at its end, so only the steps after it read them joined
+    ok = comp == plain and n_plain == 7 * new and n_comp == 7 + 4 * (new - 1)
+    return [{"case": repr(("decode", runs)), "ok": bool(ok)}]
+
+
 def _train() -> list[dict]:
     from quantmesh.quant import kernel4 as k4
 
@@ -360,5 +412,6 @@ def main(family: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are wrapped at import)")
     cases = {"gemv": _gemv, "mma": _mma, "dequant": _dequant, "rows": _rows,
-             "tp_shards": _tp_shards, "joined": _joined, "train": _train}[family]()  # fmt: skip
+             "tp_shards": _tp_shards, "joined": _joined, "decode": _decode,
+             "train": _train}[family]()  # fmt: skip
     print(json.dumps(cases))
