@@ -692,7 +692,7 @@ class CodesRun(_SiblingRun):
             n, k = c.numel() * c.element_size(), q.absmax.numel()
             cast(Any, m).weight.data = self.codes[at_c : at_c + n].view(c.dtype).view(c.shape)
             q.absmax = absmax[at_a : at_a + k]
-            views += [cast(Any, m).weight.data, q.absmax]
+            views.append(q.absmax)  # (the codes are a parameter's: static already)
             at_c, at_a = at_c + n, at_a + k
             if state2 is not None:
                 k2 = q.state2.absmax.numel()
