@@ -218,6 +218,12 @@ def flag_phase(model, a, ids, dev, R: dict, out_path: str, g: list[int], name: s
         before = getattr(module, flag)
         setattr(module, flag, value)
         try:
+            # a flag may change the model at a loop's first prefill (JOIN_ENABLED joins the
+            # siblings' codes; its prefill's kernels then compile for the joined shapes): one
+            # prefill first, so that the warm-up and the timed run start from the same model
+            import quantmesh as qm
+
+            qm.fast_decode(model, ids, 1)  # (one token: no step, nothing compiled)
             v = phase(model, a, ids, dev, R, name, qm={})
             if a.profile and dev.type == "cuda":
                 R[name.replace("qm_greedy", "qm_profile")] = profile_decode(model, ids, a)

@@ -240,7 +240,9 @@ def _trained(rank: int) -> dict:
     finally:
         k4.JOIN_ENABLED = saved
     out.pop("ids4")
-    out["runs"] = sum(getattr(m, "codes_run", None) is not None for m in model.modules())
+    out["runs"] = sum(  # (a sharded layer holds its own linear in `local`)
+        getattr(m.__dict__.get("local", m), "codes_run", None) is not None for m in model.modules()
+    )
     return out
 
 
@@ -263,7 +265,8 @@ def test_compiled_decode_gives_a_trained_models_tokens():
         assert follows > 0.9, (n, follows)
         assert (out[f"batch{n}"] == out[f"batch{n}_bnb"]).all(), (n, out[f"batch{n}"],
                                                                    out[f"batch{n}_bnb"])  # fmt: skip
-    # the joined codes: 4 blocks x (q, k, v; gate, up) layers in runs, the same tokens
-    assert out["runs"] == 4 * 5, out["runs"]
+    # the joined codes: 4 blocks x q, k, v in runs (gate and up, 88 x 256, hold 352 blocks of
+    # 64: not whole nested blocks of 256, so they stay apart), the same tokens
+    assert out["runs"] == 4 * 3, out["runs"]
     assert (out["joined"] == out["eager"]).all(), (out["joined"], out["eager"])
     assert (out["batch16_joined"] == out["batch16_bnb"]).all(), out["batch16_joined"]

@@ -462,7 +462,8 @@ def test_training_takes_the_triton_dequantize_with_bitsandbytes_values():
     m = fmt.new_linear(4096, 1000, bias=False, device="cuda", dtype=torch.bfloat16)
     fmt.quantize_into(m, torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
     g = torch.Generator(device="cuda").manual_seed(3)
-    before = k4.DEQUANT_ENABLED
+    before = (k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING)
+    k4.DEQUANT_TRAINING = False  # (the training switch alone would take it for the reference)
     try:
         for rows in (2048, 64):
             x0 = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -492,7 +493,7 @@ def test_training_takes_the_triton_dequantize_with_bitsandbytes_values():
             for got, want in zip(runs["compiled"], runs["ours"], strict=True):
                 assert torch.equal(got, want), rows
     finally:
-        k4.DEQUANT_ENABLED = before
+        k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING = before
 
 
 def test_whole_weights_take_the_triton_dequantize_with_bitsandbytes_values():
@@ -505,7 +506,8 @@ def test_whole_weights_take_the_triton_dequantize_with_bitsandbytes_values():
     from quantmesh.quant.base import QuantConfig
     from quantmesh.quant.bnb import bnb_format
 
-    before = k4.DEQUANT_ENABLED
+    before = (k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING)
+    k4.DEQUANT_TRAINING = False  # (the training switch alone: only under autograd, not here)
     try:
         for double_quant, dtype in ((True, torch.bfloat16), (False, torch.float32)):
             fmt = bnb_format(QuantConfig(format="nf4", double_quant=double_quant))
@@ -523,7 +525,7 @@ def test_whole_weights_take_the_triton_dequantize_with_bitsandbytes_values():
                 assert a.dtype == qs.dtype and torch.equal(a, b), (double_quant, dtype)
             assert torch.equal(got[True][2], got[True][0])
     finally:
-        k4.DEQUANT_ENABLED = before
+        k4.DEQUANT_ENABLED, k4.DEQUANT_TRAINING = before
 
 
 def test_quant_linear_takes_the_gemv_when_enabled_and_compiles():
