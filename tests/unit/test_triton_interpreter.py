@@ -204,6 +204,22 @@ def _interpreter_tiles() -> None:
         tile["BLOCK_N"] = 16
 
 
+def _count_gemv_launches() -> list[int]:
+    """A one-item list counting the gemv's launches from here on (its op wrapped in this
+    process: matmul_4bit_gemv looks it up at call time)."""
+    from quantmesh.quant import kernel4 as k4
+
+    launches = [0]
+    real = k4._gemv_op
+
+    def counted(*args, **kw):
+        launches[0] += 1
+        return real(*args, **kw)
+
+    k4._gemv_op = counted
+    return launches
+
+
 def _tp_shards() -> list[dict]:
     from quantmesh.quant import kernel4 as k4
     from quantmesh.quant.prequant import slice_4bit
@@ -289,14 +305,7 @@ def _joined_layers() -> list[dict]:
         fmt.quantize_into(m, torch.randn(o, 512, generator=g) * 0.02 * 4**i)
         m.compute_dtype = torch.float16
         layers.append(m)
-    launches = [0]
-    real = k4._gemv_op
-
-    def counted(*args, **kw):
-        launches[0] += 1
-        return real(*args, **kw)
-
-    k4._gemv_op = counted  # (matmul_4bit_gemv looks it up at call time)
+    launches = _count_gemv_launches()
     x, other = (torch.randn(1, 512, generator=g).to(torch.float16) for _ in range(2))
 
     def forward(x, y):
@@ -343,14 +352,7 @@ def _decode() -> list[dict]:
     quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
     qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
     nonzero_lora_b_(model, std=0.2).eval()
-    launches = [0]
-    real = k4._gemv_op
-
-    def counted(*args, **kw):
-        launches[0] += 1
-        return real(*args, **kw)
-
-    k4._gemv_op = counted  # (matmul_4bit_gemv looks it up at call time)
+    launches = _count_gemv_launches()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     new = 3
     runs = {}
