@@ -8,7 +8,6 @@ gradient sync over dp.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import warnings
 from collections.abc import Iterator
@@ -356,10 +355,9 @@ def _is_leaf_with_weight(m: nn.Module) -> bool:
 def _say_kept_float(model: nn.Module, qcfg: QuantConfig) -> None:
     """Warn, naming them, of the linear layers left unquantized because the model keeps them in
     float32 (`QuantConfig.kept_float`), as transformers' bitsandbytes integration leaves them."""
-    user = dataclasses.replace(qcfg, kept_float=[])  # the skips the user asked for
     kept = [
         fqn for fqn, m in model.named_modules()
-        if fqn and qcfg.model_keeps_float(fqn) and not user.skips(fqn) and qcfg.selects(fqn)
+        if fqn and qcfg.model_keeps_float(fqn) and not qcfg.skip_names(fqn) and qcfg.selects(fqn)
         and (k := kind_of(m)) is not None and k.linear_like
     ]  # fmt: skip
     if kept:

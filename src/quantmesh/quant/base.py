@@ -71,10 +71,12 @@ class QuantConfig:
     def skips(self, fqn: str) -> bool:
         """True when `fqn` matches one of `skip` (glob on the FQN, or a bare module name), or,
         with no `targets`, one of `kept_float` (the model's own float modules)."""
+        return self.skip_names(fqn) or self.model_keeps_float(fqn)
+
+    def skip_names(self, fqn: str) -> bool:
+        """True when `fqn` matches one of `skip` (the skips asked for, not the model's own)."""
         last = fqn.rsplit(".", 1)[-1]
-        if any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.skip):
-            return True
-        return self.model_keeps_float(fqn)
+        return any(fnmatch.fnmatchcase(fqn, p) or p == last for p in self.skip)
 
     def model_keeps_float(self, fqn: str) -> bool:
         """True when `fqn` is one of the model's own float modules (`kept_float`) and no
