@@ -97,6 +97,12 @@ def parse(argv=None) -> argparse.Namespace:
         "qm_greedy_join when it is off at the start, else qm_greedy_no_join",
     )
     p.add_argument(
+        "--eager-prefill",
+        action="store_true",
+        help="qlora: also greedy with the prefill eager (infer.decode.PREFILL_COMPILED off), in "
+        "the same process (profiled too with --profile): qm_greedy_eager_prefill",
+    )
+    p.add_argument(
         "--dequant",
         action="store_true",
         help="qlora: also greedy with kernel4.DEQUANT_ENABLED flipped (Triton's dequantize + "
@@ -436,6 +442,11 @@ def run_qlora(a, R: dict, out_path: str) -> None:
             flag_phase(model, a, ids, dev, R, out_path, g,
                        f"qm_greedy_no_{stem}" if on else f"qm_greedy_{stem}", kernel4, flag,
                        not on)  # fmt: skip
+    if a.greedy and a.eager_prefill:  # the prefill as it was before it was compiled
+        from quantmesh.infer import decode
+
+        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_eager_prefill", decode,
+                   "PREFILL_COMPILED", False)  # fmt: skip
     if a.greedy and a.matmul_adapters:  # the adapters' one-row products as matmuls
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_matmul_adapters", adapter,
                    "LEAN_ROWS", False)  # fmt: skip

@@ -102,6 +102,40 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
 
 
+def test_fast_decode_prefills_eagerly_where_the_compiler_refuses_the_prefill(monkeypatch) -> None:
+    """A compiler that refuses the prefill's graph (its prompt length symbolic): `fast_decode`
+    warns once, prefills eagerly from then on and decodes the same; later calls compile
+    nothing more."""
+    import warnings
+
+    from torch._dynamo.backends.registry import lookup_backend
+
+    import quantmesh as qm
+    import quantmesh.config
+
+    graphs: list[int] = []
+
+    def refusing(gm: torch.fx.GraphModule, example: list) -> object:
+        if any(isinstance(e, torch.SymInt) for e in example):
+            raise RuntimeError("this compiler takes no symbolic lengths")
+        graphs.append(len(gm.graph.nodes))
+        return lookup_backend("aot_eager")(gm, example)
+
+    monkeypatch.setattr(quantmesh.config, "compile_options", lambda *a, **k: {"backend": refusing})
+    model = llama(layers=2, vocab=64, seed=1).eval()
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    ref = qm.fast_decode(model, ids, 6, compile=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = qm.fast_decode(model, ids, 6, mode=None)
+        again = qm.fast_decode(model, ids, 6, mode=None)
+    said = [str(w.message) for w in seen if "compiling the prefill failed" in str(w.message)]
+    assert len(said) == 1 and "this compiler takes no symbolic lengths" in said[0], said
+    assert torch.equal(got, ref) and torch.equal(again, ref)
+    assert len(graphs) == 1  # the step's graph alone, once
+
+
 def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monkeypatch) -> None:
     """A model whose blocks `compile_blocks` compiled for training decodes with `fast_decode`
     (the blocks' own compile of a marked region around the cache's writes failed: torch refuses
@@ -114,7 +148,7 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     import quantmesh.config
 
     graphs: list[int] = []  # the blocks' own compiles
-    steps: list[int] = []  # the decode step's
+    steps: list[int] = []  # the decode step's and the prefill's
 
     def counting(gm: torch.fx.GraphModule, example: list) -> object:
         graphs.append(len(gm.graph.nodes))
@@ -136,7 +170,7 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     again = qm.fast_decode(model, ids, 6, mode=None)
     assert torch.equal(got, ref) and torch.equal(again, ref)
     assert graphs == []  # no block graph compiled for the prefill or inside the step
-    assert len(steps) == 1  # one step graph, for both calls
+    assert len(steps) == 2  # one prefill graph and one step graph, for both calls
     assert [b._compiled_call_impl for b in model.model.layers] == impls  # given back
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked after
     model.train()
@@ -145,4 +179,4 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     graphs.clear()
     model.eval()
     assert torch.equal(qm.fast_decode(model, ids, 6, mode=None), ref)
-    assert graphs == [] and len(steps) == 1  # marked again alike: the step's guards held
+    assert graphs == [] and len(steps) == 2  # marked again alike: the guards held

@@ -3,11 +3,12 @@
 Batch-1 decoding is bound by the host, not the GPU: reading a 7B bf16 model's weights takes a
 GPU a few milliseconds per token (docs/benchmarks.md, "Figures the code relies on"), while transformers' `generate` spends a few
 milliseconds of Python per token and reads a flag back from the GPU every step, so the host waits
-for each token before it launches the next. Here the loop is: one eager prefill that fills a
+for each token before it launches the next. Here the loop is: one prefill that fills a
 transformers `StaticCache`, then one compiled step per token (the whole forward, tp all-reduces
 included, replayed as a CUDA graph with mode "reduce-overhead"), with every token kept on the
 device. The host reads the tokens back only every `check_every` steps (to stop at EOS) and at the
-end, so it runs ahead of the GPU.
+end, so it runs ahead of the GPU. The prefill is compiled too, for prompts of any length (an
+eager one launches every op of every layer from the host: about 0.15 s on a 7B model).
 
 On tp ranks every rank runs the same loop in lock step: the LM head gathers the logits, so each rank
 picks the same token. Sampling (temperature, top-p) runs inside the compiled step too: the uniform
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from ..blocks.compile import blocks_for_decoding, regions_available, unmark_block_regions
+from ..config import env_switch
 from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
 from ..quant import kernel4
@@ -51,6 +53,9 @@ __all__ = [
 ]
 
 CACHE_STEP = 256  # the static cache's length is a multiple of this
+PREFILL_COMPILED = env_switch("QUANTMESH_COMPILED_PREFILL", default=True)
+"""Whether a compiled decoder runs its prefill compiled ($QUANTMESH_COMPILED_PREFILL=0: eager); read
+at each call."""
 
 
 class _Decoder:
@@ -95,13 +100,22 @@ class _Decoder:
         self.regions = compile and regions_available()
         if compile:
             _static_statistics(model)
-        from ..config import compile_options
+        from ..config import compile_options  # (read at call time: tests stand in a compiler)
 
         self.opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says so
         self.compiled: Any = torch.compile(self.step, fullgraph=True, **self.opts)
         self.run: Any = (
             (self._first_run if self.regions else self.compiled) if compile else self.step
         )
+        # the prefill, compiled for prompts of any length (no CUDA graphs: one per length would
+        # be recorded); None: eager (compile=False, or the compiler refused it once)
+        self.prefill_run: Any = None
+        self.prefill_opts = compile_options(None)
+        if compile:  # (taken while PREFILL_COMPILED, read at each call)
+            self.prefill_run = self._compile_prefill()
+
+    def _compile_prefill(self) -> Any:
+        return torch.compile(self._prefill_logits, fullgraph=True, **self.prefill_opts)
 
     def _first_run(self, *args: Any) -> torch.Tensor:
         """The compiled step's first call; where the compiler refuses the block regions (a
@@ -110,20 +124,26 @@ class _Decoder:
         try:
             out: torch.Tensor = self.compiled(*args)
         except Exception as e:  # noqa: BLE001 - a compiler's error; the retry raises its own
-            inner = getattr(e, "inner_exception", None) or e
-            first = (str(inner).strip().splitlines() or [""])[0]
-            warnings.warn(
-                f"quantmesh: compiling one block for every block failed ({type(inner).__name__}: "
-                f"{first}); compiling them all",
-                stacklevel=3,
-            )
-            self.regions = False  # later calls leave the blocks unmarked
-            unmark_block_regions(self.model)
-            torch._dynamo.reset()
-            self.compiled = torch.compile(self.step, fullgraph=True, **self.opts)
+            self._drop_regions(e)
             out = self.compiled(*args)
         self.run = self.compiled
         return out
+
+    def _drop_regions(self, e: BaseException) -> None:
+        """After the compiler refused the block regions (`e`): warn, unmark the blocks and
+        compile the step and the prefill again, every block on its own."""
+        warnings.warn(
+            f"quantmesh: compiling one block for every block failed ({_said(e)}); compiling "
+            "them all",
+            stacklevel=4,
+        )
+        self.regions = False  # later calls leave the blocks unmarked
+        unmark_block_regions(self.model)
+        torch._dynamo.reset()
+        self.compiled = torch.compile(self.step, fullgraph=True, **self.opts)
+        self.run = self.compiled
+        if self.prefill_run is not None:
+            self.prefill_run = self._compile_prefill()
 
     def logits(
         self, tok: torch.Tensor, **extra: Any
@@ -151,36 +171,87 @@ class _Decoder:
             return logits.argmax(dim=-1, keepdim=True)
         return pick_tokens(logits, *sample).unsqueeze(-1)
 
+    def _prefill_logits(self, input_ids: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
+        """The prompt's last logits (batch, vocab); the cache then holds the prompt."""
+        logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
+        return logits[:, -1]
+
     def prefill(
         self, input_ids: torch.Tensor, padding: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
         """The last position's logits; the cache then holds the prompt. The first prefill of a
         fusing decoder also finds the adapters that read one tensor (`stack_sibling_adapters`)
         and, with `kernel4.JOIN_ENABLED`, joins the 4-bit codes of such layers
-        (`join_sibling_codes_in`); every prefill copies the adapters' current weights into the
-        stacks."""
+        (`join_sibling_codes_in`): an eager forward run, of the prompt's first token where the
+        prefill is compiled (its cache is then cleared). Every prefill copies the adapters'
+        current weights into the stacks.
+
+        A compiled decoder compiles the prefill too (`PREFILL_COMPILED`), the prompt's length
+        dynamic: an eager prefill launches every op of every layer from the host, about a
+        tenth of a second on a 7B model. Where the compiler refuses it, the prefill runs
+        eagerly from then on, with a warning."""
         self.cache.reset()  # in place: the tensors keep their addresses
         kw = {**self.prefill_kw, **_padding_kw(padding)}
         join = self.fuse and kernel4.JOIN_ENABLED and not self.joined
-        with contextlib.ExitStack() as finding:
-            stacks = None
-            if self.fuse and self.stacks is None:
-                stacks = finding.enter_context(stack_sibling_adapters(self.model))
-            if join:  # the 4-bit siblings' codes, joined once per decoder (the switch may flip)
-                finding.enter_context(join_sibling_codes_in(self.model))
-                self.joined = True
-            logits: torch.Tensor = self.model(input_ids=input_ids, **kw).logits
+        compiled = PREFILL_COMPILED and self.prefill_run is not None
+        stacks = None
+        if (self.fuse and self.stacks is None) or join:
+            with contextlib.ExitStack() as finding:
+                if self.fuse and self.stacks is None:
+                    stacks = finding.enter_context(stack_sibling_adapters(self.model))
+                if join:  # the 4-bit siblings' codes, joined once per decoder (the switch may flip)
+                    finding.enter_context(join_sibling_codes_in(self.model))
+                    self.joined = True
+                if not compiled:  # the eager prefill finds them
+                    return self._found(stacks, self._prefill_logits(input_ids, kw))
+                self.model(input_ids=input_ids[:, :1], **self.prefill_kw)
+            self.cache.reset()
+        logits = self._compiled_prefill(input_ids, kw) if compiled else None
+        if logits is None:
+            logits = self._prefill_logits(input_ids, kw)
+        return self._found(stacks, logits)
+
+    def _found(self, stacks: list[AdapterStack] | None, logits: torch.Tensor) -> torch.Tensor:
+        """`logits`, after keeping the stacks a prefill found (or refreshing the earlier ones)."""
         if stacks is not None:
             self.stacks = stacks  # built from the current weights
         else:
             for stack in self.stacks or []:
                 stack.refresh()  # the adapters may have trained since the last call
-        return logits[:, -1]
+        return logits
+
+    def _compiled_prefill(self, input_ids: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor | None:
+        """The compiled prefill's logits, or None where the compiler refused it (then with a
+        warning, and eager from then on); a refusal of the block regions compiles every block
+        instead, as the step's first call does. A refusal comes while tracing, before the model
+        ran: the cache has not moved."""
+        input_ids = input_ids.contiguous()  # (a slice's strides would compile it again)
+        if input_ids.shape[1] > 1:  # one graph for every length (a length of 1 gets its own)
+            torch._dynamo.maybe_mark_dynamic(input_ids, 1)
+        try:
+            out: torch.Tensor = self.prefill_run(input_ids, kw)
+            return out
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if self.regions:
+                self._drop_regions(e)
+                return self._compiled_prefill(input_ids, kw)
+            warnings.warn(
+                f"quantmesh: compiling the prefill failed ({_said(e)}); it runs eagerly",
+                stacklevel=4,
+            )
+            self.prefill_run = None
+            return None
 
     def stacked(self, on: bool) -> None:
         """Turn the adapter stacks on (for the steps) or off."""
         for stack in self.stacks or []:
             stack.active = on
+
+
+def _said(e: BaseException) -> str:
+    """A compiler's error in one line: the backend's own exception where dynamo wrapped it."""
+    inner = getattr(e, "inner_exception", None) or e
+    return f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
 
 
 def _refuse_eager_experts(model: nn.Module) -> None:
@@ -252,8 +323,10 @@ def fast_decode(
     negative, before temperature and top-p. The model must be a transformers
     causal LM (plain, quantized, or parallelized by quantmesh); its config gives the static
     cache's layout. `compile=False` runs the same loop eagerly. The first call compiles the step
-    (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
-    (prompt + new tokens, rounded up to a multiple of 256) and greedy-or-sampled stay.
+    and the prefill (tens of seconds for a 7B model); later calls reuse them while the batch
+    size, the cache length (prompt + new tokens, rounded up to a multiple of 256) and
+    greedy-or-sampled stay. The prefill takes a prompt of any length but 1 (which compiles its
+    own) with one graph ($QUANTMESH_COMPILED_PREFILL=0: an eager prefill).
     `eos_token_id` may be one id or several (any of them ends a row); a row that reaches one is
     filled with it after its first EOS, and decoding stops once every row has one (checked every
     `check_every` tokens).
@@ -329,8 +402,8 @@ def fast_decode(
     # the blocks as the step's compile wants them while decoding: one region, and a training
     # compile of theirs (compile_blocks) set aside (blocks_for_decoding)
     with blocks_for_decoding(model, dec.regions):
-        # prefill, eager: it allocates the cache (transformers marks its tensors static for the
-        # graphs)
+        # prefill (compiled but for its first eager forward, which finds the siblings): it fills
+        # the cache (transformers marks its tensors static for the graphs)
         logits = dec.prefill(input_ids, padding)  # (batch, vocab)
         device = logits.device
         if padding is not None:
@@ -465,7 +538,7 @@ class AdapterStack:
     times its own scale. The zero blocks add exact zeros, so each slice is that sibling's
     `B_i(A_i(x))`, up to the order in which the matmul sums. Made for the decode step, where
     2n small matmuls per group cost more in launches than their bytes (`fast_decode` builds the
-    stacks from its eager prefill and refreshes them before each call).
+    stacks from its first eager forward and refreshes them before each call).
 
     The stack holds copies of the weights (`refresh` copies them in again, in place) and is used
     only while `active`, without autograd, and by siblings that get the very tensor the first one
