@@ -174,12 +174,13 @@ _REGION_FORWARD: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionar
 guards check of it (torch 2.13's hold for a new wrapper too: no recompile either way)."""
 
 
-def _mark(model: nn.Module) -> list[nn.Module]:
-    """`mark_block_regions`: the blocks marked now."""
+def _mark(model: nn.Module, blocks: list[nn.Module] | None = None) -> list[nn.Module]:
+    """`mark_block_regions`: the blocks marked now (of `blocks`, the model's found again when
+    None)."""
     if not regions_available():
         return []
     marked = []
-    for _, block in blocks_of(model):
+    for block in [b for _, b in blocks_of(model)] if blocks is None else blocks:
         if "forward" in block.__dict__:  # marked already, or replaced by someone else
             continue
         cls = type(block)
@@ -226,14 +227,11 @@ def blocks_for_decoding(model: nn.Module, regions: bool) -> Iterator[int]:
         >>> with blocks_for_decoding(model, regions=True) as n:  # doctest: +SKIP
         ...     logits = step(tok)
     """
-    held = [
-        (block, block._compiled_call_impl)
-        for _, block in blocks_of(model)
-        if block._compiled_call_impl is not None
-    ]
+    blocks = [b for _, b in blocks_of(model)]  # (walks the model: once a call)
+    held = [(b, b._compiled_call_impl) for b in blocks if b._compiled_call_impl is not None]
     for block, _ in held:
         block._compiled_call_impl = None
-    marked = _mark(model) if regions else []
+    marked = _mark(model, blocks) if regions else []
     try:
         yield len(marked)
     finally:
