@@ -111,6 +111,14 @@ def parse(argv=None) -> argparse.Namespace:
         "qm_greedy_no_dequant",
     )
     p.add_argument(
+        "--attention",
+        action="store_true",
+        help="qlora: also greedy with quantmesh.infer.attention.ENABLED flipped (the split-KV "
+        "decode attention kernel in place of sdpa for one query token, opt-in), in the same "
+        "process (profiled too with --profile): "
+        "qm_greedy_attention when it is off at the start, else qm_greedy_no_attention",
+    )
+    p.add_argument(
         "--gemv-tile",
         default=None,
         help="the gemv's tile for the batch's rows as JSON (kernel4.gemv_config's keys), else "
@@ -447,6 +455,14 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_eager_prefill", decode,
                    "PREFILL_COMPILED", False)  # fmt: skip
+    if a.greedy and a.attention:  # the decode attention kernel against sdpa
+        from quantmesh.infer import attention
+
+        on = attention.ENABLED
+        R["attention_enabled_at_start"] = on  # QUANTMESH_DECODE_ATTENTION=1
+        flag_phase(model, a, ids, dev, R, out_path, g,
+                   "qm_greedy_no_attention" if on else "qm_greedy_attention", attention, "ENABLED",
+                   not on)  # fmt: skip
     if a.greedy and a.matmul_adapters:  # the adapters' one-row products as matmuls
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_matmul_adapters", adapter,
                    "LEAN_ROWS", False)  # fmt: skip
@@ -479,6 +495,7 @@ KINDS = (  # kernel name fragments -> kind, first match wins
     ("gemm_4bit", "bitsandbytes 4-bit matmul"),  # gemm_4bit_simt: its 1-row gemv
     ("gemv_4bit", "bitsandbytes 4-bit matmul"),
     ("dequantize", "bitsandbytes dequantize"),
+    ("qm_decode_attn", "quantmesh decode attention"),
     ("flash", "attention"),
     ("attention", "attention"),
     ("fmha", "attention"),

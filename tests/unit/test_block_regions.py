@@ -102,6 +102,55 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
 
 
+def qlora_llama() -> torch.nn.Module:
+    """A small sdpa Llama, nf4 + LoRA (its adapters' B nonzero) on one gloo rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import quantmesh as qm
+    from tests.models import nonzero_lora_b_
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg)
+    qm.parallelize(model, qm.init_mesh(backend="gloo"), quant="nf4", lora=qm.LoraConfig(r=4),
+                   dtype=torch.bfloat16)  # fmt: skip
+    return nonzero_lora_b_(model, std=0.2).eval()
+
+
+def test_the_compiled_prefill_takes_any_prompt_length_in_one_graph(monkeypatch) -> None:
+    """With `PREFILL_COMPILED` the prefill is compiled once for prompts of several lengths (a
+    slice's strides too), the tokens those of the eager loop; without it, only the step."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    import quantmesh as qm
+    import quantmesh.config
+    from quantmesh.infer import decode
+
+    graphs: list[int] = []  # symbolic inputs of each graph compiled
+
+    def counting(gm: torch.fx.GraphModule, example: list) -> object:
+        graphs.append(sum(isinstance(e, torch.SymInt) for e in example))
+        return lookup_backend("aot_eager")(gm, example)
+
+    monkeypatch.setattr(quantmesh.config, "compile_options", lambda *a, **k: {"backend": counting})
+    model = qlora_llama()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    prompts = [ids[:, :5], ids[:, 2:], ids]  # (a slice, strided; then whole)
+    refs = [qm.fast_decode(model, p, 6, compile=False) for p in prompts]
+    torch._dynamo.reset()
+    assert all(
+        torch.equal(qm.fast_decode(model, p, 6, mode=None), r)
+        for p, r in zip(prompts, refs, strict=True)
+    )
+    assert graphs == [0]  # by default: the step alone
+    monkeypatch.setattr(decode, "PREFILL_COMPILED", True)
+    got = [qm.fast_decode(model, p, 6, mode=None) for p in prompts]
+    assert all(torch.equal(g, r) for g, r in zip(got, refs, strict=True))
+    assert len(graphs) == 2 and graphs[1] > 0  # one prefill graph, its length symbolic
+
+
 def test_fast_decode_prefills_eagerly_where_the_compiler_refuses_the_prefill(monkeypatch) -> None:
     """A compiler that refuses the prefill's graph (its prompt length symbolic): `fast_decode`
     warns once, prefills eagerly from then on and decodes the same; later calls compile
@@ -112,6 +161,9 @@ def test_fast_decode_prefills_eagerly_where_the_compiler_refuses_the_prefill(mon
 
     import quantmesh as qm
     import quantmesh.config
+    from quantmesh.infer import decode
+
+    monkeypatch.setattr(decode, "PREFILL_COMPILED", True)
 
     graphs: list[int] = []
 
@@ -148,7 +200,7 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     import quantmesh.config
 
     graphs: list[int] = []  # the blocks' own compiles
-    steps: list[int] = []  # the decode step's and the prefill's
+    steps: list[int] = []  # the decode step's
 
     def counting(gm: torch.fx.GraphModule, example: list) -> object:
         graphs.append(len(gm.graph.nodes))
@@ -170,7 +222,7 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     again = qm.fast_decode(model, ids, 6, mode=None)
     assert torch.equal(got, ref) and torch.equal(again, ref)
     assert graphs == []  # no block graph compiled for the prefill or inside the step
-    assert len(steps) == 2  # one prefill graph and one step graph, for both calls
+    assert len(steps) == 1  # one step graph, for both calls
     assert [b._compiled_call_impl for b in model.model.layers] == impls  # given back
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked after
     model.train()
@@ -179,4 +231,4 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     graphs.clear()
     model.eval()
     assert torch.equal(qm.fast_decode(model, ids, 6, mode=None), ref)
-    assert graphs == [] and len(steps) == 2  # marked again alike: the guards held
+    assert graphs == [] and len(steps) == 1  # marked again alike: the step's guards held

@@ -16,20 +16,32 @@ Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (rea
   without the join, in fewer launches a step;
 - the dequantize + matmul under autograd (training): forward and backward bit for bit as the
   same `linear` and `matmul` on bitsandbytes' weight, keeping only the codes for backward, eager
-  and compiled.
+  and compiled;
+- the decode attention (infer/attention.py, `_triton_attention.py`): one query token against a
+  float64 softmax attention, MHA and grouped-query, head dims 64, 128 and 80 (padded), batch 1
+  and 3, keys not a multiple of a block, q, k and v strided as transformers hands them; masks
+  none, bool (a static cache's unwritten tail, left padding, a sliding window, per head, one
+  row for the batch) and float (0 / -inf, and finite biases with fp16's lowest as hidden); the
+  library's tiles, small blocks in several splits, one split. The keys no head of a group sees
+  hold NaN (a read of one shows) and the blocks each program read must be those holding a seen
+  key (the skip); the op compiled gives the eager bits. Then `fast_decode` of a small fp16 Llama
+  (nf4 + LoRA, grouped-query) inside `decode_attention(model)` with the switch on: sdpa's tokens,
+  eager (left-padded rows too) and compiled, one launch a layer a step.
 
 A product is right when its error against the fp32 product of x and the dequantized weight is at
 most twice a plain matmul's on the same weight (the CUDA tests' rule). The interpreter rounds
 fp32 to bf16 by truncation, not to nearest as a GPU does: a bf16 case's plain product is the fp32
 one truncated the same way, the dequantize's bf16 weight must be bitsandbytes' fp32 weight
 truncated, and the kernels that round each weight to x's dtype before multiplying (the row and
-block kernels, the tensor-core one) run in fp16 here. What the interpreter cannot run is left to
+block kernels, the tensor-core one) run in fp16 here; the decode attention's bf16 output is
+checked within an ulp (truncated), its fp16 output within half of one. What the interpreter cannot run is left to
 the CUDA tests (tests/distributed/test_cuda_kernel4.py): warp shuffles (LUT 1: here every code
 value is loaded, LUT 0) and bf16 `tl.dot` (its numpy bf16 products are wrong).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -40,7 +52,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "decode", "train")
+FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "decode", "train", "attention")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -366,9 +378,8 @@ def _decode() -> list[dict]:
         dist.destroy_process_group()
     (plain, n_plain), (comp, n_comp) = runs["plain"], runs["joined_compiled"]
     # every forward (the prefill's 6 rows too) launches 7 gemvs a layer alone, 4 joined; the
-    # compiled decoder's first call finds the runs in an eager forward of the prompt's first
-    # token (7, alone), then its compiled prefill and steps read them joined
-    ok = comp == plain and n_plain == 7 * new and n_comp == 7 + 4 * new
+    # prefill joins the runs at its end, so only the steps after it read them joined
+    ok = comp == plain and n_plain == 7 * new and n_comp == 7 + 4 * (new - 1)
     return [{"case": repr(("decode", runs)), "ok": bool(ok)}]
 
 
@@ -410,11 +421,216 @@ def _train() -> list[dict]:
     return out
 
 
+# ---- decode attention (infer/attention.py) ------------------------------------------------------
+def _attention_reference(q, k, v, mask, scaling) -> torch.Tensor:
+    """softmax(q k^T * scaling + mask) v in float64, (B, 1, Hq, D): each query head reads kv head
+    head // (Hq / Hkv); a bool mask hides where False, a float one is added."""
+    groups = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(groups, 1)
+    vv = v.double().repeat_interleave(groups, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scaling
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return (torch.softmax(s, dim=-1) @ vv).transpose(1, 2)
+
+
+def _attention_masks(B: int, Hq: int, L: int, dtype, g) -> dict:
+    """The masks transformers' sdpa path hands a decode step, and a few beyond: name -> mask
+    (None, bool where True attends, or float added), broadcastable to (B, Hq, 1, L)."""
+    keys = torch.arange(L)
+    filled = torch.randint(L // 3, L, (B,), generator=g)
+    filled[0] = L - 1  # a row whose last block is partly filled
+    pos = filled - 1  # the query's own position (a static cache's last written slot)
+    tail = keys[None, :] <= pos[:, None]  # (B, L): the written slots
+    start = torch.randint(0, L // 4, (B,), generator=g)
+    start[0] = 0
+    left = tail & (keys[None, :] >= start[:, None])  # left padding: the row starts later
+    window = tail & (keys[None, :] > pos[:, None] - 40)  # a sliding window of 40 keys
+    heads = tail[:, None, :] & (torch.rand(B, Hq, L, generator=g) < 0.7)  # per head, random
+    heads[..., 0] = True  # every head sees a key
+    low = torch.finfo(torch.float16).min
+    bias = -2 * torch.rand(B, 1, 1, L, generator=g)  # finite biases: added, never hidden
+    return {
+        "none": None,
+        "static_tail": tail[:, None, None, :],
+        "left_padded": left[:, None, None, :],
+        "sliding_window": window[:, None, None, :],
+        "per_head": heads[:, :, None, :],
+        "one_row": tail[:1, None, None, :],  # broadcast over the batch
+        "float_inf": torch.where(left, 0.0, float("-inf"))[:, None, None, :].to(dtype),
+        "float_low": torch.where(window[:, None, None, :], bias, low).float(),
+    }
+
+
+def _sees(mask, B: int, Hq: int, L: int) -> torch.Tensor:
+    """(B, Hq, L) bool: the keys each query head sees under `mask`."""
+    from quantmesh.infer.attention import HIDDEN
+
+    if mask is None:
+        return torch.ones(B, Hq, L, dtype=torch.bool)
+    seen = mask if mask.dtype == torch.bool else mask.float() > HIDDEN
+    return seen.expand(B, Hq, 1, L)[:, :, 0]
+
+
+def _attention_case(q, k, v, mask, cfg, what) -> dict:
+    """The kernel at `cfg` against the float64 reference, with every key no head of a group
+    sees poisoned (NaN in K and V: a read of one shows), and the blocks each program read
+    (`counts`) equal to the blocks holding a key its heads see."""
+    from quantmesh.infer import attention as A
+
+    B, Hq, _, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scaling = D**-0.5
+    full = dict(A.decode_config(B, Hkv, G, D, L), **(cfg or {}))
+    block, per = full["BLOCK_L"], full["SPLIT"]
+    splits = -(-L // per)
+    sees = _sees(mask, B, Hq, L).reshape(B, Hkv, G, L).any(dim=2)  # (B, Hkv, L): the group's
+    kp, vp = (t.new_empty(B, Hkv, L + 5, D)[:, :, :L].copy_(t) for t in (k, v))  # strided
+    kp[~sees] = float("nan")
+    vp[~sees] = float("nan")
+    pad = -(-L // block) * block
+    blocks = torch.nn.functional.pad(sees, (0, pad - L)).reshape(B * Hkv, pad // block, block)
+    want = blocks.any(dim=2).int()  # (B * Hkv, blocks): a block read iff a key in it is seen
+    want = torch.nn.functional.pad(want, (0, splits * (per // block) - want.shape[1]))
+    want = want.reshape(B * Hkv, splits, per // block).sum(dim=2)
+    counts = torch.full((B * Hkv, splits), -1, dtype=torch.int32)
+    out = A.launch_decode_attention(q, kp, vp, mask, scaling, cfg, counts=counts)
+    ref = _attention_reference(q, k, v, mask, scaling)
+    # the output's rounding: fp16 to nearest (half an ulp, 2^-11), the interpreter's bf16 by
+    # truncation (an ulp, 2^-7); twice that, relative to each value (plus a hundredth of the
+    # largest, for values near 0)
+    u = 2.0**-10 if q.dtype == torch.float16 else 2.0**-6
+    err = (out.double() - ref).abs()
+    tol = u * (ref.abs() + 0.01 * ref.abs().max())
+    ok = (out.shape == (B, 1, Hq, D) and out.dtype == q.dtype and out.is_contiguous()
+          and bool(torch.isfinite(out).all()) and bool((err <= tol).all())
+          and torch.equal(counts, want))  # fmt: skip
+    return {"case": repr(what + (full, splits)), "err": float((err / tol).max()),
+            "read": int(counts.sum()), "blocks": int(-(-L // block) * B * Hkv), "ok": bool(ok)}  # fmt: skip
+
+
+def _attention_kernel() -> list[dict]:
+    out = []
+    g = torch.Generator().manual_seed(11)
+    # (batch, query heads, kv heads, head dim, keys, dtype): MHA and GQA (3 query heads a kv head:
+    # padded to 4), head dims 64 and 128 (and 80: padded), keys not a multiple of a block
+    shapes = ((3, 4, 4, 64, 200, torch.float16), (3, 8, 2, 128, 150, torch.float16),
+              (1, 6, 2, 80, 131, torch.float16), (3, 4, 2, 64, 200, torch.bfloat16))  # fmt: skip
+    for B, Hq, Hkv, D, L, dtype in shapes:
+        # q as transformers makes it (a transposed view), k and v a view of a longer cache
+        q = torch.randn(B, 1, Hq, D, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(B, Hkv, L + 9, D, generator=g).to(dtype)[:, :, :L]
+        v = torch.randn(B, Hkv, L + 9, D, generator=g).to(dtype)[:, :, :L]
+        masks = _attention_masks(B, Hq, L, dtype, g)
+        if dtype == torch.bfloat16:
+            masks = {n: masks[n] for n in ("static_tail", "float_low")}
+        for name, mask in masks.items():
+            # the library's tiles, small blocks in splits of 2, a split of 3 blocks, one split
+            tiles = [None, dict(BLOCK_L=16, SPLIT=32)]
+            if name in ("static_tail", "float_low"):
+                tiles += [dict(BLOCK_L=16, SPLIT=48), dict(BLOCK_L=32, SPLIT=32 * -(-L // 32))]
+            for cfg in tiles:
+                out.append(_attention_case(q, k, v, mask, cfg, (B, Hq, Hkv, D, L, str(dtype),
+                                                                name)))  # fmt: skip
+    # the op traced (its fake) and run compiled: the same bits
+    from quantmesh.infer.attention import decode_attention_op
+
+    q, k, v = (torch.randn(2, h, n, 64, generator=g).half() for h, n in ((4, 1), (2, 90), (2, 90)))
+    mask = _attention_masks(2, 4, 90, torch.float16, g)["left_padded"]
+    eager = decode_attention_op(q, k, v, mask, 0.125)
+    step = torch.compile(decode_attention_op, backend="aot_eager", fullgraph=True)
+    out.append({"case": "compiled op", "ok": bool(torch.equal(step(q, k, v, mask, 0.125), eager))})
+    return out
+
+
+def _count_attention_launches() -> list[int]:
+    """A one-item list counting the decode attention kernel's launches from here on (its launcher
+    wrapped in this process: the op looks it up at call time)."""
+    from quantmesh.infer import attention as A
+
+    launches = [0]
+    real = A.launch_decode_attention
+
+    def counted(*args, **kw):
+        launches[0] += 1
+        return real(*args, **kw)
+
+    A.launch_decode_attention = counted
+    return launches
+
+
+def _attention_decode() -> list[dict]:
+    """fast_decode of a small fp16 Llama (nf4 + LoRA, grouped-query attention) with the switch
+    on (it enters `decode_attention(model)` itself): the tokens of sdpa's run, eager and
+    compiled (aot_eager), left-padded rows too, with one kernel launch a layer a step (none in
+    the prefill), the model's implementation given back after; with the switch off, none (also
+    inside the context)."""
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import quantmesh as qm
+    from quantmesh.infer import attention as A
+    from tests.models import nonzero_lora_b_
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
+    A.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernel on CPU
+    mesh = qm.init_mesh()
+    layers = 2
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=300,
+                      attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float16)
+    quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
+    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
+    nonzero_lora_b_(model, std=0.2).eval()
+    launches = _count_attention_launches()
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    pad = torch.ones(2, 6, dtype=torch.long)
+    pad[1, :2] = 0  # the second row left-padded
+    new = 4
+    out = []
+    # (compiled, padded): eager with and without padding, compiled as fast_decode runs by default
+    # (each compile of the step costs seconds here)
+    try:
+        for compile, mask in ((False, None), (False, pad), (True, None)):
+            kw = dict(compile=compile, mode=None, attention_mask=mask)
+            runs = {}
+            # sdpa's run; the switch off inside the context (sdpa through it); the switch on
+            # (fast_decode enters the context itself)
+            for name, on, inside in (("sdpa", False, False), ("off", False, True),
+                                     ("kernel", True, False)):  # fmt: skip
+                if compile and name == "off":
+                    continue  # eager shows it
+                A.ENABLED = on
+                launches[0] = 0
+                with A.decode_attention(model) if inside else contextlib.nullcontext():
+                    runs[name] = (qm.fast_decode(model, ids, new, **kw).tolist(), launches[0])
+                runs[name] += (model.config._attn_implementation,)
+            ok = (runs["kernel"][0] == runs["sdpa"][0] == runs.get("off", runs["sdpa"])[0]
+                  and runs["kernel"][1] == layers * (new - 1)
+                  and runs["sdpa"][1] == runs.get("off", runs["sdpa"])[1] == 0
+                  and all(r[2] == "sdpa" for r in runs.values()))  # fmt: skip
+            out.append({"case": repr(("decode", compile, mask is not None, runs)), "ok": bool(ok)})
+    finally:
+        A.ENABLED = False
+        dist.destroy_process_group()
+    return out
+
+
+def _attention() -> list[dict]:
+    return _attention_kernel() + _attention_decode()
+
+
 def main(family: str) -> None:
     """Run one family's cases (TRITON_INTERPRET=1 must be set) and print them as one JSON line."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are wrapped at import)")
     cases = {"gemv": _gemv, "mma": _mma, "dequant": _dequant, "rows": _rows,
              "tp_shards": _tp_shards, "joined": _joined, "decode": _decode,
-             "train": _train}[family]()  # fmt: skip
+             "train": _train, "attention": _attention}[family]()  # fmt: skip
     print(json.dumps(cases))

@@ -7,8 +7,9 @@ for each token before it launches the next. Here the loop is: one prefill that f
 transformers `StaticCache`, then one compiled step per token (the whole forward, tp all-reduces
 included, replayed as a CUDA graph with mode "reduce-overhead"), with every token kept on the
 device. The host reads the tokens back only every `check_every` steps (to stop at EOS) and at the
-end, so it runs ahead of the GPU. The prefill is compiled too, for prompts of any length (an
-eager one launches every op of every layer from the host: about 0.15 s on a 7B model).
+end, so it runs ahead of the GPU. With `PREFILL_COMPILED` the prefill is compiled too, for prompts
+of any length (an eager one launches every op of every layer from the host: about 0.15 s on a 7B
+model, against a compile of more than a minute).
 
 On tp ranks every rank runs the same loop in lock step: the LM head gathers the logits, so each rank
 picks the same token. Sampling (temperature, top-p) runs inside the compiled step too: the uniform
@@ -40,6 +41,7 @@ from ..lora.adapter import LoraAdapter, lean_linear
 from ..plan.styles import Style
 from ..quant import kernel4
 from ..tp.layers import ShardedModule, sharded_modules
+from . import attention
 from .sampling import pick_tokens, repetition_penalized, sample_tokens, uniform_noise
 
 __all__ = [
@@ -53,9 +55,12 @@ __all__ = [
 ]
 
 CACHE_STEP = 256  # the static cache's length is a multiple of this
-PREFILL_COMPILED = env_switch("QUANTMESH_COMPILED_PREFILL", default=True)
-"""Whether a compiled decoder runs its prefill compiled ($QUANTMESH_COMPILED_PREFILL=0: eager); read
-at each call."""
+# Opt-in: on an H100 it took a 7B nf4 + LoRA reply of 256 tokens from 226 to 242 new tokens/s, and
+# the first call's compile from 41 s to 119 s (docs/benchmarks.md); transformers' and gpt-fast's
+# loops leave the prefill eager by default for the same reason.
+PREFILL_COMPILED = env_switch("QUANTMESH_COMPILED_PREFILL", default=False)
+"""Whether a compiled decoder runs its prefill compiled ($QUANTMESH_COMPILED_PREFILL=1), read at
+each call."""
 
 
 class _Decoder:
@@ -186,7 +191,7 @@ class _Decoder:
         prefill is compiled (its cache is then cleared). Every prefill copies the adapters'
         current weights into the stacks.
 
-        A compiled decoder compiles the prefill too (`PREFILL_COMPILED`), the prompt's length
+        With `PREFILL_COMPILED` a compiled decoder compiles the prefill too, the prompt's length
         dynamic: an eager prefill launches every op of every layer from the host, about a
         tenth of a second on a 7B model. Where the compiler refuses it, the prefill runs
         eagerly from then on, with a warning."""
@@ -323,10 +328,10 @@ def fast_decode(
     negative, before temperature and top-p. The model must be a transformers
     causal LM (plain, quantized, or parallelized by quantmesh); its config gives the static
     cache's layout. `compile=False` runs the same loop eagerly. The first call compiles the step
-    and the prefill (tens of seconds for a 7B model); later calls reuse them while the batch
-    size, the cache length (prompt + new tokens, rounded up to a multiple of 256) and
-    greedy-or-sampled stay. The prefill takes a prompt of any length but 1 (which compiles its
-    own) with one graph ($QUANTMESH_COMPILED_PREFILL=0: an eager prefill).
+    (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
+    (prompt + new tokens, rounded up to a multiple of 256) and greedy-or-sampled stay. With
+    $QUANTMESH_COMPILED_PREFILL=1 the prefill is compiled too, one graph for prompts of any length
+    but 1: about 0.08 s less a call on a 7B model, for a first compile about three times as long.
     `eos_token_id` may be one id or several (any of them ends a row); a row that reaches one is
     filled with it after its first EOS, and decoding stops once every row has one (checked every
     `check_every` tokens).
@@ -401,8 +406,11 @@ def fast_decode(
         padding = (full, pos)
     # the blocks as the step's compile wants them while decoding: one region, and a training
     # compile of theirs (compile_blocks) set aside (blocks_for_decoding)
-    with blocks_for_decoding(model, dec.regions):
-        # prefill (compiled but for its first eager forward, which finds the siblings): it fills
+    with contextlib.ExitStack() as decoding:
+        decoding.enter_context(blocks_for_decoding(model, dec.regions))
+        if attention.ENABLED:  # sdpa's attention, one query token by the split-KV kernel
+            decoding.enter_context(attention.decode_attention(model))
+        # prefill (eager, or compiled after an eager forward that finds the siblings): it fills
         # the cache (transformers marks its tensors static for the graphs)
         logits = dec.prefill(input_ids, padding)  # (batch, vocab)
         device = logits.device
