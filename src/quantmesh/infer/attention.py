@@ -66,8 +66,8 @@ IMPLEMENTATION = "quantmesh_decode"  # the name in transformers' AttentionInterf
 # use the dtype's lowest, -inf or below); the kernel skips a block of such keys unread.
 HIDDEN = -65504.0
 MAX_HEAD_DIM = 256
-# decode_config cuts the keys into splits so that a grid holds about this many programs (a few
-# per SM of an H100, 132), at most MAX_SPLITS (the combine holds them all in one program)
+# decode_config cuts the keys into splits so that a grid holds about this many programs (a few per
+# SM of a current data-center GPU), at most MAX_SPLITS (the combine holds them all in one program)
 PROGRAMS = 512
 MAX_SPLITS = 64
 # The keyword arguments a model hands its attention function that leave the math of sdpa's path

@@ -55,9 +55,9 @@ __all__ = [
 ]
 
 CACHE_STEP = 256  # the static cache's length is a multiple of this
-# Opt-in: on an H100 it took a 7B nf4 + LoRA reply of 256 tokens from 226 to 242 new tokens/s, and
-# the first call's compile from 41 s to 119 s (docs/benchmarks.md); transformers' and gpt-fast's
-# loops leave the prefill eager by default for the same reason.
+# Opt-in: it saves a 7B call a few percent and makes its first compile about three times as long
+# (docs/benchmarks.md, "Figures the code relies on"); transformers' and gpt-fast's loops leave the
+# prefill eager by default for the same reason.
 PREFILL_COMPILED = env_switch("QUANTMESH_COMPILED_PREFILL", default=False)
 """Whether a compiled decoder runs its prefill compiled ($QUANTMESH_COMPILED_PREFILL=1), read at
 each call."""
