@@ -97,10 +97,11 @@ def parse(argv=None) -> argparse.Namespace:
         "qm_greedy_join when it is off at the start, else qm_greedy_no_join",
     )
     p.add_argument(
-        "--eager-prefill",
+        "--prefill",
         action="store_true",
-        help="qlora: also greedy with the prefill eager (infer.decode.PREFILL_COMPILED off), in "
-        "the same process (profiled too with --profile): qm_greedy_eager_prefill",
+        help="qlora: also greedy with infer.decode.PREFILL_COMPILED flipped (the prefill compiled, "
+        "opt-in), in the same process (profiled too with --profile): qm_greedy_compiled_prefill "
+        "when it is off at the start, else qm_greedy_eager_prefill",
     )
     p.add_argument(
         "--dequant",
@@ -450,11 +451,13 @@ def run_qlora(a, R: dict, out_path: str) -> None:
             flag_phase(model, a, ids, dev, R, out_path, g,
                        f"qm_greedy_no_{stem}" if on else f"qm_greedy_{stem}", kernel4, flag,
                        not on)  # fmt: skip
-    if a.greedy and a.eager_prefill:  # the prefill as it was before it was compiled
+    if a.greedy and a.prefill:  # the prefill compiled against eager
         from quantmesh.infer import decode
 
-        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_eager_prefill", decode,
-                   "PREFILL_COMPILED", False)  # fmt: skip
+        on = decode.PREFILL_COMPILED
+        flag_phase(model, a, ids, dev, R, out_path, g,
+                   "qm_greedy_eager_prefill" if on else "qm_greedy_compiled_prefill", decode,
+                   "PREFILL_COMPILED", not on)  # fmt: skip
     if a.greedy and a.attention:  # the decode attention kernel against sdpa
         from quantmesh.infer import attention
 

@@ -52,11 +52,16 @@
 #            (bench_decode.py --join --profile), then nf4_gemv_bench.py on the joined q/k/v and
 #            gate/up shapes against their members (1, 4, 16 and 32 rows, the library's tiles),
 #            then the trained model's CUDA decode test (which decodes it joined too)
+#   attention the split-KV decode attention (QUANTMESH_DECODE_ATTENTION, opt-in): its CUDA tests,
+#            decode_attention_bench.py (the kernel against SDPA, 512 and 2048 cache slots, batch 1
+#            and 32), then qm.fast_decode at batch 1 without and with it, in one process, profiled
+#            (bench_decode.py --attention --profile), then the trained model's CUDA decode test
+#            with it on
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32 or join}
+STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join or attention}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -122,6 +127,18 @@ case "$STAGE" in
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -30
     say "the trained model's CUDA decode test"
     timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
+  attention)
+    say "decode attention CUDA tests"
+    timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_attention.py 2>&1 | tail -6
+    say "decode attention against SDPA, one layer"
+    timeout 120 python3 benchmarks/decode_attention_bench.py --out "$OUT" --batches 1,32 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -20
+    say "decode, 7B nf4 + LoRA, batch 1: sdpa, then the decode attention (profiled)"
+    timeout 240 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile --attention --no-peer \
+      --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4
+    say "the trained model's CUDA decode test, QUANTMESH_DECODE_ATTENTION=1"
+    QUANTMESH_DECODE_ATTENTION=1 timeout 200 python3 -m pytest -q -x -m cuda \
+      tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
