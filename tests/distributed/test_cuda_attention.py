@@ -134,8 +134,10 @@ def test_decode_attention_under_cuda_graphs():
 def test_decode_step_with_the_kernel_is_the_sdpa_step(dtype):
     """A small Llama (grouped-query attention, two rows, one left-padded): the decode step as
     fast_decode compiles it (reduce-overhead) inside `decode_attention(model)` with the switch on,
-    fed the tokens of the eager sdpa steps, gives their logits within the dtype's rounding over
-    the layers (and the kernel ran, one launch a layer in the warm-up call)."""
+    fed the tokens of the eager sdpa steps, gives their logits as closely as the same step
+    compiled with sdpa does (the control: a compiled step's bf16 sums run in another order than
+    the eager ones, 2-7% of the logits' norm on this random model in bf16), and the kernel ran,
+    one launch a layer in the warm-up call."""
     _need_cuda()
     from quantmesh.infer import attention as A
     from quantmesh.infer.decode import _Decoder
@@ -163,25 +165,32 @@ def test_decode_step_with_the_kernel_is_the_sdpa_step(dtype):
     ref = _Decoder(model, 2, L, compile=False, mode=None, padded=True)
     dec = _Decoder(model, 2, L, compile=False, mode=None, padded=True)
     step = torch.compile(dec.logits, fullgraph=True, mode="reduce-overhead")
+    ctl = _Decoder(model, 2, L, compile=False, mode=None, padded=True)  # compiled, sdpa
+    ctl_step = torch.compile(ctl.logits, fullgraph=True, mode="reduce-overhead")
     before = A.ENABLED
     A.ENABLED = True
     A.launch_decode_attention = counted
-    rel = []
+    rel, ctl_rel = [], []
     try:
         with torch.no_grad():
             tok = ref.prefill(ids, (full, (mask.cumsum(1) - 1).clamp(min=0))).argmax(-1)[:, None]
             dec.prefill(ids, (full, (mask.cumsum(1) - 1).clamp(min=0)))
+            ctl.prefill(ids, (full, (mask.cumsum(1) - 1).clamp(min=0)))
             for i in range(24):
                 want = ref.logits(tok, attention_mask=full, position_ids=pos).float()
                 with A.decode_attention(model):
                     got = step(tok, attention_mask=full, position_ids=pos).float().clone()
                 if i == 0:
                     assert launches[0] == 4  # the first (warm-up) call: one a layer
+                A.ENABLED = False  # the control: sdpa, outside the context
+                base = ctl_step(tok, attention_mask=full, position_ids=pos).float().clone()
+                A.ENABLED = True
                 rel.append(float((got - want).norm() / want.norm()))
+                ctl_rel.append(float((base - want).norm() / want.norm()))
                 tok, pos = want.argmax(-1)[:, None], pos + 1
     finally:
         A.ENABLED = before
         A.launch_decode_attention = real
     assert model.config._attn_implementation == "sdpa"
-    bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
-    assert max(rel) <= bound, rel
+    bound = 2 * max(ctl_rel) + (2e-3 if dtype == torch.bfloat16 else 4e-4)
+    assert max(rel) <= bound, (rel, ctl_rel)
