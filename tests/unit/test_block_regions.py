@@ -73,9 +73,11 @@ def test_unmarking_restores_the_class_forward_and_leaves_others_alone() -> None:
     assert layers[2].__dict__["forward"] is mine
 
 
-def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(monkeypatch) -> None:
-    """A compiler that refuses graphs calling a block region (torch 2.11's inductor did with
-    symbolic float inputs): `fast_decode` warns, compiles every block, and decodes the same."""
+def _decode_refused(monkeypatch, refuses, why: str, calls: int = 1) -> tuple:
+    """`fast_decode` of a small Llama (mode None) `calls` times under a compiler that raises
+    RuntimeError(why) on the graphs `refuses(gm, example)` picks and compiles the others with
+    aot_eager: (the eager loop's tokens, each compiled call's, the warnings said, the sizes of
+    the graphs compiled)."""
     import warnings
 
     from torch._dynamo.backends.registry import lookup_backend
@@ -83,22 +85,37 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     import quantmesh as qm
     import quantmesh.config
 
+    graphs: list[int] = []
+
     def refusing(gm: torch.fx.GraphModule, example: list) -> object:
-        if any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes):
-            raise RuntimeError("this compiler takes no block regions")
+        if refuses(gm, example):
+            raise RuntimeError(why)
+        graphs.append(len(gm.graph.nodes))
         return lookup_backend("aot_eager")(gm, example)
 
     monkeypatch.setattr(quantmesh.config, "compile_options", lambda *a, **k: {"backend": refusing})
     model = llama(layers=2, vocab=64, seed=1).eval()
-    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     ref = qm.fast_decode(model, ids, 6, compile=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = qm.fast_decode(model, ids, 6, mode=None)
-    said = [str(w.message) for w in seen if "compiling one block for every block" in str(w.message)]
-    assert len(said) == 1 and "this compiler takes no block regions" in said[0], said
-    assert torch.equal(got, ref)
+        got = [qm.fast_decode(model, ids, 6, mode=None) for _ in range(calls)]
+    return ref, got, [str(w.message) for w in seen], graphs, model
+
+
+def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(monkeypatch) -> None:
+    """A compiler that refuses graphs calling a block region (torch 2.11's inductor did with
+    symbolic float inputs): `fast_decode` warns, compiles every block, and decodes the same."""
+
+    def regions(gm: torch.fx.GraphModule, example: list) -> bool:
+        return any(n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes)
+
+    why = "this compiler takes no block regions"
+    ref, got, said, _, model = _decode_refused(monkeypatch, regions, why)
+    said = [m for m in said if "compiling one block for every block" in m]
+    assert len(said) == 1 and why in said[0], said
+    assert torch.equal(got[0], ref)
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
 
 
@@ -155,36 +172,18 @@ def test_fast_decode_prefills_eagerly_where_the_compiler_refuses_the_prefill(mon
     """A compiler that refuses the prefill's graph (its prompt length symbolic): `fast_decode`
     warns once, prefills eagerly from then on and decodes the same; later calls compile
     nothing more."""
-    import warnings
-
-    from torch._dynamo.backends.registry import lookup_backend
-
-    import quantmesh as qm
-    import quantmesh.config
     from quantmesh.infer import decode
 
     monkeypatch.setattr(decode, "PREFILL_COMPILED", True)
 
-    graphs: list[int] = []
+    def symbolic(gm: torch.fx.GraphModule, example: list) -> bool:
+        return any(isinstance(e, torch.SymInt) for e in example)
 
-    def refusing(gm: torch.fx.GraphModule, example: list) -> object:
-        if any(isinstance(e, torch.SymInt) for e in example):
-            raise RuntimeError("this compiler takes no symbolic lengths")
-        graphs.append(len(gm.graph.nodes))
-        return lookup_backend("aot_eager")(gm, example)
-
-    monkeypatch.setattr(quantmesh.config, "compile_options", lambda *a, **k: {"backend": refusing})
-    model = llama(layers=2, vocab=64, seed=1).eval()
-    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    ref = qm.fast_decode(model, ids, 6, compile=False)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        got = qm.fast_decode(model, ids, 6, mode=None)
-        again = qm.fast_decode(model, ids, 6, mode=None)
-    said = [str(w.message) for w in seen if "compiling the prefill failed" in str(w.message)]
-    assert len(said) == 1 and "this compiler takes no symbolic lengths" in said[0], said
-    assert torch.equal(got, ref) and torch.equal(again, ref)
+    why = "this compiler takes no symbolic lengths"
+    ref, got, said, graphs, _ = _decode_refused(monkeypatch, symbolic, why, calls=2)
+    said = [m for m in said if "compiling the prefill failed" in m]
+    assert len(said) == 1 and why in said[0], said
+    assert all(torch.equal(g, ref) for g in got)
     assert len(graphs) == 1  # the step's graph alone, once
 
 

@@ -216,20 +216,25 @@ def _interpreter_tiles() -> None:
         tile["BLOCK_N"] = 16
 
 
-def _count_gemv_launches() -> list[int]:
-    """A one-item list counting the gemv's launches from here on (its op wrapped in this
-    process: matmul_4bit_gemv looks it up at call time)."""
-    from quantmesh.quant import kernel4 as k4
-
+def _count_calls(module, name: str) -> list[int]:
+    """A one-item list counting the calls of `module.name` from here on (wrapped in this process:
+    its callers look it up at call time)."""
     launches = [0]
-    real = k4._gemv_op
+    real = getattr(module, name)
 
     def counted(*args, **kw):
         launches[0] += 1
         return real(*args, **kw)
 
-    k4._gemv_op = counted
+    setattr(module, name, counted)
     return launches
+
+
+def _count_gemv_launches() -> list[int]:
+    """A one-item list counting the gemv's launches from here on (matmul_4bit_gemv's op)."""
+    from quantmesh.quant import kernel4 as k4
+
+    return _count_calls(k4, "_gemv_op")
 
 
 def _tp_shards() -> list[dict]:
@@ -545,19 +550,11 @@ def _attention_kernel() -> list[dict]:
 
 
 def _count_attention_launches() -> list[int]:
-    """A one-item list counting the decode attention kernel's launches from here on (its launcher
-    wrapped in this process: the op looks it up at call time)."""
+    """A one-item list counting the decode attention kernel's launches from here on (its
+    launcher: the op looks it up at call time)."""
     from quantmesh.infer import attention as A
 
-    launches = [0]
-    real = A.launch_decode_attention
-
-    def counted(*args, **kw):
-        launches[0] += 1
-        return real(*args, **kw)
-
-    A.launch_decode_attention = counted
-    return launches
+    return _count_calls(A, "launch_decode_attention")
 
 
 def _attention_decode() -> list[dict]:
