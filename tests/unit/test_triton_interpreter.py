@@ -216,6 +216,25 @@ def _interpreter_tiles() -> None:
         tile["BLOCK_N"] = 16
 
 
+def _fp16_qlora_llama(mesh, layers: int, kv_heads: int, positions: int):
+    """A small fp16 sdpa Llama (hidden 128 = 4 heads of 32: every projection a whole number of
+    nested blocks, so q/k/v and gate/up can join), nf4 + LoRA r8 with nonzero B, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import quantmesh as qm
+    from tests.models import nonzero_lora_b_
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, head_dim=32,
+                      max_position_embeddings=positions, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.float16)
+    quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
+    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
+    return nonzero_lora_b_(model, std=0.2).eval()
+
+
 def _count_calls(module, name: str) -> list[int]:
     """A one-item list counting the calls of `module.name` from here on (wrapped in this process:
     its callers look it up at call time)."""
@@ -348,11 +367,9 @@ def _joined_layers() -> list[dict]:
 
 def _decode() -> list[dict]:
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import quantmesh as qm
     from quantmesh.quant import kernel4 as k4
-    from tests.models import nonzero_lora_b_
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -361,14 +378,7 @@ def _decode() -> list[dict]:
     _interpreter_tiles()
     mesh = qm.init_mesh()
     # every projection a whole number of nested blocks (256 blocks of 64): q/k/v and gate/up join
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                      max_position_embeddings=64, attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float16)
-    quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
-    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
-    nonzero_lora_b_(model, std=0.2).eval()
+    model = _fp16_qlora_llama(mesh, layers=1, kv_heads=4, positions=64)
     launches = _count_gemv_launches()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     new = 3
@@ -564,11 +574,9 @@ def _attention_decode() -> list[dict]:
     the prefill), the model's implementation given back after; with the switch off, none (also
     inside the context)."""
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import quantmesh as qm
     from quantmesh.infer import attention as A
-    from tests.models import nonzero_lora_b_
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -576,15 +584,7 @@ def _attention_decode() -> list[dict]:
     A.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernel on CPU
     mesh = qm.init_mesh()
     layers = 2
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, max_position_embeddings=300,
-                      attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float16)
-    quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
-    qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
-    nonzero_lora_b_(model, std=0.2).eval()
+    model = _fp16_qlora_llama(mesh, layers=layers, kv_heads=2, positions=300)
     launches = _count_attention_launches()
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
     pad = torch.ones(2, 6, dtype=torch.long)
