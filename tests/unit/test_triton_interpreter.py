@@ -25,8 +25,8 @@ Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (rea
   library's tiles, small blocks in several splits, one split. The keys no head of a group sees
   hold NaN (a read of one shows) and the blocks each program read must be those holding a seen
   key (the skip); the op compiled gives the eager bits. Then `fast_decode` of a small fp16 Llama
-  (nf4 + LoRA, grouped-query) inside `decode_attention(model)` with the switch on: sdpa's tokens,
-  eager (left-padded rows too) and compiled, one launch a layer a step.
+  (nf4 + LoRA, grouped-query) with the switch on: sdpa's tokens, eager (left-padded rows too)
+  and compiled, one launch a layer a step; and at tp=2 (two gloo ranks, each a shard's heads).
 
 A product is right when its error against the fp32 product of x and the dequantized weight is at
 most twice a plain matmul's on the same weight (the CUDA tests' rule). The interpreter rounds
@@ -619,8 +619,38 @@ def _attention_decode() -> list[dict]:
     return out
 
 
+def _attention_tp_rank(rank: int) -> dict:
+    """One rank of `_attention_tp`: its tokens and kernel launches, sdpa's and the kernel's."""
+    import quantmesh as qm
+    from quantmesh.infer import attention as A
+
+    A.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernel on CPU
+    model = _fp16_qlora_llama(qm.init_mesh(tp=2), layers=2, kv_heads=2, positions=300)
+    launches = _count_attention_launches()
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, on in (("sdpa", False), ("kernel", True)):
+        A.ENABLED = on
+        launches[0] = 0
+        out[name] = (qm.fast_decode(model, ids, 4, compile=False).tolist(), launches[0])
+    A.ENABLED = False
+    return out
+
+
+def _attention_tp() -> list[dict]:
+    """fast_decode at tp=2 (each rank two query heads and one kv head of the small Llama) with
+    the switch on: sdpa's tokens on both ranks, one launch a layer a step on each."""
+    from quantmesh.testing import run_ranks
+
+    r0, r1 = run_ranks(_attention_tp_rank, 2, timeout=300,
+                       env={"QUANTMESH_COMPILE_BACKEND": "aot_eager"})  # fmt: skip
+    ok = all(r["kernel"][0] == r["sdpa"][0] == r0["sdpa"][0] and r["kernel"][1] == 2 * 3
+             and r["sdpa"][1] == 0 for r in (r0, r1))  # fmt: skip
+    return [{"case": repr(("tp=2", r0, r1)), "ok": bool(ok)}]
+
+
 def _attention() -> list[dict]:
-    return _attention_kernel() + _attention_decode()
+    return _attention_kernel() + _attention_decode() + _attention_tp()
 
 
 def main(family: str) -> None:
