@@ -246,3 +246,26 @@ def test_model_inside_the_context_runs_sdpa_with_its_masks():
         finally:
             AttentionInterface.register(A.IMPLEMENTATION, real)
     assert seen[-1] == (2, 1, 1, 64)
+
+
+def test_fast_decode_says_when_the_switch_meets_a_model_that_is_not_sdpa(monkeypatch) -> None:
+    """The switch on with an eager-attention model: `fast_decode` decodes with eager attention
+    and says so (never silently ignored); an sdpa model decodes through the implementation
+    without a word, and both are given back their own afterwards."""
+    import warnings
+
+    import quantmesh as qm
+
+    monkeypatch.setattr(A, "ENABLED", True)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    for attn, says in (("eager", True), ("sdpa", False)):
+        model = _llama(attn)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            qm.fast_decode(model, ids, 3, compile=False)
+        said = [
+            str(w.message) for w in seen if "QUANTMESH_DECODE_ATTENTION is on" in str(w.message)
+        ]
+        assert bool(said) == says, (attn, said)
+        assert not says or "'eager'" in said[0] and "attn_implementation='sdpa'" in said[0]
+        assert _implementations(model) == {attn}

@@ -53,6 +53,7 @@ __all__ = [
     "decode_attention_applies",
     "decode_attention_forward",
     "decode_attention_op",
+    "decode_attention_runs",
     "decode_config",
     "launch_decode_attention",
 ]
@@ -331,6 +332,18 @@ def decode_attention(model: nn.Module) -> Iterator[bool]:
 
 
 _ATTR = "_attn_implementation_internal"  # what transformers' `config._attn_implementation` reads
+
+
+def decode_attention_runs(model: nn.Module) -> bool:
+    """Whether any transformers config of `model` runs `IMPLEMENTATION` now (inside
+    `decode_attention`, for a model that ran "sdpa").
+
+    Example:
+        >>> with decode_attention(model):  # doctest: +SKIP
+        ...     decode_attention_runs(model)
+        True
+    """
+    return any(c.__dict__.get(_ATTR) == IMPLEMENTATION for c in _configs(model))
 
 
 def _configs(model: nn.Module) -> list[Any]:

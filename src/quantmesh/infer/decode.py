@@ -410,6 +410,15 @@ def fast_decode(
         decoding.enter_context(blocks_for_decoding(model, dec.regions))
         if attention.ENABLED:  # sdpa's attention, one query token by the split-KV kernel
             decoding.enter_context(attention.decode_attention(model))
+            if not attention.decode_attention_runs(model):
+                impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+                warnings.warn(
+                    f"quantmesh: QUANTMESH_DECODE_ATTENTION is on, but {type(model).__name__} "
+                    f"runs attention with {impl!r}, and the decode attention takes the place of "
+                    "sdpa only: it decodes with its own; load the model with "
+                    "attn_implementation='sdpa' to use the kernel",
+                    stacklevel=2,
+                )
         # prefill (eager, or compiled after an eager forward that finds the siblings): it fills
         # the cache (transformers marks its tensors static for the graphs)
         logits = dec.prefill(input_ids, padding)  # (batch, vocab)
