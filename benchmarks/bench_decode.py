@@ -400,6 +400,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
     )
     qb.fill_random(model, seed=a.seed)
+    from quantmesh.infer import attention, decode
     from quantmesh.lora import adapter
     from quantmesh.quant import kernel4
 
@@ -407,6 +408,8 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["mma_enabled_at_start"] = kernel4.MMA_ENABLED  # QUANTMESH_MMA=1: on in every run
     R["dequant_enabled_at_start"] = kernel4.DEQUANT_ENABLED  # QUANTMESH_TRITON_DEQUANT=1
     R["join_enabled_at_start"] = kernel4.JOIN_ENABLED  # QUANTMESH_JOIN_CODES=1
+    R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED  # QUANTMESH_COMPILED_PREFILL=1
+    R["attention_enabled_at_start"] = attention.ENABLED  # QUANTMESH_DECODE_ATTENTION=1
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
     tile = None
     if a.batch <= kernel4.GEMV_MAX_ROWS:
@@ -437,35 +440,21 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         with qb.record_errors(R, "qm_profile_error"):
             R["qm_profile"] = profile_decode(model, ids, a)
         qb.write_json(out_path, R)
-    if a.greedy and a.gemv:  # quantmesh's gemv against bitsandbytes' kernels
-        on = kernel4.GEMV_ENABLED
-        flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_bnb" if on else "qm_greedy_gemv",
-                   kernel4, "GEMV_ENABLED", not on)  # fmt: skip
-    for want, flag, stem in (
-        (a.mma, "MMA_ENABLED", "mma"),
-        (a.dequant, "DEQUANT_ENABLED", "dequant"),
-        (a.join, "JOIN_ENABLED", "join"),
+    # an opt-in path of quantmesh's against the default one: (asked, module, its switch, the
+    # run's name when the run turns it on, when it turns it off)
+    for want, module, flag, on_name, off_name in (
+        (a.gemv, kernel4, "GEMV_ENABLED", "gemv", "bnb"),  # against bitsandbytes' kernels
+        (a.mma, kernel4, "MMA_ENABLED", "mma", "no_mma"),
+        (a.dequant, kernel4, "DEQUANT_ENABLED", "dequant", "no_dequant"),
+        (a.join, kernel4, "JOIN_ENABLED", "join", "no_join"),
+        (a.prefill, decode, "PREFILL_COMPILED", "compiled_prefill", "eager_prefill"),
+        (a.attention, attention, "ENABLED", "attention", "no_attention"),
     ):
-        if a.greedy and want:  # an opt-in kernel of quantmesh's against the default path
-            on = getattr(kernel4, flag)
+        if a.greedy and want:
+            on = getattr(module, flag)
             flag_phase(model, a, ids, dev, R, out_path, g,
-                       f"qm_greedy_no_{stem}" if on else f"qm_greedy_{stem}", kernel4, flag,
+                       f"qm_greedy_{off_name if on else on_name}", module, flag,
                        not on)  # fmt: skip
-    if a.greedy and a.prefill:  # the prefill compiled against eager
-        from quantmesh.infer import decode
-
-        on = decode.PREFILL_COMPILED
-        flag_phase(model, a, ids, dev, R, out_path, g,
-                   "qm_greedy_eager_prefill" if on else "qm_greedy_compiled_prefill", decode,
-                   "PREFILL_COMPILED", not on)  # fmt: skip
-    if a.greedy and a.attention:  # the decode attention kernel against sdpa
-        from quantmesh.infer import attention
-
-        on = attention.ENABLED
-        R["attention_enabled_at_start"] = on  # QUANTMESH_DECODE_ATTENTION=1
-        flag_phase(model, a, ids, dev, R, out_path, g,
-                   "qm_greedy_no_attention" if on else "qm_greedy_attention", attention, "ENABLED",
-                   not on)  # fmt: skip
     if a.greedy and a.matmul_adapters:  # the adapters' one-row products as matmuls
         flag_phase(model, a, ids, dev, R, out_path, g, "qm_greedy_matmul_adapters", adapter,
                    "LEAN_ROWS", False)  # fmt: skip
