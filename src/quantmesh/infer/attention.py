@@ -43,6 +43,8 @@ import torch
 from torch import nn
 
 from ..config import env_switch
+from ..quant import kernel4
+from ..quant.kernel4 import _pow2
 
 __all__ = [
     "ENABLED",
@@ -81,8 +83,9 @@ NEUTRAL_KWARGS = frozenset({
     "position_embeddings", "past_key_values", "cache", "token_type_ids",
 })  # fmt: skip
 
-# Triton runs where it is installed (the GPU images); found without importing it
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton runs where it is installed (the GPU images): the 4-bit kernels' finding, a seam of this
+# module's own for the tests
+_HAS_TRITON = kernel4._HAS_TRITON
 # the devices whose inputs the kernel takes (Triton's interpreter runs it on CPU: the tests that
 # check the wiring there add "cpu")
 KERNEL_DEVICES: tuple[str, ...] = ("cuda",)
@@ -111,11 +114,6 @@ def decode_config(batch: int, kv_heads: int, groups: int, head_dim: int,
     # about 32 products a thread (ptxas for sm_90: 105-170 registers, no spills, at D = 128)
     warps = min(8, max(4, gp * block * dp // 1024))
     return dict(BLOCK_L=block, SPLIT=per * block, num_warps=warps)
-
-
-def _pow2(n: int) -> int:
-    """The power of two at or above n (n >= 1)."""
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 def launch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -150,7 +148,7 @@ def launch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if block < 1 or block & (block - 1) or per < block or per % block:
         raise ValueError(f"BLOCK_L a power of two and SPLIT a multiple of it, not {cfg}")
     kind, m, m_strides = _mask_args(mask, q, B, Hq, L)
-    triton = _triton()
+    triton = kernel4._triton()[0]
     from ._triton_attention import qm_decode_attn_combine, qm_decode_attn_split
 
     splits = triton.cdiv(L, per)
@@ -193,12 +191,6 @@ def _mask_args(mask: torch.Tensor | None, q: torch.Tensor, B: int, Hq: int,
     else:
         raise ValueError(f"a bool or float attention mask, not {mask.dtype}")
     return kind, full, (full.stride(0), full.stride(1), full.stride(3))
-
-
-def _triton() -> Any:
-    import triton
-
-    return triton
 
 
 @torch.library.custom_op("quantmesh::decode_attention", mutates_args=())
