@@ -584,6 +584,12 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         for ev in prof.events()
         if qb.is_kernel(ev) and ev.time_range.start >= first
     ]
+    # the host's time before the first replay (the prefill, the setup) by op, self time: where
+    # a call's first ~0.2 s go, which the steps' kernels do not say
+    before: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CPU and ev.time_range.start < first:
+            before[ev.name] = before.get(ev.name, 0.0) + ev.self_cpu_time_total
     total = sum(per_kernel.values())
     host = [ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CPU]
     launches = {
@@ -607,6 +613,9 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         "gaps": kernel_gaps(timed, max(1, len(graph_at))),
         "replays": len(graph_at),
         "call": call,
+        "host_before_first_replay_us": {
+            n[:90]: round(v, 1) for n, v in sorted(before.items(), key=lambda kv: -kv[1])[:25]
+        },
         "kernels_per_step": round(
             sum(1 for ev in prof.events() if qb.is_kernel(ev)) / steps,
             1,

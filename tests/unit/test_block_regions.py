@@ -119,14 +119,15 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
 
 
-def qlora_llama() -> torch.nn.Module:
+def qlora_llama(intermediate: int = 128) -> torch.nn.Module:
     """A small sdpa Llama, nf4 + LoRA (its adapters' B nonzero) on one gloo rank."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import quantmesh as qm
     from tests.models import nonzero_lora_b_
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=intermediate,
+                      num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(1)
@@ -231,3 +232,50 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     model.eval()
     assert torch.equal(qm.fast_decode(model, ids, 6, mode=None), ref)
     assert graphs == [] and len(steps) == 1  # marked again alike: the step's guards held
+
+
+def test_joined_sibling_codes_compile_as_block_regions(monkeypatch) -> None:
+    """Sibling layers' codes joined (`kernel4.JOIN_ENABLED`: gate and up, each 256 x 64, one
+    nested block of 256) are views of one tensor, and a compiled block region refuses inputs
+    that alias. Compiling, each member reads the run's tensors alone: the step and the prefill
+    compile as regions (no fallback to every block, no warning), with the tokens the unjoined
+    model decodes eagerly."""
+    import warnings
+
+    import quantmesh as qm
+    from quantmesh.infer import decode
+    from quantmesh.quant import kernel4
+
+    model = qlora_llama(intermediate=256)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(kernel4, "JOIN_ENABLED", False)
+    ref = qm.fast_decode(model, ids, 6, compile=False)
+    monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
+    monkeypatch.setattr(decode, "PREFILL_COMPILED", True)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = [qm.fast_decode(model, p, 6, mode=None) for p in (ids, ids[:, 3:])]
+    said = [str(w.message) for w in seen if "quantmesh:" in str(w.message)]
+    assert not said, said
+    members = [m.__dict__.get("local", m) for m in model.modules()]
+    assert sum(getattr(m, "codes_run", None) is not None for m in members) == 4  # 2 blocks
+    assert model.__dict__["_quantmesh_decoder"].regions  # never dropped
+    assert torch.equal(got[0], ref), (got[0], ref)
+    assert torch.equal(got[1], qm.fast_decode(model, ids[:, 3:], 6, compile=False))
+
+
+def test_a_compilers_refusal_is_said_with_its_reason() -> None:
+    """A compiler's error whose first line ends in a colon (torch's "Got graph break/error:")
+    is said with the line after it, the reason."""
+    from quantmesh.infer.decode import _said
+
+    e = RuntimeError(
+        "This higher order operator doesn't work unless it is captured completely. Got graph "
+        "break/error:\n\nEncountered aliasing during higher order op tracing\n  Explanation: ..."
+    )
+    assert _said(e) == (
+        "RuntimeError: This higher order operator doesn't work unless it is captured completely. "
+        "Got graph break/error: Encountered aliasing during higher order op tracing"
+    )
+    assert _said(ValueError("one line")) == "ValueError: one line"

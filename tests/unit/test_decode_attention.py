@@ -78,9 +78,25 @@ def test_registered_in_transformers():
     assert A.IMPLEMENTATION in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping  # what masks check
 
 
+def test_on_by_default_where_the_kernel_runs(monkeypatch) -> None:
+    """The switch is on by default (QUANTMESH_DECODE_ATTENTION unset), and `fast_decode` switches
+    a model only where the kernel can run: Triton, the weights on a kernel device."""
+    assert A.ENABLED is True
+    model = _llama()
+    assert not A.decode_attention_wanted(model)  # CPU: not among KERNEL_DEVICES
+    monkeypatch.setattr(A, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(A, "_HAS_TRITON", True)
+    assert A.decode_attention_wanted(model)
+    monkeypatch.setattr(A, "_HAS_TRITON", False)
+    assert not A.decode_attention_wanted(model)
+    monkeypatch.setattr(A, "_HAS_TRITON", True)
+    monkeypatch.setattr(A, "ENABLED", False)  # QUANTMESH_DECODE_ATTENTION=0
+    assert not A.decode_attention_wanted(model)
+
+
 @pytest.mark.usefixtures("no_kernel")
-def test_switch_off_is_sdpa():
-    assert A.ENABLED is False  # the default (QUANTMESH_DECODE_ATTENTION unset)
+def test_switch_off_is_sdpa(monkeypatch):
+    monkeypatch.setattr(A, "ENABLED", False)  # QUANTMESH_DECODE_ATTENTION=0
     q, k, v, mask = _inputs()
     float_mask = torch.where(mask, 0.0, float("-inf")).half()
     for m in (mask, float_mask, None):
@@ -248,16 +264,24 @@ def test_model_inside_the_context_runs_sdpa_with_its_masks():
     assert seen[-1] == (2, 1, 1, 64)
 
 
+@pytest.mark.usefixtures("no_kernel")
 def test_fast_decode_says_when_the_switch_meets_a_model_that_is_not_sdpa(monkeypatch) -> None:
-    """The switch on with an eager-attention model: `fast_decode` decodes with eager attention
-    and says so (never silently ignored); an sdpa model decodes through the implementation
-    without a word, and both are given back their own afterwards."""
+    """The switch on, the model on a kernel device, eager attention: `fast_decode` decodes with
+    eager attention and says so (never silently ignored); an sdpa model decodes through the
+    implementation without a word (fp32 here: sdpa's path, the kernel never launched), and both
+    are given back their own afterwards. Where the kernel cannot run (CPU by default), neither
+    is switched, and nothing is said."""
     import warnings
 
     import quantmesh as qm
 
-    monkeypatch.setattr(A, "ENABLED", True)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        qm.fast_decode(_llama("eager"), ids, 3, compile=False)  # CPU: the kernel cannot run
+    assert not [w for w in seen if "QUANTMESH_DECODE_ATTENTION" in str(w.message)]
+    monkeypatch.setattr(A, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(A, "_HAS_TRITON", True)
     for attn, says in (("eager", True), ("sdpa", False)):
         model = _llama(attn)
         with warnings.catch_warnings(record=True) as seen:

@@ -393,8 +393,9 @@ def _decode() -> list[dict]:
         dist.destroy_process_group()
     (plain, n_plain), (comp, n_comp) = runs["plain"], runs["joined_compiled"]
     # every forward (the prefill's 6 rows too) launches 7 gemvs a layer alone, 4 joined; the
-    # prefill joins the runs at its end, so only the steps after it read them joined
-    ok = comp == plain and n_plain == 7 * new and n_comp == 7 + 4 * (new - 1)
+    # first call finds the runs in a forward of the prompt's first token (7), joins them, then
+    # prefills the prompt on the joined codes (4) and steps (4 each)
+    ok = comp == plain and n_plain == 7 * new and n_comp == 7 + 4 * new
     return [{"case": repr(("decode", runs)), "ok": bool(ok)}]
 
 

@@ -23,8 +23,8 @@ hidden, whose weight fp32 rounds to 0 anyway). A head that sees no key gets zero
 Wiring: the module registers `IMPLEMENTATION` ("quantmesh_decode") in transformers'
 `AttentionInterface` (`decode_attention_forward`) and `AttentionMaskInterface` (sdpa's mask) at
 import; `decode_attention(model)` switches a model that runs "sdpa" to it while entered. The
-function takes the kernel only with `ENABLED` (QUANTMESH_DECODE_ATTENTION=1; off by default until
-it is timed on a GPU), one query token, inputs on `KERNEL_DEVICES`, bf16/fp16, no dropout and no
+function takes the kernel only with `ENABLED` (on by default; QUANTMESH_DECODE_ATTENTION=0 turns it
+off), one query token, inputs on `KERNEL_DEVICES`, bf16/fp16, no dropout and no
 keyword that changes the math (softcap, sinks, a position bias, attention weights asked for...);
 everything else goes to transformers' own `sdpa_attention_forward` unchanged. The kernel is the
 custom op `quantmesh::decode_attention`, so `torch.compile(fullgraph=True)` (CUDA graphs) traces
@@ -56,14 +56,16 @@ __all__ = [
     "decode_attention_forward",
     "decode_attention_op",
     "decode_attention_runs",
+    "decode_attention_wanted",
     "decode_config",
     "launch_decode_attention",
 ]
 
 # The kernel in place of sdpa for one query token, where it applies (`decode_attention_applies`):
-# opt-in (QUANTMESH_DECODE_ATTENTION=1, or set this True) until a GPU times it against sdpa.
+# on by default where it runs (docs/benchmarks.md, "Figures the code relies on");
+# QUANTMESH_DECODE_ATTENTION=0 turns it off.
 # Read at call time: a compiled step is guarded on it.
-ENABLED = env_switch("QUANTMESH_DECODE_ATTENTION", default=False)
+ENABLED = env_switch("QUANTMESH_DECODE_ATTENTION", default=True)
 IMPLEMENTATION = "quantmesh_decode"  # the name in transformers' AttentionInterface
 # A float mask's values at or below this hide their key (fp16's lowest: transformers' eager masks
 # use the dtype's lowest, -inf or below); the kernel skips a block of such keys unread.
@@ -224,7 +226,7 @@ def decode_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torc
     Example:
         >>> q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
         >>> kv = torch.zeros(1, 4, 256, 64, dtype=torch.bfloat16)
-        >>> decode_attention_applies(q, kv, kv, None)  # off by default, and CPU
+        >>> decode_attention_applies(q, kv, kv, None)  # CPU: not a kernel device
         False
     """
     if not ENABLED or not _HAS_TRITON:
@@ -324,6 +326,21 @@ def decode_attention(model: nn.Module) -> Iterator[bool]:
 
 
 _ATTR = "_attn_implementation_internal"  # what transformers' `config._attn_implementation` reads
+
+
+def decode_attention_wanted(model: nn.Module) -> bool:
+    """Whether `fast_decode` switches `model` to `IMPLEMENTATION` (`decode_attention`): `ENABLED`,
+    Triton, and the model's weights on one of `KERNEL_DEVICES`. Elsewhere the kernel could never
+    run, and the model keeps its own attention.
+
+    Example:
+        >>> decode_attention_wanted(torch.nn.Linear(2, 2))  # CPU
+        False
+    """
+    if not ENABLED or not _HAS_TRITON:
+        return False
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type in KERNEL_DEVICES
 
 
 def decode_attention_runs(model: nn.Module) -> bool:

@@ -188,8 +188,8 @@ class _Decoder:
         fusing decoder also finds the adapters that read one tensor (`stack_sibling_adapters`)
         and, with `kernel4.JOIN_ENABLED`, joins the 4-bit codes of such layers
         (`join_sibling_codes_in`): an eager forward run, of the prompt's first token where the
-        prefill is compiled (its cache is then cleared). Every prefill copies the adapters'
-        current weights into the stacks.
+        prefill is compiled or the codes are joined (its cache is then cleared). Every prefill
+        copies the adapters' current weights into the stacks.
 
         With `PREFILL_COMPILED` a compiled decoder compiles the prefill too, the prompt's length
         dynamic: an eager prefill launches every op of every layer from the host, about a
@@ -207,8 +207,10 @@ class _Decoder:
                 if join:  # the 4-bit siblings' codes, joined once per decoder (the switch may flip)
                     finding.enter_context(join_sibling_codes_in(self.model))
                     self.joined = True
-                if not compiled:  # the eager prefill finds them
+                if not compiled and not join:  # the eager prefill finds them
                     return self._found(stacks, self._prefill_logits(input_ids, kw))
+                # (a join: the prefill itself runs on the joined codes, so that the first call,
+                # not the second, compiles the kernels' forms for them)
                 self.model(input_ids=input_ids[:, :1], **self.prefill_kw)
             self.cache.reset()
         logits = self._compiled_prefill(input_ids, kw) if compiled else None
@@ -256,7 +258,11 @@ class _Decoder:
 def _said(e: BaseException) -> str:
     """A compiler's error in one line: the backend's own exception where dynamo wrapped it."""
     inner = getattr(e, "inner_exception", None) or e
-    return f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
+    lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()] or [""]
+    said = lines[0]
+    if said.endswith(":") and len(lines) > 1:  # ("... Got graph break/error:": the reason next)
+        said = f"{said} {lines[1]}"
+    return f"{type(inner).__name__}: {said}"
 
 
 def _refuse_eager_experts(model: nn.Module) -> None:
@@ -408,7 +414,7 @@ def fast_decode(
     # compile of theirs (compile_blocks) set aside (blocks_for_decoding)
     with contextlib.ExitStack() as decoding:
         decoding.enter_context(blocks_for_decoding(model, dec.regions))
-        if attention.ENABLED:  # sdpa's attention, one query token by the split-KV kernel
+        if attention.decode_attention_wanted(model):  # sdpa's, one query token: the kernel
             decoding.enter_context(attention.decode_attention(model))
             if not attention.decode_attention_runs(model):
                 impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -416,7 +422,8 @@ def fast_decode(
                     f"quantmesh: QUANTMESH_DECODE_ATTENTION is on, but {type(model).__name__} "
                     f"runs attention with {impl!r}, and the decode attention takes the place of "
                     "sdpa only: it decodes with its own; load the model with "
-                    "attn_implementation='sdpa' to use the kernel",
+                    "attn_implementation='sdpa' to use the kernel (QUANTMESH_DECODE_ATTENTION=0 "
+                    "says nothing)",
                     stacklevel=2,
                 )
         # prefill (eager, or compiled after an eager forward that finds the siblings): it fills

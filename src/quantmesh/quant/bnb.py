@@ -217,6 +217,32 @@ def _classes() -> dict[str, type]:
                            lambda: matmul(x2, self.weight.data, qs))  # fmt: skip
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
+        def _joined_product(self, run: CodesRun, x: torch.Tensor, xc: torch.Tensor, qs: Any,
+                            cd: torch.dtype, grad: bool) -> torch.Tensor:  # fmt: skip
+            """x @ W^T while compiling, for a member of a joined run (`join_sibling_codes`): a
+            compiled block region refuses inputs that alias, and this layer's codes and
+            statistics are views of the run's, so it reads the run's tensors alone. The run's
+            product (the gemv or the tensor-core kernel on the joined codes where they apply,
+            else `CodesRun.flat_product`) gives each sibling its columns when it gets the very
+            tensor the first one got; otherwise its own rows of the joined weight."""
+            i = self.codes_index
+            x2 = xc.reshape(-1, x.shape[-1])
+            joined = functools.partial(run.flat_product, x2)
+            own = functools.partial(run.flat_product, x2, i)
+            if not grad:
+                for applies, matmul in _KERNELS:
+                    if matmul in _JOINED_KERNELS and applies(x, qs, cd):
+                        c0, c1 = run.code_at[i]  # its own codes: the kernel's unjoined form
+                        own = functools.partial(matmul, x2, run.codes[c0:c1], qs,
+                                                run.member_statistics(i))  # fmt: skip
+                        if not joined_codes_on():  # (off since the join: its own launch)
+                            y = own()
+                            return y.reshape(*x.shape[:-1], y.shape[-1])
+                        joined = functools.partial(matmul, x2, run.codes, run.qs)
+                        break
+            y = run.output(i, x, joined, own)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             qs = getattr(self.weight, "quant_state", None)
             if qs is None:
@@ -245,6 +271,10 @@ def _classes() -> dict[str, type]:
                 # see dequantize_4bit_flat; eager and compiled alike (bitsandbytes' CPU kernel
                 # would compute with the wrong statistics)
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
+                return (y if bias is None else y + bias).to(x.dtype)
+            codes_run = self.codes_run
+            if codes_run is not None and codes_run.codes.device == x.device and _compiling():
+                y = self._joined_product(codes_run, x, x.to(cd), qs, cd, grad)
                 return (y if bias is None else y + bias).to(x.dtype)
             for applies, matmul in _KERNELS:  # quantmesh's kernels (CUDA; see quant/kernel4.py)
                 if applies(x, qs, cd):
@@ -550,6 +580,11 @@ def _packed_state(module: nn.Module) -> tuple[torch.Tensor, Any]:
     return w.data, qs
 
 
+def _compiling() -> bool:
+    """Whether dynamo is tracing the caller (`torch.compiler.is_compiling`)."""
+    return torch.compiler.is_compiling()
+
+
 def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
 
@@ -688,14 +723,20 @@ class CodesRun(_SiblingRun):
                                state2=state2)  # fmt: skip
         at_c = at_a = at_n = 0  # where each member's codes, absmax and nested absmax begin
         views: list[torch.Tensor] = []
+        self.code_at: list[tuple[int, int]] = []  # each member's bytes of `codes`, its blocks
+        self.block_at: list[tuple[int, int]] = []  # (and nested blocks)
+        self.nested_at: list[tuple[int, int]] = []
         for i, (m, q, c) in enumerate(zip(members, qss, codes, strict=True)):
             n, k = c.numel() * c.element_size(), q.absmax.numel()
+            self.code_at.append((at_c, at_c + n))
+            self.block_at.append((at_a, at_a + k))
             cast(Any, m).weight.data = self.codes[at_c : at_c + n].view(c.dtype).view(c.shape)
             q.absmax = absmax[at_a : at_a + k]
             views.append(q.absmax)  # (the codes are a parameter's: static already)
             at_c, at_a = at_c + n, at_a + k
             if state2 is not None:
                 k2 = q.state2.absmax.numel()
+                self.nested_at.append((at_n, at_n + k2))
                 q.state2.absmax = state2.absmax[at_n : at_n + k2]
                 views.append(q.state2.absmax)
                 at_n += k2
@@ -704,6 +745,39 @@ class CodesRun(_SiblingRun):
             joined = [self.codes, absmax, *(() if state2 is None else (state2.absmax, offset))]
             for t in joined + views:
                 torch._dynamo.mark_static_address(t, guard=False)
+
+    def member_statistics(self, member: int) -> tuple[Any, ...]:
+        """Member `member`'s statistics as the kernels take them (`kernel4._statistics`' order),
+        slices of the joined tensors (never the member's views of them): its absmax and, under
+        double quant, its nested absmax, the nested code and its one offset."""
+        b0, b1 = self.block_at[member]
+        qs = self.qs
+        if not qs.nested:
+            return qs.absmax[b0:b1], None, None, None
+        n0, n1 = self.nested_at[member]
+        return qs.absmax[b0:b1], qs.state2.absmax[n0:n1], qs.state2.code, qs.offset[n0 : n0 + 1]
+
+    def flat_product(self, x2: torch.Tensor, member: int | None = None) -> torch.Tensor:
+        """x2 (rows, in) @ W^T of the joined weight (rows, sum of outs), or of member `member`'s
+        rows of it, read from the joined tensors alone (never a member's views of them), with
+        the weight bitsandbytes' dequantize gives: each block's absmax from the nested
+        statistics plus its member's offset. Under autograd as `_flat_matmul_4bit` (the codes
+        kept for backward, no float weight)."""
+        qs = self.qs
+        absmax = qs.absmax
+        if qs.nested:
+            s2 = qs.state2
+            absmax = torch.ops.bitsandbytes.dequantize_blockwise(
+                absmax, s2.absmax, s2.code, s2.blocksize, torch.float32
+            )  # (blocks,): whole nested blocks of s2.blocksize, each with its member's offset
+            absmax = (absmax.view(-1, s2.blocksize) + qs.offset[:, None]).view(-1)
+        codes, out_f = self.codes, sum(self.outs)
+        if member is not None:
+            (c0, c1), (b0, b1) = self.code_at[member], self.block_at[member]
+            codes, absmax, out_f = codes[c0:c1], absmax[b0:b1], self.outs[member]
+        in_f = int(qs.shape[1])
+        return _flat_matmul_4bit(x2, codes, absmax, int(qs.blocksize), str(qs.quant_type), out_f,
+                                 in_f, qs.dtype)  # fmt: skip
 
 
 def join_sibling_codes(runs: Iterable[list[nn.Module]]) -> int:

@@ -192,7 +192,8 @@ MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many pro
 # and the tensor-core kernel (`quant.bnb.join_sibling_codes`: their codes joined in place, no
 # memory added; fast_decode's first prefill and the server's slot engine find the runs): one
 # launch a run, and more programs in flight than each narrow weight gives. Opt-in
-# (QUANTMESH_JOIN_CODES=1) until a GPU times it against separate launches.
+# (QUANTMESH_JOIN_CODES=1) until the slot engine's CUDA test passes with it (docs/benchmarks.md,
+# "Figures the code relies on").
 JOIN_ENABLED = env_switch("QUANTMESH_JOIN_CODES", default=False)
 
 
@@ -278,12 +279,15 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     return _on_codes(_rows_op, x, packed, qs)
 
 
-def _on_codes(op: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+def _on_codes(op: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any,
+              stats: tuple[Any, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """op(x as (rows, in), the flat codes, the statistics, blocksize, quant type, out) reshaped
-    back to x's leading dimensions: how the matmul ops take a QuantState's weight."""
+    back to x's leading dimensions: how the matmul ops take a QuantState's weight. `stats`: the
+    four statistics (`_statistics`' order) in place of `qs`'s tensors, which then gives only
+    the shape, blocksize and quant type (a joined run's member: `quant.bnb.CodesRun`)."""
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
     flat = packed.reshape(-1).view(torch.uint8)
-    y = op(x.reshape(-1, in_f), flat, *_statistics(qs, x.device), int(qs.blocksize),
+    y = op(x.reshape(-1, in_f), flat, *(stats or _statistics(qs, x.device)), int(qs.blocksize),
            str(qs.quant_type), out_f)  # fmt: skip
     return y.reshape(*x.shape[:-1], out_f)
 
@@ -389,7 +393,9 @@ def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     return 1 <= rows <= GEMV_MAX_ROWS and _whole_64_blocks(qs)
 
 
-def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+def matmul_4bit_gemv(
+    x: torch.Tensor, packed: torch.Tensor, qs: Any, stats: tuple[Any, ...] | None = None
+) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype for 1 to `GEMV_MAX_ROWS` rows, by the gemv
     (`launch_gemv` at `gemv_config`'s tile: `_triton4.qm_gemv_lines`, the lanes along K); check
     `gemv_applies` first.
@@ -397,7 +403,7 @@ def matmul_4bit_gemv(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
     Example:
         >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
-    return _on_codes(_gemv_op, x, packed, qs)
+    return _on_codes(_gemv_op, x, packed, qs, stats)
 
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
@@ -533,7 +539,9 @@ def mma_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
     return MMA_MIN_ROWS <= rows <= MMA_MAX_ROWS and _whole_64_blocks(qs)
 
 
-def matmul_4bit_mma(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Tensor:
+def matmul_4bit_mma(
+    x: torch.Tensor, packed: torch.Tensor, qs: Any, stats: tuple[Any, ...] | None = None
+) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype for up to `MMA_MAX_ROWS` rows on tensor cores
     (`launch_mma` at `mma_config`'s tile: `_triton4.qm_mma_4bit`), the codes read once and the
     weight, as dequantize_4bit writes it, made in registers only; check `mma_applies` first.
@@ -541,7 +549,7 @@ def matmul_4bit_mma(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Ten
     Example:
         >>> y = matmul_4bit_mma(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
-    return _on_codes(_mma_op, x, packed, qs)
+    return _on_codes(_mma_op, x, packed, qs, stats)
 
 
 def mma_config(rows: int, out_f: int, in_f: int, tile: dict[str, Any] | None = None,
