@@ -115,7 +115,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--attention",
         action="store_true",
         help="qlora: also greedy with quantmesh.infer.attention.ENABLED flipped (the split-KV "
-        "decode attention kernel in place of sdpa for one query token, opt-in), in the same "
+        "decode attention kernel in place of sdpa for one query token, on by default), in the same "
         "process (profiled too with --profile): "
         "qm_greedy_attention when it is off at the start, else qm_greedy_no_attention",
     )
@@ -409,7 +409,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["dequant_enabled_at_start"] = kernel4.DEQUANT_ENABLED  # QUANTMESH_TRITON_DEQUANT=1
     R["join_enabled_at_start"] = kernel4.JOIN_ENABLED  # QUANTMESH_JOIN_CODES=1
     R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED  # QUANTMESH_COMPILED_PREFILL=1
-    R["attention_enabled_at_start"] = attention.ENABLED  # QUANTMESH_DECODE_ATTENTION=1
+    R["attention_enabled_at_start"] = attention.ENABLED  # QUANTMESH_DECODE_ATTENTION
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
     tile = None
     if a.batch <= kernel4.GEMV_MAX_ROWS:

@@ -52,9 +52,9 @@
 #            (bench_decode.py --join --profile), then nf4_gemv_bench.py on the joined q/k/v and
 #            gate/up shapes against their members (1, 4, 16 and 32 rows, the library's tiles),
 #            then the trained model's CUDA decode test (which decodes it joined too)
-#   attention the split-KV decode attention (QUANTMESH_DECODE_ATTENTION, opt-in): its CUDA tests,
-#            decode_attention_bench.py (the kernel against SDPA, 512 and 2048 cache slots, batch 1
-#            and 32), then qm.fast_decode at batch 1 without and with it, in one process, profiled
+#   attention the split-KV decode attention (QUANTMESH_DECODE_ATTENTION, on by default on a GPU):
+#            its CUDA tests, decode_attention_bench.py (the kernel against SDPA, 512 and 2048 cache
+#            slots, batch 1 and 32), then qm.fast_decode at batch 1 with and without it, profiled
 #            (bench_decode.py --attention --profile), then the trained model's CUDA decode test
 #            with it on
 #

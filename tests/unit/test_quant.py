@@ -627,3 +627,47 @@ def test_serve_keep_dequantized_refuses_a_model_without_4bit_layers():
     _, m, _ = _quantized("bnb-nf4")
     _keep_dequantized(nn.Sequential(m), torch.device("cpu"), torch.float32)
     assert m.dense is not None and m.dense.shape == (OUT, IN)
+
+
+def test_codes_ops_launch_directly_in_eager_mode_and_trace_as_one_op() -> None:
+    """The matmul ops on codes (`kernel4._codes_op`): eagerly, on plain tensors, the launcher is
+    called without the custom op's dispatch (which cost the host about as much as the launch);
+    compiled, the op is traced whole; under fake tensors the op's fake gives the shape, and the
+    launcher never runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from quantmesh.quant import kernel4 as k4
+
+    seen: list[tuple] = []
+
+    def launch(x, packed, absmax, nested_absmax, nested_code, offset, bs, qt, out_f, cfg):
+        seen.append((tuple(x.shape), cfg))
+        return x.new_ones((x.shape[0], out_f))
+
+    call = k4._codes_op("codes_op_under_test", launch, lambda rows, out_f, in_f, bs: {"rows": rows})
+    x, packed, absmax = torch.randn(3, 8), torch.zeros(16, dtype=torch.uint8), torch.ones(1)
+    args = (x, packed, absmax, None, None, None, 64, "nf4", 5)
+    with torch.profiler.profile() as prof:
+        y = call(*args)
+    assert y.shape == (3, 5) and seen == [((3, 8), {"rows": 3})]
+    ops = {ev.name for ev in prof.events()}
+    assert "quantmesh::codes_op_under_test" not in ops, ops  # no dispatch
+    with torch.profiler.profile() as prof:
+        call.op(*args)  # the op itself, for comparison: the profiler sees it
+    assert "quantmesh::codes_op_under_test" in {ev.name for ev in prof.events()}
+    traced: list[list] = []
+
+    def backend(gm: torch.fx.GraphModule, example: list) -> object:
+        traced.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: call(x, packed, absmax, None, None, None, 64, "nf4", 5) * 2,
+                        backend=backend, fullgraph=True)(x)  # fmt: skip
+    assert torch.equal(out, torch.full((3, 5), 2.0))
+    assert torch.ops.quantmesh.codes_op_under_test.default in traced[0]
+    seen.clear()
+    with FakeTensorMode() as mode:
+        fake = call(mode.from_tensor(x), *(mode.from_tensor(t) for t in (packed, absmax)),
+                    None, None, None, 64, "nf4", 5)  # fmt: skip
+    assert fake.shape == (3, 5) and not seen

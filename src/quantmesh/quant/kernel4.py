@@ -296,7 +296,13 @@ def _codes_op(name: str, launch: Any, config: Any) -> Any:
     """The custom op `quantmesh::<name>`(x (rows, in), the flat codes, the four statistics,
     blocksize, quant type, out) -> (rows, out): `launch` (`launch_gemv`'s arguments) at the tile
     `config(rows, out, in, blocksize)`; one op, so that `torch.compile` traces it whole. The
-    matmul ops on codes (the gemv, the tensor-core kernel, the row kernel) are made by it."""
+    matmul ops on codes (the gemv, the tensor-core kernel, the row kernel) are made by it.
+
+    Returns a function that calls the op while compiling, under a dispatch mode or with tensor
+    subclasses (fake tensors), and `launch` itself otherwise: in eager mode the op's dispatch
+    cost the host about as much as the launch (docs/benchmarks.md, "Figures the code relies
+    on"), and an eager prefill launches these once per layer and projection. The op itself is
+    its attribute `op`."""
 
     def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
            nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
@@ -312,7 +318,26 @@ def _codes_op(name: str, launch: Any, config: Any) -> Any:
 
     made = torch.library.custom_op(f"quantmesh::{name}", op, mutates_args=())
     made.register_fake(fake)
-    return made
+
+    def call(*args: Any) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not _plain_eager(args):
+            out: torch.Tensor = made(*args)
+            return out
+        return op(*args)
+
+    call.op = made  # type: ignore[attr-defined]
+    return call
+
+
+def _plain_eager(args: tuple[Any, ...]) -> bool:
+    """Whether a call with `args` runs eagerly on plain tensors: no dispatch mode (fake tensors,
+    a tracer, a counter) active and no tensor of a subclass, so that calling a custom op's
+    function directly skips only its dispatch."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
 
 
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
