@@ -6,7 +6,8 @@ ladder step), change the batch size and leave. The GPU's CUDA graphs (mode="redu
 tests/distributed/test_cuda_serve.py; this one runs in `make test` (backend aot_eager: the same
 trace, no code generation). A mixture of experts with adapters on its experts in the bank traces
 whole too and equals the eager step (whose values tests/distributed/test_serve_bank.py checks
-against each adapter alone).
+against each adapter alone). A model whose sibling layers' codes the engine joins
+(QUANTMESH_JOIN_CODES) serves compiled as it does eagerly.
 """
 
 from __future__ import annotations
@@ -570,3 +571,47 @@ def test_a_compiler_refusing_block_regions_compiles_every_block() -> None:
         assert len(fell) == 1 and "this compiler takes no block regions" in fell[0], res["said"]
         assert res["said"][-1].startswith("compiled the decode steps in"), res["said"]
         assert res["steps"] == 2 * 4 and res["worst"] < 1e-4, res
+
+
+def _joined_codes_served(rank: int) -> dict:
+    """A tiny Llama whose gate and up (256 x 64 each: one nested block of 256) the slot engine
+    joins (`kernel4.JOIN_ENABLED`), served by the compiled engine against the eager one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import quantmesh as qm
+    from quantmesh.quant import kernel4
+    from quantmesh.serve.bank import AdapterBank
+    from quantmesh.serve.engine import Admit
+    from quantmesh.serve.slots import SlotBatch
+
+    kernel4.JOIN_ENABLED = True
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                      max_position_embeddings=1024, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(cfg)
+    qm.parallelize(model, qm.init_mesh(), quant="nf4", lora=qm.LoraConfig(r=4))
+    model.eval()
+    bank = AdapterBank(model, slots=3)
+    _random_adapters(bank, list(bank.banked.values()), torch.Generator().manual_seed(11))
+    batch = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=True,
+                      backend="aot_eager", prefill=64)  # fmt: skip
+    eager = SlotBatch(model, bank, max_batch=4, max_len=300, ladder=(1, 2), compile=False)
+    # short prompts: the compiled, packed prefill; a 70-token one: the eager prefill
+    admit = {0: [Admit(0, [3, 4, 5], 1), Admit(1, [9, 10], 1)],
+             3: [Admit(2, list(range(7, 77)), 0)]}  # fmt: skip
+    worst, steps = _eager_and_compiled(eager, batch, 8, admit, {6: [1]})
+    members = [m.__dict__.get("local", m) for m in model.modules()]
+    joined = sum(getattr(m, "codes_run", None) is not None for m in members)
+    return {"worst": worst, "steps": steps, "joined": joined}
+
+
+def test_the_compiled_slot_engine_serves_joined_codes() -> None:
+    """The slot engine joins sibling layers' codes (QUANTMESH_JOIN_CODES=1) in place: the members'
+    tensors become views of one, which a compiled block region refuses as separate inputs. The
+    compiled engine (its decode steps and packed prefill) reads the joined tensors alone and
+    equals the eager engine."""
+    (res,) = run_ranks(_joined_codes_served, 1, timeout=300)
+    assert res["joined"] == 4, res  # gate and up of 2 blocks
+    assert res["steps"] == 2 * 7, res
+    assert res["worst"] < 1e-4, res  # fp32
