@@ -119,7 +119,7 @@ def test_fast_decode_compiles_every_block_where_the_compiler_refuses_regions(mon
     assert not any("forward" in b.__dict__ for b in model.model.layers)  # unmarked
 
 
-def qlora_llama(intermediate: int = 128) -> torch.nn.Module:
+def qlora_llama(intermediate: int = 128, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """A small sdpa Llama, nf4 + LoRA (its adapters' B nonzero) on one gloo rank."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -133,7 +133,7 @@ def qlora_llama(intermediate: int = 128) -> torch.nn.Module:
     torch.manual_seed(1)
     model = LlamaForCausalLM(cfg)
     qm.parallelize(model, qm.init_mesh(backend="gloo"), quant="nf4", lora=qm.LoraConfig(r=4),
-                   dtype=torch.bfloat16)  # fmt: skip
+                   dtype=dtype)  # fmt: skip
     return nonzero_lora_b_(model, std=0.2).eval()
 
 
@@ -279,3 +279,44 @@ def test_a_compilers_refusal_is_said_with_its_reason() -> None:
         "Got graph break/error: Encountered aliasing during higher order op tracing"
     )
     assert _said(ValueError("one line")) == "ValueError: one line"
+
+
+def test_compiled_training_after_a_join_reads_the_joined_codes(monkeypatch) -> None:
+    """Training with compiled blocks after `fast_decode` joined sibling codes: the members read
+    the joined tensors (`CodesRun.flat_product`, under autograd), and the loss and every LoRA
+    gradient are the unjoined eager step's (fp32: rounding only)."""
+    import quantmesh as qm
+    from quantmesh.quant import bnb as qbnb
+    from quantmesh.quant import kernel4
+
+    model = qlora_llama(intermediate=256, dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def step() -> tuple[torch.Tensor, dict]:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.loss.detach(), grads
+
+    ref_loss, ref = step()
+    monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
+    model.eval()
+    qm.fast_decode(model, ids[:, :5], 3, compile=False)  # joins gate and up of both blocks
+    flat = [0]
+    real = qbnb.CodesRun.flat_product
+
+    def counted(self, *args, **kw):
+        flat[0] += 1
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(qbnb.CodesRun, "flat_product", counted)
+    torch._dynamo.reset()
+    qm.compile_blocks(model, backend="aot_eager")
+    loss, got = step()
+    assert flat[0] > 0  # traced through the joined tensors
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert got.keys() == ref.keys() and ref
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)

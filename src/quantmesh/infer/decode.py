@@ -345,7 +345,9 @@ def fast_decode(
     LoRA adapters of sibling layers that read one tensor (q, k, v; gate, up) run stacked in the
     steps: one matmul for their A's and one for their B's (block-diagonal) instead of two per
     adapter (`quantmesh.infer.decode.AdapterStack`; it keeps a copy of those adapters, refreshed at
-    every call). `fuse_adapters=False` runs each adapter on its own. Blocks compiled for training
+    every call). `fuse_adapters=False` runs each adapter on its own. On a GPU with Triton an sdpa
+    model attends through quantmesh's split-KV kernel in the steps (`quantmesh.infer.attention`;
+    QUANTMESH_DECODE_ATTENTION=0 keeps sdpa). Blocks compiled for training
     (`compile_blocks`) run uncompiled while it decodes (the step is compiled as a whole) and
     compiled again after.
 
