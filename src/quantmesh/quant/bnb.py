@@ -273,7 +273,11 @@ def _classes() -> dict[str, type]:
                 y = _flat_matmul_4bit(x.to(cd), self.weight.data, *_flat_args(qs))
                 return (y if bias is None else y + bias).to(x.dtype)
             codes_run = self.codes_run
-            if codes_run is not None and codes_run.codes.device == x.device and _compiling():
+            if (
+                codes_run is not None
+                and codes_run.codes.device == x.device
+                and torch.compiler.is_compiling()
+            ):
                 y = self._joined_product(codes_run, x, x.to(cd), qs, cd, grad)
                 return (y if bias is None else y + bias).to(x.dtype)
             for applies, matmul in _KERNELS:  # quantmesh's kernels (CUDA; see quant/kernel4.py)
@@ -580,11 +584,6 @@ def _packed_state(module: nn.Module) -> tuple[torch.Tensor, Any]:
     return w.data, qs
 
 
-def _compiling() -> bool:
-    """Whether dynamo is tracing the caller (`torch.compiler.is_compiling`)."""
-    return torch.compiler.is_compiling()
-
-
 def _rows_cut_blocks_on_cpu(packed: torch.Tensor, qs: Any) -> bool:
     return packed.device.type == "cpu" and int(qs.shape[-1]) % int(qs.blocksize) != 0
 
@@ -763,21 +762,12 @@ class CodesRun(_SiblingRun):
         the weight bitsandbytes' dequantize gives: each block's absmax from the nested
         statistics plus its member's offset. Under autograd as `_flat_matmul_4bit` (the codes
         kept for backward, no float weight)."""
-        qs = self.qs
-        absmax = qs.absmax
-        if qs.nested:
-            s2 = qs.state2
-            absmax = torch.ops.bitsandbytes.dequantize_blockwise(
-                absmax, s2.absmax, s2.code, s2.blocksize, torch.float32
-            )  # (blocks,): whole nested blocks of s2.blocksize, each with its member's offset
-            absmax = (absmax.view(-1, s2.blocksize) + qs.offset[:, None]).view(-1)
-        codes, out_f = self.codes, sum(self.outs)
+        absmax, bs, qt, out_f, in_f, dtype = _flat_args(self.qs)
+        codes = self.codes
         if member is not None:
             (c0, c1), (b0, b1) = self.code_at[member], self.block_at[member]
             codes, absmax, out_f = codes[c0:c1], absmax[b0:b1], self.outs[member]
-        in_f = int(qs.shape[1])
-        return _flat_matmul_4bit(x2, codes, absmax, int(qs.blocksize), str(qs.quant_type), out_f,
-                                 in_f, qs.dtype)  # fmt: skip
+        return _flat_matmul_4bit(x2, codes, absmax, bs, qt, out_f, in_f, dtype)
 
 
 def join_sibling_codes(runs: Iterable[list[nn.Module]]) -> int:
@@ -888,15 +878,19 @@ def dequantize_4bit_flat(packed: torch.Tensor, qs: Any) -> torch.Tensor:
 
 
 def _flat_args(qs: Any) -> tuple:
-    # tensors and plain values only (torch.compile traces them): the fp32 absmax, per block
+    # tensors and plain values only (torch.compile traces them): the fp32 absmax, per block; the
+    # offset one value, or one per nested block (a joined run's state, `CodesRun`: each of its
+    # members' own)
     if qs.nested:
         s2 = qs.state2
-        absmax = (
-            torch.ops.bitsandbytes.dequantize_blockwise(
-                qs.absmax, s2.absmax, s2.code, s2.blocksize, torch.float32
-            )
-            + qs.offset
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(
+            qs.absmax, s2.absmax, s2.code, s2.blocksize, torch.float32
         )
+        offset = qs.offset
+        if isinstance(offset, torch.Tensor) and offset.numel() > 1:
+            absmax = (absmax.view(-1, s2.blocksize) + offset[:, None]).view(-1)
+        else:
+            absmax = absmax + offset
     else:
         absmax = qs.absmax
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])

@@ -70,6 +70,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..config import env_switch
 
@@ -333,8 +334,6 @@ def _plain_eager(args: tuple[Any, ...]) -> bool:
     """Whether a call with `args` runs eagerly on plain tensors: no dispatch mode (fake tensors,
     a tracer, a counter) active and no tensor of a subclass, so that calling a custom op's
     function directly skips only its dispatch."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     if _get_current_dispatch_mode() is not None:
         return False
     return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
