@@ -43,9 +43,13 @@ POINTERS = {
 }  # fmt: skip
 # the library's one-row tile and statistics (kernel4.GEMV_TILE, double quant, bf16)
 DEFAULTS = {
-    "qm_gemv_lines": dict(BS2=256, NESTED=1, BLOCK_N=2, SB=32, NS=1, LUT=1, BF16=1, WK=1, ROWS=1),
+    "qm_gemv_lines": dict(
+        BS2=256, NESTED=1, BLOCK_N=2, SB=32, NS=1, LUT=1, BF16=1, WK=1, ROWS=1, OFFS=0, EVEN=0
+    ),
     "qm_gemv_4bit": dict(BS2=256, NESTED=1, BLOCK_N=32, NS=1, LUT=1, BF16=1),
-    "qm_mma_4bit": dict(BS2=256, NESTED=1, BLOCK_N=64, BLOCK_M=32, NB=2, NS=1, LUT=1, BF16=1),
+    "qm_mma_4bit": dict(
+        BS2=256, NESTED=1, BLOCK_N=64, BLOCK_M=32, NB=2, NS=1, LUT=1, BF16=1, OFFS=0
+    ),
 }
 # integers the launcher passes as multiples of 16 (int32 words or bytes of a row of codes: `in`
 # a multiple of 64), which Triton specializes as such at run time
