@@ -312,9 +312,8 @@ def table(r: dict) -> str:
             name = "mma n{BLOCK_N} m{BLOCK_M} nb{NB} blk{BLK} lut{LUT} w{num_warps} s{}".format(
                 c.get("num_stages"), **c)  # fmt: skip
         else:
-            name = "{} n{BLOCK_N} sb{} wk{} blk{BLK} lut{LUT} w{num_warps}{}".format(
-                c.get("KERNEL", "gemv"), c.get("SB", "-"), c.get("WK", 1),
-                "" if c.get("EVEN", True) else " masked", **c)  # fmt: skip
+            name = "{} n{BLOCK_N} sb{} wk{} blk{BLK} lut{LUT} w{num_warps}".format(
+                c.get("KERNEL", "gemv"), c.get("SB", "-"), c.get("WK", 1), **c)  # fmt: skip
         lines.append(line(name, s) + ("" if s["same_after_replays"] else "  CHANGED after replays"))
     for s in r["skipped"]:
         lines.append(f"skipped {s['cfg']}: {s['why'][:80]}")

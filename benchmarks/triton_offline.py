@@ -44,7 +44,7 @@ POINTERS = {
 # the library's one-row tile and statistics (kernel4.GEMV_TILE, double quant, bf16)
 DEFAULTS = {
     "qm_gemv_lines": dict(
-        BS2=256, NESTED=1, BLOCK_N=2, SB=32, NS=1, LUT=1, BF16=1, WK=1, ROWS=1, OFFS=0, EVEN=0
+        BS2=256, NESTED=1, BLOCK_N=2, SB=32, NS=1, LUT=1, BF16=1, WK=1, ROWS=1, OFFS=0
     ),
     "qm_gemv_4bit": dict(BS2=256, NESTED=1, BLOCK_N=32, NS=1, LUT=1, BF16=1),
     "qm_mma_4bit": dict(

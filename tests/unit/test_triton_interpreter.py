@@ -130,9 +130,6 @@ def _gemv() -> list[dict]:
             tiles = [dict(lib, BLOCK_N=16, BLK=0), dict(lib, BLOCK_N=8, SB=4, BLK=4)]
             if out_f == 33:  # the library's own tile (few features a program: slow here)
                 tiles.append(lib)
-            else:  # whole strides in one share (EVEN: no mask along K), and with the masks
-                tiles += [dict(lib, BLOCK_N=16, SB=8, BLK=0), dict(lib, BLOCK_N=8, SB=4, BLK=4,
-                                                                   EVEN=False)]  # fmt: skip
             for cfg in tiles:  # one share, shares of one stride
                 y = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
                 out.append(_product(y, x, packed, qs, ("lines", out_f, in_f, rows, cfg)))

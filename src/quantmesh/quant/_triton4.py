@@ -19,25 +19,16 @@ __all__ = [
 
 @triton.jit
 def absmax_of(am_ptr, am2_ptr, code2_ptr, off, blk, mask, NESTED: tl.constexpr,
-              BS2: tl.constexpr, ALL: tl.constexpr = False):  # fmt: skip
+              BS2: tl.constexpr):  # fmt: skip
     # the fp32 absmax of blocks `blk` (0 where masked): bitsandbytes' dequantize_blockwise
-    # of the 8-bit statistics plus the offset, under double quant; ALL: every block is there
-    # (no mask read)
-    if ALL:
-        if NESTED:
-            c = tl.load(am_ptr + blk).to(tl.int32)
-            a = tl.load(code2_ptr + c) * tl.load(am2_ptr + blk // BS2) + off
-        else:
-            a = tl.load(am_ptr + blk)
+    # of the 8-bit statistics plus the offset, under double quant
+    if NESTED:
+        c = tl.load(am_ptr + blk, mask=mask, other=0).to(tl.int32)
+        a = tl.load(code2_ptr + c) * tl.load(am2_ptr + blk // BS2, mask=mask, other=0.0)
+        a = a + off
     else:
-        if NESTED:
-            c = tl.load(am_ptr + blk, mask=mask, other=0).to(tl.int32)
-            a = tl.load(code2_ptr + c) * tl.load(am2_ptr + blk // BS2, mask=mask, other=0.0)
-            a = a + off
-        else:
-            a = tl.load(am_ptr + blk, mask=mask, other=0.0)
-        a = tl.where(mask, a, 0.0)
-    return a
+        a = tl.load(am_ptr + blk, mask=mask, other=0.0)
+    return tl.where(mask, a, 0.0)
 
 
 @triton.jit
@@ -322,8 +313,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
                   BF16: tl.constexpr, WK: tl.constexpr = 1,
-                  ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False,
-                  EVEN: tl.constexpr = False):  # fmt: skip
+                  ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
     # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
     # no tensor cores: the codes are read once, the products cost M times one row's). A program
@@ -350,10 +340,6 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # 4t + u: block 4 (t WK + w) + u, read by step t); the warps' sums are added at the end.
     # OFFS: the nested statistics' offset is one per nested block (`off_ptr`: sibling weights
     # joined into one, each with its own offset), else one value.
-    # EVEN: every share holds whole strides (the launcher's finding: NBLK and blk_per multiples
-    # of SB), so no load needs a mask along K: the masks' compares, the zeroed registers of
-    # their `other` and the predicated loads leave the loop (about a tenth of its instructions
-    # at one row, where the loop is bound by instructions issued, not by memory).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -383,35 +369,21 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
         else:
             bl = b0 + 4 * (((fi % 32) // 4 % (SB // (4 * WK))) * WK + (fi // 32) % WK) + fi % 4
         b_off = off
-        if EVEN:  # every block of the stride is the share's
-            if NESTED and OFFS:  # each nested block's own offset
-                b_off = tl.load(off_ptr + (row_a + bl) // BS2)
-            am = absmax_of(am_ptr, am2_ptr, code2_ptr, b_off, row_a + bl, None, NESTED, BS2, True)
-        else:
-            if NESTED and OFFS:
-                b_off = tl.load(off_ptr + (row_a + bl) // BS2, mask=bl < b_end, other=0.0)
-            am = absmax_of(am_ptr, am2_ptr, code2_ptr, b_off, row_a + bl, bl < b_end, NESTED,
-                           BS2)  # fmt: skip
-        am = am.to(tl.int32, bitcast=True)
+        if NESTED and OFFS:  # each nested block's own offset
+            b_off = tl.load(off_ptr + (row_a + bl) // BS2, mask=bl < b_end, other=0.0)
+        am = absmax_of(am_ptr, am2_ptr, code2_ptr, b_off, row_a + bl, bl < b_end, NESTED,
+                       BS2).to(tl.int32, bitcast=True)  # fmt: skip
         for s in tl.static_range(SB // (4 * WK)):
             wi = b0 * 8 + s * 32 * WK + zero + c  # zero: 4-byte alignment, one word a thread
+            ok = wi < b_end * 8
+            q = tl.load(row_q + wi[None, :], mask=ok[None, :], other=0)
             # x's words (word, row, 4): words before rows, so that the lanes run along the words
             # as the codes' do (rows first, the compiler spread rows over lanes too)
             x_at = x_ptr + wi[:, None, None] * 4 + rm[None, :, None] * (KW * 4)
-            x_at = x_at + tl.arange(0, 4)[None, None, :]
-            if EVEN:
-                q = tl.load(row_q + wi[None, :])
-                if ROWS > 1:
-                    xw = tl.load(x_at, mask=m_ok[None, :, None], other=0)
-                else:  # (one row: always there)
-                    xw = tl.load(x_at)
-            else:
-                ok = wi < b_end * 8
-                q = tl.load(row_q + wi[None, :], mask=ok[None, :], other=0)
-                x_ok = ok[:, None, None]
-                if ROWS > 1:  # (one row: always there; no row mask in the loop)
-                    x_ok = x_ok & m_ok[None, :, None]
-                xw = tl.load(x_at, mask=x_ok, other=0)
+            x_ok = ok[:, None, None]
+            if ROWS > 1:  # (one row: always there; no row mask in the loop)
+                x_ok = x_ok & m_ok[None, :, None]
+            xw = tl.load(x_at + tl.arange(0, 4)[None, None, :], mask=x_ok, other=0)
             xe, xo = _x_halves(xw, BF16)
             e0, e1, e2, e3 = _split4(xe)  # (ROWS, 1, 32 WK) each
             o0, o1, o2, o3 = _split4(xo)

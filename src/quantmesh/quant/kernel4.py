@@ -534,10 +534,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     zero = (0,) if lines else ()
     extra = {}
     if lines:
-        sb = cfg.get("SB", 32)  # EVEN: every share whole strides (no mask along K; a tile's
-        # EVEN False keeps the masks: the benchmark's comparison)
-        even = cfg.get("EVEN", True) and nblk % sb == 0 and per % sb == 0
-        extra = dict(SB=sb, WK=wk, ROWS=triton.next_power_of_2(rows), EVEN=even)
+        extra = dict(SB=cfg.get("SB", 32), WK=wk, ROWS=triton.next_power_of_2(rows))
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32),
         *_kernel_statistics(absmax, nested_absmax, nested_code, offset),
