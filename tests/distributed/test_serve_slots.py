@@ -585,6 +585,7 @@ def _joined_codes_served(rank: int) -> dict:
     from quantmesh.serve.slots import SlotBatch
 
     kernel4.JOIN_ENABLED = True
+    kernel4.joins_pay_on = lambda device: True  # on this CPU rank as on a GPU
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                       max_position_embeddings=1024, attn_implementation="sdpa")  # fmt: skip

@@ -9,6 +9,8 @@ compiled graph of the warm-up keeps one block.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -234,6 +236,14 @@ def test_decoding_sets_the_blocks_training_compile_aside_and_gives_it_back(monke
     assert graphs == [] and len(steps) == 1  # marked again alike: the step's guards held
 
 
+def _join_on_cpu(monkeypatch) -> None:
+    """The join where the switch says, on CPU too (by default only a GPU's codes join:
+    `kernel4.joins_pay_on`)."""
+    from quantmesh.quant import kernel4
+
+    monkeypatch.setattr(kernel4, "joins_pay_on", lambda device: kernel4.JOIN_ENABLED)
+
+
 def test_joined_sibling_codes_compile_as_block_regions(monkeypatch) -> None:
     """Sibling layers' codes joined (`kernel4.JOIN_ENABLED`: gate and up, each 256 x 64, one
     nested block of 256) are views of one tensor, and a compiled block region refuses inputs
@@ -248,6 +258,7 @@ def test_joined_sibling_codes_compile_as_block_regions(monkeypatch) -> None:
 
     model = qlora_llama(intermediate=256)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    _join_on_cpu(monkeypatch)
     monkeypatch.setattr(kernel4, "JOIN_ENABLED", False)
     ref = qm.fast_decode(model, ids, 6, compile=False)
     monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
@@ -301,6 +312,7 @@ def test_compiled_training_after_a_join_reads_the_joined_codes(monkeypatch) -> N
         return out.loss.detach(), grads
 
     ref_loss, ref = step()
+    _join_on_cpu(monkeypatch)
     monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
     model.eval()
     qm.fast_decode(model, ids[:, :5], 3, compile=False)  # joins gate and up of both blocks
@@ -320,3 +332,26 @@ def test_compiled_training_after_a_join_reads_the_joined_codes(monkeypatch) -> N
     assert got.keys() == ref.keys() and ref
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_join_is_on_by_default_where_the_kernels_read_it(monkeypatch) -> None:
+    """`JOIN_ENABLED` is on by default, and joins a GPU's codes only (`kernel4.joins_pay_on`):
+    on CPU nothing reads a joined weight in one launch, so fast_decode leaves every layer's codes
+    its own (no `codes_run`), and the switch off keeps a GPU's too."""
+    import quantmesh as qm
+    from quantmesh.quant import kernel4
+
+    if os.environ.get("QUANTMESH_JOIN_CODES") is None:
+        assert kernel4.JOIN_ENABLED  # the default, as this process imported it
+    cuda = torch.device("cuda")
+    assert kernel4.joins_pay_on(cuda) == kernel4._HAS_TRITON
+    assert not kernel4.joins_pay_on(torch.device("cpu"))
+    monkeypatch.setattr(kernel4, "JOIN_ENABLED", False)
+    assert not kernel4.joins_pay_on(cuda)
+    monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
+    model = qlora_llama(intermediate=256).eval()  # gate and up: joinable shapes
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    qm.fast_decode(model, ids, 2, compile=False)
+    layers = [m.__dict__.get("local", m) for m in model.modules()]  # (a shard's own layer)
+    runs = [m for m in layers if getattr(m, "codes_run", None) is not None]
+    assert not runs, [type(m).__name__ for m in runs]

@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from . import kernel4
 from .base import QuantConfig, QuantError, QuantFormat
 from .kernel4 import (
     dequant_kernel_applies,
@@ -772,8 +773,8 @@ class CodesRun(_SiblingRun):
 
 def join_sibling_codes(runs: Iterable[list[nn.Module]]) -> int:
     """Join the packed codes of each run of sibling 4-bit layers (`CodesRun`) where the gemv and
-    the tensor-core kernel can read them as one weight (when `kernel4.JOIN_ENABLED`, else none):
-    every member a 4-bit linear of
+    the tensor-core kernel can read them as one weight (`kernel4.joins_pay_on` their device:
+    `JOIN_ENABLED`, Triton, a GPU; else none): every member a 4-bit linear of
     quantmesh's in no run yet, on one device, with one input width, quant type, compute dtype
     and code table, blocks of 64 that rows fill whole, and under double quant nested blocks of
     256 that no two members share. Returns the number of runs joined; a run that does not
@@ -806,6 +807,8 @@ def _joinable(run: list[nn.Module]) -> bool:
     same = {(c.device, c.dtype, int(q.shape[1]), q.quant_type, q.dtype, q.nested,
              int(q.blocksize)) for c, q in zip(codes, qss, strict=True)}  # fmt: skip
     if len(same) > 1 or int(first.blocksize) != 64 or int(first.shape[1]) % 64:
+        return False
+    if not kernel4.joins_pay_on(codes[0].device):  # (a seam: read from the module)
         return False
     if sum(int(q.shape[0]) for q in qss) * int(first.shape[1]) >= 2**31 - 1:
         return False  # (the kernels index the flat weight in int32)

@@ -192,10 +192,10 @@ MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many pro
 # Sibling 4-bit layers that read one tensor (q, k, v; gate, up) read as one weight by the gemv
 # and the tensor-core kernel (`quant.bnb.join_sibling_codes`: their codes joined in place, no
 # memory added; fast_decode's first prefill and the server's slot engine find the runs): one
-# launch a run, and more programs in flight than each narrow weight gives. Opt-in
-# (QUANTMESH_JOIN_CODES=1) until the slot engine's CUDA test passes with it (docs/benchmarks.md,
-# "Figures the code relies on").
-JOIN_ENABLED = env_switch("QUANTMESH_JOIN_CODES", default=False)
+# launch a run, and more programs in flight than each narrow weight gives. On by default where
+# the kernels run (`joins_pay_on`: decoding 1.07x, the slot engine's CUDA test passes with it;
+# docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_JOIN_CODES=0 turns it off.
+JOIN_ENABLED = env_switch("QUANTMESH_JOIN_CODES", default=True)
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -223,6 +223,19 @@ def joined_codes_on() -> bool:
         True
     """
     return JOIN_ENABLED
+
+
+def joins_pay_on(device: torch.device) -> bool:
+    """Whether `quant.bnb.join_sibling_codes` joins codes held on `device`: `JOIN_ENABLED`,
+    Triton, and a device in `KERNEL_DEVICES`, where the gemv and the tensor-core kernel read the
+    joined weight in one launch. Elsewhere (CPU) nothing would read it so, and the layers keep
+    their own codes. A seam the CPU tests of the join replace.
+
+    Example:
+        >>> joins_pay_on(torch.device("cpu"))
+        False
+    """
+    return JOIN_ENABLED and _HAS_TRITON and device.type in KERNEL_DEVICES
 
 
 def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
