@@ -790,7 +790,8 @@ def join_sibling_codes(runs: Iterable[list[nn.Module]]) -> int:
     cls = _classes()["QuantLinear4bit"]
     joined = 0
     for run in runs:
-        if all(isinstance(m, cls) for m in run) and _joinable(run):
+        if (all(isinstance(m, cls) for m in run) and _joinable(run)
+                and kernel4.joins_pay_on(cast(Any, run[0]).weight.device)):  # fmt: skip
             CodesRun(list(run))
             joined += 1
     return joined
@@ -807,8 +808,6 @@ def _joinable(run: list[nn.Module]) -> bool:
     same = {(c.device, c.dtype, int(q.shape[1]), q.quant_type, q.dtype, q.nested,
              int(q.blocksize)) for c, q in zip(codes, qss, strict=True)}  # fmt: skip
     if len(same) > 1 or int(first.blocksize) != 64 or int(first.shape[1]) % 64:
-        return False
-    if not kernel4.joins_pay_on(codes[0].device):  # (a seam: read from the module)
         return False
     if sum(int(q.shape[0]) for q in qss) * int(first.shape[1]) >= 2**31 - 1:
         return False  # (the kernels index the flat weight in int32)
