@@ -93,8 +93,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--join",
         action="store_true",
         help="qlora: also greedy with kernel4.JOIN_ENABLED flipped (the sibling layers' 4-bit "
-        "codes read as one weight, opt-in), in the same process (profiled too with --profile): "
-        "qm_greedy_join when it is off at the start, else qm_greedy_no_join",
+        "codes read as one weight, on by default on a GPU), in the same process (profiled too "
+        "with --profile): qm_greedy_join when it is off at the start, else qm_greedy_no_join",
     )
     p.add_argument(
         "--prefill",
@@ -407,7 +407,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["gemv_enabled_at_start"] = kernel4.GEMV_ENABLED  # QUANTMESH_GEMV=0: off in every run
     R["mma_enabled_at_start"] = kernel4.MMA_ENABLED  # QUANTMESH_MMA=1: on in every run
     R["dequant_enabled_at_start"] = kernel4.DEQUANT_ENABLED  # QUANTMESH_TRITON_DEQUANT=1
-    R["join_enabled_at_start"] = kernel4.JOIN_ENABLED  # QUANTMESH_JOIN_CODES=1
+    R["join_enabled_at_start"] = kernel4.JOIN_ENABLED  # QUANTMESH_JOIN_CODES=0: off
     R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED  # QUANTMESH_COMPILED_PREFILL=1
     R["attention_enabled_at_start"] = attention.ENABLED  # QUANTMESH_DECODE_ATTENTION
     # the tile of the batch's rows (the decode steps'), where the gemv takes them

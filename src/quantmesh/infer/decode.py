@@ -186,7 +186,7 @@ class _Decoder:
     ) -> torch.Tensor:  # (batch, prompt) -> (batch, vocab)
         """The last position's logits; the cache then holds the prompt. The first prefill of a
         fusing decoder also finds the adapters that read one tensor (`stack_sibling_adapters`)
-        and, with `kernel4.JOIN_ENABLED`, joins the 4-bit codes of such layers
+        and, where `kernel4.joins_pay_on` the device (a GPU), joins the 4-bit codes of such layers
         (`join_sibling_codes_in`): an eager forward run, of the prompt's first token where the
         prefill is compiled or the codes are joined (its cache is then cleared). Every prefill
         copies the adapters' current weights into the stacks.
@@ -197,7 +197,7 @@ class _Decoder:
         eagerly from then on, with a warning."""
         self.cache.reset()  # in place: the tensors keep their addresses
         kw = {**self.prefill_kw, **_padding_kw(padding)}
-        join = self.fuse and kernel4.JOIN_ENABLED and not self.joined
+        join = self.fuse and not self.joined and kernel4.joins_pay_on(input_ids.device)
         compiled = PREFILL_COMPILED and self.prefill_run is not None
         stacks = None
         if (self.fuse and self.stacks is None) or join:
