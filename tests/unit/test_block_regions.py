@@ -337,12 +337,14 @@ def test_compiled_training_after_a_join_reads_the_joined_codes(monkeypatch) -> N
 def test_the_join_is_on_by_default_where_the_kernels_read_it(monkeypatch) -> None:
     """`JOIN_ENABLED` is on by default, and joins a GPU's codes only (`kernel4.joins_pay_on`):
     on CPU nothing reads a joined weight in one launch, so fast_decode leaves every layer's codes
-    its own (no `codes_run`), and the switch off keeps a GPU's too."""
+    its own (no `codes_run`) and runs no forward to find the runs (the prefill and one step: two
+    forwards for two tokens), and the switch off keeps a GPU's codes too."""
     import quantmesh as qm
     from quantmesh.quant import kernel4
 
     if os.environ.get("QUANTMESH_JOIN_CODES") is None:
         assert kernel4.JOIN_ENABLED  # the default, as this process imported it
+    monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
     cuda = torch.device("cuda")
     assert kernel4.joins_pay_on(cuda) == kernel4._HAS_TRITON
     assert not kernel4.joins_pay_on(torch.device("cpu"))
@@ -351,7 +353,10 @@ def test_the_join_is_on_by_default_where_the_kernels_read_it(monkeypatch) -> Non
     monkeypatch.setattr(kernel4, "JOIN_ENABLED", True)
     model = qlora_llama(intermediate=256).eval()  # gate and up: joinable shapes
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    forwards = []
+    model.register_forward_pre_hook(lambda m, args: forwards.append(1))
     qm.fast_decode(model, ids, 2, compile=False)
     layers = [m.__dict__.get("local", m) for m in model.modules()]  # (a shard's own layer)
     runs = [m for m in layers if getattr(m, "codes_run", None) is not None]
     assert not runs, [type(m).__name__ for m in runs]
+    assert len(forwards) == 2, forwards
