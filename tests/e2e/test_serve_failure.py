@@ -48,6 +48,10 @@ def test_a_dead_rank_ends_the_server(tmp_path) -> None:
         t.join(60)
         assert not t.is_alive()
         assert rc != 0
-        assert "the decoding loop failed" in server.proc.stderr.read()
+        # whichever notices first says it: rank 0's decoding loop (its collective raised), or the
+        # launcher, which stops the survivors as soon as it sees rank 1's exit (a race on a busy
+        # host: both are the error a user needs, neither a hang)
+        err = server.proc.stderr.read()
+        assert "the decoding loop failed" in err or "worker rank 1 failed" in err, err
     finally:
         server.stop()
