@@ -3,7 +3,8 @@ bf16; PROBE_SHAPE=OUTxIN another, e.g. 22016x4096 for gate and up joined), for a
 hardware-counter profiler to read (Nsight Compute: `ncu --section SpeedOfLight ...
 python benchmarks/nf4_kernel_probe.py`): bitsandbytes' 1-row kernel and its dequantize,
 quantmesh's block kernel at 1 row, its gemv (the tile in the environment's GEMV_TILE, JSON, else
-`gemv_config`'s) and its dequantize. Each runs twice (the first compiles).
+`gemv_config`'s) and its dequantize (PROBE_ONLY=a,b: those of these names alone). Each runs
+twice (the first compiles).
 
     PROBE_SHAPE=22016x4096 ncu --section WarpStateStats --section InstructionStats \
         -k regex:qm_gemv python3 benchmarks/nf4_kernel_probe.py
@@ -46,8 +47,13 @@ def main() -> None:
             k4.dequantize_4bit, flat, *stats, 64, "nf4", (out_f, in_f), torch.bfloat16
         ),  # fmt: skip
     }
+    only = [n for n in os.environ.get("PROBE_ONLY", "").split(",") if n]
+    if unknown := sorted(set(only) - set(calls)):
+        raise SystemExit(f"PROBE_ONLY names {unknown}; the calls are {sorted(calls)}")
     with torch.no_grad():
         for name, fn in calls.items():
+            if only and name not in only:
+                continue
             for _ in range(2):
                 torch.cuda.nvtx.range_push(name)
                 fn()

@@ -12,6 +12,10 @@
 #            each 4-bit kernel on the q_proj shape (benchmarks/nf4_kernel_probe.py), then the
 #            slot engine's 64-row step on 7b's layers (4 of them) profiled without CUDA graphs,
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
+#   warps    Nsight Compute on the one-row gemv alone (PROBE_SHAPE, default 22016x4096: gate and
+#            up joined; nf4_kernel_probe.py): where its warps wait (warp states, scheduler,
+#            instruction mix), the question the twenty-fifth sitting left (docs/benchmarks.md,
+#            "The one-row gemv's limit")
 #   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
 #            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
 #   gemv     the lines gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
@@ -61,7 +65,7 @@
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join or attention}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join or attention}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -83,6 +87,15 @@ case "$STAGE" in
     timeout 250 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
       -k "not gemv_lines_rows and not mma_is" 2>&1 | tail -15  # (the rows', mma's: their stages)
     timeout 300 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py 2>&1 | tail -8 ;;
+  warps)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+    PROBE_SHAPE=${PROBE_SHAPE:-22016x4096} PROBE_ONLY=ours_gemv \
+      timeout 200 "$NCU" --clock-control none -k "regex:qm_gemv" \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats --section Occupancy --section LaunchStats \
+      python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_warps.txt" 2>&1
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issued|Eligible|Stall|Warp Cycles|Executed Ipc|Active Warps" \
+      "$OUT/ncu_warps.txt" | head -80 ;;
   probe)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
     timeout 200 "$NCU" --clock-control none -k "regex:4bit|Dequantize" --section SpeedOfLight --section MemoryWorkloadAnalysis \
