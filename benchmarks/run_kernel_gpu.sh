@@ -52,8 +52,8 @@
 #            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
 #            the tensor-core kernel run in the test and decode stages.)
 #   join     the sibling layers' codes read as one weight (QUANTMESH_JOIN_CODES, on by default on a
-#            GPU): qm.fast_decode on the same shape at batch 1 with and without it, in one process, profiled
-#            (bench_decode.py --join --profile), then nf4_gemv_bench.py on the joined q/k/v and
+#            GPU): qm.fast_decode on the same shape at batch 1 with and without it, in one
+#            process, profiled (bench_decode.py --join --profile), then nf4_gemv_bench.py on the joined q/k/v and
 #            gate/up shapes against their members (1, 4, 16 and 32 rows, the library's tiles),
 #            then the trained model's CUDA decode test (which decodes it joined too)
 #   attention the split-KV decode attention (QUANTMESH_DECODE_ATTENTION, on by default on a GPU):
