@@ -112,6 +112,13 @@ def parse(argv=None) -> argparse.Namespace:
         "qm_greedy_no_dequant",
     )
     p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="qlora: also greedy with infer.prefill_graph.ENABLED flipped (the prefill replayed as "
+        "a CUDA graph per length bucket, on by default), in the same process: "
+        "qm_greedy_no_prefill_graphs when it is on at the start",
+    )
+    p.add_argument(
         "--attention",
         action="store_true",
         help="qlora: also greedy with quantmesh.infer.attention.ENABLED flipped (the split-KV "
@@ -400,7 +407,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
     )
     qb.fill_random(model, seed=a.seed)
-    from quantmesh.infer import attention, decode
+    from quantmesh.infer import attention, decode, prefill_graph
     from quantmesh.lora import adapter
     from quantmesh.quant import kernel4
 
@@ -449,6 +456,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         (a.join, kernel4, "JOIN_ENABLED", "join", "no_join"),
         (a.prefill, decode, "PREFILL_COMPILED", "compiled_prefill", "eager_prefill"),
         (a.attention, attention, "ENABLED", "attention", "no_attention"),
+        (a.graphs, prefill_graph, "ENABLED", "prefill_graphs", "no_prefill_graphs"),
     ):
         if a.greedy and want:
             on = getattr(module, flag)

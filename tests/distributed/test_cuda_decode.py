@@ -197,6 +197,10 @@ def _trained(rank: int) -> dict:
     # the sibling adapters stacked (the default) and without
     eager = qm.greedy_decode(model, ids, 48, compile=False, fuse_adapters=False)[0].cpu()
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+    # the prefill recorded as a CUDA graph (bucket 16: 8 pads) in that call, replayed in this one
+    graphs = model.__dict__["_quantmesh_decoder"].graphs
+    replayed = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+    prefill_graphs = (len(graphs.entries), graphs.replays, graphs.refused)
     unstacked = qm.greedy_decode(model, ids, 48, compile=True, fuse_adapters=False)[0].cpu()
     expect = chain[8:]
     # a repetition penalty inside the compiled, CUDA-graphed step (the demo's setting): the
@@ -209,6 +213,7 @@ def _trained(rank: int) -> dict:
     from quantmesh.quant import kernel4 as k4
 
     out = {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
+           "replayed": replayed, "prefill_graphs": prefill_graphs,
            "map": torch.tensor(expect), "rep_eager": rep_eager, "rep_compiled": rep_compiled,
            "gemv_rows": k4.GEMV_MAX_ROWS,
            "mma_rows": (k4.MMA_MIN_ROWS, k4.MMA_MAX_ROWS)}  # fmt: skip
@@ -256,6 +261,10 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert follows > 0.9, (out["loss"], follows)  # it learned: wide margins, not near-ties
     assert (out["compiled"] == out["eager"]).all(), (out["compiled"], out["eager"])
     assert (out["unstacked"] == out["eager"]).all(), (out["unstacked"], out["eager"])
+    # the prefill replayed from its CUDA graph (recorded in the first compiled call, checked
+    # against its eager prefill there, replayed again in the second) gives the eager tokens
+    assert out["prefill_graphs"] == (1, 2, None), out["prefill_graphs"]
+    assert (out["replayed"] == out["eager"]).all(), (out["replayed"], out["eager"])
     # the penalty in the compiled, CUDA-graphed step gives the eager loop's tokens (its
     # arithmetic against transformers' is checked on CPU: test_compile.py)
     assert (out["rep_compiled"] == out["rep_eager"]).all(), (out["rep_compiled"], out["rep_eager"])
@@ -272,3 +281,38 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert out["runs"] == 4 * 3, out["runs"]
     assert (out["joined"] == out["eager"]).all(), (out["joined"], out["eager"])
     assert (out["batch16_joined"] == out["batch16_bnb"]).all(), out["batch16_joined"]
+
+
+def _reads_back(rank: int) -> dict:
+    """A model whose forward reads a value back to the host (a hook on its last norm): the CUDA
+    runtime refuses to record it; decoding goes on eagerly with the eager loop's tokens."""
+    import warnings
+
+    import quantmesh as qm
+    from tests.models import llama
+
+    mesh = qm.init_mesh()
+    model = llama(heads=4, kv_heads=2, head_dim=16, vocab=256, layers=2, seed=4)
+    model.config.max_position_embeddings = 512
+    model = model.to(device=mesh.device, dtype=torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")
+    model.model.norm.register_forward_hook(lambda m, a, o: float(o.float().abs().max()) and None)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    ids = ids.to(mesh.device)
+    eager = qm.greedy_decode(model, ids, 16, compile=False)[0].cpu()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        first = qm.greedy_decode(model, ids, 16, compile=True)[0].cpu()
+        again = qm.greedy_decode(model, ids, 16, compile=True)[0].cpu()
+    graphs = model.__dict__["_quantmesh_decoder"].graphs
+    return {"eager": eager, "first": first, "again": again, "refused": graphs.refused,
+            "said": [str(w.message) for w in said if "CUDA graph" in str(w.message)]}  # fmt: skip
+
+
+def test_a_prefill_the_runtime_will_not_record_decodes_eagerly():
+    if not torch.cuda.is_available():
+        pytest.fail("marked cuda but no CUDA device")
+    out = run_ranks(_reads_back, 1, timeout=300)[0]
+    assert out["refused"] is not None and "recording it failed" in out["refused"], out
+    assert len(out["said"]) == 1, out["said"]
+    assert (out["first"] == out["eager"]).all() and (out["again"] == out["eager"]).all(), out

@@ -42,6 +42,7 @@ from ..plan.styles import Style
 from ..quant import kernel4
 from ..tp.layers import ShardedModule, sharded_modules
 from . import attention
+from .prefill_graph import PrefillGraphs
 from .sampling import pick_tokens, repetition_penalized, sample_tokens, uniform_noise
 
 __all__ = [
@@ -118,6 +119,9 @@ class _Decoder:
         self.prefill_opts = compile_options(None)
         if compile:  # (taken while PREFILL_COMPILED, read at each call)
             self.prefill_run = self._compile_prefill()
+        # the eager prefill recorded as CUDA graphs per length bucket, where it applies (a
+        # compiled decoder's; the eager loop stays the reference)
+        self.graphs = PrefillGraphs(model, self.cache) if compile else None
 
     def _compile_prefill(self) -> Any:
         return torch.compile(self._prefill_logits, fullgraph=True, **self.prefill_opts)
@@ -200,6 +204,9 @@ class _Decoder:
         join = self.fuse and not self.joined and kernel4.joins_pay_on(input_ids.device)
         compiled = PREFILL_COMPILED and self.prefill_run is not None
         stacks = None
+        eager: torch.Tensor | None = (
+            None  # the prompt's logits, where the finding forward gave them
+        )
         if (self.fuse and self.stacks is None) or join:
             with contextlib.ExitStack() as finding:
                 if self.fuse and self.stacks is None:
@@ -208,15 +215,41 @@ class _Decoder:
                     finding.enter_context(join_sibling_codes_in(self.model))
                     self.joined = True
                 if not compiled and not join:  # the eager prefill finds them
-                    return self._found(stacks, self._prefill_logits(input_ids, kw))
-                # (a join: the prefill itself runs on the joined codes, so that the first call,
-                # not the second, compiles the kernels' forms for them)
-                self.model(input_ids=input_ids[:, :1], **self.prefill_kw)
-            self.cache.reset()
+                    eager = self._prefill_logits(input_ids, kw)
+                else:  # (a join: the prefill itself runs on the joined codes, so that the first
+                    # call, not the second, compiles the kernels' forms for them)
+                    self.model(input_ids=input_ids[:, :1], **self.prefill_kw)
+            if eager is None:
+                self.cache.reset()
         logits = self._compiled_prefill(input_ids, kw) if compiled else None
-        if logits is None:
-            logits = self._prefill_logits(input_ids, kw)
+        if (
+            logits is None
+        ):  # (after an eager finding forward: its bucket recorded, where it applies)
+            logits = self._replayed_prefill(input_ids, kw, padding, eager)
         return self._found(stacks, logits)
+
+    def _replayed_prefill(
+        self,
+        input_ids: torch.Tensor,
+        kw: dict[str, Any],
+        padding: Any,
+        eager: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The prompt's last logits from its bucket's recorded prefill (`PrefillGraphs`): recorded
+        after an eager prefill (`eager`: its logits where it has run, the cache holding it) the
+        first time, replayed after; the eager prefill where it does not apply or was refused."""
+        graphs = self.graphs
+        if graphs is None or graphs.why_not(input_ids, padding) is not None:
+            return self._prefill_logits(input_ids, kw) if eager is None else eager
+        logits = graphs.replay(input_ids) if eager is None else None
+        if logits is None:
+            if eager is None:
+                eager = self._prefill_logits(input_ids, kw)
+            logits = graphs.record_after(input_ids, eager)
+            if logits is None:  # refused (and said): the eager prefill again, on a clean cache
+                self.cache.reset()
+                logits = self._prefill_logits(input_ids, kw)
+        return logits
 
     def _found(self, stacks: list[AdapterStack] | None, logits: torch.Tensor) -> torch.Tensor:
         """`logits`, after keeping the stacks a prefill found (or refreshing the earlier ones)."""

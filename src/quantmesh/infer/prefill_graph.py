@@ -1,0 +1,318 @@
+"""Captured prefills: a decoder's prompt forward replayed as a CUDA graph, one per length bucket.
+
+An eager prefill launches every op of every layer from the host: about 0.15 s on a 7B model
+(docs/benchmarks.md, "Figures the code relies on"), against a few milliseconds of GPU work for a
+short prompt, so at batch 1 it is a fifth of a 256-token call. `PrefillGraphs` records that forward
+once per (batch, bucket) as a CUDA graph, without compiling anything, and replays it: the prompt is
+copied into a static buffer of the bucket's length (16, 32, ... `BUCKETS`), right-padded, and the
+graph runs the model on it with the static cache, then sets every layer's length back to the
+prompt's. The pads' keys and values land in the cache's slots after the prompt, which the decode
+steps overwrite one by one and which every query until then is masked from (the cache's slots
+past a step's position are hidden), so they are never read. The mask is a fixed 4-D causal one
+(a query sees the slots up to its own), which transformers passes through as it is; the logits
+are those of the last real token (`logits_to_keep` as an index tensor).
+
+Where it applies (`PrefillGraphs.why_not` says why not): a CUDA model (`DEVICES`) on one rank (a
+sharded or replicated model keeps the eager prefill: its collectives would be captured), sdpa
+attention, a transformers `StaticCache` whose layers are all plain `StaticLayer`s with a tensor
+length (sliding windows keep a host-side count a graph cannot replay), no left-padded rows, a
+forward that takes `logits_to_keep`, no module in training mode, a prompt of at most
+`BUCKETS[-1]` tokens whose bucket fits the cache. Elsewhere the prefill runs eagerly, as before.
+
+Safety. A graph reads every tensor at the address it had when it was recorded and replays the
+branches the Python code took then. So each call first takes the model's state (`model_state`):
+every module's parameters', buffers' and tensor attributes' addresses, shapes and dtypes, the
+4-bit statistics, its scalar attributes (flags such as an adapter's scaling), its hooks, the
+attention implementation, and quantmesh's kernel switches and environment. Any change drops the
+graphs and records them again. The first recording of a bucket is checked against the eager
+prefill of the same prompt, run just before: where the logits differ by more than `TOLERANCE` of
+their norm (a model whose masks or lengths work otherwise), the decoder keeps the eager prefill for
+good and warns. A recording the CUDA runtime refuses (an op that reads a value back to the host)
+does the same.
+
+`QUANTMESH_CAPTURED_PREFILL=0` turns it off.
+
+Example:
+    >>> graphs = PrefillGraphs(model, cache)                  # doctest: +SKIP
+    >>> logits = graphs.replay(input_ids)                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import env_switch
+
+__all__ = ["BUCKETS", "DEVICES", "ENABLED", "TOLERANCE", "PrefillGraphs", "bucket", "model_state"]
+
+ENABLED = env_switch("QUANTMESH_CAPTURED_PREFILL", default=True)
+"""Whether a compiled decoder replays its prefills as CUDA graphs ($QUANTMESH_CAPTURED_PREFILL=0
+turns it off)."""
+BUCKETS = (16, 32, 64, 128, 256, 512)  # a prompt is padded to the first that holds it
+DEVICES = ("cuda",)  # where a graph is recorded (tests stand in a recorder elsewhere)
+TOLERANCE = 0.02  # the first replay's logits against the eager prefill's: relative to their norm
+
+Recorder = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+
+def bucket(prompt: int, cache_len: int) -> int | None:
+    """The padded length of a `prompt`-token prefill, or None where no bucket holds it in a cache
+    of `cache_len` slots.
+
+    Example:
+        >>> bucket(20, 256), bucket(600, 1024), bucket(200, 256)
+        (32, None, 256)
+    """
+    for b in BUCKETS:
+        if prompt <= b:
+            return b if b <= cache_len else None
+    return None
+
+
+_SCALARS = (bool, int, float, str, type(None))
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+def model_state(model: nn.Module) -> tuple[Any, ...]:
+    """What a recorded forward of `model` depends on beyond its inputs: a value that changes
+    whenever a parameter, buffer or tensor attribute is replaced (address, shape, dtype), a
+    4-bit weight's statistics are, a module's scalar attribute or hooks change, a module's
+    forward is replaced, or the attention implementation, quantmesh's kernel switches or its
+    environment variables change. Equal states replay the same graph.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> before = model_state(lin)
+        >>> lin.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> model_state(lin) == before
+        False
+    """
+    from ..quant import kernel4
+    from . import attention
+
+    out: list[Any] = []
+    for m in model.modules():
+        out.append(id(m))
+        for k, v in m.__dict__.items():
+            if isinstance(v, _SCALARS):
+                out.append((k, v))
+            elif isinstance(v, torch.Tensor):
+                out.append((k, _tensor(v)))
+            elif isinstance(v, types.MethodType):  # a forward replaced (bound anew per call)
+                out.append((k, id(v.__func__), id(v.__self__)))
+            elif isinstance(v, _CALLABLES):
+                out.append((k, id(v)))
+        for k, t in (*m._parameters.items(), *m._buffers.items()):
+            if t is not None:
+                out.append((k, _tensor(t), _statistics(t)))
+        out.append((len(m._forward_hooks), len(m._forward_pre_hooks)))
+    config = getattr(model, "config", None)
+    out.append(getattr(config, "_attn_implementation", None))
+    for module in (kernel4, attention):
+        out.extend(
+            (k, v) for k, v in vars(module).items() if k.isupper() and isinstance(v, _SCALARS)
+        )
+    out.extend(sorted((k, v) for k, v in os.environ.items() if k.startswith("QUANTMESH_")))
+    return tuple(out)
+
+
+def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)
+
+
+def _statistics(t: torch.Tensor) -> tuple[Any, ...]:
+    """The addresses of a 4-bit weight's statistics (its QuantState's tensors)."""
+    qs = getattr(t, "quant_state", None)
+    if qs is None:
+        return ()
+    s2 = getattr(qs, "state2", None)
+    ts = (qs.absmax, qs.code, qs.offset, getattr(s2, "absmax", None), getattr(s2, "code", None))
+    return tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in ts)
+
+
+def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """Record `fn` (run once eagerly just before, on a side stream, so that every kernel is built
+    and every buffer it keeps exists) as a CUDA graph; returns what replays it and gives its
+    output (the same tensor every time)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    replay.graph = graph  # type: ignore[attr-defined]  # (kept alive with the replay)
+    return replay
+
+
+class _Entry:
+    """One bucket's static inputs and its recorded forward."""
+
+    def __init__(self, batch: int, length: int, cache_len: int, device: torch.device) -> None:
+        self.ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+        self.last = torch.zeros(1, dtype=torch.long, device=device)  # the prompt's last index
+        self.prompt = torch.zeros((), dtype=torch.long, device=device)  # its length
+        causal = torch.ones(length, cache_len, dtype=torch.bool, device=device).tril()
+        self.mask = causal[None, None].expand(batch, 1, length, cache_len).contiguous()
+        self.replay: Callable[[], torch.Tensor] | None = None
+
+    def fill(self, input_ids: torch.Tensor) -> None:
+        n = input_ids.shape[1]
+        self.ids[:, :n].copy_(input_ids)
+        self.ids[:, n:] = 0  # pads: any token; their slots are overwritten before being read
+        self.last.fill_(n - 1)
+        self.prompt.fill_(n)
+
+
+class PrefillGraphs:
+    """The recorded prefills of one decoder (its model and static cache), per (batch, bucket).
+
+    Example:
+        >>> graphs = PrefillGraphs(model, cache)                    # doctest: +SKIP
+        >>> graphs.why_not(input_ids, None) is None                 # doctest: +SKIP
+        True
+        >>> logits = graphs.replay(input_ids)  # None: not recorded yet  # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, cache: Any, record: Recorder | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.record = record or cuda_graph
+        self.entries: dict[tuple[int, int], _Entry] = {}
+        self.state: tuple[Any, ...] | None = None
+        self.refused: str | None = None  # why this decoder keeps the eager prefill for good
+        self.replays = 0  # prefills replayed (the first replay of each recording included)
+
+    def why_not(self, input_ids: torch.Tensor, padding: Any) -> str | None:
+        """Why a prefill of `input_ids` cannot be replayed (None: it can)."""
+        from transformers.cache_utils import StaticLayer
+
+        from ..parallel.state import parallel_state
+        from . import attention
+
+        if not ENABLED:
+            return "QUANTMESH_CAPTURED_PREFILL=0"
+        if self.refused is not None:
+            return self.refused
+        if input_ids.device.type not in DEVICES:
+            return f"a {input_ids.device.type} model"
+        if padding is not None:
+            return "left-padded rows"
+        st = parallel_state(self.model, required=False)
+        if st is not None and st.mesh.world_size > 1:
+            return "a model on several ranks"
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if impl not in ("sdpa", attention.IMPLEMENTATION):
+            return f"attention {impl!r} (sdpa only)"
+        layers = getattr(self.cache, "layers", None) or []
+        if not layers or not all(
+            type(layer) is StaticLayer and isinstance(getattr(layer, "cumulative_length", None),
+                                                      torch.Tensor)
+            for layer in layers
+        ):  # fmt: skip
+            return "a cache with other layers than full-attention StaticLayers"
+        if "logits_to_keep" not in _forward_params(self.model):
+            return "a forward without logits_to_keep"
+        if any(m.training for m in self.model.modules()):
+            return "a module in training mode"
+        if bucket(input_ids.shape[1], self._cache_len()) is None:
+            return f"a prompt of {input_ids.shape[1]} tokens (up to {BUCKETS[-1]} are replayed)"
+        return None
+
+    def replay(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The prompt's last logits (batch, vocab) from the recorded bucket, the cache then
+        holding the prompt (its `reset` done by the caller); None where this bucket is not
+        recorded for the model's present state (`record_after` then records it)."""
+        state = model_state(self.model)
+        if state != self.state:
+            self.entries.clear()  # a parameter, flag or switch changed: record again
+            self.state = state
+        entry = self.entries.get(self._key(input_ids))
+        if entry is None or entry.replay is None:
+            return None
+        entry.fill(input_ids)
+        self.replays += 1
+        return entry.replay().clone()  # (the graph's output is rewritten by the next replay)
+
+    def record_after(self, input_ids: torch.Tensor, eager: torch.Tensor) -> torch.Tensor | None:
+        """Record the bucket of `input_ids`, whose eager prefill just gave `eager` (the cache
+        holding it), replay it once and compare: the replay's logits (the cache then holds the
+        replay's prompt), or None where the recording was refused or its logits differ (then with
+        a warning, and this decoder keeps the eager prefill: the caller runs it again)."""
+        key = self._key(input_ids)
+        state = model_state(self.model)
+        if state != self.state:
+            self.entries.clear()
+            self.state = state
+        entry = _Entry(*key, self._cache_len(), input_ids.device)
+        entry.fill(input_ids)
+        try:
+            entry.replay = self.record(lambda: self._forward(entry))
+            self.cache.reset()
+            got = entry.replay().clone()
+            self.replays += 1
+        except Exception as e:  # noqa: BLE001 - the runtime's refusal: said, then eager for good
+            self._refuse(f"recording it failed ({type(e).__name__}: {_first_line(e)})")
+            return None
+        err = float((got.float() - eager.float()).norm() / eager.float().norm().clamp_min(1e-30))
+        if not err <= TOLERANCE:
+            self._refuse(
+                f"its logits differ from the eager prefill's by {err:.3g} of their norm (more "
+                f"than {TOLERANCE})"
+            )
+            return None
+        self.entries[key] = entry
+        return got
+
+    def _cache_len(self) -> int:
+        return int(self.cache.layers[0].max_cache_len)
+
+    def _key(self, input_ids: torch.Tensor) -> tuple[int, int]:
+        b = bucket(input_ids.shape[1], self._cache_len())
+        assert b is not None  # (why_not)
+        return (input_ids.shape[0], b)
+
+    def _forward(self, entry: _Entry) -> torch.Tensor:
+        """The padded prefill: the model on the bucket's tokens, the logits of the prompt's last,
+        then every layer's length set back to the prompt's."""
+        out: torch.Tensor = self.model(
+            input_ids=entry.ids, attention_mask=entry.mask, past_key_values=self.cache,
+            use_cache=True, logits_to_keep=entry.last,
+        ).logits[:, -1]  # fmt: skip
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(entry.prompt)
+        return out
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        self.entries.clear()
+        warnings.warn(
+            f"quantmesh: replaying {type(self.model).__name__}'s prefill as a CUDA graph: {why}; "
+            "its prefills run eagerly (QUANTMESH_CAPTURED_PREFILL=0 says nothing)",
+            stacklevel=5,
+        )
+
+
+def _forward_params(model: nn.Module) -> Any:
+    import inspect
+
+    return inspect.signature(model.forward).parameters
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    return lines[0] if lines else ""
