@@ -16,12 +16,12 @@ import quantmesh as qm
 from quantmesh.infer import prefill_graph as PG
 
 
-def _llama(**extra):
+def _llama(attn: str = "sdpa", **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512, attn_implementation="sdpa", **extra)  # fmt: skip
+                      max_position_embeddings=512, attn_implementation=attn, **extra)  # fmt: skip
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -61,10 +61,12 @@ def _prompt(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_replayed_prefills_give_the_eager_loops_tokens(recorder):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_replayed_prefills_give_the_eager_loops_tokens(recorder, attn):
     """Prompts of 5, 9 and 20 tokens (buckets 16, 16, 32): each compiled call's tokens are the
-    eager loop's; a bucket is recorded once and replayed by every later prompt it holds."""
-    model, ref = _llama(), _llama()  # (the eager loop on a twin: a decoder is kept per model)
+    eager loop's, with sdpa's mask and eager attention's; a bucket is recorded once and replayed
+    by every later prompt it holds."""
+    model, ref = _llama(attn), _llama(attn)  # (the eager loop on a twin: a decoder a model)
     for n, records, replays in ((5, 1, 1), (9, 1, 2), (20, 2, 3), (5, 2, 4)):
         ids = _prompt(n, seed=n)
         want = qm.fast_decode(ref, ids, 12, compile=False)

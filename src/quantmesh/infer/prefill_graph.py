@@ -13,8 +13,8 @@ past a step's position are hidden), so they are never read. The mask is a fixed 
 are those of the last real token (`logits_to_keep` as an index tensor).
 
 Where it applies (`PrefillGraphs.why_not` says why not): a CUDA model (`DEVICES`) on one rank (a
-sharded or replicated model keeps the eager prefill: its collectives would be captured), sdpa
-attention, a transformers `StaticCache` whose layers are all plain `StaticLayer`s with a tensor
+sharded or replicated model keeps the eager prefill: its collectives would be captured), sdpa or
+eager attention (a bool mask, or one added to the scores in the model's dtype), a transformers `StaticCache` whose layers are all plain `StaticLayer`s with a tensor
 length (sliding windows keep a host-side count a graph cannot replay), no left-padded rows, a
 forward that takes `logits_to_keep`, no module in training mode, a prompt of at most
 `BUCKETS[-1]` tokens whose bucket fits the cache. Elsewhere the prefill runs eagerly, as before.
@@ -162,12 +162,17 @@ def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 class _Entry:
     """One bucket's static inputs and its recorded forward."""
 
-    def __init__(self, batch: int, length: int, cache_len: int, device: torch.device) -> None:
+    def __init__(self, batch: int, length: int, cache_len: int, device: torch.device,
+                 additive: torch.dtype | None = None) -> None:  # fmt: skip
         self.ids = torch.zeros(batch, length, dtype=torch.long, device=device)
         self.last = torch.zeros(1, dtype=torch.long, device=device)  # the prompt's last index
         self.prompt = torch.zeros((), dtype=torch.long, device=device)  # its length
         causal = torch.ones(length, cache_len, dtype=torch.bool, device=device).tril()
-        self.mask = causal[None, None].expand(batch, 1, length, cache_len).contiguous()
+        mask: torch.Tensor = causal  # sdpa's: True attends; eager attention's: added to scores
+        if additive is not None:
+            hidden = torch.finfo(additive).min
+            mask = torch.zeros_like(causal, dtype=additive).masked_fill(~causal, hidden)
+        self.mask = mask[None, None].expand(batch, 1, length, cache_len).contiguous()
         self.replay: Callable[[], torch.Tensor] | None = None
 
     def fill(self, input_ids: torch.Tensor) -> None:
@@ -216,8 +221,8 @@ class PrefillGraphs:
         if st is not None and st.mesh.world_size > 1:
             return "a model on several ranks"
         impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        if impl not in ("sdpa", attention.IMPLEMENTATION):
-            return f"attention {impl!r} (sdpa only)"
+        if impl not in ("sdpa", "eager", attention.IMPLEMENTATION):
+            return f"attention {impl!r} (sdpa's and eager's masks are known)"
         layers = getattr(self.cache, "layers", None) or []
         if not layers or not all(
             type(layer) is StaticLayer and isinstance(getattr(layer, "cumulative_length", None),
@@ -258,7 +263,9 @@ class PrefillGraphs:
         if state != self.state:
             self.entries.clear()
             self.state = state
-        entry = _Entry(*key, self._cache_len(), input_ids.device)
+        impl = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        additive = _dtype(self.model) if impl == "eager" else None
+        entry = _Entry(*key, self._cache_len(), input_ids.device, additive)
         entry.fill(input_ids)
         try:
             entry.replay = self.record(lambda: self._forward(entry))
@@ -305,6 +312,14 @@ class PrefillGraphs:
             "its prefills run eagerly (QUANTMESH_CAPTURED_PREFILL=0 says nothing)",
             stacklevel=5,
         )
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (the first one's)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def _forward_params(model: nn.Module) -> Any:
