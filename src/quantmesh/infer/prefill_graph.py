@@ -16,18 +16,18 @@ Where it applies (`PrefillGraphs.why_not` says why not): a CUDA model (`DEVICES`
 sharded or replicated model keeps the eager prefill: its collectives would be captured), sdpa or
 eager attention (a bool mask, or one added to the scores in the model's dtype), a transformers `StaticCache` whose layers are all plain `StaticLayer`s with a tensor
 length (sliding windows keep a host-side count a graph cannot replay), no left-padded rows, a
-forward that takes `logits_to_keep`, no module in training mode, a prompt of at most
+forward that takes `logits_to_keep`, a prompt of at most
 `BUCKETS[-1]` tokens whose bucket fits the cache. Elsewhere the prefill runs eagerly, as before.
 
 Safety. A graph reads every tensor at the address it had when it was recorded and replays the
 branches the Python code took then. So each call first takes the model's state (`model_state`):
 every module's parameters', buffers' and tensor attributes' addresses, shapes and dtypes, the
-4-bit statistics, its scalar attributes (flags such as an adapter's scaling), its hooks, the
+4-bit statistics, its scalar attributes (its training flag, an adapter's scaling...), its hooks, the
 attention implementation, and quantmesh's kernel switches and environment. Any change drops the
 graphs and records them again. The first recording of a bucket is checked against the eager
 prefill of the same prompt, run just before: where the logits differ by more than `TOLERANCE` of
-their norm (a model whose masks or lengths work otherwise), the decoder keeps the eager prefill for
-good and warns. A recording the CUDA runtime refuses (an op that reads a value back to the host)
+their norm (a model whose masks or lengths work otherwise, or dropout left on), the decoder keeps
+the eager prefill for good and warns. A recording the CUDA runtime refuses (an op that reads a value back to the host)
 does the same.
 
 `QUANTMESH_CAPTURED_PREFILL=0` turns it off.
@@ -232,8 +232,6 @@ class PrefillGraphs:
             return "a cache with other layers than full-attention StaticLayers"
         if "logits_to_keep" not in _forward_params(self.model):
             return "a forward without logits_to_keep"
-        if any(m.training for m in self.model.modules()):
-            return "a module in training mode"
         if bucket(input_ids.shape[1], self._cache_len()) is None:
             return f"a prompt of {input_ids.shape[1]} tokens (up to {BUCKETS[-1]} are replayed)"
         return None
