@@ -144,6 +144,15 @@ def test_where_it_does_not_apply(recorder, monkeypatch):
     sliding(input_ids=_prompt(3), past_key_values=cache, use_cache=True)  # (its layers, built)
     why = PG.PrefillGraphs(sliding, cache).why_not(_prompt(5), None)
     assert why == "a cache with other layers than full-attention StaticLayers"
+
+    class Ahead(StaticCache):  # queries ahead of the cache (as transformers' MTP caches are)
+        def get_query_offset(self, layer_idx: int = 0):
+            return super().get_query_offset(layer_idx) + 1
+
+    why = PG.PrefillGraphs(model, Ahead(config=model.config, max_cache_len=256)).why_not(
+        _prompt(5), None
+    )
+    assert why == "a Ahead (its queries' offset is its own)"
     assert graphs.why_not(ids, (mask, None)) == "left-padded rows"
     assert graphs.why_not(ids.to("meta"), None) == "a meta model"
     monkeypatch.setattr(PG, "DEVICES", ("cuda",))

@@ -102,21 +102,39 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
     from . import attention
 
     out: list[Any] = []
+    add = out.append
+    scalars, tensor, method, callables = _SCALARS, torch.Tensor, types.MethodType, _CALLABLES
     for m in model.modules():
-        out.append(id(m))
+        add(id(m))
         for k, v in m.__dict__.items():
-            if isinstance(v, _SCALARS):
-                out.append((k, v))
-            elif isinstance(v, torch.Tensor):
-                out.append((k, _tensor(v)))
-            elif isinstance(v, types.MethodType):  # a forward replaced (bound anew per call)
-                out.append((k, id(v.__func__), id(v.__self__)))
-            elif isinstance(v, _CALLABLES):
-                out.append((k, id(v)))
-        for k, t in (*m._parameters.items(), *m._buffers.items()):
-            if t is not None:
-                out.append((k, _tensor(t), _statistics(t)))
-        out.append((len(m._forward_hooks), len(m._forward_pre_hooks)))
+            if isinstance(v, scalars):
+                add(k)
+                add(v)
+            elif isinstance(v, dict):  # (_parameters, _buffers, _modules, the hooks: below)
+                continue
+            elif isinstance(v, tensor):
+                add(k)
+                add(_tensor(v))
+            elif isinstance(v, method):  # a forward replaced (bound anew per call)
+                add(k)
+                add(id(v.__func__))
+                add(id(v.__self__))
+            elif isinstance(v, callables):
+                add(k)
+                add(id(v))
+        for ts in (m._parameters, m._buffers):
+            for k, t in ts.items():
+                if t is not None:
+                    add(k)
+                    add(t.data_ptr())
+                    add(t.shape)
+                    add(t.dtype)
+                    add(t.requires_grad)
+                    qs = getattr(t, "quant_state", None)
+                    if qs is not None:
+                        add(_statistics(qs))
+        add(len(m._forward_hooks))
+        add(len(m._forward_pre_hooks))
     config = getattr(model, "config", None)
     out.append(getattr(config, "_attn_implementation", None))
     for module in (kernel4, attention):
@@ -131,11 +149,8 @@ def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)
 
 
-def _statistics(t: torch.Tensor) -> tuple[Any, ...]:
+def _statistics(qs: Any) -> tuple[Any, ...]:
     """The addresses of a 4-bit weight's statistics (its QuantState's tensors)."""
-    qs = getattr(t, "quant_state", None)
-    if qs is None:
-        return ()
     s2 = getattr(qs, "state2", None)
     ts = (qs.absmax, qs.code, qs.offset, getattr(s2, "absmax", None), getattr(s2, "code", None))
     return tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in ts)
