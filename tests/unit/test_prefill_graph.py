@@ -152,7 +152,7 @@ def test_where_it_does_not_apply(recorder, monkeypatch):
     why = PG.PrefillGraphs(model, Ahead(config=model.config, max_cache_len=256)).why_not(
         _prompt(5), None
     )
-    assert why == "a Ahead (its queries' offset is its own)"
+    assert why == "a cache (Ahead) whose queries' offset is its own"
     assert graphs.why_not(ids, (mask, None)) == "left-padded rows"
     assert graphs.why_not(ids.to("meta"), None) == "a meta model"
     monkeypatch.setattr(PG, "DEVICES", ("cuda",))

@@ -241,7 +241,7 @@ class PrefillGraphs:
             return f"attention {impl!r} (sdpa's and eager's masks are known)"
         layers = getattr(self.cache, "layers", None) or []
         if type(self.cache).get_query_offset is not Cache.get_query_offset:
-            return f"a {type(self.cache).__name__} (its queries' offset is its own)"
+            return f"a cache ({type(self.cache).__name__}) whose queries' offset is its own"
         if not layers or not all(
             type(layer) is StaticLayer and isinstance(getattr(layer, "cumulative_length", None),
                                                       torch.Tensor)
