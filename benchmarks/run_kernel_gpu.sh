@@ -61,11 +61,15 @@
 #            slots, batch 1 and 32), then qm.fast_decode at batch 1 with and without it, profiled
 #            (bench_decode.py --attention --profile), then the trained model's CUDA decode test
 #            with it on
+#   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, opt-in): the
+#            trained model's CUDA decode test and the refused recording's (both turn it on),
+#            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
+#            (bench_decode.py --graphs; its figures decide whether it becomes the default)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join or attention}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention or graphs}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -152,6 +156,13 @@ case "$STAGE" in
     say "the trained model's CUDA decode test, QUANTMESH_DECODE_ATTENTION=1"
     QUANTMESH_DECODE_ATTENTION=1 timeout 200 python3 -m pytest -q -x -m cuda \
       tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
+  graphs)
+    say "CUDA decode tests: the trained model's (prefill graphs recorded and replayed), the refused recording's"
+    timeout 200 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
+      -k "trained or record" --tb=short 2>&1 | tail -8
+    say "decode, 7B nf4 + LoRA, batch 1: peft's runs, then quantmesh's with and without the prefill graphs"
+    timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --graphs --new 256 \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
@@ -200,6 +211,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs)" >&2; exit 2 ;;
 esac
 say done

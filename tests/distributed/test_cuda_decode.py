@@ -196,6 +196,9 @@ def _trained(rank: int) -> dict:
     # the reference: the eager loop with each adapter on its own; then the compiled step with
     # the sibling adapters stacked (the default) and without
     eager = qm.greedy_decode(model, ids, 48, compile=False, fuse_adapters=False)[0].cpu()
+    from quantmesh.infer import prefill_graph
+
+    prefill_graph.ENABLED = True  # (opt-in) the compiled calls' prefills recorded and replayed
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
     # the prefill recorded as a CUDA graph (bucket 16: 8 pads) in that call, replayed in this one
     graphs = model.__dict__["_quantmesh_decoder"].graphs
@@ -296,8 +299,10 @@ def _reads_back(rank: int) -> dict:
     import warnings
 
     import quantmesh as qm
+    from quantmesh.infer import prefill_graph
     from tests.models import llama
 
+    prefill_graph.ENABLED = True  # (opt-in)
     mesh = qm.init_mesh()
     model = llama(heads=4, kv_heads=2, head_dim=16, vocab=256, layers=2, seed=4)
     model.config.max_position_embeddings = 512

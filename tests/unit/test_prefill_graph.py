@@ -50,6 +50,7 @@ def recorder(monkeypatch):
     """CPU among the devices that record, the recorder above in place of CUDA graphs, and a
     compile that only traces (the step's compile is not what is tested here)."""
     rec = _Recorder()
+    monkeypatch.setattr(PG, "ENABLED", True)  # (opt-in)
     monkeypatch.setattr(PG, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(PG, "cuda_graph", rec)
     monkeypatch.setattr(PG.PrefillGraphs.__init__, "__defaults__", (rec,))
@@ -127,8 +128,9 @@ def test_a_refused_or_different_recording_keeps_the_eager_prefill(recorder, how)
 
 
 def test_where_it_does_not_apply(recorder, monkeypatch):
-    """Left-padded rows, a cache with sliding windows, a prompt past the last bucket, a CPU model
-    by default, and the switch off: the eager prefill, nothing recorded."""
+    """Left-padded rows, a cache with sliding windows or its own query offset, a prompt past the
+    last bucket, a CPU model by default, and the switch off: the eager prefill, nothing
+    recorded."""
     model = _llama()
     ids = _prompt(5).repeat(2, 1)
     mask = torch.ones_like(ids)
@@ -158,7 +160,7 @@ def test_where_it_does_not_apply(recorder, monkeypatch):
     monkeypatch.setattr(PG, "DEVICES", ("cuda",))
     assert graphs.why_not(_prompt(5), None) == "a cpu model"
     monkeypatch.setattr(PG, "ENABLED", False)
-    assert graphs.why_not(_prompt(5), None) == "QUANTMESH_CAPTURED_PREFILL=0"
+    assert graphs.why_not(_prompt(5), None) == "off (QUANTMESH_CAPTURED_PREFILL=1 turns it on)"
 
 
 def test_model_state_sees_what_a_graph_would_miss():
@@ -187,3 +189,16 @@ def test_model_state_sees_what_a_graph_would_miss():
             assert PG.model_state(model) != before, i
     finally:
         kernel4.GEMV_ENABLED = saved
+
+
+def test_off_by_default():
+    """Opt-in until its GPU check (QUANTMESH_CAPTURED_PREFILL unset: off)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "QUANTMESH_CAPTURED_PREFILL"}
+    code = "from quantmesh.infer import prefill_graph as PG; print(PG.ENABLED)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "False", out
