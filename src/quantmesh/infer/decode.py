@@ -198,15 +198,17 @@ class _Decoder:
         With `PREFILL_COMPILED` a compiled decoder compiles the prefill too, the prompt's length
         dynamic: an eager prefill launches every op of every layer from the host, about a
         tenth of a second on a 7B model. Where the compiler refuses it, the prefill runs
-        eagerly from then on, with a warning."""
+        eagerly from then on, with a warning. Otherwise, with `prefill_graph.ENABLED` (opt-in),
+        a compiled decoder replays its eager prefill as a CUDA graph per length bucket where
+        that applies (`PrefillGraphs`: recorded after an eager prefill, which it is checked
+        against)."""
         self.cache.reset()  # in place: the tensors keep their addresses
         kw = {**self.prefill_kw, **_padding_kw(padding)}
         join = self.fuse and not self.joined and kernel4.joins_pay_on(input_ids.device)
         compiled = PREFILL_COMPILED and self.prefill_run is not None
         stacks = None
-        eager: torch.Tensor | None = (
-            None  # the prompt's logits, where the finding forward gave them
-        )
+        # the prompt's logits, where the finding forward gave them
+        eager: torch.Tensor | None = None
         if (self.fuse and self.stacks is None) or join:
             with contextlib.ExitStack() as finding:
                 if self.fuse and self.stacks is None:
@@ -222,9 +224,7 @@ class _Decoder:
             if eager is None:
                 self.cache.reset()
         logits = self._compiled_prefill(input_ids, kw) if compiled else None
-        if (
-            logits is None
-        ):  # (after an eager finding forward: its bucket recorded, where it applies)
+        if logits is None:  # (after an eager finding forward: its bucket recorded, if it applies)
             logits = self._replayed_prefill(input_ids, kw, padding, eager)
         return self._found(stacks, logits)
 
