@@ -14,8 +14,9 @@
 #            its kernels named by op and input shapes (slot_step_profile.py --cuda-graphs none)
 #   warps    Nsight Compute on the one-row gemv alone (PROBE_SHAPE, default 22016x4096: gate and
 #            up joined; nf4_kernel_probe.py): where its warps wait (warp states, scheduler,
-#            instruction mix), the question the twenty-fifth sitting left (docs/benchmarks.md,
-#            "The one-row gemv's limit")
+#            instruction mix, the pipes' utilization: is the shuffle/LSU (MIO) pipe the bound?),
+#            the question the twenty-fifth sitting left (docs/benchmarks.md, "The one-row gemv's
+#            limit")
 #   dequant  the opt-in Triton dequantize's checks: the CUDA decode test twice with it on
 #            (QUANTMESH_TRITON_DEQUANT=1) and once off, then the kernel tests with it on
 #   gemv     the lines gemv's CUDA tests, then benchmarks/nf4_gemv_bench.py: the gemv's tiles against
@@ -96,9 +97,10 @@ case "$STAGE" in
     PROBE_SHAPE=${PROBE_SHAPE:-22016x4096} PROBE_ONLY=ours_gemv \
       timeout 200 "$NCU" --clock-control none -k "regex:qm_gemv" \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section InstructionStats --section Occupancy --section LaunchStats \
+      --section InstructionStats --section ComputeWorkloadAnalysis --section Occupancy \
+      --section LaunchStats \
       python3 benchmarks/nf4_kernel_probe.py > "$OUT/ncu_warps.txt" 2>&1
-    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issued|Eligible|Stall|Warp Cycles|Executed Ipc|Active Warps" \
+    grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issued|Eligible|Stall|Warp Cycles|Executed Ipc|Active Warps|Pipe|pipe|MIO|LSU" \
       "$OUT/ncu_warps.txt" | head -80 ;;
   probe)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
