@@ -241,7 +241,9 @@ class _Decoder:
         graphs = self.graphs
         if graphs is None or graphs.why_not(input_ids, padding) is not None:
             return self._prefill_logits(input_ids, kw) if eager is None else eager
-        logits = graphs.replay(input_ids) if eager is None else None
+        logits = graphs.replay(
+            input_ids
+        )  # (None for a fresh decoder, whose first call gave `eager`)
         if logits is None:
             if eager is None:
                 eager = self._prefill_logits(input_ids, kw)
@@ -323,9 +325,7 @@ def _static_statistics(model: nn.Module) -> None:
         qs = getattr(p, "quant_state", None)
         if qs is None:
             continue
-        s2 = getattr(qs, "state2", None)
-        for t in (qs.absmax, qs.code, qs.offset, getattr(s2, "absmax", None),
-                  getattr(s2, "code", None)):  # fmt: skip
+        for t in kernel4.quant_state_tensors(qs):
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 torch._dynamo.mark_static_address(t, guard=False)
 

@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import types
 import warnings
@@ -54,6 +55,7 @@ import torch
 from torch import nn
 
 from ..config import env_switch
+from ..quant import kernel4
 
 __all__ = ["BUCKETS", "DEVICES", "ENABLED", "TOLERANCE", "PrefillGraphs", "bucket", "model_state"]
 
@@ -101,7 +103,6 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
         >>> model_state(lin) == before
         False
     """
-    from ..quant import kernel4
     from . import attention
 
     out: list[Any] = []
@@ -134,8 +135,9 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
                     add(t.dtype)
                     add(t.requires_grad)
                     qs = getattr(t, "quant_state", None)
-                    if qs is not None:
-                        add(_statistics(qs))
+                    if qs is not None:  # its statistics' addresses
+                        for x in kernel4.quant_state_tensors(qs):
+                            add(x.data_ptr() if isinstance(x, tensor) else x)
         add(len(m._forward_hooks))
         add(len(m._forward_pre_hooks))
     config = getattr(model, "config", None)
@@ -150,13 +152,6 @@ def model_state(model: nn.Module) -> tuple[Any, ...]:
 
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)
-
-
-def _statistics(qs: Any) -> tuple[Any, ...]:
-    """The addresses of a 4-bit weight's statistics (its QuantState's tensors)."""
-    s2 = getattr(qs, "state2", None)
-    ts = (qs.absmax, qs.code, qs.offset, getattr(s2, "absmax", None), getattr(s2, "code", None))
-    return tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in ts)
 
 
 def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -216,6 +211,7 @@ class PrefillGraphs:
         self.model = model
         self.cache = cache
         self.record = record or cuda_graph
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.entries: dict[tuple[int, int], _Entry] = {}
         self.state: tuple[Any, ...] | None = None
         self.refused: str | None = None  # why this decoder keeps the eager prefill for good
@@ -251,7 +247,7 @@ class PrefillGraphs:
             for layer in layers
         ):  # fmt: skip
             return "a cache with other layers than full-attention StaticLayers"
-        if "logits_to_keep" not in _forward_params(self.model):
+        if not self.keeps_logits:
             return "a forward without logits_to_keep"
         if bucket(input_ids.shape[1], self._cache_len()) is None:
             return f"a prompt of {input_ids.shape[1]} tokens (up to {BUCKETS[-1]} are replayed)"
@@ -260,7 +256,8 @@ class PrefillGraphs:
     def replay(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The prompt's last logits (batch, vocab) from the recorded bucket, the cache then
         holding the prompt (its `reset` done by the caller); None where this bucket is not
-        recorded for the model's present state (`record_after` then records it)."""
+        recorded for the model's present state (`record_after` then records it). Takes the
+        model's state for the call: asked first in every call that may record."""
         state = model_state(self.model)
         if state != self.state:
             self.entries.clear()  # a parameter, flag or switch changed: record again
@@ -276,12 +273,9 @@ class PrefillGraphs:
         """Record the bucket of `input_ids`, whose eager prefill just gave `eager` (the cache
         holding it), replay it once and compare: the replay's logits (the cache then holds the
         replay's prompt), or None where the recording was refused or its logits differ (then with
-        a warning, and this decoder keeps the eager prefill: the caller runs it again)."""
+        a warning, and this decoder keeps the eager prefill: the caller runs it again). Called
+        after `replay` gave None in the same call (the state it took is the recording's)."""
         key = self._key(input_ids)
-        state = model_state(self.model)
-        if state != self.state:
-            self.entries.clear()
-            self.state = state
         entry = _Entry(*key, input_ids.device)
         entry.fill(input_ids)
         try:
@@ -336,12 +330,6 @@ class PrefillGraphs:
             "its prefills run eagerly (QUANTMESH_CAPTURED_PREFILL=0 says nothing)",
             stacklevel=5,
         )
-
-
-def _forward_params(model: nn.Module) -> Any:
-    import inspect
-
-    return inspect.signature(model.forward).parameters
 
 
 def _first_line(e: BaseException) -> str:

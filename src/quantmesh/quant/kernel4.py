@@ -273,6 +273,20 @@ def _rows_kernels_take(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype,
     return x.numel() // max(in_f, 1)
 
 
+def quant_state_tensors(qs: Any) -> tuple[Any, ...]:
+    """Every tensor a QuantState `qs` holds beside the codes (absmax, code table, offset, and
+    under double quant the nested absmax and code table; None where it has none), as attributes:
+    not parameters or buffers, so walks of a model's tensors miss them.
+
+    Example:
+        >>> class S: absmax, code, offset, state2 = torch.ones(2), torch.ones(16), None, None
+        >>> [t is None for t in quant_state_tensors(S)]
+        [False, False, True, True, True]
+    """
+    s2 = getattr(qs, "state2", None)
+    return (qs.absmax, qs.code, qs.offset, getattr(s2, "absmax", None), getattr(s2, "code", None))
+
+
 def _statistics(qs: Any, device: torch.device) -> tuple[Any, ...]:
     """(absmax, nested absmax, nested code, offset) of the QuantState `qs` as the kernels take
     them: the last three None without double quant; the offset an fp32 tensor on `device`."""
