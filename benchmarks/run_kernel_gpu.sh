@@ -160,8 +160,8 @@ case "$STAGE" in
       tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
   graphs)
     say "CUDA decode tests: the trained model's (prefill graphs recorded and replayed), the refused recording's"
-    timeout 200 python3 -m pytest -q -m cuda tests/distributed/test_cuda_decode.py \
-      -k "trained or record" --tb=short 2>&1 | tail -8
+    timeout 240 python3 -m pytest -v -m cuda tests/distributed/test_cuda_decode.py \
+      -k "trained or record" --tb=short --durations=3 2>&1 | grep -v "Warning\|warnings.warn" | tail -30
     say "decode, 7B nf4 + LoRA, batch 1: peft's runs, then quantmesh's with and without the prefill graphs"
     timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --graphs --new 256 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;

@@ -170,6 +170,9 @@ def _trained(rank: int) -> dict:
     perm = torch.randperm(vocab, generator=g)
     model = llama(heads=8, kv_heads=4, head_dim=32, vocab=vocab, layers=4, tie=False, seed=2)
     model.config.max_position_embeddings = 512
+    # sdpa (transformers' default; the decode attention then runs in the compiled steps): the
+    # prefill's recording needs it, transformers 5.17's eager masks copying a host scalar in
+    model.config._attn_implementation = "sdpa"
     model = model.to(mesh.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     for _ in range(steps):  # sequences that follow the map from random starts: (32, 64)

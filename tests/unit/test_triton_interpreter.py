@@ -316,8 +316,12 @@ def _joined() -> list[dict]:
             mm = (x @ w.to(x.dtype).t()).float()
             err = float((y.float() - ref).norm() / ref.norm())
             mm_err = float((mm - ref).norm() / ref.norm())
-            ok = (y.shape == (rows, sum(outs)) and err <= max(2 * mm_err, 2e-3)
-                  and torch.equal(y, own))  # fmt: skip
+            # the gemv's bits are its own; the interpreter runs the tensor-core kernel's
+            # tl.dot as numpy's matmul, whose BLAS may round a column by its place in the tile
+            # (one ulp seen on an AMD host): there, within one ulp of x's dtype
+            ulp = 0.0 if matmul is k4.matmul_4bit_gemv else 2.0**-10
+            same = bool(((y.float() - own.float()).abs() <= ulp * own.float().abs()).all())
+            ok = y.shape == (rows, sum(outs)) and err <= max(2 * mm_err, 2e-3) and same
             out.append({"case": repr((matmul.__name__, nested, outs, rows)), "err": err,
                         "mm_err": mm_err, "ok": bool(ok)})  # fmt: skip
     return out + _joined_layers()
