@@ -243,6 +243,11 @@ def _rank(rank: int) -> dict:
     report = qm.verify_plan(Net(lambda: Attn(slopes=True)), mesh, inputs=(_ids(0),))
     facts["report"] = str(report)
     facts["side_groups"] = sorted(mesh.side_groups)
+    # the kept groups' waits, set by the last probe (gloo: from that probe's own compute)
+    facts["waits"] = {
+        k: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for k, g in mesh.side_groups.items()
+    }
     return facts
 
 
@@ -260,6 +265,21 @@ def test_the_probe_keeps_its_groups_on_the_mesh_until_a_probe_raises(facts: dict
     assert made["shared_norm"] == made["head_scale"] == made["slopes"] == 0, made
     assert made["odd_names"] > 0, made
     assert facts["side_groups"] == ["verify.agree", "verify.probe"], facts["side_groups"]
+
+
+def test_a_gloo_probe_waits_for_a_multiple_of_its_own_compute(facts: dict) -> None:
+    """A probe of a few milliseconds that hangs (ranks that disagree on their collectives)
+    costs seconds, not the 15 s ceiling: the kept groups' waits follow the last probe's compute
+    (`probe_wait`), the agreement's three times the probe's."""
+    from quantmesh.parallel import verify
+
+    waits = facts["waits"]
+    probe = waits["verify.probe"]
+    assert verify.GLOO_PROBE_FLOOR_S <= probe < verify.GLOO_PROBE_TIMEOUT_S, waits
+    assert waits["verify.agree"] == pytest.approx(3 * probe), waits
+    assert verify.probe_wait(0.001) == verify.GLOO_PROBE_FLOOR_S
+    assert verify.probe_wait(0.5) == pytest.approx(verify.GLOO_PROBE_COMPUTE_MARGIN * 0.5)
+    assert verify.probe_wait(100.0) == verify.GLOO_PROBE_TIMEOUT_S
 
 
 @pytest.mark.parametrize("case", list(CASES))

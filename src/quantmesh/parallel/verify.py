@@ -42,6 +42,7 @@ import functools
 import inspect
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -58,14 +59,26 @@ from ..tp.kinds import kind_of
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-__all__ = ["VerifyReport", "GroupVerdict", "verify_plan", "probe_inputs", "made_inputs"]
+__all__ = [
+    "VerifyReport",
+    "GroupVerdict",
+    "verify_plan",
+    "probe_inputs",
+    "made_inputs",
+    "probe_wait",
+]
 
 TOLERANCE = 1e-4  # relative error (max abs difference / max abs reference), fp32
 PROBE_TIMEOUT_S = 60.0
 # gloo (CPU ranks): a probe's collectives wait on the other ranks' one-block compute, at most
 # seconds; a wrong split that makes ranks disagree on their collectives (experts routed
-# differently per rank all-reduce gradients of other sizes) then costs this, not a minute
+# differently per rank all-reduce gradients of other sizes) then costs this, not a minute. The
+# wait is `GLOO_PROBE_COMPUTE_MARGIN` times the unsharded probe's own forward and backward (timed
+# on each rank, first-call costs included), within [GLOO_PROBE_FLOOR_S, GLOO_PROBE_TIMEOUT_S]:
+# a probe of a few milliseconds that hangs costs seconds, not the ceiling (`probe_wait`)
 GLOO_PROBE_TIMEOUT_S = 15.0
+GLOO_PROBE_FLOOR_S = 3.0
+GLOO_PROBE_COMPUTE_MARGIN = 20.0
 MAX_SIZE_CANDIDATES = 6  # integer attributes tried per failing group (all their subsets: 63 probes)
 
 
@@ -300,6 +313,21 @@ def _float_outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
+def probe_wait(reference_s: float) -> float:
+    """How long a gloo probe's collectives wait for the other ranks, given that the unsharded
+    probe's forward and backward took `reference_s` seconds in one process: a sharded probe runs
+    the same compute, so a wait far beyond it is a hang (ranks that disagree on their
+    collectives), not a slow rank.
+
+    Example:
+        >>> probe_wait(0.01), probe_wait(0.5), probe_wait(10.0)
+        (3.0, 10.0, 15.0)
+    """
+    return min(
+        GLOO_PROBE_TIMEOUT_S, max(GLOO_PROBE_FLOOR_S, GLOO_PROBE_COMPUTE_MARGIN * reference_s)
+    )
+
+
 def _run(model: nn.Module, inputs: Any, seed: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Forward, then backward of a fixed random projection of every output."""
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
@@ -377,9 +405,14 @@ class _ProbeGroups:
         self.groups: dict[str, Any] = getattr(mesh, "side_groups", {})
 
     def get(self) -> Any:
+        """The group, its collectives waiting `timeout_s` (a kept one's wait is set anew: each
+        rank's own, no collective; gloo's `probe_wait` follows each probe's compute)."""
         if self.key not in self.groups:
             self.groups[self.key] = _new_group(self.mesh, self.timeout_s)
-        return self.groups[self.key]
+        group = self.groups[self.key]
+        if group is not None and _is_gloo(group):
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s), group)
+        return group
 
     def drop(self) -> None:
         group = self.groups.pop(self.key, None)
@@ -569,6 +602,7 @@ def verify_plan(
         ref_out: list[torch.Tensor] = []
         ref_grads: dict[str, torch.Tensor] = {}
         failure = ""
+        ref_s = 0.0  # the unsharded probe's forward and backward, seconds
         for reduced in (True, False):  # a model that indexes its blocks needs them all
             cpu = torch.device("cpu")
             if (
@@ -590,7 +624,9 @@ def verify_plan(
                 inputs = probe_inputs(probe, dev, seed) or made_inputs(probe, dev, seed)
             try:  # one process, no collectives: safe to fail here
                 ref = copy.deepcopy(probe)
+                t0 = time.perf_counter()
                 ref_out, _ = _run(ref, inputs, seed=0)
+                ref_s = time.perf_counter() - t0
                 ref_grads = {
                     n: p.grad.detach().float()
                     for n, p in ref.named_parameters()
@@ -605,7 +641,7 @@ def verify_plan(
         if failure:
             report.skipped = failure
             return report
-        wait = GLOO_PROBE_TIMEOUT_S if _is_gloo(mesh.tp_group) else PROBE_TIMEOUT_S
+        wait = probe_wait(ref_s) if _is_gloo(mesh.tp_group) else PROBE_TIMEOUT_S
         agreeing = _ProbeGroups(mesh, "verify.agree", wait * 3)
         pgroups = _ProbeGroups(mesh, "verify.probe", wait)
         try:
