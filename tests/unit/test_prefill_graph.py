@@ -27,7 +27,8 @@ def _llama(attn: str = "sdpa", **extra):
 
 
 class _Recorder:
-    """Stands in for `cuda_graph`: the 'graph' runs the recorded function again, counted."""
+    """Stands in for `cuda_graph`: runs the recorded function once (its warm-up), and the 'graph'
+    runs it again, counted."""
 
     def __init__(self, fail: Exception | None = None, scale: float = 1.0) -> None:
         self.records = self.replays = 0
@@ -36,6 +37,7 @@ class _Recorder:
     def __call__(self, fn):
         if self.fail is not None:
             raise self.fail
+        fn()  # (cuda_graph's warm-up, before its capture)
         self.records += 1
 
         def replay():
@@ -74,6 +76,20 @@ def test_replayed_prefills_give_the_eager_loops_tokens(recorder, attn):
         got = qm.fast_decode(model, ids, 12, mode=None)
         assert torch.equal(got, want), (n, got, want)
         assert (recorder.records, recorder.replays) == (records, replays), n
+
+
+def test_a_bucket_that_just_fits_the_cache_is_recorded(recorder):
+    """A cache that holds the bucket but not the prompt and the bucket after it (130 + 8 tokens:
+    256 slots, bucket 256): recorded on an empty cache (the recorder's warm-up too), replayed,
+    the eager loop's tokens."""
+    model, ref = _llama(), _llama()
+    ids = _prompt(130)
+    want = qm.fast_decode(ref, ids, 8, compile=False)
+    for _ in range(2):
+        assert torch.equal(qm.fast_decode(model, ids, 8, mode=None), want)
+    graphs = model.__dict__["_quantmesh_decoder"].graphs
+    assert graphs.refused is None, graphs.refused
+    assert (recorder.records, recorder.replays) == (1, 2)
 
 
 def test_the_layers_length_is_the_prompts(recorder):

@@ -279,6 +279,10 @@ class PrefillGraphs:
         entry = _Entry(*key, input_ids.device)
         entry.fill(input_ids)
         try:
+            # the recorder's warm-up runs the forward once: on an empty cache, as every replay
+            # does (after the eager prefill it would write the bucket's slots past the prompt's,
+            # beyond a cache that holds the bucket alone)
+            self.cache.reset()
             entry.replay = self.record(lambda: self._forward(entry))
             self.cache.reset()
             got = entry.replay().clone()
