@@ -116,10 +116,15 @@ def gbps(nbytes: int, us: float) -> int:
 
 
 def launch(cfg: dict):
-    """The launcher of the tile `cfg`: `kernel4.launch_mma` for KERNEL "mma", else
-    `launch_gemv`."""
+    """The launcher of the tile `cfg`: `kernel4.launch_mma` for KERNEL "mma", the experiment
+    `nf4_pairs.launch_pairs` (a CUDA kernel: code pairs looked up in shared memory) for
+    "pairs", else `launch_gemv`."""
     from quantmesh.quant import kernel4 as k4
 
+    if cfg.get("KERNEL") == "pairs":
+        from nf4_pairs import launch_pairs
+
+        return launch_pairs
     return k4.launch_mma if cfg.get("KERNEL") == "mma" else k4.launch_gemv
 
 
@@ -220,7 +225,9 @@ def run_shape(out_f: int, in_f: int, t_start: float, budget_s: float, out_dir: s
     for stem, cfg in asm:
         keep: list = []
         launch(cfg)(x, flat, *stats, 64, "nf4", out_f, cfg, keep=keep)
-        dump_asm(keep[-1], os.path.join(out_dir, stem), f"{out_f} x {in_f}, {rows} rows, {cfg}")
+        if keep:  # (a Triton kernel's; the CUDA experiment keeps none)
+            dump_asm(keep[-1], os.path.join(out_dir, stem),
+                     f"{out_f} x {in_f}, {rows} rows, {cfg}")  # fmt: skip
     return r
 
 

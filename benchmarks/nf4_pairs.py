@@ -1,0 +1,177 @@
+"""An experiment for the one-row nf4 gemv: code *pairs* looked up in shared memory (a CUDA kernel,
+compiled at run time by NVRTC through torch), against the library's Triton gemv, which finds each
+code's value by a warp shuffle (docs/benchmarks.md, "The gemv's bound, estimated").
+
+Each byte of codes (two 4-bit codes) indexes a 256-entry table of value pairs (fp16 x 2 in one
+32-bit word), replicated once per shared-memory bank (table[byte][lane], 32 KB): a lane reads only
+its own bank, so a warp's 32 lookups never conflict, and one 32-bit load gives two values: 0.5
+loads a code where the shuffle design issues 1.125 shuffles a code. The pair's values are the
+code values rounded to fp16 (2^-11 relative; bitsandbytes rounds each dequantized weight to bf16,
+2^-9); the products and sums are fp32, scaled by each block's absmax (bitsandbytes' double-quant
+statistics, one offset or one per nested block), the output rounded to bf16.
+
+Layout: a block of 8 warps; a warp owns F = 4 output features and walks all of K, each lane
+holding 16 bytes of codes of each feature a step (32 codes: half a block of 64) and the 32 x
+values they multiply (read once for the warp's 4 features), the next step's codes loaded before
+the current step's are used. The grid is at most `BLOCKS_PER_SM` blocks an SM, each looping over
+groups of 32 features, so that each block fills its table once for several groups.
+
+Not in the library: `nf4_gemv_bench.py` times it as the tile KERNEL "pairs" (one row, bf16, nested
+statistics) against the Triton gemv and bitsandbytes, in one process. CUDA only.
+
+Example:
+    >>> y = launch_pairs(x, flat, *stats, 64, "nf4", out_f, {"KERNEL": "pairs"})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+F_PER_WARP = 4
+WARPS = 8
+BLOCKS_PER_SM = 2
+
+SOURCE = r"""
+#define F 4
+#define W 8
+
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short f2bf(float f) {
+  unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// one code word (8 codes: bytes 0..3, each high nibble first) against its 8 x values (xv: 4 words
+// of two bf16, the even input in the low half)
+__device__ __forceinline__ float dot8(const unsigned int* tab, unsigned int q, uint4 xv, float s) {
+  unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    unsigned int p = tab[((q >> (8 * j)) & 255u) << 5];
+    s = fmaf(h2f((unsigned short)(p & 0xffffu)), __uint_as_float(xs[j] << 16), s);
+    s = fmaf(h2f((unsigned short)(p >> 16)), __uint_as_float(xs[j] & 0xffff0000u), s);
+  }
+  return s;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
+              const unsigned char* __restrict__ am, const float* __restrict__ am2,
+              const float* __restrict__ code2, const float* __restrict__ off,
+              const float* __restrict__ lut, unsigned short* __restrict__ y,
+              int N, int K, int offs) {
+  __shared__ unsigned int tab[256 * 32];
+  __shared__ float c2[256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int i = threadIdx.x; i < 256 * 32; i += 256) {
+    const int b = i >> 5;  // the byte: high nibble (even input) in the low half
+    tab[i] = (unsigned int)f2h(lut[b >> 4]) | ((unsigned int)f2h(lut[b & 15]) << 16);
+  }
+  c2[threadIdx.x] = code2[threadIdx.x];
+  __syncthreads();
+  const unsigned int* mytab = tab + lane;
+  const int KQ = K >> 5;               // 16-byte words of codes a feature (32 codes each)
+  const int steps = (KQ + 31) >> 5;     // a warp's steps along K
+  const int nblk = K >> 6;              // blocks of 64 a feature
+  const float off0 = offs ? 0.0f : off[0];
+  const int groups = (N + W * F - 1) / (W * F);
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int n0 = (g * W + warp) * F;
+    float acc[F];
+    uint4 cur[F], nxt[F];
+#pragma unroll
+    for (int f = 0; f < F; ++f) {
+      acc[f] = 0.0f;
+      const int n = min(n0 + f, N - 1);
+      cur[f] = lane < KQ ? ld_stream(q4 + (unsigned long long)n * KQ + lane) : make_uint4(0, 0, 0, 0);
+    }
+    for (int s = 0; s < steps; ++s) {
+      const int kq = s * 32 + lane;
+      const int kn = kq + 32;
+#pragma unroll
+      for (int f = 0; f < F; ++f) {
+        const int n = min(n0 + f, N - 1);
+        nxt[f] = kn < KQ ? ld_stream(q4 + (unsigned long long)n * KQ + kn) : make_uint4(0, 0, 0, 0);
+      }
+      if (kq < KQ) {
+        const uint4 xa = x4[kq * 4], xb = x4[kq * 4 + 1], xc = x4[kq * 4 + 2],
+                    xd = x4[kq * 4 + 3];
+#pragma unroll
+        for (int f = 0; f < F; ++f) {
+          const int n = min(n0 + f, N - 1);
+          float t = dot8(mytab, cur[f].x, xa, 0.0f);
+          t = dot8(mytab, cur[f].y, xb, t);
+          t = dot8(mytab, cur[f].z, xc, t);
+          t = dot8(mytab, cur[f].w, xd, t);
+          const unsigned long long blk = (unsigned long long)n * nblk + (kq >> 1);
+          const float a = c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
+          acc[f] = fmaf(a, t, acc[f]);
+        }
+      }
+#pragma unroll
+      for (int f = 0; f < F; ++f) cur[f] = nxt[f];
+    }
+#pragma unroll
+    for (int f = 0; f < F; ++f) {
+      float v = acc[f];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0 && n0 + f < N) y[n0 + f] = f2bf(v);
+    }
+  }
+}
+"""
+
+_KERNELS: dict[int, Any] = {}
+
+
+def _kernel(device: torch.device) -> Any:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _KERNELS:
+        _KERNELS[idx] = torch.cuda._compile_kernel(SOURCE, "qm_gemv_pairs")
+    return _KERNELS[idx]
+
+
+def launch_pairs(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+                 cfg: dict[str, Any] | None = None, keep: list | None = None) -> torch.Tensor:  # fmt: skip
+    """x (1, in) bf16 @ W^T -> (1, out) bf16 by the pair-table kernel (`launch_gemv`'s
+    arguments); one row, blocksize 64, nested statistics, `in` a multiple of 64 only.
+
+    Example:
+        >>> y = launch_pairs(x, flat, *stats, 64, "nf4", 4096)  # doctest: +SKIP
+    """
+    from quantmesh.quant.kernel4 import _code_values
+
+    rows, in_f = x.shape
+    if rows != 1 or blocksize != 64 or in_f % 64 or x.dtype != torch.bfloat16:
+        raise ValueError(f"the pairs kernel takes one bf16 row, blocksize 64, not {tuple(x.shape)}")
+    if nested_absmax is None or nested_code is None or offset is None:
+        raise ValueError("the pairs kernel takes nested (double-quant) statistics only")
+    x = x.contiguous()
+    if x.data_ptr() % 16 or packed.data_ptr() % 16:
+        raise ValueError("the pairs kernel reads x and the codes 16 bytes at a time (aligned)")
+    y = torch.empty((1, out_f), dtype=torch.bfloat16, device=x.device)
+    offset = offset.float().contiguous()
+    groups = -(-out_f // (F_PER_WARP * WARPS))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = min(groups, BLOCKS_PER_SM * sms)
+    _kernel(x.device)(
+        grid=(grid, 1, 1), block=(32 * WARPS, 1, 1),
+        args=[x, packed, absmax, nested_absmax, nested_code.float().contiguous(), offset,
+              _code_values(quant_type, x.device), y, out_f, in_f, int(offset.numel() > 1)],
+    )  # fmt: skip
+    return y
