@@ -315,7 +315,9 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["cold_us"]):
         c = s["cfg"]
-        if c.get("KERNEL") == "mma":
+        if c.get("KERNEL") == "pairs":  # (nf4_pairs.py: its own fixed layout)
+            name = "pairs (CUDA, shared-memory pair tables)"
+        elif c.get("KERNEL") == "mma":
             name = "mma n{BLOCK_N} m{BLOCK_M} nb{NB} blk{BLK} lut{LUT} w{num_warps} s{}".format(
                 c.get("num_stages"), **c)  # fmt: skip
         else:
