@@ -10,8 +10,10 @@ prompt's. The pads' keys and values land in the cache's slots after the prompt, 
 steps overwrite one by one and which every query until then is masked from (the cache's slots
 past a step's position are hidden), so they are never read. The masks are transformers' own, on
 the eager prefill's path (a prompt's token sees the slots up to its own; see `_forward`), and the
-logits are those of the last real token (`logits_to_keep` as an index tensor). A prompt that fills
-its bucket runs the eager prefill's kernels exactly.
+logits are those of the last real token (`logits_to_keep` as an index tensor). On CPU a prompt
+that fills its bucket gives the eager prefill's values exactly; on a GPU the recording differed from
+the eager prefill by about 1% of the logits' norm (the kernels chosen while capturing, not the
+path's arithmetic; docs/benchmarks.md, twenty-seventh sitting).
 
 Where it applies (`PrefillGraphs.why_not` says why not): a CUDA model (`DEVICES`) on one rank (a
 sharded or replicated model keeps the eager prefill: its collectives would be captured), sdpa or
@@ -33,8 +35,9 @@ value back to the host) does the same. (A prompt shorter than its bucket runs th
 rows, whose kernels may round otherwise: `TOLERANCE` leaves room for bf16's rounding, far below
 what a token that sees a pad would change.)
 
-Opt-in (`QUANTMESH_CAPTURED_PREFILL=1`, or `ENABLED`) until its last form has run its CUDA tests
-and been timed on a GPU.
+Opt-in and experimental (`QUANTMESH_CAPTURED_PREFILL=1`, or `ENABLED`): its CUDA tests pass, but
+on a 7B model the compiled decode step faulted (an illegal memory access) right after a recording,
+not yet understood (docs/benchmarks.md, twenty-seventh sitting).
 
 Example:
     >>> graphs = PrefillGraphs(model, cache)                  # doctest: +SKIP
@@ -59,8 +62,8 @@ from ..quant import kernel4
 
 __all__ = ["BUCKETS", "DEVICES", "ENABLED", "TOLERANCE", "PrefillGraphs", "bucket", "model_state"]
 
-# Opt-in until its GPU check: the CUDA tests of its last form (tests/distributed/test_cuda_decode.py)
-# and its speed have not run on a GPU yet (docs/benchmarks.md, "Prefills replayed as CUDA graphs").
+# Opt-in: its CUDA tests pass (tests/distributed/test_cuda_decode.py), but a 7B decode faulted right
+# after a recording, not yet understood (docs/benchmarks.md, twenty-seventh sitting).
 ENABLED = env_switch("QUANTMESH_CAPTURED_PREFILL", default=False)
 """Whether a compiled decoder replays its prefills as CUDA graphs ($QUANTMESH_CAPTURED_PREFILL=1
 turns it on)."""
