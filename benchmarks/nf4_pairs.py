@@ -17,7 +17,8 @@ the current step's are used. The grid is at most `BLOCKS_PER_SM` blocks an SM, e
 groups of 32 features, so that each block fills its table once for several groups.
 
 Not in the library: `nf4_gemv_bench.py` times it as the tile KERNEL "pairs" (one row, bf16, nested
-statistics) against the Triton gemv and bitsandbytes, in one process. CUDA only.
+statistics) against the Triton gemv and bitsandbytes, in one process; "pairs_k", a second layout
+(see `FK_PER_BLOCK`), has not run on a GPU yet. CUDA only.
 
 Example:
     >>> y = launch_pairs(x, flat, *stats, 64, "nf4", out_f, {"KERNEL": "pairs"})  # doctest: +SKIP
@@ -134,14 +135,91 @@ qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
 }
 """
 
-_KERNELS: dict[int, Any] = {}
+# The second layout ("pairs_k", not yet run on a GPU): the first one's time (8.9 us cold on
+# 4096 x 4096 against the Triton gemv's 6.9, an H100) fits its shape: one feature group a block
+# (its table filled for one group), 8 warps an SM, a 128-FMA chain a feature and step. Here a
+# block's 256 threads stride over K in units of 16 codes (8 bytes a feature), each for all
+# FK = 8 features of a group, and the group's sums meet in shared memory; a block serves a
+# group after another (the grid at most BLOCKS_PER_SM an SM), so its table serves several.
+FK_PER_BLOCK = 8
+
+SOURCE_K = (
+    SOURCE.split('extern "C"')[0]
+    + r"""
+#define FK 8
+
+extern "C" __global__ void __launch_bounds__(256)
+qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2,
+                const unsigned char* __restrict__ am, const float* __restrict__ am2,
+                const float* __restrict__ code2, const float* __restrict__ off,
+                const float* __restrict__ lut, unsigned short* __restrict__ y,
+                int N, int K, int offs) {
+  __shared__ unsigned int tab[256 * 32];
+  __shared__ float c2[256];
+  __shared__ float red[8][FK];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int i = tid; i < 256 * 32; i += 256) {
+    const int b = i >> 5;
+    tab[i] = (unsigned int)f2h(lut[b >> 4]) | ((unsigned int)f2h(lut[b & 15]) << 16);
+  }
+  c2[tid] = code2[tid];
+  __syncthreads();
+  const unsigned int* mytab = tab + lane;
+  const int KU = K >> 4;                // units of 16 codes a feature (8 bytes)
+  const int nblk = K >> 6;
+  const float off0 = offs ? 0.0f : off[0];
+  const int groups = (N + FK - 1) / FK;
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int n0 = g * FK;
+    float acc[FK];
+#pragma unroll
+    for (int f = 0; f < FK; ++f) acc[f] = 0.0f;
+    for (int u = tid; u < KU; u += 256) {
+      uint2 q[FK];
+#pragma unroll
+      for (int f = 0; f < FK; ++f) {  // every load of the step first
+        const int n = min(n0 + f, N - 1);
+        q[f] = __ldg(q2 + (unsigned long long)n * KU + u);
+      }
+      const uint4 x0 = x4[u * 2], x1 = x4[u * 2 + 1];  // the unit's 16 inputs
+#pragma unroll
+      for (int f = 0; f < FK; ++f) {
+        const int n = min(n0 + f, N - 1);
+        const float t = dot8(mytab, q[f].y, x1, dot8(mytab, q[f].x, x0, 0.0f));
+        const unsigned long long blk = (unsigned long long)n * nblk + (u >> 2);
+        const float a = c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
+        acc[f] = fmaf(a, t, acc[f]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < FK; ++f) {
+      float v = acc[f];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) red[warp][f] = v;
+    }
+    __syncthreads();
+    if (tid < FK && n0 + tid < N) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) v += red[w][tid];
+      y[n0 + tid] = f2bf(v);
+    }
+    __syncthreads();
+  }
+}
+"""
+)
+
+_KERNELS: dict[Any, Any] = {}
 
 
-def _kernel(device: torch.device) -> Any:
+def _kernel(device: torch.device, name: str = "qm_gemv_pairs") -> Any:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _KERNELS:
-        _KERNELS[idx] = torch.cuda._compile_kernel(SOURCE, "qm_gemv_pairs")
-    return _KERNELS[idx]
+    if (idx, name) not in _KERNELS:
+        source = SOURCE_K if name == "qm_gemv_pairs_k" else SOURCE
+        _KERNELS[idx, name] = torch.cuda._compile_kernel(source, name)
+    return _KERNELS[idx, name]
 
 
 def launch_pairs(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
@@ -166,10 +244,11 @@ def launch_pairs(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         raise ValueError("the pairs kernel reads x and the codes 16 bytes at a time (aligned)")
     y = torch.empty((1, out_f), dtype=torch.bfloat16, device=x.device)
     offset = offset.float().contiguous()
-    groups = -(-out_f // (F_PER_WARP * WARPS))
+    by_k = (cfg or {}).get("KERNEL") == "pairs_k"  # the second layout (see FK_PER_BLOCK)
+    groups = -(-out_f // (FK_PER_BLOCK if by_k else F_PER_WARP * WARPS))
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = min(groups, BLOCKS_PER_SM * sms)
-    _kernel(x.device)(
+    _kernel(x.device, "qm_gemv_pairs_k" if by_k else "qm_gemv_pairs")(
         grid=(grid, 1, 1), block=(32 * WARPS, 1, 1),
         args=[x, packed, absmax, nested_absmax, nested_code.float().contiguous(), offset,
               _code_values(quant_type, x.device), y, out_f, in_f, int(offset.numel() > 1)],

@@ -66,11 +66,14 @@
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
 #            (bench_decode.py --graphs; its figures decide whether it becomes the default)
+#   pairs    the pair-table experiment (benchmarks/nf4_pairs.py, CUDA through NVRTC): both layouts
+#            ("pairs", run once: slower; "pairs_k", not yet run) against the library's one-row
+#            tile and bitsandbytes on the five 7B shapes, hot and cold (nf4_gemv_bench.py)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention or graphs}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs or pairs}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -166,6 +169,13 @@ case "$STAGE" in
     timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --graphs --new 256 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
+  pairs)
+    say "the pair-table gemv (both layouts) against the library's tile and bitsandbytes, one row"
+    timeout 300 python3 benchmarks/nf4_gemv_bench.py --budget-s 260 --shapes 0,1,2,3,4 \
+      --out "$OUT/pairs" --tiles '[{"KERNEL":"pairs_k","BLOCK_N":8,"BLK":1},
+        {"KERNEL":"pairs","BLOCK_N":32,"BLK":1},
+        {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2}]' \
+      2>&1 | grep -v "Warning\|warnings.warn" | tail -60 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
     timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --gemv --profile \
@@ -213,6 +223,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, pairs)" >&2; exit 2 ;;
 esac
 say done
