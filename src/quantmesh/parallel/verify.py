@@ -410,8 +410,9 @@ class _ProbeGroups:
         if self.key not in self.groups:
             self.groups[self.key] = _new_group(self.mesh, self.timeout_s)
         group = self.groups[self.key]
-        if group is not None and _is_gloo(group):
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s), group)
+        set_wait = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.2)
+        if group is not None and set_wait is not None and _is_gloo(group):
+            set_wait(datetime.timedelta(seconds=self.timeout_s), group)
         return group
 
     def drop(self) -> None:
