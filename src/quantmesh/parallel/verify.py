@@ -313,6 +313,11 @@ def _float_outputs(out: Any) -> list[torch.Tensor]:
     return []
 
 
+# a kept group's wait, set again (a private torch function; without it a kept group keeps the
+# wait it was made with, so the probes then wait the ceiling: `verify_plan`)
+_SET_WAIT = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+
+
 def probe_wait(reference_s: float) -> float:
     """How long a gloo probe's collectives wait for the other ranks, given that the unsharded
     probe's forward and backward took `reference_s` seconds in one process: a sharded probe runs
@@ -410,9 +415,8 @@ class _ProbeGroups:
         if self.key not in self.groups:
             self.groups[self.key] = _new_group(self.mesh, self.timeout_s)
         group = self.groups[self.key]
-        set_wait = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # (torch >= 2.2)
-        if group is not None and set_wait is not None and _is_gloo(group):
-            set_wait(datetime.timedelta(seconds=self.timeout_s), group)
+        if group is not None and _SET_WAIT is not None and _is_gloo(group):
+            _SET_WAIT(datetime.timedelta(seconds=self.timeout_s), group)
         return group
 
     def drop(self) -> None:
@@ -642,7 +646,9 @@ def verify_plan(
         if failure:
             report.skipped = failure
             return report
-        wait = probe_wait(ref_s) if _is_gloo(mesh.tp_group) else PROBE_TIMEOUT_S
+        wait = PROBE_TIMEOUT_S
+        if _is_gloo(mesh.tp_group):
+            wait = probe_wait(ref_s) if _SET_WAIT is not None else GLOO_PROBE_TIMEOUT_S
         agreeing = _ProbeGroups(mesh, "verify.agree", wait * 3)
         pgroups = _ProbeGroups(mesh, "verify.probe", wait)
         try:
