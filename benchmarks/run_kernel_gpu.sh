@@ -66,6 +66,9 @@
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
 #            (bench_decode.py --graphs; its figures decide whether it becomes the default)
+#   gc       benchmarks/decode_gc_check.py: the default decode path, gc.collect() and
+#            empty_cache() between calls (what torch.cuda.graph does as it starts recording): does
+#            a compiled step read memory nothing keeps alive? (the fault after a prefill graph)
 #   pairs    the pair-table experiment (benchmarks/nf4_pairs.py, CUDA through NVRTC): both layouts
 #            ("pairs", run once: slower; "pairs_k", not yet run) against the library's one-row
 #            tile and bitsandbytes on the five 7B shapes, hot and cold (nf4_gemv_bench.py)
@@ -73,7 +76,7 @@
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs or pairs}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc or pairs}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -169,6 +172,10 @@ case "$STAGE" in
     timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --graphs --new 256 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
+  gc)
+    say "the default decode, gc.collect() + empty_cache() between calls: 7B, then 4 layers"
+    timeout 200 python3 benchmarks/decode_gc_check.py 2>&1 | grep -v "Warning\|warnings.warn" | tail -3
+    timeout 100 python3 benchmarks/decode_gc_check.py --layers 4 2>&1 | grep -v "Warning\|warnings.warn" | tail -3 ;;
   pairs)
     say "the pair-table gemv (both layouts) against the library's tile and bitsandbytes, one row"
     timeout 300 python3 benchmarks/nf4_gemv_bench.py --budget-s 260 --shapes 0,1,2,3,4 \
@@ -223,6 +230,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, pairs)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs)" >&2; exit 2 ;;
 esac
 say done

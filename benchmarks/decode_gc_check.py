@@ -1,0 +1,81 @@
+"""Does the compiled decode step read memory nothing keeps alive? (A check for a GPU.)
+
+`torch.cuda.graph` runs `gc.collect()` and `torch.cuda.empty_cache()` as it starts recording, and
+the 7B decode faulted ("an illegal memory access") in the compiled step right after the prefill
+graphs recorded a prefill (docs/benchmarks.md, twenty-seventh sitting). If a step's CUDA graph
+reads a tensor that nothing references, its memory stays mapped in the allocator's cache until an
+`empty_cache()` returns it; then the next replay faults, or reads whatever took the memory.
+
+This runs the default path alone (no prefill graphs) on the 7B nf4 + LoRA shape: two calls, then
+`gc.collect()` and `empty_cache()`, then a third call, and says whether the third faulted and
+whether its tokens are the first call's. `--layers` takes fewer layers.
+
+Usage (CUDA, bitsandbytes importable): python3 benchmarks/decode_gc_check.py [--layers 32] [--new 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "src"))
+import bench_decode as bd  # noqa: E402
+import qmbench as qb  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--new", type=int, default=64)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import quantmesh as qm
+
+    args = bd.parse(["--mode", "qlora", "--layers", str(a.layers)])
+    dev = torch.device("cuda:0")
+    ids = bd.prompt_ids(args, dev)
+    mesh = qm.init_mesh()
+    model = qb.skeleton(qb.llama_config(args, use_cache=True))
+    qm.parallelize(
+        model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
+    )
+    qb.fill_random(model, seed=args.seed)
+    bd.fill_adapters(model, args.seed)
+    bd.prepare_generation(model)
+    R: dict = {"layers": a.layers, "new": a.new}
+
+    def call() -> torch.Tensor:
+        out = qm.fast_decode(model, ids, a.new, seed=0, mode="reduce-overhead")
+        torch.cuda.synchronize()
+        return out.cpu()
+
+    t0 = time.time()
+    one, two = call(), call()
+    R["two_calls_equal"] = bool(torch.equal(one, two))
+    R["reserved_MiB_before"] = torch.cuda.memory_reserved() >> 20
+    gc.collect()
+    torch.cuda.empty_cache()
+    R["reserved_MiB_after"] = torch.cuda.memory_reserved() >> 20
+    try:
+        three = call()
+        R["third_call"] = "ran"
+        R["third_equals_first"] = bool(torch.equal(three, one))
+    except Exception as e:  # the fault this checks for: said, not raised
+        R["third_call"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    R["s"] = round(time.time() - t0, 1)
+    print(json.dumps(R))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
