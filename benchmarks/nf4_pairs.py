@@ -67,21 +67,29 @@ __device__ __forceinline__ float dot8(const unsigned int* tab, unsigned int q, u
   return s;
 }
 
+// the pair table (byte -> the two codes' fp16 values, the high nibble's (even input) in the low
+// half; one copy a bank: tab[byte * 32 + lane]) and the nested code, by a block of 256 threads
+__device__ __forceinline__ void fill_tables(unsigned int* tab, float* c2, const float* lut,
+                                            const float* code2, int tid) {
+  for (int i = tid; i < 256 * 32; i += 256) {
+    const int b = i >> 5;
+    tab[i] = (unsigned int)f2h(lut[b >> 4]) | ((unsigned int)f2h(lut[b & 15]) << 16);
+  }
+  c2[tid] = code2[tid];
+  __syncthreads();
+}
+
+// the arguments after x and the codes: the statistics, the code values, y, the sizes
+#define REST_ARGS const unsigned char* __restrict__ am, const float* __restrict__ am2, \
+  const float* __restrict__ code2, const float* __restrict__ off, const float* __restrict__ lut, \
+  unsigned short* __restrict__ y, int N, int K, int offs
+
 extern "C" __global__ void __launch_bounds__(256)
-qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
-              const unsigned char* __restrict__ am, const float* __restrict__ am2,
-              const float* __restrict__ code2, const float* __restrict__ off,
-              const float* __restrict__ lut, unsigned short* __restrict__ y,
-              int N, int K, int offs) {
+qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4, REST_ARGS) {
   __shared__ unsigned int tab[256 * 32];
   __shared__ float c2[256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < 256 * 32; i += 256) {
-    const int b = i >> 5;  // the byte: high nibble (even input) in the low half
-    tab[i] = (unsigned int)f2h(lut[b >> 4]) | ((unsigned int)f2h(lut[b & 15]) << 16);
-  }
-  c2[threadIdx.x] = code2[threadIdx.x];
-  __syncthreads();
+  fill_tables(tab, c2, lut, code2, threadIdx.x);
   const unsigned int* mytab = tab + lane;
   const int KQ = K >> 5;               // 16-byte words of codes a feature (32 codes each)
   const int steps = (KQ + 31) >> 5;     // a warp's steps along K
@@ -149,21 +157,12 @@ SOURCE_K = (
 #define FK 8
 
 extern "C" __global__ void __launch_bounds__(256)
-qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2,
-                const unsigned char* __restrict__ am, const float* __restrict__ am2,
-                const float* __restrict__ code2, const float* __restrict__ off,
-                const float* __restrict__ lut, unsigned short* __restrict__ y,
-                int N, int K, int offs) {
+qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2, REST_ARGS) {
   __shared__ unsigned int tab[256 * 32];
   __shared__ float c2[256];
   __shared__ float red[8][FK];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int i = tid; i < 256 * 32; i += 256) {
-    const int b = i >> 5;
-    tab[i] = (unsigned int)f2h(lut[b >> 4]) | ((unsigned int)f2h(lut[b & 15]) << 16);
-  }
-  c2[tid] = code2[tid];
-  __syncthreads();
+  fill_tables(tab, c2, lut, code2, tid);
   const unsigned int* mytab = tab + lane;
   const int KU = K >> 4;                // units of 16 codes a feature (8 bytes)
   const int nblk = K >> 6;
