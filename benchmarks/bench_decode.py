@@ -388,6 +388,19 @@ def run_qlora_peer(a, R: dict, out_path: str, dev, ids, sample: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def qlora_model(a, mesh):
+    """quantmesh's nf4 + LoRA r16 model of `a`'s shape on `mesh`, random weights (seed `a.seed`);
+    its adapters still zero (`fill_adapters`)."""
+    import quantmesh as qm
+
+    model = qb.skeleton(qb.llama_config(a, use_cache=True))
+    qm.parallelize(
+        model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
+    )
+    qb.fill_random(model, seed=a.seed)
+    return model
+
+
 def run_qlora(a, R: dict, out_path: str) -> None:
     """nf4 + LoRA on one device: peft + bnb with transformers' `generate` (the peer), then
     qm.fast_decode on quantmesh's nf4 + LoRA model holding the same values."""
@@ -401,12 +414,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         run_qlora_peer(a, R, out_path, dev, ids, sample)
 
     t0 = time.perf_counter()
-    mesh = qm.init_mesh(backend="gloo" if a.cpu else None)
-    model = qb.skeleton(qb.llama_config(a, use_cache=True))
-    qm.parallelize(
-        model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
-    )
-    qb.fill_random(model, seed=a.seed)
+    model = qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
     from quantmesh.infer import attention, decode, prefill_graph
     from quantmesh.lora import adapter
     from quantmesh.quant import kernel4

@@ -28,7 +28,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "src"))
 import bench_decode as bd  # noqa: E402
-import qmbench as qb  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,12 +43,7 @@ def main(argv=None) -> int:
     args = bd.parse(["--mode", "qlora", "--layers", str(a.layers)])
     dev = torch.device("cuda:0")
     ids = bd.prompt_ids(args, dev)
-    mesh = qm.init_mesh()
-    model = qb.skeleton(qb.llama_config(args, use_cache=True))
-    qm.parallelize(
-        model, mesh, quant="nf4", lora=qm.LoraConfig(r=16, alpha=32), dtype=torch.bfloat16
-    )
-    qb.fill_random(model, seed=args.seed)
+    model = bd.qlora_model(args, qm.init_mesh())
     bd.fill_adapters(model, args.seed)
     bd.prepare_generation(model)
     R: dict = {"layers": a.layers, "new": a.new}

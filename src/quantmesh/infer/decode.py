@@ -241,9 +241,8 @@ class _Decoder:
         graphs = self.graphs
         if graphs is None or graphs.why_not(input_ids, padding) is not None:
             return self._prefill_logits(input_ids, kw) if eager is None else eager
-        logits = graphs.replay(
-            input_ids
-        )  # (None for a fresh decoder, whose first call gave `eager`)
+        # (None for a fresh decoder, whose first call gave `eager`)
+        logits = graphs.replay(input_ids)
         if logits is None:
             if eager is None:
                 eager = self._prefill_logits(input_ids, kw)
