@@ -8,9 +8,18 @@ reads a tensor that nothing references, its memory stays mapped in the allocator
 
 This runs the default path alone (no prefill graphs) on the 7B nf4 + LoRA shape: two calls, then
 `gc.collect()` and `empty_cache()`, then a third call, and says whether the third faulted and
-whether its tokens are the first call's. `--layers` takes fewer layers.
+whether its tokens are the first call's. `--layers` takes fewer layers. `--between` says what
+happens between the second call and the third:
 
-Usage (CUDA, bitsandbytes importable): python3 benchmarks/decode_gc_check.py [--layers 32] [--new 64]
+  gc        gc.collect() and torch.cuda.empty_cache() (what torch.cuda.graph does first)
+  empty     torch.cuda.empty_cache() alone
+  capture   a one-op CUDA graph recorded by capture_begin/capture_end, without either of them
+  prefill   nothing: the third call records its prefill as a CUDA graph (prefill_graph.ENABLED)
+
+Each in its own process: a fault leaves the CUDA context unusable.
+
+Usage (CUDA, bitsandbytes importable):
+    python3 benchmarks/decode_gc_check.py [--layers 32] [--new 64] [--between gc]
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--new", type=int, default=64)
+    p.add_argument("--between", choices=("gc", "empty", "capture", "prefill"), default="gc")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -46,7 +56,7 @@ def main(argv=None) -> int:
     model = bd.qlora_model(args, qm.init_mesh())
     bd.fill_adapters(model, args.seed)
     bd.prepare_generation(model)
-    R: dict = {"layers": a.layers, "new": a.new}
+    R: dict = {"layers": a.layers, "new": a.new, "between": a.between}
 
     def call() -> torch.Tensor:
         out = qm.fast_decode(model, ids, a.new, seed=0, mode="reduce-overhead")
@@ -57,8 +67,26 @@ def main(argv=None) -> int:
     one, two = call(), call()
     R["two_calls_equal"] = bool(torch.equal(one, two))
     R["reserved_MiB_before"] = torch.cuda.memory_reserved() >> 20
-    gc.collect()
-    torch.cuda.empty_cache()
+    if a.between == "gc":
+        gc.collect()
+        torch.cuda.empty_cache()
+    elif a.between == "empty":
+        torch.cuda.empty_cache()
+    elif a.between == "capture":  # a recording without torch.cuda.graph's gc and empty_cache
+        x = torch.ones(4, device=dev)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            y = x * 2
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(s)
+        g.replay()
+        R["capture_ok"] = bool(torch.equal(y, x * 2))
+    else:
+        from quantmesh.infer import prefill_graph
+
+        prefill_graph.ENABLED = True
     R["reserved_MiB_after"] = torch.cuda.memory_reserved() >> 20
     try:
         three = call()

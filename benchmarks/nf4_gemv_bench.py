@@ -118,10 +118,10 @@ def gbps(nbytes: int, us: float) -> int:
 def launch(cfg: dict):
     """The launcher of the tile `cfg`: `kernel4.launch_mma` for KERNEL "mma", the experiment
     `nf4_pairs.launch_pairs` (a CUDA kernel: code pairs looked up in shared memory) for
-    "pairs" and "pairs_k" (its second layout), else `launch_gemv`."""
+    "pairs", "pairs_k" and "pairs32" (its second and third layouts), else `launch_gemv`."""
     from quantmesh.quant import kernel4 as k4
 
-    if cfg.get("KERNEL") in ("pairs", "pairs_k"):
+    if cfg.get("KERNEL") in ("pairs", "pairs_k", "pairs32"):
         from nf4_pairs import launch_pairs
 
         return launch_pairs
@@ -315,8 +315,8 @@ def table(r: dict) -> str:
         lines.append(line(name, d))
     for s in sorted(r["sweep"], key=lambda s: s["cold_us"]):
         c = s["cfg"]
-        if c.get("KERNEL") in ("pairs", "pairs_k"):  # (nf4_pairs.py: fixed layouts)
-            name = f"{c['KERNEL']} (CUDA, shared-memory pair tables)"
+        if c.get("KERNEL") in ("pairs", "pairs_k", "pairs32"):  # (nf4_pairs.py: fixed layouts)
+            name = f"{c['KERNEL']} bps{c.get('BPS', 2)} (CUDA, shared-memory pair tables)"
         elif c.get("KERNEL") == "mma":
             name = "mma n{BLOCK_N} m{BLOCK_M} nb{NB} blk{BLK} lut{LUT} w{num_warps} s{}".format(
                 c.get("num_stages"), **c)  # fmt: skip

@@ -18,7 +18,8 @@ groups of 32 features, so that each block fills its table once for several group
 
 Not in the library: `nf4_gemv_bench.py` times it as the tile KERNEL "pairs" (one row, bf16, nested
 statistics) against the Triton gemv and bitsandbytes, in one process; "pairs_k", a second layout
-(see `FK_PER_BLOCK`), has not run on a GPU yet. CUDA only.
+(see `FK_PER_BLOCK`), and "pairs32", a third (fp32 pairs, see `SOURCE_32`), have not run on a
+GPU yet; a tile's "BPS" sets the blocks an SM (default `BLOCKS_PER_SM`). CUDA only.
 
 Example:
     >>> y = launch_pairs(x, flat, *stats, 64, "nf4", out_f, {"KERNEL": "pairs"})  # doctest: +SKIP
@@ -210,13 +211,103 @@ qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2, REST
 """
 )
 
+# The third layout ("pairs32", not yet run on a GPU): the pair table holds fp32 values (two a
+# 64-bit word; 16 copies, one per lane of a half-warp, since a warp's 64-bit loads are served a
+# half-warp at a time: 32 KB), so a byte's two values need no conversion: one shared load and two
+# FMAs a byte, where the fp16 table adds two conversions. A thread's unit is 32 codes of each of
+# FK features (16-byte loads, one block of 64 codes per two units), the block as wide as K needs
+# (at most 256 threads). Compiled offline for sm_90 by nvcc 13.0: 128 registers, no spills.
+SOURCE_32 = (
+    SOURCE.split("// one code word")[0]
+    + r"""
+#define FK 8
+
+// one code word (8 codes, bytes 0..3, each high nibble first) against its 8 x values
+__device__ __forceinline__ float dot8f(const float2* tab, unsigned int q, uint4 xv, float s) {
+  unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 p = tab[((q >> (8 * j)) & 255u) << 4];
+    s = fmaf(p.x, __uint_as_float(xs[j] << 16), s);
+    s = fmaf(p.y, __uint_as_float(xs[j] & 0xffff0000u), s);
+  }
+  return s;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+qm_gemv_pairs32(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
+                const unsigned char* __restrict__ am, const float* __restrict__ am2,
+                const float* __restrict__ code2, const float* __restrict__ off,
+                const float* __restrict__ lut, unsigned short* __restrict__ y, int N, int K,
+                int offs) {
+  __shared__ float2 tab[256 * 16];
+  __shared__ float c2[256];
+  __shared__ float red[8][FK];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
+  for (int i = tid; i < 256 * 16; i += nt) {
+    const int b = i >> 4;
+    tab[i] = make_float2(lut[b >> 4], lut[b & 15]);
+  }
+  for (int i = tid; i < 256; i += nt) c2[i] = code2[i];
+  if (tid < 8 * FK) (&red[0][0])[tid] = 0.0f;
+  __syncthreads();
+  const float2* mytab = tab + (lane & 15);
+  const int KU = K >> 5;                // units of 32 codes a feature (16 bytes)
+  const int nblk = K >> 6;
+  const float off0 = offs ? 0.0f : off[0];
+  const int groups = (N + FK - 1) / FK;
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int n0 = g * FK;
+    float acc[FK];
+#pragma unroll
+    for (int f = 0; f < FK; ++f) acc[f] = 0.0f;
+    for (int u = tid; u < KU; u += nt) {
+      uint4 q[FK];
+#pragma unroll
+      for (int f = 0; f < FK; ++f) {  // every load of the step first
+        const int n = min(n0 + f, N - 1);
+        q[f] = ld_stream(q4 + (unsigned long long)n * KU + u);
+      }
+      const uint4 xa = x4[u * 4], xb = x4[u * 4 + 1], xc = x4[u * 4 + 2], xd = x4[u * 4 + 3];
+#pragma unroll
+      for (int f = 0; f < FK; ++f) {
+        const int n = min(n0 + f, N - 1);
+        float t = dot8f(mytab, q[f].x, xa, 0.0f);
+        t = dot8f(mytab, q[f].y, xb, t);
+        t = dot8f(mytab, q[f].z, xc, t);
+        t = dot8f(mytab, q[f].w, xd, t);
+        const unsigned long long blk = (unsigned long long)n * nblk + (u >> 1);
+        const float a = c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
+        acc[f] = fmaf(a, t, acc[f]);
+      }
+    }
+#pragma unroll
+    for (int f = 0; f < FK; ++f) {
+      float v = acc[f];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (lane == 0) red[warp][f] = v;
+    }
+    __syncthreads();
+    if (tid < FK && n0 + tid < N) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) v += red[w][tid];
+      y[n0 + tid] = f2bf(v);
+    }
+    __syncthreads();
+  }
+}
+"""
+)
+
 _KERNELS: dict[Any, Any] = {}
 
 
 def _kernel(device: torch.device, name: str = "qm_gemv_pairs") -> Any:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if (idx, name) not in _KERNELS:
-        source = SOURCE_K if name == "qm_gemv_pairs_k" else SOURCE
+        source = {"qm_gemv_pairs_k": SOURCE_K, "qm_gemv_pairs32": SOURCE_32}.get(name, SOURCE)
         _KERNELS[idx, name] = torch.cuda._compile_kernel(source, name)
     return _KERNELS[idx, name]
 
@@ -243,12 +334,16 @@ def launch_pairs(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         raise ValueError("the pairs kernel reads x and the codes 16 bytes at a time (aligned)")
     y = torch.empty((1, out_f), dtype=torch.bfloat16, device=x.device)
     offset = offset.float().contiguous()
-    by_k = (cfg or {}).get("KERNEL") == "pairs_k"  # the second layout (see FK_PER_BLOCK)
+    kind = (cfg or {}).get("KERNEL", "pairs")
+    by_k = kind in ("pairs_k", "pairs32")  # the second and third layouts (see FK_PER_BLOCK)
     groups = -(-out_f // (FK_PER_BLOCK if by_k else F_PER_WARP * WARPS))
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = min(groups, BLOCKS_PER_SM * sms)
-    _kernel(x.device, "qm_gemv_pairs_k" if by_k else "qm_gemv_pairs")(
-        grid=(grid, 1, 1), block=(32 * WARPS, 1, 1),
+    grid = min(groups, int((cfg or {}).get("BPS", BLOCKS_PER_SM)) * sms)  # blocks an SM
+    threads = 32 * WARPS
+    if kind == "pairs32":  # a thread a unit of 32 codes: no wider than K needs (whole warps)
+        threads = min(threads, -(-(in_f // 32) // 32) * 32)
+    _kernel(x.device, f"qm_gemv_{kind}")(
+        grid=(grid, 1, 1), block=(threads, 1, 1),
         args=[x, packed, absmax, nested_absmax, nested_code.float().contiguous(), offset,
               _code_values(quant_type, x.device), y, out_f, in_f, int(offset.numel() > 1)],
     )  # fmt: skip

@@ -66,12 +66,15 @@
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
 #            (bench_decode.py --graphs; its figures decide whether it becomes the default)
-#   gc       benchmarks/decode_gc_check.py: the default decode path, gc.collect() and
-#            empty_cache() between calls (what torch.cuda.graph does as it starts recording): does
-#            a compiled step read memory nothing keeps alive? (the fault after a prefill graph)
-#   pairs    the pair-table experiment (benchmarks/nf4_pairs.py, CUDA through NVRTC): both layouts
-#            ("pairs", run once: slower; "pairs_k", not yet run) against the library's one-row
-#            tile and bitsandbytes on the five 7B shapes, hot and cold (nf4_gemv_bench.py)
+#   gc       benchmarks/decode_gc_check.py: the default decode path, then what BETWEEN says (default
+#            "gc prefill": gc.collect() and empty_cache(), what torch.cuda.graph does as it
+#            starts recording; then a recorded prefill), then a third call, each in its own
+#            process: does a compiled step read memory nothing keeps alive? (the fault after a
+#            prefill graph)
+#   pairs    the pair-table experiment (benchmarks/nf4_pairs.py, CUDA through NVRTC): its layouts
+#            "pairs_k" and "pairs32" (not yet run; "pairs", run once, was slower) against the
+#            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
+#            (nf4_gemv_bench.py)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
@@ -173,15 +176,19 @@ case "$STAGE" in
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   gc)
-    say "the default decode, gc.collect() + empty_cache() between calls: 7B, then 4 layers"
-    timeout 200 python3 benchmarks/decode_gc_check.py 2>&1 | grep -v "Warning\|warnings.warn" | tail -3
-    timeout 100 python3 benchmarks/decode_gc_check.py --layers 4 2>&1 | grep -v "Warning\|warnings.warn" | tail -3 ;;
+    # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
+    for b in ${BETWEEN:-gc prefill}; do
+      say "the default decode, then $b, then a third call: 7B (${GC_LAYERS:-32} layers)"
+      timeout 240 python3 benchmarks/decode_gc_check.py --between "$b" --layers "${GC_LAYERS:-32}" \
+        2>&1 | grep -v "Warning\|warnings.warn" | tail -3
+    done ;;
   pairs)
-    say "the pair-table gemv (both layouts) against the library's tile and bitsandbytes, one row"
-    timeout 300 python3 benchmarks/nf4_gemv_bench.py --budget-s 260 --shapes 0,1,2,3,4 \
-      --out "$OUT/pairs" --tiles '[{"KERNEL":"pairs_k","BLOCK_N":8,"BLK":1},
-        {"KERNEL":"pairs","BLOCK_N":32,"BLK":1},
-        {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2}]' \
+    say "the pair-table gemv (pairs_k, pairs32) against the library's tile and bitsandbytes, one row"
+    timeout $((${PAIRS_BUDGET:-260} + 40)) python3 benchmarks/nf4_gemv_bench.py \
+      --budget-s "${PAIRS_BUDGET:-260}" --shapes 0,1,2,3,4 --out "$OUT/pairs" --tiles '[
+        {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2},
+        {"KERNEL":"pairs32","BLOCK_N":8,"BLK":1}, {"KERNEL":"pairs32","BLOCK_N":8,"BLK":1,"BPS":4},
+        {"KERNEL":"pairs_k","BLOCK_N":8,"BLK":1}]' \
       2>&1 | grep -v "Warning\|warnings.warn" | tail -60 ;;
   decode)
     say "decode, 7B nf4 + LoRA, batch 1: bitsandbytes' kernels and the gemv (profiled)"
