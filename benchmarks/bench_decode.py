@@ -557,6 +557,12 @@ def kind_of_kernel(name: str) -> str:
 
 
 @torch.no_grad()
+def _short(name: str) -> str:
+    """A kernel's name in at most 90 characters, its end kept: inductor's names share long
+    prefixes and differ in their last words and number."""
+    return name if len(name) <= 90 else f"{name[:58]}...{name[-29:]}"
+
+
 def profile_decode(model, ids, a, steps: int = 32) -> dict:
     """GPU kernel time of `steps` compiled decode steps, by kind, and the top kernels (the step is
     already compiled: fast_decode ran before with the same shapes); the host's launches per
@@ -612,18 +618,18 @@ def profile_decode(model, ids, a, steps: int = 32) -> dict:
         "graph_launches": sum(1 for n in host if "GraphLaunch" in n),
         "kernel_launches": sum(1 for n in host if "LaunchKernel" in n),
     }
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:60]
     return {
         "steps": steps,
         "gpu_us_per_step": round(total / steps, 1),
         "kinds_us_per_step": {
             k: round(v / steps, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
         },
-        "top_kernels_us_per_step": {n[:90]: round(v / steps, 1) for n, v in top},
+        "top_kernels_us_per_step": {_short(n): round(v / steps, 1) for n, v in top},
         # (launches a step, microseconds a launch) of the same kernels: many small kernels a
         # layer cost more than their own time (each one's start and end in the graph)
         "top_kernels_launches_per_step": {
-            n[:90]: (round(count[n] / steps, 1), round(v / max(count[n], 1), 2)) for n, v in top
+            _short(n): (round(count[n] / steps, 1), round(v / max(count[n], 1), 2)) for n, v in top
         },
         "host_per_step": {k: round(v / steps, 1) for k, v in launches.items()},
         "gaps": kernel_gaps(timed, max(1, len(graph_at))),

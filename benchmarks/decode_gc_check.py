@@ -15,11 +15,15 @@ happens between the second call and the third:
   empty     torch.cuda.empty_cache() alone
   capture   a one-op CUDA graph recorded by capture_begin/capture_end, without either of them
   prefill   nothing: the third call records its prefill as a CUDA graph (prefill_graph.ENABLED)
+  one       a one-token call (another cache length: a new decoder replaces the model's), then
+            gc.collect() and torch.cuda.empty_cache(); the third call makes a decoder again
+  prefill_one  prefill_graph.ENABLED, then the one-token call (whose prefill is recorded):
+            what bench_decode.py's flag phases do before their runs
 
 Each in its own process: a fault leaves the CUDA context unusable.
 
 Usage (CUDA, bitsandbytes importable):
-    python3 benchmarks/decode_gc_check.py [--layers 32] [--new 64] [--between gc]
+    python3 benchmarks/decode_gc_check.py [--layers 32] [--new 256] [--between gc]
 """
 
 from __future__ import annotations
@@ -42,8 +46,12 @@ import bench_decode as bd  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--between", choices=("gc", "empty", "capture", "prefill"), default="gc")
+    p.add_argument("--new", type=int, default=256)  # (the one-token call: another cache length)
+    p.add_argument(
+        "--between",
+        choices=("gc", "empty", "capture", "prefill", "one", "prefill_one"),
+        default="gc",
+    )
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -83,17 +91,26 @@ def main(argv=None) -> int:
         torch.cuda.current_stream().wait_stream(s)
         g.replay()
         R["capture_ok"] = bool(torch.equal(y, x * 2))
+    elif a.between == "one":
+        qm.fast_decode(model, ids, 1)
+        gc.collect()
+        torch.cuda.empty_cache()
     else:
         from quantmesh.infer import prefill_graph
 
         prefill_graph.ENABLED = True
+        if a.between == "prefill_one":
+            qm.fast_decode(model, ids, 1)
     R["reserved_MiB_after"] = torch.cuda.memory_reserved() >> 20
+    graphs = dict(torch._dynamo.utils.counters["stats"])
     try:
         three = call()
         R["third_call"] = "ran"
         R["third_equals_first"] = bool(torch.equal(three, one))
     except Exception as e:  # the fault this checks for: said, not raised
         R["third_call"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    R["dynamo_stats_before_third"] = graphs
+    R["dynamo_stats_after"] = dict(torch._dynamo.utils.counters["stats"])
     R["s"] = round(time.time() - t0, 1)
     print(json.dumps(R))
     return 0
