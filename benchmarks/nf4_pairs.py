@@ -18,8 +18,9 @@ groups of 32 features, so that each block fills its table once for several group
 
 Not in the library: `nf4_gemv_bench.py` times it as the tile KERNEL "pairs" (one row, bf16, nested
 statistics) against the Triton gemv and bitsandbytes, in one process; "pairs_k", a second layout
-(see `FK_PER_BLOCK`), and "pairs32", a third (fp32 pairs, see `SOURCE_32`), have not run on a
-GPU yet; a tile's "BPS" sets the blocks an SM (default `BLOCKS_PER_SM`). CUDA only.
+(see `FK_PER_BLOCK`), and "pairs32", a third (fp32 pairs, see `SOURCE_32`), too; a tile's "BPS"
+sets the blocks an SM (default `BLOCKS_PER_SM`). On an H100 all three were slower than the Triton
+gemv on every 7B shape (docs/benchmarks.md, twenty-eighth sitting). CUDA only.
 
 Example:
     >>> y = launch_pairs(x, flat, *stats, 64, "nf4", out_f, {"KERNEL": "pairs"})  # doctest: +SKIP
@@ -144,7 +145,7 @@ qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4, REST_A
 }
 """
 
-# The second layout ("pairs_k", not yet run on a GPU): the first one's time (8.9 us cold on
+# The second layout ("pairs_k"): the first one's time (8.9 us cold on
 # 4096 x 4096 against the Triton gemv's 6.9, an H100) fits its shape: one feature group a block
 # (its table filled for one group), 8 warps an SM, a 128-FMA chain a feature and step. Here a
 # block's 256 threads stride over K in units of 16 codes (8 bytes a feature), each for all
@@ -152,17 +153,43 @@ qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4, REST_A
 # group after another (the grid at most BLOCKS_PER_SM an SM), so its table serves several.
 FK_PER_BLOCK = 8
 
+# The second and third layouts' end of a group: FK sums a thread, added across the warp by shuffles
+# and across the block's warps in shared memory (red: 8 warps x FK; a narrower block leaves its
+# rows at 0), stored as bf16 by the first FK threads.
+GROUP_STORE = r"""
+#define FK 8
+
+__device__ __forceinline__ void group_store(const float* acc, float (*red)[FK],
+                                            unsigned short* y, int n0, int N, int tid) {
+#pragma unroll
+  for (int f = 0; f < FK; ++f) {
+    float v = acc[f];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((tid & 31) == 0) red[tid >> 5][f] = v;
+  }
+  __syncthreads();
+  if (tid < FK && n0 + tid < N) {
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) v += red[w][tid];
+    y[n0 + tid] = f2bf(v);
+  }
+  __syncthreads();
+}
+"""
+
 SOURCE_K = (
     SOURCE.split('extern "C"')[0]
+    + GROUP_STORE
     + r"""
-#define FK 8
 
 extern "C" __global__ void __launch_bounds__(256)
 qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2, REST_ARGS) {
   __shared__ unsigned int tab[256 * 32];
   __shared__ float c2[256];
   __shared__ float red[8][FK];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
   fill_tables(tab, c2, lut, code2, tid);
   const unsigned int* mytab = tab + lane;
   const int KU = K >> 4;                // units of 16 codes a feature (8 bytes)
@@ -191,36 +218,24 @@ qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2, REST
         acc[f] = fmaf(a, t, acc[f]);
       }
     }
-#pragma unroll
-    for (int f = 0; f < FK; ++f) {
-      float v = acc[f];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[warp][f] = v;
-    }
-    __syncthreads();
-    if (tid < FK && n0 + tid < N) {
-      float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) v += red[w][tid];
-      y[n0 + tid] = f2bf(v);
-    }
-    __syncthreads();
+    group_store(acc, red, y, n0, N, tid);
   }
 }
 """
 )
 
-# The third layout ("pairs32", not yet run on a GPU): the pair table holds fp32 values (two a
+# The third layout ("pairs32"): the pair table holds fp32 values (two a
 # 64-bit word; 16 copies, one per lane of a half-warp, since a warp's 64-bit loads are served a
 # half-warp at a time: 32 KB), so a byte's two values need no conversion: one shared load and two
 # FMAs a byte, where the fp16 table adds two conversions. A thread's unit is 32 codes of each of
 # FK features (16-byte loads, one block of 64 codes per two units), the block as wide as K needs
 # (at most 256 threads). Compiled offline for sm_90 by nvcc 13.0: 128 registers, no spills.
+# Timed on an H100 in the twenty-eighth sitting: slower than the library's gemv on every shape,
+# as were the other two layouts (docs/benchmarks.md).
 SOURCE_32 = (
     SOURCE.split("// one code word")[0]
+    + GROUP_STORE
     + r"""
-#define FK 8
 
 // one code word (8 codes, bytes 0..3, each high nibble first) against its 8 x values
 __device__ __forceinline__ float dot8f(const float2* tab, unsigned int q, uint4 xv, float s) {
@@ -243,7 +258,7 @@ qm_gemv_pairs32(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
   __shared__ float2 tab[256 * 16];
   __shared__ float c2[256];
   __shared__ float red[8][FK];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nt = blockDim.x;
+  const int tid = threadIdx.x, lane = tid & 31, nt = blockDim.x;
   for (int i = tid; i < 256 * 16; i += nt) {
     const int b = i >> 4;
     tab[i] = make_float2(lut[b >> 4], lut[b & 15]);
@@ -281,21 +296,7 @@ qm_gemv_pairs32(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
         acc[f] = fmaf(a, t, acc[f]);
       }
     }
-#pragma unroll
-    for (int f = 0; f < FK; ++f) {
-      float v = acc[f];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == 0) red[warp][f] = v;
-    }
-    __syncthreads();
-    if (tid < FK && n0 + tid < N) {
-      float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) v += red[w][tid];
-      y[n0 + tid] = f2bf(v);
-    }
-    __syncthreads();
+    group_store(acc, red, y, n0, N, tid);
   }
 }
 """

@@ -72,7 +72,7 @@
 #            process: does a compiled step read memory nothing keeps alive? (the fault after a
 #            prefill graph)
 #   pairs    the pair-table experiment (benchmarks/nf4_pairs.py, CUDA through NVRTC): its layouts
-#            "pairs_k" and "pairs32" (not yet run; "pairs", run once, was slower) against the
+#            "pairs_k" and "pairs32" (all three layouts slower; twenty-eighth sitting) against the
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py)
 #
