@@ -556,13 +556,18 @@ def kind_of_kernel(name: str) -> str:
     return next((k for frag, k in KINDS if frag in low), "other")
 
 
-@torch.no_grad()
 def _short(name: str) -> str:
     """A kernel's name in at most 90 characters, its end kept: inductor's names share long
-    prefixes and differ in their last words and number."""
+    prefixes and differ in their last words and number.
+
+    Example:
+        >>> _short("k" * 100)[55:65]
+        'kkk...kkkk'
+    """
     return name if len(name) <= 90 else f"{name[:58]}...{name[-29:]}"
 
 
+@torch.no_grad()
 def profile_decode(model, ids, a, steps: int = 32) -> dict:
     """GPU kernel time of `steps` compiled decode steps, by kind, and the top kernels (the step is
     already compiled: fast_decode ran before with the same shapes); the host's launches per
