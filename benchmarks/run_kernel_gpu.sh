@@ -66,11 +66,11 @@
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
 #            (bench_decode.py --graphs; its figures decide whether it becomes the default)
-#   gc       benchmarks/decode_gc_check.py: the default decode path, then what BETWEEN says (default
-#            "gc prefill": gc.collect() and empty_cache(), what torch.cuda.graph does as it
-#            starts recording; then a recorded prefill), then a third call, each in its own
-#            process: does a compiled step read memory nothing keeps alive? (the fault after a
-#            prefill graph)
+#   gc       benchmarks/decode_gc_check.py: the default decode path, then what BETWEEN says (a
+#            list of its --between values; default "gc prefill": gc.collect() and empty_cache(),
+#            what torch.cuda.graph does as it starts recording; then a recorded prefill), then a
+#            third call, each in its own process, on GC_LAYERS layers (default 32): does a
+#            compiled step read memory nothing keeps alive? (the fault after a prefill graph)
 #   pairs    the pair-table experiment (benchmarks/nf4_pairs.py, CUDA through NVRTC): its layouts
 #            "pairs_k" and "pairs32" (all three layouts slower; twenty-eighth sitting) against the
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
