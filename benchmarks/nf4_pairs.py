@@ -56,6 +56,19 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return r;
 }
 
+// block `blk`'s absmax: its 8-bit code's value (c2) times its nested block's absmax, plus the
+// offset (one per nested block with offs, else off0)
+__device__ __forceinline__ float block_scale(const float* c2, const unsigned char* am,
+                                             const float* am2, const float* off, int offs,
+                                             float off0, unsigned long long blk) {
+  return c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
+}
+
+// 32 codes (q: a 16-byte word of one feature) against their 32 x values (4 words of x), in order,
+// by the dot8 of the table's kind
+#define DOT32(tab, q, xa, xb, xc, xd) \
+  dot8(tab, (q).w, xd, dot8(tab, (q).z, xc, dot8(tab, (q).y, xb, dot8(tab, (q).x, xa, 0.0f))))
+
 // one code word (8 codes: bytes 0..3, each high nibble first) against its 8 x values (xv: 4 words
 // of two bf16, the even input in the low half)
 __device__ __forceinline__ float dot8(const unsigned int* tab, unsigned int q, uint4 xv, float s) {
@@ -122,13 +135,9 @@ qm_gemv_pairs(const uint4* __restrict__ x4, const uint4* __restrict__ q4, REST_A
 #pragma unroll
         for (int f = 0; f < F; ++f) {
           const int n = min(n0 + f, N - 1);
-          float t = dot8(mytab, cur[f].x, xa, 0.0f);
-          t = dot8(mytab, cur[f].y, xb, t);
-          t = dot8(mytab, cur[f].z, xc, t);
-          t = dot8(mytab, cur[f].w, xd, t);
+          const float t = DOT32(mytab, cur[f], xa, xb, xc, xd);
           const unsigned long long blk = (unsigned long long)n * nblk + (kq >> 1);
-          const float a = c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
-          acc[f] = fmaf(a, t, acc[f]);
+          acc[f] = fmaf(block_scale(c2, am, am2, off, offs, off0, blk), t, acc[f]);
         }
       }
 #pragma unroll
@@ -214,8 +223,7 @@ qm_gemv_pairs_k(const uint4* __restrict__ x4, const uint2* __restrict__ q2, REST
         const int n = min(n0 + f, N - 1);
         const float t = dot8(mytab, q[f].y, x1, dot8(mytab, q[f].x, x0, 0.0f));
         const unsigned long long blk = (unsigned long long)n * nblk + (u >> 2);
-        const float a = c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
-        acc[f] = fmaf(a, t, acc[f]);
+        acc[f] = fmaf(block_scale(c2, am, am2, off, offs, off0, blk), t, acc[f]);
       }
     }
     group_store(acc, red, y, n0, N, tid);
@@ -237,8 +245,9 @@ SOURCE_32 = (
     + GROUP_STORE
     + r"""
 
-// one code word (8 codes, bytes 0..3, each high nibble first) against its 8 x values
-__device__ __forceinline__ float dot8f(const float2* tab, unsigned int q, uint4 xv, float s) {
+// one code word (8 codes, bytes 0..3, each high nibble first) against its 8 x values (the fp32
+// table's dot8)
+__device__ __forceinline__ float dot8(const float2* tab, unsigned int q, uint4 xv, float s) {
   unsigned int xs[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -287,13 +296,9 @@ qm_gemv_pairs32(const uint4* __restrict__ x4, const uint4* __restrict__ q4,
 #pragma unroll
       for (int f = 0; f < FK; ++f) {
         const int n = min(n0 + f, N - 1);
-        float t = dot8f(mytab, q[f].x, xa, 0.0f);
-        t = dot8f(mytab, q[f].y, xb, t);
-        t = dot8f(mytab, q[f].z, xc, t);
-        t = dot8f(mytab, q[f].w, xd, t);
+        const float t = DOT32(mytab, q[f], xa, xb, xc, xd);
         const unsigned long long blk = (unsigned long long)n * nblk + (u >> 1);
-        const float a = c2[am[blk]] * am2[blk >> 8] + (offs ? off[blk >> 8] : off0);
-        acc[f] = fmaf(a, t, acc[f]);
+        acc[f] = fmaf(block_scale(c2, am, am2, off, offs, off0, blk), t, acc[f]);
       }
     }
     group_store(acc, red, y, n0, N, tid);
