@@ -112,6 +112,13 @@ def parse(argv=None) -> argparse.Namespace:
         "qm_greedy_no_dequant",
     )
     p.add_argument(
+        "--gemv-lora",
+        action="store_true",
+        help="qlora: also greedy with kernel4.GEMV_LORA_ENABLED flipped (the adapters' B "
+        "products inside the gemv's launch, opt-in), in the same process (profiled too with "
+        "--profile): qm_greedy_gemv_lora when it is off at the start, else qm_greedy_no_gemv_lora",
+    )
+    p.add_argument(
         "--graphs",
         action="store_true",
         help="qlora: also greedy with infer.prefill_graph.ENABLED flipped (the prefill replayed as "
@@ -423,6 +430,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["mma_enabled_at_start"] = kernel4.MMA_ENABLED  # QUANTMESH_MMA=1: on in every run
     R["dequant_enabled_at_start"] = kernel4.DEQUANT_ENABLED  # QUANTMESH_TRITON_DEQUANT=1
     R["join_enabled_at_start"] = kernel4.JOIN_ENABLED  # QUANTMESH_JOIN_CODES=0: off
+    R["gemv_lora_enabled_at_start"] = kernel4.GEMV_LORA_ENABLED  # QUANTMESH_GEMV_LORA=1: on
     R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED  # QUANTMESH_COMPILED_PREFILL=1
     R["attention_enabled_at_start"] = attention.ENABLED  # QUANTMESH_DECODE_ATTENTION
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
@@ -462,6 +470,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         (a.mma, kernel4, "MMA_ENABLED", "mma", "no_mma"),
         (a.dequant, kernel4, "DEQUANT_ENABLED", "dequant", "no_dequant"),
         (a.join, kernel4, "JOIN_ENABLED", "join", "no_join"),
+        (a.gemv_lora, kernel4, "GEMV_LORA_ENABLED", "gemv_lora", "no_gemv_lora"),
         (a.prefill, decode, "PREFILL_COMPILED", "compiled_prefill", "eager_prefill"),
         (a.attention, attention, "ENABLED", "attention", "no_attention"),
         (a.graphs, prefill_graph, "ENABLED", "prefill_graphs", "no_prefill_graphs"),

@@ -75,11 +75,16 @@
 #            "pairs_k" and "pairs32" (all three layouts slower; twenty-eighth sitting) against the
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py)
+#   lora     the adapters' B products inside the gemv's launch (QUANTMESH_GEMV_LORA, opt-in): the
+#            gemv's low-rank CUDA test, then qm.fast_decode on the 7B shape at batch 1 with
+#            peft's runs, the defaults, the switch flipped and the prefill graphs flipped, in one
+#            process, profiled (bench_decode.py --gemv-lora --graphs --profile), then the trained
+#            model's CUDA decode test (which decodes with the switch on too)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc or pairs}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs or lora}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -175,6 +180,16 @@ case "$STAGE" in
     timeout 300 python3 benchmarks/bench_decode.py --mode qlora --greedy --graphs --new 256 \
       --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8 ;;
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
+  lora)
+    say "the gemv's low-rank delta: its CUDA test"
+    timeout 120 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+      -k low_rank 2>&1 | tail -4
+    say "decode, 7B nf4 + LoRA, batch 1: peft's runs, the defaults, the switch, the prefill graphs"
+    timeout 330 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile --gemv-lora \
+      --graphs --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
+    say "the trained model's CUDA decode test"
+    timeout 200 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained \
+      2>&1 | tail -6 ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
     for b in ${BETWEEN:-gc prefill}; do
@@ -237,6 +252,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora)" >&2; exit 2 ;;
 esac
 say done

@@ -265,13 +265,26 @@ def _trained(rank: int) -> dict:
     # the siblings' codes joined (q/k/v, gate/up read as one weight: kernel4.JOIN_ENABLED), last
     # (the join is in place): one sequence through the gemv, sixteen through the tensor-core
     # kernel, compiled; the same tokens as above
-    saved = k4.JOIN_ENABLED
+    saved = (k4.JOIN_ENABLED, k4.GEMV_LORA_ENABLED, k4._gemv_lora_op)
+    calls = [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return saved[2](*args)
+
     try:
         k4.JOIN_ENABLED = True
         out["joined"] = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
         out["batch16_joined"] = qm.greedy_decode(model, out.pop("ids16"), 48, compile=True).cpu()
+        # the adapters' B products inside the gemv's launch (kernel4.GEMV_LORA_ENABLED, opt-in):
+        # compiled and eager, one sequence and four, the same tokens
+        k4.GEMV_LORA_ENABLED, k4._gemv_lora_op = True, counted
+        out["lora"] = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+        out["lora_eager"] = qm.greedy_decode(model, ids, 48, compile=False)[0].cpu()
+        out["batch4_lora"] = qm.greedy_decode(model, out["ids4"], 48, compile=True).cpu()
+        out["lora_calls"] = calls[0]
     finally:
-        k4.JOIN_ENABLED = saved
+        k4.JOIN_ENABLED, k4.GEMV_LORA_ENABLED, k4._gemv_lora_op = saved
     out.pop("ids4")
     out["runs"] = sum(  # (a sharded layer holds its own linear in `local`)
         getattr(m.__dict__.get("local", m), "codes_run", None) is not None for m in model.modules()
@@ -313,6 +326,11 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert out["runs"] == 4 * 3, out["runs"]
     assert (out["joined"] == out["eager"]).all(), (out["joined"], out["eager"])
     assert (out["batch16_joined"] == out["batch16_bnb"]).all(), out["batch16_joined"]
+    # the adapters' B products inside the gemv's launch: taken, and the same tokens
+    assert out["lora_calls"] > 0, out["lora_calls"]
+    assert (out["lora"] == out["eager"]).all(), (out["lora"], out["eager"])
+    assert (out["lora_eager"] == out["eager"]).all(), (out["lora_eager"], out["eager"])
+    assert (out["batch4_lora"] == out["batch4_bnb"]).all(), out["batch4_lora"]
 
 
 def _read_back(module, args, out):

@@ -310,6 +310,45 @@ def _gemv_tiles_check(shape, nested, dtype, tiles_for, rows=1, launch=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("shape", [(12288, 4096), (4096, 11008), (33, 192)])
+def test_gemv_adds_a_low_rank_delta_as_it_stores(shape, rows):
+    """The gemv with the adapters' B products in its launch (`launch_gemv(low_rank=...)`, the
+    library's tile and K in shares): each output is the plain gemv's plus `scale[n] * (e[n] @
+    t[:, col[n]:col[n] + r])` rounded to x's dtype on its own (within an ulp: its products are
+    summed in another order), members of ranks 16 and 8 beside each other in t."""
+    _need_cuda()
+    from quantmesh.quant import kernel4 as k4
+
+    out_f, in_f = shape
+    packed, qs = _quantized(out_f, in_f, nested=True)
+    flat = packed.reshape(-1).view(torch.uint8)
+    stats = k4._statistics(qs, flat.device)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    r, R = 16, 16 + 16 + 8  # three members: the last of rank 8 (its B rows padded with zeros)
+    member = torch.arange(out_f, device="cuda") * 3 // out_f
+    col = (member * 16).to(torch.int32)
+    e = torch.randn(out_f, r, device="cuda", generator=g) * 0.05
+    e[member == 2, 8:] = 0.0
+    sc = (member.float() + 1) * 0.5
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(rows, in_f, device="cuda", generator=g).to(dtype)
+        t = torch.randn(rows, R, device="cuda", generator=g)
+        lib = k4.gemv_config(rows, out_f, in_f, 64)
+        for cfg in (lib, dict(lib, BLK=lib["SB"])):  # one share (7B shapes), shares
+            plain = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
+            y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg, low_rank=(t, e, col, sc))
+            cols = (col[:, None] + torch.arange(r, device="cuda")).clamp(max=R - 1)
+            d = ((t[:, cols] * e).sum(-1) * sc).to(dtype)
+            want = (plain.float() + d.float()).to(dtype)
+            ulp = 2.0 ** (torch.frexp(want.float())[1].float() - 1) * torch.finfo(dtype).eps
+            assert ((y.float() - want.float()).abs() <= ulp).all(), (shape, rows, dtype, cfg)
+            assert (y != plain).any()
+            again = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg,
+                                   low_rank=(t, e, col, sc))  # fmt: skip
+            assert torch.equal(again, y)  # the same bits again (a fixed order of sums)
+
+
 @pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize(
     "shape", [(4096, 4096), (11008, 4096), (4096, 11008), (33, 192), (257, 640), (100, 1088)]

@@ -52,7 +52,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "decode", "train", "attention")
+FAMILIES = ("gemv", "low_rank", "mma", "dequant", "rows", "tp_shards", "joined", "decode", "train",
+            "attention")  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -139,6 +140,125 @@ def _gemv() -> list[dict]:
             y = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
             out.append(_product(y, x, packed, qs, ("4bit", out_f, in_f, cfg)))
             out[-1]["ok"] &= _counts_back_at_zero()
+    return out
+
+
+def _within_ulp(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Every element of `y` within one ulp of `want` (their dtype): two fp32 sums of a few
+    products, added in different orders, may round to neighbours."""
+    ulp = 2.0 ** (torch.frexp(want.float())[1].float() - 1) * torch.finfo(want.dtype).eps
+    return bool(((y.float() - want.float()).abs() <= ulp).all())
+
+
+def _low_rank_cases() -> list[dict]:
+    """The gemv with a low-rank delta added as it stores (`launch_gemv(low_rank=...)`): each
+    output the plain gemv's, plus `scale[n] * (e[n] @ t[:, col[n]:col[n] + r])` rounded to x's
+    dtype on its own (within an ulp of that sum: its products are added in another order), at
+    one share of K and several, the rank a power of two and not, a feature's columns running to
+    t's end (a shorter member of a stack: masked); and bad tensors refused."""
+    from quantmesh.quant import kernel4 as k4
+
+    out = []
+    g = torch.Generator().manual_seed(11)
+    for (out_f, in_f), nested, r in (((64, 512), True, 4), ((33, 192), False, 3)):
+        packed, qs = _weight(out_f, in_f, nested)
+        flat = packed.reshape(-1).view(torch.uint8)
+        R = 3 * r + 1  # three members' columns and one more
+        col = (torch.arange(out_f) % 4 * r).clamp(max=R - 2).to(torch.int32)  # the last: R - 2
+        sc = (torch.rand(out_f, generator=g) + 0.5).float()
+        e = torch.randn(out_f, r, generator=g).float()
+        e[col == R - 2, 2:] = 0.0  # a shorter member: its columns stop at R (never read past)
+        for rows, dtype in ((1, torch.bfloat16), (3, torch.float16), (8, torch.float16)):
+            x = torch.randn(rows, in_f, generator=g).to(dtype)
+            t = torch.randn(rows, R, generator=g).float()
+            lib = dict(k4.gemv_config(rows, out_f, in_f, 64), LUT=0)
+            for cfg in (dict(lib, BLOCK_N=16, BLK=0), dict(lib, BLOCK_N=8, SB=4, BLK=4)):
+                plain = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
+                y = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg,
+                                   low_rank=(t, e, col, sc))  # fmt: skip
+                cols = (col[:, None] + torch.arange(r)).clamp(max=R - 1)  # (out, r)
+                d = (t[:, cols] * e).sum(-1) * sc  # (rows, out): the delta, fp32
+                # the interpreter rounds fp32 to bf16 by truncation (fp16: to nearest)
+                rnd = _truncated if dtype == torch.bfloat16 else (lambda v, dt=dtype: v.to(dt))
+                want = rnd(plain.float() + rnd(d).float())
+                ok = y.dtype == dtype and _within_ulp(y, want) and _counts_back_at_zero()
+                ok &= bool((y != plain).any())  # the delta is there
+                out.append({"case": repr(("low_rank", out_f, in_f, rows, r, cfg)), "ok": ok})
+    x = torch.randn(1, 192, dtype=torch.bfloat16)
+    packed, qs = _weight(33, 192, False)
+    flat = packed.reshape(-1).view(torch.uint8)
+    lib = dict(k4.gemv_config(1, 33, 192, 64), LUT=0)
+    z = torch.zeros
+    for bad in (
+        (z(1, 4), z(33, 4), z(33), z(33)),  # col not int32
+        (z(1, 4), z(33, 4, dtype=torch.float16), z(33, dtype=torch.int32), z(33)),
+        (z(1, 2), z(33, 4), z(33, dtype=torch.int32), z(33)),
+    ):  # rank past t's width
+        try:
+            k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", 33, lib, low_rank=bad)
+            refused = False
+        except ValueError as err:
+            refused = "low-rank" in str(err) or "rank" in str(err)
+        out.append({"case": repr(("refused", [tuple(b.shape) for b in bad])), "ok": refused})
+    return out
+
+
+def _low_rank() -> list[dict]:
+    return _low_rank_cases() + _low_rank_decode()
+
+
+def _low_rank_decode() -> list[dict]:
+    """`fast_decode` of a small fp16 Llama (nf4 + LoRA on all seven projections) with the
+    adapters' B products inside the gemv's launch (`GEMV_LORA_ENABLED`): the tokens of the
+    switch off, eager and compiled (aot_eager), the siblings' codes joined or not; every 4-bit
+    launch of a step carries its delta (the plain gemv only where a joined prefill's adapters
+    are not stacked), and one forward of a row gives the logits of the switch off."""
+    import torch.distributed as dist
+
+    import quantmesh as qm
+    from quantmesh.quant import kernel4 as k4
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
+    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
+    _interpreter_tiles()
+    mesh = qm.init_mesh()
+    model = _fp16_qlora_llama(mesh, layers=1, kv_heads=4, positions=64)
+    plain, fused = _count_gemv_launches(), _count_calls(k4, "_gemv_lora_op")
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    new = 3
+    runs = {}
+    try:
+        with torch.no_grad():  # one row, adapters unstacked: o and down fused, the rest joined
+            k4.GEMV_LORA_ENABLED = False
+            ref = model(input_ids=ids[:, :1]).logits
+            k4.GEMV_LORA_ENABLED = True
+            plain[0] = fused[0] = 0
+            one = model(input_ids=ids[:, :1]).logits
+            one_counts = (plain[0], fused[0])
+        for name, join, on, kw in (("off", True, False, {"compile": False}),
+                                   ("on", True, True, {"compile": False}),
+                                   ("on_compiled", True, True, {"mode": None}),
+                                   ("on_unjoined", False, True, {"compile": False})):  # fmt: skip
+            k4.JOIN_ENABLED, k4.GEMV_LORA_ENABLED = join, on
+            plain[0] = fused[0] = 0
+            runs[name] = (qm.fast_decode(model, ids, new, **kw)[0].tolist(), plain[0], fused[0])
+    finally:
+        dist.destroy_process_group()
+    err = float((one.float() - ref.float()).norm() / ref.float().norm())
+    # (plain gemv launches, fused ones): the first call (switch off) finds the runs in a forward
+    # of the first token (7 plain launches), joins them, prefills (4) and steps (4 each, new - 1
+    # steps); with the switch on, an unstacked joined run stays plain (q/k/v, gate/up: the
+    # prefill's 2) and every step's 4 launches are fused; the compiled decoder finds the runs
+    # again (2 plain, 2 fused); unjoined, all 7 a forward are fused
+    steps = new - 1
+    want = {"off": (7 + 4 + 4 * steps, 0), "on": (2, 2 + 4 * steps),
+            "on_compiled": (2 + 2, 2 + 2 + 4 * steps), "on_unjoined": (0, 7 + 7 * steps)}  # fmt: skip
+    out = [{"case": repr(("one row", one_counts, err)), "ok": err < 2e-3 and one_counts == (0, 7)}]
+    for name, run in runs.items():
+        ok = run[0] == runs["off"][0] and run[1:] == want[name]
+        out.append({"case": repr((name, run, want[name])), "ok": ok})
     return out
 
 
@@ -662,7 +782,7 @@ def main(family: str) -> None:
     """Run one family's cases (TRITON_INTERPRET=1 must be set) and print them as one JSON line."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (the kernels are wrapped at import)")
-    cases = {"gemv": _gemv, "mma": _mma, "dequant": _dequant, "rows": _rows,
+    cases = {"gemv": _gemv, "low_rank": _low_rank, "mma": _mma, "dequant": _dequant, "rows": _rows,
              "tp_shards": _tp_shards, "joined": _joined, "decode": _decode,
              "train": _train, "attention": _attention}[family]()  # fmt: skip
     print(json.dumps(cases))

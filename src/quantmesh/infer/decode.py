@@ -27,6 +27,7 @@ step (`quantmesh.lora.adapter.lean_linear`), fused with the ops around them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -37,7 +38,7 @@ from torch import nn
 
 from ..blocks.compile import blocks_for_decoding, regions_available, unmark_block_regions
 from ..config import env_switch
-from ..lora.adapter import LoraAdapter, lean_linear
+from ..lora.adapter import LoraAdapter, LowRank, _adds_in_launch, lean_linear, static_on_cuda
 from ..plan.styles import Style
 from ..quant import kernel4
 from ..tp.layers import ShardedModule, sharded_modules
@@ -619,6 +620,10 @@ class AdapterStack:
         self.out: torch.Tensor | None = None  # (..., sum of outs): every sibling's B(A(x))
         self.a = torch.empty(0)
         self.b = torch.empty(0)
+        # the deltas as a joined 4-bit launch adds them (`low_rank`): B's rows, r_max wide (zeros
+        # past a member's rank), where each row's A products begin, each member's scale
+        self.e = self.col = self.scale = torch.empty(0)
+        self.locals = tuple(id(m.local) for m in members)
         self.refresh()
 
     @torch.no_grad()
@@ -634,11 +639,38 @@ class AdapterStack:
             if w.device.type == "cuda":  # fixed addresses: CUDA graphs read them, never copy them
                 torch._dynamo.mark_static_address(self.a)
                 torch._dynamo.mark_static_address(self.b)
+        n, r_max = sum(self.outs), max(self.ranks)
+        if (
+            tuple(self.e.shape) != (n, r_max)
+            or self.e.dtype != w.dtype
+            or self.e.device != w.device
+        ):
+            self.e = static_on_cuda(torch.zeros(n, r_max, dtype=w.dtype, device=w.device))
+            self.col = static_on_cuda(torch.zeros(n, dtype=torch.int32, device=w.device))
+            self.scale = static_on_cuda(torch.zeros(n, dtype=torch.float32, device=w.device))
         for i, m in enumerate(self.members):
             ad = _lora(m)
             self.a[r_at[i] : r_at[i + 1]].copy_(ad.lora_A.weight)
             o = self.out_at[i]
             self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]].copy_(ad.lora_B.weight)
+            rows = slice(o, o + self.outs[i])
+            self.e[rows, : self.ranks[i]].copy_(ad.lora_B.weight)
+            self.col[rows].fill_(r_at[i])
+            self.scale[rows].fill_(float(_lora(m).scale))  # (the member's own: a StackedLora's)
+
+    def down(self, cast: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Every member's A product of `x` (..., sum of ranks), fp32: what `low_rank`'s `col`
+        indexes."""
+        return lean_linear(cast(x), self.a)
+
+    def low_rank(self, i: int, cast: Callable[[torch.Tensor], torch.Tensor]) -> LowRank:
+        """Member `i`'s delta as a 4-bit launch adds it (`lora.adapter.LowRank`): its rows of the
+        stack's B rows, scales and columns of A products, its `whole` the stack's (a joined
+        launch of the members' codes adds every member's)."""
+        down = functools.partial(self.down, cast)
+        whole = LowRank(self.e, self.col, self.scale, down, None, self.locals)
+        rows = slice(self.out_at[i], self.out_at[i] + self.outs[i])
+        return LowRank(self.e[rows], self.col[rows], self.scale[rows], down, whole, self.locals)
 
     def delta(
         self, i: int, x: torch.Tensor, cast: Callable[[torch.Tensor], torch.Tensor]
@@ -690,6 +722,14 @@ class StackedLora(LoraAdapter):
             return None  # stacked adapters: without autograd or dropout only (decoding)
         d = self.stack.delta(self.index, x, self.cast_in)  # one matmul pair for the siblings
         return None if d is None else d * self.scale
+
+    def low_rank(self) -> LowRank | None:
+        """The stack's `LowRank` for this member while the stack is active (the same conditions
+        as `shortcut`, and fp32 factors); otherwise the plain adapter's."""
+        st = self.stack
+        if st.active and _adds_in_launch(self, st.e, st.a):
+            return st.low_rank(self.index, self.cast_in)
+        return super().low_rank()
 
 
 def _lora(m: ShardedModule) -> LoraAdapter:

@@ -21,7 +21,7 @@ import fnmatch
 import math
 import zlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ __all__ = [
     "LoraConfig",
     "LoraError",
     "LoraHost",
+    "LowRank",
     "attach_lora",
     "expert_products",
     "lean_linear",
@@ -166,6 +167,30 @@ def _init_A(fqn: str, r: int, in_full: int, seed: int) -> torch.Tensor:
     return a
 
 
+class LowRank(NamedTuple):
+    """An adapter's delta in the form a 4-bit layer adds in its own matmul's launch (the gemv:
+    `quant.kernel4.check_low_rank`): output feature n gets `scale[n] * (e[n] @ t[..., col[n]:
+    col[n] + r])`, t = `down(x)` the adapters' A products (fp32), e the B rows. `whole`: the same
+    for every sibling of a stack (`infer.decode.AdapterStack`) at once, which a joined launch of
+    the siblings' codes adds (`members`: the ids of the siblings' base layers, in order); None
+    for a lone adapter.
+
+    Example:
+        >>> ad = LoraAdapter.new(torch.randn(4, 64), 32, scale=2.0)
+        >>> with torch.no_grad():
+        ...     lr = ad.low_rank()
+        >>> lr.e.shape, lr.col.dtype, float(lr.scale[0]), lr.down(torch.ones(1, 64)).shape
+        (torch.Size([32, 4]), torch.int32, 2.0, torch.Size([1, 4]))
+    """
+
+    e: torch.Tensor
+    col: torch.Tensor
+    scale: torch.Tensor
+    down: Callable[[torch.Tensor], torch.Tensor]
+    whole: LowRank | None = None
+    members: tuple[int, ...] = ()
+
+
 class Adapter(nn.Module):
     """What a layer runs of its adapter, in two halves around the layer's own collectives:
     `down(drop(x))` gives (..., r) (a partial sum when the layer's input is split), the layer
@@ -214,6 +239,11 @@ class Adapter(nn.Module):
     def shortcut(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole scaled delta of `x` computed another way, or None (the layer then runs
         `drop`, `down` and `up`)."""
+        return None
+
+    def low_rank(self) -> LowRank | None:
+        """The delta as a 4-bit layer's launch adds it (`LowRank`), or None: this adapter's
+        delta is added after the layer's product (the default)."""
         return None
 
 
@@ -286,6 +316,48 @@ class LoraAdapter(Adapter):
 
     def up(self, a: torch.Tensor) -> torch.Tensor:
         return _linear(self.lora_B, a) * self.scale
+
+    def low_rank(self) -> LowRank | None:
+        """`LowRank` of this adapter: B's rows, its scale, A as `down` (fp32 adapters of plain
+        tensors, without autograd, autocast or an active dropout; else None)."""
+        b = self.lora_B.weight
+        if not _adds_in_launch(self, b):
+            return None
+        key = (str(b.device), int(b.shape[0]))
+        vectors = self.__dict__.setdefault("_low_rank_vectors", {})
+        if key not in vectors:  # made in the first (eager) call, kept: fixed addresses
+            n = key[1]
+            col = torch.zeros(n, dtype=torch.int32, device=b.device)
+            sc = torch.full((n,), self.scale, dtype=torch.float32, device=b.device)
+            vectors[key] = (col, static_on_cuda(sc))
+            static_on_cuda(col)
+        col, sc = vectors[key]
+        return LowRank(b, col, sc, self.down)
+
+
+def _adds_in_launch(ad: LoraAdapter, *weights: torch.Tensor) -> bool:
+    """Whether `ad`'s delta may be added inside a 4-bit layer's launch now: fp32 factors of plain
+    tensors (`weights`: those the launch reads), no autograd, no autocast, no active dropout."""
+    drop = ad.lora_dropout
+    return (
+        not torch.is_grad_enabled()
+        and ad.lora_A.weight.dtype == torch.float32
+        and all(type(w) in (torch.Tensor, nn.Parameter) and w.is_contiguous() for w in weights)
+        and not torch.is_autocast_enabled(weights[0].device.type)
+        and (isinstance(drop, nn.Identity) or not drop.training)
+    )
+
+
+def static_on_cuda(t: torch.Tensor) -> torch.Tensor:
+    """`t`, marked as a fixed address (CUDA graphs read it in place, never copy it) when on CUDA.
+
+    Example:
+        >>> static_on_cuda(torch.zeros(2)).shape
+        torch.Size([2])
+    """
+    if t.is_cuda:
+        torch._dynamo.mark_static_address(t)
+    return t
 
 
 def _dropout(p: float) -> nn.Module:

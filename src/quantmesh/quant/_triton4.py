@@ -304,16 +304,18 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
         part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a
     _finish(acc[None, :], tl.arange(0, 1), 1, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr,
-            part_ptr, cnt_ptr, NS)  # fmt: skip
+            part_ptr, cnt_ptr, NS, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 1, False)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero"])
+@triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero", "R", "RANK"])
 def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
                   cnt_ptr, M, N, NBLK, KW, blk_per, n_slices, zero,
+                  t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK,
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
                   BF16: tl.constexpr, WK: tl.constexpr = 1,
-                  ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False):  # fmt: skip
+                  ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False,
+                  RL: tl.constexpr = 1, LORA: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
     # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
     # no tensor cores: the codes are read once, the products cost M times one row's). A program
@@ -340,6 +342,9 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # 4t + u: block 4 (t WK + w) + u, read by step t); the warps' sums are added at the end.
     # OFFS: the nested statistics' offset is one per nested block (`off_ptr`: sibling weights
     # joined into one, each with its own offset), else one value.
+    # LORA: a low-rank delta added at the store (`_low_rank`: the LoRA adapters' B products, t_ptr
+    # their A products, R wide; e_ptr, col_ptr, sc_ptr per feature: B's RANK values, where its
+    # A products begin in t, its scale; RL: RANK's power of two); else those are never read.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -404,7 +409,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
             acc += part * tl.reshape(a, (1, BLOCK_N, 32 * WK))
     _finish(tl.sum(acc, axis=2), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
-            cnt_ptr, NS)  # fmt: skip
+            cnt_ptr, NS, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL, LORA)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero"])
@@ -468,7 +473,7 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
         acc = tl.dot(w_hi, xe.to(dt), acc)
         acc = tl.dot(w_lo, xo.to(dt), acc)
     _finish(tl.trans(acc), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
-            cnt_ptr, NS)  # fmt: skip
+            cnt_ptr, NS, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 1, False)  # fmt: skip
 
 
 @triton.jit
@@ -491,17 +496,41 @@ def _lane_table(lut_ptr, lane):
 
 
 @triton.jit
+def _low_rank(tot, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.constexpr,
+              dt: tl.constexpr):  # fmt: skip
+    # the fp32 sums `tot` (rows rm, features rn) rounded to dt, plus each feature's low-rank delta
+    # rounded to dt on its own: sc[n] * sum_j e[n, j] t[m, col[n] + j] (j < RANK; t: M rows of R
+    # fp32), the two added as a dt addition of the two rounded values (fp32, rounded once): what
+    # `y + (B(A x) * scale).to(y.dtype)` gives after the product's own store
+    rr = tl.arange(0, RL)
+    r_ok = rr < RANK
+    e = tl.load(e_ptr + rn[:, None] * RANK + rr[None, :], mask=n_mask[:, None] & r_ok[None, :],
+                other=0.0)  # fmt: skip
+    col = tl.load(col_ptr + rn, mask=n_mask, other=0)
+    sc = tl.load(sc_ptr + rn, mask=n_mask, other=0.0)
+    tc = col[:, None] + rr[None, :]  # (BLOCK_N, RL): columns of t, none past its R
+    t_ok = (rm < M)[:, None, None] & (n_mask[:, None] & r_ok[None, :] & (tc < R))[None, :, :]
+    t = tl.load(t_ptr + rm[:, None, None] * R + tc[None, :, :], mask=t_ok, other=0.0)
+    d = tl.sum(t * e[None, :, :], axis=2) * sc[None, :]
+    return tot.to(dt).to(tl.float32) + d.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
-            NS: tl.constexpr):  # fmt: skip
+            NS: tl.constexpr, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.constexpr,
+            LORA: tl.constexpr):  # fmt: skip
     # y[rm, rn] = the fp32 sums `acc` (rows rm < M, features rn) of this share of K: directly
     # with one share (NS 1); else each share writes its partials (part: n_slices, M, N) and
     # counts itself in cnt[pid_n], and the last adds them all in a fixed order (deterministic:
     # a tree over all of them at once, or, past 4,096 sums, one share after another), writes y
-    # and sets the count back to 0
+    # and sets the count back to 0. LORA: the low-rank delta added as it is stored (`_low_rank`).
     mask = (rm < M)[:, None] & n_mask[None, :]
     at = rm[:, None] * N + rn[None, :]
+    dt: tl.constexpr = y_ptr.dtype.element_ty
     if NS == 1:
-        tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if LORA:
+            acc = _low_rank(acc, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL, dt)
+        tl.store(y_ptr + at, acc.to(dt), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the count says so
@@ -518,5 +547,8 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
                 for i in range(0, n_slices):
                     tot += tl.load(part_ptr + i * M * N + at, mask=mask, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
-            tl.store(y_ptr + at, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            if LORA:
+                tot = _low_rank(tot, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL,
+                                dt)  # fmt: skip
+            tl.store(y_ptr + at, tot.to(dt), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)

@@ -29,6 +29,7 @@ from torch import nn
 from . import kernel4
 from .base import QuantConfig, QuantError, QuantFormat
 from .kernel4 import (
+    LowRankTensors,
     dequant_kernel_applies,
     dequantize_weight,
     dequantize_weight_applies,
@@ -244,7 +245,66 @@ def _classes() -> dict[str, type]:
             y = run.output(i, x, joined, own)
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def _joined_run(self, x: torch.Tensor) -> CodesRun | None:
+            """Its run when the kernels read the run's joined codes for `x` (one launch for the
+            siblings), else None."""
+            run = self.codes_run
+            if run is None or run.codes.device != x.device or not joined_codes_on():
+                return None
+            return run
+
+        def takes_low_rank(self, x: torch.Tensor, lr: Any) -> bool:
+            """Whether `forward(x, low_rank=lr)` adds the adapter's delta (`lora.adapter.
+            LowRank`) inside its launch: `GEMV_LORA_ENABLED`, the gemv's inputs (`gemv_applies`:
+            CUDA, 1 to 8 rows, no autograd), x in the compute dtype, no bias, no held weight,
+            the delta's tensors on x's device; for a joined run, a delta for the very siblings
+            (`lr.whole`), which the run's one launch adds for all of them."""
+            qs = getattr(self.weight, "quant_state", None)
+            cd = self.compute_dtype or x.dtype
+            if (
+                not kernel4.GEMV_LORA_ENABLED
+                or qs is None
+                or self.bias is not None
+                or self.dense is not None
+                or x.dtype != cd
+                or lr.e.device != x.device
+                or not gemv_applies(x, qs, cd)
+            ):
+                return False
+            run = self._joined_run(x)
+            return run is None or (lr.whole is not None and lr.members == run.member_ids)
+
+        def _low_rank_product(self, x: torch.Tensor, lr: Any) -> torch.Tensor:
+            """x @ W^T plus the adapter's delta `lr`, in the gemv's launch (`takes_low_rank`
+            said yes): for a joined run, the run's one launch with every sibling's delta, each
+            sibling taking its columns when it gets the tensor the first one got."""
+            qs = self.weight.quant_state
+            x2 = x.reshape(-1, x.shape[-1])
+
+            def add(d: Any) -> LowRankTensors:
+                t = d.down(x2).contiguous()
+                return (t, d.e, d.col, d.scale)
+
+            run = self.codes_run
+            if run is None or run.codes.device != x.device:
+                y = matmul_4bit_gemv(x2, self.weight.data, qs, low_rank=add(lr))
+            else:  # the run's tensors alone (a compiled block region refuses inputs that alias)
+                i = self.codes_index
+                c0, c1 = run.code_at[i]
+
+                def own() -> torch.Tensor:
+                    return matmul_4bit_gemv(x2, run.codes[c0:c1], qs, run.member_statistics(i),
+                                            low_rank=add(lr))  # fmt: skip
+
+                def joined() -> torch.Tensor:
+                    return matmul_4bit_gemv(x2, run.codes, run.qs, low_rank=add(lr.whole))
+
+                y = run.output(i, x, joined, own) if joined_codes_on() else own()
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+
+        def forward(self, x: torch.Tensor, low_rank: Any = None) -> torch.Tensor:
+            if low_rank is not None:  # the adapter's delta inside the gemv (takes_low_rank)
+                return self._low_rank_product(x, low_rank)
             qs = getattr(self.weight, "quant_state", None)
             if qs is None:
                 raise RuntimeError(_not_quantized(self))
@@ -741,6 +801,7 @@ class CodesRun(_SiblingRun):
                 views.append(q.state2.absmax)
                 at_n += k2
             m.codes_run, m.codes_index = self, i  # type: ignore[assignment]
+        self.member_ids = tuple(id(m) for m in members)  # (what a stack's LowRank names)
         if self.codes.is_cuda:  # read in place by CUDA graphs (the members' views too)
             joined = [self.codes, absmax, *(() if state2 is None else (state2.absmax, offset))]
             for t in joined + views:

@@ -92,6 +92,9 @@ __all__ = [
     "dequantize_4bit",
     "dequantize_weight",
     "dequantize_weight_applies",
+    "GEMV_LORA_ENABLED",
+    "LowRankTensors",
+    "check_low_rank",
     "gemv_applies",
     "gemv_config",
     "joined_codes_on",
@@ -166,6 +169,11 @@ GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
     8: dict(GEMV_TILE, BLOCK_N=4, SB=16),
     16: dict(GEMV_TILE, BLOCK_N=4, SB=16),
 }
+# The LoRA adapters' B products inside the gemv's launch (`quant.bnb.QuantLinear4bit`'s
+# `low_rank`; the layer's adapter gives its A products, `lora.adapter.LowRank`): each output
+# gets its delta as it is stored, so a decode step has no kernel of its own for B and no addition
+# after the gemv. Opt-in (QUANTMESH_GEMV_LORA=1) until timed on a GPU.
+GEMV_LORA_ENABLED = env_switch("QUANTMESH_GEMV_LORA", default=False)
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 # The tensor-core kernel (`matmul_4bit_mma`, `_triton4.qm_mma_4bit`) for MMA_MIN_ROWS to
 # MMA_MAX_ROWS rows (decoding 9 to 64 sequences, the server's larger steps): the codes read once,
@@ -308,23 +316,26 @@ def matmul_4bit_rows(x: torch.Tensor, packed: torch.Tensor, qs: Any) -> torch.Te
 
 
 def _on_codes(op: Any, x: torch.Tensor, packed: torch.Tensor, qs: Any,
-              stats: tuple[Any, ...] | None = None) -> torch.Tensor:  # fmt: skip
-    """op(x as (rows, in), the flat codes, the statistics, blocksize, quant type, out) reshaped
-    back to x's leading dimensions: how the matmul ops take a QuantState's weight. `stats`: the
-    four statistics (`_statistics`' order) in place of `qs`'s tensors, which then gives only
-    the shape, blocksize and quant type (a joined run's member: `quant.bnb.CodesRun`)."""
+              stats: tuple[Any, ...] | None = None, extra: tuple[Any, ...] = ()) -> torch.Tensor:  # fmt: skip
+    """op(x as (rows, in), the flat codes, the statistics, blocksize, quant type, out, *extra)
+    reshaped back to x's leading dimensions: how the matmul ops take a QuantState's weight.
+    `stats`: the four statistics (`_statistics`' order) in place of `qs`'s tensors, which then
+    gives only the shape, blocksize and quant type (a joined run's member:
+    `quant.bnb.CodesRun`)."""
     out_f, in_f = int(qs.shape[0]), int(qs.shape[1])
     flat = packed.reshape(-1).view(torch.uint8)
     y = op(x.reshape(-1, in_f), flat, *(stats or _statistics(qs, x.device)), int(qs.blocksize),
-           str(qs.quant_type), out_f)  # fmt: skip
+           str(qs.quant_type), out_f, *extra)  # fmt: skip
     return y.reshape(*x.shape[:-1], out_f)
 
 
-def _codes_op(name: str, launch: Any, config: Any) -> Any:
+def _codes_op(name: str, launch: Any, config: Any, low_rank: bool = False) -> Any:
     """The custom op `quantmesh::<name>`(x (rows, in), the flat codes, the four statistics,
     blocksize, quant type, out) -> (rows, out): `launch` (`launch_gemv`'s arguments) at the tile
     `config(rows, out, in, blocksize)`; one op, so that `torch.compile` traces it whole. The
     matmul ops on codes (the gemv, the tensor-core kernel, the row kernel) are made by it.
+    `low_rank`: the op takes four more tensors, (t, e, col, scale), the delta `launch` adds
+    (`check_low_rank`).
 
     Returns a function that calls the op while compiling, under a dispatch mode or with tensor
     subclasses (fake tensors), and `launch` itself otherwise: in eager mode the op's dispatch
@@ -344,6 +355,21 @@ def _codes_op(name: str, launch: Any, config: Any) -> Any:
              out_f):  # fmt: skip
         return x.new_empty((x.shape[0], out_f))  # for tracing
 
+    def op_lr(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+              nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
+              offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
+              t: torch.Tensor, e: torch.Tensor, col: torch.Tensor,
+              sc: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        cfg = config(x.shape[0], out_f, x.shape[1], blocksize)
+        return launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
+                      quant_type, out_f, cfg, low_rank=(t, e, col, sc))  # fmt: skip
+
+    def fake_lr(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
+                out_f, t, e, col, sc):  # fmt: skip
+        return x.new_empty((x.shape[0], out_f))
+
+    if low_rank:
+        op, fake = op_lr, fake_lr  # type: ignore[assignment]
     made = torch.library.custom_op(f"quantmesh::{name}", op, mutates_args=())
     made.register_fake(fake)
 
@@ -445,16 +471,64 @@ def gemv_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
 
 
 def matmul_4bit_gemv(
-    x: torch.Tensor, packed: torch.Tensor, qs: Any, stats: tuple[Any, ...] | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    qs: Any,
+    stats: tuple[Any, ...] | None = None,
+    low_rank: LowRankTensors | None = None,
 ) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype for 1 to `GEMV_MAX_ROWS` rows, by the gemv
     (`launch_gemv` at `gemv_config`'s tile: `_triton4.qm_gemv_lines`, the lanes along K); check
-    `gemv_applies` first.
+    `gemv_applies` first. `low_rank`: (t (..., R), e, col, scale), a LoRA delta added to each
+    output in the same launch (`check_low_rank`; the op `quantmesh::gemv_4bit_lora`).
 
     Example:
         >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
-    return _on_codes(_gemv_op, x, packed, qs, stats)
+    if low_rank is None:
+        return _on_codes(_gemv_op, x, packed, qs, stats)
+    t, e, col, sc = low_rank
+    return _on_codes(_gemv_lora_op, x, packed, qs, stats, (t.reshape(-1, t.shape[-1]), e, col, sc))
+
+
+LowRankTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(t, e, col, scale): a low-rank delta the gemv adds in its own launch (`check_low_rank`)."""
+
+
+def check_low_rank(low_rank: LowRankTensors, rows: int, out_f: int,
+                   device: torch.device) -> None:  # fmt: skip
+    """Refuse, before any launch, a low-rank delta the gemv cannot add to (rows, out_f) outputs:
+    t (rows, R) fp32, the adapters' A products; e (out_f, r) fp32, each feature's B row (r at
+    most 64); col (out_f,) int32, where each feature's r products begin in t; scale (out_f,)
+    fp32; all contiguous on `device`. Output feature n gets `scale[n] * (e[n] @ t[:, col[n]:
+    col[n] + r])`, rounded to the output's dtype and added to its rounded product (the values of
+    `y + (B(A x) * scale).to(y.dtype)`).
+
+    Example:
+        >>> z = torch.zeros
+        >>> check_low_rank((z(1, 8), z(4, 8), z(4, dtype=torch.int32), z(4)), 1, 4, torch.device("cpu"))
+        >>> check_low_rank((z(1, 8), z(4, 8), z(4), z(4)), 1, 4, torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: the gemv's low-rank col must be a contiguous torch.int32 tensor of shape (4,) on cpu, not torch.float32 (4,) on cpu
+    """
+    t, e, col, sc = low_rank
+    r = int(e.shape[1]) if e.dim() == 2 else 0
+    want = {"t": ((rows, int(t.shape[-1])), torch.float32), "e": ((out_f, r), torch.float32),
+            "col": ((out_f,), torch.int32), "scale": ((out_f,), torch.float32)}  # fmt: skip
+    for (name, (shape, dtype)), v in zip(want.items(), low_rank, strict=True):
+        if (
+            tuple(v.shape) != shape
+            or v.dtype != dtype
+            or v.device != device
+            or not v.is_contiguous()
+        ):
+            raise ValueError(
+                f"the gemv's low-rank {name} must be a contiguous {dtype} tensor of shape {shape} "
+                f"on {device}, not {v.dtype} {tuple(v.shape)} on {v.device}"
+            )
+    if not 1 <= r <= 64 or r > t.shape[-1]:
+        raise ValueError(f"the gemv adds deltas of rank 1 to 64 within t's {t.shape[-1]}, not {r}")
 
 
 def gemv_config(rows: int, out_f: int, in_f: int, blocksize: int,
@@ -499,7 +573,8 @@ _dequant_mm_op.register_autograd(_dequant_mm_backward, setup_context=_dequant_mm
 def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
-                cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
+                cfg: dict[str, Any], keep: list | None = None,
+                low_rank: LowRankTensors | None = None) -> torch.Tensor:  # fmt: skip
     """x (rows, in) @ W^T -> (rows, out) in x's dtype with tiles `cfg` (`gemv_config`'s keys; the
     benchmark passes each candidate). KERNEL "lines": `_triton4.qm_gemv_lines` (the lanes along
     K, 1 to `GEMV_ROWS_LIMIT` rows, each code's value found once for all of them; BLOCK_N
@@ -512,12 +587,18 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     one share, the programs of a group count themselves in a per-device int32 buffer kept zero
     between calls (`_counters`), so two such calls must not run at once on different streams.
     `keep`: a list the compiled kernel is appended to (the benchmark reads its PTX).
+    `low_rank`: (t, e, col, scale), a low-rank delta the lines kernel adds to each output as it
+    stores it (`check_low_rank`: the LoRA adapters' B products inside the gemv's launch).
 
     Example:
         >>> y = launch_gemv(x, flat, *stats, 64, "nf4", 4096, gemv_config(1, 4096, 4096, 64))  # doctest: +SKIP
     """
     rows, in_f = x.shape
     lines = cfg.get("KERNEL") == "lines"
+    if low_rank is not None:
+        if not lines:
+            raise ValueError(f"a low-rank delta is added by the lines kernel only, not {cfg}")
+        check_low_rank(low_rank, rows, out_f, x.device)
     most = GEMV_ROWS_LIMIT if lines else 1
     if not 1 <= rows <= most or blocksize != 64 or in_f % 64:
         takes = f"1 to {most} rows" if lines else "one row (the lines kernel: more)"
@@ -560,13 +641,19 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     m = (rows,) if lines else ()
     zero = (0,) if lines else ()
     extra = {}
+    lr: tuple[Any, ...] = ()
     if lines:
         extra = dict(SB=cfg.get("SB", 32), WK=wk, ROWS=triton.next_power_of_2(rows))
+        lr = (y, y, y, y, 0, 0)  # (never read without LORA)
+        if low_rank is not None:
+            t, e, col, sc = low_rank
+            lr = (t, e, col, sc, t.shape[1], e.shape[1])
+            extra.update(LORA=True, RL=triton.next_power_of_2(e.shape[1]))
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32),
         *_kernel_statistics(absmax, nested_absmax, nested_code, offset),
         _code_values(quant_type, x.device), y, part, cnt,
-        *m, out_f, nblk, in_f // 8, per, slices, *zero,
+        *m, out_f, nblk, in_f // 8, per, slices, *zero, *lr,
         BS2=256, NESTED=nested_absmax is not None, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
         LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra, **_offsets(offset),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
@@ -729,6 +816,7 @@ def _kernel_statistics(absmax: torch.Tensor, nested_absmax: torch.Tensor | None,
 
 
 _gemv_op = _codes_op("gemv_4bit", launch_gemv, gemv_config)
+_gemv_lora_op = _codes_op("gemv_4bit_lora", launch_gemv, gemv_config, low_rank=True)
 _mma_op = _codes_op(
     "mma_4bit", launch_mma, lambda rows, out_f, in_f, bs: mma_config(rows, out_f, in_f)
 )

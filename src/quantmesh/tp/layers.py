@@ -431,6 +431,11 @@ class ShardedModule(nn.Module):
         dev = self.device_hint
         rng = tp > 1 and self.track_rng and self.training  # dropout anywhere: keep masks aligned
         ad = self.adapter
+        # the adapter's delta added inside the base layer's own launch (a 4-bit gemv), or None
+        lr = self._low_rank(x) if ad is not None else None
+        if lr is not None:
+            kwargs = dict(kwargs, low_rank=lr)
+            ad = None  # (its delta is in the base's output)
         # the adapter's whole delta another way (stacked sibling adapters, decoding), or None
         d = ad.shortcut(x) if ad is not None else None
         if ad is not None and d is None:
@@ -469,6 +474,15 @@ class ShardedModule(nn.Module):
             shape[self.kind.feat_dim] = -1
             y = y + bias.view(shape).to(y.dtype)
         return y
+
+    def _low_rank(self, x: torch.Tensor) -> Any:
+        """The adapter's `lora.adapter.LowRank` when the base layer adds it to this input inside
+        its own launch (`takes_low_rank`: a 4-bit layer whose gemv takes `x`), else None."""
+        takes = getattr(self.local, "takes_low_rank", None)
+        if takes is None or self.adapter is None:
+            return None
+        lr = self.adapter.low_rank()
+        return lr if lr is not None and takes(x, lr) else None
 
     def _rowwise_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         g, tp, fd = self.group, self.tp, self.kind.feat_dim
