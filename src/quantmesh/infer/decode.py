@@ -621,7 +621,8 @@ class AdapterStack:
         self.a = torch.empty(0)
         self.b = torch.empty(0)
         # the deltas as a joined 4-bit launch adds them (`low_rank`): B's rows, r_max wide (zeros
-        # past a member's rank), where each row's A products begin, each member's scale
+        # past a member's rank), where each row's A products begin, each member's scale; made
+        # only while kernel4.GEMV_LORA_ENABLED (empty otherwise)
         self.e = self.col = self.scale = torch.empty(0)
         self.locals = tuple(id(m.local) for m in members)
         self.refresh()
@@ -640,7 +641,9 @@ class AdapterStack:
                 torch._dynamo.mark_static_address(self.a)
                 torch._dynamo.mark_static_address(self.b)
         n, r_max = sum(self.outs), max(self.ranks)
-        if (
+        if not kernel4.GEMV_LORA_ENABLED:  # (made when the switch is on at a prefill's refresh)
+            self.e = self.col = self.scale = torch.empty(0)
+        elif (
             tuple(self.e.shape) != (n, r_max)
             or self.e.dtype != w.dtype
             or self.e.device != w.device
@@ -653,6 +656,8 @@ class AdapterStack:
             self.a[r_at[i] : r_at[i + 1]].copy_(ad.lora_A.weight)
             o = self.out_at[i]
             self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]].copy_(ad.lora_B.weight)
+            if not self.e.numel():
+                continue
             rows = slice(o, o + self.outs[i])
             self.e[rows, : self.ranks[i]].copy_(ad.lora_B.weight)
             self.col[rows].fill_(r_at[i])
@@ -727,7 +732,7 @@ class StackedLora(LoraAdapter):
         """The stack's `LowRank` for this member while the stack is active (the same conditions
         as `shortcut`, and fp32 factors); otherwise the plain adapter's."""
         st = self.stack
-        if st.active and _adds_in_launch(self, st.e, st.a):
+        if st.active and st.e.numel() and _adds_in_launch(self, st.e, st.a):
             return st.low_rank(self.index, self.cast_in)
         return super().low_rank()
 
