@@ -204,7 +204,43 @@ def _low_rank_cases() -> list[dict]:
 
 
 def _low_rank() -> list[dict]:
-    return _low_rank_cases() + _low_rank_decode()
+    return _low_rank_cases() + _low_rank_decode() + _low_rank_tp()
+
+
+def _low_rank_tp_rank(rank: int) -> dict:
+    """One rank of `_low_rank_tp`: its tokens and gemv launches (plain, fused), switch off, on."""
+    import quantmesh as qm
+    from quantmesh.quant import kernel4 as k4
+
+    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
+    _interpreter_tiles()
+    model = _fp16_qlora_llama(qm.init_mesh(tp=2), layers=2, kv_heads=2, positions=64)
+    plain, fused = _count_gemv_launches(), _count_calls(k4, "_gemv_lora_op")
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, on in (("off", False), ("on", True)):
+        k4.GEMV_LORA_ENABLED = on
+        plain[0] = fused[0] = 0
+        out[name] = (qm.fast_decode(model, ids, 3, compile=False).tolist(), plain[0], fused[0])
+    k4.GEMV_LORA_ENABLED = False
+    return out
+
+
+def _low_rank_tp() -> list[dict]:
+    """fast_decode at tp=2 (the colwise shards' B rows in their own gemvs; o and down rowwise,
+    their deltas added as before) with the switch on: the switch-off tokens on both ranks, every
+    colwise launch of a step fused."""
+    from quantmesh.testing import run_ranks
+
+    r0, r1 = run_ranks(_low_rank_tp_rank, 2, timeout=300,
+                       env={"QUANTMESH_COMPILE_BACKEND": "aot_eager"})  # fmt: skip
+    # (plain, fused) gemv launches: the prefill's 12 rows take the tensor-core kernel; a step's
+    # 2 rows the gemv, 6 launches a layer (gate and up joined); the first call (off) finds the
+    # runs in a forward of the first token (7 a layer, unjoined); on, the 4 colwise launches a
+    # layer carry their deltas (the joined one too), o and down (rowwise) stay plain
+    ok = all(r["on"][0] == r["off"][0] == r0["off"][0] and r["off"][1:] == (14 + 2 * 12, 0)
+             and r["on"][1:] == (2 * 4, 2 * 8) for r in (r0, r1))  # fmt: skip
+    return [{"case": repr(("tp=2", r0, r1)), "ok": bool(ok)}]
 
 
 def _low_rank_decode() -> list[dict]:
