@@ -39,12 +39,24 @@ _SRC = os.path.join(os.path.dirname(_HERE), "src", "quantmesh", "quant", "_trito
 POINTERS = {
     "x_ptr": "*i32", "q_ptr": "*i32", "am_ptr": "*u8", "am2_ptr": "*fp32",
     "code2_ptr": "*fp32", "off_ptr": "*fp32", "lut_ptr": "*fp32", "y_ptr": "*bf16",
-    "part_ptr": "*fp32", "cnt_ptr": "*i32",
+    "part_ptr": "*fp32", "cnt_ptr": "*i32", "t_ptr": "*fp32", "e_ptr": "*fp32",
+    "col_ptr": "*i32", "sc_ptr": "*fp32",
 }  # fmt: skip
 # the library's one-row tile and statistics (kernel4.GEMV_TILE, double quant, bf16)
 DEFAULTS = {
     "qm_gemv_lines": dict(
-        BS2=256, NESTED=1, BLOCK_N=2, SB=32, NS=1, LUT=1, BF16=1, WK=1, ROWS=1, OFFS=0
+        BS2=256,
+        NESTED=1,
+        BLOCK_N=2,
+        SB=32,
+        NS=1,
+        LUT=1,
+        BF16=1,
+        WK=1,
+        ROWS=1,
+        OFFS=0,
+        RL=16,
+        LORA=0,
     ),
     "qm_gemv_4bit": dict(BS2=256, NESTED=1, BLOCK_N=32, NS=1, LUT=1, BF16=1),
     "qm_mma_4bit": dict(

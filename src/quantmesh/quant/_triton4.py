@@ -304,7 +304,7 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
         part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a
     _finish(acc[None, :], tl.arange(0, 1), 1, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr,
-            part_ptr, cnt_ptr, NS, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 1, False)  # fmt: skip
+            part_ptr, cnt_ptr, NS, acc[None, :], False)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero", "R", "RANK"])
@@ -344,7 +344,8 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # joined into one, each with its own offset), else one value.
     # LORA: a low-rank delta added at the store (`_low_rank`: the LoRA adapters' B products, t_ptr
     # their A products, R wide; e_ptr, col_ptr, sc_ptr per feature: B's RANK values, where its
-    # A products begin in t, its scale; RL: RANK's power of two); else those are never read.
+    # A products begin in t, its scale; RL: RANK's power of two), computed before the loop (a
+    # few registers a thread); else those are never read.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -367,6 +368,9 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     if LUT == 1:  # the thread's lane, a scalar (each thread its own: no layout moves it)
         lane = _lane_id(zero)
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
+    delta = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if LORA:  # loaded before the loop: no load after it, before the store
+        delta = _low_rank(rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL)
     acc = tl.zeros((ROWS, BLOCK_N, 32 * WK), dtype=tl.float32)
     for b0 in range(b_first, b_end, SB):
         if WK == 1:
@@ -409,7 +413,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
             acc += part * tl.reshape(a, (1, BLOCK_N, 32 * WK))
     _finish(tl.sum(acc, axis=2), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
-            cnt_ptr, NS, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL, LORA)  # fmt: skip
+            cnt_ptr, NS, delta, LORA)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero"])
@@ -473,7 +477,7 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
         acc = tl.dot(w_hi, xe.to(dt), acc)
         acc = tl.dot(w_lo, xo.to(dt), acc)
     _finish(tl.trans(acc), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
-            cnt_ptr, NS, y_ptr, y_ptr, y_ptr, y_ptr, 0, 0, 1, False)  # fmt: skip
+            cnt_ptr, NS, acc, False)  # fmt: skip
 
 
 @triton.jit
@@ -496,12 +500,9 @@ def _lane_table(lut_ptr, lane):
 
 
 @triton.jit
-def _low_rank(tot, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.constexpr,
-              dt: tl.constexpr):  # fmt: skip
-    # the fp32 sums `tot` (rows rm, features rn) rounded to dt, plus each feature's low-rank delta
-    # rounded to dt on its own: sc[n] * sum_j e[n, j] t[m, col[n] + j] (j < RANK; t: M rows of R
-    # fp32), the two added as a dt addition of the two rounded values (fp32, rounded once): what
-    # `y + (B(A x) * scale).to(y.dtype)` gives after the product's own store
+def _low_rank(rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.constexpr):
+    # each feature's low-rank delta, fp32 (rows rm, features rn): sc[n] * sum_j e[n, j] t[m,
+    # col[n] + j] (j < RANK; t: M rows of R fp32; no column past R is read)
     rr = tl.arange(0, RL)
     r_ok = rr < RANK
     e = tl.load(e_ptr + rn[:, None] * RANK + rr[None, :], mask=n_mask[:, None] & r_ok[None, :],
@@ -511,25 +512,25 @@ def _low_rank(tot, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL
     tc = col[:, None] + rr[None, :]  # (BLOCK_N, RL): columns of t, none past its R
     t_ok = (rm < M)[:, None, None] & (n_mask[:, None] & r_ok[None, :] & (tc < R))[None, :, :]
     t = tl.load(t_ptr + rm[:, None, None] * R + tc[None, :, :], mask=t_ok, other=0.0)
-    d = tl.sum(t * e[None, :, :], axis=2) * sc[None, :]
-    return tot.to(dt).to(tl.float32) + d.to(dt).to(tl.float32)
+    return tl.sum(t * e[None, :, :], axis=2) * sc[None, :]
 
 
 @triton.jit
 def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
-            NS: tl.constexpr, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.constexpr,
-            LORA: tl.constexpr):  # fmt: skip
+            NS: tl.constexpr, delta, LORA: tl.constexpr):  # fmt: skip
     # y[rm, rn] = the fp32 sums `acc` (rows rm < M, features rn) of this share of K: directly
     # with one share (NS 1); else each share writes its partials (part: n_slices, M, N) and
     # counts itself in cnt[pid_n], and the last adds them all in a fixed order (deterministic:
     # a tree over all of them at once, or, past 4,096 sums, one share after another), writes y
-    # and sets the count back to 0. LORA: the low-rank delta added as it is stored (`_low_rank`).
+    # and sets the count back to 0. LORA: `delta` (fp32, acc's shape: `_low_rank`) added as y is
+    # stored, the sums and the delta each rounded to y's dtype, then added (fp32, rounded once):
+    # what `y + (B(A x) * scale).to(y.dtype)` gives after the product's own store.
     mask = (rm < M)[:, None] & n_mask[None, :]
     at = rm[:, None] * N + rn[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
     if NS == 1:
         if LORA:
-            acc = _low_rank(acc, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL, dt)
+            acc = acc.to(dt).to(tl.float32) + delta.to(dt).to(tl.float32)
         tl.store(y_ptr + at, acc.to(dt), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
@@ -548,7 +549,6 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
                     tot += tl.load(part_ptr + i * M * N + at, mask=mask, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
             if LORA:
-                tot = _low_rank(tot, rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL,
-                                dt)  # fmt: skip
+                tot = tot.to(dt).to(tl.float32) + delta.to(dt).to(tl.float32)
             tl.store(y_ptr + at, tot.to(dt), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)
