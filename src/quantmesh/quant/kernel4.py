@@ -20,6 +20,16 @@ fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` compute
 are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
 
+The LoRA adapters' B products inside the gemv's launch (opt-in, `GEMV_LORA_ENABLED`;
+QUANTMESH_GEMV_LORA=1): `matmul_4bit_gemv(low_rank=(t, e, col, scale))`, the op
+`quantmesh::gemv_4bit_lora`. Each program loads its features' B rows (`e`, fp32), their scales
+and their A products (`t`, from `col` on) before its loop and adds each output's delta as it
+stores it, the product and the delta each rounded to x's dtype first (what adding the delta after
+the product's store gives; the delta's few products summed in another order than a matmul's).
+A decode step then launches no kernel for B and no addition after the gemv. `check_low_rank`
+refuses bad tensors before any launch; the layers reach it through `quant.bnb.QuantLinear4bit`'s
+`takes_low_rank` and `lora.adapter.LowRank`.
+
 9 to 64 rows (by default, `MMA_ENABLED`; QUANTMESH_MMA=0 turns it off): the tensor-core kernel
 (`matmul_4bit_mma`, `_triton4.qm_mma_4bit`). A program owns 64 or 128 features and all the rows,
 and walks K two 64-blocks a step: it loads the features' codes (16 bytes a thread), turns each nibble
