@@ -209,7 +209,76 @@ def _low_rank_cases() -> list[dict]:
 
 
 def _low_rank() -> list[dict]:
-    return _low_rank_cases() + _low_rank_decode() + _low_rank_tp()
+    return _low_rank_cases() + _low_rank_layers() + _low_rank_decode() + _low_rank_tp()
+
+
+def _low_rank_layers() -> list[dict]:
+    """Three 4-bit layers reading one input, their codes joined, given a stack's deltas
+    (`LowRank`, `whole` for all three): eager and compiled, the first one's launch adds every
+    sibling's delta, and each layer's output is its own product plus its delta (within an ulp);
+    a sibling called without its delta (as one whose base refuses it would be) gets its product
+    alone, not columns holding a delta it would add again, and the next sibling still gets its
+    delta."""
+    from quantmesh.lora.adapter import LowRank
+    from quantmesh.quant import kernel4 as k4
+    from quantmesh.quant.base import QuantConfig
+    from quantmesh.quant.bnb import bnb_format, join_sibling_codes
+
+    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
+    _interpreter_tiles()
+    fmt = bnb_format(QuantConfig(format="nf4"))
+    g = torch.Generator().manual_seed(12)
+    outs, r = (64, 32, 96), 4
+    layers = []
+    for i, o in enumerate(outs):
+        m = fmt.new_linear(512, o, bias=False, device="meta", dtype=torch.float16)
+        fmt.quantize_into(m, torch.randn(o, 512, generator=g) * 0.02 * 4**i)
+        m.compute_dtype = torch.float16
+        layers.append(m)
+    x = torch.randn(1, 512, generator=g).to(torch.float16)
+    a = torch.randn(3 * r, 512, generator=g) * 0.05  # the stack's A rows (fp32)
+    e = torch.randn(sum(outs), r, generator=g)
+    member = torch.repeat_interleave(torch.arange(3), torch.tensor(outs))
+    col = (member * r).to(torch.int32)
+    sc = (member.float() + 1) * 0.5
+
+    def down(v):
+        return v.float() @ a.t()
+
+    with torch.no_grad():
+        plain = [m(x) for m in layers]
+        k4.JOIN_ENABLED = True
+        assert join_sibling_codes([layers]) == 1
+        run = layers[0].codes_run
+        whole = LowRank(e, col, sc, down, None, run.member_ids)
+        at = [0, outs[0], outs[0] + outs[1], sum(outs)]
+        lrs = [LowRank(e[at[i] : at[i + 1]], col[at[i] : at[i + 1]], sc[at[i] : at[i + 1]], down,
+                       whole, run.member_ids) for i in range(3)]  # fmt: skip
+        k4.GEMV_LORA_ENABLED = True
+        takes = [m.takes_low_rank(x, lr) for m, lr in zip(layers, lrs, strict=True)]
+        fused = _count_calls(k4, "_gemv_lora_op")
+
+        def forward(x, skip=None):
+            return [m(x) if i == skip else m(x, low_rank=lrs[i]) for i, m in enumerate(layers)]
+
+        eager = forward(x)
+        n_eager = fused[0]
+        compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)(x)
+        fused[0] = 0
+        skipped = forward(x, skip=1)  # the second without its delta: its own product
+        n_skipped = fused[0]
+        k4.GEMV_LORA_ENABLED = False
+    out = []
+    for i in range(3):
+        d = (down(x)[:, col[at[i] : at[i + 1], None] + torch.arange(r)] * lrs[i].e).sum(-1)
+        want = (plain[i].float() + (d * lrs[i].scale).to(torch.float16).float()).to(torch.float16)
+        ok = _within_ulp(eager[i], want) and torch.equal(compiled[i], eager[i])
+        ok &= torch.equal(skipped[i], plain[i]) if i == 1 else torch.equal(skipped[i], eager[i])
+        out.append({"case": repr(("layers", i, takes, n_eager, n_skipped)), "ok": bool(ok)})
+    # one launch for all three; skipping the second: the first's launch (the third takes its
+    # columns), the second's plain launch
+    out[0]["ok"] &= takes == [True] * 3 and n_eager == 1 and n_skipped == 1
+    return out
 
 
 def _low_rank_tp_rank(rank: int) -> dict:

@@ -299,7 +299,7 @@ def _classes() -> dict[str, type]:
                 def joined() -> torch.Tensor:
                     return matmul_4bit_gemv(x2, run.codes, run.qs, low_rank=add(lr.whole))
 
-                y = run.output(i, x, joined, own) if joined_codes_on() else own()
+                y = run.output(i, x, joined, own, "low_rank") if joined_codes_on() else own()
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
         def forward(self, x: torch.Tensor, low_rank: Any = None) -> torch.Tensor:
@@ -700,17 +700,20 @@ class _SiblingRun:
         self.n = len(outs)
         self.x: torch.Tensor | None = None  # the input of this forward's first sibling
         self.out: torch.Tensor | None = None  # (rows, sum of outs)
+        self.kind = ""  # what the first sibling's product holds besides x @ W^T
 
     def output(self, i: int, x: torch.Tensor, joined: Callable[[], torch.Tensor],
-               own: Callable[[], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+               own: Callable[[], torch.Tensor], kind: str = "") -> torch.Tensor:  # fmt: skip
         """Sibling `i`'s (rows, out_i) without bias: its columns of `joined()` (the first
         sibling's product, for all of them) when `x` (its input as it came) is the tensor the
-        first sibling got in this forward, else `own()`."""
+        first sibling got in this forward and the product is of the same `kind` ("": x @ W^T
+        alone; "low_rank": with the adapters' deltas, `QuantLinear4bit.takes_low_rank`), else
+        `own()`: a sibling never takes columns that lack its delta or hold one it adds again."""
         o, n = self.out_at[i], self.outs[i]
         if i == 0:
-            self.x = x
+            self.x, self.kind = x, kind
             self.out = joined()
-        if self.x is x and self.out is not None:
+        if self.x is x and self.out is not None and self.kind == kind:
             y = self.out[:, o : o + n]
         else:
             y = own()
