@@ -182,14 +182,14 @@ case "$STAGE" in
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   lora)
     say "the gemv's low-rank delta: its CUDA test"
-    timeout 90 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+    timeout 80 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
       -k low_rank 2>&1 | tail -4
     say "decode, 7B nf4 + LoRA, batch 1: peft's runs, the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}"
-    timeout 290 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile --gemv-lora \
+    timeout 260 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile --gemv-lora \
       ${LORA_GRAPHS:+--graphs} --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" \
       | tail -12
     say "the trained model's CUDA decode test"
-    timeout 170 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained \
+    timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained \
       2>&1 | tail -6 ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
