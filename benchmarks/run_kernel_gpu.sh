@@ -76,10 +76,11 @@
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py)
 #   lora     the adapters' B products inside the gemv's launch (QUANTMESH_GEMV_LORA, opt-in): the
-#            gemv's low-rank CUDA test, then qm.fast_decode on the 7B shape at batch 1 with
-#            peft's runs, the defaults and the switch flipped (LORA_GRAPHS=1: the prefill graphs
-#            flipped too), in one process, profiled (bench_decode.py --gemv-lora --profile),
-#            then the trained model's CUDA decode test (which decodes with the switch on too)
+#            gemv's low-rank CUDA test, the trained model's CUDA decode test (which decodes with
+#            the switch on too), then qm.fast_decode on the 7B shape at batch 1 with peft's runs
+#            (NOPEER=1: not), the defaults and the switch flipped (LORA_GRAPHS=1: the prefill
+#            graphs flipped too), in one process, profiled (bench_decode.py --gemv-lora
+#            --profile; BENCH_S: its limit, default 260 s)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
@@ -182,15 +183,15 @@ case "$STAGE" in
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   lora)
     say "the gemv's low-rank delta: its CUDA test"
-    timeout 80 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+    timeout 60 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
       -k low_rank 2>&1 | tail -4
-    say "decode, 7B nf4 + LoRA, batch 1: peft's runs, the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}"
-    timeout 260 python3 benchmarks/bench_decode.py --mode qlora --greedy --profile --gemv-lora \
-      ${LORA_GRAPHS:+--graphs} --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" \
-      | tail -12
     say "the trained model's CUDA decode test"
     timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained \
-      2>&1 | tail -6 ;;
+      2>&1 | tail -6
+    say "decode, 7B nf4 + LoRA, batch 1:${NOPEER:- peft's runs,} the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}"
+    timeout "${BENCH_S:-260}" python3 benchmarks/bench_decode.py --mode qlora --greedy --profile \
+      --gemv-lora ${LORA_GRAPHS:+--graphs} ${NOPEER:+--no-peer} --new 256 --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -12 ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
     for b in ${BETWEEN:-gc prefill}; do
