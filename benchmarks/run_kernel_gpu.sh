@@ -80,7 +80,7 @@
 #            the switch on too), then qm.fast_decode on the 7B shape at batch 1 with peft's runs
 #            (NOPEER=1: not), the defaults and the switch flipped (LORA_GRAPHS=1: the prefill
 #            graphs flipped too), in one process, profiled (bench_decode.py --gemv-lora
-#            --profile; BENCH_S: its limit, default 260 s)
+#            --profile; BENCH_S: its limit, default 260 s). NOTRAINED=1: not the decode test
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
@@ -185,9 +185,11 @@ case "$STAGE" in
     say "the gemv's low-rank delta: its CUDA test"
     timeout 60 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
       -k low_rank 2>&1 | tail -4
-    say "the trained model's CUDA decode test"
-    timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py -k trained \
-      2>&1 | tail -6
+    if [ -z "${NOTRAINED:-}" ]; then
+      say "the trained model's CUDA decode test"
+      timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py \
+        -k trained 2>&1 | tail -6
+    fi
     say "decode, 7B nf4 + LoRA, batch 1:${NOPEER:- peft's runs,} the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}"
     timeout "${BENCH_S:-260}" python3 benchmarks/bench_decode.py --mode qlora --greedy --profile \
       --gemv-lora ${LORA_GRAPHS:+--graphs} ${NOPEER:+--no-peer} --new 256 --out "$OUT" 2>&1 \
