@@ -328,13 +328,7 @@ def _low_rank_decode() -> list[dict]:
     import quantmesh as qm
     from quantmesh.quant import kernel4 as k4
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
-    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
-    _interpreter_tiles()
-    mesh = qm.init_mesh()
-    model = _fp16_qlora_llama(mesh, layers=1, kv_heads=4, positions=64)
+    model = _one_rank_llama()
     plain, fused = _count_gemv_launches(), _count_calls(k4, "_gemv_lora_op")
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     new = 3
@@ -463,6 +457,21 @@ def _fp16_qlora_llama(mesh, layers: int, kv_heads: int, positions: int):
     quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
     qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
     return nonzero_lora_b_(model, std=0.2).eval()
+
+
+def _one_rank_llama():
+    """`_fp16_qlora_llama` of one layer on a one-rank mesh (gloo, this process; aot_eager
+    compiles), the kernels run by the interpreter at its tiles. Every projection is a whole number
+    of nested blocks (256 blocks of 64): q/k/v and gate/up join."""
+    import quantmesh as qm
+    from quantmesh.quant import kernel4 as k4
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
+    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
+    _interpreter_tiles()
+    return _fp16_qlora_llama(qm.init_mesh(), layers=1, kv_heads=4, positions=64)
 
 
 def _count_calls(module, name: str) -> list[int]:
@@ -605,14 +614,7 @@ def _decode() -> list[dict]:
     import quantmesh as qm
     from quantmesh.quant import kernel4 as k4
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
-                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
-    k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
-    _interpreter_tiles()
-    mesh = qm.init_mesh()
-    # every projection a whole number of nested blocks (256 blocks of 64): q/k/v and gate/up join
-    model = _fp16_qlora_llama(mesh, layers=1, kv_heads=4, positions=64)
+    model = _one_rank_llama()
     launches = _count_gemv_launches()
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     new = 3
