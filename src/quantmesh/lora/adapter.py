@@ -323,7 +323,7 @@ class LoraAdapter(Adapter):
         b = self.lora_B.weight
         if not _adds_in_launch(self, b):
             return None
-        key = (str(b.device), int(b.shape[0]))
+        key = (str(b.device), int(b.shape[0]), self.scale)
         vectors = self.__dict__.setdefault("_low_rank_vectors", {})
         if key not in vectors:  # made in the first (eager) call, kept: fixed addresses
             n = key[1]

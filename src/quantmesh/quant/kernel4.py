@@ -399,7 +399,8 @@ def _plain_eager(args: tuple[Any, ...]) -> bool:
     function directly skips only its dispatch."""
     if _get_current_dispatch_mode() is not None:
         return False
-    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+    plain = (torch.Tensor, torch.nn.Parameter)  # (an adapter's B rows: a parameter)
+    return all(type(a) in plain for a in args if isinstance(a, torch.Tensor))
 
 
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
