@@ -174,3 +174,38 @@ def test_one_row_compiled_without_autograd_takes_lean_products() -> None:
     assert torch.equal(adapter.lean_linear(x1, w), nn.functional.linear(x1, w))  # eager
     y = torch.compile(lora_delta, backend=backend, fullgraph=True)(x1)  # autograd on
     assert matmuls(graphs[-1]) == 2 and y.requires_grad
+
+
+def test_low_rank_gives_the_delta_as_a_launch_adds_it_and_never_makes_it_while_traced() -> None:
+    """`LoraAdapter.low_rank` (the adapter's delta as the 4-bit gemv adds it in its launch): B's
+    rows, zero columns, its scale, A as `down`; none under autograd, with an active dropout or
+    for bf16 factors; its tensors made in an eager call and kept, never while a graph is traced
+    (there it gives None: the delta stays outside the launch)."""
+    _, m = _adapted()
+    lora = m.lora
+    assert isinstance(lora, LoraAdapter)
+    x = torch.randn(1, 8)
+    assert lora.low_rank() is None  # autograd on
+
+    def traced(x: torch.Tensor):
+        lr = lora.low_rank()
+        return x if lr is None else x + lr.scale.sum()
+
+    compiled = torch.compile(traced, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), x)  # no tensors yet: None while traced, none made
+        assert "_low_rank_vectors" not in lora.__dict__ or not lora.__dict__["_low_rank_vectors"]
+        lr = lora.low_rank()  # eager: made and kept
+        assert lr is not None and lr.e is lora.lora_B.weight and lr.whole is None
+        assert lr.col.dtype == torch.int32 and not lr.col.any()
+        assert torch.equal(lr.scale, torch.full((6,), lora.scale))
+        assert torch.allclose(lr.down(x), x @ lora.lora_A.weight.t())
+        again = lora.low_rank()
+        assert again is not None and again.col is lr.col and again.scale is lr.scale
+        torch._dynamo.reset()
+        assert torch.equal(compiled(x), x + 6 * lora.scale)  # kept: the traced call has them
+        drop = lora.retuned(scale=lora.scale, dropout=0.1).train()
+        assert drop.low_rank() is None  # an active dropout
+        assert drop.eval().low_rank() is not None  # (eval: none)
+        lora.to(torch.bfloat16)
+        assert lora.low_rank() is None  # bf16 factors: their delta is not the launch's fp32 one

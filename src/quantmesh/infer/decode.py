@@ -52,6 +52,7 @@ __all__ = [
     "fast_decode",
     "greedy_decode",
     "join_sibling_codes_in",
+    "prepare_low_rank",
     "sibling_runs",
     "stack_sibling_adapters",
 ]
@@ -254,12 +255,14 @@ class _Decoder:
         return logits
 
     def _found(self, stacks: list[AdapterStack] | None, logits: torch.Tensor) -> torch.Tensor:
-        """`logits`, after keeping the stacks a prefill found (or refreshing the earlier ones)."""
+        """`logits`, after keeping the stacks a prefill found (or refreshing the earlier ones)
+        and making the adapters' launch vectors (`prepare_low_rank`)."""
         if stacks is not None:
             self.stacks = stacks  # built from the current weights
         else:
             for stack in self.stacks or []:
                 stack.refresh()  # the adapters may have trained since the last call
+        prepare_low_rank(self.model)
         return logits
 
     def _compiled_prefill(self, input_ids: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor | None:
@@ -693,6 +696,26 @@ class AdapterStack:
         if i == len(self.members) - 1:  # the last sibling: hold no tensor past this forward
             self.x = self.out = None
         return d
+
+
+@torch.no_grad()
+def prepare_low_rank(model: nn.Module) -> int:
+    """With `kernel4.GEMV_LORA_ENABLED`, make every LoRA adapter's tensors for the gemv's launch
+    (`LoraAdapter.low_rank`: kept, never made while a graph is traced, where the adapter's delta
+    then stays outside the launch); `fast_decode` calls it after each prefill. Returns how many
+    adapters have them.
+
+    Example:
+        >>> prepare_low_rank(model)  # the switch off: nothing made  # doctest: +SKIP
+        0
+    """
+    if not kernel4.GEMV_LORA_ENABLED:
+        return 0
+    made = 0
+    for m in sharded_modules(model).values():
+        if isinstance(m.lora, LoraAdapter):
+            made += LoraAdapter.low_rank(m.lora) is not None
+    return made
 
 
 class StackedLora(LoraAdapter):

@@ -325,7 +325,9 @@ class LoraAdapter(Adapter):
             return None
         key = (str(b.device), int(b.shape[0]), self.scale)
         vectors = self.__dict__.setdefault("_low_rank_vectors", {})
-        if key not in vectors:  # made in the first (eager) call, kept: fixed addresses
+        if key not in vectors:  # made in an eager call and kept (fixed addresses), never while
+            if torch.compiler.is_compiling():  # a graph is traced (fast_decode's prefill makes
+                return None  # them first: infer.decode.prepare_low_rank)
             n = key[1]
             col = torch.zeros(n, dtype=torch.int32, device=b.device)
             sc = torch.full((n,), self.scale, dtype=torch.float32, device=b.device)

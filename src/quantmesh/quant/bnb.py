@@ -253,12 +253,13 @@ def _classes() -> dict[str, type]:
                 return None
             return run
 
-        def takes_low_rank(self, x: torch.Tensor, lr: Any) -> bool:
+        def takes_low_rank(self, x: torch.Tensor, lr: Any = None) -> bool:
             """Whether `forward(x, low_rank=lr)` adds the adapter's delta (`lora.adapter.
             LowRank`) inside its launch: `GEMV_LORA_ENABLED`, the gemv's inputs (`gemv_applies`:
             CUDA, 1 to 8 rows, no autograd), x in the compute dtype, no bias, no held weight,
             the delta's tensors on x's device; for a joined run, a delta for the very siblings
-            (`lr.whole`), which the run's one launch adds for all of them."""
+            (`lr.whole`), which the run's one launch adds for all of them. Without `lr`: whether
+            it would take one at all (asked first, so that no delta is made for nothing)."""
             qs = getattr(self.weight, "quant_state", None)
             cd = self.compute_dtype or x.dtype
             if (
@@ -267,9 +268,12 @@ def _classes() -> dict[str, type]:
                 or self.bias is not None
                 or self.dense is not None
                 or x.dtype != cd
-                or lr.e.device != x.device
                 or not gemv_applies(x, qs, cd)
             ):
+                return False
+            if lr is None:
+                return True
+            if lr.e.device != x.device:
                 return False
             run = self._joined_run(x)
             return run is None or (lr.whole is not None and lr.members == run.member_ids)

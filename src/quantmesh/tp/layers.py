@@ -479,7 +479,7 @@ class ShardedModule(nn.Module):
         """The adapter's `lora.adapter.LowRank` when the base layer adds it to this input inside
         its own launch (`takes_low_rank`: a 4-bit layer whose gemv takes `x`), else None."""
         takes = getattr(self.local, "takes_low_rank", None)
-        if takes is None or self.adapter is None:
+        if takes is None or self.adapter is None or not takes(x):
             return None
         lr = self.adapter.low_rank()
         return lr if lr is not None and takes(x, lr) else None
