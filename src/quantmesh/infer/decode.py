@@ -638,11 +638,9 @@ class AdapterStack:
         a_shape = (r_at[-1], int(w.shape[1]))
         b_shape = (sum(self.outs), r_at[-1])
         if self.a.shape != a_shape or self.a.dtype != w.dtype or self.a.device != w.device:
-            self.a = torch.empty(a_shape, dtype=w.dtype, device=w.device)
-            self.b = torch.zeros(b_shape, dtype=w.dtype, device=w.device)
-            if w.device.type == "cuda":  # fixed addresses: CUDA graphs read them, never copy them
-                torch._dynamo.mark_static_address(self.a)
-                torch._dynamo.mark_static_address(self.b)
+            # fixed addresses on CUDA: CUDA graphs read them, never copy them
+            self.a = static_on_cuda(torch.empty(a_shape, dtype=w.dtype, device=w.device))
+            self.b = static_on_cuda(torch.zeros(b_shape, dtype=w.dtype, device=w.device))
         n, r_max = sum(self.outs), max(self.ranks)
         if not kernel4.GEMV_LORA_ENABLED:  # (made when the switch is on at a prefill's refresh)
             self.e = self.col = self.scale = torch.empty(0)

@@ -331,8 +331,7 @@ class LoraAdapter(Adapter):
             n = key[1]
             col = torch.zeros(n, dtype=torch.int32, device=b.device)
             sc = torch.full((n,), self.scale, dtype=torch.float32, device=b.device)
-            vectors[key] = (col, static_on_cuda(sc))
-            static_on_cuda(col)
+            vectors[key] = (static_on_cuda(col), static_on_cuda(sc))
         col, sc = vectors[key]
         return LowRank(b, col, sc, self.down)
 

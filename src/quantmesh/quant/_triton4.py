@@ -516,6 +516,16 @@ def _low_rank(rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.
 
 
 @triton.jit
+def _stored(tot, delta, dt: tl.constexpr, LORA: tl.constexpr):
+    # the fp32 sums `tot` as y stores them (dt); LORA: plus `delta`, the two rounded to dt each,
+    # then added (fp32, rounded once): what `y + (B(A x) * scale).to(y.dtype)` gives after the
+    # product's own store
+    if LORA:
+        tot = tot.to(dt).to(tl.float32) + delta.to(dt).to(tl.float32)
+    return tot.to(dt)
+
+
+@triton.jit
 def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
             NS: tl.constexpr, delta, LORA: tl.constexpr):  # fmt: skip
     # y[rm, rn] = the fp32 sums `acc` (rows rm < M, features rn) of this share of K: directly
@@ -523,15 +533,12 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
     # counts itself in cnt[pid_n], and the last adds them all in a fixed order (deterministic:
     # a tree over all of them at once, or, past 4,096 sums, one share after another), writes y
     # and sets the count back to 0. LORA: `delta` (fp32, acc's shape: `_low_rank`) added as y is
-    # stored, the sums and the delta each rounded to y's dtype, then added (fp32, rounded once):
-    # what `y + (B(A x) * scale).to(y.dtype)` gives after the product's own store.
+    # stored (`_stored`).
     mask = (rm < M)[:, None] & n_mask[None, :]
     at = rm[:, None] * N + rn[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
     if NS == 1:
-        if LORA:
-            acc = acc.to(dt).to(tl.float32) + delta.to(dt).to(tl.float32)
-        tl.store(y_ptr + at, acc.to(dt), mask=mask)
+        tl.store(y_ptr + at, _stored(acc, delta, dt, LORA), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the count says so
@@ -548,7 +555,5 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
                 for i in range(0, n_slices):
                     tot += tl.load(part_ptr + i * M * N + at, mask=mask, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
-            if LORA:
-                tot = tot.to(dt).to(tl.float32) + delta.to(dt).to(tl.float32)
-            tl.store(y_ptr + at, tot.to(dt), mask=mask)
+            tl.store(y_ptr + at, _stored(tot, delta, dt, LORA), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)
