@@ -183,14 +183,15 @@ case "$STAGE" in
   mma) rows_stage "mma" 250 "32,64,16" 220 ;;
   lora)
     say "the gemv's low-rank delta: its CUDA test"
-    timeout 60 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
+    timeout 180 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
       -k low_rank 2>&1 | tail -4
     if [ -z "${NOTRAINED:-}" ]; then
       say "the trained model's CUDA decode test"
       timeout 150 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py \
         -k trained 2>&1 | tail -6
     fi
-    say "decode, 7B nf4 + LoRA, batch 1:${NOPEER:- peft's runs,} the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}"
+    PEERS=" peft's runs,"
+    say "decode, 7B nf4 + LoRA, batch 1:${NOPEER:-$PEERS} the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}"
     timeout "${BENCH_S:-260}" python3 benchmarks/bench_decode.py --mode qlora --greedy --profile \
       --gemv-lora ${LORA_GRAPHS:+--graphs} ${NOPEER:+--no-peer} --new 256 --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -12 ;;

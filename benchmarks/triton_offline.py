@@ -40,7 +40,7 @@ POINTERS = {
     "x_ptr": "*i32", "q_ptr": "*i32", "am_ptr": "*u8", "am2_ptr": "*fp32",
     "code2_ptr": "*fp32", "off_ptr": "*fp32", "lut_ptr": "*fp32", "y_ptr": "*bf16",
     "part_ptr": "*fp32", "cnt_ptr": "*i32", "t_ptr": "*fp32", "e_ptr": "*fp32",
-    "col_ptr": "*i32", "sc_ptr": "*fp32",
+    "col_ptr": "*i32", "sc_ptr": "*fp32", "b_ptr": "*bf16",
 }  # fmt: skip
 # the library's one-row tile and statistics (kernel4.GEMV_TILE, double quant, bf16)
 DEFAULTS = {
@@ -57,6 +57,7 @@ DEFAULTS = {
         OFFS=0,
         RL=16,
         LORA=0,
+        BIAS=0,
     ),
     "qm_gemv_4bit": dict(BS2=256, NESTED=1, BLOCK_N=32, NS=1, LUT=1, BF16=1),
     "qm_mma_4bit": dict(

@@ -315,7 +315,8 @@ def test_gemv_adds_a_low_rank_delta_as_it_stores(shape, rows):
     """The gemv with the adapters' B products in its launch (`launch_gemv(low_rank=...)`, the
     library's tile and K in shares): each output is the plain gemv's plus `scale[n] * (e[n] @
     t[:, col[n]:col[n] + r])` rounded to x's dtype on its own (within an ulp: its products are
-    summed in another order), members of ranks 16 and 8 beside each other in t."""
+    summed in another order), members of ranks 16 and 8 beside each other in t; with a bias,
+    added to the rounded product and rounded before the delta, as `(y + bias)` is first."""
     _need_cuda()
     from quantmesh.quant import kernel4 as k4
 
@@ -334,18 +335,23 @@ def test_gemv_adds_a_low_rank_delta_as_it_stores(shape, rows):
         x = torch.randn(rows, in_f, device="cuda", generator=g).to(dtype)
         t = torch.randn(rows, R, device="cuda", generator=g)
         lib = k4.gemv_config(rows, out_f, in_f, 64)
+        bias = torch.randn(out_f, device="cuda", generator=g).to(dtype)
         for cfg in (lib, dict(lib, BLK=lib["SB"])):  # one share (7B shapes), shares
-            plain = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
-            y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg, low_rank=(t, e, col, sc))
-            cols = (col[:, None] + torch.arange(r, device="cuda")).clamp(max=R - 1)
-            d = ((t[:, cols] * e).sum(-1) * sc).to(dtype)
-            want = (plain.float() + d.float()).to(dtype)
-            ulp = 2.0 ** (torch.frexp(want.float())[1].float() - 1) * torch.finfo(dtype).eps
-            assert ((y.float() - want.float()).abs() <= ulp).all(), (shape, rows, dtype, cfg)
-            assert (y != plain).any()
-            again = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg,
-                                   low_rank=(t, e, col, sc))  # fmt: skip
-            assert torch.equal(again, y)  # the same bits again (a fixed order of sums)
+            for b in (None, bias):
+                lr = (t, e, col, sc, b)
+                plain = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg)
+                if b is not None:
+                    plain = plain + b  # (rounded once, as the layer adds its bias)
+                y = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg, low_rank=lr)
+                cols = (col[:, None] + torch.arange(r, device="cuda")).clamp(max=R - 1)
+                d = ((t[:, cols] * e).sum(-1) * sc).to(dtype)
+                want = (plain.float() + d.float()).to(dtype)
+                ulp = 2.0 ** (torch.frexp(want.float())[1].float() - 1) * torch.finfo(dtype).eps
+                case = (shape, rows, dtype, cfg, b is not None)
+                assert ((y.float() - want.float()).abs() <= ulp).all(), case
+                assert (y != plain).any()
+                again = k4.launch_gemv(x, flat, *stats, 64, "nf4", out_f, cfg, low_rank=lr)
+                assert torch.equal(again, y)  # the same bits again (a fixed order of sums)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -160,7 +160,8 @@ def _low_rank_cases() -> list[dict]:
     output the plain gemv's, plus `scale[n] * (e[n] @ t[:, col[n]:col[n] + r])` rounded to x's
     dtype on its own (within an ulp of that sum: its products are added in another order), at
     one share of K and several, the rank a power of two and not, a feature's columns running to
-    t's end (a shorter member of a stack: masked); and bad tensors refused."""
+    t's end (a shorter member of a stack: masked), with a bias (added to the rounded product
+    and rounded before the delta) and without; and bad tensors refused."""
     from quantmesh.quant import kernel4 as k4
 
     out = []
@@ -177,34 +178,43 @@ def _low_rank_cases() -> list[dict]:
             x = torch.randn(rows, in_f, generator=g).to(dtype)
             t = torch.randn(rows, R, generator=g).float()
             lib = dict(k4.gemv_config(rows, out_f, in_f, 64), LUT=0)
-            for cfg in (dict(lib, BLOCK_N=16, BLK=0), dict(lib, BLOCK_N=8, SB=4, BLK=4)):
+            bias = (torch.randn(out_f, generator=g) * 4).to(dtype)
+            for cfg, b in ((dict(lib, BLOCK_N=16, BLK=0), None), (dict(lib, BLOCK_N=16, BLK=0), bias),
+                           (dict(lib, BLOCK_N=8, SB=4, BLK=4), None),
+                           (dict(lib, BLOCK_N=8, SB=4, BLK=4), bias)):  # fmt: skip
                 plain = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
                 y = k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", out_f, cfg,
-                                   low_rank=(t, e, col, sc))  # fmt: skip
+                                   low_rank=(t, e, col, sc, b))  # fmt: skip
                 cols = (col[:, None] + torch.arange(r)).clamp(max=R - 1)  # (out, r)
                 d = (t[:, cols] * e).sum(-1) * sc  # (rows, out): the delta, fp32
                 # the interpreter rounds fp32 to bf16 by truncation (fp16: to nearest)
                 rnd = _truncated if dtype == torch.bfloat16 else (lambda v, dt=dtype: v.to(dt))
-                want = rnd(plain.float() + rnd(d).float())
+                base = plain if b is None else rnd(plain.float() + b.float())  # (y + bias) first
+                want = rnd(base.float() + rnd(d).float())
                 ok = y.dtype == dtype and _within_ulp(y, want) and _counts_back_at_zero()
-                ok &= bool((y != plain).any())  # the delta is there
-                out.append({"case": repr(("low_rank", out_f, in_f, rows, r, cfg)), "ok": ok})
+                ok &= bool((y != base).any())  # the delta is there
+                case = ("low_rank", out_f, in_f, rows, r, cfg, b is not None)
+                out.append({"case": repr(case), "ok": ok})
     x = torch.randn(1, 192, dtype=torch.bfloat16)
     packed, qs = _weight(33, 192, False)
     flat = packed.reshape(-1).view(torch.uint8)
     lib = dict(k4.gemv_config(1, 33, 192, 64), LUT=0)
     z = torch.zeros
+    i32 = torch.int32
     for bad in (
-        (z(1, 4), z(33, 4), z(33), z(33)),  # col not int32
-        (z(1, 4), z(33, 4, dtype=torch.float16), z(33, dtype=torch.int32), z(33)),
-        (z(1, 2), z(33, 4), z(33, dtype=torch.int32), z(33)),
+        (z(1, 4), z(33, 4), z(33), z(33), None),  # col not int32
+        (z(1, 4), z(33, 4, dtype=torch.float16), z(33, dtype=i32), z(33), None),
+        (z(1, 4), z(33, 4), z(33, dtype=i32), z(33), z(33)),  # a bias not in x's dtype
+        (z(1, 4), z(33, 4), z(33, dtype=i32), z(33), z(32, dtype=torch.bfloat16)),
+        (z(1, 2), z(33, 4), z(33, dtype=i32), z(33), None),
     ):  # rank past t's width
         try:
             k4.launch_gemv(x, flat, *_stats(qs), 64, "nf4", 33, lib, low_rank=bad)
             refused = False
         except ValueError as err:
             refused = "low-rank" in str(err) or "rank" in str(err)
-        out.append({"case": repr(("refused", [tuple(b.shape) for b in bad])), "ok": refused})
+        said = [None if b is None else (tuple(b.shape), b.dtype) for b in bad]
+        out.append({"case": repr(("refused", said)), "ok": refused})
     return out
 
 
@@ -218,7 +228,9 @@ def _low_rank_layers() -> list[dict]:
     sibling's delta, and each layer's output is its own product plus its delta (within an ulp);
     a sibling called without its delta (as one whose base refuses it would be) gets its product
     alone, not columns holding a delta it would add again, and the next sibling still gets its
-    delta."""
+    delta. The first and third have biases, which the joined launch adds (zeros for the second)
+    once the run holds them joined (`CodesRun.refresh_bias`); before that, no sibling takes its
+    delta (the launch would drop the biases)."""
     from quantmesh.lora.adapter import LowRank
     from quantmesh.quant import kernel4 as k4
     from quantmesh.quant.base import QuantConfig
@@ -234,6 +246,8 @@ def _low_rank_layers() -> list[dict]:
         m = fmt.new_linear(512, o, bias=False, device="meta", dtype=torch.float16)
         fmt.quantize_into(m, torch.randn(o, 512, generator=g) * 0.02 * 4**i)
         m.compute_dtype = torch.float16
+        if i != 1:
+            m.bias = torch.nn.Parameter(torch.randn(o, generator=g).to(torch.float16))
         layers.append(m)
     x = torch.randn(1, 512, generator=g).to(torch.float16)
     a = torch.randn(3 * r, 512, generator=g) * 0.05  # the stack's A rows (fp32)
@@ -255,6 +269,8 @@ def _low_rank_layers() -> list[dict]:
         lrs = [LowRank(e[at[i] : at[i + 1]], col[at[i] : at[i + 1]], sc[at[i] : at[i + 1]], down,
                        whole, run.member_ids) for i in range(3)]  # fmt: skip
         k4.GEMV_LORA_ENABLED = True
+        before = [m.takes_low_rank(x, lr) for m, lr in zip(layers, lrs, strict=True)]
+        run.refresh_bias(torch.float16)
         takes = [m.takes_low_rank(x, lr) for m, lr in zip(layers, lrs, strict=True)]
         fused = _count_calls(k4, "_gemv_lora_op")
 
@@ -274,10 +290,12 @@ def _low_rank_layers() -> list[dict]:
         want = (plain[i].float() + (d * lrs[i].scale).to(torch.float16).float()).to(torch.float16)
         ok = _within_ulp(eager[i], want) and torch.equal(compiled[i], eager[i])
         ok &= torch.equal(skipped[i], plain[i]) if i == 1 else torch.equal(skipped[i], eager[i])
-        out.append({"case": repr(("layers", i, takes, n_eager, n_skipped)), "ok": bool(ok)})
+        out.append({"case": repr(("layers", i, before, takes, n_eager, n_skipped)),
+                    "ok": bool(ok)})  # fmt: skip
     # one launch for all three; skipping the second: the first's launch (the third takes its
     # columns), the second's plain launch
-    out[0]["ok"] &= takes == [True] * 3 and n_eager == 1 and n_skipped == 1
+    out[0]["ok"] &= before == [False] * 3 and takes == [True] * 3
+    out[0]["ok"] &= n_eager == 1 and n_skipped == 1
     return out
 
 
@@ -288,7 +306,7 @@ def _low_rank_tp_rank(rank: int) -> dict:
 
     k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
     _interpreter_tiles()
-    model = _fp16_qlora_llama(qm.init_mesh(tp=2), layers=2, kv_heads=2, positions=64)
+    model = _fp16_qlora_llama(qm.init_mesh(tp=2), layers=2, kv_heads=2, positions=64, bias=True)
     plain, fused = _count_gemv_launches(), _count_calls(k4, "_gemv_lora_op")
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
     out = {}
@@ -301,9 +319,9 @@ def _low_rank_tp_rank(rank: int) -> dict:
 
 
 def _low_rank_tp() -> list[dict]:
-    """fast_decode at tp=2 (the colwise shards' B rows in their own gemvs; o and down rowwise,
-    their deltas added as before) with the switch on: the switch-off tokens on both ranks, every
-    colwise launch of a step fused."""
+    """fast_decode at tp=2 (the colwise shards' B rows in their own gemvs, with their biases'
+    shards; o and down rowwise, their deltas added as before) with the switch on: the switch-off
+    tokens on both ranks, every colwise launch of a step fused."""
     from quantmesh.testing import run_ranks
 
     r0, r1 = run_ranks(_low_rank_tp_rank, 2, timeout=300,
@@ -322,13 +340,15 @@ def _low_rank_decode() -> list[dict]:
     adapters' B products inside the gemv's launch (`GEMV_LORA_ENABLED`): the tokens of the
     switch off, eager and compiled (aot_eager), the siblings' codes joined or not; every 4-bit
     launch of a step carries its delta (the plain gemv only where a joined prefill's adapters
-    are not stacked), and one forward of a row gives the logits of the switch off."""
+    are not stacked), and one forward of a row gives the logits of the switch off. The attention's
+    projections have biases: the launch adds them (q/k/v joined: their run's, made after each
+    prefill by `prepare_low_rank`)."""
     import torch.distributed as dist
 
     import quantmesh as qm
     from quantmesh.quant import kernel4 as k4
 
-    model = _one_rank_llama()
+    model = _one_rank_llama(bias=True)
     plain, fused = _count_gemv_launches(), _count_calls(k4, "_gemv_lora_op")
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
     new = 3
@@ -457,9 +477,10 @@ def _interpreter_tiles() -> None:
         tile["BLOCK_N"] = 16
 
 
-def _fp16_qlora_llama(mesh, layers: int, kv_heads: int, positions: int):
+def _fp16_qlora_llama(mesh, layers: int, kv_heads: int, positions: int, bias: bool = False):
     """A small fp16 sdpa Llama (hidden 128 = 4 heads of 32: every projection a whole number of
-    nested blocks, so q/k/v and gate/up can join), nf4 + LoRA r8 with nonzero B, in eval mode."""
+    nested blocks, so q/k/v and gate/up can join), nf4 + LoRA r8 with nonzero B, in eval mode;
+    `bias`: the attention's projections with biases (random: transformers zeroes them)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import quantmesh as qm
@@ -468,15 +489,20 @@ def _fp16_qlora_llama(mesh, layers: int, kv_heads: int, positions: int):
     cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=kv_heads, head_dim=32,
-                      max_position_embeddings=positions, attn_implementation="sdpa")  # fmt: skip
+                      max_position_embeddings=positions, attn_implementation="sdpa",
+                      attention_bias=bias)  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     quant = qm.QuantConfig(format="nf4", compute_dtype=torch.float16)
     qm.parallelize(model, mesh, quant=quant, lora=qm.LoraConfig(r=8), dtype=torch.float16)
     return nonzero_lora_b_(model, std=0.2).eval()
 
 
-def _one_rank_llama():
+def _one_rank_llama(bias: bool = False):
     """`_fp16_qlora_llama` of one layer on a one-rank mesh (gloo, this process; aot_eager
     compiles), the kernels run by the interpreter at its tiles. Every projection is a whole number
     of nested blocks (256 blocks of 64): q/k/v and gate/up join."""
@@ -488,7 +514,7 @@ def _one_rank_llama():
                       QUANTMESH_COMPILE_BACKEND="aot_eager")  # fmt: skip
     k4.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernels on CPU
     _interpreter_tiles()
-    return _fp16_qlora_llama(qm.init_mesh(), layers=1, kv_heads=4, positions=64)
+    return _fp16_qlora_llama(qm.init_mesh(), layers=1, kv_heads=4, positions=64, bias=bias)
 
 
 def _count_calls(module, name: str) -> list[int]:

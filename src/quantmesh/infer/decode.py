@@ -700,8 +700,9 @@ class AdapterStack:
 def prepare_low_rank(model: nn.Module) -> int:
     """With `kernel4.GEMV_LORA_ENABLED`, make every LoRA adapter's tensors for the gemv's launch
     (`LoraAdapter.low_rank`: kept, never made while a graph is traced, where the adapter's delta
-    then stays outside the launch); `fast_decode` calls it after each prefill. Returns how many
-    adapters have them.
+    then stays outside the launch) and copy the biases of joined 4-bit siblings in
+    (`CodesRun.refresh_bias`: a joined launch adds them before the deltas); `fast_decode` calls
+    it after each prefill. Returns how many adapters have them.
 
     Example:
         >>> prepare_low_rank(model)  # the switch off: nothing made  # doctest: +SKIP
@@ -713,6 +714,15 @@ def prepare_low_rank(model: nn.Module) -> int:
     for m in sharded_modules(model).values():
         if isinstance(m.lora, LoraAdapter):
             made += LoraAdapter.low_rank(m.lora) is not None
+    runs = {}  # each joined run once, with its members' compute dtype
+    for module in model.modules():
+        m = module.__dict__.get("local", module)  # (a sharded layer holds its own in `local`)
+        run = m.__dict__.get("codes_run")
+        cd = getattr(m, "compute_dtype", None)
+        if run is not None and cd is not None:
+            runs[id(run)] = (run, cd)
+    for run, cd in runs.values():
+        run.refresh_bias(cd)
     return made
 
 

@@ -304,18 +304,19 @@ def qm_gemv_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_p
         part += _chunk_dot(q1, x_ptr + b * 32 + 16, tab, lut_ptr, LUT, BF16)
         acc += part * a
     _finish(acc[None, :], tl.arange(0, 1), 1, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr,
-            part_ptr, cnt_ptr, NS, acc[None, :], False)  # fmt: skip
+            part_ptr, cnt_ptr, NS, acc[None, :], acc, False, False)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero", "R", "RANK"])
 def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_ptr, part_ptr,
                   cnt_ptr, M, N, NBLK, KW, blk_per, n_slices, zero,
-                  t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK,
+                  t_ptr, e_ptr, col_ptr, sc_ptr, b_ptr, R, RANK,
                   BS2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                   SB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
                   BF16: tl.constexpr, WK: tl.constexpr = 1,
                   ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False,
-                  RL: tl.constexpr = 1, LORA: tl.constexpr = False):  # fmt: skip
+                  RL: tl.constexpr = 1, LORA: tl.constexpr = False,
+                  BIAS: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
     # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
     # no tensor cores: the codes are read once, the products cost M times one row's). A program
@@ -345,7 +346,8 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # LORA: a low-rank delta added at the store (`_low_rank`: the LoRA adapters' B products, t_ptr
     # their A products, R wide; e_ptr, col_ptr, sc_ptr per feature: B's RANK values, where its
     # A products begin in t, its scale; RL: RANK's power of two), computed before the loop (a
-    # few registers a thread); else those are never read.
+    # few registers a thread); else those are never read. BIAS (with LORA): b_ptr holds each
+    # feature's bias in y's dtype, added to the stored product before the delta (`_stored`).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -369,8 +371,11 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
         lane = _lane_id(zero)
         tab = _lane_table(lut_ptr, lane & 15)  # code value (lane & 15), from 16 scalar loads
     delta = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if LORA:  # loaded before the loop: no load after it, before the store
         delta = _low_rank(rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL)
+        if BIAS:
+            bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     acc = tl.zeros((ROWS, BLOCK_N, 32 * WK), dtype=tl.float32)
     for b0 in range(b_first, b_end, SB):
         if WK == 1:
@@ -413,7 +418,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
             acc += part * tl.reshape(a, (1, BLOCK_N, 32 * WK))
     _finish(tl.sum(acc, axis=2), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
-            cnt_ptr, NS, delta, LORA)  # fmt: skip
+            cnt_ptr, NS, delta, bias, LORA, BIAS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M", "N", "NBLK", "blk_per", "n_slices", "zero"])
@@ -477,7 +482,7 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
         acc = tl.dot(w_hi, xe.to(dt), acc)
         acc = tl.dot(w_lo, xo.to(dt), acc)
     _finish(tl.trans(acc), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
-            cnt_ptr, NS, acc, False)  # fmt: skip
+            cnt_ptr, NS, acc, acc, False, False)  # fmt: skip
 
 
 @triton.jit
@@ -516,29 +521,33 @@ def _low_rank(rm, M, rn, n_mask, t_ptr, e_ptr, col_ptr, sc_ptr, R, RANK, RL: tl.
 
 
 @triton.jit
-def _stored(tot, delta, dt: tl.constexpr, LORA: tl.constexpr):
+def _stored(tot, delta, bias, dt: tl.constexpr, LORA: tl.constexpr, BIAS: tl.constexpr):
     # the fp32 sums `tot` as y stores them (dt); LORA: plus `delta`, the two rounded to dt each,
     # then added (fp32, rounded once): what `y + (B(A x) * scale).to(y.dtype)` gives after the
-    # product's own store
+    # product's own store; BIAS: the bias (per feature, dt's values) added to the rounded
+    # product and rounded first, as `(y + bias)` is before the delta
     if LORA:
-        tot = tot.to(dt).to(tl.float32) + delta.to(dt).to(tl.float32)
+        tot = tot.to(dt).to(tl.float32)
+        if BIAS:
+            tot = (tot + bias[None, :]).to(dt).to(tl.float32)
+        tot = tot + delta.to(dt).to(tl.float32)
     return tot.to(dt)
 
 
 @triton.jit
 def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, cnt_ptr,
-            NS: tl.constexpr, delta, LORA: tl.constexpr):  # fmt: skip
+            NS: tl.constexpr, delta, bias, LORA: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
     # y[rm, rn] = the fp32 sums `acc` (rows rm < M, features rn) of this share of K: directly
     # with one share (NS 1); else each share writes its partials (part: n_slices, M, N) and
     # counts itself in cnt[pid_n], and the last adds them all in a fixed order (deterministic:
     # a tree over all of them at once, or, past 4,096 sums, one share after another), writes y
     # and sets the count back to 0. LORA: `delta` (fp32, acc's shape: `_low_rank`) added as y is
-    # stored (`_stored`).
+    # stored (`_stored`; BIAS: `bias`, (features,) fp32, added first).
     mask = (rm < M)[:, None] & n_mask[None, :]
     at = rm[:, None] * N + rn[None, :]
     dt: tl.constexpr = y_ptr.dtype.element_ty
     if NS == 1:
-        tl.store(y_ptr + at, _stored(acc, delta, dt, LORA), mask=mask)
+        tl.store(y_ptr + at, _stored(acc, delta, bias, dt, LORA, BIAS), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + at, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the count says so
@@ -555,5 +564,5 @@ def _finish(acc, rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr, 
                 for i in range(0, n_slices):
                     tot += tl.load(part_ptr + i * M * N + at, mask=mask, other=0.0,
                                    cache_modifier=".cg")  # fmt: skip
-            tl.store(y_ptr + at, _stored(tot, delta, dt, LORA), mask=mask)
+            tl.store(y_ptr + at, _stored(tot, delta, bias, dt, LORA, BIAS), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)  # ready for the next call (or graph replay)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
@@ -256,16 +257,18 @@ def _classes() -> dict[str, type]:
         def takes_low_rank(self, x: torch.Tensor, lr: Any = None) -> bool:
             """Whether `forward(x, low_rank=lr)` adds the adapter's delta (`lora.adapter.
             LowRank`) inside its launch: `GEMV_LORA_ENABLED`, the gemv's inputs (`gemv_applies`:
-            CUDA, 1 to 8 rows, no autograd), x in the compute dtype, no bias, no held weight,
-            the delta's tensors on x's device; for a joined run, a delta for the very siblings
-            (`lr.whole`), which the run's one launch adds for all of them. Without `lr`: whether
-            it would take one at all (asked first, so that no delta is made for nothing)."""
+            CUDA, 1 to 8 rows, no autograd), x in the compute dtype, no held weight, the
+            delta's tensors on x's device; for a joined run, a delta for the very siblings
+            (`lr.whole`), which the run's one launch adds for all of them. A bias (a plain tensor)
+            is added in the launch before the delta; a joined run's are the members' joined
+            (`CodesRun.refresh_bias`). Without `lr`: whether it would take one at all (asked
+            first, so that no delta is made for nothing)."""
             qs = getattr(self.weight, "quant_state", None)
             cd = self.compute_dtype or x.dtype
             if (
                 not kernel4.GEMV_LORA_ENABLED
                 or qs is None
-                or self.bias is not None
+                or (self.bias is not None and type(self.bias) not in (torch.Tensor, nn.Parameter))
                 or self.dense is not None
                 or x.dtype != cd
                 or not gemv_applies(x, qs, cd)
@@ -276,32 +279,39 @@ def _classes() -> dict[str, type]:
             if lr.e.device != x.device:
                 return False
             run = self._joined_run(x)
-            return run is None or (lr.whole is not None and lr.members == run.member_ids)
+            if run is None:
+                return True
+            bias_ok = not run.biased or (run.bias is not None and run.bias.dtype == cd)
+            return bias_ok and lr.whole is not None and lr.members == run.member_ids
 
         def _low_rank_product(self, x: torch.Tensor, lr: Any) -> torch.Tensor:
-            """x @ W^T plus the adapter's delta `lr`, in the gemv's launch (`takes_low_rank`
-            said yes): for a joined run, the run's one launch with every sibling's delta, each
-            sibling taking its columns when it gets the tensor the first one got."""
+            """x @ W^T plus the bias and the adapter's delta `lr`, in the gemv's launch
+            (`takes_low_rank` said yes): for a joined run, the run's one launch with every
+            sibling's bias and delta, each sibling taking its columns when it gets the tensor
+            the first one got."""
             qs = self.weight.quant_state
             x2 = x.reshape(-1, x.shape[-1])
+            cd = self.compute_dtype or x.dtype
+            own_bias = None if self.bias is None else self.bias.to(cd)
 
-            def add(d: Any) -> LowRankTensors:
+            def add(d: Any, bias: torch.Tensor | None) -> LowRankTensors:
                 t = d.down(x2).contiguous()
-                return (t, d.e, d.col, d.scale)
+                return (t, d.e, d.col, d.scale, bias)
 
             run = self.codes_run
             if run is None or run.codes.device != x.device:
-                y = matmul_4bit_gemv(x2, self.weight.data, qs, low_rank=add(lr))
+                y = matmul_4bit_gemv(x2, self.weight.data, qs, low_rank=add(lr, own_bias))
             else:  # the run's tensors alone (a compiled block region refuses inputs that alias)
                 i = self.codes_index
                 c0, c1 = run.code_at[i]
 
                 def own() -> torch.Tensor:
                     return matmul_4bit_gemv(x2, run.codes[c0:c1], qs, run.member_statistics(i),
-                                            low_rank=add(lr))  # fmt: skip
+                                            low_rank=add(lr, own_bias))  # fmt: skip
 
                 def joined() -> torch.Tensor:
-                    return matmul_4bit_gemv(x2, run.codes, run.qs, low_rank=add(lr.whole))
+                    return matmul_4bit_gemv(x2, run.codes, run.qs,
+                                            low_rank=add(lr.whole, run.bias))  # fmt: skip
 
                 y = run.output(i, x, joined, own, "low_rank") if joined_codes_on() else own()
             return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -809,10 +819,46 @@ class CodesRun(_SiblingRun):
                 at_n += k2
             m.codes_run, m.codes_index = self, i  # type: ignore[assignment]
         self.member_ids = tuple(id(m) for m in members)  # (what a stack's LowRank names)
+        # the members' biases joined, in the compute dtype, for the low-rank launch (made by
+        # `refresh_bias`; zeros for a member without one), and whether any member has one
+        self.members = [weakref.ref(m) for m in members]
+        self.biased = any(getattr(m, "bias", None) is not None for m in members)
+        self.bias: torch.Tensor | None = None
         if self.codes.is_cuda:  # read in place by CUDA graphs (the members' views too)
             joined = [self.codes, absmax, *(() if state2 is None else (state2.absmax, offset))]
             for t in joined + views:
                 torch._dynamo.mark_static_address(t, guard=False)
+
+    @torch.no_grad()
+    def refresh_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Copy the members' current biases into `bias` (sum of outs,) in `dtype` (in place, at a
+        fixed address: CUDA graphs read it; zeros for a member without one), what the joined
+        low-rank launch adds (`QuantLinear4bit.takes_low_rank`); None where no member has a bias
+        or one is not a plain tensor. `infer.decode.prepare_low_rank` calls it after each prefill,
+        as the adapter stacks are refreshed.
+
+        Example:
+            >>> run.refresh_bias(torch.bfloat16)  # q, k, v with biases  # doctest: +SKIP
+            tensor([...], dtype=torch.bfloat16)
+        """
+        members = [ref() for ref in self.members]
+        biases = [getattr(m, "bias", None) for m in members]
+        plain = all(b is None or type(b) in (torch.Tensor, nn.Parameter) for b in biases)
+        if not self.biased or any(m is None for m in members) or not plain:
+            self.bias = None
+            return None
+        dev, n = self.codes.device, sum(self.outs)
+        if self.bias is None or self.bias.dtype != dtype or self.bias.device != dev:
+            self.bias = torch.zeros(n, dtype=dtype, device=dev)
+            if self.bias.is_cuda:
+                torch._dynamo.mark_static_address(self.bias, guard=False)
+        for i, b in enumerate(biases):
+            part = self.bias[self.out_at[i] : self.out_at[i] + self.outs[i]]
+            if b is None:
+                part.zero_()
+            else:
+                part.copy_(b)  # (rounded to `dtype` as the layer's `bias.to(dtype)` is)
+        return self.bias
 
     def member_statistics(self, member: int) -> tuple[Any, ...]:
         """Member `member`'s statistics as the kernels take them (`kernel4._statistics`' order),

@@ -21,11 +21,13 @@ are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread 
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
 
 The LoRA adapters' B products inside the gemv's launch (opt-in, `GEMV_LORA_ENABLED`;
-QUANTMESH_GEMV_LORA=1): `matmul_4bit_gemv(low_rank=(t, e, col, scale))`, the op
+QUANTMESH_GEMV_LORA=1): `matmul_4bit_gemv(low_rank=(t, e, col, scale, bias))`, the op
 `quantmesh::gemv_4bit_lora`. Each program loads its features' B rows (`e`, fp32), their scales
 and their A products (`t`, from `col` on) before its loop and adds each output's delta as it
 stores it, the product and the delta each rounded to x's dtype first (what adding the delta after
 the product's store gives; the delta's few products summed in another order than a matmul's).
+A layer's bias (or None) is added to the rounded product and rounded before the delta, as the
+layer adds it before its adapter's delta.
 A decode step then launches no kernel for B and no addition after the gemv. `check_low_rank`
 refuses bad tensors before any launch; the layers reach it through `quant.bnb.QuantLinear4bit`'s
 `takes_low_rank` and `lora.adapter.LowRank`.
@@ -344,8 +346,8 @@ def _codes_op(name: str, launch: Any, config: Any, low_rank: bool = False) -> An
     blocksize, quant type, out) -> (rows, out): `launch` (`launch_gemv`'s arguments) at the tile
     `config(rows, out, in, blocksize)`; one op, so that `torch.compile` traces it whole. The
     matmul ops on codes (the gemv, the tensor-core kernel, the row kernel) are made by it.
-    `low_rank`: the op takes four more tensors, (t, e, col, scale), the delta `launch` adds
-    (`check_low_rank`).
+    `low_rank`: the op takes five more, (t, e, col, scale, bias or None), the delta (and the
+    bias) `launch` adds (`check_low_rank`).
 
     Returns a function that calls the op while compiling, under a dispatch mode or with tensor
     subclasses (fake tensors), and `launch` itself otherwise: in eager mode the op's dispatch
@@ -368,14 +370,14 @@ def _codes_op(name: str, launch: Any, config: Any, low_rank: bool = False) -> An
     def op_lr(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
               nested_absmax: torch.Tensor | None, nested_code: torch.Tensor | None,
               offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
-              t: torch.Tensor, e: torch.Tensor, col: torch.Tensor,
-              sc: torch.Tensor) -> torch.Tensor:  # fmt: skip
+              t: torch.Tensor, e: torch.Tensor, col: torch.Tensor, sc: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
         cfg = config(x.shape[0], out_f, x.shape[1], blocksize)
         return launch(x, packed, absmax, nested_absmax, nested_code, offset, blocksize,
-                      quant_type, out_f, cfg, low_rank=(t, e, col, sc))  # fmt: skip
+                      quant_type, out_f, cfg, low_rank=(t, e, col, sc, bias))  # fmt: skip
 
     def fake_lr(x, packed, absmax, nested_absmax, nested_code, offset, blocksize, quant_type,
-                out_f, t, e, col, sc):  # fmt: skip
+                out_f, t, e, col, sc, bias):  # fmt: skip
         return x.new_empty((x.shape[0], out_f))
 
     if low_rank:
@@ -490,44 +492,52 @@ def matmul_4bit_gemv(
 ) -> torch.Tensor:
     """x (..., in) @ W^T -> (..., out) in x's dtype for 1 to `GEMV_MAX_ROWS` rows, by the gemv
     (`launch_gemv` at `gemv_config`'s tile: `_triton4.qm_gemv_lines`, the lanes along K); check
-    `gemv_applies` first. `low_rank`: (t (..., R), e, col, scale), a LoRA delta added to each
-    output in the same launch (`check_low_rank`; the op `quantmesh::gemv_4bit_lora`).
+    `gemv_applies` first. `low_rank`: (t (..., R), e, col, scale, bias or None), a LoRA delta
+    (after the layer's bias, if any) added to each output in the same launch (`check_low_rank`;
+    the op `quantmesh::gemv_4bit_lora`).
 
     Example:
         >>> y = matmul_4bit_gemv(x.bfloat16(), layer.weight.data, layer.weight.quant_state)  # doctest: +SKIP
     """
     if low_rank is None:
         return _on_codes(_gemv_op, x, packed, qs, stats)
-    t, e, col, sc = low_rank
-    return _on_codes(_gemv_lora_op, x, packed, qs, stats, (t.reshape(-1, t.shape[-1]), e, col, sc))
+    t, e, col, sc, bias = low_rank
+    return _on_codes(_gemv_lora_op, x, packed, qs, stats,
+                     (t.reshape(-1, t.shape[-1]), e, col, sc, bias))  # fmt: skip
 
 
-LowRankTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""(t, e, col, scale): a low-rank delta the gemv adds in its own launch (`check_low_rank`)."""
+LowRankTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""(t, e, col, scale, bias or None): a low-rank delta (and the layer's bias, added before it)
+the gemv adds in its own launch (`check_low_rank`)."""
 
 
-def check_low_rank(low_rank: LowRankTensors, rows: int, out_f: int,
-                   device: torch.device) -> None:  # fmt: skip
+def check_low_rank(low_rank: LowRankTensors, rows: int, out_f: int, device: torch.device,
+                   dtype: torch.dtype | None = None) -> None:  # fmt: skip
     """Refuse, before any launch, a low-rank delta the gemv cannot add to (rows, out_f) outputs:
     t (rows, R) fp32, the adapters' A products; e (out_f, r) fp32, each feature's B row (r at
     most 64); col (out_f,) int32, where each feature's r products begin in t; scale (out_f,)
     fp32; all contiguous on `device`. Output feature n gets `scale[n] * (e[n] @ t[:, col[n]:
     col[n] + r])`, rounded to the output's dtype and added to its rounded product (the values of
-    `y + (B(A x) * scale).to(y.dtype)`).
+    `y + (B(A x) * scale).to(y.dtype)`). bias: None, or (out_f,) in the output's `dtype`, added
+    to the rounded product and rounded before the delta (the values of `(y + bias)` first).
 
     Example:
         >>> z = torch.zeros
-        >>> check_low_rank((z(1, 8), z(4, 8), z(4, dtype=torch.int32), z(4)), 1, 4, torch.device("cpu"))
-        >>> check_low_rank((z(1, 8), z(4, 8), z(4), z(4)), 1, 4, torch.device("cpu"))
+        >>> check_low_rank((z(1, 8), z(4, 8), z(4, dtype=torch.int32), z(4), None), 1, 4, torch.device("cpu"))
+        >>> check_low_rank((z(1, 8), z(4, 8), z(4), z(4), None), 1, 4, torch.device("cpu"))
         Traceback (most recent call last):
         ...
         ValueError: the gemv's low-rank col must be a contiguous torch.int32 tensor of shape (4,) on cpu, not torch.float32 (4,) on cpu
     """
-    t, e, col, sc = low_rank
+    t, e, col, sc, bias = low_rank
     r = int(e.shape[1]) if e.dim() == 2 else 0
     want = {"t": ((rows, int(t.shape[-1])), torch.float32), "e": ((out_f, r), torch.float32),
             "col": ((out_f,), torch.int32), "scale": ((out_f,), torch.float32)}  # fmt: skip
-    for (name, (shape, dtype)), v in zip(want.items(), low_rank, strict=True):
+    given: list[torch.Tensor] = [t, e, col, sc]
+    if bias is not None:
+        want["bias"] = ((out_f,), bias.dtype if dtype is None else dtype)
+        given.append(bias)
+    for (name, (shape, dtype)), v in zip(want.items(), given, strict=True):
         if (
             tuple(v.shape) != shape
             or v.dtype != dtype
@@ -598,8 +608,9 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     one share, the programs of a group count themselves in a per-device int32 buffer kept zero
     between calls (`_counters`), so two such calls must not run at once on different streams.
     `keep`: a list the compiled kernel is appended to (the benchmark reads its PTX).
-    `low_rank`: (t, e, col, scale), a low-rank delta the lines kernel adds to each output as it
-    stores it (`check_low_rank`: the LoRA adapters' B products inside the gemv's launch).
+    `low_rank`: (t, e, col, scale, bias or None), a low-rank delta the lines kernel adds to each
+    output as it stores it, after the bias (`check_low_rank`: the LoRA adapters' B products
+    inside the gemv's launch).
 
     Example:
         >>> y = launch_gemv(x, flat, *stats, 64, "nf4", 4096, gemv_config(1, 4096, 4096, 64))  # doctest: +SKIP
@@ -609,7 +620,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     if low_rank is not None:
         if not lines:
             raise ValueError(f"a low-rank delta is added by the lines kernel only, not {cfg}")
-        check_low_rank(low_rank, rows, out_f, x.device)
+        check_low_rank(low_rank, rows, out_f, x.device, x.dtype)
     most = GEMV_ROWS_LIMIT if lines else 1
     if not 1 <= rows <= most or blocksize != 64 or in_f % 64:
         takes = f"1 to {most} rows" if lines else "one row (the lines kernel: more)"
@@ -655,11 +666,11 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     lr: tuple[Any, ...] = ()
     if lines:
         extra = dict(SB=cfg.get("SB", 32), WK=wk, ROWS=triton.next_power_of_2(rows))
-        lr = (y, y, y, y, 0, 0)  # (never read without LORA)
+        lr = (y, y, y, y, y, 0, 0)  # (never read without LORA)
         if low_rank is not None:
-            t, e, col, sc = low_rank
-            lr = (t, e, col, sc, t.shape[1], e.shape[1])
-            extra.update(LORA=True, RL=triton.next_power_of_2(e.shape[1]))
+            t, e, col, sc, bias = low_rank
+            lr = (t, e, col, sc, y if bias is None else bias, t.shape[1], e.shape[1])
+            extra.update(LORA=True, RL=triton.next_power_of_2(e.shape[1]), BIAS=bias is not None)
     compiled = kernel[grid](
         x.view(torch.int32), packed.view(torch.int32),
         *_kernel_statistics(absmax, nested_absmax, nested_code, offset),
