@@ -266,10 +266,12 @@ def _trained(rank: int) -> dict:
     # (the join is in place): one sequence through the gemv, sixteen through the tensor-core
     # kernel, compiled; the same tokens as above
     saved = (k4.JOIN_ENABLED, k4.GEMV_LORA_ENABLED, k4._gemv_lora_op)
-    calls = [0]
+    # counted in a tensor: a Python counter read inside the compiled step becomes a guard on its
+    # value, and every step would compile again (until the recompile limit stops the decode)
+    calls = torch.zeros((), dtype=torch.int64, device=mesh.device)
 
     def counted(*args):
-        calls[0] += 1
+        calls.add_(1)
         return saved[2](*args)
 
     try:
@@ -282,7 +284,7 @@ def _trained(rank: int) -> dict:
         out["lora"] = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
         out["lora_eager"] = qm.greedy_decode(model, ids, 48, compile=False)[0].cpu()
         out["batch4_lora"] = qm.greedy_decode(model, out["ids4"], 48, compile=True).cpu()
-        out["lora_calls"] = calls[0]
+        out["lora_calls"] = int(calls)
     finally:
         k4.JOIN_ENABLED, k4.GEMV_LORA_ENABLED, k4._gemv_lora_op = saved
     out.pop("ids4")

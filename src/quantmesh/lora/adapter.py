@@ -21,7 +21,7 @@ import fnmatch
 import math
 import zlib
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -324,10 +324,14 @@ class LoraAdapter(Adapter):
         if not _adds_in_launch(self, b):
             return None
         key = (str(b.device), int(b.shape[0]), self.scale)
-        vectors = self.__dict__.setdefault("_low_rank_vectors", {})
-        if key not in vectors:  # made in an eager call and kept (fixed addresses), never while
-            if torch.compiler.is_compiling():  # a graph is traced (fast_decode's prefill makes
-                return None  # them first: infer.decode.prepare_low_rank)
+        # (read with getattr, written only eagerly: torch 2.11's compiler cannot trace a
+        # `__dict__.setdefault`)
+        vectors: dict[Any, Any] | None = getattr(self, "_low_rank_vectors", None)
+        if vectors is None or key not in vectors:  # made in an eager call and kept (fixed
+            if torch.compiler.is_compiling():  # addresses), never while a graph is traced
+                return None  # (fast_decode's prefill makes them first: prepare_low_rank)
+            if vectors is None:
+                vectors = self.__dict__["_low_rank_vectors"] = {}
             n = key[1]
             col = torch.zeros(n, dtype=torch.int32, device=b.device)
             sc = torch.full((n,), self.scale, dtype=torch.float32, device=b.device)
