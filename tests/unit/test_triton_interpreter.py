@@ -270,7 +270,7 @@ def _low_rank_layers() -> list[dict]:
                        whole, run.member_ids) for i in range(3)]  # fmt: skip
         k4.GEMV_LORA_ENABLED = True
         before = [m.takes_low_rank(x, lr) for m, lr in zip(layers, lrs, strict=True)]
-        run.refresh_bias(torch.float16)
+        run.refresh_bias(torch.float16, layers)
         takes = [m.takes_low_rank(x, lr) for m, lr in zip(layers, lrs, strict=True)]
         fused = _count_calls(k4, "_gemv_lora_op")
 

@@ -714,15 +714,15 @@ def prepare_low_rank(model: nn.Module) -> int:
     for m in sharded_modules(model).values():
         if isinstance(m.lora, LoraAdapter):
             made += LoraAdapter.low_rank(m.lora) is not None
-    runs = {}  # each joined run once, with its members' compute dtype
-    for module in model.modules():
+    runs: dict[int, tuple[Any, torch.dtype, dict[int, nn.Module]]] = {}  # each joined run once:
+    for module in model.modules():  # its members' compute dtype, its members by index
         m = module.__dict__.get("local", module)  # (a sharded layer holds its own in `local`)
         run = m.__dict__.get("codes_run")
         cd = getattr(m, "compute_dtype", None)
         if run is not None and cd is not None:
-            runs[id(run)] = (run, cd)
-    for run, cd in runs.values():
-        run.refresh_bias(cd)
+            runs.setdefault(id(run), (run, cd, {}))[2][int(m.codes_index)] = m
+    for run, cd, members in runs.values():
+        run.refresh_bias(cd, [members[i] for i in sorted(members)])
     return made
 
 

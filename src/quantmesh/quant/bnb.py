@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
@@ -821,7 +820,6 @@ class CodesRun(_SiblingRun):
         self.member_ids = tuple(id(m) for m in members)  # (what a stack's LowRank names)
         # the members' biases joined, in the compute dtype, for the low-rank launch (made by
         # `refresh_bias`; zeros for a member without one), and whether any member has one
-        self.members = [weakref.ref(m) for m in members]
         self.biased = any(getattr(m, "bias", None) is not None for m in members)
         self.bias: torch.Tensor | None = None
         if self.codes.is_cuda:  # read in place by CUDA graphs (the members' views too)
@@ -830,21 +828,21 @@ class CodesRun(_SiblingRun):
                 torch._dynamo.mark_static_address(t, guard=False)
 
     @torch.no_grad()
-    def refresh_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Copy the members' current biases into `bias` (sum of outs,) in `dtype` (in place, at a
-        fixed address: CUDA graphs read it; zeros for a member without one), what the joined
-        low-rank launch adds (`QuantLinear4bit.takes_low_rank`); None where no member has a bias
-        or one is not a plain tensor. `infer.decode.prepare_low_rank` calls it after each prefill,
-        as the adapter stacks are refreshed.
+    def refresh_bias(self, dtype: torch.dtype, members: list[nn.Module]) -> torch.Tensor | None:
+        """Copy the current biases of `members` (the run's, in order) into `bias` (sum of outs,)
+        in `dtype` (in place, at a fixed address: CUDA graphs read it; zeros for a member without
+        one), what the joined low-rank launch adds (`QuantLinear4bit.takes_low_rank`); None where
+        no member has a bias, `members` are not the run's, or a bias is not a plain tensor.
+        `infer.decode.prepare_low_rank` calls it after each prefill, as the adapter stacks are
+        refreshed.
 
         Example:
-            >>> run.refresh_bias(torch.bfloat16)  # q, k, v with biases  # doctest: +SKIP
+            >>> run.refresh_bias(torch.bfloat16, [q, k, v])  # with biases  # doctest: +SKIP
             tensor([...], dtype=torch.bfloat16)
         """
-        members = [ref() for ref in self.members]
         biases = [getattr(m, "bias", None) for m in members]
         plain = all(b is None or type(b) in (torch.Tensor, nn.Parameter) for b in biases)
-        if not self.biased or any(m is None for m in members) or not plain:
+        if not self.biased or tuple(id(m) for m in members) != self.member_ids or not plain:
             self.bias = None
             return None
         dev, n = self.codes.device, sum(self.outs)
