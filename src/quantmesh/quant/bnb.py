@@ -267,7 +267,7 @@ def _classes() -> dict[str, type]:
             if (
                 not kernel4.GEMV_LORA_ENABLED
                 or qs is None
-                or (self.bias is not None and type(self.bias) not in (torch.Tensor, nn.Parameter))
+                or (self.bias is not None and not kernel4.plain_tensor(self.bias))
                 or self.dense is not None
                 or x.dtype != cd
                 or not gemv_applies(x, qs, cd)
@@ -841,7 +841,7 @@ class CodesRun(_SiblingRun):
             tensor([...], dtype=torch.bfloat16)
         """
         biases = [getattr(m, "bias", None) for m in members]
-        plain = all(b is None or type(b) in (torch.Tensor, nn.Parameter) for b in biases)
+        plain = all(b is None or kernel4.plain_tensor(b) for b in biases)
         if not self.biased or tuple(id(m) for m in members) != self.member_ids or not plain:
             self.bias = None
             return None

@@ -118,6 +118,7 @@ __all__ = [
     "matmul_4bit_rows",
     "mma_applies",
     "mma_config",
+    "plain_tensor",
     "rows_kernel_applies",
 ]
 
@@ -401,8 +402,18 @@ def _plain_eager(args: tuple[Any, ...]) -> bool:
     function directly skips only its dispatch."""
     if _get_current_dispatch_mode() is not None:
         return False
-    plain = (torch.Tensor, torch.nn.Parameter)  # (an adapter's B rows: a parameter)
-    return all(type(a) in plain for a in args if isinstance(a, torch.Tensor))
+    return all(plain_tensor(a) for a in args if isinstance(a, torch.Tensor))
+
+
+def plain_tensor(t: Any) -> bool:
+    """Whether `t` is a plain tensor or parameter (an adapter's B rows, a layer's bias): no
+    subclass (a DTensor, a fake tensor), so the kernels may read its memory as it is.
+
+    Example:
+        >>> plain_tensor(torch.nn.Parameter(torch.zeros(2))), plain_tensor(None)
+        (True, False)
+    """
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 def dequant_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
@@ -537,16 +548,16 @@ def check_low_rank(low_rank: LowRankTensors, rows: int, out_f: int, device: torc
     if bias is not None:
         want["bias"] = ((out_f,), bias.dtype if dtype is None else dtype)
         given.append(bias)
-    for (name, (shape, dtype)), v in zip(want.items(), given, strict=True):
+    for (name, (shape, want_dtype)), v in zip(want.items(), given, strict=True):
         if (
             tuple(v.shape) != shape
-            or v.dtype != dtype
+            or v.dtype != want_dtype
             or v.device != device
             or not v.is_contiguous()
         ):
             raise ValueError(
-                f"the gemv's low-rank {name} must be a contiguous {dtype} tensor of shape {shape} "
-                f"on {device}, not {v.dtype} {tuple(v.shape)} on {v.device}"
+                f"the gemv's low-rank {name} must be a contiguous {want_dtype} tensor of shape "
+                f"{shape} on {device}, not {v.dtype} {tuple(v.shape)} on {v.device}"
             )
     if not 1 <= r <= 64 or r > t.shape[-1]:
         raise ValueError(f"the gemv adds deltas of rank 1 to 64 within t's {t.shape[-1]}, not {r}")
