@@ -158,6 +158,18 @@ def parse(argv=None) -> argparse.Namespace:
         "(lora.adapter.LEAN_ROWS off), in the same process (profiled too with --profile)",
     )
     p.add_argument(
+        "--peer-static-only",
+        action="store_true",
+        help="qlora: the peer's compiled static cache alone (its dynamic cache, ~9 tokens/s on a "
+        "7B, left out)",
+    )
+    p.add_argument(
+        "--step-graph",
+        action="store_true",
+        help="qlora: also greedy with step_graph.ENABLED flipped (the step recorded by hand as one "
+        "CUDA graph, on by default; off: inductor's CUDA graph trees), in the same process",
+    )
+    p.add_argument(
         "--unfused",
         action="store_true",
         help="qlora: also greedy with fuse_adapters=False (each adapter its own two matmuls)",
@@ -380,13 +392,15 @@ def run_qlora_peer(a, R: dict, out_path: str, dev, ids, sample: dict) -> None:
     prepare_generation(peer)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    R["tokens"] = phase(peer, a, ids, dev, R, "peft_dynamic_cache")
-    qb.write_json(out_path, R)
+    if not a.peer_static_only:
+        R["tokens"] = phase(peer, a, ids, dev, R, "peft_dynamic_cache")
+        qb.write_json(out_path, R)
     if not a.no_compile:
         with qb.record_errors(R, "peft_static_compile_error"):
             R["tokens_static"] = phase(
                 peer, a, ids, dev, R, "peft_static_compile", cache_implementation="static"
             )
+            R.setdefault("tokens", R["tokens_static"])
         qb.write_json(out_path, R)
     if a.temperature > 0 and not a.no_compile:
         with qb.record_errors(R, "peft_static_compile_sampled_error"):
@@ -395,7 +409,7 @@ def run_qlora_peer(a, R: dict, out_path: str, dev, ids, sample: dict) -> None:
     runs = [
         R[k]["new_tokens_per_s"] for k in ("peft_dynamic_cache", "peft_static_compile") if k in R
     ]
-    R["best_new_tokens_per_s"] = max(runs)  # the peer: peft's best greedy setup
+    R["best_new_tokens_per_s"] = max(runs, default=None)  # the peer: peft's best greedy setup
     qb.write_json(out_path, R)
     del peer
     if dev.type == "cuda":
@@ -429,7 +443,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
 
     t0 = time.perf_counter()
     model = qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
-    from quantmesh.infer import attention, decode, prefill_graph
+    from quantmesh.infer import attention, decode, prefill_graph, step_graph
     from quantmesh.lora import adapter
     from quantmesh.quant import kernel4
 
@@ -440,6 +454,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     R["gemv_lora_enabled_at_start"] = kernel4.GEMV_LORA_ENABLED  # QUANTMESH_GEMV_LORA=1: on
     R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED  # QUANTMESH_COMPILED_PREFILL=1
     R["attention_enabled_at_start"] = attention.ENABLED  # QUANTMESH_DECODE_ATTENTION
+    R["step_graph_enabled_at_start"] = step_graph.ENABLED  # QUANTMESH_STEP_GRAPH=0: trees
     # the tile of the batch's rows (the decode steps'), where the gemv takes them
     tile = None
     if a.batch <= kernel4.GEMV_MAX_ROWS:
@@ -458,7 +473,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     if a.greedy:
         with qb.record_errors(R, "qm_greedy_error"):
             g = phase(model, a, ids, dev, R, "qm_greedy", qm={})
-            if not a.no_peer:
+            if not a.no_peer and R.get("best_new_tokens_per_s"):
                 R["qm_greedy"]["tokens_agree_with_peft"] = agree(g, R["tokens"])
                 R["qm_greedy"]["over_peft_best"] = round(
                     R["qm_greedy"]["new_tokens_per_s"] / R["best_new_tokens_per_s"], 3
@@ -481,6 +496,7 @@ def run_qlora(a, R: dict, out_path: str) -> None:
         (a.prefill, decode, "PREFILL_COMPILED", "compiled_prefill", "eager_prefill"),
         (a.attention, attention, "ENABLED", "attention", "no_attention"),
         (a.graphs, prefill_graph, "ENABLED", "prefill_graphs", "no_prefill_graphs"),
+        (a.step_graph, step_graph, "ENABLED", "step_graph", "trees"),
     ):
         if a.greedy and want:
             on = getattr(module, flag)

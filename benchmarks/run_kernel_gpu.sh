@@ -84,11 +84,18 @@
 #            with peft's runs, 260 without). NOTEST=1: not the kernel's test; NOTRAINED=1: not
 #            the decode test; NOBENCH=1: not the benchmark (one call of 600 s holds the tests or
 #            the benchmark with peft's runs, not both)
+#   step     the step recorded by hand as one CUDA graph (infer/step_graph.py, on by default):
+#            the trained model's CUDA decode test (which decodes with it and with CUDA graph
+#            trees), then qm.fast_decode on the 7B shape at batch 1 after peft's compiled static
+#            cache (NOPEER=1: not), the defaults, CUDA graph trees, the gemv's low-rank switch
+#            flipped and the defaults again, in one process, profiled (bench_decode.py
+#            --step-graph --gemv-lora --again --profile; BENCH_S, default 330 s). NOTRAINED=1:
+#            not the test
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs or lora}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora or step}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -205,6 +212,17 @@ case "$STAGE" in
         --profile --gemv-lora --again ${LORA_GRAPHS:+--graphs} ${NOPEER:+--no-peer} --new 256 \
         --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
     fi ;;
+  step)
+    if [ -z "${NOTRAINED:-}" ]; then
+      say "the trained model's CUDA decode test"
+      timeout 260 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py \
+        -k trained 2>&1 | grep -v "^E *\[rank0\]:W" | grep -E "Error|assert|passed|failed" \
+        | tail -12
+    fi
+    say "decode, 7B nf4 + LoRA, batch 1: (peft's static cache,) the defaults, trees, the low-rank switch, the defaults again"
+    timeout "${BENCH_S:-330}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
+      --profile --step-graph --gemv-lora --again --peer-static-only ${NOPEER:+--no-peer} \
+      --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12 ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
     for b in ${BETWEEN:-gc prefill}; do
@@ -267,6 +285,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step)" >&2; exit 2 ;;
 esac
 say done

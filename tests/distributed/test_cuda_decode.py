@@ -203,6 +203,8 @@ def _trained(rank: int) -> dict:
 
     prefill_graph.ENABLED = True  # (opt-in) the compiled calls' prefills recorded and replayed
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+    # (its steps recorded by hand as one CUDA graph, the default: step_graph)
+    recorded = model.__dict__["_quantmesh_decoder"].step_graph is not None
     # the prefill recorded as a CUDA graph (bucket 16: 8 pads) in that call, replayed in this one
     graphs = model.__dict__["_quantmesh_decoder"].graphs
     replayed = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
@@ -227,6 +229,15 @@ def _trained(rank: int) -> dict:
     cache_rel = float((replayed_kv - eager_kv).norm() / eager_kv.norm())
     cache_graphs = (len(dec.graphs.entries), dec.graphs.refused)
     unstacked = qm.greedy_decode(model, ids, 48, compile=True, fuse_adapters=False)[0].cpu()
+    # the steps as inductor's CUDA graph trees replay them (QUANTMESH_STEP_GRAPH=0)
+    from quantmesh.infer import step_graph
+
+    step_graph.ENABLED = False
+    try:
+        trees = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
+        trees_dec = model.__dict__["_quantmesh_decoder"].step_graph
+    finally:
+        step_graph.ENABLED = True
     expect = chain[8:]
     # a repetition penalty inside the compiled, CUDA-graphed step (the demo's setting): the
     # eager loop's tokens with the same penalty
@@ -238,6 +249,7 @@ def _trained(rank: int) -> dict:
     from quantmesh.quant import kernel4 as k4
 
     out = {"loss": float(loss), "eager": eager, "compiled": compiled, "unstacked": unstacked,
+           "recorded": recorded, "trees": trees, "trees_recorded": trees_dec is not None,
            "replayed": replayed, "prefill_graphs": prefill_graphs, "cache_rel": cache_rel,
            "cache_graphs": cache_graphs,
            "map": torch.tensor(expect), "rep_eager": rep_eager, "rep_compiled": rep_compiled,
@@ -302,6 +314,9 @@ def test_compiled_decode_gives_a_trained_models_tokens():
     assert follows > 0.9, (out["loss"], follows)  # it learned: wide margins, not near-ties
     assert (out["compiled"] == out["eager"]).all(), (out["compiled"], out["eager"])
     assert (out["unstacked"] == out["eager"]).all(), (out["unstacked"], out["eager"])
+    # the steps recorded by hand (the default) and as CUDA graph trees give the eager tokens
+    assert out["recorded"] and not out["trees_recorded"], out
+    assert (out["trees"] == out["eager"]).all(), (out["trees"], out["eager"])
     # the prefill replayed from its CUDA graph (recorded in the first compiled call, checked
     # against its eager prefill there, replayed again in the second) gives the eager tokens
     assert out["prefill_graphs"] == (1, 2, None), out["prefill_graphs"]

@@ -42,7 +42,7 @@ from ..lora.adapter import LoraAdapter, LowRank, _adds_in_launch, lean_linear, s
 from ..plan.styles import Style
 from ..quant import kernel4
 from ..tp.layers import ShardedModule, sharded_modules
-from . import attention
+from . import attention, step_graph
 from .prefill_graph import PrefillGraphs
 from .sampling import pick_tokens, repetition_penalized, sample_tokens, uniform_noise
 
@@ -91,7 +91,8 @@ class _Decoder:
                 f"{type(model).__name__}.forward takes neither `past_key_values` nor `cache`; "
                 "greedy_decode needs a transformers causal LM"
             )
-        self.key = (batch, max_len, compile, mode, sampled, padded, fuse, penalized)
+        self.key = (batch, max_len, compile, mode, sampled, padded, fuse, penalized,
+                    step_graph.ENABLED)  # fmt: skip
         self.fuse = fuse
         self.stacks: list[AdapterStack] | None = None  # found in the first prefill (fuse)
         self.joined = False  # the 4-bit siblings' codes joined (fuse, kernel4.JOIN_ENABLED)
@@ -111,10 +112,20 @@ class _Decoder:
         from ..config import compile_options  # (read at call time: tests stand in a compiler)
 
         self.opts = compile_options(mode)  # inductor unless $QUANTMESH_COMPILE_BACKEND says so
+        # where CUDA graph trees would replay the step (mode "reduce-overhead" on a GPU), it is
+        # compiled without them and recorded by hand as one CUDA graph (step_graph)
+        self.step_graph: step_graph.StepGraph | None = None
+        if compile and mode == "reduce-overhead" and step_graph.ENABLED:
+            p = next(model.parameters(), None)
+            if p is not None and p.device.type in step_graph.DEVICES:
+                self.step_graph = step_graph.StepGraph(step_graph.RECORDER)
+                self.opts = {"backend": self.step_graph.backend(compile_options(None)["backend"])}
         self.compiled: Any = torch.compile(self.step, fullgraph=True, **self.opts)
-        self.run: Any = (
+        # the compiled step (its first call: `_first_run`), and what each step calls
+        self.inner: Any = (
             (self._first_run if self.regions else self.compiled) if compile else self.step
         )
+        self.run: Any = self.inner if self.step_graph is None else self._recorded
         # the prefill, compiled for prompts of any length (no CUDA graphs: one per length would
         # be recorded); None: eager (compile=False, or the compiler refused it once)
         self.prefill_run: Any = None
@@ -137,8 +148,27 @@ class _Decoder:
         except Exception as e:  # noqa: BLE001 - a compiler's error; the retry raises its own
             self._drop_regions(e)
             out = self.compiled(*args)
-        self.run = self.compiled
+        self._use(self.compiled)
         return out
+
+    def _use(self, compiled: Any) -> None:
+        """Step with `compiled` from now on (recorded anew where the step is recorded)."""
+        self.inner = compiled
+        if self.step_graph is None:
+            self.run = compiled
+        else:
+            self.step_graph.drop()
+
+    def _recorded(self, *args: Any) -> torch.Tensor:
+        """One step through the step's recording (`step_graph.StepGraph`)."""
+        assert self.step_graph is not None  # (the step's `run` only then)
+        out: torch.Tensor = self.step_graph(self.inner, *args)
+        return out
+
+    def begin(self) -> None:
+        """A decode call's steps start: the first checks the step's recording, if any."""
+        if self.step_graph is not None:
+            self.step_graph.begin()
 
     def _drop_regions(self, e: BaseException) -> None:
         """After the compiler refused the block regions (`e`): warn, unmark the blocks and
@@ -152,7 +182,7 @@ class _Decoder:
         unmark_block_regions(self.model)
         torch._dynamo.reset()
         self.compiled = torch.compile(self.step, fullgraph=True, **self.opts)
-        self.run = self.compiled
+        self._use(self.compiled)
         if self.prefill_run is not None:
             self.prefill_run = self._compile_prefill()
 
@@ -430,7 +460,8 @@ def fast_decode(
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
-    key = (batch, max_len, compile, mode, sampled, padded, fuse_adapters, penalized)
+    key = (batch, max_len, compile, mode, sampled, padded, fuse_adapters, penalized,
+           step_graph.ENABLED)  # fmt: skip
     # the compiled step is cached on the model itself (a plain model works too), not in the
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")
@@ -496,6 +527,7 @@ def fast_decode(
         out[:, :1] = tok
         done = 1
         dec.stacked(True)
+        dec.begin()
         try:
             for i in range(1, max_new_tokens):
                 sample = None

@@ -1,0 +1,153 @@
+"""Where a decode step's host time goes: the 7B nf4 + LoRA shape at batch 1 (bench_decode.py's
+qlora model), one process.
+
+  1. qm.fast_decode as it runs by default (the step compiled with mode "reduce-overhead": inductor's
+     CUDA graph trees): three timed runs, the host's time in each call of the step (no sync: the
+     time the host spends before it can queue the next step), then one run under cProfile (the
+     top functions by own time).
+  2. the same step compiled without CUDA graphs (mode None) and recorded once by hand as one
+     torch.cuda.CUDAGraph, replayed at every later step (the tokens copied into its input): the
+     same three timed runs, the host's time per step and the tokens' agreement with (1).
+  3. (1) again, in the process that ran (2).
+
+A step the host launches faster than the GPU runs it costs the GPU's time alone; where the host
+takes longer, the GPU waits (the slow runs of bench_decode.py: ~6-7 ms a token against ~3.7 ms of
+GPU time a step).
+
+Usage: python benchmarks/decode_host_probe.py --mode qlora --out DIR   (--smoke: CPU, tiny)
+Writes DIR/result_decode_host.json.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
+import qmbench as qb  # noqa: E402
+
+
+class HandGraph:
+    """The compiled step recorded once as a CUDA graph and replayed (the prototype)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.graph = None
+        self.tok = None
+        self.out = None
+
+    def __call__(self, tok, sample=None, padding=None, repeat=None):
+        if sample is not None or padding is not None or repeat is not None:
+            raise NotImplementedError("the prototype takes greedy, unpadded steps only")
+        if self.graph is None:
+            self.tok = tok.clone()
+            self.graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.out = self.fn(self.tok, None, None, None)
+        self.tok.copy_(tok)
+        self.graph.replay()
+        return self.out
+
+
+class HostClock:
+    """Wraps the decoder's step: the host's time in each call."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.us: list[float] = []
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        out = self.fn(*args)
+        self.us.append((time.perf_counter() - t0) * 1e6)
+        return out
+
+
+def decoder(model):
+    return model.__dict__["_quantmesh_decoder"]
+
+
+def run(model, ids, a, dev, mode, R, name, ref=None, wrap=None, profile=True):
+    import quantmesh as qm
+
+    t0 = time.perf_counter()
+    qm.fast_decode(model, ids, a.new, mode=mode)  # compiles where new
+    R[f"{name}_first_s"] = round(time.perf_counter() - t0, 2)
+    dec = decoder(model)
+    if wrap is not None:
+        dec.run = wrap(dec.run)
+    clock = HostClock(dec.run)
+    dec.run = clock
+    runs = []
+    tokens = None
+    for _ in range(3):
+        clock.us.clear()
+        qb.sync(dev)
+        t0 = time.perf_counter()
+        out = qm.fast_decode(model, ids, a.new, mode=mode)
+        tokens = out[0].tolist()
+        dt = time.perf_counter() - t0
+        us = sorted(clock.us)
+        runs.append(
+            {
+                "ms_per_token": round(dt / a.new * 1e3, 3),
+                "new_tokens_per_s": round(a.new / dt, 1),
+                "host_us_per_step_median": round(statistics.median(us), 1),
+                "host_us_per_step_p90": round(us[int(0.9 * (len(us) - 1))], 1),
+                "host_us_per_step_max": round(us[-1], 1),
+            }
+        )
+        qb.log(f"{name}: {runs[-1]}")
+    R[name] = {"runs": runs}
+    if ref is not None:
+        R[name]["tokens_agree"] = bd.agree(tokens, ref)
+    if profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        qm.fast_decode(model, ids, a.new, mode=mode)
+        qb.sync(dev)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+        R[name]["cprofile_tottime"] = s.getvalue().splitlines()[:60]
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
+        R[name]["cprofile_cumulative"] = s.getvalue().splitlines()[:70]
+    dec.run = clock.fn
+    return tokens
+
+
+def main(argv=None) -> int:
+    a = bd.parse(argv)
+    out_path = os.path.join(a.out, "result_decode_host.json")
+    R: dict = {"bench": "decode_host", "args": vars(a), "versions": qb.versions()}
+    import quantmesh as qm
+
+    dev = torch.device("cpu" if a.cpu else "cuda:0")
+    ids = bd.prompt_ids(a, dev)
+    model = bd.qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
+    bd.fill_adapters(model, a.seed)
+    bd.prepare_generation(model)
+    cuda = dev.type == "cuda"
+    with torch.no_grad():
+        ref = run(model, ids, a, dev, "reduce-overhead" if cuda else None, R, "trees")
+        qb.write_json(out_path, R)
+        if cuda:
+            run(model, ids, a, dev, None, R, "hand_graph", ref=ref, wrap=HandGraph)
+            qb.write_json(out_path, R)
+            run(model, ids, a, dev, "reduce-overhead", R, "trees_again", ref=ref, profile=False)
+    qb.write_json(out_path, R)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""The compiled decode step recorded by hand as one CUDA graph: `fast_decode`'s steps on a GPU.
+
+Inductor's CUDA graph trees (torch.compile's mode "reduce-overhead") replay a step as a graph, but
+the host still runs the compiled frame every step: it gathers every tensor the graph reads (each
+parameter, statistic and cache tensor of the model: thousands on a 7B model), checks dynamo's
+guards and the inputs' addresses, then replays. On a 7B nf4 + LoRA model at batch 1 that took
+2.2 to 3.9 ms of host time a step against 3.7 ms of GPU work, so the GPU waited whenever the host
+slowed (docs/benchmarks.md, "The host's share of a decode step"). `StepGraph` records the step
+(compiled without CUDA graph trees) once as a `torch.cuda.CUDAGraph` and replays it with no host
+work but copying the step's own inputs (the tokens, a sampled step's noise) into the recording's:
+about 10 us of host time a step.
+
+Safety. A graph reads every tensor where it was when it was recorded. The step is compiled by a
+backend that notes the flat inputs of each call (`note`): every tensor the compiled graph reads,
+the model's included, as dynamo gathers them. So at each decode call (`begin`) the first step runs
+the compiled function itself, dynamo's guards included, and its inputs are compared with those
+the graph was recorded with: another compiled function (a recompile: a kernel switch flipped, a
+shape changed) or any input tensor at another address (a parameter replaced, a model moved,
+statistics remade) drops the recording, and the next step records it again. Values changed in
+place (an optimizer's step, the adapters' stacks refreshed) need nothing: the graph reads them.
+
+On (`ENABLED`, $QUANTMESH_STEP_GRAPH, default 1) on CUDA devices when the step's mode is
+"reduce-overhead" (fast_decode's default); 0 keeps inductor's CUDA graph trees.
+
+Example:
+    >>> graph = StepGraph()                                     # doctest: +SKIP
+    >>> step = torch.compile(fn, backend=graph.backend("inductor"))  # doctest: +SKIP
+    >>> graph.begin()                          # each call: the next step checks  # doctest: +SKIP
+    >>> out = graph(step, tok)                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..config import env_switch
+
+__all__ = [
+    "DEVICES",
+    "ENABLED",
+    "RECORDER",
+    "CudaRecorder",
+    "Recorder",
+    "StepGraph",
+    "tensor_addresses",
+]
+
+ENABLED = env_switch("QUANTMESH_STEP_GRAPH", default=True)
+"""Whether fast_decode records its compiled step by hand as one CUDA graph on a GPU (`StepGraph`;
+$QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees, mode "reduce-overhead")."""
+DEVICES = ("cuda",)
+"""The devices whose decoders record their step (tests add "cpu", with `RECORDER` standing in)."""
+RECORDER: Callable[[StepGraph], Recorder] | None = None
+"""What records a decoder's step (None: `CudaRecorder`); tests stand in one that runs on CPU."""
+
+
+class Recorder(Protocol):
+    """How a `StepGraph` records and replays: `CudaRecorder` on GPUs (tests stand in another)."""
+
+    def record(self, fn: Callable[[], Any]) -> Any:
+        """Record `fn()` (not run); returns its output as the recording leaves it."""
+        ...
+
+    def replay(self) -> None:
+        """Run the recording once more."""
+        ...
+
+
+class CudaRecorder:
+    """A `torch.cuda.CUDAGraph` of one call (its own memory pool).
+
+    Example:
+        >>> rec = CudaRecorder()                      # doctest: +SKIP
+        >>> out = rec.record(lambda: x * 2)           # doctest: +SKIP
+        >>> rec.replay()                              # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def record(self, fn: Callable[[], Any]) -> Any:
+        # (the step has run before, compiled and autotuned: no warm-up run, which would advance
+        # the cache; the calls of other threads, a compile's workers, may go on: thread-local)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def tensor_addresses(args: Sequence[Any]) -> list[Any]:
+    """Where each of `args` lives: a tensor's data address (a wrapper subclass's, such as a
+    DTensor's: its inner tensors'), anything else itself.
+
+    Example:
+        >>> x = torch.zeros(2)
+        >>> tensor_addresses([x, 3]) == [x.data_ptr(), 3]
+        True
+    """
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(_address(a))
+        else:
+            out.append(a)
+    return out
+
+
+def _address(t: torch.Tensor) -> Any:
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return tuple(_address(getattr(t, n)) for n in names)
+    return (t.data_ptr(), t.device)
+
+
+class StepGraph:
+    """A compiled step recorded once as a CUDA graph and replayed (the module's doc says when it
+    records again).
+
+    `backend(name)` wraps the step's torch.compile backend so that each compiled function's calls
+    can be noted; `begin()` marks the start of a decode call; `__call__(step, *args)` runs one
+    step: `step` (the compiled function) itself on a call's first step (a check) and where
+    nothing is recorded yet; else the recording, replayed on a copy of `args` (tensors, or
+    nested tuples of them and None).
+
+    Example:
+        >>> graph = StepGraph()                                         # doctest: +SKIP
+        >>> step = torch.compile(fn, backend=graph.backend("inductor")) # doctest: +SKIP
+        >>> graph.begin(); out = graph(step, tok)                       # doctest: +SKIP
+    """
+
+    def __init__(self, recorder: Callable[[StepGraph], Recorder] | None = None) -> None:
+        self.new_recorder = recorder or (lambda graph: CudaRecorder())
+        self.recording: Recorder | None = None
+        self.out: Any = None  # the recording's output
+        self.static: list[torch.Tensor | None] = []  # the recording's copies of the step's inputs
+        self.spec: Any = None  # the step's inputs' structure, as recorded
+        self.fn: Any = None  # the compiled function the recording ran, and its flat inputs
+        self.inputs: list[Any] = []
+        self.checked = False  # this call's first step has run (and checked the recording)
+        self.noting = False
+        self.noted: tuple[Any, list[Any]] | None = None  # (function, flat inputs) of the last call
+        self.records = 0  # recordings made (the tests count them)
+        self.refused: str | None = None  # why a recording failed (then none is tried again)
+
+    def backend(self, name: str | Callable[..., Any]) -> Callable[..., Any]:
+        """torch.compile's `backend` `name`, each function it compiles wrapped to note its flat
+        inputs while a check or a recording runs."""
+        inner = torch._dynamo.lookup_backend(name) if isinstance(name, str) else name
+
+        def noting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            compiled = inner(gm, example_inputs)
+
+            def run(*args: Any) -> Any:
+                if self.noting:
+                    self.noted = (run, list(args))
+                return compiled(*args)
+
+            return run
+
+        return noting_backend
+
+    def begin(self) -> None:
+        """A decode call starts: its first step checks the recording."""
+        self.checked = False
+
+    def drop(self) -> None:
+        """Forget the recording (its memory with it)."""
+        self.recording = self.out = self.spec = self.fn = None
+        self.static, self.inputs = [], []
+
+    def __call__(self, step: Callable[..., Any], *args: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(args)
+        if not self.checked:  # the call's first step: the compiled function, its inputs noted
+            out = self._noted_call(step, args)
+            self.checked = True
+            if self.recording is not None and not self._same(leaves, spec):
+                self.drop()
+            self.noted = None  # (holds no tensor past the check)
+            return out
+        if self.recording is None and self.refused is None:
+            self._record(step, leaves, spec)
+        if self.recording is None:  # refused (and said): the compiled function itself
+            return step(*args)
+        for mine, theirs in zip(self.static, leaves, strict=True):
+            if mine is not theirs and mine is not None:
+                mine.copy_(theirs)
+        self.recording.replay()
+        return self.out
+
+    def _noted_call(self, step: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self.noting, self.noted = True, None
+        try:
+            return step(*args)
+        finally:
+            self.noting = False
+
+    def _same(self, leaves: list[Any], spec: Any) -> bool:
+        """Whether the step just run (noted) ran the recorded function on the recorded inputs:
+        every input at its address, but the step's own (copied into the recording's)."""
+        if self.noted is None or spec != self.spec or self.noted[0] is not self.fn:
+            return False
+        now = self.noted[1]
+        if len(now) != len(self.inputs):
+            return False
+        own = {_address(t) for t in leaves if isinstance(t, torch.Tensor)}
+        mine = {_address(t) for t in self.static if t is not None}
+        for a, b in zip(tensor_addresses(now), tensor_addresses(self.inputs), strict=True):
+            if a in own and b in mine:  # the step's own input: copied in at every replay
+                continue
+            if a != b:
+                return False
+        return True
+
+    def _record(self, step: Callable[..., Any], leaves: list[Any], spec: Any) -> None:
+        for t in leaves:
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"a recorded step takes tensors (and None); got {type(t).__name__}")
+        self.static = [None if t is None else t.clone() for t in leaves]
+        args = pytree.tree_unflatten(self.static, spec)
+        rec = self.new_recorder(self)
+        self.noting, self.noted = True, None
+        try:  # (a compile while recording would run kernels into the graph: refused instead)
+            with torch.compiler.set_stance("fail_on_recompile"):
+                self.out = rec.record(lambda: step(*args))
+        except Exception as e:  # noqa: BLE001 - the recorder's or the compiler's own error
+            self.drop()
+            self.refused = (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            )
+            warnings.warn(
+                f"quantmesh: recording the decode step as a CUDA graph failed ({self.refused}); "
+                "this decoder's steps run compiled without a recording from now on "
+                "($QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees)",
+                stacklevel=3,
+            )
+            return
+        finally:
+            self.noting = False
+        if self.noted is None:  # the backend did not see the call: nothing to check it by
+            warnings.warn(
+                "quantmesh: the decode step's compiled function was not seen while recording "
+                "it; each call records it again ($QUANTMESH_STEP_GRAPH=0: CUDA graph trees)",
+                stacklevel=3,
+            )
+            self.fn, self.inputs = None, []
+        else:
+            self.fn, self.inputs = self.noted
+        self.recording, self.spec = rec, spec
+        self.records += 1

@@ -1,0 +1,218 @@
+"""The decode step recorded by hand (infer/step_graph.py) on CPU: a recorder stands in for CUDA
+graphs. Its "replay" runs the compiled function once more on the very inputs the recording noted
+(the tensors a real graph would read at their recorded addresses) and writes the result into the
+recording's output, as a graph's replay does; a recording runs the step once, as a capture
+followed by its first replay does. So a recording that should have been made again (a parameter
+replaced, a recompile) reads the stale tensors here as a real graph would, and gives other values.
+The replay of a real graph is checked on a GPU (tests/distributed/test_cuda_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import quantmesh as qm
+from quantmesh.infer import step_graph as SG
+
+
+class _Rerun:
+    """A recording of `graph`'s step that reruns its noted compiled function on its noted
+    inputs."""
+
+    def __init__(self, graph: SG.StepGraph) -> None:
+        self.graph = graph
+        self.fresh = False
+        self.replays = 0
+
+    def record(self, fn):
+        out = fn()  # (a capture does not run; its first replay does: `fresh`)
+        self.fresh = True
+        return out
+
+    def replay(self) -> None:
+        self.replays += 1
+        if self.fresh:
+            self.fresh = False
+            return
+        g = self.graph
+        new = [t for t in pytree.tree_leaves(g.fn(*g.inputs)) if isinstance(t, torch.Tensor)]
+        outs = pytree.tree_leaves(g.out)
+        assert len(outs) == 1, outs
+        like = [t for t in new if t.shape == outs[0].shape and t.dtype == outs[0].dtype]
+        assert len(like) == 1, [(t.shape, t.dtype) for t in new]
+        outs[0].copy_(like[0])
+
+
+@pytest.fixture
+def rerun(monkeypatch):
+    """CPU among the devices that record, `_Rerun` as the recorder, dynamo's eager backend."""
+    made: list[_Rerun] = []
+
+    def recorder(graph):
+        made.append(_Rerun(graph))
+        return made[-1]
+
+    monkeypatch.setattr(SG, "ENABLED", True)
+    monkeypatch.setattr(SG, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(SG, "RECORDER", recorder)
+    monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "eager")
+    return made
+
+
+def _llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _ids(batch: int = 1, n: int = 6, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 64, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+KINDS = {  # fast_decode's keywords: every kind of step input (tokens, noise, padding, penalty)
+    "greedy": {},
+    "sampled": {"temperature": 0.9, "top_p": 0.9, "seed": 3},
+    "penalized": {"repetition_penalty": 1.3},
+    "padded": {"attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])},
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_recorded_steps_give_the_eager_loops_tokens(rerun, kind):
+    """Two calls of 12 tokens: the eager loop's tokens; one recording, made at the first call's
+    second step, replayed by every later step but each call's first (which checks it)."""
+    kw = KINDS[kind]
+    ids = _ids(2 if kind == "padded" else 1)
+    model, ref = _llama(), _llama()
+    want = qm.fast_decode(ref, ids, 12, compile=False, **kw)
+    for _ in range(2):
+        got = qm.fast_decode(model, ids, 12, **kw)
+        assert torch.equal(got, want), (kind, got, want)
+    graph = model.__dict__["_quantmesh_decoder"].step_graph
+    assert graph is not None and graph.records == 1
+    assert len(rerun) == 1 and rerun[0].replays == 10 + 10  # 11 steps a call, the first checks
+
+
+def _changed(model) -> None:
+    with torch.no_grad():
+        w = model.model.layers[0].mlp.down_proj.weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * 3 * w.std())
+
+
+def test_a_replaced_parameter_is_recorded_again(rerun):
+    """A parameter replaced by another tensor (new values at a new address) between calls: the
+    check at the call's first step sees the address and the step is recorded again; the tokens
+    are the eager loop's on the changed model (a stale recording reads the old weight)."""
+    ids = _ids()
+    model, ref = _llama(), _llama()
+    before = qm.fast_decode(model, ids, 12)
+    for m in (model, ref):
+        lin = m.model.layers[0].mlp.down_proj
+        lin.weight = nn.Parameter(lin.weight.detach().clone())
+        _changed(m)
+    want = qm.fast_decode(ref, ids, 12, compile=False)
+    assert not torch.equal(want, before)  # (the change changes the tokens)
+    got = qm.fast_decode(model, ids, 12)
+    assert torch.equal(got, want), (got, want)
+    assert model.__dict__["_quantmesh_decoder"].step_graph.records == 2
+
+
+def test_a_parameter_changed_in_place_keeps_the_recording(rerun):
+    """Values changed in place (an optimizer's step): the recording reads them; not recorded
+    again, the eager loop's tokens."""
+    ids = _ids()
+    model, ref = _llama(), _llama()
+    before = qm.fast_decode(model, ids, 12)
+    _changed(model)
+    _changed(ref)
+    want = qm.fast_decode(ref, ids, 12, compile=False)
+    assert not torch.equal(want, before)
+    got = qm.fast_decode(model, ids, 12)
+    assert torch.equal(got, want), (got, want)
+    assert model.__dict__["_quantmesh_decoder"].step_graph.records == 1
+
+
+def test_a_recompiled_step_is_recorded_again(rerun):
+    """Another compiled function at a call's first step (dynamo compiled the step again: here a
+    branch it took flipped, its inputs the same tensors) drops the recording; the next step
+    records the new function."""
+    graph = SG.StepGraph(_Rerun)
+    lin = nn.Linear(4, 4)
+    flag = {"on": False}  # (a branch: dynamo guards on it, and compiles again when it flips)
+
+    def f(x):
+        return lin(x) * (3.0 if flag["on"] else 2.0)
+
+    step = torch.compile(f, backend=graph.backend("eager"), fullgraph=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for k in (2.0, 3.0):
+            flag["on"] = k == 3.0
+            graph.begin()
+            for i in range(3):
+                y = x + i
+                assert torch.allclose(graph(step, y), lin(y) * k), (k, i)
+    assert graph.records == 2
+
+
+class _Refusing(_Rerun):
+    def record(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_refused_recording_is_said_and_steps_run_compiled(rerun, monkeypatch):
+    """A recording the runtime refuses: a warning that names the error, and every step of this
+    decoder runs the compiled function itself (the eager loop's tokens), never recording again."""
+    monkeypatch.setattr(SG, "RECORDER", _Refusing)
+    ids = _ids()
+    model, ref = _llama(), _llama()
+    want = qm.fast_decode(ref, ids, 12, compile=False)
+    with pytest.warns(UserWarning, match="recording the decode step as a CUDA graph failed "
+                      r"\(RuntimeError: operation not permitted"):  # fmt: skip
+        got = qm.fast_decode(model, ids, 12)
+    assert torch.equal(got, want)
+    assert torch.equal(qm.fast_decode(model, ids, 12), want)
+    graph = model.__dict__["_quantmesh_decoder"].step_graph
+    assert graph.records == 0 and graph.refused is not None
+
+
+def test_a_step_input_that_is_no_tensor_is_refused(rerun):
+    graph = SG.StepGraph(_Rerun)
+    step = torch.compile(lambda x, k: x * k, backend=graph.backend("eager"), fullgraph=True)
+    graph.begin()
+    graph(step, torch.ones(2), 3)  # (the check runs the function itself)
+    with pytest.raises(TypeError, match="tensors"):
+        graph(step, torch.ones(2), 3)
+
+
+def test_where_the_step_is_not_recorded(rerun, monkeypatch):
+    """Off ($QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees), another mode than
+    "reduce-overhead", an uncompiled loop, a device not in DEVICES: no recording."""
+    ids = _ids()
+    model = _llama()
+    qm.fast_decode(model, ids, 3, mode=None)
+    assert model.__dict__["_quantmesh_decoder"].step_graph is None
+    qm.fast_decode(model, ids, 3, compile=False)
+    assert model.__dict__["_quantmesh_decoder"].step_graph is None
+    monkeypatch.setattr(SG, "DEVICES", ("cuda",))
+    qm.fast_decode(model, ids, 3)
+    assert model.__dict__["_quantmesh_decoder"].step_graph is None
+    monkeypatch.setattr(SG, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(SG, "ENABLED", False)
+    model.__dict__.pop("_quantmesh_decoder")
+    qm.fast_decode(model, ids, 3)
+    assert model.__dict__["_quantmesh_decoder"].step_graph is None
+
+
+def test_on_by_default(monkeypatch):
+    import importlib
+
+    monkeypatch.delenv("QUANTMESH_STEP_GRAPH", raising=False)
+    assert importlib.reload(SG).ENABLED is True
+    assert SG.DEVICES == ("cuda",) and SG.RECORDER is None
