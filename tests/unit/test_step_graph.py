@@ -120,7 +120,11 @@ def test_a_replaced_parameter_is_recorded_again(rerun):
     assert not torch.equal(want, before)  # (the change changes the tokens)
     got = qm.fast_decode(model, ids, 12)
     assert torch.equal(got, want), (got, want)
-    assert model.__dict__["_quantmesh_decoder"].step_graph.records == 2
+    graph = model.__dict__["_quantmesh_decoder"].step_graph
+    assert graph.records == 2
+    assert (
+        graph.changed is not None and "(64, 128) torch.float32) at another address" in graph.changed
+    )
 
 
 def test_a_parameter_changed_in_place_keeps_the_recording(rerun):
@@ -135,7 +139,8 @@ def test_a_parameter_changed_in_place_keeps_the_recording(rerun):
     assert not torch.equal(want, before)
     got = qm.fast_decode(model, ids, 12)
     assert torch.equal(got, want), (got, want)
-    assert model.__dict__["_quantmesh_decoder"].step_graph.records == 1
+    graph = model.__dict__["_quantmesh_decoder"].step_graph
+    assert graph.records == 1 and graph.changed is None
 
 
 def test_a_recompiled_step_is_recorded_again(rerun):
@@ -159,6 +164,7 @@ def test_a_recompiled_step_is_recorded_again(rerun):
                 y = x + i
                 assert torch.allclose(graph(step, y), lin(y) * k), (k, i)
     assert graph.records == 2
+    assert graph.changed == "another compiled function (the step was compiled again)"
 
 
 class _Refusing(_Rerun):

@@ -5,8 +5,10 @@ GPU a few milliseconds per token (docs/benchmarks.md, "Figures the code relies o
 milliseconds of Python per token and reads a flag back from the GPU every step, so the host waits
 for each token before it launches the next. Here the loop is: one prefill that fills a
 transformers `StaticCache`, then one compiled step per token (the whole forward, tp all-reduces
-included, replayed as a CUDA graph with mode "reduce-overhead"), with every token kept on the
-device. The host reads the tokens back only every `check_every` steps (to stop at EOS) and at the
+included), recorded once as a CUDA graph and replayed with no host work but copying the step's
+inputs in (`step_graph`; $QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees, mode
+"reduce-overhead", whose host work per step was about as long as a 7B step's GPU work), with
+every token kept on the device. The host reads the tokens back only every `check_every` steps (to stop at EOS) and at the
 end, so it runs ahead of the GPU. With `PREFILL_COMPILED` the prefill is compiled too, for prompts
 of any length (an eager one launches every op of every layer from the host: about 0.15 s on a 7B
 model, against a compile of more than a minute).
@@ -399,7 +401,11 @@ def fast_decode(
     (prompt or reply; pads excluded) are divided by it where positive and multiplied where
     negative, before temperature and top-p. The model must be a transformers
     causal LM (plain, quantized, or parallelized by quantmesh); its config gives the static
-    cache's layout. `compile=False` runs the same loop eagerly. The first call compiles the step
+    cache's layout. `compile=False` runs the same loop eagerly. With `mode` "reduce-overhead"
+    (the default) on a GPU the compiled step is recorded as one CUDA graph at the first call's
+    second step and replayed by every later step; each call's first step runs it compiled and
+    checks the recording against it (`quantmesh.infer.step_graph`: a recompile, or a tensor the
+    step reads at another address, records it again). The first call compiles the step
     (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
     (prompt + new tokens, rounded up to a multiple of 256) and greedy-or-sampled stay. With
     $QUANTMESH_COMPILED_PREFILL=1 the prefill is compiled too, one graph for prompts of any length

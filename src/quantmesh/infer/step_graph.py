@@ -149,6 +149,7 @@ class StepGraph:
         self.noted: tuple[Any, list[Any]] | None = None  # (function, flat inputs) of the last call
         self.records = 0  # recordings made (the tests count them)
         self.refused: str | None = None  # why a recording failed (then none is tried again)
+        self.changed: str | None = None  # why the last check dropped the recording
 
     def backend(self, name: str | Callable[..., Any]) -> Callable[..., Any]:
         """torch.compile's `backend` `name`, each function it compiles wrapped to note its flat
@@ -181,8 +182,10 @@ class StepGraph:
         if not self.checked:  # the call's first step: the compiled function, its inputs noted
             out = self._noted_call(step, args)
             self.checked = True
-            if self.recording is not None and not self._same(leaves, spec):
-                self.drop()
+            if self.recording is not None:
+                self.changed = self._changed(leaves, spec)
+                if self.changed is not None:
+                    self.drop()
             self.noted = None  # (holds no tensor past the check)
             return out
         if self.recording is None and self.refused is None:
@@ -202,22 +205,30 @@ class StepGraph:
         finally:
             self.noting = False
 
-    def _same(self, leaves: list[Any], spec: Any) -> bool:
-        """Whether the step just run (noted) ran the recorded function on the recorded inputs:
-        every input at its address, but the step's own (copied into the recording's)."""
-        if self.noted is None or spec != self.spec or self.noted[0] is not self.fn:
-            return False
+    def _changed(self, leaves: list[Any], spec: Any) -> str | None:
+        """What differs between the step just run (noted) and the recording: another compiled
+        function, other inputs, an input at another address (but the step's own, copied into
+        the recording's at every replay); None: nothing."""
+        if self.noted is None:
+            return "the compiled function was not seen"
+        if spec != self.spec:
+            return "the step's inputs are of another structure"
+        if self.noted[0] is not self.fn:
+            return "another compiled function (the step was compiled again)"
         now = self.noted[1]
         if len(now) != len(self.inputs):
-            return False
+            return f"{len(now)} inputs against {len(self.inputs)}"
         own = {_address(t) for t in leaves if isinstance(t, torch.Tensor)}
         mine = {_address(t) for t in self.static if t is not None}
-        for a, b in zip(tensor_addresses(now), tensor_addresses(self.inputs), strict=True):
+        at = zip(tensor_addresses(now), tensor_addresses(self.inputs), strict=True)
+        for i, (a, b) in enumerate(at):
             if a in own and b in mine:  # the step's own input: copied in at every replay
                 continue
             if a != b:
-                return False
-        return True
+                t = now[i]
+                what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else repr(t)
+                return f"input {i} of {len(now)} ({what}) at another address or of another value"
+        return None
 
     def _record(self, step: Callable[..., Any], leaves: list[Any], spec: Any) -> None:
         for t in leaves:
