@@ -90,7 +90,9 @@
 #            cache (NOPEER=1: not), the defaults, CUDA graph trees, the gemv's low-rank switch
 #            flipped and the defaults again, in one process, profiled (bench_decode.py
 #            --step-graph --gemv-lora --again --profile; BENCH_S, default 330 s). NOTRAINED=1:
-#            not the test
+#            not the test; NOBENCH=1: not the benchmark. With QUANTMESH_GEMV_LORA=1 in the
+#            environment the test runs every path with the adapters' B products in the launch
+#            (the check before that switch becomes the default)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
@@ -219,10 +221,12 @@ case "$STAGE" in
         -k trained 2>&1 | grep -v "^E *\[rank0\]:W" | grep -E "Error|assert|passed|failed" \
         | tail -12
     fi
-    say "decode, 7B nf4 + LoRA, batch 1: (peft's static cache,) the defaults, trees, the low-rank switch, the defaults again"
-    timeout "${BENCH_S:-330}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
-      --profile --step-graph --gemv-lora --again --peer-static-only ${NOPEER:+--no-peer} \
-      --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12 ;;
+    if [ -z "${NOBENCH:-}" ]; then
+      say "decode, 7B nf4 + LoRA, batch 1: (peft's static cache,) the defaults, trees, the low-rank switch, the defaults again"
+      timeout "${BENCH_S:-330}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
+        --profile --step-graph --gemv-lora --again --peer-static-only ${NOPEER:+--no-peer} \
+        --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
+    fi ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
     for b in ${BETWEEN:-gc prefill}; do

@@ -58,6 +58,7 @@ def rerun(monkeypatch):
     monkeypatch.setattr(SG, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(SG, "RECORDER", recorder)
     monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()  # (each decoder compiles its step anew: dynamo's limit is per process)
     return made
 
 
@@ -195,6 +196,17 @@ def test_a_step_input_that_is_no_tensor_is_refused(rerun):
     graph(step, torch.ones(2), 3)  # (the check runs the function itself)
     with pytest.raises(TypeError, match="tensors"):
         graph(step, torch.ones(2), 3)
+
+
+def test_a_decoder_replaced_drops_its_recording(rerun):
+    """A call of other shapes makes another decoder: the one it replaces drops its recording
+    (the compiler's cache outlives the decoder and would keep the graph and its cache alive)."""
+    model, ids = _llama(), _ids()
+    qm.fast_decode(model, ids, 4)
+    first = model.__dict__["_quantmesh_decoder"].step_graph
+    assert first.recording is not None and first.inputs
+    qm.fast_decode(model, _ids(2), 4)
+    assert first.recording is None and not first.inputs and not first.static
 
 
 def test_where_the_step_is_not_recorded(rerun, monkeypatch):

@@ -172,6 +172,12 @@ class _Decoder:
         if self.step_graph is not None:
             self.step_graph.begin()
 
+    def release(self) -> None:
+        """Drop the step's recording (a decoder of other shapes takes this one's place; the
+        compiler's cache, which outlives it, would keep the recording alive)."""
+        if self.step_graph is not None:
+            self.step_graph.drop()
+
     def _drop_regions(self, e: BaseException) -> None:
         """After the compiler refused the block regions (`e`): warn, unmark the blocks and
         compile the step and the prefill again, every block on its own."""
@@ -472,6 +478,8 @@ def fast_decode(
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")
     if dec is None or dec.key != key:
+        if dec is not None:  # (its recording holds its cache's tensors and its graph's memory)
+            dec.release()
         dec = _Decoder(model, batch, max_len, compile, mode, sampled, padded, fuse_adapters,
                        penalized)  # fmt: skip
         model.__dict__["_quantmesh_decoder"] = dec
