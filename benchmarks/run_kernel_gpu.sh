@@ -111,6 +111,13 @@ rows_stage() {
   timeout $(($4 + 40)) python3 benchmarks/nf4_gemv_bench.py --rows "${ROWS:-$3}" --budget-s "$4" \
     --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | grep -v "^skipped" | tail -110
 }
+# the trained model's CUDA decode test (timeout $1 s), its failure lines shown
+trained_test() {
+  say "the trained model's CUDA decode test"
+  timeout "$1" python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py \
+    -k trained 2>&1 | grep -v "^E *\[rank0\]:W" | grep -E "Error|assert|passed|failed" \
+    | tail -12
+}
 case "$STAGE" in
   sweep)
     timeout 560 python3 benchmarks/nf4_rows_bench.py --sweep --budget-s 480 --out "$OUT" 2>&1 \
@@ -199,12 +206,7 @@ case "$STAGE" in
       timeout 180 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_kernel4.py \
         -k low_rank 2>&1 | tail -4
     fi
-    if [ -z "${NOTRAINED:-}" ]; then
-      say "the trained model's CUDA decode test"
-      timeout 240 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py \
-        -k trained 2>&1 | grep -v "^E *\[rank0\]:W" | grep -E "Error|assert|passed|failed" \
-        | tail -12
-    fi
+    if [ -z "${NOTRAINED:-}" ]; then trained_test 240; fi
     if [ -z "${NOBENCH:-}" ]; then
       PEERS=" peft's runs,"
       say "decode, 7B nf4 + LoRA, batch 1:${NOPEER:-$PEERS} the defaults, the switch${LORA_GRAPHS:+, the prefill graphs}, the defaults again"
@@ -215,12 +217,7 @@ case "$STAGE" in
         --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
     fi ;;
   step)
-    if [ -z "${NOTRAINED:-}" ]; then
-      say "the trained model's CUDA decode test"
-      timeout 260 python3 -m pytest -q -x -m cuda tests/distributed/test_cuda_decode.py \
-        -k trained 2>&1 | grep -v "^E *\[rank0\]:W" | grep -E "Error|assert|passed|failed" \
-        | tail -12
-    fi
+    if [ -z "${NOTRAINED:-}" ]; then trained_test 260; fi
     if [ -z "${NOBENCH:-}" ]; then
       say "decode, 7B nf4 + LoRA, batch 1: (peft's static cache,) the defaults, trees, the low-rank switch, the defaults again"
       timeout "${BENCH_S:-330}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
