@@ -198,6 +198,37 @@ def test_a_step_input_that_is_no_tensor_is_refused(rerun):
         graph(step, torch.ones(2), 3)
 
 
+def _tp_recorded(rank: int) -> dict:
+    """At tp=2 (gloo): the eager loop's tokens, then two compiled calls with the step recorded
+    (`_Rerun`: its replays run the graph's collectives, so both ranks must record and replay in
+    lock step), a parameter of each rank's shard replaced between them."""
+    import quantmesh as qm
+
+    SG.DEVICES, SG.RECORDER = ("cuda", "cpu"), _Rerun
+    mesh = qm.init_mesh(tp=2)
+    model, ref = (qm.parallelize(_llama(), mesh).eval() for _ in range(2))  # (a twin: eager)
+    ids = _ids()
+    first = qm.fast_decode(model, ids, 12)
+    want = qm.fast_decode(ref, ids, 12, compile=False)
+    for m in (model, ref):
+        lin = m.model.layers[1].mlp.down_proj
+        local = lin.__dict__.get("local", lin)  # (a sharded layer holds its linear in `local`)
+        local.weight = nn.Parameter(local.weight.detach() * 1.5)
+    changed = qm.fast_decode(ref, ids, 12, compile=False)
+    again = qm.fast_decode(model, ids, 12)
+    graph = model.__dict__["_quantmesh_decoder"].step_graph
+    return {"first": torch.equal(first, want), "again": torch.equal(again, changed),
+            "differs": not torch.equal(changed, want), "records": graph.records}  # fmt: skip
+
+
+def test_recorded_steps_at_tp2_give_the_eager_loops_tokens():
+    from quantmesh.testing import run_ranks
+
+    out = run_ranks(_tp_recorded, 2, timeout=300, env={"QUANTMESH_COMPILE_BACKEND": "eager"})
+    for r in out:
+        assert r == {"first": True, "again": True, "differs": True, "records": 2}, out
+
+
 def test_a_decoder_replaced_drops_its_recording(rerun):
     """A call of other shapes makes another decoder: the one it replaces drops its recording
     (the compiler's cache outlives the decoder and would keep the graph and its cache alive)."""
