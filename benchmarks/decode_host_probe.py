@@ -1,20 +1,21 @@
 """Where a decode step's host time goes: the 7B nf4 + LoRA shape at batch 1 (bench_decode.py's
 qlora model), one process.
 
-  1. qm.fast_decode as it runs by default (the step compiled with mode "reduce-overhead": inductor's
-     CUDA graph trees): three timed runs, the host's time in each call of the step (no sync: the
-     time the host spends before it can queue the next step), then one run under cProfile (the
-     top functions by own time).
-  2. the same step compiled without CUDA graphs (mode None) and recorded once by hand as one
-     torch.cuda.CUDAGraph, replayed at every later step (the tokens copied into its input): the
-     same three timed runs, the host's time per step and the tokens' agreement with (1).
+  1. qm.fast_decode with its step replayed by inductor's CUDA graph trees (mode
+     "reduce-overhead", `step_graph.ENABLED` off): three timed runs, the host's time in each call
+     of the step (no sync: the time the host spends before it can queue the next step), then one
+     run under cProfile (the top functions by own time).
+  2. the same with the step recorded by hand as one CUDA graph (`quantmesh.infer.step_graph`, the
+     default): the same three runs, the host's time per step, the tokens' agreement with (1), and
+     the recordings made.
   3. (1) again, in the process that ran (2).
 
 A step the host launches faster than the GPU runs it costs the GPU's time alone; where the host
-takes longer, the GPU waits (the slow runs of bench_decode.py: ~6-7 ms a token against ~3.7 ms of
-GPU time a step).
+takes longer, the GPU waits. (The thirty-first sitting's run of this probe, in docs/benchmarks.md,
+recorded a prototype in (2): the step recorded once, with no checks; `step_graph` replaced it.)
 
-Usage: python benchmarks/decode_host_probe.py --mode qlora --out DIR   (--smoke: CPU, tiny)
+Usage: python benchmarks/decode_host_probe.py --mode qlora --out DIR   (--smoke: CPU, tiny: (1)
+only, without CUDA graphs)
 Writes DIR/result_decode_host.json.
 """
 
@@ -35,29 +36,6 @@ import bench_decode as bd  # noqa: E402
 import qmbench as qb  # noqa: E402
 
 
-class HandGraph:
-    """The compiled step recorded once as a CUDA graph and replayed (the prototype)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.graph = None
-        self.tok = None
-        self.out = None
-
-    def __call__(self, tok, sample=None, padding=None, repeat=None):
-        if sample is not None or padding is not None or repeat is not None:
-            raise NotImplementedError("the prototype takes greedy, unpadded steps only")
-        if self.graph is None:
-            self.tok = tok.clone()
-            self.graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.out = self.fn(self.tok, None, None, None)
-        self.tok.copy_(tok)
-        self.graph.replay()
-        return self.out
-
-
 class HostClock:
     """Wraps the decoder's step: the host's time in each call."""
 
@@ -76,15 +54,13 @@ def decoder(model):
     return model.__dict__["_quantmesh_decoder"]
 
 
-def run(model, ids, a, dev, mode, R, name, ref=None, wrap=None, profile=True):
+def run(model, ids, a, dev, mode, R, name, ref=None, profile=True):
     import quantmesh as qm
 
     t0 = time.perf_counter()
     qm.fast_decode(model, ids, a.new, mode=mode)  # compiles where new
     R[f"{name}_first_s"] = round(time.perf_counter() - t0, 2)
     dec = decoder(model)
-    if wrap is not None:
-        dec.run = wrap(dec.run)
     clock = HostClock(dec.run)
     dec.run = clock
     runs = []
@@ -108,6 +84,9 @@ def run(model, ids, a, dev, mode, R, name, ref=None, wrap=None, profile=True):
         )
         qb.log(f"{name}: {runs[-1]}")
     R[name] = {"runs": runs}
+    if dec.step_graph is not None:
+        R[name]["recordings"] = dec.step_graph.records
+        R[name]["last_change"] = dec.step_graph.changed
     if ref is not None:
         R[name]["tokens_agree"] = bd.agree(tokens, ref)
     if profile:
@@ -131,6 +110,7 @@ def main(argv=None) -> int:
     out_path = os.path.join(a.out, "result_decode_host.json")
     R: dict = {"bench": "decode_host", "args": vars(a), "versions": qb.versions()}
     import quantmesh as qm
+    from quantmesh.infer import step_graph
 
     dev = torch.device("cpu" if a.cpu else "cuda:0")
     ids = bd.prompt_ids(a, dev)
@@ -138,13 +118,19 @@ def main(argv=None) -> int:
     bd.fill_adapters(model, a.seed)
     bd.prepare_generation(model)
     cuda = dev.type == "cuda"
+    mode = "reduce-overhead" if cuda else None
+    on = step_graph.ENABLED
     with torch.no_grad():
-        ref = run(model, ids, a, dev, "reduce-overhead" if cuda else None, R, "trees")
+        step_graph.ENABLED = False  # (a decoder's key holds the switch: each phase its own)
+        ref = run(model, ids, a, dev, mode, R, "trees")
         qb.write_json(out_path, R)
         if cuda:
-            run(model, ids, a, dev, None, R, "hand_graph", ref=ref, wrap=HandGraph)
+            step_graph.ENABLED = True
+            run(model, ids, a, dev, mode, R, "step_graph", ref=ref)
             qb.write_json(out_path, R)
-            run(model, ids, a, dev, "reduce-overhead", R, "trees_again", ref=ref, profile=False)
+            step_graph.ENABLED = False
+            run(model, ids, a, dev, mode, R, "trees_again", ref=ref, profile=False)
+    step_graph.ENABLED = on
     qb.write_json(out_path, R)
     return 0
 

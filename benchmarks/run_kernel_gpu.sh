@@ -93,11 +93,14 @@
 #            not the test; NOBENCH=1: not the benchmark. With QUANTMESH_GEMV_LORA=1 in the
 #            environment the test runs every path with the adapters' B products in the launch
 #            (the check before that switch becomes the default)
+#   host     benchmarks/decode_host_probe.py: qm.fast_decode on the 7B shape at batch 1 with CUDA
+#            graph trees, with the step recorded by hand and with the trees again, in one
+#            process: the host's time in each step, cProfile of one call
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora or step}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step or host}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -224,6 +227,10 @@ case "$STAGE" in
         --profile --step-graph --gemv-lora --again --peer-static-only ${NOPEER:+--no-peer} \
         --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
     fi ;;
+  host)
+    say "decode, 7B nf4 + LoRA, batch 1: the host's time a step (trees, recorded by hand, trees)"
+    timeout 450 python3 benchmarks/decode_host_probe.py --mode qlora --out "$OUT" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | grep "^\[" | tail -12 ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
     for b in ${BETWEEN:-gc prefill}; do
@@ -286,6 +293,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step, host)" >&2; exit 2 ;;
 esac
 say done
