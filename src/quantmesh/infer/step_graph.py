@@ -5,19 +5,22 @@ the host still runs the compiled frame every step: it gathers every tensor the g
 parameter, statistic and cache tensor of the model: thousands on a 7B model), checks dynamo's
 guards and the inputs' addresses, then replays. On a 7B nf4 + LoRA model at batch 1 that took
 2.2 to 3.9 ms of host time a step against 3.7 ms of GPU work, so the GPU waited whenever the host
-slowed (docs/benchmarks.md, "The host's share of a decode step"). `StepGraph` records the step
+slowed (docs/benchmarks.md, "A decode step's host time", thirty-first sitting). `StepGraph` records the step
 (compiled without CUDA graph trees) once as a `torch.cuda.CUDAGraph` and replays it with no host
 work but copying the step's own inputs (the tokens, a sampled step's noise) into the recording's:
 about 10 us of host time a step.
 
 Safety. A graph reads every tensor where it was when it was recorded. The step is compiled by a
-backend that notes the flat inputs of each call (`note`): every tensor the compiled graph reads,
+backend that notes the flat inputs of each call (`StepGraph.backend`): every tensor the compiled graph reads,
 the model's included, as dynamo gathers them. So at each decode call (`begin`) the first step runs
 the compiled function itself, dynamo's guards included, and its inputs are compared with those
 the graph was recorded with: another compiled function (a recompile: a kernel switch flipped, a
 shape changed) or any input tensor at another address (a parameter replaced, a model moved,
 statistics remade) drops the recording, and the next step records it again. Values changed in
 place (an optimizer's step, the adapters' stacks refreshed) need nothing: the graph reads them.
+The recording keeps the tensors it read alive until it is dropped, so no other tensor can take
+one's address unseen. A recording the runtime refuses (or one that would compile) is said once,
+and the decoder's steps run the compiled function from then on.
 
 On (`ENABLED`, $QUANTMESH_STEP_GRAPH, default 1) on CUDA devices when the step's mode is
 "reduce-overhead" (fast_decode's default); 0 keeps inductor's CUDA graph trees.
@@ -96,12 +99,12 @@ class CudaRecorder:
 
 
 def tensor_addresses(args: Sequence[Any]) -> list[Any]:
-    """Where each of `args` lives: a tensor's data address (a wrapper subclass's, such as a
-    DTensor's: its inner tensors'), anything else itself.
+    """Where each of `args` lives: a tensor's (data address, device), a wrapper subclass's (such
+    as a DTensor) its inner tensors', anything else itself.
 
     Example:
         >>> x = torch.zeros(2)
-        >>> tensor_addresses([x, 3]) == [x.data_ptr(), 3]
+        >>> tensor_addresses([x, 3]) == [(x.data_ptr(), x.device), 3]
         True
     """
     out: list[Any] = []
