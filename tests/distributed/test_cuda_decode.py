@@ -203,8 +203,10 @@ def _trained(rank: int) -> dict:
 
     prefill_graph.ENABLED = True  # (opt-in) the compiled calls' prefills recorded and replayed
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
-    # (its steps recorded by hand as one CUDA graph, the default: step_graph)
-    recorded = model.__dict__["_quantmesh_decoder"].step_graph is not None
+    # (its steps recorded by hand as one CUDA graph, the default: step_graph; recorded once,
+    # not refused)
+    sg = model.__dict__["_quantmesh_decoder"].step_graph
+    recorded = sg is not None and sg.records == 1 and sg.refused is None
     # the prefill recorded as a CUDA graph (bucket 16: 8 pads) in that call, replayed in this one
     graphs = model.__dict__["_quantmesh_decoder"].graphs
     replayed = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
