@@ -8,10 +8,10 @@ transformers `StaticCache`, then one compiled step per token (the whole forward,
 included), recorded once as a CUDA graph and replayed with no host work but copying the step's
 inputs in (`step_graph`; $QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees, mode
 "reduce-overhead", whose host work per step was about as long as a 7B step's GPU work), with
-every token kept on the device. The host reads the tokens back only every `check_every` steps (to stop at EOS) and at the
-end, so it runs ahead of the GPU. With `PREFILL_COMPILED` the prefill is compiled too, for prompts
-of any length (an eager one launches every op of every layer from the host: about 0.15 s on a 7B
-model, against a compile of more than a minute).
+every token kept on the device. The host reads the tokens back only every `check_every` steps
+(to stop at EOS) and at the end, so it runs ahead of the GPU. With `PREFILL_COMPILED` the
+prefill is compiled too, for prompts of any length (an eager one launches every op of every
+layer from the host: about 0.15 s on a 7B model, against a compile of more than a minute).
 
 On tp ranks every rank runs the same loop in lock step: the LM head gathers the logits, so each rank
 picks the same token. Sampling (temperature, top-p) runs inside the compiled step too: the uniform
