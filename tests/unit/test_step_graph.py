@@ -155,7 +155,7 @@ def test_a_recompiled_step_is_recorded_again(rerun):
     def f(x):
         return lin(x) * (3.0 if flag["on"] else 2.0)
 
-    step = torch.compile(f, backend=graph.backend("eager"), fullgraph=True)
+    step = torch.compile(f, backend=SG.backend("eager"), fullgraph=True)
     x = torch.randn(2, 4)
     with torch.no_grad():
         for k in (2.0, 3.0):
@@ -191,7 +191,7 @@ def test_a_refused_recording_is_said_and_steps_run_compiled(rerun, monkeypatch):
 
 def test_a_step_input_that_is_no_tensor_is_refused(rerun):
     graph = SG.StepGraph(_Rerun)
-    step = torch.compile(lambda x, k: x * k, backend=graph.backend("eager"), fullgraph=True)
+    step = torch.compile(lambda x, k: x * k, backend=SG.backend("eager"), fullgraph=True)
     graph.begin()
     graph(step, torch.ones(2), 3)  # (the check runs the function itself)
     with pytest.raises(TypeError, match="tensors"):
@@ -238,6 +238,22 @@ def test_a_decoder_replaced_drops_its_recording(rerun):
     assert first.recording is not None and first.inputs
     qm.fast_decode(model, _ids(2), 4)
     assert first.recording is None and not first.inputs and not first.static
+
+
+def test_decoders_of_other_batch_sizes_share_the_compiled_step(rerun):
+    """Batch sizes 1, 2, 3 and 1 again, each a decoder of its own with a recording of its own:
+    dynamo compiles the step twice (the second with the batch made dynamic), as without the
+    recordings, since every decoder compiles with the one noting backend; the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    model, ref = _llama(), _llama()
+    counters.clear()
+    for b in (1, 2, 3, 1):
+        ids = _ids(b, seed=b)
+        got = qm.fast_decode(model, ids, 6)
+        assert torch.equal(got, qm.fast_decode(ref, ids, 6, compile=False)), b
+        assert model.__dict__["_quantmesh_decoder"].step_graph.records == 1
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
 def test_where_the_step_is_not_recorded(rerun, monkeypatch):

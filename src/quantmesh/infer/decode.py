@@ -121,7 +121,7 @@ class _Decoder:
             p = next(model.parameters(), None)
             if p is not None and p.device.type in step_graph.DEVICES:
                 self.step_graph = step_graph.StepGraph(step_graph.RECORDER)
-                self.opts = {"backend": self.step_graph.backend(compile_options(None)["backend"])}
+                self.opts = {"backend": step_graph.backend(compile_options(None)["backend"])}
         self.compiled: Any = torch.compile(self.step, fullgraph=True, **self.opts)
         # the compiled step (its first call: `_first_run`), and what each step calls
         self.inner: Any = (

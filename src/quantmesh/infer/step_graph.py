@@ -11,7 +11,7 @@ work but copying the step's own inputs (the tokens, a sampled step's noise) into
 about 10 us of host time a step.
 
 Safety. A graph reads every tensor where it was when it was recorded. The step is compiled by a
-backend that notes the flat inputs of each call (`StepGraph.backend`): every tensor the compiled graph reads,
+backend that notes the flat inputs of each call (`backend`): every tensor the compiled graph reads,
 the model's included, as dynamo gathers them. So at each decode call (`begin`) the first step runs
 the compiled function itself, dynamo's guards included, and its inputs are compared with those
 the graph was recorded with: another compiled function (a recompile: a kernel switch flipped, a
@@ -27,13 +27,14 @@ On (`ENABLED`, $QUANTMESH_STEP_GRAPH, default 1) on CUDA devices when the step's
 
 Example:
     >>> graph = StepGraph()                                     # doctest: +SKIP
-    >>> step = torch.compile(fn, backend=graph.backend("inductor"))  # doctest: +SKIP
+    >>> step = torch.compile(fn, backend=backend("inductor"))   # doctest: +SKIP
     >>> graph.begin()                          # each call: the next step checks  # doctest: +SKIP
     >>> out = graph(step, tok)                                  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -51,6 +52,7 @@ __all__ = [
     "CudaRecorder",
     "Recorder",
     "StepGraph",
+    "backend",
     "tensor_addresses",
 ]
 
@@ -98,6 +100,39 @@ class CudaRecorder:
         self.graph.replay()
 
 
+_NOTING = threading.local()  # .graph: the StepGraph whose check or recording runs, if any
+_BACKENDS: dict[Any, Callable[..., Any]] = {}
+
+
+def backend(name: str | Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile's `backend` `name`, each function it compiles wrapped so that a
+    `StepGraph` checking or recording a step notes that function and its flat inputs (every
+    tensor the compiled graph reads). One per name: decoders of other shapes then share the
+    compiler's cache entries (a batch size dynamo has made dynamic compiles nothing new).
+
+    Example:
+        >>> step = torch.compile(lambda x: x * 2, backend=backend("eager"))
+        >>> step(torch.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+    if name not in _BACKENDS:
+        inner = torch._dynamo.lookup_backend(name) if isinstance(name, str) else name
+
+        def noting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            compiled = inner(gm, example_inputs)
+
+            def run(*args: Any) -> Any:
+                graph = getattr(_NOTING, "graph", None)
+                if graph is not None:
+                    graph.noted = (run, list(args))
+                return compiled(*args)
+
+            return run
+
+        _BACKENDS[name] = noting_backend
+    return _BACKENDS[name]
+
+
 def tensor_addresses(args: Sequence[Any]) -> list[Any]:
     """Where each of `args` lives: a tensor's (data address, device), a wrapper subclass's (such
     as a DTensor) its inner tensors', anything else itself.
@@ -127,15 +162,15 @@ class StepGraph:
     """A compiled step recorded once as a CUDA graph and replayed (the module's doc says when it
     records again).
 
-    `backend(name)` wraps the step's torch.compile backend so that each compiled function's calls
-    can be noted; `begin()` marks the start of a decode call; `__call__(step, *args)` runs one
+    The step must be compiled with `backend(name)`, which lets a check or a recording note the
+    compiled function and its inputs; `begin()` marks the start of a decode call; `__call__(step, *args)` runs one
     step: `step` (the compiled function) itself on a call's first step (a check) and where
     nothing is recorded yet; else the recording, replayed on a copy of `args` (tensors, or
     nested tuples of them and None).
 
     Example:
         >>> graph = StepGraph()                                         # doctest: +SKIP
-        >>> step = torch.compile(fn, backend=graph.backend("inductor")) # doctest: +SKIP
+        >>> step = torch.compile(fn, backend=backend("inductor"))       # doctest: +SKIP
         >>> graph.begin(); out = graph(step, tok)                       # doctest: +SKIP
     """
 
@@ -148,28 +183,10 @@ class StepGraph:
         self.fn: Any = None  # the compiled function the recording ran, and its flat inputs
         self.inputs: list[Any] = []
         self.checked = False  # this call's first step has run (and checked the recording)
-        self.noting = False
         self.noted: tuple[Any, list[Any]] | None = None  # (function, flat inputs) of the last call
         self.records = 0  # recordings made (the tests count them)
         self.refused: str | None = None  # why a recording failed (then none is tried again)
         self.changed: str | None = None  # why the last check dropped the recording
-
-    def backend(self, name: str | Callable[..., Any]) -> Callable[..., Any]:
-        """torch.compile's `backend` `name`, each function it compiles wrapped to note its flat
-        inputs while a check or a recording runs."""
-        inner = torch._dynamo.lookup_backend(name) if isinstance(name, str) else name
-
-        def noting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            compiled = inner(gm, example_inputs)
-
-            def run(*args: Any) -> Any:
-                if self.noting:
-                    self.noted = (run, list(args))
-                return compiled(*args)
-
-            return run
-
-        return noting_backend
 
     def begin(self) -> None:
         """A decode call starts: its first step checks the recording."""
@@ -202,11 +219,11 @@ class StepGraph:
         return self.out
 
     def _noted_call(self, step: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        self.noting, self.noted = True, None
+        _NOTING.graph, self.noted = self, None
         try:
             return step(*args)
         finally:
-            self.noting = False
+            _NOTING.graph = None
 
     def _changed(self, leaves: list[Any], spec: Any) -> str | None:
         """What differs between the step just run (noted) and the recording: another compiled
@@ -240,7 +257,7 @@ class StepGraph:
         self.static = [None if t is None else t.clone() for t in leaves]
         args = pytree.tree_unflatten(self.static, spec)
         rec = self.new_recorder(self)
-        self.noting, self.noted = True, None
+        _NOTING.graph, self.noted = self, None
         try:  # (a compile while recording would run kernels into the graph: refused instead)
             with torch.compiler.set_stance("fail_on_recompile"):
                 self.out = rec.record(lambda: step(*args))
@@ -257,7 +274,7 @@ class StepGraph:
             )
             return
         finally:
-            self.noting = False
+            _NOTING.graph = None
         if self.noted is None:  # the backend did not see the call: nothing to check it by
             warnings.warn(
                 "quantmesh: the decode step's compiled function was not seen while recording "
