@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["QuantmeshError"]
+__all__ = ["QuantmeshError", "said"]
 
 
 class QuantmeshError(Exception):
@@ -29,3 +29,20 @@ class QuantmeshError(Exception):
         >>> isinstance(MyError("bad"), ValueError)
         True
     """
+
+
+def said(e: BaseException) -> str:
+    """Another library's error (a compiler's, the CUDA runtime's) in one line, as quantmesh's
+    warnings quote it: the backend's own exception where dynamo wrapped it, its first line (and
+    the next where the first ends in a colon).
+
+    Example:
+        >>> said(ValueError("bad shape:\\n  (2, 3)"))
+        'ValueError: bad shape: (2, 3)'
+    """
+    inner = getattr(e, "inner_exception", None) or e
+    lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()] or [""]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:  # ("... Got graph break/error:": the reason next)
+        first = f"{first} {lines[1]}"
+    return f"{type(inner).__name__}: {first}"

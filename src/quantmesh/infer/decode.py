@@ -40,6 +40,7 @@ from torch import nn
 
 from ..blocks.compile import blocks_for_decoding, regions_available, unmark_block_regions
 from ..config import env_switch
+from ..errors import said as _said
 from ..lora.adapter import LoraAdapter, LowRank, _adds_in_launch, lean_linear, static_on_cuda
 from ..plan.styles import Style
 from ..quant import kernel4
@@ -329,16 +330,6 @@ class _Decoder:
         """Turn the adapter stacks on (for the steps) or off."""
         for stack in self.stacks or []:
             stack.active = on
-
-
-def _said(e: BaseException) -> str:
-    """A compiler's error in one line: the backend's own exception where dynamo wrapped it."""
-    inner = getattr(e, "inner_exception", None) or e
-    lines = [line.strip() for line in str(inner).strip().splitlines() if line.strip()] or [""]
-    said = lines[0]
-    if said.endswith(":") and len(lines) > 1:  # ("... Got graph break/error:": the reason next)
-        said = f"{said} {lines[1]}"
-    return f"{type(inner).__name__}: {said}"
 
 
 def _refuse_eager_experts(model: nn.Module) -> None:

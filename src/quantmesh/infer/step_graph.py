@@ -5,10 +5,10 @@ the host still runs the compiled frame every step: it gathers every tensor the g
 parameter, statistic and cache tensor of the model: thousands on a 7B model), checks dynamo's
 guards and the inputs' addresses, then replays. On a 7B nf4 + LoRA model at batch 1 that took
 2.2 to 3.9 ms of host time a step against 3.7 ms of GPU work, so the GPU waited whenever the host
-slowed (docs/benchmarks.md, "A decode step's host time", thirty-first sitting). `StepGraph` records the step
-(compiled without CUDA graph trees) once as a `torch.cuda.CUDAGraph` and replays it with no host
-work but copying the step's own inputs (the tokens, a sampled step's noise) into the recording's:
-about 10 us of host time a step.
+slowed (docs/benchmarks.md, "A decode step's host time", thirty-first sitting). `StepGraph`
+records the step (compiled without CUDA graph trees) once as a `torch.cuda.CUDAGraph` and replays
+it with no host work but copying the step's own inputs (the tokens, a sampled step's noise) into
+the recording's: about 10 us of host time a step.
 
 Safety. A graph reads every tensor where it was when it was recorded. The step is compiled by a
 backend that notes the flat inputs of each call (`backend`): every tensor the compiled graph reads,
@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config import env_switch
+from ..errors import said
 
 __all__ = [
     "DEVICES",
@@ -163,10 +164,10 @@ class StepGraph:
     records again).
 
     The step must be compiled with `backend(name)`, which lets a check or a recording note the
-    compiled function and its inputs; `begin()` marks the start of a decode call; `__call__(step, *args)` runs one
-    step: `step` (the compiled function) itself on a call's first step (a check) and where
-    nothing is recorded yet; else the recording, replayed on a copy of `args` (tensors, or
-    nested tuples of them and None).
+    compiled function and its inputs; `begin()` marks the start of a decode call;
+    `__call__(step, *args)` runs one step: `step` (the compiled function) itself on a call's
+    first step (a check) and where nothing is recorded yet; else the recording, replayed on a
+    copy of `args` (tensors, or nested tuples of them and None).
 
     Example:
         >>> graph = StepGraph()                                         # doctest: +SKIP
@@ -200,7 +201,7 @@ class StepGraph:
     def __call__(self, step: Callable[..., Any], *args: Any) -> Any:
         leaves, spec = pytree.tree_flatten(args)
         if not self.checked:  # the call's first step: the compiled function, its inputs noted
-            out = self._noted_call(step, args)
+            out = self._noting(lambda: step(*args))
             self.checked = True
             if self.recording is not None:
                 self.changed = self._changed(leaves, spec)
@@ -218,10 +219,11 @@ class StepGraph:
         self.recording.replay()
         return self.out
 
-    def _noted_call(self, step: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def _noting(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`, the compiled function it calls and that function's inputs noted (`noted`)."""
         _NOTING.graph, self.noted = self, None
         try:
-            return step(*args)
+            return fn()
         finally:
             _NOTING.graph = None
 
@@ -257,15 +259,12 @@ class StepGraph:
         self.static = [None if t is None else t.clone() for t in leaves]
         args = pytree.tree_unflatten(self.static, spec)
         rec = self.new_recorder(self)
-        _NOTING.graph, self.noted = self, None
         try:  # (a compile while recording would run kernels into the graph: refused instead)
             with torch.compiler.set_stance("fail_on_recompile"):
-                self.out = rec.record(lambda: step(*args))
+                self.out = self._noting(lambda: rec.record(lambda: step(*args)))
         except Exception as e:  # noqa: BLE001 - the recorder's or the compiler's own error
             self.drop()
-            self.refused = (
-                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            )
+            self.refused = said(e)
             warnings.warn(
                 f"quantmesh: recording the decode step as a CUDA graph failed ({self.refused}); "
                 "this decoder's steps run compiled without a recording from now on "
@@ -273,8 +272,6 @@ class StepGraph:
                 stacklevel=3,
             )
             return
-        finally:
-            _NOTING.graph = None
         if self.noted is None:  # the backend did not see the call: nothing to check it by
             warnings.warn(
                 "quantmesh: the decode step's compiled function was not seen while recording "
