@@ -360,3 +360,41 @@ def test_the_join_is_on_by_default_where_the_kernels_read_it(monkeypatch) -> Non
     runs = [m for m in layers if getattr(m, "codes_run", None) is not None]
     assert not runs, [type(m).__name__ for m in runs]
     assert len(forwards) == 2, forwards
+
+
+def test_the_adapters_deltas_go_in_the_launch_by_default_where_the_gemv_runs(monkeypatch) -> None:
+    """`GEMV_LORA_ENABLED` is on by default and applies where the gemv runs only
+    (`kernel4.gemv_lora_on`): on CPU no adapter makes its launch tensors (`low_rank` is None,
+    the adapter stacks hold no B rows for a launch), so fast_decode adds every delta after its
+    product, as before; with the CPU among the kernels' devices (what the interpreter's tests
+    do) the same adapters make them."""
+    import quantmesh as qm
+    from quantmesh.infer.decode import AdapterStack
+    from quantmesh.lora.adapter import LoraAdapter
+    from quantmesh.quant import kernel4
+    from quantmesh.tp.layers import sharded_modules
+
+    if os.environ.get("QUANTMESH_GEMV_LORA") is None:
+        assert kernel4.GEMV_LORA_ENABLED  # the default, as this process imported it
+    monkeypatch.setattr(kernel4, "GEMV_LORA_ENABLED", True)
+    assert kernel4.gemv_lora_on(torch.device("cuda")) == kernel4._HAS_TRITON
+    assert not kernel4.gemv_lora_on(torch.device("cpu"))
+    model = qlora_llama().eval()
+    adapters = [m.lora for m in sharded_modules(model).values() if isinstance(m.lora, LoraAdapter)]
+    assert adapters
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    stacks: list[AdapterStack] = []
+    real_refresh = AdapterStack.refresh
+
+    def refresh(self: AdapterStack) -> None:
+        real_refresh(self)
+        stacks.append(self)
+
+    monkeypatch.setattr(AdapterStack, "refresh", refresh)
+    qm.fast_decode(model, ids, 2, compile=False)
+    assert stacks and all(s.e.numel() == 0 for s in stacks)
+    with torch.no_grad():
+        assert all(ad.low_rank() is None for ad in adapters)
+        assert not any("_low_rank_vectors" in ad.__dict__ for ad in adapters)
+        monkeypatch.setattr(kernel4, "KERNEL_DEVICES", ("cuda", "cpu"))
+        assert all(ad.low_rank() is not None for ad in adapters)

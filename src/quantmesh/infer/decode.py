@@ -662,7 +662,7 @@ class AdapterStack:
         self.b = torch.empty(0)
         # the deltas as a joined 4-bit launch adds them (`low_rank`): B's rows, r_max wide (zeros
         # past a member's rank), where each row's A products begin, each member's scale; made
-        # only while kernel4.GEMV_LORA_ENABLED (empty otherwise)
+        # only where kernel4.gemv_lora_on (empty otherwise)
         self.e = self.col = self.scale = torch.empty(0)
         self.locals = tuple(id(m.local) for m in members)
         self.refresh()
@@ -679,7 +679,7 @@ class AdapterStack:
             self.a = static_on_cuda(torch.empty(a_shape, dtype=w.dtype, device=w.device))
             self.b = static_on_cuda(torch.zeros(b_shape, dtype=w.dtype, device=w.device))
         n, r_max = sum(self.outs), max(self.ranks)
-        if not kernel4.GEMV_LORA_ENABLED:  # (made when the switch is on at a prefill's refresh)
+        if not kernel4.gemv_lora_on(w.device):  # (made when it is on at a prefill's refresh)
             self.e = self.col = self.scale = torch.empty(0)
         elif (
             tuple(self.e.shape) != (n, r_max)
@@ -735,14 +735,14 @@ class AdapterStack:
 
 @torch.no_grad()
 def prepare_low_rank(model: nn.Module) -> int:
-    """With `kernel4.GEMV_LORA_ENABLED`, make every LoRA adapter's tensors for the gemv's launch
+    """Where `kernel4.gemv_lora_on`, make every LoRA adapter's tensors for the gemv's launch
     (`LoraAdapter.low_rank`: kept, never made while a graph is traced, where the adapter's delta
     then stays outside the launch) and copy the biases of joined 4-bit siblings in
     (`CodesRun.refresh_bias`: a joined launch adds them before the deltas); `fast_decode` calls
     it after each prefill. Returns how many adapters have them.
 
     Example:
-        >>> prepare_low_rank(model)  # the switch off: nothing made  # doctest: +SKIP
+        >>> prepare_low_rank(model)  # on CPU: nothing made  # doctest: +SKIP
         0
     """
     if not kernel4.GEMV_LORA_ENABLED:

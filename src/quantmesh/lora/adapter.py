@@ -28,6 +28,7 @@ from torch import nn
 
 from ..config import ALL_LINEAR, DEFAULT_TARGETS, LoraConfig, LoraError
 from ..plan.styles import FeatureSplit, Style, slice_dim
+from ..quant import kernel4
 from ..tp.kinds import kind_of
 
 __all__ = [
@@ -341,11 +342,13 @@ class LoraAdapter(Adapter):
 
 
 def _adds_in_launch(ad: LoraAdapter, *weights: torch.Tensor) -> bool:
-    """Whether `ad`'s delta may be added inside a 4-bit layer's launch now: fp32 factors of plain
-    tensors (`weights`: those the launch reads), no autograd, no autocast, no active dropout."""
+    """Whether `ad`'s delta may be added inside a 4-bit layer's launch now: where the launch takes
+    deltas (`kernel4.gemv_lora_on`), fp32 factors of plain tensors (`weights`: those the launch
+    reads), no autograd, no autocast, no active dropout."""
     drop = ad.lora_dropout
     return (
-        not torch.is_grad_enabled()
+        kernel4.gemv_lora_on(weights[0].device)
+        and not torch.is_grad_enabled()
         and ad.lora_A.weight.dtype == torch.float32
         and all(type(w) in (torch.Tensor, nn.Parameter) and w.is_contiguous() for w in weights)
         and not torch.is_autocast_enabled(weights[0].device.type)

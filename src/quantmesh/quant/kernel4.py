@@ -20,8 +20,8 @@ fp32 product of the code value and the fp32 absmax, as `dequantize_4bit` compute
 are fp32, in another order than dequantize + matmul. `qm_gemv_4bit` (one thread per output
 feature, the earlier form) is kept for the benchmarks (a tile without `KERNEL`).
 
-The LoRA adapters' B products inside the gemv's launch (opt-in, `GEMV_LORA_ENABLED`;
-QUANTMESH_GEMV_LORA=1): `matmul_4bit_gemv(low_rank=(t, e, col, scale, bias))`, the op
+The LoRA adapters' B products inside the gemv's launch (on by default where the gemv runs,
+`gemv_lora_on`; QUANTMESH_GEMV_LORA=0 turns it off): `matmul_4bit_gemv(low_rank=(t, e, col, scale, bias))`, the op
 `quantmesh::gemv_4bit_lora`. Each program loads its features' B rows (`e`, fp32), their scales
 and their A products (`t`, from `col` on) before its loop and adds each output's delta as it
 stores it, the product and the delta each rounded to x's dtype first (what adding the delta after
@@ -105,6 +105,7 @@ __all__ = [
     "dequantize_weight",
     "dequantize_weight_applies",
     "GEMV_LORA_ENABLED",
+    "gemv_lora_on",
     "LowRankTensors",
     "check_low_rank",
     "gemv_applies",
@@ -185,8 +186,10 @@ GEMV_ROW_TILES: dict[int, dict[str, Any]] = {
 # The LoRA adapters' B products inside the gemv's launch (`quant.bnb.QuantLinear4bit`'s
 # `low_rank`; the layer's adapter gives its A products, `lora.adapter.LowRank`): each output
 # gets its delta as it is stored, so a decode step has no kernel of its own for B and no addition
-# after the gemv. Opt-in (QUANTMESH_GEMV_LORA=1) until timed on a GPU.
-GEMV_LORA_ENABLED = env_switch("QUANTMESH_GEMV_LORA", default=False)
+# after the gemv. On by default where the gemv runs (`gemv_lora_on`): a decode step's GPU time
+# 4.5% less, decoding 1.11x, the trained model's CUDA decode test passing with it on in every
+# path (docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_GEMV_LORA=0 turns it off.
+GEMV_LORA_ENABLED = env_switch("QUANTMESH_GEMV_LORA", default=True)
 GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many warps
 # The tensor-core kernel (`matmul_4bit_mma`, `_triton4.qm_mma_4bit`) for MMA_MIN_ROWS to
 # MMA_MAX_ROWS rows (decoding 9 to 64 sequences, the server's larger steps): the codes read once,
@@ -257,6 +260,19 @@ def joins_pay_on(device: torch.device) -> bool:
         False
     """
     return JOIN_ENABLED and _HAS_TRITON and device.type in KERNEL_DEVICES
+
+
+def gemv_lora_on(device: torch.device) -> bool:
+    """Whether the adapters' B products go inside the gemv's launch for layers on `device`:
+    `GEMV_LORA_ENABLED`, Triton, and a device in `KERNEL_DEVICES`. Elsewhere (CPU) no launch
+    would read them, and nothing is made for it (`lora.adapter.LoraAdapter.low_rank`, the
+    adapter stacks of `fast_decode`). Read at call time.
+
+    Example:
+        >>> gemv_lora_on(torch.device("cpu"))
+        False
+    """
+    return GEMV_LORA_ENABLED and _HAS_TRITON and device.type in KERNEL_DEVICES
 
 
 def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
