@@ -118,13 +118,19 @@ def gbps(nbytes: int, us: float) -> int:
 def launch(cfg: dict):
     """The launcher of the tile `cfg`: `kernel4.launch_mma` for KERNEL "mma", the experiment
     `nf4_pairs.launch_pairs` (a CUDA kernel: code pairs looked up in shared memory) for
-    "pairs", "pairs_k" and "pairs32" (its second and third layouts), else `launch_gemv`."""
+    "pairs", "pairs_k" and "pairs32" (its second and third layouts), the experiment
+    `nf4_xtab.launch_xtab` (a CUDA kernel: the input's products looked up) for "xtab", else
+    `launch_gemv`."""
     from quantmesh.quant import kernel4 as k4
 
     if cfg.get("KERNEL") in ("pairs", "pairs_k", "pairs32"):
         from nf4_pairs import launch_pairs
 
         return launch_pairs
+    if cfg.get("KERNEL") == "xtab":
+        from nf4_xtab import launch_xtab
+
+        return launch_xtab
     return k4.launch_mma if cfg.get("KERNEL") == "mma" else k4.launch_gemv
 
 
@@ -317,6 +323,8 @@ def table(r: dict) -> str:
         c = s["cfg"]
         if c.get("KERNEL") in ("pairs", "pairs_k", "pairs32"):  # (nf4_pairs.py: fixed layouts)
             name = f"{c['KERNEL']} bps{c.get('BPS', 2)} (CUDA, shared-memory pair tables)"
+        elif c.get("KERNEL") == "xtab":  # (nf4_xtab.py)
+            name = "xtab (CUDA, shared-memory product tables)"
         elif c.get("KERNEL") == "mma":
             name = "mma n{BLOCK_N} m{BLOCK_M} nb{NB} blk{BLK} lut{LUT} w{num_warps} s{}".format(
                 c.get("num_stages"), **c)  # fmt: skip

@@ -93,6 +93,12 @@
 #            not the test; NOBENCH=1: not the benchmark. With QUANTMESH_GEMV_LORA=1 in the
 #            environment the test runs every path with the adapters' B products in the launch
 #            (the check before that switch becomes the default)
+#   xtab     the product-table gemv (benchmarks/nf4_xtab.py, CUDA through NVRTC: each byte of
+#            codes looks up its two inputs' products in a table made per slice of K) against the
+#            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
+#            (nf4_gemv_bench.py; XTAB_BUDGET, default 200 s); then, unless NODECODE=1,
+#            qm.fast_decode on the 7B shape at batch 1 after peft's compiled static cache
+#            (bench_decode.py --peer-static-only; the defaults alone)
 #   host     benchmarks/decode_host_probe.py: qm.fast_decode on the 7B shape at batch 1 with CUDA
 #            graph trees, with the step recorded by hand and with the trees again, in one
 #            process: the host's time in each step, cProfile of one call
@@ -100,7 +106,7 @@
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step or host}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step, xtab or host}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -238,6 +244,18 @@ case "$STAGE" in
       timeout 240 python3 benchmarks/decode_gc_check.py --between "$b" --layers "${GC_LAYERS:-32}" \
         2>&1 | grep -v "Warning\|warnings.warn" | tail -3
     done ;;
+  xtab)
+    say "the product-table gemv against the library's tile and bitsandbytes, one row"
+    timeout $((${XTAB_BUDGET:-200} + 60)) python3 benchmarks/nf4_gemv_bench.py \
+      --budget-s "${XTAB_BUDGET:-200}" --shapes 0,1,2,3,4 --out "$OUT/xtab" --tiles '[
+        {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1}]' \
+      2>&1 | grep -v "Warning\|warnings.warn" | tail -60
+    if [ -z "${NODECODE:-}" ]; then
+      say "decode, 7B nf4 + LoRA, batch 1: peft's static cache, then the defaults"
+      timeout "${BENCH_S:-260}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
+        --peer-static-only --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
+    fi ;;
   pairs)
     say "the pair-table gemv (pairs_k, pairs32) against the library's tile and bitsandbytes, one row"
     timeout $((${PAIRS_BUDGET:-260} + 40)) python3 benchmarks/nf4_gemv_bench.py \
