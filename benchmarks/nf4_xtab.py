@@ -42,6 +42,12 @@ SLICE = 256  # inputs a block's table covers (128 bytes of codes a feature)
 TABLE_BYTES = 256 * 128 * 4 + 256 * 4 + 16  # the table, the nested code values, a flag
 
 SOURCE = r"""
+// KC: the codes' `in` (K), fixed at compile time (one kernel per K): a row's words are then at
+// immediate offsets of one address; TR: features a warp's tile (32 or 16); NT: threads a block
+#define KW (KC / 8)       // 32-bit words of codes a feature
+#define NBLK (KC / 64)    // blocks of 64 a feature
+#define NK (TR / 8)       // the scales a lane applies a tile (TR 8, 16 or 32)
+
 __device__ __forceinline__ float bf2f(unsigned short h) {
   return __uint_as_float(((unsigned int)h) << 16);
 }
@@ -50,8 +56,22 @@ __device__ __forceinline__ unsigned short f2bf(float f) {
 }
 __device__ __forceinline__ unsigned int ld_stream(const unsigned int* p) {
   unsigned int r;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
   return r;
+}
+// the 4 bytes of v looked up (byte i: column 32 i + lane, `base` the lane's column 0 in the
+// shared window) and summed
+__device__ __forceinline__ float lookup4(unsigned int base, unsigned int v) {
+  float t0, t1, t2, t3;
+  const unsigned int a0 = base + (__byte_perm(v, 0, 0x4440) << 9);
+  const unsigned int a1 = base + (__byte_perm(v, 0, 0x4441) << 9);
+  const unsigned int a2 = base + (__byte_perm(v, 0, 0x4442) << 9);
+  const unsigned int a3 = base + ((v >> 24) << 9);
+  asm("ld.shared.f32 %0, [%1];" : "=f"(t0) : "r"(a0));
+  asm("ld.shared.f32 %0, [%1+128];" : "=f"(t1) : "r"(a1));
+  asm("ld.shared.f32 %0, [%1+256];" : "=f"(t2) : "r"(a2));
+  asm("ld.shared.f32 %0, [%1+384];" : "=f"(t3) : "r"(a3));
+  return (t0 + t1) + (t2 + t3);
 }
 
 // one reduce-scatter step across lane bit `bit` (m values a lane, m/2 kept): the lanes with the
@@ -64,9 +84,65 @@ __device__ __forceinline__ unsigned int ld_stream(const unsigned int* p) {
     a[r] = keep + __shfl_xor_sync(0xffffffffu, send, 1 << (bit));           \
   }
 
+struct Tile {
+  unsigned int w[TR];   // the TR features' words (lane j: word j of the slice)
+  unsigned int am[NK];  // this lane's scales' 8-bit codes, nested absmax and offset
+  float am2[NK], off[NK];
+};
+
+// the loads of the tile at feature t0 (N a multiple of 32: no feature past N)
+__device__ __forceinline__ void load_tile(Tile& t, const unsigned int* __restrict__ q,
+                                          const unsigned char* __restrict__ am,
+                                          const float* __restrict__ am2,
+                                          const float* __restrict__ off, int offs, float off0,
+                                          int t0, int s, int lane, int rowk) {
+  const unsigned int* p = q + (size_t)t0 * KW + s * 32 + lane;
+#pragma unroll
+  for (int r = 0; r < TR; ++r) t.w[r] = ld_stream(p + r * KW);
+#pragma unroll
+  for (int k = 0; k < NK; ++k) {
+    const size_t blk = (size_t)(t0 + rowk + k) * NBLK + s * 4 + (lane >> 3);
+    t.am[k] = am[blk];
+    t.am2[k] = am2[blk >> 8];
+    t.off[k] = offs ? off[blk >> 8] : off0;
+  }
+}
+
+// the tile's TR sums into y32 (each lane one feature's; at TR 16, lanes j and j + 16 the same)
+__device__ __forceinline__ void sum_tile(const Tile& t, unsigned int base, const float* c2,
+                                         float* __restrict__ y32, int t0, int lane, int row_end) {
+  float a[TR];
+#pragma unroll
+  for (int r = 0; r < TR; ++r) a[r] = lookup4(base, t.w[r]);
+  RS_STEP(a, TR, 0, lane)
+  RS_STEP(a, TR / 2, 1, lane)
+  RS_STEP(a, TR / 4, 2, lane)
+  // a[k]: feature t0 + rowk + k (rowk: TR/2 l0 + TR/4 l1 + TR/8 l2), this lane group's block
+#pragma unroll
+  for (int k = 0; k < NK; ++k) a[k] *= fmaf(c2[t.am[k]], t.am2[k], t.off[k]);
+#if TR == 32
+  RS_STEP(a, 4, 3, lane)
+  RS_STEP(a, 2, 4, lane)
+  const int n = t0 + 16 * (lane & 1) + 8 * ((lane >> 1) & 1) + 4 * ((lane >> 2) & 1)
+              + 2 * ((lane >> 3) & 1) + (lane >> 4);
+  if (n < row_end) atomicAdd(y32 + n, a[0]);
+#elif TR == 16
+  RS_STEP(a, 2, 3, lane)
+  a[0] += __shfl_xor_sync(0xffffffffu, a[0], 16);
+  const int n = t0 + 8 * (lane & 1) + 4 * ((lane >> 1) & 1) + 2 * ((lane >> 2) & 1)
+              + ((lane >> 3) & 1);
+  if (lane < 16 && n < row_end) atomicAdd(y32 + n, a[0]);
+#else
+  a[0] += __shfl_xor_sync(0xffffffffu, a[0], 8);
+  a[0] += __shfl_xor_sync(0xffffffffu, a[0], 16);
+  const int n = t0 + 4 * (lane & 1) + 2 * ((lane >> 1) & 1) + ((lane >> 2) & 1);
+  if (lane < 8 && n < row_end) atomicAdd(y32 + n, a[0]);
+#endif
+}
+
 // smem: T[256][128] fp32 (byte b, column c: T[b * 128 + c]; column 32 i + j holds position
 // 4 j + i of the slice), then the nested code's 256 values, then the last-block flag
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(NT)
 qm_gemv_xtab(const unsigned short* __restrict__ x, const unsigned int* __restrict__ q,
              const unsigned char* __restrict__ am, const float* __restrict__ am2,
              const float* __restrict__ code2, const float* __restrict__ off,
@@ -79,53 +155,40 @@ qm_gemv_xtab(const unsigned short* __restrict__ x, const unsigned int* __restric
   unsigned int* flag = (unsigned int*)(c2 + 256);
   const int s = blockIdx.x, chunk = blockIdx.y, S = gridDim.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  const float off0 = offs ? 0.0f : off[0];
+  const int row0 = chunk * chunk_rows;
+  const int row_end = min(N, row0 + chunk_rows);
+  const int rowk = (TR / 2) * (lane & 1) + (TR / 4) * ((lane >> 1) & 1) + (TR / 8) * ((lane >> 2) & 1);
+  const int step = nw * TR;
+  Tile ta, tb;  // a tile's loads issued while the one before is summed (two in turn)
+  int t0 = row0 + warp * TR;
+  // the first tile's loads go out before the table is made (they do not read it)
+  if (t0 < row_end) load_tile(ta, q, am, am2, off, offs, off0, t0, s, lane, rowk);
   // the table: item (column c, high nibble h) writes T[(h << 4 | l) * 128 + c] for the 16 l
+  float lv[16];
+#pragma unroll
+  for (int l = 0; l < 16; ++l) lv[l] = lut[l];
   for (int it = tid; it < 128 * 16; it += blockDim.x) {
     const int c = it & 127, h = it >> 7;
     const int p = ((c & 31) << 2) | (c >> 5);   // the slice position of column c
     const int k = s * 256 + 2 * p;
     const float x0 = bf2f(x[k]), x1 = bf2f(x[k + 1]);
     const float a = lut[h] * x0;
+    float* col = T + (h << 4) * 128 + c;
 #pragma unroll
-    for (int l = 0; l < 16; ++l) T[((h << 4) | l) * 128 + c] = fmaf(lut[l], x1, a);
+    for (int l = 0; l < 16; ++l) col[l * 128] = fmaf(lv[l], x1, a);
   }
   for (int i = tid; i < 256; i += blockDim.x) c2[i] = code2[i];
   __syncthreads();
-  const int KW = K >> 3;       // 32-bit words of codes a feature
-  const int nblk = K >> 6;     // blocks of 64 a feature
-  const float off0 = offs ? 0.0f : off[0];
-  const int row0 = chunk * chunk_rows;
-  const int row_end = min(N, row0 + chunk_rows);
-  const float* Tj = T + lane;
-  const int l0 = lane & 1, l1 = (lane >> 1) & 1, l2 = (lane >> 2) & 1, g = lane >> 3;
-  for (int t0 = row0 + warp * 32; t0 < row_end; t0 += nw * 32) {
-    unsigned int w[32];
-#pragma unroll
-    for (int r = 0; r < 32; ++r) {
-      const int n = min(t0 + r, N - 1);
-      w[r] = ld_stream(q + (size_t)n * KW + s * 32 + lane);
-    }
-    float a[32];
-#pragma unroll
-    for (int r = 0; r < 32; ++r) {
-      const unsigned int v = w[r];
-      a[r] = (Tj[(v & 255u) << 7] + Tj[((v >> 8) & 255u) * 128 + 32])
-           + (Tj[((v >> 16) & 255u) * 128 + 64] + Tj[(v >> 24) * 128 + 96]);
-    }
-    RS_STEP(a, 32, 0, lane)
-    RS_STEP(a, 16, 1, lane)
-    RS_STEP(a, 8, 2, lane)
-    // a[k]: feature t0 + 16 l0 + 8 l1 + 4 l2 + k, this lane group's block g of the slice
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int n = min(t0 + 16 * l0 + 8 * l1 + 4 * l2 + k, N - 1);
-      const size_t blk = (size_t)n * nblk + s * 4 + g;
-      a[k] *= fmaf(c2[am[blk]], am2[blk >> 8], offs ? off[blk >> 8] : off0);
-    }
-    RS_STEP(a, 4, 3, lane)
-    RS_STEP(a, 2, 4, lane)
-    const int n = t0 + 16 * l0 + 8 * l1 + 4 * l2 + 2 * ((lane >> 3) & 1) + (lane >> 4);
-    if (n < row_end) atomicAdd(y32 + n, a[0]);
+  const unsigned int base = (unsigned int)__cvta_generic_to_shared(T) + 4 * lane;
+  while (t0 < row_end) {
+    if (t0 + step < row_end) load_tile(tb, q, am, am2, off, offs, off0, t0 + step, s, lane, rowk);
+    sum_tile(ta, base, c2, y32, t0, lane, row_end);
+    t0 += step;
+    if (t0 >= row_end) break;
+    if (t0 + step < row_end) load_tile(ta, q, am, am2, off, offs, off0, t0 + step, s, lane, rowk);
+    sum_tile(tb, base, c2, y32, t0, lane, row_end);
+    t0 += step;
   }
   // the chunk's last block rounds the sums and zeroes them (and the counter) for the next call
   __threadfence();
@@ -147,10 +210,12 @@ _KERNELS: dict[Any, Any] = {}
 _BUFFERS: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _kernel(device: torch.device) -> Any:
+def _kernel(device: torch.device, in_f: int, tr: int, threads: int) -> Any:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _KERNELS:
-        k = torch.cuda._compile_kernel(SOURCE, "qm_gemv_xtab")
+    key = (idx, in_f, tr, threads)
+    if key not in _KERNELS:  # one kernel per K (KC), tile (TR) and block (NT)
+        head = f"#define KC {in_f}\n#define TR {tr}\n#define NT {threads}\n"
+        k = torch.cuda._compile_kernel(head + SOURCE, "qm_gemv_xtab")
         if hasattr(k, "set_shared_memory_config"):
             k.set_shared_memory_config(TABLE_BYTES)
         else:  # (an older torch: the driver's attribute set directly)
@@ -158,8 +223,8 @@ def _kernel(device: torch.device) -> Any:
 
             lib = _utils._get_cuda_library()
             _utils._check_cuda(lib.cuFuncSetAttribute(k.func, 8, TABLE_BYTES))  # max dynamic
-        _KERNELS[idx] = k
-    return _KERNELS[idx]
+        _KERNELS[key] = k
+    return _KERNELS[key]
 
 
 def grid_for(out_f: int, in_f: int, sms: int) -> tuple[int, int, int]:
@@ -167,10 +232,10 @@ def grid_for(out_f: int, in_f: int, sms: int) -> tuple[int, int, int]:
 
     Example:
         >>> grid_for(4096, 4096, 132)
-        (16, 9, 480)
+        (16, 8, 512)
     """
     slices = in_f // SLICE
-    chunks = max(1, -(-sms // slices))
+    chunks = max(1, sms // slices)  # (one wave: a block an SM)
     rows = -(-out_f // chunks)
     rows = -(-rows // 32) * 32
     return slices, -(-out_f // rows), rows
@@ -181,7 +246,8 @@ def launch_xtab(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                 offset: torch.Tensor | None, blocksize: int, quant_type: str, out_f: int,
                 cfg: dict[str, Any] | None = None, keep: list | None = None) -> torch.Tensor:  # fmt: skip
     """x (1, in) bf16 @ W^T -> (1, out) bf16 by the product-table kernel (`launch_gemv`'s
-    arguments); one row, blocksize 64, nested statistics, `in` a multiple of 256 only.
+    arguments); one row, blocksize 64, nested statistics, `in` a multiple of 256 and `out` of 32
+    only.
 
     Example:
         >>> y = launch_xtab(x, flat, *stats, 64, "nf4", 4096)  # doctest: +SKIP
@@ -189,9 +255,9 @@ def launch_xtab(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     from quantmesh.quant.kernel4 import _code_values
 
     rows, in_f = x.shape
-    if rows != 1 or blocksize != 64 or in_f % SLICE or x.dtype != torch.bfloat16:
-        raise ValueError(f"the xtab kernel takes one bf16 row, blocksize 64, in % 256 == 0, not "
-                         f"{tuple(x.shape)}")  # fmt: skip
+    if rows != 1 or blocksize != 64 or in_f % SLICE or out_f % 32 or x.dtype != torch.bfloat16:
+        raise ValueError(f"the xtab kernel takes one bf16 row, blocksize 64, in % 256 == 0 and "
+                         f"out % 32 == 0, not {tuple(x.shape)} -> {out_f}")  # fmt: skip
     if nested_absmax is None or nested_code is None or offset is None:
         raise ValueError("the xtab kernel takes nested (double-quant) statistics only")
     x = x.contiguous()
@@ -206,8 +272,9 @@ def launch_xtab(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     y32, count = _BUFFERS[key]
     y = torch.empty((1, out_f), dtype=torch.bfloat16, device=x.device)
     offset = offset.float().contiguous()
-    _kernel(x.device)(
-        grid=(slices, chunks, 1), block=(THREADS, 1, 1), shared_mem=TABLE_BYTES,
+    tr, threads = int((cfg or {}).get("TR", 32)), int((cfg or {}).get("THREADS", THREADS))
+    _kernel(x.device, in_f, tr, threads)(
+        grid=(slices, chunks, 1), block=(threads, 1, 1), shared_mem=TABLE_BYTES,
         args=[x, packed, absmax, nested_absmax, nested_code.float().contiguous(), offset,
               _code_values(quant_type, x.device), y, y32, count, out_f, in_f,
               int(offset.numel() > 1), chunk_rows],

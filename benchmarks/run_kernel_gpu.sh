@@ -98,7 +98,9 @@
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py; XTAB_BUDGET, default 200 s); then, unless NODECODE=1,
 #            qm.fast_decode on the 7B shape at batch 1 after peft's compiled static cache
-#            (bench_decode.py --peer-static-only; the defaults alone)
+#            (bench_decode.py --peer-static-only; the defaults alone). XTAB_NCU=1: Nsight
+#            Compute on the product-table kernel's first call (22016 x 4096) after the bench
+#            (XTAB_NCU_TILE: the tile's keys after KERNEL, default "TR":32)
 #   host     benchmarks/decode_host_probe.py: qm.fast_decode on the 7B shape at batch 1 with CUDA
 #            graph trees, with the step recorded by hand and with the trees again, in one
 #            process: the host's time in each step, cProfile of one call
@@ -249,8 +251,23 @@ case "$STAGE" in
     timeout $((${XTAB_BUDGET:-200} + 60)) python3 benchmarks/nf4_gemv_bench.py \
       --budget-s "${XTAB_BUDGET:-200}" --shapes 0,1,2,3,4 --out "$OUT/xtab" --tiles '[
         {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1}]' \
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":512},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":512},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":1024}]' \
       2>&1 | grep -v "Warning\|warnings.warn" | tail -60
+    if [ -n "${XTAB_NCU:-}" ]; then  # Nsight Compute on the product-table kernel's first call
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+      say "Nsight Compute: the product-table kernel on 22016 x 4096"
+      timeout 200 "$NCU" --clock-control none -k "regex:qm_gemv_xtab" --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats python3 benchmarks/nf4_gemv_bench.py --budget-s 30 --shapes 4 \
+        --out "$OUT/xtab_ncu" --tiles "[{\"KERNEL\":\"xtab\",\"BLOCK_N\":32,\"BLK\":1,${XTAB_NCU_TILE:-\"TR\":32}}]" \
+        > "$OUT/ncu_xtab.txt" 2>&1
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issued|Eligible|Stall|Warp Cycles|Executed Ipc|Active Warps|Shared|Bank|L1/TEX Hit|L2 Hit|Executed Instructions" \
+        "$OUT/ncu_xtab.txt" | head -60
+    fi
     if [ -z "${NODECODE:-}" ]; then
       say "decode, 7B nf4 + LoRA, batch 1: peft's static cache, then the defaults"
       timeout "${BENCH_S:-260}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
