@@ -24,7 +24,10 @@ varies: the last bits may differ from call to call), and the chunk's last block 
 them to bf16 and zeroes the buffer and counter for the next call (a CUDA graph replays it).
 
 Not in the library: `nf4_gemv_bench.py` times it as the tile KERNEL "xtab" (one row, bf16, nested
-statistics, `in` a multiple of 256) against the Triton gemv and bitsandbytes, in one process.
+statistics, `in` a multiple of 256, `out` of 32) against the Triton gemv and bitsandbytes, in one
+process. A tile's keys: TR features a warp's tile (8, 16 or 32), THREADS a block (512 or 1024),
+PF tiles ahead whose codes are prefetched into L2 (0: none). Each (K, TR, THREADS, PF) compiles
+its own kernel. Measured in docs/benchmarks.md (thirty-second sitting).
 CUDA only.
 
 Example:
@@ -47,6 +50,9 @@ SOURCE = r"""
 #define KW (KC / 8)       // 32-bit words of codes a feature
 #define NBLK (KC / 64)    // blocks of 64 a feature
 #define NK (TR / 8)       // the scales a lane applies a tile (TR 8, 16 or 32)
+#ifndef PF
+#define PF 0              // tiles ahead whose codes are prefetched into L2 (0: none)
+#endif
 
 __device__ __forceinline__ float bf2f(unsigned short h) {
   return __uint_as_float(((unsigned int)h) << 16);
@@ -58,6 +64,9 @@ __device__ __forceinline__ unsigned int ld_stream(const unsigned int* p) {
   unsigned int r;
   asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
   return r;
+}
+__device__ __forceinline__ void prefetch_l2(const unsigned int* p) {
+  asm volatile("prefetch.global.L2::evict_normal [%0];" :: "l"(p));
 }
 // the 4 bytes of v looked up (byte i: column 32 i + lane, `base` the lane's column 0 in the
 // shared window) and summed
@@ -181,12 +190,26 @@ qm_gemv_xtab(const unsigned short* __restrict__ x, const unsigned int* __restric
   for (int i = tid; i < 256; i += blockDim.x) c2[i] = code2[i];
   __syncthreads();
   const unsigned int base = (unsigned int)__cvta_generic_to_shared(T) + 4 * lane;
+#if PF
+  // the codes of the tiles up to PF ahead, into L2: lane r < TR one feature's 128 bytes a tile
+  for (int d = 1; d <= PF; ++d) {
+    const int n = t0 + d * step + lane;
+    if (lane < TR && n < row_end) prefetch_l2(q + (size_t)n * KW + s * 32);
+  }
+#define PREFETCH_AHEAD(t0_)                                                    \
+  if (lane < TR && (t0_) + PF * step + lane < row_end)                       \
+    prefetch_l2(q + (size_t)((t0_) + PF * step + lane) * KW + s * 32);
+#else
+#define PREFETCH_AHEAD(t0_)
+#endif
   while (t0 < row_end) {
     if (t0 + step < row_end) load_tile(tb, q, am, am2, off, offs, off0, t0 + step, s, lane, rowk);
+    PREFETCH_AHEAD(t0 + step)
     sum_tile(ta, base, c2, y32, t0, lane, row_end);
     t0 += step;
     if (t0 >= row_end) break;
     if (t0 + step < row_end) load_tile(ta, q, am, am2, off, offs, off0, t0 + step, s, lane, rowk);
+    PREFETCH_AHEAD(t0 + step)
     sum_tile(tb, base, c2, y32, t0, lane, row_end);
     t0 += step;
   }
@@ -210,11 +233,11 @@ _KERNELS: dict[Any, Any] = {}
 _BUFFERS: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _kernel(device: torch.device, in_f: int, tr: int, threads: int) -> Any:
+def _kernel(device: torch.device, in_f: int, tr: int, threads: int, pf: int) -> Any:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, in_f, tr, threads)
-    if key not in _KERNELS:  # one kernel per K (KC), tile (TR) and block (NT)
-        head = f"#define KC {in_f}\n#define TR {tr}\n#define NT {threads}\n"
+    key = (idx, in_f, tr, threads, pf)
+    if key not in _KERNELS:  # one kernel per K (KC), tile (TR), block (NT) and prefetch (PF)
+        head = f"#define KC {in_f}\n#define TR {tr}\n#define NT {threads}\n#define PF {pf}\n"
         k = torch.cuda._compile_kernel(head + SOURCE, "qm_gemv_xtab")
         if hasattr(k, "set_shared_memory_config"):
             k.set_shared_memory_config(TABLE_BYTES)
@@ -273,7 +296,8 @@ def launch_xtab(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     y = torch.empty((1, out_f), dtype=torch.bfloat16, device=x.device)
     offset = offset.float().contiguous()
     tr, threads = int((cfg or {}).get("TR", 32)), int((cfg or {}).get("THREADS", THREADS))
-    _kernel(x.device, in_f, tr, threads)(
+    pf = int((cfg or {}).get("PF", 0))
+    _kernel(x.device, in_f, tr, threads, pf)(
         grid=(slices, chunks, 1), block=(threads, 1, 1), shared_mem=TABLE_BYTES,
         args=[x, packed, absmax, nested_absmax, nested_code.float().contiguous(), offset,
               _code_values(quant_type, x.device), y, y32, count, out_f, in_f,

@@ -251,10 +251,10 @@ case "$STAGE" in
     timeout $((${XTAB_BUDGET:-200} + 60)) python3 benchmarks/nf4_gemv_bench.py \
       --budget-s "${XTAB_BUDGET:-200}" --shapes 0,1,2,3,4 --out "$OUT/xtab" --tiles '[
         {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":512},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":512},
         {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":1024}]' \
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024,"PF":2},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024,"PF":4},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":512,"PF":2}]' \
       2>&1 | grep -v "Warning\|warnings.warn" | tail -60
     if [ -n "${XTAB_NCU:-}" ]; then  # Nsight Compute on the product-table kernel's first call
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
