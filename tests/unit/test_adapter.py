@@ -176,11 +176,19 @@ def test_one_row_compiled_without_autograd_takes_lean_products() -> None:
     assert matmuls(graphs[-1]) == 2 and y.requires_grad
 
 
-def test_low_rank_gives_the_delta_as_a_launch_adds_it_and_never_makes_it_while_traced() -> None:
+def test_low_rank_gives_the_delta_as_a_launch_adds_it_and_never_makes_it_while_traced(
+    monkeypatch,
+) -> None:
     """`LoraAdapter.low_rank` (the adapter's delta as the 4-bit gemv adds it in its launch): B's
     rows, zero columns, its scale, A as `down`; none under autograd, with an active dropout or
     for bf16 factors; its tensors made in an eager call and kept, never while a graph is traced
-    (there it gives None: the delta stays outside the launch)."""
+    (there it gives None: the delta stays outside the launch). The CPU joins the kernels'
+    devices here, as in the interpreter's tests (elsewhere a CPU adapter makes none)."""
+    from quantmesh.quant import kernel4
+
+    monkeypatch.setattr(kernel4, "GEMV_LORA_ENABLED", True)
+    monkeypatch.setattr(kernel4, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernel4, "_HAS_TRITON", True)
     _, m = _adapted()
     lora = m.lora
     assert isinstance(lora, LoraAdapter)

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ..config import env_switch
+from ..errors import said
 from ..quant import kernel4
 
 __all__ = ["BUCKETS", "DEVICES", "ENABLED", "TOLERANCE", "PrefillGraphs", "bucket", "model_state"]
@@ -291,7 +292,7 @@ class PrefillGraphs:
             got = entry.replay().clone()
             self.replays += 1
         except Exception as e:  # noqa: BLE001 - the runtime's refusal: said, then eager for good
-            self._refuse(f"recording it failed ({type(e).__name__}: {_first_line(e)})")
+            self._refuse(f"recording it failed ({said(e)})")
             return None
         err = float((got.float() - eager.float()).norm() / eager.float().norm().clamp_min(1e-30))
         if not err <= TOLERANCE:
@@ -337,8 +338,3 @@ class PrefillGraphs:
             "its prefills run eagerly (QUANTMESH_CAPTURED_PREFILL=0 says nothing)",
             stacklevel=5,
         )
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
-    return lines[0] if lines else ""

@@ -45,6 +45,7 @@ from torch import nn
 
 from ..blocks.compile import mark_block_regions, unmark_block_regions
 from ..config import CUDA_GRAPHS
+from ..errors import said
 from ..infer.decode import CACHE_STEP, _static_statistics
 from ..quant.bnb import fuse_held_siblings, join_sibling_codes
 from .bank import AdapterBank
@@ -428,9 +429,7 @@ class SlotBatch(Batch):
             except Exception as e:  # noqa: BLE001 - a compiler's error, reported or raised
                 if not catch:
                     raise
-                inner = getattr(e, "inner_exception", None) or e  # a backend's own error
-                lines = str(inner).strip().splitlines()
-                return f"{type(inner).__name__}: {lines[0] if lines else ''}"[:300]
+                return said(e)[:300]  # (a backend's own error, in one line)
             finally:
                 self.rids, self.slots, self.lens = saved
                 self._drop({-1})
