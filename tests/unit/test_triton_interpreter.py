@@ -468,13 +468,15 @@ def _rows() -> list[dict]:
 
 def _interpreter_tiles() -> None:
     """The library's tiles as the interpreter runs them: code values loaded (no shuffles), and
-    the gemv's with fewer programs (the interpreter runs each in turn)."""
+    the gemv's with fewer programs, 64 features each (the interpreter runs each in turn, and a
+    program's arrays cost it little more than a narrow one's: the low-rank family took 119 s at
+    16 features a program, 46 s at 64). The kernels' own cases set their tiles themselves."""
     from quantmesh.quant import kernel4 as k4
 
     for tile in (*k4.GEMV_ROW_TILES.values(), *k4.MMA_ROW_TILES.values()):
         tile["LUT"] = 0
     for tile in k4.GEMV_ROW_TILES.values():
-        tile["BLOCK_N"] = 16
+        tile["BLOCK_N"] = 64
 
 
 def _fp16_qlora_llama(mesh, layers: int, kv_heads: int, positions: int, bias: bool = False):
