@@ -26,8 +26,9 @@ them to bf16 and zeroes the buffer and counter for the next call (a CUDA graph r
 Not in the library: `nf4_gemv_bench.py` times it as the tile KERNEL "xtab" (one row, bf16, nested
 statistics, `in` a multiple of 256, `out` of 32) against the Triton gemv and bitsandbytes, in one
 process. A tile's keys: TR features a warp's tile (8, 16 or 32), THREADS a block (512 or 1024),
-PF tiles ahead whose codes are prefetched into L2 (0: none). Each (K, TR, THREADS, PF) compiles
-its own kernel. Measured in docs/benchmarks.md (thirty-second sitting).
+PF tiles ahead whose codes are prefetched into L2 (0: none), DET 1 for sums of the same bits
+every call (each slice's sums stored apart and added in slice order by the last block, where
+the atomic additions' order varies). Each (K, TR, THREADS, PF, DET) compiles its own kernel. Measured in docs/benchmarks.md (thirty-second sitting).
 CUDA only.
 
 Example:
@@ -52,6 +53,15 @@ SOURCE = r"""
 #define NK (TR / 8)       // the scales a lane applies a tile (TR 8, 16 or 32)
 #ifndef PF
 #define PF 0              // tiles ahead whose codes are prefetched into L2 (0: none)
+#endif
+#ifndef DET
+#define DET 0             // 1: each slice's sums stored apart, added in slice order (same bits)
+#endif
+// a feature's sum over this slice: added into y32 (atomically), or (DET) stored at y32[s][n]
+#if DET
+#define PUT(n, v) (y32[(size_t)blockIdx.x * N + (n)] = (v))
+#else
+#define PUT(n, v) atomicAdd(y32 + (n), (v))
 #endif
 
 __device__ __forceinline__ float bf2f(unsigned short h) {
@@ -119,7 +129,8 @@ __device__ __forceinline__ void load_tile(Tile& t, const unsigned int* __restric
 
 // the tile's TR sums into y32 (each lane one feature's; at TR 16, lanes j and j + 16 the same)
 __device__ __forceinline__ void sum_tile(const Tile& t, unsigned int base, const float* c2,
-                                         float* __restrict__ y32, int t0, int lane, int row_end) {
+                                         float* __restrict__ y32, int t0, int lane, int row_end,
+                                         int N) {
   float a[TR];
 #pragma unroll
   for (int r = 0; r < TR; ++r) a[r] = lookup4(base, t.w[r]);
@@ -134,18 +145,18 @@ __device__ __forceinline__ void sum_tile(const Tile& t, unsigned int base, const
   RS_STEP(a, 2, 4, lane)
   const int n = t0 + 16 * (lane & 1) + 8 * ((lane >> 1) & 1) + 4 * ((lane >> 2) & 1)
               + 2 * ((lane >> 3) & 1) + (lane >> 4);
-  if (n < row_end) atomicAdd(y32 + n, a[0]);
+  if (n < row_end) PUT(n, a[0]);
 #elif TR == 16
   RS_STEP(a, 2, 3, lane)
   a[0] += __shfl_xor_sync(0xffffffffu, a[0], 16);
   const int n = t0 + 8 * (lane & 1) + 4 * ((lane >> 1) & 1) + 2 * ((lane >> 2) & 1)
               + ((lane >> 3) & 1);
-  if (lane < 16 && n < row_end) atomicAdd(y32 + n, a[0]);
+  if (lane < 16 && n < row_end) PUT(n, a[0]);
 #else
   a[0] += __shfl_xor_sync(0xffffffffu, a[0], 8);
   a[0] += __shfl_xor_sync(0xffffffffu, a[0], 16);
   const int n = t0 + 4 * (lane & 1) + 2 * ((lane >> 1) & 1) + ((lane >> 2) & 1);
-  if (lane < 8 && n < row_end) atomicAdd(y32 + n, a[0]);
+  if (lane < 8 && n < row_end) PUT(n, a[0]);
 #endif
 }
 
@@ -205,12 +216,12 @@ qm_gemv_xtab(const unsigned short* __restrict__ x, const unsigned int* __restric
   while (t0 < row_end) {
     if (t0 + step < row_end) load_tile(tb, q, am, am2, off, offs, off0, t0 + step, s, lane, rowk);
     PREFETCH_AHEAD(t0 + step)
-    sum_tile(ta, base, c2, y32, t0, lane, row_end);
+    sum_tile(ta, base, c2, y32, t0, lane, row_end, N);
     t0 += step;
     if (t0 >= row_end) break;
     if (t0 + step < row_end) load_tile(ta, q, am, am2, off, offs, off0, t0 + step, s, lane, rowk);
     PREFETCH_AHEAD(t0 + step)
-    sum_tile(tb, base, c2, y32, t0, lane, row_end);
+    sum_tile(tb, base, c2, y32, t0, lane, row_end, N);
     t0 += step;
   }
   // the chunk's last block rounds the sums and zeroes them (and the counter) for the next call
@@ -221,8 +232,15 @@ qm_gemv_xtab(const unsigned short* __restrict__ x, const unsigned int* __restric
   if (*flag) {
     __threadfence();
     for (int n = row0 + tid; n < row_end; n += blockDim.x) {
+#if DET
+      float v = 0.0f;  // the slices in order: the same bits every call
+#pragma unroll 8
+      for (int j = 0; j < S; ++j) v += __ldcg(y32 + (size_t)j * N + n);
+      y[n] = f2bf(v);
+#else
       y[n] = f2bf(__ldcg(y32 + n));
       y32[n] = 0.0f;
+#endif
     }
     if (tid == 0) count[chunk] = 0u;
   }
@@ -233,11 +251,12 @@ _KERNELS: dict[Any, Any] = {}
 _BUFFERS: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _kernel(device: torch.device, in_f: int, tr: int, threads: int, pf: int) -> Any:
+def _kernel(device: torch.device, in_f: int, tr: int, threads: int, pf: int, det: int) -> Any:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, in_f, tr, threads, pf)
-    if key not in _KERNELS:  # one kernel per K (KC), tile (TR), block (NT) and prefetch (PF)
-        head = f"#define KC {in_f}\n#define TR {tr}\n#define NT {threads}\n#define PF {pf}\n"
+    key = (idx, in_f, tr, threads, pf, det)
+    if key not in _KERNELS:  # one kernel per K (KC), tile (TR), block (NT), PF and DET
+        head = (f"#define KC {in_f}\n#define TR {tr}\n#define NT {threads}\n#define PF {pf}\n"
+                f"#define DET {det}\n")  # fmt: skip
         k = torch.cuda._compile_kernel(head + SOURCE, "qm_gemv_xtab")
         if hasattr(k, "set_shared_memory_config"):
             k.set_shared_memory_config(TABLE_BYTES)
@@ -288,16 +307,18 @@ def launch_xtab(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         raise ValueError("the xtab kernel reads the codes 4 bytes at a time (aligned)")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     slices, chunks, chunk_rows = grid_for(out_f, in_f, int((cfg or {}).get("SMS", sms)))
-    key = (x.device, out_f, chunks)
-    if key not in _BUFFERS:  # zeroed once; each call leaves them zero
-        _BUFFERS[key] = (torch.zeros(out_f, dtype=torch.float32, device=x.device),
+    det = int((cfg or {}).get("DET", 0))
+    sums = out_f * (slices if det else 1)  # (DET: each slice's sums apart)
+    key = (x.device, sums, chunks)
+    if key not in _BUFFERS:  # zeroed once; each call leaves them zero (or, DET, overwrites them)
+        _BUFFERS[key] = (torch.zeros(sums, dtype=torch.float32, device=x.device),
                          torch.zeros(chunks, dtype=torch.int32, device=x.device))  # fmt: skip
     y32, count = _BUFFERS[key]
     y = torch.empty((1, out_f), dtype=torch.bfloat16, device=x.device)
     offset = offset.float().contiguous()
     tr, threads = int((cfg or {}).get("TR", 32)), int((cfg or {}).get("THREADS", THREADS))
     pf = int((cfg or {}).get("PF", 0))
-    _kernel(x.device, in_f, tr, threads, pf)(
+    _kernel(x.device, in_f, tr, threads, pf, det)(
         grid=(slices, chunks, 1), block=(threads, 1, 1), shared_mem=TABLE_BYTES,
         args=[x, packed, absmax, nested_absmax, nested_code.float().contiguous(), offset,
               _code_values(quant_type, x.device), y, y32, count, out_f, in_f,

@@ -94,7 +94,8 @@
 #            environment the test runs every path with the adapters' B products in the launch
 #            (the check before that switch becomes the default)
 #   xtab     the product-table gemv (benchmarks/nf4_xtab.py, CUDA through NVRTC: each byte of
-#            codes looks up its two inputs' products in a table made per slice of K) against the
+#            codes looks up its two inputs' products in a table made per slice of K; its fastest
+#            tile, the same with sums of the same bits every call (DET), tiles of 16) against the
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py; XTAB_BUDGET, default 200 s); then, unless NODECODE=1,
 #            qm.fast_decode on the 7B shape at batch 1 after peft's compiled static cache
@@ -252,9 +253,8 @@ case "$STAGE" in
       --budget-s "${XTAB_BUDGET:-200}" --shapes 0,1,2,3,4 --out "$OUT/xtab" --tiles '[
         {"KERNEL":"lines","LUT":1,"SB":32,"BLK":null,"num_warps":1,"num_stages":1,"BLOCK_N":2},
         {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024,"PF":2},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024,"PF":4},
-        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":512,"PF":2}]' \
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":8,"THREADS":1024,"DET":1},
+        {"KERNEL":"xtab","BLOCK_N":32,"BLK":1,"TR":16,"THREADS":512}]' \
       2>&1 | grep -v "Warning\|warnings.warn" | tail -60
     if [ -n "${XTAB_NCU:-}" ]; then  # Nsight Compute on the product-table kernel's first call
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
