@@ -24,8 +24,9 @@ The LoRA adapters' B products inside the gemv's launch (on by default where the 
 `gemv_lora_on`; QUANTMESH_GEMV_LORA=0 turns it off):
 `matmul_4bit_gemv(low_rank=(t, e, col, scale, bias))`, the op `quantmesh::gemv_4bit_lora`.
 Each program loads its features' B rows (`e`, fp32), their scales and their A products (`t`,
-from `col` on) before its loop and adds each output's delta as it stores it, the product and the delta each rounded to x's dtype first (what adding the delta after
-the product's store gives; the delta's few products summed in another order than a matmul's).
+from `col` on) before its loop and adds each output's delta as it stores it, the product and
+the delta each rounded to x's dtype first (what adding the delta after the product's store
+gives; the delta's few products summed in another order than a matmul's).
 A layer's bias (or None) is added to the rounded product and rounded before the delta, as the
 layer adds it before its adapter's delta.
 A decode step then launches no kernel for B and no addition after the gemv. `check_low_rank`
