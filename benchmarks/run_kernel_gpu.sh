@@ -99,7 +99,7 @@
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py; XTAB_BUDGET, default 200 s); then, unless NODECODE=1,
 #            qm.fast_decode on the 7B shape at batch 1 after peft's compiled static cache
-#            (bench_decode.py --peer-static-only; the defaults alone). XTAB_NCU=1: Nsight
+#            (bench_decode.py --peer-static-only --timed-runs 3: the best of three runs each). XTAB_NCU=1: Nsight
 #            Compute on the product-table kernel's first call (22016 x 4096) after the bench
 #            (XTAB_NCU_TILE: the tile's keys after KERNEL, default "TR":32)
 #   host     benchmarks/decode_host_probe.py: qm.fast_decode on the 7B shape at batch 1 with CUDA
@@ -271,7 +271,7 @@ case "$STAGE" in
     if [ -z "${NODECODE:-}" ]; then
       say "decode, 7B nf4 + LoRA, batch 1: peft's static cache, then the defaults"
       timeout "${BENCH_S:-260}" python3 benchmarks/bench_decode.py --mode qlora --greedy \
-        --peer-static-only --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
+        --peer-static-only --timed-runs 3 --new 256 --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
     fi ;;
   pairs)
     say "the pair-table gemv (pairs_k, pairs32) against the library's tile and bitsandbytes, one row"
