@@ -99,9 +99,9 @@
 #            library's one-row tile and bitsandbytes on the five 7B shapes, hot and cold
 #            (nf4_gemv_bench.py; XTAB_BUDGET, default 200 s); then, unless NODECODE=1,
 #            qm.fast_decode on the 7B shape at batch 1 after peft's compiled static cache
-#            (bench_decode.py --peer-static-only --timed-runs 3: the best of three runs each). XTAB_NCU=1: Nsight
-#            Compute on the product-table kernel's first call (22016 x 4096) after the bench
-#            (XTAB_NCU_TILE: the tile's keys after KERNEL, default "TR":32)
+#            (bench_decode.py --peer-static-only --timed-runs 3: the best of three runs each).
+#            XTAB_NCU=1: Nsight Compute on the product-table kernel's first call (22016 x 4096)
+#            after the bench (XTAB_NCU_TILE: the tile's keys after KERNEL, default "TR":32)
 #   host     benchmarks/decode_host_probe.py: qm.fast_decode on the 7B shape at batch 1 with CUDA
 #            graph trees, with the step recorded by hand and with the trees again, in one
 #            process: the host's time in each step, cProfile of one call
