@@ -255,7 +255,7 @@ def _classes() -> dict[str, type]:
 
         def takes_low_rank(self, x: torch.Tensor, lr: Any = None) -> bool:
             """Whether `forward(x, low_rank=lr)` adds the adapter's delta (`lora.adapter.
-            LowRank`) inside its launch: `GEMV_LORA_ENABLED`, the gemv's inputs (`gemv_applies`:
+            LowRank`) inside its launch: `kernel4.gemv_lora_on`, the gemv's inputs (`gemv_applies`:
             CUDA, 1 to 8 rows, no autograd), x in the compute dtype, no held weight, the
             delta's tensors on x's device; for a joined run, a delta for the very siblings
             (`lr.whole`), which the run's one launch adds for all of them. A bias (a plain tensor)
@@ -265,7 +265,7 @@ def _classes() -> dict[str, type]:
             qs = getattr(self.weight, "quant_state", None)
             cd = self.compute_dtype or x.dtype
             if (
-                not kernel4.GEMV_LORA_ENABLED
+                not kernel4.gemv_lora_on(x.device)
                 or qs is None
                 or (self.bias is not None and not kernel4.plain_tensor(self.bias))
                 or self.dense is not None
