@@ -181,7 +181,8 @@ qm_gemv_xtab(const unsigned short* __restrict__ x, const unsigned int* __restric
   const float off0 = offs ? 0.0f : off[0];
   const int row0 = chunk * chunk_rows;
   const int row_end = min(N, row0 + chunk_rows);
-  const int rowk = (TR / 2) * (lane & 1) + (TR / 4) * ((lane >> 1) & 1) + (TR / 8) * ((lane >> 2) & 1);
+  const int rowk = (TR / 2) * (lane & 1) + (TR / 4) * ((lane >> 1) & 1)
+                 + (TR / 8) * ((lane >> 2) & 1);
   const int step = nw * TR;
   Tile ta, tb;  // a tile's loads issued while the one before is summed (two in turn)
   int t0 = row0 + warp * TR;
