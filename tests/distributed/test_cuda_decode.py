@@ -292,8 +292,8 @@ def _trained(rank: int) -> dict:
         k4.JOIN_ENABLED = True
         out["joined"] = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
         out["batch16_joined"] = qm.greedy_decode(model, out.pop("ids16"), 48, compile=True).cpu()
-        # the adapters' B products inside the gemv's launch (kernel4.GEMV_LORA_ENABLED, the default):
-        # compiled and eager, one sequence and four, the same tokens
+        # the adapters' B products inside the gemv's launch (kernel4.GEMV_LORA_ENABLED, the
+        # default): compiled and eager, one sequence and four, the same tokens
         k4.GEMV_LORA_ENABLED, k4._gemv_lora_op = True, counted
         out["lora"] = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
         out["lora_eager"] = qm.greedy_decode(model, ids, 48, compile=False)[0].cpu()
