@@ -350,7 +350,7 @@ def _adds_in_launch(ad: LoraAdapter, *weights: torch.Tensor) -> bool:
         kernel4.gemv_lora_on(weights[0].device)
         and not torch.is_grad_enabled()
         and ad.lora_A.weight.dtype == torch.float32
-        and all(type(w) in (torch.Tensor, nn.Parameter) and w.is_contiguous() for w in weights)
+        and all(kernel4.plain_tensor(w) and w.is_contiguous() for w in weights)
         and not torch.is_autocast_enabled(weights[0].device.type)
         and (isinstance(drop, nn.Identity) or not drop.training)
     )
