@@ -279,17 +279,17 @@ def test_joined_sibling_codes_compile_as_block_regions(monkeypatch) -> None:
 def test_a_compilers_refusal_is_said_with_its_reason() -> None:
     """A compiler's error whose first line ends in a colon (torch's "Got graph break/error:")
     is said with the line after it, the reason."""
-    from quantmesh.infer.decode import _said
+    from quantmesh.errors import said
 
     e = RuntimeError(
         "This higher order operator doesn't work unless it is captured completely. Got graph "
         "break/error:\n\nEncountered aliasing during higher order op tracing\n  Explanation: ..."
     )
-    assert _said(e) == (
+    assert said(e) == (
         "RuntimeError: This higher order operator doesn't work unless it is captured completely. "
         "Got graph break/error: Encountered aliasing during higher order op tracing"
     )
-    assert _said(ValueError("one line")) == "ValueError: one line"
+    assert said(ValueError("one line")) == "ValueError: one line"
 
 
 def test_compiled_training_after_a_join_reads_the_joined_codes(monkeypatch) -> None:

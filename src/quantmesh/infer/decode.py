@@ -40,7 +40,7 @@ from torch import nn
 
 from ..blocks.compile import blocks_for_decoding, regions_available, unmark_block_regions
 from ..config import env_switch
-from ..errors import said as _said
+from ..errors import said
 from ..lora.adapter import LoraAdapter, LowRank, _adds_in_launch, lean_linear, static_on_cuda
 from ..plan.styles import Style
 from ..quant import kernel4
@@ -94,8 +94,7 @@ class _Decoder:
                 f"{type(model).__name__}.forward takes neither `past_key_values` nor `cache`; "
                 "greedy_decode needs a transformers causal LM"
             )
-        self.key = (batch, max_len, compile, mode, sampled, padded, fuse, penalized,
-                    step_graph.ENABLED)  # fmt: skip
+        self.key = _decoder_key(batch, max_len, compile, mode, sampled, padded, fuse, penalized)
         self.fuse = fuse
         self.stacks: list[AdapterStack] | None = None  # found in the first prefill (fuse)
         self.joined = False  # the 4-bit siblings' codes joined (fuse, kernel4.JOIN_ENABLED)
@@ -183,7 +182,7 @@ class _Decoder:
         """After the compiler refused the block regions (`e`): warn, unmark the blocks and
         compile the step and the prefill again, every block on its own."""
         warnings.warn(
-            f"quantmesh: compiling one block for every block failed ({_said(e)}); compiling "
+            f"quantmesh: compiling one block for every block failed ({said(e)}); compiling "
             "them all",
             stacklevel=4,
         )
@@ -320,7 +319,7 @@ class _Decoder:
                 self._drop_regions(e)
                 return self._compiled_prefill(input_ids, kw)
             warnings.warn(
-                f"quantmesh: compiling the prefill failed ({_said(e)}); it runs eagerly",
+                f"quantmesh: compiling the prefill failed ({said(e)}); it runs eagerly",
                 stacklevel=4,
             )
             self.prefill_run = None
@@ -330,6 +329,13 @@ class _Decoder:
         """Turn the adapter stacks on (for the steps) or off."""
         for stack in self.stacks or []:
             stack.active = on
+
+
+def _decoder_key(*shape: Any) -> tuple[Any, ...]:
+    """What a `_Decoder` is made for: its arguments after the model (batch, cache length, compile,
+    mode, sampled, padded, fused adapters, penalized) and the step-graph switch; `fast_decode`
+    makes a new one when the key differs."""
+    return (*shape, step_graph.ENABLED)
 
 
 def _refuse_eager_experts(model: nn.Module) -> None:
@@ -463,8 +469,7 @@ def fast_decode(
     # The cache length in steps of CACHE_STEP: prompts of other lengths reuse the compiled step
     # (a new cache would compile it again); unused slots are masked out.
     max_len = -(-(prompt + max_new_tokens) // CACHE_STEP) * CACHE_STEP
-    key = (batch, max_len, compile, mode, sampled, padded, fuse_adapters, penalized,
-           step_graph.ENABLED)  # fmt: skip
+    key = _decoder_key(batch, max_len, compile, mode, sampled, padded, fuse_adapters, penalized)
     # the compiled step is cached on the model itself (a plain model works too), not in the
     # parallel state: it is a cache of this function, not a decision of parallelize
     dec = model.__dict__.get("_quantmesh_decoder")

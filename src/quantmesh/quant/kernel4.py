@@ -260,7 +260,7 @@ def joins_pay_on(device: torch.device) -> bool:
         >>> joins_pay_on(torch.device("cpu"))
         False
     """
-    return JOIN_ENABLED and _HAS_TRITON and device.type in KERNEL_DEVICES
+    return JOIN_ENABLED and _kernels_run_on(device)
 
 
 def gemv_lora_on(device: torch.device) -> bool:
@@ -273,7 +273,13 @@ def gemv_lora_on(device: torch.device) -> bool:
         >>> gemv_lora_on(torch.device("cpu"))
         False
     """
-    return GEMV_LORA_ENABLED and _HAS_TRITON and device.type in KERNEL_DEVICES
+    return GEMV_LORA_ENABLED and _kernels_run_on(device)
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    """Whether quantmesh's Triton kernels run on `device`: Triton, and a device in
+    `KERNEL_DEVICES` (read at call time: the CPU tests add "cpu")."""
+    return _HAS_TRITON and device.type in KERNEL_DEVICES
 
 
 def rows_kernel_applies(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype) -> bool:
@@ -295,11 +301,7 @@ def _rows_kernels_take(x: torch.Tensor, qs: Any, compute_dtype: torch.dtype,
     Triton, no autograd recording unless `autograd`, bf16/fp16 compute, nf4/fp4 codes indexed in
     int32, nested statistics in blocks of 256), else 0. The row kernel and the dequantize each
     add their own bounds."""
-    if (
-        x.device.type not in KERNEL_DEVICES
-        or (torch.is_grad_enabled() and not autograd)
-        or not _HAS_TRITON
-    ):
+    if not _kernels_run_on(x.device) or (torch.is_grad_enabled() and not autograd):
         return 0
     if compute_dtype not in (torch.bfloat16, torch.float16) or qs.quant_type not in ("nf4", "fp4"):
         return 0
