@@ -1,8 +1,10 @@
-"""A `quantmesh serve` whose worker rank dies ends with an error instead of hanging its clients."""
+"""A `quantmesh serve` whose worker rank dies ends with an error instead of hanging its clients;
+signals to a rank that is stopping do not break the others."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -16,21 +18,28 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 
+def _ranks(server: Server) -> dict[int, psutil.Process]:
+    """The server's two rank processes by rank (every worker names its process after its rank:
+    cli/worker.setup_worker)."""
+    ranks: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + 30
+    while sorted(ranks) != [0, 1] and time.monotonic() < deadline:
+        for child in psutil.Process(server.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if child.name().startswith("qm-rank"):
+                    ranks[int(child.name().removeprefix("qm-rank"))] = child
+        if sorted(ranks) != [0, 1]:
+            time.sleep(0.1)  # a rank not yet named: look again shortly, not in a busy loop
+    assert sorted(ranks) == [0, 1], ranks
+    return ranks
+
+
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_server(tmp_path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     server = Server([str(model), "--tp", "2"])
     try:
-        ranks = {}  # every worker names its process after its rank (cli/worker.setup_worker)
-        deadline = time.monotonic() + 30
-        while sorted(ranks) != [0, 1] and time.monotonic() < deadline:
-            for child in psutil.Process(server.proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    if child.name().startswith("qm-rank"):
-                        ranks[int(child.name().removeprefix("qm-rank"))] = child
-            if sorted(ranks) != [0, 1]:
-                time.sleep(0.1)  # a rank not yet named: look again shortly, not in a busy loop
-        assert sorted(ranks) == [0, 1], ranks
+        ranks = _ranks(server)
         box: dict = {}
 
         def request() -> None:
@@ -53,5 +62,33 @@ def test_a_dead_rank_ends_the_server(tmp_path) -> None:
         # host: both are the error a user needs, neither a hang)
         err = server.proc.stderr.read()
         assert "the decoding loop failed" in err or "worker rank 1 failed" in err, err
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_signals_while_rank_0_stops_leave_the_other_ranks_a_clean_stop(tmp_path) -> None:
+    """SIGTERMs reaching rank 0 all through its stop: the launcher sends one to every rank as it
+    shuts down (after a second Ctrl-C, say), a supervisor may send more. Before, one that came
+    after the HTTP server had returned (uvicorn then puts back the default handler, which ends
+    the process) killed rank 0 before it told the other ranks to stop, and rank 1 failed with
+    the transport's traceback. Now rank 0, once stopping, only finishes its stop. The signals go
+    to rank 0 alone, so the launcher is not shutting down and waits for the ranks' results: a
+    forked serve worker used to end without one (a clean stop's exit), and the launcher then
+    waited forever for a server whose ranks were gone."""
+    model = make_tiny_llama(tmp_path / "tiny")
+    server = Server([str(model), "--tp", "2"])
+    try:
+        pid = _ranks(server)[0].pid
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            try:  # every half millisecond: the window once open was about a millisecond wide
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0005)
+        assert server.proc.wait(60) == 0, server.proc.stderr.read()[-3000:]
+        err = server.proc.stderr.read()
+        assert "Traceback" not in err and "error" not in err, err[-3000:]
     finally:
         server.stop()

@@ -521,6 +521,7 @@ def _serve(
     import asyncio
     import logging
     import math
+    import signal
     import socket
     import threading
     import time
@@ -611,6 +612,13 @@ def _serve(
     names = ", ".join([cfg.base_name, *slots]) if slots else cfg.base_name
     print(f"quantmesh serve: {names} on http://{host}:{port} (tp {cfg.tp}, engine {engine})",
           flush=True)  # fmt: skip
+    # uvicorn puts back the handlers it found when it returns: ignored, so that a signal during
+    # the stop (the launcher SIGTERMs every rank as it shuts down; a supervisor may send more)
+    # cannot end this rank, by SIGTERM's default action, before it told the other ranks to stop.
+    # A stop that hangs is the launcher's to end (SIGKILL after its shutdown timeout).
+    if threading.current_thread() is threading.main_thread():  # (handlers are the main thread's)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     server.run(sockets=[sock])
     sched.stop()
     loop.join(timeout=60)

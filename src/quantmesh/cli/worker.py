@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -196,11 +197,15 @@ KINDS = {"finetune": finetune, "generate": generate, "demo": demo, "verify": ver
 # The kinds that may run as forked workers (cli/launch.py; docs/design.md, "On a Linux host
 # without CUDA, workers are forks").
 FORKABLE = ("finetune", "generate", "demo", "verify", "serve")
-# The kinds whose workers end only when the launcher stops them (SIGTERM or Ctrl-C, drained) or
-# on a failure. torchrun's agent, shutting down, no longer collects a forked worker's result, and
-# a worker that returned waits for it (torch's `_wrap`) until the agent kills it 30 s later: a
-# forked worker of these kinds ends its process itself once it is done.
+# The kinds whose workers end when stopped (SIGTERM or Ctrl-C, drained) or on a failure: mostly
+# by the launcher, which then, shutting down, no longer collects a forked worker's result (a
+# worker that returned would wait for it, in torch's `_wrap`, until the agent kills it 30 s
+# later); sometimes on their own (a signal to one rank), when the launcher, still watching,
+# waits for every worker's result. A forked worker of these kinds returns its result and ends
+# its process itself `UNCOLLECTED_S` later if the launcher has not collected it by then.
 ENDS_WHEN_STOPPED = ("serve",)
+UNCOLLECTED_S = 1.0
+"""A watching launcher collects a result within its monitor interval (torchrun's 0.1 s)."""
 
 
 def run_in_place(kind: str, payload: str) -> int:
@@ -245,10 +250,28 @@ def forked(kind: str, payload: str) -> int:
     if rc or kind in ENDS_WHEN_STOPPED:
         sys.stdout.flush()
         sys.stderr.flush()
-        if not rc:  # stopped by the launcher, whose agent collects no result now
-            os._exit(0)
+        if not rc:  # stopped: by the launcher (which collects no result now) or on its own
+            _end_unless_collected(UNCOLLECTED_S)
+            return 0
         sys.exit(rc)
     return 0
+
+
+def _end_unless_collected(after_s: float) -> None:
+    """End this process (exit code 0) `after_s` seconds from now, from a daemon thread: the time
+    a watching launcher needs to collect the result this worker is about to return (torch's
+    `_wrap` then lets the process end). A launcher that is shutting down collects none."""
+    import threading
+    import time
+
+    def end() -> None:
+        time.sleep(after_s)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+    threading.Thread(target=end, name="quantmesh-end-uncollected", daemon=True).start()
 
 
 def _as_started_fresh() -> None:
