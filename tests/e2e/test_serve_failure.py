@@ -92,3 +92,22 @@ def test_signals_while_rank_0_stops_leave_the_other_ranks_a_clean_stop(tmp_path)
         assert "Traceback" not in err and "error" not in err, err[-3000:]
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_ranks_stop_when_the_launcher_is_killed_outright(tmp_path) -> None:
+    """SIGKILL to the launcher (nothing forwards a stop then): the ranks notice and stop, and the
+    port is free again. A forked rank's parent is the fork server, which outlives the launcher:
+    rank 0 used to watch only its parent, and the ranks served on forever."""
+    model = make_tiny_llama(tmp_path / "tiny")
+    server = Server([str(model), "--tp", "2"])
+    try:
+        ranks = _ranks(server)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs(list(ranks.values()), timeout=30)
+        assert not alive, f"ranks still running 30 s after the launcher died: {alive}"
+        assert "the launcher is gone; stopping" in server.proc.stdout.read()
+        err = server.proc.stderr.read()
+        assert "Traceback" not in err, err[-3000:]
+    finally:
+        server.stop()

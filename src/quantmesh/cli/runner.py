@@ -23,7 +23,11 @@ from typing import Any, NoReturn
 
 from .errors import DEBUG_ENV, ERROR_DIR_ENV, EXIT_USAGE, is_user_error, one_line
 
-__all__ = ["exit_fast", "run_workers", "worker_main"]
+__all__ = ["exit_fast", "launcher_gone", "run_workers", "worker_main"]
+
+LAUNCHER_ENV = "QUANTMESH_LAUNCHER_PID"
+"""The launching process's pid, for its workers (`launcher_gone`): a forked worker's parent is
+the fork server, which outlives a launcher killed outright."""
 
 
 def exit_fast(fn: Callable[[], int | None]) -> NoReturn:
@@ -113,6 +117,36 @@ def worker_main(fn: Callable[[], int | None], *, log_dir: Path | None = None) ->
         return EXIT_USAGE if is_user_error(e) else 1
 
 
+def launcher_gone(parent: int) -> bool:
+    """Whether this worker's launcher has ended: `parent` (the parent pid the worker started
+    with) is no longer its parent, or the launcher named by `LAUNCHER_ENV` has exited (a forked
+    worker's parent is the fork server, which stays). A launcher that has exited but was not yet
+    reaped (a zombie) counts as gone.
+
+    Example:
+        >>> launcher_gone(os.getppid())
+        False
+    """
+    if os.getppid() != parent:
+        return True
+    pid = os.environ.get(LAUNCHER_ENV)
+    if not pid or not pid.isdigit():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # "pid (name) state ...": the state after the name
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc here: whether the pid still exists
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # it exists (another user's: not ours to signal)
+            return False
+        return False
+
+
 def run_workers(
     nproc: int,
     module_args: list[str],
@@ -164,6 +198,7 @@ def _run_workers(nproc: int, module_args: list[str], **launch_kw: Any) -> int:
 
     with tempfile.TemporaryDirectory(prefix="quantmesh-errors-") as err_dir:
         os.environ[ERROR_DIR_ENV] = err_dir
+        os.environ[LAUNCHER_ENV] = str(os.getpid())
         captured = io.StringIO()
         try:
             # torch's agent logs every signal it sends to the workers; our line says it all
@@ -171,6 +206,7 @@ def _run_workers(nproc: int, module_args: list[str], **launch_kw: Any) -> int:
                 rc = launch(nproc, module_args, module=True, **launch_kw)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
+            os.environ.pop(LAUNCHER_ENV, None)
         if rc == 0:
             return 0
         files = sorted(Path(err_dir).glob("rank-*.txt"), key=lambda p: (p.stat().st_mtime, p.name))

@@ -530,6 +530,7 @@ def _serve(
 
     from ..serve.app import ServeInfo, build_app
     from ..serve.scheduler import Scheduler
+    from .runner import launcher_gone
 
     eos = model.generation_config.eos_token_id
     eos = tok.eos_token_id if eos is None else eos
@@ -591,7 +592,7 @@ def _serve(
 
     def watch_launcher() -> None:  # a launcher killed outright cannot stop us: stop ourselves
         while not server.should_exit:
-            if os.getppid() != parent:
+            if launcher_gone(parent):
                 print("quantmesh serve: the launcher is gone; stopping", flush=True)
                 server.should_exit = True
             time.sleep(1.0)
