@@ -70,7 +70,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default="",
-        help=f"comma list of prototype speed-ups to time after the main run: {','.join(VARIANTS)}",
+        help="comma list of prototype speed-ups to time after the main run: "
+        f"{','.join(VARIANTS)} (keep_dequantized:K: the first K layers' weights held)",
     )
     p.add_argument("--variant-steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="GPU time breakdown of 2 steps")
@@ -615,13 +616,19 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     own partitioner rules: the norms' outputs, SiLU(gate) * up and the adapters' bf16 weight copies
     kept, not recomputed in backward; --compile only), then back; `keep_dequantized` holds the
     4-bit weights dequantized in bf16 (`qm.keep_dequantized`: no dequantization in any matmul, for
-    about 4x the codes' memory; nf4/fp4 only), then drops them; `lora_bf16` casts the adapters
+    about 4x the codes' memory; nf4/fp4 only; `keep_dequantized:K`: the first K decoder layers'
+    alone), then drops them; `lora_bf16` casts the adapters
     to bf16, which measures what the fp32 adapters' input casts cost (dp = 1 only: DDP's buckets
     are built for fp32). A variant's peak memory includes the main run's AdamW states, which stay
     alive beside the variant's own (2 x 4 bytes per adapter parameter)."""
     dev = mesh.device
-    if v not in VARIANTS:
-        raise ValueError(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+    v, _, arg = v.partition(":")
+    if v not in VARIANTS or (arg and (v != "keep_dequantized" or not arg.isdigit())):
+        raise ValueError(
+            f"unknown variant {v + (':' + arg if arg else '')!r}; known: {', '.join(VARIANTS)} "
+            "(keep_dequantized:K holds the first K layers' weights)"
+        )
+    held_blocks = int(arg) if arg else None
     if v == "vp_ce" and mesh.tp == 1:
         V["skipped"] = "needs tp > 1"
         return
@@ -655,7 +662,8 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         import quantmesh as qm
 
         cd = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the 4-bit compute dtype
-        V["held_GiB"] = round(qm.keep_dequantized(model, cd) / 2**30, 3)
+        held = qm.keep_dequantized(model, cd, blocks=held_blocks)
+        V["held_GiB"], V["held_bytes"] = round(held / 2**30, 3), held
     try:
         opt = torch.optim.AdamW(params, lr=a.lr)
         warm = min(3, a.warmup)

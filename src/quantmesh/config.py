@@ -395,6 +395,9 @@ class ParallelConfig:
     keep_dequantized: bool = False
     """bitsandbytes nf4/fp4: also hold each 4-bit weight dequantized (qm.keep_dequantized): no
     dequantization in any matmul, forward or backward, for 4x the codes' memory (bf16)."""
+    keep_dequantized_blocks: int | None = None
+    """With keep_dequantized: hold only the first this many decoder layers' weights (for the
+    memory a run has left); None = every 4-bit weight. The memory check counts what they take."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
@@ -414,6 +417,19 @@ class ParallelConfig:
             check_fsdp_options(pp=self.pp, quant=quant, backend=self.quant_backend)
         if self.keep_dequantized:
             check_keep_dequantized(quant=self.quant, backend=self.quant_backend)
+        if self.keep_dequantized_blocks is not None:
+            v = self.keep_dequantized_blocks
+            if not _positive_int(v):
+                raise ConfigError(
+                    f"keep_dequantized_blocks={v!r}; expected an integer >= 1 (how many decoder "
+                    "layers' weights to hold; leave it out for all)"
+                )
+            if not self.keep_dequantized:
+                raise ConfigError(
+                    f"keep_dequantized_blocks={v} without keep_dequantized: it says how many "
+                    "layers' weights to hold; add --keep-dequantized, or leave "
+                    "--keep-dequantized-blocks out"
+                )
 
 
 @dataclass(kw_only=True)

@@ -174,18 +174,23 @@ def test_scheduler_host_bench_smoke(tmp_path: Path) -> None:
 def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     tmp_path: Path,
 ) -> None:
-    """--compile --variants keep_elementwise,keep_dequantized: the blocks compiled again from
-    scratch under torch's own partitioner rule (dynamo's caches cleared), timed, then back to the
-    default; then the 4-bit weights held dequantized, timed, then dropped."""
+    """--compile --variants keep_elementwise,keep_dequantized,keep_dequantized:1: the blocks
+    compiled again from scratch under torch's own partitioner rule (dynamo's caches cleared),
+    timed, then back to the default; then the 4-bit weights held dequantized, timed, then dropped;
+    then the first layer's alone."""
     bench_on_ranks(
         1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
-        "keep_elementwise,keep_dequantized", "--variant-steps", "1", "--out", str(tmp_path),
+        "keep_elementwise,keep_dequantized,keep_dequantized:1", "--variant-steps", "1", "--out",
+        str(tmp_path),
         timeout=300,
     )  # fmt: skip
     res = json.loads(next(tmp_path.glob("result_qm_*.json")).read_text())
     assert res["ok"], res.get("traceback")
-    for name in ("keep_elementwise", "keep_dequantized"):
+    for name in ("keep_elementwise", "keep_dequantized", "keep_dequantized:1"):
         v = res["variants"][name]
         assert "error" not in v and v["tokens_per_s"] > 0, (name, v)
         assert all(x == x for x in v["losses_first"])
-    assert res["variants"]["keep_dequantized"]["held_GiB"] > 0
+    every, first = (
+        res["variants"][k]["held_bytes"] for k in ("keep_dequantized", "keep_dequantized:1")
+    )
+    assert 0 < first < every

@@ -162,6 +162,38 @@ def test_fsdp_finetune_matches_the_masked_reference(tmp_path: Path) -> None:
     assert any((tmp_path / "out").rglob("adapter_model.safetensors"))
 
 
+def test_some_layers_weights_held_dequantized_train_as_the_codes(tmp_path: Path) -> None:
+    """--keep-dequantized --keep-dequantized-blocks 1 through the CLI: the first layer's 4-bit
+    weights held (said, with their size), the losses those of the codes' path (eager on CPU: the
+    held values are bitsandbytes' own dequantize's); a count past the model's layers is refused
+    before any worker starts."""
+    model_dir = make_tiny_llama(tmp_path / "tiny")
+    data = tmp_path / "instructions.jsonl"
+    _instructions(data)
+    common = ["finetune", "--model", str(model_dir), "--data", str(data), "--quant", "nf4",
+              "--micro-batch", "2", "--seq-len", "32", "--steps", "2", "--lr", "1e-2"]  # fmt: skip
+    losses = []
+    for name, extra in (
+        ("codes", []),
+        ("held", ["--keep-dequantized", "--keep-dequantized-blocks", "1"]),
+    ):
+        out = tmp_path / name
+        proc = cli(*common, "--output-dir", str(out), *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if extra:
+            assert re.search(
+                r"keep-dequantized: [0-9.]+ GiB of 4-bit weights held \(the first 1 decoder layers'\)",
+                proc.stdout,
+            ), proc.stdout
+        rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in rows])
+    assert losses[0] == losses[1]
+    proc = cli(*common, "--output-dir", str(tmp_path / "x"), "--keep-dequantized",
+               "--keep-dequantized-blocks", "99")  # fmt: skip
+    assert proc.returncode == 2
+    assert "--keep-dequantized-blocks 99, but the model has 2 decoder layers" in proc.stderr
+
+
 def _conversations(folder: Path, n: int = 48) -> None:
     """A folder of two shards: multi-turn OpenAI-style messages (JSONL), ShareGPT (Parquet)."""
     import pyarrow as pa

@@ -92,7 +92,12 @@ def test_the_parser_is_exactly_the_options() -> None:
     names = {o.name for o in opts}
     assert set(KEYS_BEFORE) <= names
     # the option the CLI did not offer then, and those added since
-    assert names - set(KEYS_BEFORE) == {"progress", "keep_dequantized", "lora_rslora"}
+    assert names - set(KEYS_BEFORE) == {
+        "progress",
+        "keep_dequantized",
+        "keep_dequantized_blocks",
+        "lora_rslora",
+    }
     strings = {s for a in named for s in a.option_strings}
     assert {"--" + k.replace("_", "-") for k in KEYS_BEFORE} | set(FLAGS_BEFORE) <= strings
 

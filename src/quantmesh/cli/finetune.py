@@ -207,6 +207,12 @@ class FinetuneConfig:
                 "own layers, which the memory check does not model; use --checkpointing "
                 "alone (every layer) with --pp"
             )
+        if self.parallel.keep_dequantized_blocks is not None and pp > 1:
+            raise CliError(
+                f"--keep-dequantized-blocks with --pp {pp}: each stage would choose among its "
+                "own layers, which the memory check does not model; use --keep-dequantized "
+                "alone (every layer) with --pp"
+            )
         check_pp_schedule(
             self.train.pp_schedule,
             pp=pp,
@@ -513,6 +519,12 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
             f"--checkpoint-blocks {act.checkpoint_blocks}, but the model has {n_blocks} decoder "
             f"layers; pass 1 to {n_blocks}, or leave it out to recompute all of them"
         )
+    held = par.keep_dequantized_blocks
+    if held is not None and held > n_blocks:
+        raise CliError(
+            f"--keep-dequantized-blocks {held}, but the model has {n_blocks} decoder layers; "
+            f"pass 1 to {n_blocks}, or leave it out to hold every layer's weights"
+        )
     shape = RunShape(
         model=model,
         plan=plan,
@@ -533,6 +545,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         tile_tokens=act.tile_tokens or None,
         checkpointed_blocks=act.checkpoint_blocks,
         keep_dequantized=par.keep_dequantized,
+        held_blocks=par.keep_dequantized_blocks,
         microbatches=cfg.train.grad_accum,
         pp_schedule=cfg.train.pp_schedule,
         pipeline=cfg.pipeline,

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -177,6 +178,8 @@ class RunShape:
     checkpointed_blocks: int | None = None
     keep_dequantized: bool = False
     """The 4-bit weights also held dequantized (`qm.keep_dequantized`)."""
+    held_blocks: int | None = None
+    """With keep_dequantized: only the first this many decoder layers' (None: all)."""
     microbatches: int = 1
     """At pp > 1: micro-batches per step, each of micro_batch rows."""
     pp_schedule: str = "1f1b"
@@ -201,6 +204,7 @@ class RunShape:
             tile_tokens=self.tile_tokens or None,
             checkpointed_blocks=self.checkpointed_blocks,
             keep_dequantized=self.keep_dequantized,
+            held_blocks=self.held_blocks,
         )
 
     def estimate(self) -> MemoryEstimate:
@@ -273,8 +277,15 @@ def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[t
     if shape.lora is None:
         return []
     if shape.keep_dequantized:  # the held weights first: they are the run's own choice of speed
-        plain = shape.but(keep_dequantized=False)
+        plain = shape.but(keep_dequantized=False, held_blocks=None)
+        most = most_held(shape, budget) if budget is not None else None
+        fewer = (
+            [(f"--keep-dequantized-blocks {most[0]}", most[1])]
+            if most is not None and most[0] != shape.held_blocks
+            else []
+        )
         return [
+            *fewer,
             ("without --keep-dequantized", plain.estimate().total),
             *memory_alternatives(plain, budget=budget),
         ]
@@ -302,6 +313,32 @@ def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[t
     return out
 
 
+def most_held(shape: RunShape, budget: int) -> tuple[int, int] | None:
+    """(k, estimated bytes): the most decoder layers whose 4-bit weights the training run `shape`
+    can hold dequantized (`--keep-dequantized-blocks k`, the run's other settings as they are)
+    and fit `budget` bytes per rank with PARTIAL_MARGIN to spare; None when not even one fits.
+    Each layer held adds its weights, so a bisection finds it.
+
+    Example:
+        >>> most_held(shape, 24 * 2**30)  # doctest: +SKIP
+        (11, 23084769280)
+    """
+    from ..plan.auto import blocks_of
+
+    n = len(blocks_of(shape.model))
+    if n < 1 or shape.lora is None:
+        return None
+
+    def total(k: int) -> int:
+        return shape.but(keep_dequantized=True, held_blocks=k).estimate().total
+
+    fit = int(budget * (1 - PARTIAL_MARGIN))
+    # how many of 1..n fit: the totals grow with k, so the first that does not fit, found by a
+    # bisection, is one past the most that fit
+    k = bisect.bisect_left(range(1, n + 1), True, key=lambda k: total(k) > fit)
+    return (k, total(k)) if k else None
+
+
 def fewest_checkpointed(shape: RunShape, budget: int) -> tuple[int, int] | None:
     """(k, estimated bytes): the fewest decoder layers to checkpoint (of all but the last:
     recompute.spread) for the training run `shape` to fit `budget` bytes per rank with
@@ -323,22 +360,19 @@ def fewest_checkpointed(shape: RunShape, budget: int) -> tuple[int, int] | None:
         return shape.but(checkpointing=True, checkpointed_blocks=k).estimate().total
 
     fit = int(budget * (1 - PARTIAL_MARGIN))
-    lo, hi = 1, n - 1
-    if total(hi) > fit:
+    if total(n - 1) > fit:
         return None
-    while lo < hi:  # the fewest k in [lo, hi] that fits; hi always fits
-        mid = (lo + hi) // 2
-        if total(mid) <= fit:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo, total(lo)
+    # the totals fall as k grows: the first k of 1..n-1 that fits, by a bisection
+    k = 1 + bisect.bisect_left(range(1, n), True, key=lambda k: total(k) <= fit)
+    return k, total(k)
 
 
 def _why(flags: str) -> str:
     """What the last mechanism `flags` turns on does, for an error message."""
     if flags.startswith("without --keep-dequantized"):
         return "each matmul dequantizes its weight again, in forward and in backward"
+    if flags.startswith("--keep-dequantized-blocks"):
+        return "the other layers' matmuls dequantize their weights again, forward and backward"
     if flags.startswith("--fsdp"):
         return (
             "the base sharded over dp, gathered one layer at a time; --quant-backend torchao "
@@ -451,6 +485,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="bitsandbytes nf4/fp4: the weights also held dequantized, as finetune's flag holds them",
     )
     p.add_argument(
+        "--keep-dequantized-blocks",
+        type=int,
+        metavar="K",
+        help="with --keep-dequantized: only the first K decoder layers' weights held",
+    )
+    p.add_argument(
         "--gpu-memory",
         type=float,
         metavar="GIB",
@@ -489,6 +529,15 @@ def run(args: argparse.Namespace) -> int:
                 raise CliError(
                     f"--checkpoint-blocks {args.checkpoint_blocks}: expected 1 to {n} (the "
                     "model's layers), with --checkpointing and without --pp"
+                )
+        if args.keep_dequantized_blocks is not None:
+            from ..plan.auto import blocks_of
+
+            n, k = len(blocks_of(model)), args.keep_dequantized_blocks
+            if not args.keep_dequantized or args.pp > 1 or not 1 <= k <= n:
+                raise CliError(
+                    f"--keep-dequantized-blocks {k}: expected 1 to {n} (the model's layers), "
+                    "with --keep-dequantized and without --pp"
                 )
         print(plan_report(model, args))
     return 0
@@ -606,6 +655,7 @@ def shape_of_args(
         tile_tokens=getattr(args, "tile_tokens", 0) or None,
         checkpointed_blocks=getattr(args, "checkpoint_blocks", None),
         keep_dequantized=getattr(args, "keep_dequantized", False),
+        held_blocks=getattr(args, "keep_dequantized_blocks", None),
         microbatches=getattr(args, "microbatches", 1),
         pp_schedule=getattr(args, "pp_schedule", "1f1b"),
         pipeline=PipelineConfig(virtual=getattr(args, "pp_virtual", 1)),

@@ -112,9 +112,11 @@ def finetune(payload: str) -> int:
 
         qc = cfg.quant_config()
         assert qc is not None  # ParallelConfig refuses keep_dequantized without a 4-bit quant
-        held = qm.keep_dequantized(model, compute_dtype_for(qc, mesh.device))
+        blocks = par.keep_dequantized_blocks
+        held = qm.keep_dequantized(model, compute_dtype_for(qc, mesh.device), blocks=blocks)
         if rank0:
-            print(f"keep-dequantized: {held / 2**30:.2f} GiB of 4-bit weights held", flush=True)
+            of = "" if blocks is None else f" (the first {blocks} decoder layers')"
+            print(f"keep-dequantized: {held / 2**30:.2f} GiB of 4-bit weights held{of}", flush=True)
     if act.checkpointing:
         qm.checkpoint_blocks(
             model,

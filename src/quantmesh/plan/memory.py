@@ -332,6 +332,7 @@ def estimate_memory(
     fsdp: bool = False,
     offload_base: bool = False,
     keep_dequantized: bool = False,
+    held_blocks: int | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank needs to train (with `lora`) or run (without) `model` under the plan.
 
@@ -352,7 +353,8 @@ def estimate_memory(
     their activations, untiled. `fsdp` / `offload_base`: as
     `qm.parallelize(fsdp=..., offload_base=...)` (module docstring, "fsdp"). `keep_dequantized`:
     the 4-bit linears' weights are also held dequantized (`qm.keep_dequantized`), at 2 bytes a
-    weight with bf16 activations, else 4.
+    weight with bf16 activations, else 4; `held_blocks` (with it): only those of the first that
+    many repeated blocks (`keep_dequantized(blocks=...)`).
 
     Example:
         >>> est = estimate_memory(model, tp=2, quant="nf4", lora=qm.LoraConfig(r=16),
@@ -385,13 +387,24 @@ def estimate_memory(
             quant=qcfg.format if qcfg is not None else None,
             backend=qcfg.backend if qcfg is not None else "bitsandbytes",
         )
+    held_in: tuple[str, ...] | None = None  # the names under which weights are held; None: all
+    if held_blocks is not None:
+        from .auto import blocks_of
+
+        found = blocks_of(model)
+        if not keep_dequantized or not 1 <= held_blocks <= len(found):
+            raise ValueError(
+                f"held_blocks={held_blocks} (keep_dequantized={keep_dequantized}): expected 1 to "
+                f"{len(found)} (the model's repeated blocks) with keep_dequantized=True, or None"
+            )
+        held_in = tuple(f"{name}." for name, _ in found[:held_blocks])
     a = act_bytes or (2 if dtype in (torch.bfloat16, torch.float16) else 4)
     best: MemoryEstimate | None = None
     for r in range(tp):
         est = _for_rank(
             model, resolved, r, qcfg, fmt, lora, dtype, a, seq_len, micro_batch, dp, compiled,
             (checkpointing, offload_activations, loss_chunk_tokens, tile_tokens,
-             checkpointed_blocks), lean=compiled and recompute_elementwise,
+             checkpointed_blocks), lean=compiled and recompute_elementwise, held_in=held_in,
         )  # fmt: skip
         if not keep_dequantized:
             est.held = 0
@@ -518,6 +531,7 @@ def _for_rank(
     compiled: bool = False,
     memory_modes: tuple[bool, bool, int, int | None, int | None] = (False, False, 0, None, None),
     lean: bool = False,
+    held_in: tuple[str, ...] | None = None,
 ) -> MemoryEstimate:
     from ..lora.adapter import lora_targets
     from ..tp.experts import expert_lora_targets, find_experts, local_sizes
@@ -602,7 +616,8 @@ def _for_rank(
                     assert fmt is not None
                     est.weights += int(n * fmt.bytes_per_param(in_l))
                     largest_dq = max(largest_dq, n * (2 if a == 2 else 4))
-                    est.held += n * (2 if a == 2 else 4)  # kept by estimate_memory if asked
+                    if held_in is None or fqn.startswith(held_in):  # (kept only if asked)
+                        est.held += n * (2 if a == 2 else 4)
                 else:
                     est.weights += n * dt_bytes
             else:  # bias: split with the outputs of a colwise layer, whole otherwise
