@@ -159,3 +159,27 @@ def test_a_run_that_does_not_fit_proposes_fewer_held_layers_then_none() -> None:
     assert hints[1][1] < budget < shape.estimate().total
     assert all("keep-dequantized" not in flags for flags, _ in hints[2:])
     assert plan_cmd.most_held(shape, 2**30) is None  # not even one layer
+
+
+def test_finetune_notes_the_room_to_hold_some_layers_weights_dequantized() -> None:
+    """On a GPU with memory left, finetune says how many layers' weights fit held (the memory
+    check's margin), with the flags; nothing for a base other than bitsandbytes' 4-bit, or with
+    no room for one layer."""
+    import quantmesh as qm
+    from quantmesh.cli import plan_cmd
+    from quantmesh.cli.finetune import _room_to_hold
+    from quantmesh.quant.base import QuantConfig
+
+    shape = plan_cmd.RunShape(model=_seven_b(), quant=QuantConfig(format="nf4"),
+                              lora=qm.LoraConfig(r=16), seq_len=2048, micro_batch=2,
+                              dtype=torch.bfloat16, compiled=True, loss_chunk_tokens=1024)  # fmt: skip
+    k, t = plan_cmd.most_held(shape, 24 * 2**30) or (0, 0)
+    assert 1 <= k < 32
+    note = _room_to_hold(shape, 24 * 2**30, 32)
+    assert note is not None and f"{k} of 32 layers'" in note
+    assert f"--keep-dequantized --keep-dequantized-blocks {k}:" in note
+    every = _room_to_hold(shape, 80 * 2**30, 32)
+    assert every is not None and "every layer's 4-bit" in every and "--keep-dequantized:" in every
+    assert _room_to_hold(shape, 2**30, 32) is None
+    assert _room_to_hold(shape.but(quant=QuantConfig(format="int8")), 80 * 2**30, 32) is None
+    assert _room_to_hold(shape.but(quant=None), 80 * 2**30, 32) is None

@@ -559,10 +559,40 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
     else:
         hints = memory_alternatives(shape, budget=budget)
     check_memory(shape.fullest(), launch.nproc, what="training", hints=hints)
+    notes = []
     if act.checkpointing and act.checkpoint_blocks is None and par.pp == 1:
-        note = _fewer_checkpointed(shape, budget, n_blocks)
+        notes.append(_fewer_checkpointed(shape, budget, n_blocks))
+    if cuda and not par.keep_dequantized and par.pp == 1 and not par.fsdp:
+        notes.append(_room_to_hold(shape, budget, n_blocks))
+    for note in notes:
         if note and int(os.environ.get("RANK", "0")) == 0:
             print(f"quantmesh finetune: note: {note}", file=sys.stderr, flush=True)
+
+
+def _room_to_hold(shape: RunShape, budget: int, n_blocks: int) -> str | None:
+    """On a GPU with memory left over, how many layers' 4-bit weights the run could also hold
+    dequantized (`--keep-dequantized-blocks`, the memory check's margin), as a note; None for a
+    base without bitsandbytes' 4-bit linears, or with no room for one layer."""
+    from ..config import QuantError, check_keep_dequantized
+    from ..plan.memory import format_bytes
+    from .plan_cmd import most_held
+
+    q = shape.quant
+    try:
+        check_keep_dequantized(quant=q.format if q else None, backend=q.backend if q else "")
+    except QuantError:
+        return None
+    most = most_held(shape, budget)
+    if most is None:
+        return None
+    k, t = most
+    flags = "--keep-dequantized" + ("" if k == n_blocks else f" --keep-dequantized-blocks {k}")
+    whose = "every layer's" if k == n_blocks else f"{k} of {n_blocks} layers'"
+    return (
+        f"the GPU has room to hold {whose} 4-bit weights dequantized as well ({flags}: "
+        f"about {format_bytes(t)} per rank), so that their matmuls do not dequantize them, in "
+        "forward or backward"
+    )
 
 
 def _fewer_checkpointed(shape: RunShape, budget: int, n_blocks: int) -> str | None:
