@@ -204,7 +204,8 @@ FORKABLE = ("finetune", "generate", "demo", "verify", "serve")
 # worker that returned would wait for it, in torch's `_wrap`, until the agent kills it 30 s
 # later); sometimes on their own (a signal to one rank), when the launcher, still watching,
 # waits for every worker's result. A forked worker of these kinds returns its result and ends
-# its process itself `UNCOLLECTED_S` later if the launcher has not collected it by then.
+# its process itself `UNCOLLECTED_S` later if the launcher has not collected it by then (a
+# worker of any kind as soon as its launcher is gone: `_end_unless_collected`).
 ENDS_WHEN_STOPPED = ("serve",)
 UNCOLLECTED_S = 1.0
 """A watching launcher collects a result within its monitor interval (torchrun's 0.1 s)."""
@@ -242,6 +243,7 @@ def forked(kind: str, payload: str) -> int:
         0
     """
     _as_started_fresh()
+    parent = os.getppid()
     try:
         rc = run_in_place(kind, payload)
     except KeyboardInterrupt:
@@ -249,25 +251,33 @@ def forked(kind: str, payload: str) -> int:
     except Exception:  # noqa: BLE001 - before worker_main could report it (the worker's imports)
         traceback.print_exc()  # as a fresh interpreter prints it, for the launcher's "above"
         rc = 1
-    if rc or kind in ENDS_WHEN_STOPPED:
+    if rc:
         sys.stdout.flush()
         sys.stderr.flush()
-        if not rc:  # stopped: by the launcher (which collects no result now) or on its own
-            _end_unless_collected(UNCOLLECTED_S)
-            return 0
         sys.exit(rc)
+    # the result goes back through torch's `_wrap`, which then waits for the launcher to collect
+    # it: a launcher that was stopped (serve) or is gone (killed outright) never will
+    stopped = kind in ENDS_WHEN_STOPPED
+    _end_unless_collected(parent, UNCOLLECTED_S if stopped else None)
     return 0
 
 
-def _end_unless_collected(after_s: float) -> None:
-    """End this process (exit code 0) `after_s` seconds from now, from a daemon thread: the time
-    a watching launcher needs to collect the result this worker is about to return (torch's
-    `_wrap` then lets the process end). A launcher that is shutting down collects none."""
+def _end_unless_collected(parent: int, after_s: float | None) -> None:
+    """End this process (exit code 0), from a daemon thread, once its launcher is gone
+    (`runner.launcher_gone`: it can collect no result) or, with `after_s`, that many seconds from
+    now: the time a watching launcher needs to collect the result this worker is about to return
+    (torch's `_wrap` then lets the process end); a launcher that is shutting down collects none."""
     import threading
     import time
 
+    from .runner import launcher_gone
+
     def end() -> None:
-        time.sleep(after_s)
+        deadline = None if after_s is None else time.monotonic() + after_s
+        while not launcher_gone(parent):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.1 if deadline is not None else 1.0)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

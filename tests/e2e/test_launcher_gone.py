@@ -1,0 +1,49 @@
+"""Workers whose launcher was killed outright (SIGKILL: nothing forwards a stop) end instead of
+waiting forever for it to collect their results (a forked worker returns its result through
+torch's `_wrap`, which waits until the launcher has read it)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from .test_cli_common import CLI, REPO, make_tiny_llama
+
+psutil = pytest.importorskip("psutil")
+
+
+@pytest.mark.slow
+def test_workers_that_finish_after_their_launcher_was_killed_end(tmp_path) -> None:
+    model = make_tiny_llama(tmp_path / "tiny")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    proc = subprocess.Popen(
+        [*CLI, "generate", str(model), "--tp", "2", "--prompt", "To be, or not to be",
+         "--max-new-tokens", "64"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        ranks: list = []
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            ranks = []
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.name().startswith("qm-rank"):
+                        ranks.append(child)
+            time.sleep(0.05)
+        assert len(ranks) == 2, (proc.poll(), ranks)
+        os.kill(proc.pid, signal.SIGKILL)  # the ranks go on, orphaned, and finish generating
+        _, alive = psutil.wait_procs(ranks, timeout=90)
+        assert not alive, f"ranks still running 90 s after their launcher died: {alive}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
