@@ -8,11 +8,11 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from .test_cli_common import CLI, REPO, make_tiny_llama
+from .test_serve_failure import rank_processes
 
 psutil = pytest.importorskip("psutil")
 
@@ -30,18 +30,9 @@ def test_workers_that_finish_after_their_launcher_was_killed_end(tmp_path) -> No
         start_new_session=True,
     )  # fmt: skip
     try:
-        ranks: list = []
-        deadline = time.monotonic() + 60
-        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            ranks = []
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    if child.name().startswith("qm-rank"):
-                        ranks.append(child)
-            time.sleep(0.05)
-        assert len(ranks) == 2, (proc.poll(), ranks)
+        ranks = rank_processes(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # the ranks go on, orphaned, and finish generating
-        _, alive = psutil.wait_procs(ranks, timeout=90)
+        _, alive = psutil.wait_procs(list(ranks.values()), timeout=90)
         assert not alive, f"ranks still running 90 s after their launcher died: {alive}"
     finally:
         with contextlib.suppress(ProcessLookupError):

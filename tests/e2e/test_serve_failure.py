@@ -18,13 +18,13 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 
-def _ranks(server: Server) -> dict[int, psutil.Process]:
-    """The server's two rank processes by rank (every worker names its process after its rank:
-    cli/worker.setup_worker)."""
+def rank_processes(pid: int) -> dict[int, psutil.Process]:
+    """The two rank processes under the launcher `pid`, by rank (every worker names its process
+    after its rank: cli/worker.setup_worker)."""
     ranks: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + 30
     while sorted(ranks) != [0, 1] and time.monotonic() < deadline:
-        for child in psutil.Process(server.proc.pid).children(recursive=True):
+        for child in psutil.Process(pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 if child.name().startswith("qm-rank"):
                     ranks[int(child.name().removeprefix("qm-rank"))] = child
@@ -39,7 +39,7 @@ def test_a_dead_rank_ends_the_server(tmp_path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     server = Server([str(model), "--tp", "2"])
     try:
-        ranks = _ranks(server)
+        ranks = rank_processes(server.proc.pid)
         box: dict = {}
 
         def request() -> None:
@@ -79,7 +79,7 @@ def test_signals_while_rank_0_stops_leave_the_other_ranks_a_clean_stop(tmp_path)
     model = make_tiny_llama(tmp_path / "tiny")
     server = Server([str(model), "--tp", "2"])
     try:
-        pid = _ranks(server)[0].pid
+        pid = rank_processes(server.proc.pid)[0].pid
         deadline = time.monotonic() + 60
         while server.proc.poll() is None and time.monotonic() < deadline:
             try:  # every half millisecond: the window once open was about a millisecond wide
@@ -102,7 +102,7 @@ def test_ranks_stop_when_the_launcher_is_killed_outright(tmp_path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
     server = Server([str(model), "--tp", "2"])
     try:
-        ranks = _ranks(server)
+        ranks = rank_processes(server.proc.pid)
         os.kill(server.proc.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(list(ranks.values()), timeout=30)
         assert not alive, f"ranks still running 30 s after the launcher died: {alive}"
