@@ -18,18 +18,22 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 
-def rank_processes(pid: int) -> dict[int, psutil.Process]:
+def rank_processes(pid: int, *, suspend: bool = False) -> dict[int, psutil.Process]:
     """The two rank processes under the launcher `pid`, by rank (every worker names its process
-    after its rank: cli/worker.setup_worker)."""
+    after its rank, before it joins the others: cli/worker.setup_worker). With `suspend`, each is
+    stopped (SIGSTOP) as soon as it is found, to be resumed by the caller."""
     ranks: dict[int, psutil.Process] = {}
     deadline = time.monotonic() + 30
     while sorted(ranks) != [0, 1] and time.monotonic() < deadline:
         for child in psutil.Process(pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                if child.name().startswith("qm-rank"):
+                if child.name().startswith("qm-rank") and child not in ranks.values():
+                    if suspend:
+                        child.suspend()
                     ranks[int(child.name().removeprefix("qm-rank"))] = child
         if sorted(ranks) != [0, 1]:
-            time.sleep(0.1)  # a rank not yet named: look again shortly, not in a busy loop
+            # a rank not yet named: look again shortly, not in a busy loop (at once if suspending)
+            time.sleep(0.005 if suspend else 0.1)
     assert sorted(ranks) == [0, 1], ranks
     return ranks
 

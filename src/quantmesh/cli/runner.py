@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 from .errors import DEBUG_ENV, ERROR_DIR_ENV, EXIT_USAGE, is_user_error, one_line
 
-__all__ = ["exit_fast", "launcher_gone", "run_workers", "worker_main"]
+__all__ = ["LauncherWatch", "exit_fast", "launcher_gone", "run_workers", "worker_main"]
 
 LAUNCHER_ENV = "QUANTMESH_LAUNCHER_PID"
 """The launching process's pid, for its workers (`launcher_gone`): a forked worker's parent is
@@ -145,6 +145,87 @@ def launcher_gone(parent: int) -> bool:
         except OSError:  # it exists (another user's: not ours to signal)
             return False
         return False
+
+
+class LauncherWatch:
+    """A worker's watch on its launcher, from a daemon thread: it ends the worker once the launcher
+    is gone (`launcher_gone`, e.g. killed outright: nothing forwards a stop) while the worker can
+    do nothing more of use:
+
+    - before it has joined its peers (its process group not yet up): the rendezvous store it
+      connects to is the launcher's, and a connection would be retried for the whole timeout
+      (ten minutes). It says so on stderr and ends with exit code 1.
+    - after it has finished (`finished`): a forked worker returns its result through torch's
+      `_wrap`, which waits for the launcher to collect it. It ends with exit code 0 (its output
+      has been written); with `after_s`, also that many seconds after finishing, however the
+      launcher fares (one that is shutting down collects no result).
+
+    A worker that has joined and not finished goes on (it may still save its work; its peers'
+    failures end it through the collectives' timeouts).
+
+    Example:
+        >>> watch = LauncherWatch.start()  # doctest: +SKIP
+        >>> watch.finished(after_s=None)  # doctest: +SKIP
+    """
+
+    POLL_S = 0.2
+
+    def __init__(self, parent: int) -> None:
+        self.parent = parent
+        self.joined = False
+        self.deadline: float | None = None
+        self.done = threading.Event()
+
+    @classmethod
+    def start(cls) -> LauncherWatch:
+        """Watch this process's launcher (its parent now, or the pid in `LAUNCHER_ENV`)."""
+        watch = cls(os.getppid())
+        threading.Thread(target=watch._run, name="quantmesh-launcher-watch", daemon=True).start()
+        return watch
+
+    def finished(self, after_s: float | None) -> None:
+        """This worker has finished: end once the launcher is gone, or `after_s` from now."""
+        import time
+
+        self.deadline = None if after_s is None else time.monotonic() + after_s
+        self.done.set()
+
+    def _has_joined(self) -> bool:
+        # never imports: the worker's main thread may be importing torch right now
+        dist = sys.modules.get("torch.distributed")
+        with contextlib.suppress(Exception):
+            self.joined = self.joined or bool(
+                dist and dist.is_available() and dist.is_initialized()
+            )
+        return self.joined
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            joined = self._has_joined()  # before `gone`: a group torn down at the end was joined
+            if self.done.is_set():
+                if launcher_gone(self.parent) or (
+                    self.deadline is not None and time.monotonic() >= self.deadline
+                ):
+                    _flush_and_exit(0)
+            elif not joined and launcher_gone(self.parent):
+                rank = os.environ.get("RANK", "0")
+                print(
+                    f"quantmesh: error: rank {rank}: the launching process ended before this rank "
+                    "joined the others; stopping (nothing is left to join: the launcher held the "
+                    "rendezvous)",
+                    file=sys.stderr,
+                )
+                _flush_and_exit(1)
+            time.sleep(self.POLL_S)
+
+
+def _flush_and_exit(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def run_workers(

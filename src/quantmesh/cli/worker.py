@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -205,7 +204,7 @@ FORKABLE = ("finetune", "generate", "demo", "verify", "serve")
 # later); sometimes on their own (a signal to one rank), when the launcher, still watching,
 # waits for every worker's result. A forked worker of these kinds returns its result and ends
 # its process itself `UNCOLLECTED_S` later if the launcher has not collected it by then (a
-# worker of any kind as soon as its launcher is gone: `_end_unless_collected`).
+# worker of any kind as soon as its launcher is gone: `runner.LauncherWatch`).
 ENDS_WHEN_STOPPED = ("serve",)
 UNCOLLECTED_S = 1.0
 """A watching launcher collects a result within its monitor interval (torchrun's 0.1 s)."""
@@ -242,8 +241,10 @@ def forked(kind: str, payload: str) -> int:
         >>> launch(2, [], fn=forked, fn_args=("generate", payload))  # doctest: +SKIP
         0
     """
+    from .runner import LauncherWatch
+
     _as_started_fresh()
-    parent = os.getppid()
+    watch = LauncherWatch.start()
     try:
         rc = run_in_place(kind, payload)
     except KeyboardInterrupt:
@@ -257,33 +258,8 @@ def forked(kind: str, payload: str) -> int:
         sys.exit(rc)
     # the result goes back through torch's `_wrap`, which then waits for the launcher to collect
     # it: a launcher that was stopped (serve) or is gone (killed outright) never will
-    stopped = kind in ENDS_WHEN_STOPPED
-    _end_unless_collected(parent, UNCOLLECTED_S if stopped else None)
+    watch.finished(UNCOLLECTED_S if kind in ENDS_WHEN_STOPPED else None)
     return 0
-
-
-def _end_unless_collected(parent: int, after_s: float | None) -> None:
-    """End this process (exit code 0), from a daemon thread, once its launcher is gone
-    (`runner.launcher_gone`: it can collect no result) or, with `after_s`, that many seconds from
-    now: the time a watching launcher needs to collect the result this worker is about to return
-    (torch's `_wrap` then lets the process end); a launcher that is shutting down collects none."""
-    import threading
-    import time
-
-    from .runner import launcher_gone
-
-    def end() -> None:
-        deadline = None if after_s is None else time.monotonic() + after_s
-        while not launcher_gone(parent):
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            time.sleep(0.1 if deadline is not None else 1.0)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(0)
-
-    threading.Thread(target=end, name="quantmesh-end-uncollected", daemon=True).start()
 
 
 def _as_started_fresh() -> None:
@@ -323,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 2 or argv[0] not in KINDS:
         print(f"usage: python -m quantmesh.cli.worker {{{','.join(KINDS)}}} JSON", file=sys.stderr)
         return 2
+    from .runner import LAUNCHER_ENV, LauncherWatch
+
+    if os.environ.get(LAUNCHER_ENV) or os.environ.get("TORCHELASTIC_RUN_ID"):
+        LauncherWatch.start()  # a launcher gone before this rank joined the others ends it
     return run_in_place(argv[0], argv[1])
 
 
