@@ -97,11 +97,19 @@ os.write(1, f"script done {dist.get_rank()}\\n".encode())  # one write: ranks' l
 """
 
 
+_GLOO_SETUP_FLAKE = "Gloo connectFullMesh failed"
+
+
 @pytest.mark.slow
 def test_run_nproc4_prints_every_ranks_mesh_coordinates_and_exits_cleanly(tmp_path: Path) -> None:
     script = tmp_path / "coords_then_collectives.py"
     script.write_text(_COORDS_THEN_COLLECTIVES)
     proc = _cli(*CLI, "run", "--nproc", "4", str(script), "examples/mesh_coords.py")
+    if proc.returncode != 0 and _GLOO_SETUP_FLAKE in proc.stderr:
+        # gloo's connection setup of a two-rank subgroup (DeviceMesh's dp and tp groups), on a
+        # host with more ranks than cores, about 1 run in 25 under load: a peer closes a pair's
+        # socket while the group is built, before any code of ours runs on it. Once more.
+        proc = _cli(*CLI, "run", "--nproc", "4", str(script), "examples/mesh_coords.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     # Workers share one stdout and may write unbuffered, so lines can interleave: match each

@@ -40,18 +40,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if not grads and pp_group is None:
         return torch.tensor(0.0)
     dev = _device_of(model, grads[0][0]) if grads else st.mesh.device  # type: ignore[union-attr]
-    local = torch.zeros((), device=dev, dtype=torch.float32)
-    repl = torch.zeros((), device=dev, dtype=torch.float32)
     dp_group = None  # FSDP: each gradient is a DTensor split over dp; its squares summed over dp
-    for g, is_sharded in grads:
+    tensors: list[torch.Tensor] = []
+    for g, _ in grads:
         if isinstance(g, DTensor):
             dp_group = g.device_mesh.get_group()
-            g = g.to_local()
-        sq = g.detach().float().pow(2).sum().to(dev)
-        if is_sharded:
-            local += sq
-        else:
-            repl += sq
+            g = g.to_local()  # the same storage: scaling it scales the gradient
+        tensors.append(g)
+    local = _sum_of_squares([t for t, (_, sh) in zip(tensors, grads, strict=False) if sh], dev)
+    repl = _sum_of_squares([t for t, (_, sh) in zip(tensors, grads, strict=False) if not sh], dev)
     if dp_group is not None:
         both = torch.stack([local, repl])
         dist.all_reduce(both, group=dp_group)
@@ -62,10 +59,28 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if pp_group is not None:  # each pipeline stage holds its own parameters: sum the stages
         dist.all_reduce(squares, group=pp_group)
     total = squares.sqrt()
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for g, _ in grads:
-            g.mul_(coef.to(g.device))
+    # scaled by at most 1 (x * 1.0 is x exactly), so nothing waits for the norm's value: a few
+    # kernels per device, where one per gradient and a host sync left the GPU idle at every step
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for device, group_tensors in _by_device(tensors).items():
+        torch._foreach_mul_(group_tensors, coef.to(device))
+    return total
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of `tensors` (any devices), in fp32 on `dev`: one
+    multi-tensor norm kernel per device."""
+    total = torch.zeros((), device=dev, dtype=torch.float32)
+    for ts in _by_device(tensors).values():
+        norms = torch._foreach_norm(ts, 2.0, dtype=torch.float32)
+        total = total + torch.stack(norms).square().sum().to(dev)
     return total
 
 
