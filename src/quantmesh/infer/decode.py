@@ -740,8 +740,9 @@ class AdapterStack:
 
 @torch.no_grad()
 def prepare_low_rank(model: nn.Module) -> int:
-    """Where `kernel4.gemv_lora_on`, make every LoRA adapter's tensors for the gemv's launch
-    (`LoraAdapter.low_rank`: kept, never made while a graph is traced, where the adapter's delta
+    """Unless `kernel4.GEMV_LORA_ENABLED` is off, make every LoRA adapter's tensors for the
+    gemv's launch where its device takes them (`kernel4.gemv_lora_on`, which
+    `LoraAdapter.low_rank` asks: kept, never made while a graph is traced, where the adapter's delta
     then stays outside the launch) and copy the biases of joined 4-bit siblings in
     (`CodesRun.refresh_bias`: a joined launch adds them before the deltas); `fast_decode` calls
     it after each prefill. Returns how many adapters have them.
