@@ -45,7 +45,9 @@ from quantmesh.quant.names import BACKENDS, QUANTS
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
-VARIANTS = ("vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "lora_bf16")
+VARIANTS = (
+    "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
+)  # fmt: skip
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -617,7 +619,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     kept, not recomputed in backward; --compile only), then back; `keep_dequantized` holds the
     4-bit weights dequantized in bf16 (`qm.keep_dequantized`: no dequantization in any matmul, for
     about 4x the codes' memory; nf4/fp4 only; `keep_dequantized:K`: the first K decoder layers'
-    alone), then drops them; `lora_bf16` casts the adapters
+    alone), then drops them; `fused_adamw` steps a fresh AdamW(fused=True) (one kernel for every
+    parameter, where the default runs a multi-tensor kernel per arithmetic step); `lora_bf16` casts
+    the adapters
     to bf16, which measures what the fp32 adapters' input casts cost (dp = 1 only: DDP's buckets
     are built for fp32). A variant's peak memory includes the main run's AdamW states, which stay
     alive beside the variant's own (2 x 4 bytes per adapter parameter)."""
@@ -665,7 +669,8 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         held = qm.keep_dequantized(model, cd, blocks=held_blocks)
         V["held_GiB"], V["held_bytes"] = round(held / 2**30, 3), held
     try:
-        opt = torch.optim.AdamW(params, lr=a.lr)
+        opt = torch.optim.AdamW(params, lr=a.lr, fused=True if v == "fused_adamw" else None)
+        V["adamw"] = "fused" if v == "fused_adamw" else "default (foreach on CUDA)"
         warm = min(3, a.warmup)
         dt, losses = train(
             model, opt, ids, warmup=warm, steps=a.variant_steps, device=dev, autocast=autocast,

@@ -45,10 +45,10 @@
 #   train    training with Triton's dequantize (QUANTMESH_TRITON_DEQUANT's training half): its CUDA
 #            test, then bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2,
 #            compiled blocks, profiled) with bitsandbytes' dequantize and, in the same process,
-#            with Triton's and with the weights held dequantized, all of them and the first 10
-#            layers' (TRAIN_VARIANTS, default triton_dequant,keep_dequantized,keep_dequantized:10:
-#            what no dequantization at all gains, and what the memory left under 1.1x Unsloth's
-#            buys)
+#            with Triton's, with a fused AdamW, and with the weights held dequantized, all of them
+#            and the first 10 layers' (TRAIN_VARIANTS, default
+#            triton_dequant,fused_adamw,keep_dequantized,keep_dequantized:10: what no
+#            dequantization at all gains, and what the memory left under 1.1x Unsloth's buys)
 #   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
 #            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
@@ -321,7 +321,7 @@ case "$STAGE" in
     say "7B nf4 + LoRA, seq 2048, mb 2, compiled: bitsandbytes' dequantize, then Triton's"
     timeout 430 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
       benchmarks/bench_train.py --quant nf4 --mb 2 --warmup 5 --steps 10 --compile --profile \
-      --variants "${TRAIN_VARIANTS:-triton_dequant,keep_dequantized,keep_dequantized:10}" \
+      --variants "${TRAIN_VARIANTS:-triton_dequant,fused_adamw,keep_dequantized,keep_dequantized:10}" \
       --variant-steps 10 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6 ;;
   b32)
     say "decode, batch ${BATCH:-32}: the default path, the tensor-core kernel, Triton's dequantize"

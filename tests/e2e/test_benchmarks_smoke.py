@@ -174,19 +174,20 @@ def test_scheduler_host_bench_smoke(tmp_path: Path) -> None:
 def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     tmp_path: Path,
 ) -> None:
-    """--compile --variants keep_elementwise,keep_dequantized,keep_dequantized:1: the blocks
-    compiled again from scratch under torch's own partitioner rule (dynamo's caches cleared),
-    timed, then back to the default; then the 4-bit weights held dequantized, timed, then dropped;
-    then the first layer's alone."""
+    """--compile --variants keep_elementwise,keep_dequantized,keep_dequantized:1,fused_adamw: the
+    blocks compiled again from scratch under torch's own partitioner rule (dynamo's caches
+    cleared), timed, then back to the default; then the 4-bit weights held dequantized, timed, then
+    dropped; then the first layer's alone; then a fused AdamW."""
     bench_on_ranks(
         1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
-        "keep_elementwise,keep_dequantized,keep_dequantized:1", "--variant-steps", "1", "--out",
+        "keep_elementwise,keep_dequantized,keep_dequantized:1,fused_adamw", "--variant-steps", "1",
+        "--out",
         str(tmp_path),
         timeout=300,
     )  # fmt: skip
     res = json.loads(next(tmp_path.glob("result_qm_*.json")).read_text())
     assert res["ok"], res.get("traceback")
-    for name in ("keep_elementwise", "keep_dequantized", "keep_dequantized:1"):
+    for name in ("keep_elementwise", "keep_dequantized", "keep_dequantized:1", "fused_adamw"):
         v = res["variants"][name]
         assert "error" not in v and v["tokens_per_s"] > 0, (name, v)
         assert all(x == x for x in v["losses_first"])
@@ -194,3 +195,4 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
         res["variants"][k]["held_bytes"] for k in ("keep_dequantized", "keep_dequantized:1")
     )
     assert 0 < first < every
+    assert res["variants"]["fused_adamw"]["adamw"] == "fused"
