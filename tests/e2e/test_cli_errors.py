@@ -212,11 +212,17 @@ def test_checkpoint_blocks_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
     err = _fails([*base, "--nproc", "2", "--pp", "2", "--checkpointing", "--checkpoint-blocks",
                   "1"], capsys, monkeypatch)  # fmt: skip
     assert "--checkpoint-blocks with --pp 2" in err
-    err = _fails(["plan", str(tiny / "tiny"), "--lora-r", "4", "--checkpoint-blocks", "1"],
-                 capsys, monkeypatch)  # fmt: skip
-    assert (
-        "--checkpoint-blocks 1: expected 1 to 2 (the model's layers), with --checkpointing" in err
-    )
+    plan = ["plan", str(tiny / "tiny"), "--lora-r", "4"]
+    # plan says which of the three is wrong, in finetune's words, for both per-layer counts
+    for flag, needs in (("--checkpoint-blocks", "--checkpointing"),
+                        ("--keep-dequantized-blocks", "--keep-dequantized")):  # fmt: skip
+        quant = ["--quant", "nf4"] if needs == "--keep-dequantized" else []
+        err = _fails([*plan, *quant, flag, "1"], capsys, monkeypatch)
+        assert f"{flag} 1 without {needs}: it says how many layers {needs} applies to" in err
+        err = _fails([*plan, *quant, needs, flag, "3"], capsys, monkeypatch)
+        assert f"{flag} 3, but the model has 2 decoder layers; pass 1 to 2" in err
+        err = _fails([*plan, *quant, "--pp", "2", needs, flag, "1"], capsys, monkeypatch)
+        assert f"{flag} with --pp 2: each stage would choose among its own layers" in err
 
 
 def test_full_checkpointing_notes_what_fits_with_less_recompute(

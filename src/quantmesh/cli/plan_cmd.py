@@ -521,26 +521,43 @@ def run(args: argparse.Namespace) -> int:
                 f"{CUDA_RUNTIME_BYTES / 2**30:.1f} GiB the CUDA context and workspaces take (e.g. 24)"
             )
         _, model = load_skeleton(args.model)
-        if args.checkpoint_blocks is not None:
-            from ..plan.auto import blocks_of
+        from ..plan.auto import blocks_of
 
-            n = len(blocks_of(model))
-            if not args.checkpointing or args.pp > 1 or not 1 <= args.checkpoint_blocks <= n:
-                raise CliError(
-                    f"--checkpoint-blocks {args.checkpoint_blocks}: expected 1 to {n} (the "
-                    "model's layers), with --checkpointing and without --pp"
-                )
-        if args.keep_dequantized_blocks is not None:
-            from ..plan.auto import blocks_of
-
-            n, k = len(blocks_of(model)), args.keep_dequantized_blocks
-            if not args.keep_dequantized or args.pp > 1 or not 1 <= k <= n:
-                raise CliError(
-                    f"--keep-dequantized-blocks {k}: expected 1 to {n} (the model's layers), "
-                    "with --keep-dequantized and without --pp"
-                )
+        for flag, k, needs, has_needed, all_of in (
+            ("--checkpoint-blocks", args.checkpoint_blocks, "--checkpointing",
+             args.checkpointing, "recompute all of them"),
+            ("--keep-dequantized-blocks", args.keep_dequantized_blocks, "--keep-dequantized",
+             args.keep_dequantized, "hold every layer's weights"),
+        ):  # fmt: skip
+            if k is not None:
+                why = _layer_count_problem(flag, k, len(blocks_of(model)), needs, has_needed,
+                                           args.pp, all_of)  # fmt: skip
+                if why:
+                    raise CliError(why)
         print(plan_report(model, args))
     return 0
+
+
+def _layer_count_problem(
+    flag: str, k: int, n: int, needs: str, has_needed: bool, pp: int, all_of: str
+) -> str | None:
+    """What is wrong with `flag k` (how many of the model's `n` decoder layers the mechanism
+    `needs` turns on applies to), in finetune's words; None when nothing is."""
+    if not has_needed:
+        return (
+            f"{flag} {k} without {needs}: it says how many layers {needs} applies to; add {needs}"
+        )
+    if pp > 1:
+        return (
+            f"{flag} with --pp {pp}: each stage would choose among its own layers, which the "
+            f"memory check does not model; use {needs} alone (every layer) with --pp"
+        )
+    if not 1 <= k <= n:
+        return (
+            f"{flag} {k}, but the model has {n} decoder layers; pass 1 to {n}, or leave it out "
+            f"to {all_of}"
+        )
+    return None
 
 
 def plan_report(model, args: argparse.Namespace) -> str:
