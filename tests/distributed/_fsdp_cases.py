@@ -18,7 +18,7 @@ from quantmesh.parallel.state import parallel_state
 from quantmesh.plan.auto import blocks_of
 from quantmesh.tp.layers import ShardedModule
 
-from ._lora_cases import GLOBAL_BATCH, TARGETS, batches, tiny_llama, whole_lora
+from ._lora_cases import GLOBAL_BATCH, TARGETS, batches, clip_to_half, tiny_llama, whole_lora
 from ._spawns import JobSpawns
 
 NF4_AO = "nf4_torchao"
@@ -54,7 +54,7 @@ def _step(model, opt, mesh, ids: torch.Tensor, grads: list | None = None) -> tup
         total /= mesh.dp
     if grads is not None:
         grads.append(whole_lora(model, "grad"))
-    norm = float(qm.clip_grad_norm_(model, 1e9))
+    norm = clip_to_half(model)
     opt.step()
     opt.zero_grad()
     return float(total), norm
