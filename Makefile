@@ -46,7 +46,7 @@ test: lint
 
 # The inner loop: lint, then every test but the slow ones (the CLI end-to-end runs, the demo and
 # its assets, the benchmark smokes, CPU compiles, the tp=4, recompute and hf launches of 4 ranks,
-# the MoE folder loads, the 512 MiB load). `make test` stays the full suite: it runs every slow test.
+# the MoE folder loads, the 512 MiB load, the Triton interpreter's long families). `make test` stays the full suite: it runs every slow test.
 test-fast: lint
 	QUANTMESH_COMPILE_BACKEND=aot_eager $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not cuda and not slow" tests
 

@@ -53,9 +53,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("gemv", "mma", "dequant", "rows", "tp_shards", "joined", "decode", "train", "attention")
+SLOW_FAMILIES = ("decode", "attention")  # 15-40 s each on 2 cores: `make test-fast` leaves them
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=pytest.mark.slow) if f in SLOW_FAMILIES else f for f in FAMILIES],
+)
 def test_triton_kernels_in_the_interpreter(family: str) -> None:
     run_family(family)
 

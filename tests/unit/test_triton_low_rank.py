@@ -11,8 +11,11 @@ test_triton_interpreter.py on another worker (the cases live there, family "low_
 
 from __future__ import annotations
 
+import pytest
+
 from tests.unit.test_triton_interpreter import run_family
 
 
+@pytest.mark.slow  # about 50 s on 2 cores
 def test_gemv_adds_the_adapters_deltas_in_the_interpreter() -> None:
     run_family("low_rank")
