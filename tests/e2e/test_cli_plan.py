@@ -83,6 +83,22 @@ def test_plan_no_compile_estimates_eager_blocks(config_only: Path, capsys) -> No
     assert compiled != eager  # compiled blocks keep less
 
 
+def test_plan_says_which_weights_it_holds_dequantized(config_only: Path, capsys) -> None:
+    argv = ["plan", str(config_only), "--quant", "nf4", "--lora-r", "8", "--seq", "64"]
+    said = {}
+    for extra in ([], ["--keep-dequantized"], ["--keep-dequantized", "--keep-dequantized-blocks",
+                                                "1"]):  # fmt: skip
+        assert main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        said[len(extra)] = out.split("Assumes: ")[1].splitlines()[0]
+        held = re.search(r"4-bit weights held dequantized\s+(\S+ \S+)", out)
+        said[f"held{len(extra)}"] = held and held.group(1)
+    assert "held dequantized" not in said[0] and said["held0"] is None
+    assert "activation checkpointing off, every 4-bit weight held dequantized," in said[1]
+    assert "off, the first layer's 4-bit weights held dequantized," in said[3]
+    assert said["held1"] and said["held3"] and said["held1"] != said["held3"]
+
+
 def test_plan_without_lora_is_a_forward_estimate(config_only: Path, capsys) -> None:
     assert main(["plan", str(config_only), "--tp", "1", "--seq", "32", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -608,6 +608,7 @@ def plan_report(model, args: argparse.Namespace) -> str:
         est.table(),
         "Assumes: activation checkpointing "
         + _checkpointing(shape)
+        + _held(shape)
         + (f", the loss in chunks of {chunk} tokens" if lora and chunk else "")
         + ", SDPA attention, frozen base; excludes the CUDA "
         "context, allocator fragmentation and workspaces. Formula: quantmesh.plan.memory.",
@@ -712,6 +713,17 @@ def _checkpointing(shape: RunShape) -> str:
         return "off"
     k = shape.checkpointed_blocks
     return "on" if k is None else f"on for {k} of the layers (--checkpoint-blocks)"
+
+
+def _held(shape: RunShape) -> str:
+    """Which 4-bit weights the run holds dequantized, for the report's assumptions."""
+    if not shape.keep_dequantized:
+        return ""
+    k = shape.held_blocks
+    if k is None:
+        return ", every 4-bit weight held dequantized"
+    layers = "layer's" if k == 1 else f"{k} layers'"
+    return f", the first {layers} 4-bit weights held dequantized"
 
 
 def _compiled(args: argparse.Namespace, gpu: bool) -> bool:
