@@ -58,6 +58,17 @@ class Server:
             [*CLI, "serve", *args, "--port", "0"], cwd=REPO, env=env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
+        # both pipes read all along: a server that wrote more than a pipe holds while a test
+        # waited for it to exit would block on the write (a hang that looks like the server's)
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._first = threading.Event()
+        self._drains = [
+            threading.Thread(target=self._drain, args=(stream, into), daemon=True)
+            for stream, into in ((self.proc.stdout, self._out), (self.proc.stderr, self._err))
+        ]
+        for t in self._drains:
+            t.start()
         self.line = line = self._first_line(timeout)
         self.url = line.split(" on ", 1)[1].split()[0]
         deadline = time.time() + 60
@@ -72,15 +83,33 @@ class Server:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
                                     max_retries=0, timeout=120)  # fmt: skip
 
+    def _drain(self, stream, into: list[str]) -> None:
+        for line in stream:  # until every writer (the launcher, the ranks) has closed it
+            into.append(line)
+            if into is self._out:
+                self._first.set()
+        self._first.set()  # closed: no first line will come
+
     def _first_line(self, timeout: float) -> str:
-        box: list[str] = []
-        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
+        self._first.wait(timeout)
+        box = self._out[:1]
         if not box or not box[0].startswith("quantmesh serve:"):
             self.proc.kill()
-            raise RuntimeError(f"server did not start: {box} {self.proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"server did not start: {box} {self.err()[-3000:]}")
         return box[0]
+
+    def out(self, wait_s: float = 10.0) -> str:
+        """What the server wrote to stdout so far; once it has exited, all of it (up to `wait_s`
+        for the pipe to close)."""
+        if self.proc.poll() is not None:
+            self._drains[0].join(wait_s)
+        return "".join(self._out)
+
+    def err(self, wait_s: float = 10.0) -> str:
+        """What the server wrote to stderr so far (as `out`)."""
+        if self.proc.poll() is not None:
+            self._drains[1].join(wait_s)
+        return "".join(self._err)
 
     def get(self, path: str) -> dict:
         req = urllib.request.Request(self.url + path, headers=self.headers)
@@ -627,7 +656,7 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_stops(server) -> None:
         error = f"{type(e).__name__}: {e}"
     assert not any(c.choices and c.choices[0].finish_reason for c in rest)  # it did not finish
     assert server.proc.wait(60) == 0
-    out, err = server.proc.stdout.read(), server.proc.stderr.read()
+    out, err = server.out(), server.err()
     assert "stopped (SIGINT)" in out, (out, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     for text in (error, *(c.model_dump_json() for c in rest)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -38,6 +39,21 @@ def rank_processes(pid: int, *, suspend: bool = False) -> dict[int, psutil.Proce
     return ranks
 
 
+def _exit_code(server: Server, timeout: float) -> int:
+    """The server's exit code within `timeout` seconds; else a failure naming what still runs
+    and what the server said."""
+    try:
+        return server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        alive: object = "unknown"
+        with contextlib.suppress(psutil.Error):
+            launcher = psutil.Process(server.proc.pid)
+            alive = [(p.pid, p.name(), p.status())
+                     for p in [launcher, *launcher.children(recursive=True)]]  # fmt: skip
+        pytest.fail(f"the server had not exited {timeout:.0f} s later; still running: {alive}\n"
+                    f"stdout: {server.out()[-1500:]}\nstderr: {server.err()[-3000:]}")  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_dead_rank_ends_the_server(tmp_path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
@@ -64,7 +80,7 @@ def test_a_dead_rank_ends_the_server(tmp_path) -> None:
         # whichever notices first says it: rank 0's decoding loop (its collective raised), or the
         # launcher, which stops the survivors as soon as it sees rank 1's exit (a race on a busy
         # host: both are the error a user needs, neither a hang)
-        err = server.proc.stderr.read()
+        err = server.err()
         assert "the decoding loop failed" in err or "worker rank 1 failed" in err, err
     finally:
         server.stop()
@@ -91,8 +107,8 @@ def test_signals_while_rank_0_stops_leave_the_other_ranks_a_clean_stop(tmp_path)
             except ProcessLookupError:
                 break
             time.sleep(0.0005)
-        assert server.proc.wait(60) == 0, server.proc.stderr.read()[-3000:]
-        err = server.proc.stderr.read()
+        assert _exit_code(server, 60) == 0, server.err()[-3000:]
+        err = server.err()
         assert "Traceback" not in err and "error" not in err, err[-3000:]
     finally:
         server.stop()
@@ -110,8 +126,8 @@ def test_ranks_stop_when_the_launcher_is_killed_outright(tmp_path) -> None:
         os.kill(server.proc.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(list(ranks.values()), timeout=30)
         assert not alive, f"ranks still running 30 s after the launcher died: {alive}"
-        assert "the launcher is gone; stopping" in server.proc.stdout.read()
-        err = server.proc.stderr.read()
+        assert "the launcher is gone; stopping" in server.out()
+        err = server.err()
         assert "Traceback" not in err, err[-3000:]
     finally:
         server.stop()

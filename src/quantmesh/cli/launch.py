@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["forked_workers_apply", "launch"]
+__all__ = ["forked_workers_apply", "ignore_timer_self_join", "launch"]
 
 
 def forked_workers_apply() -> bool:
@@ -46,6 +46,45 @@ def forked_workers_apply() -> bool:
         and "forkserver" in mp.get_all_start_methods()
         and not torch.cuda.is_available()
     )
+
+
+def ignore_timer_self_join() -> None:
+    """Keep one harmless torch message off the user's terminal. torch's rendezvous runs a timer
+    on a daemon thread and stops it from a finalizer; when the garbage collector frees the timer
+    on that same thread, the finalizer tries to join the thread it runs on, and Python prints
+    "Exception ignored in: <finalize object ...>" with a traceback ending in "RuntimeError:
+    cannot join current thread" (it has been seen after a finetune stopped by Ctrl-C). That one
+    is dropped; every other unraisable exception still goes to the hook that was there.
+    Installed once per process.
+
+    Example:
+        >>> ignore_timer_self_join()
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "quantmesh_timer_self_join", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _is_timer_self_join(unraisable):
+            previous(unraisable)
+
+    hook.quantmesh_timer_self_join = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def _is_timer_self_join(unraisable: Any) -> bool:
+    err = unraisable.exc_value
+    if not isinstance(err, RuntimeError) or str(err) != "cannot join current thread":
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:  # raised under torch's rendezvous timer's `_stop_thread`
+        code = tb.tb_frame.f_code
+        if code.co_name == "_stop_thread" and code.co_filename.replace("\\", "/").endswith(
+            "elastic/rendezvous/utils.py"
+        ):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def launch(
@@ -87,6 +126,7 @@ def launch(
         argv += ["-m"]
     # torchrun's parser asks for a script; a function's workers run none ("-" stands in for it)
     args = get_args_parser().parse_args(argv + (target if fn is None else ["-"]))
+    ignore_timer_self_join()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", "")
     try:
