@@ -128,3 +128,34 @@ def test_a_finished_rank_ends_after_its_grace_with_its_launcher_alive(launcher) 
     finally:
         child.kill()
         child.wait()
+
+
+QUEUED = """
+import multiprocessing as mp, time
+from quantmesh.cli.runner import LauncherWatch
+
+def worker(q):  # as a forked worker returns its result through torch's `_wrap`: a queue
+    watch = LauncherWatch.start()
+    q.put(b"x" * (8 << 20))  # far more than a pipe holds: the feeder thread sends it in pieces
+    watch.finished(after_s=0.0)  # ended at once by the watch, not by a normal exit
+    time.sleep(300)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=worker, args=(q,))
+    p.start()
+    time.sleep(1.5)  # nothing read meanwhile: the worker is past its end before its result is
+    print(len(q.get(timeout=30)), flush=True)
+    p.join(30)
+    print(p.exitcode, flush=True)
+"""
+
+
+def test_a_finished_worker_ends_only_once_its_queued_result_is_sent(tmp_path) -> None:
+    # ended with its result still in the queue's feeder thread, the reader (the launcher) got
+    # part of it and waited for the rest forever
+    script = tmp_path / "queued.py"
+    script.write_text(QUEUED)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert r.stdout.split() == [str(8 << 20), "0"], (r.stdout, r.stderr[-2000:])

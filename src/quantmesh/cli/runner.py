@@ -208,6 +208,7 @@ class LauncherWatch:
                 if launcher_gone(self.parent) or (
                     self.deadline is not None and time.monotonic() >= self.deadline
                 ):
+                    _send_queued()  # the result this worker returned, on its way to the launcher
                     _flush_and_exit(0)
             elif not joined and launcher_gone(self.parent):
                 rank = os.environ.get("RANK", "0")
@@ -219,6 +220,25 @@ class LauncherWatch:
                 )
                 _flush_and_exit(1)
             time.sleep(self.POLL_S)
+
+
+def _send_queued(timeout_s: float = 10.0) -> None:
+    """What multiprocessing does for its queues when a process exits normally, which a process
+    ended by `os._exit` skips: each queue's feeder thread sends what it still holds and stops.
+    A forked worker's result goes to the launcher through such a queue (torch's `_wrap`); ended
+    with the result still in the feeder's hands, the launcher, still watching, would wait for it
+    forever. Bounded: a launcher that reads nothing cannot hold the worker more than
+    `timeout_s`."""
+    from multiprocessing import util
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            util._run_finalizers(0)  # type: ignore[attr-defined]  # queues closed: feeders finish
+            util._run_finalizers()  # type: ignore[attr-defined]  # ... and are joined
+
+    t = threading.Thread(target=run, name="quantmesh-send-queued", daemon=True)
+    t.start()
+    t.join(timeout_s)
 
 
 def _flush_and_exit(code: int) -> NoReturn:
