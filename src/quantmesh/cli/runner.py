@@ -205,8 +205,12 @@ class LauncherWatch:
         while True:
             joined = self._has_joined()  # before `gone`: a group torn down at the end was joined
             if self.done.is_set():
+                now = time.monotonic()
+                # past the grace: once the result is queued (a watching launcher reads it), or
+                # RESULT_WAIT_S later if it never is (one shutting down reads none)
+                late = self.deadline is not None and now >= self.deadline
                 if launcher_gone(self.parent) or (
-                    self.deadline is not None and time.monotonic() >= self.deadline
+                    late and (_result_queued() or now >= self.deadline + RESULT_WAIT_S)
                 ):
                     _send_queued()  # the result this worker returned, on its way to the launcher
                     _flush_and_exit(0)
@@ -220,6 +224,17 @@ class LauncherWatch:
                 )
                 _flush_and_exit(1)
             time.sleep(self.POLL_S)
+
+
+RESULT_WAIT_S = 5.0
+"""How long past its grace a finished worker waits for its result to be queued (`_wrap` puts it
+as `forked` returns: microseconds, unless the host is starved)."""
+
+
+def _result_queued() -> bool:
+    """Whether something was put on a multiprocessing queue in this process: its feeder thread
+    starts with the first `put` (in a forked worker, torch's `_wrap` putting the result)."""
+    return any(t.name == "QueueFeederThread" for t in threading.enumerate())
 
 
 def _send_queued(timeout_s: float = 10.0) -> None:
