@@ -157,8 +157,9 @@ class LauncherWatch:
       (ten minutes). It says so on stderr and ends with exit code 1.
     - after it has finished (`finished`): a forked worker returns its result through torch's
       `_wrap`, which waits for the launcher to collect it. It ends with exit code 0 (its output
-      has been written); with `after_s`, also that many seconds after finishing, however the
-      launcher fares (one that is shutting down collects no result).
+      has been written) once what its queues hold is sent; with `after_s`, also that many
+      seconds after finishing, however the launcher fares (one that is shutting down collects no
+      result), as soon as the result is queued (or `RESULT_WAIT_S` later if it never is).
 
     A worker that has joined and not finished goes on (it may still save its work; its peers'
     failures end it through the collectives' timeouts).
@@ -205,13 +206,15 @@ class LauncherWatch:
         while True:
             joined = self._has_joined()  # before `gone`: a group torn down at the end was joined
             if self.done.is_set():
-                now = time.monotonic()
+                now, deadline = time.monotonic(), self.deadline
                 # past the grace: once the result is queued (a watching launcher reads it), or
                 # RESULT_WAIT_S later if it never is (one shutting down reads none)
-                late = self.deadline is not None and now >= self.deadline
-                if launcher_gone(self.parent) or (
-                    late and (_result_queued() or now >= self.deadline + RESULT_WAIT_S)
-                ):
+                past = (
+                    deadline is not None
+                    and now >= deadline
+                    and (_result_queued() or now >= deadline + RESULT_WAIT_S)
+                )
+                if past or launcher_gone(self.parent):
                     _send_queued()  # the result this worker returned, on its way to the launcher
                     _flush_and_exit(0)
             elif not joined and launcher_gone(self.parent):
