@@ -467,6 +467,7 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
         check_memory,
         check_tokenizer,
         device_budget,
+        layer_count_problem,
         load_skeleton,
         memory_alternatives,
         stage_alternatives,
@@ -514,17 +515,14 @@ def check_finetune(cfg: FinetuneConfig, *, in_place: bool = False) -> None:
             f"{out} to continue it, --overwrite to replace it, or another --output-dir"
         )
     n_blocks = len(blocks_of(model))
-    if act.checkpoint_blocks is not None and act.checkpoint_blocks > n_blocks:
-        raise CliError(
-            f"--checkpoint-blocks {act.checkpoint_blocks}, but the model has {n_blocks} decoder "
-            f"layers; pass 1 to {n_blocks}, or leave it out to recompute all of them"
-        )
-    held = par.keep_dequantized_blocks
-    if held is not None and held > n_blocks:
-        raise CliError(
-            f"--keep-dequantized-blocks {held}, but the model has {n_blocks} decoder layers; "
-            f"pass 1 to {n_blocks}, or leave it out to hold every layer's weights"
-        )
+    # the flags they need and --pp were checked with the settings: what is left is the count
+    why = layer_count_problem(
+        n_blocks, pp=par.pp,
+        checkpoint_blocks=act.checkpoint_blocks, checkpointing=act.checkpointing,
+        keep_dequantized_blocks=par.keep_dequantized_blocks, keep_dequantized=par.keep_dequantized,
+    )  # fmt: skip
+    if why:
+        raise CliError(why)
     shape = RunShape(
         model=model,
         plan=plan,

@@ -523,40 +523,56 @@ def run(args: argparse.Namespace) -> int:
         _, model = load_skeleton(args.model)
         from ..plan.auto import blocks_of
 
-        for flag, k, needs, has_needed, all_of in (
-            ("--checkpoint-blocks", args.checkpoint_blocks, "--checkpointing",
-             args.checkpointing, "recompute all of them"),
-            ("--keep-dequantized-blocks", args.keep_dequantized_blocks, "--keep-dequantized",
-             args.keep_dequantized, "hold every layer's weights"),
-        ):  # fmt: skip
-            if k is not None:
-                why = _layer_count_problem(flag, k, len(blocks_of(model)), needs, has_needed,
-                                           args.pp, all_of)  # fmt: skip
-                if why:
-                    raise CliError(why)
+        why = layer_count_problem(
+            len(blocks_of(model)), pp=args.pp,
+            checkpoint_blocks=args.checkpoint_blocks, checkpointing=args.checkpointing,
+            keep_dequantized_blocks=args.keep_dequantized_blocks,
+            keep_dequantized=args.keep_dequantized,
+        )  # fmt: skip
+        if why:
+            raise CliError(why)
         print(plan_report(model, args))
     return 0
 
 
-def _layer_count_problem(
-    flag: str, k: int, n: int, needs: str, has_needed: bool, pp: int, all_of: str
+def layer_count_problem(
+    n: int,
+    *,
+    pp: int,
+    checkpoint_blocks: int | None,
+    checkpointing: bool,
+    keep_dequantized_blocks: int | None,
+    keep_dequantized: bool,
 ) -> str | None:
-    """What is wrong with `flag k` (how many of the model's `n` decoder layers the mechanism
-    `needs` turns on applies to), in finetune's words; None when nothing is."""
-    if not has_needed:
-        return (
-            f"{flag} {k} without {needs}: it says how many layers {needs} applies to; add {needs}"
-        )
-    if pp > 1:
-        return (
-            f"{flag} with --pp {pp}: each stage would choose among its own layers, which the "
-            f"memory check does not model; use {needs} alone (every layer) with --pp"
-        )
-    if not 1 <= k <= n:
-        return (
-            f"{flag} {k}, but the model has {n} decoder layers; pass 1 to {n}, or leave it out "
-            f"to {all_of}"
-        )
+    """What is wrong with `--checkpoint-blocks` or `--keep-dequantized-blocks` (how many of the
+    model's `n` decoder layers the flag they need applies to): that flag missing, --pp, or the
+    count; None when nothing is. `quantmesh plan` and finetune's checks say it alike.
+
+    Example:
+        >>> layer_count_problem(2, pp=1, checkpoint_blocks=3, checkpointing=True,  # doctest: +ELLIPSIS
+        ...                     keep_dequantized_blocks=None, keep_dequantized=False)
+        '--checkpoint-blocks 3, but the model has 2 decoder layers; pass 1 to 2, or leave it ...'
+    """
+    for flag, k, needs, has_needed, all_of in (
+        ("--checkpoint-blocks", checkpoint_blocks, "--checkpointing", checkpointing,
+         "recompute all of them"),
+        ("--keep-dequantized-blocks", keep_dequantized_blocks, "--keep-dequantized",
+         keep_dequantized, "hold every layer's weights"),
+    ):  # fmt: skip
+        if k is None:
+            continue
+        if not has_needed:
+            return f"{flag} {k} without {needs}: it says how many layers {needs} applies to; add {needs}"
+        if pp > 1:
+            return (
+                f"{flag} with --pp {pp}: each stage would choose among its own layers, which "
+                f"the memory check does not model; use {needs} alone (every layer) with --pp"
+            )
+        if not 1 <= k <= n:
+            return (
+                f"{flag} {k}, but the model has {n} decoder layers; pass 1 to {n}, or leave it "
+                f"out to {all_of}"
+            )
     return None
 
 
