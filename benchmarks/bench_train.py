@@ -73,7 +73,8 @@ def parse(argv=None) -> argparse.Namespace:
         "--variants",
         default="",
         help="comma list of prototype speed-ups to time after the main run: "
-        f"{','.join(VARIANTS)} (keep_dequantized:K: the first K layers' weights held)",
+        f"{','.join(VARIANTS)} (keep_dequantized:K: the first K layers' weights held; "
+        "a+b: timed together)",
     )
     p.add_argument("--variant-steps", type=int, default=10)
     p.add_argument("--profile", action="store_true", help="GPU time breakdown of 2 steps")
@@ -589,7 +590,7 @@ def main(argv=None) -> int:
                 if mesh.rank == 0:  # each variant kept as it ends (a later one may hang)
                     qb.write_json(out_path, R)
                 dist.barrier()
-                if v == "lora_bf16":
+                if "lora_bf16" in v.split("+"):
                     break  # it changes the model: nothing may follow it
     except Exception as e:
         R["ok"] = False
@@ -624,53 +625,60 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     the adapters
     to bf16, which measures what the fp32 adapters' input casts cost (dp = 1 only: DDP's buckets
     are built for fp32). A variant's peak memory includes the main run's AdamW states, which stay
-    alive beside the variant's own (2 x 4 bytes per adapter parameter)."""
+    alive beside the variant's own (2 x 4 bytes per adapter parameter). Variants joined by '+'
+    (`triton_dequant+fused_adamw`) are timed together."""
     dev = mesh.device
-    v, _, arg = v.partition(":")
-    if v not in VARIANTS or (arg and (v != "keep_dequantized" or not arg.isdigit())):
-        raise ValueError(
-            f"unknown variant {v + (':' + arg if arg else '')!r}; known: {', '.join(VARIANTS)} "
-            "(keep_dequantized:K holds the first K layers' weights)"
-        )
-    held_blocks = int(arg) if arg else None
-    if v == "vp_ce" and mesh.tp == 1:
-        V["skipped"] = "needs tp > 1"
-        return
-    if v == "keep_elementwise" and not a.compile:
-        V["skipped"] = "needs --compile"
-        return
-    if v == "keep_dequantized" and (
-        a.quant not in ("nf4", "fp4") or a.quant_backend != "bitsandbytes"
-    ):
-        V["skipped"] = "needs --quant nf4 or fp4 (bitsandbytes)"
-        return
-    if v == "lora_bf16" and mesh.dp > 1:
-        V["skipped"] = "changes parameter dtypes under DDP"
-        return
+    parts = {}
+    for part in v.split("+"):
+        name, _, arg = part.partition(":")
+        if name not in VARIANTS or (arg and (name != "keep_dequantized" or not arg.isdigit())):
+            raise ValueError(
+                f"unknown variant {part!r}; known: {', '.join(VARIANTS)} (keep_dequantized:K "
+                "holds the first K layers' weights; join variants with '+' to time them together)"
+            )
+        if name in parts:
+            raise ValueError(f"variant {v!r} names {name!r} twice")
+        parts[name] = arg
+    if "lora_bf16" in parts and len(parts) > 1:
+        raise ValueError("lora_bf16 changes the model: time it alone, last")
+    held_blocks = int(parts["keep_dequantized"]) if parts.get("keep_dequantized") else None
+    skipped = {
+        "vp_ce": "needs tp > 1" if mesh.tp == 1 else None,
+        "keep_elementwise": "needs --compile" if not a.compile else None,
+        "keep_dequantized": "needs --quant nf4 or fp4 (bitsandbytes)"
+        if a.quant not in ("nf4", "fp4") or a.quant_backend != "bitsandbytes"
+        else None,
+        "lora_bf16": "changes parameter dtypes under DDP" if mesh.dp > 1 else None,
+    }
+    for name in parts:
+        if skipped.get(name):
+            V["skipped"] = f"{name}: {skipped[name]}"
+            return
     loss_fn = hf_loss
     head_style = getattr(model.lm_head, "style", None)
-    if v == "vp_ce":
+    if "vp_ce" in parts:
         loss_fn = make_vp_loss(model, mesh)
         model.lm_head.style = "colwise"  # keep the logits split
-    if v == "lora_bf16":
+    if "lora_bf16" in parts:
         for p in params:
             p.data = p.data.to(torch.bfloat16)
     from quantmesh.quant import kernel4
 
     dequant_before = kernel4.DEQUANT_ENABLED
-    if v == "triton_dequant":
+    if "triton_dequant" in parts:
         kernel4.DEQUANT_ENABLED = True
-    if v == "keep_elementwise":
+    if "keep_elementwise" in parts:
         recompile_blocks(model, a, recompute_elementwise=False)
-    if v == "keep_dequantized":
+    if "keep_dequantized" in parts:
         import quantmesh as qm
 
         cd = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the 4-bit compute dtype
         held = qm.keep_dequantized(model, cd, blocks=held_blocks)
         V["held_GiB"], V["held_bytes"] = round(held / 2**30, 3), held
     try:
-        opt = torch.optim.AdamW(params, lr=a.lr, fused=True if v == "fused_adamw" else None)
-        V["adamw"] = "fused" if v == "fused_adamw" else "default (foreach on CUDA)"
+        fused = "fused_adamw" in parts
+        opt = torch.optim.AdamW(params, lr=a.lr, fused=True if fused else None)
+        V["adamw"] = "fused" if fused else "default (foreach on CUDA)"
         warm = min(3, a.warmup)
         dt, losses = train(
             model, opt, ids, warmup=warm, steps=a.variant_steps, device=dev, autocast=autocast,
@@ -678,9 +686,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         )  # fmt: skip
     finally:
         kernel4.DEQUANT_ENABLED = dequant_before
-        if v == "keep_elementwise":
+        if "keep_elementwise" in parts:
             recompile_blocks(model, a)
-        if v == "keep_dequantized":
+        if "keep_dequantized" in parts:
             import quantmesh as qm
 
             qm.keep_dequantized(model, None)
