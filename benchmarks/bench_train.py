@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
 VARIANTS = (
-    "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
+    "default", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
 )  # fmt: skip
 
 
@@ -584,7 +584,11 @@ def main(argv=None) -> int:
         if wanted:
             R["variants"] = {}
             for v in wanted:
-                V = R["variants"][v] = {}
+                key, n = v, 1
+                while key in R["variants"]:  # a variant named again: timed again, kept apart
+                    n += 1
+                    key = f"{v}#{n}"
+                V = R["variants"][key] = {}
                 with qb.record_errors(V):
                     run_variant(v, a, mesh, model, params, ids, autocast, V)
                 if mesh.rank == 0:  # each variant kept as it ends (a later one may hang)
@@ -612,7 +616,8 @@ def main(argv=None) -> int:
 
 
 def run_variant(v, a, mesh, model, params, ids, autocast, V):
-    """Time one prototype on the model already built: `vp_ce` keeps the head's logits split and
+    """Time one prototype on the model already built: `default` changes nothing (the main run's
+    configuration timed as a variant is, beside the others, the measure of their noise); `vp_ce` keeps the head's logits split and
     uses vocab_parallel_ce.py (tp > 1); `triton_dequant` turns on quantmesh's Triton dequantize in
     the 4-bit linears' forward and backward (kernel4.DEQUANT_ENABLED; compiled blocks compile
     again); `keep_elementwise` compiles the blocks again with `recompute_elementwise=False` (torch's
