@@ -177,11 +177,12 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     """--compile --variants keep_elementwise,keep_dequantized,keep_dequantized:1,fused_adamw: the
     blocks compiled again from scratch under torch's own partitioner rule (dynamo's caches
     cleared), timed, then back to the default; then the 4-bit weights held dequantized, timed, then
-    dropped; then the first layer's alone; then a fused AdamW; then the last two together."""
+    dropped; then the first layer's alone; then a fused AdamW; then the last two together; then
+    the default twice (kept apart)."""
     bench_on_ranks(
         1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
         "keep_elementwise,keep_dequantized,keep_dequantized:1,fused_adamw,"
-        "keep_dequantized:1+fused_adamw", "--variant-steps", "1",
+        "keep_dequantized:1+fused_adamw,default,default", "--variant-steps", "1",
         "--out",
         str(tmp_path),
         timeout=300,
@@ -200,3 +201,6 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     both = res["variants"]["keep_dequantized:1+fused_adamw"]
     assert "error" not in both and both["tokens_per_s"] > 0, both
     assert (both["held_bytes"], both["adamw"]) == (first, "fused")
+    for name in ("default", "default#2"):
+        v = res["variants"][name]
+        assert v["tokens_per_s"] > 0 and "held_bytes" not in v and v["adamw"] != "fused", (name, v)
