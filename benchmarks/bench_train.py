@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
 VARIANTS = (
-    "default", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
+    "default", "cuda_graphs", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
 )  # fmt: skip
 
 
@@ -246,6 +246,8 @@ def train(model, opt, ids, *, warmup, steps, device, autocast, loss_fn=hf_loss):
             dist.barrier()
             t0 = time.perf_counter()
             train.warmup_s = t0 - tw
+        if device.type == "cuda":  # a new step for CUDA graphs of blocks ("reduce-overhead")
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, ids)
         if not done:
@@ -622,7 +624,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     the 4-bit linears' forward and backward (kernel4.DEQUANT_ENABLED; compiled blocks compile
     again); `keep_elementwise` compiles the blocks again with `recompute_elementwise=False` (torch's
     own partitioner rules: the norms' outputs, SiLU(gate) * up and the adapters' bf16 weight copies
-    kept, not recomputed in backward; --compile only), then back; `keep_dequantized` holds the
+    kept, not recomputed in backward; --compile only), then back; `cuda_graphs` compiles them again
+    in mode "reduce-overhead" (each block's forward and backward replayed from CUDA graphs; --compile
+    on a GPU), then back; `keep_dequantized` holds the
     4-bit weights dequantized in bf16 (`qm.keep_dequantized`: no dequantization in any matmul, for
     about 4x the codes' memory; nf4/fp4 only; `keep_dequantized:K`: the first K decoder layers'
     alone), then drops them; `fused_adamw` steps a fresh AdamW(fused=True) (one kernel for every
@@ -650,6 +654,7 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     skipped = {
         "vp_ce": "needs tp > 1" if mesh.tp == 1 else None,
         "keep_elementwise": "needs --compile" if not a.compile else None,
+        "cuda_graphs": "needs --compile on a GPU" if not a.compile or dev.type != "cuda" else None,
         "keep_dequantized": "needs --quant nf4 or fp4 (bitsandbytes)"
         if a.quant not in ("nf4", "fp4") or a.quant_backend != "bitsandbytes"
         else None,
@@ -672,8 +677,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     dequant_before = kernel4.DEQUANT_ENABLED
     if "triton_dequant" in parts:
         kernel4.DEQUANT_ENABLED = True
-    if "keep_elementwise" in parts:
-        recompile_blocks(model, a, recompute_elementwise=False)
+    if "keep_elementwise" in parts or "cuda_graphs" in parts:
+        kw: dict = {"recompute_elementwise": False} if "keep_elementwise" in parts else {}
+        recompile_blocks(model, a, mode="reduce-overhead" if "cuda_graphs" in parts else None, **kw)
     if "keep_dequantized" in parts:
         import quantmesh as qm
 
@@ -691,7 +697,7 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         )  # fmt: skip
     finally:
         kernel4.DEQUANT_ENABLED = dequant_before
-        if "keep_elementwise" in parts:
+        if "keep_elementwise" in parts or "cuda_graphs" in parts:
             recompile_blocks(model, a)
         if "keep_dequantized" in parts:
             import quantmesh as qm
@@ -713,14 +719,14 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     qb.log(f"variant {v}: {tok:,.0f} tokens/s")
 
 
-def recompile_blocks(model, a, **kw):
-    """Compile the blocks again from scratch: dynamo's caches are cleared first, or an equal
-    torch.compile of the same code would reuse the graphs (and the partitioner's choices) already
-    made."""
+def recompile_blocks(model, a, mode=None, **kw):
+    """Compile the blocks again from scratch (in `mode`, default --compile-mode): dynamo's caches
+    are cleared first, or an equal torch.compile of the same code would reuse the graphs (and the
+    partitioner's choices) already made."""
     import quantmesh as qm
 
     torch._dynamo.reset()
-    qm.compile_blocks(model, mode=a.compile_mode, **kw)
+    qm.compile_blocks(model, mode=mode or a.compile_mode, **kw)
 
 
 if __name__ == "__main__":
