@@ -147,9 +147,8 @@ DEQUANT_MIN_ROWS = 8
 DEQUANT_ENABLED = env_switch("QUANTMESH_TRITON_DEQUANT", default=False)
 # The training half alone (QUANTMESH_TRITON_DEQUANT_TRAINING=1): Triton's dequantize under autograd
 # only (forward and backward of training, the experts' weights dequantized whole in a training
-# forward), inference keeping bitsandbytes' path. A compiled 7B training step ran 1.03x faster with
-# it on an H200, but on an H100 it was +2.8% in one call and about -2% in another, inside the
-# default's own spread (docs/benchmarks.md, "Figures the code relies on"): opt-in.
+# forward), inference keeping bitsandbytes' path. Its gain in a compiled training step was not
+# steady across GPUs and calls (docs/benchmarks.md, "Figures the code relies on"): opt-in.
 DEQUANT_TRAINING = env_switch("QUANTMESH_TRITON_DEQUANT_TRAINING", default=False)
 
 
