@@ -225,6 +225,26 @@ def test_checkpoint_blocks_that_cannot_run(tiny: Path, capsys, monkeypatch) -> N
         assert f"{flag} with --pp 2: each stage would choose among its own layers" in err
 
 
+def test_cuda_graphs_where_they_are_not_verified(tiny: Path, capsys, monkeypatch) -> None:
+    """--cuda-graphs is refused, with the reason, wherever it is not verified: without compiled
+    layers, with checkpointing, with more than one GPU or FSDP, and on a machine without CUDA."""
+    base = ["finetune", "--model", str(tiny / "tiny"), "--data", str(tiny / "ok.txt"),
+            "--seq-len", "64", "--cuda-graphs"]  # fmt: skip
+    err = _fails([*base, "--no-compile"], capsys, monkeypatch)
+    assert "--cuda-graphs replays the compiled decoder layers: drop --no-compile" in err
+    err = _fails([*base, "--checkpointing"], capsys, monkeypatch)
+    assert "--cuda-graphs with --checkpointing: recomputed layers replayed" in err
+    for extra, layout in ((["--nproc", "2", "--tp", "2"], "--tp 2 --pp 1 --dp 1"),
+                          (["--nproc", "2"], "--tp 1 --pp 1 --dp 2"),
+                          (["--nproc", "2", "--pp", "2", "--grad-accum", "2"], "--tp 1 --pp 2"),
+                          (["--fsdp"], "--tp 1 --pp 1 --dp 1 --fsdp")):  # fmt: skip
+        err = _fails([*base, *extra], capsys, monkeypatch)
+        assert f"--cuda-graphs with {layout}" in err and "verified on one GPU only" in err, extra
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _fails(base, capsys, monkeypatch)
+    assert "--cuda-graphs needs a CUDA GPU, and this machine has none: drop it" in err
+
+
 def test_full_checkpointing_notes_what_fits_with_less_recompute(
     tmp_path: Path, capsys, monkeypatch
 ) -> None:

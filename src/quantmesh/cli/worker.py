@@ -15,10 +15,12 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "FORKABLE",
     "KINDS",
+    "compile_for_training",
     "forked",
     "main",
     "name_process",
@@ -43,6 +45,28 @@ def worker_environment() -> None:
     from .errors import quiet_libraries
 
     quiet_libraries()
+
+
+def compile_for_training(model: Any, *, cuda_graphs: bool = False) -> int:
+    """Compile the model's decoder layers for a training run (`qm.compile_blocks`); with
+    `cuda_graphs` in torch.compile's mode "reduce-overhead" (each layer's forward and backward
+    replayed from CUDA graphs), and the 4-bit weights dequantized by quantmesh's Triton kernel under
+    autograd (`kernel4.DEQUANT_TRAINING`), whose host cost a replay does not pay, unless
+    $QUANTMESH_TRITON_DEQUANT_TRAINING says otherwise. Returns the number of layers compiled.
+
+    Example:
+        >>> compile_for_training(model, cuda_graphs=True)  # doctest: +SKIP
+        32
+    """
+    import quantmesh as qm
+
+    if not cuda_graphs:
+        return qm.compile_blocks(model)
+    from ..quant import kernel4
+
+    if os.environ.get("QUANTMESH_TRITON_DEQUANT_TRAINING", "") == "":
+        kernel4.DEQUANT_TRAINING = True
+    return qm.compile_blocks(model, mode="reduce-overhead")
 
 
 def setup_worker() -> None:
@@ -124,10 +148,12 @@ def finetune(payload: str) -> int:
             blocks=act.checkpoint_blocks,
         )
     if act.compile_on(mesh.device.type == "cuda"):
-        n = qm.compile_blocks(model)
+        n = compile_for_training(model, cuda_graphs=act.cuda_graphs)
         if rank0:
+            graphs = ", replayed from CUDA graphs" if act.cuda_graphs else ""
             print(
-                f"compile: {n} blocks; the first step compiles them (tens of seconds)", flush=True
+                f"compile: {n} blocks{graphs}; the first steps compile them (tens of seconds)",
+                flush=True,
             )
     result = train(model, dataset, cfg.train, output_dir=cfg.output_dir, resume=cfg.resume)
     if rank0:
