@@ -42,6 +42,7 @@ __all__ = [
     "compile_blocks",
     "compile_fn",
     "mark_block_regions",
+    "replays_cuda_graphs",
     "unmark_block_regions",
 ]
 
@@ -100,6 +101,33 @@ def compile_blocks(
         else:
             compile_module(block, block.__dict__[COMPILE_KWARGS])
     return len(blocks)
+
+
+def replays_cuda_graphs(model: nn.Module) -> bool:
+    """Whether `compile_blocks` compiled any block of `model` to be replayed from CUDA graphs
+    (inductor in mode "reduce-overhead" or "max-autotune", or with the option
+    "triton.cudagraphs"). Their graph trees hand out results, gradients included, in a memory
+    pool that a later replay reuses; `train_step` keeps gradients in memory of their own then.
+
+    Example:
+        >>> qm.compile_blocks(model, mode="reduce-overhead")  # doctest: +SKIP
+        >>> replays_cuda_graphs(model)                         # doctest: +SKIP
+        True
+    """
+    from .recompute import COMPILE_KWARGS
+
+    for _, block in blocks_of(model):
+        kw = block.__dict__.get(COMPILE_KWARGS) or {}
+        if kw.get("backend") != "inductor":
+            continue
+        options = kw.get("options") or {}  # torch.compile takes a mode or options, not both
+        if kw.get("mode"):
+            from torch._inductor import list_mode_options
+
+            options = list_mode_options(kw["mode"])
+        if options.get("triton.cudagraphs"):
+            return True
+    return False
 
 
 def compile_fn(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:

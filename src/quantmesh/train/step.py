@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..blocks.compile import replays_cuda_graphs
 from ..config import TrainError, check_pp_schedule
 from ..parallel.state import parallel_state
 from ..pipeline.cut import PipelineError
@@ -168,6 +169,13 @@ def _accumulated(
     from ..parallel.dp import no_sync
 
     scale = st.mesh.dp if st is not None and st.dp else 1  # DDP averages over dp
+    if replays_cuda_graphs(model):
+        # CUDA graph trees hand out a block's gradients in their pool, and the next replay reuses
+        # it: AccumulateGrad would keep such a tensor as .grad. A .grad of its own (zeros) is
+        # added into in place instead, over every micro-batch.
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     total = torch.zeros((), dtype=torch.float32, device=ids.device)
     pairs = list(
         zip(ids.tensor_split(microbatches), labels.tensor_split(microbatches), strict=True)

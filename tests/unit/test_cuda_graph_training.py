@@ -1,0 +1,88 @@
+"""Training with blocks replayed from CUDA graphs (`finetune --cuda-graphs`), what a CPU can check:
+which compiles replay graphs (`replays_cuda_graphs`), and that `train_step` then keeps every
+gradient in memory of its own before the first backward (the graph trees' pool is reused by the
+next replay). The replay itself runs in tests/distributed/test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from quantmesh.blocks.compile import compile_blocks, replays_cuda_graphs
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "replays"),
+    [
+        ({}, False),
+        ({"mode": "reduce-overhead"}, True),
+        ({"mode": "max-autotune"}, True),
+        ({"mode": "max-autotune-no-cudagraphs"}, False),
+        ({"options": {"triton.cudagraphs": True}}, True),
+        ({"mode": "reduce-overhead", "backend": "aot_eager"}, False),
+    ],
+)
+def test_which_compiles_replay_cuda_graphs(kwargs: dict, replays: bool, monkeypatch) -> None:
+    """Compiling is lazy: nothing runs here, the recorded keywords say it. Without a backend the
+    one quantmesh picks is used: inductor here (make test picks aot_eager, which has no modes)."""
+    monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "inductor")
+    model = _Blocks()
+    assert not replays_cuda_graphs(model)
+    compile_blocks(model, **kwargs)
+    assert replays_cuda_graphs(model) is replays
+
+
+def test_train_step_owns_the_gradients_when_blocks_replay_graphs(monkeypatch) -> None:
+    """With graphs replayed, every trainable parameter gets a .grad of its own (zeros) before the
+    first micro-batch's backward, which then adds into it in place: after the step each .grad is
+    that same tensor, holding the gradient of the step (equal to the one without graphs)."""
+    import quantmesh as qm
+    from quantmesh.train import step
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    class Model(_Blocks):
+        def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+            return super().forward(self.embed(input_ids))
+
+    torch.manual_seed(0)
+    model = Model()
+    model.embed = nn.Embedding(16, 8)
+    model.embed.weight.requires_grad_(False)
+    ids = torch.randint(0, 16, (4, 6))
+    batch = {"input_ids": ids, "labels": ids}
+    qm.train_step(model, batch, microbatches=2, loss_fn=loss_fn)
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(step, "replays_cuda_graphs", lambda m: m is model)
+    given: dict[str, torch.Tensor] = {}
+    real_backward = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *a: object, **k: object) -> None:
+        if not given:  # the first micro-batch: what .grad holds before its backward
+            given.update({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        real_backward(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    qm.train_step(model, batch, microbatches=2, loss_fn=loss_fn)
+    assert given and all(g is not None for g in given.values()), given
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is given[n], n  # added into in place, never replaced
+            torch.testing.assert_close(p.grad, want[n])
+    assert model.embed.weight.grad is None
