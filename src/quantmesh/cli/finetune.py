@@ -83,8 +83,9 @@ class ActivationOptions:
     """One GPU: replay each compiled decoder layer's forward and backward from CUDA graphs
     (torch.compile mode reduce-overhead) and dequantize 4-bit weights with quantmesh's Triton
     kernel there, whose launches a replay no longer pays for (unless
-    QUANTMESH_TRITON_DEQUANT_TRAINING=0). Opt-in: measured faster on one GPU, not yet verified with
-    tp, pp, dp, FSDP or checkpointing, which it refuses."""
+    QUANTMESH_TRITON_DEQUANT_TRAINING=0). Opt-in and experimental: measured faster on one GPU in
+    the benchmark's loop; not yet verified with tp, pp, dp, FSDP or checkpointing, which it
+    refuses."""
 
     def __post_init__(self) -> None:
         if self.offload_activations and not self.checkpointing:
