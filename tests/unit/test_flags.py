@@ -97,6 +97,7 @@ def test_the_parser_is_exactly_the_options() -> None:
         "keep_dequantized",
         "keep_dequantized_blocks",
         "lora_rslora",
+        "cuda_graphs",
     }
     strings = {s for a in named for s in a.option_strings}
     assert {"--" + k.replace("_", "-") for k in KEYS_BEFORE} | set(FLAGS_BEFORE) <= strings
