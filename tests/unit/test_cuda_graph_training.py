@@ -86,3 +86,23 @@ def test_train_step_owns_the_gradients_when_blocks_replay_graphs(monkeypatch) ->
             assert p.grad is given[n], n  # added into in place, never replaced
             torch.testing.assert_close(p.grad, want[n])
     assert model.embed.weight.grad is None
+
+
+@pytest.mark.parametrize("env", ["", "0", "1"])
+def test_finetune_compiles_for_graphs_and_takes_the_triton_dequantize(
+    env: str, monkeypatch
+) -> None:
+    """`finetune --cuda-graphs` (`worker.compile_for_training`): the blocks compiled to replay
+    graphs, and Triton's dequantize under autograd unless $QUANTMESH_TRITON_DEQUANT_TRAINING says
+    otherwise; without the flag neither."""
+    from quantmesh.cli.worker import compile_for_training
+    from quantmesh.quant import kernel4
+
+    monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "inductor")
+    monkeypatch.setenv("QUANTMESH_TRITON_DEQUANT_TRAINING", env)
+    monkeypatch.setattr(kernel4, "DEQUANT_TRAINING", env == "1")  # as read at import
+    plain, graphs = _Blocks(), _Blocks()
+    assert compile_for_training(plain) == 2
+    assert not replays_cuda_graphs(plain) and kernel4.DEQUANT_TRAINING is (env == "1")
+    assert compile_for_training(graphs, cuda_graphs=True) == 2
+    assert replays_cuda_graphs(graphs) and kernel4.DEQUANT_TRAINING is (env != "0")
