@@ -42,13 +42,12 @@
 #            MMA_CONFIGS (and the gemv's library tile at 16) against bitsandbytes' matmul_4bit,
 #            Triton's dequantize + matmul and torchao's int4, hot and cold; mma.ptx / mma.sass:
 #            the best tile's at 64 rows
-#   train    training with Triton's dequantize (QUANTMESH_TRITON_DEQUANT's training half): its CUDA
-#            test, then bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2,
-#            compiled blocks, profiled) with bitsandbytes' dequantize and, in the same process,
-#            with Triton's, with a fused AdamW, and with the weights held dequantized, all of them
-#            and the first 10 layers' (TRAIN_VARIANTS, default
-#            triton_dequant,fused_adamw,keep_dequantized,keep_dequantized:10: what no
-#            dequantization at all gains, and what the memory left under 1.1x Unsloth's buys)
+#   train    training: the CUDA tests of Triton's dequantize under autograd and of `finetune
+#            --cuda-graphs` (the layers replayed from CUDA graphs, accumulated micro-batches), then
+#            bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2, compiled blocks)
+#            with TRAIN_VARIANTS, each between runs of the default (default:
+#            cuda_graphs+triton_dequant, cuda_graphs, keep_dequantized:10; a variant's figure
+#            means something only beside its neighbours: docs/benchmarks.md, thirty-fifth sitting)
 #   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
 #            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
@@ -315,14 +314,15 @@ case "$STAGE" in
         --batch "$b" --new 128 --out "$OUT/b$b" 2>&1 | grep -v "Warning\|warnings.warn" | tail -4
     done ;;
   train)
-    say "training with Triton's dequantize: the CUDA tests"
-    timeout 150 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
-      -k "training_takes or many_rows or whole_weights" 2>&1 | tail -3
-    say "7B nf4 + LoRA, seq 2048, mb 2, compiled: bitsandbytes' dequantize, then Triton's"
-    timeout 430 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-      benchmarks/bench_train.py --quant nf4 --mb 2 --warmup 5 --steps 10 --compile --profile \
-      --variants "${TRAIN_VARIANTS:-triton_dequant,fused_adamw,keep_dequantized,keep_dequantized:10}" \
-      --variant-steps 10 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6 ;;
+    say "training with Triton's dequantize and with CUDA graphs of the blocks: the CUDA tests"
+    timeout 280 python3 -m pytest -q -m cuda tests/distributed/test_cuda_kernel4.py \
+      tests/distributed/test_cuda.py -k "training_takes or many_rows or whole_weights or cuda_graphs" \
+      2>&1 | tail -3
+    say "7B nf4 + LoRA, seq 2048, mb 2, compiled: the variants, each between runs of the default"
+    timeout 290 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+      benchmarks/bench_train.py --quant nf4 --mb 2 --warmup 5 --steps 20 --compile \
+      --variants "${TRAIN_VARIANTS:-default,cuda_graphs+triton_dequant,default,cuda_graphs,default,keep_dequantized:10,default}" \
+      --variant-steps 20 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | grep "variant\|RESULT" ;;
   b32)
     say "decode, batch ${BATCH:-32}: the default path, the tensor-core kernel, Triton's dequantize"
     timeout 420 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --mma \
