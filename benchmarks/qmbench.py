@@ -291,15 +291,53 @@ def versions() -> dict[str, str | None]:
         import quantmesh
 
         out["quantmesh"] = quantmesh.__version__
-        out["quantmesh_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
+        out["quantmesh_commit"] = commit()
+        out["quantmesh_tree"] = tree_hash()
     except Exception:
         pass
     return out
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TREE_PARTS = ("src/quantmesh", "benchmarks")  # what a result's figures depend on
+
+
+def commit() -> str:
+    """The checkout's commit, with "-dirty" when the files of TREE_PARTS differ from it (a copy of
+    a working tree whose .git lags behind it says so instead of naming a commit it is not)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=30).stdout.strip()  # fmt: skip
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head and git("status", "--porcelain", "--untracked-files=no", "--", *TREE_PARTS):
+        head += "-dirty"
+    return head
+
+
+def tree_hash(root: str = ROOT) -> str:
+    """A hash of the Python and shell files under TREE_PARTS (paths and contents): the same tree
+    gives the same hash wherever it runs, so a result names its code even where .git is missing
+    or stale. Compare with a commit's: `git stash; python3 benchmarks/qmbench.py --tree-hash`.
+
+    Example:
+        >>> len(tree_hash())  # doctest: +SKIP
+        16
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for part in TREE_PARTS:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, part)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                if name.endswith((".py", ".sh")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -401,4 +439,11 @@ def shutil_free(path: str) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="write env.json: what the benchmarks ran on")
     p.add_argument("--out", default=".")
-    write_json(os.path.join(p.parse_args().out, "env.json"), env_report())
+    p.add_argument(
+        "--tree-hash", action="store_true", help="print this checkout's commit and tree hash only"
+    )
+    a = p.parse_args()
+    if a.tree_hash:
+        print(commit(), tree_hash())
+    else:
+        write_json(os.path.join(a.out, "env.json"), env_report())
