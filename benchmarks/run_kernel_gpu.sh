@@ -62,6 +62,12 @@
 #            slots, batch 1 and 32), then qm.fast_decode at batch 1 with and without it, profiled
 #            (bench_decode.py --attention --profile), then the trained model's CUDA decode test
 #            with it on
+#   pdl      inductor's programmatic dependent launch (TORCHINDUCTOR_ENABLE_PDL, read when inductor
+#            is imported: one process each): qm.fast_decode at batch 1 with it off, on, off, on
+#            (bench_decode.py --no-peer --timed-runs 3), then the trained model's CUDA decode test
+#            with it on. A Hopper kernel launched so may start while the one before it ends, and
+#            waits (griddepcontrol.wait) before it reads what that one wrote; a decode step is ~700
+#            kernels of 1-25 us, so their starts and ends are a share of it worth measuring
 #   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, opt-in): the
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
@@ -204,6 +210,16 @@ case "$STAGE" in
     say "the trained model's CUDA decode test, QUANTMESH_DECODE_ATTENTION=1"
     QUANTMESH_DECODE_ATTENTION=1 timeout 200 python3 -m pytest -q -x -m cuda \
       tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
+  pdl)
+    python3 -c "import torch._inductor.config as c; print('inductor has enable_pdl:', hasattr(c.triton, 'enable_pdl'))"
+    for pdl in 0 1 0 1; do
+      say "decode, 7B nf4 + LoRA, batch 1, TORCHINDUCTOR_ENABLE_PDL=$pdl"
+      TORCHINDUCTOR_ENABLE_PDL=$pdl timeout 150 python3 benchmarks/bench_decode.py --mode qlora \
+        --greedy --no-peer --timed-runs 3 --out "$OUT/pdl$pdl" 2>&1 | grep "qm_greedy" | tail -1
+    done
+    say "the trained model's CUDA decode test with PDL on"
+    TORCHINDUCTOR_ENABLE_PDL=1 timeout 200 python3 -m pytest -q -x -m cuda \
+      tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
   graphs)
     say "CUDA decode tests: the trained model's (prefill graphs recorded and replayed), the refused recording's"
     timeout 240 python3 -m pytest -v -m cuda tests/distributed/test_cuda_decode.py \
@@ -329,6 +345,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step, host)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, pdl, graphs, gc, pairs, xtab, lora, step, host)" >&2; exit 2 ;;
 esac
 say done
