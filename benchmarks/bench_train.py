@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
 VARIANTS = (
-    "default", "cuda_graphs", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
+    "default", "cuda_graphs", "pdl", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
 )  # fmt: skip
 
 
@@ -626,7 +626,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     own partitioner rules: the norms' outputs, SiLU(gate) * up and the adapters' bf16 weight copies
     kept, not recomputed in backward; --compile only), then back; `cuda_graphs` compiles them again
     in mode "reduce-overhead" (each block's forward and backward replayed from CUDA graphs; --compile
-    on a GPU), then back; `keep_dequantized` holds the
+    on a GPU), then back; `pdl` compiles them again with inductor's programmatic dependent launch
+    (`torch._inductor.config.triton.enable_pdl`: a Hopper kernel may start while the one before it
+    ends; --compile on a GPU), then back; `keep_dequantized` holds the
     4-bit weights dequantized in bf16 (`qm.keep_dequantized`: no dequantization in any matmul, for
     about 4x the codes' memory; nf4/fp4 only; `keep_dequantized:K`: the first K decoder layers'
     alone), then drops them; `fused_adamw` steps a fresh AdamW(fused=True) (one kernel for every
@@ -651,10 +653,17 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     if "lora_bf16" in parts and len(parts) > 1:
         raise ValueError("lora_bf16 changes the model: time it alone, last")
     held_blocks = int(parts["keep_dequantized"]) if parts.get("keep_dequantized") else None
+    import torch._inductor.config as inductor_config
+
     skipped = {
         "vp_ce": "needs tp > 1" if mesh.tp == 1 else None,
         "keep_elementwise": "needs --compile" if not a.compile else None,
         "cuda_graphs": "needs --compile on a GPU" if not a.compile or dev.type != "cuda" else None,
+        "pdl": "needs --compile on a GPU"
+        if not a.compile or dev.type != "cuda"
+        else "this torch's inductor has no triton.enable_pdl"
+        if not hasattr(inductor_config.triton, "enable_pdl")
+        else None,
         "keep_dequantized": "needs --quant nf4 or fp4 (bitsandbytes)"
         if a.quant not in ("nf4", "fp4") or a.quant_backend != "bitsandbytes"
         else None,
@@ -677,7 +686,11 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     dequant_before = kernel4.DEQUANT_ENABLED
     if "triton_dequant" in parts:
         kernel4.DEQUANT_ENABLED = True
-    if "keep_elementwise" in parts or "cuda_graphs" in parts:
+    recompiled = {"keep_elementwise", "cuda_graphs", "pdl"} & parts.keys()
+    pdl_before = getattr(inductor_config.triton, "enable_pdl", None)
+    if "pdl" in parts:
+        inductor_config.triton.enable_pdl = True
+    if recompiled:
         kw: dict = {"recompute_elementwise": False} if "keep_elementwise" in parts else {}
         recompile_blocks(model, a, mode="reduce-overhead" if "cuda_graphs" in parts else None, **kw)
     if "keep_dequantized" in parts:
@@ -697,7 +710,9 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         )  # fmt: skip
     finally:
         kernel4.DEQUANT_ENABLED = dequant_before
-        if "keep_elementwise" in parts or "cuda_graphs" in parts:
+        if pdl_before is not None:
+            inductor_config.triton.enable_pdl = pdl_before
+        if recompiled:
             recompile_blocks(model, a)
         if "keep_dequantized" in parts:
             import quantmesh as qm

@@ -178,11 +178,11 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     blocks compiled again from scratch under torch's own partitioner rule (dynamo's caches
     cleared), timed, then back to the default; then the 4-bit weights held dequantized, timed, then
     dropped; then the first layer's alone; then a fused AdamW; then the last two together; then
-    the default twice (kept apart); CUDA graphs skipped on CPU, said."""
+    the default twice (kept apart); CUDA graphs and programmatic launches skipped on CPU, said."""
     bench_on_ranks(
         1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
         "keep_elementwise,keep_dequantized,keep_dequantized:1,fused_adamw,"
-        "keep_dequantized:1+fused_adamw,default,default,cuda_graphs", "--variant-steps", "1",
+        "keep_dequantized:1+fused_adamw,default,default,cuda_graphs,pdl", "--variant-steps", "1",
         "--out",
         str(tmp_path),
         timeout=300,
@@ -204,4 +204,5 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     for name in ("default", "default#2"):
         v = res["variants"][name]
         assert v["tokens_per_s"] > 0 and "held_bytes" not in v and v["adamw"] != "fused", (name, v)
-    assert res["variants"]["cuda_graphs"] == {"skipped": "cuda_graphs: needs --compile on a GPU"}
+    for name in ("cuda_graphs", "pdl"):
+        assert res["variants"][name] == {"skipped": f"{name}: needs --compile on a GPU"}
