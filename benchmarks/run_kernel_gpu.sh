@@ -46,8 +46,9 @@
 #            --cuda-graphs` (the layers replayed from CUDA graphs, accumulated micro-batches), then
 #            bench_train.py on the 7B nf4 + LoRA shape (seq 2048, micro-batch 2, compiled blocks)
 #            with TRAIN_VARIANTS, each between runs of the default (default:
-#            cuda_graphs+triton_dequant, cuda_graphs, keep_dequantized:10; a variant's figure
-#            means something only beside its neighbours: docs/benchmarks.md, thirty-fifth sitting)
+#            cuda_graphs+triton_dequant, pdl (inductor's programmatic dependent launch), both; a
+#            variant's figure means something only beside its neighbours: docs/benchmarks.md,
+#            thirty-fifth sitting)
 #   b32      qm.fast_decode on the same shape at batch 32 (BATCH), by the default path, with the
 #            tensor-core kernel and with Triton's dequantize + matmul, in one process, profiled
 #            (bench_decode.py --mma --dequant --profile). (The decode test's 16 sequences through
@@ -337,7 +338,7 @@ case "$STAGE" in
     say "7B nf4 + LoRA, seq 2048, mb 2, compiled: the variants, each between runs of the default"
     timeout 290 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
       benchmarks/bench_train.py --quant nf4 --mb 2 --warmup 5 --steps 20 --compile \
-      --variants "${TRAIN_VARIANTS:-default,cuda_graphs+triton_dequant,default,cuda_graphs,default,keep_dequantized:10,default}" \
+      --variants "${TRAIN_VARIANTS:-default,cuda_graphs+triton_dequant,default,pdl,default,cuda_graphs+triton_dequant+pdl,default}" \
       --variant-steps 20 --out "$OUT/train" 2>&1 | grep -v "Warning\|warnings.warn" | grep "variant\|RESULT" ;;
   b32)
     say "decode, batch ${BATCH:-32}: the default path, the tensor-core kernel, Triton's dequantize"
