@@ -1,7 +1,8 @@
-"""The lines gemv as a programmatic dependent launch (`kernel4.PDL_ENABLED`, QUANTMESH_PDL=1):
-what a CPU can check is the switch's reach. Off (the default) or off Hopper the launch is the
-plain one; on, the kernel gets PDL (its programs wait for the kernel before them) and the launch
-says launch_pdl. The kernel itself (griddepcontrol instructions) runs only on a GPU."""
+"""The lines gemv and the decode attention's two kernels as programmatic dependent launches
+(`kernel4.PDL_ENABLED`, QUANTMESH_PDL=1): what a CPU can check is the switch's reach. Off (the
+default) or before Hopper the launch is the plain one; on, each kernel gets PDL (its programs wait
+for the kernel before them) and the launch says launch_pdl. The kernels' griddepcontrol
+instructions run only on a GPU."""
 
 from __future__ import annotations
 
@@ -45,6 +46,38 @@ def test_the_gemv_is_a_dependent_launch_only_when_switched_on(monkeypatch) -> No
     assert "PDL" not in off and "launch_pdl" not in off
     on = _launch_kwargs(monkeypatch, pdl=True)
     assert on["PDL"] is True and on["launch_pdl"] is True
+
+
+def _attention_kwargs(monkeypatch, pdl: bool) -> list[dict]:
+    from quantmesh.infer import _triton_attention, attention
+    from quantmesh.quant import kernel4
+
+    seen: list[dict] = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append(kwargs)
+
+            return run
+
+    monkeypatch.setattr(_triton_attention, "qm_decode_attn_split", Fake())
+    monkeypatch.setattr(_triton_attention, "qm_decode_attn_combine", Fake())
+    monkeypatch.setattr(kernel4, "pdl_on", lambda device: pdl)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 512, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = attention.launch_decode_attention(q, k, v, None, 0.125, {"BLOCK_L": 64, "SPLIT": 128})
+    assert out.shape == (1, 1, 4, 64)
+    assert len(seen) == 2  # the split kernel and the combine (4 splits of 128 keys)
+    return seen
+
+
+def test_the_decode_attention_is_a_dependent_launch_only_when_switched_on(monkeypatch) -> None:
+    for kwargs in _attention_kwargs(monkeypatch, pdl=False):
+        assert "PDL" not in kwargs and "launch_pdl" not in kwargs
+    for kwargs in _attention_kwargs(monkeypatch, pdl=True):
+        assert kwargs["PDL"] is True and kwargs["launch_pdl"] is True
 
 
 def test_the_switch_needs_hopper_and_is_off_by_default(monkeypatch) -> None:

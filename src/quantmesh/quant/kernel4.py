@@ -222,11 +222,12 @@ MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many pro
 # the kernels run (`joins_pay_on`: decoding 1.07x, the slot engine's CUDA test passes with it;
 # docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_JOIN_CODES=0 turns it off.
 JOIN_ENABLED = env_switch("QUANTMESH_JOIN_CODES", default=True)
-# Programmatic dependent launch for the lines gemv (opt-in, QUANTMESH_PDL=1; Hopper and later,
-# `pdl_on`): the launch lets the gemv start while the kernel before it ends, and its programs wait
-# (griddepcontrol.wait) before they read or write anything; once its loop is done it lets the
-# kernel after it start. Inductor's own kernels do the same under TORCHINDUCTOR_ENABLE_PDL=1
-# (torch's switch). Not yet measured (`benchmarks/run_kernel_gpu.sh pdl`).
+# Programmatic dependent launch for the lines gemv and the decode attention's kernels (opt-in,
+# QUANTMESH_PDL=1; Hopper and later, `pdl_on`): the launch lets a kernel start while the one
+# before it ends; its programs wait (griddepcontrol.wait) before they read or write anything and,
+# once their loop is done, let the kernel after them start. Inductor's own kernels do the same
+# under TORCHINDUCTOR_ENABLE_PDL=1 (torch's switch). Not yet measured
+# (`benchmarks/run_kernel_gpu.sh pdl`).
 PDL_ENABLED = env_switch("QUANTMESH_PDL", default=False)
 
 
@@ -284,7 +285,8 @@ def gemv_lora_on(device: torch.device) -> bool:
 
 
 def pdl_on(device: torch.device) -> bool:
-    """Whether the lines gemv is launched as a programmatic dependent launch on `device`:
+    """Whether the lines gemv and the decode attention's kernels are launched as programmatic
+    dependent launches on `device`:
     `PDL_ENABLED`, a CUDA device of compute capability 9 or more, and a Triton with grid
     dependency control (`triton.language.extra.cuda.gdc_wait`). Read at call time.
 
