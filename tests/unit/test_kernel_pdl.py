@@ -14,21 +14,24 @@ import torch
 pytest.importorskip("triton")
 
 
+class _Recording:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` appends the launch's
+    keywords to `seen` and launches nothing."""
+
+    def __init__(self, seen: list[dict]) -> None:
+        self.seen = seen
+
+    def __getitem__(self, grid: object):
+        return lambda *args, **kwargs: self.seen.append(kwargs)
+
+
 def _launch_kwargs(monkeypatch, pdl: bool) -> dict:
     import bitsandbytes.functional as F
 
     from quantmesh.quant import _triton4, kernel4
 
-    seen: dict = {}
-
-    class Fake:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                seen.update(kwargs)
-
-            return run
-
-    monkeypatch.setattr(_triton4, "qm_gemv_lines", Fake())
+    seen: list[dict] = []
+    monkeypatch.setattr(_triton4, "qm_gemv_lines", _Recording(seen))
     monkeypatch.setattr(kernel4, "pdl_on", lambda device: pdl)
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02
     packed, qs = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
@@ -37,8 +40,8 @@ def _launch_kwargs(monkeypatch, pdl: bool) -> dict:
     assert cfg.get("KERNEL") == "lines"
     y = kernel4.launch_gemv(x, packed.reshape(-1).view(torch.uint8),
                             *kernel4._statistics(qs, torch.device("cpu")), 64, "nf4", 64, cfg)  # fmt: skip
-    assert y.shape == (1, 64)
-    return seen
+    assert y.shape == (1, 64) and len(seen) == 1
+    return seen[0]
 
 
 def test_the_gemv_is_a_dependent_launch_only_when_switched_on(monkeypatch) -> None:
@@ -53,16 +56,8 @@ def _attention_kwargs(monkeypatch, pdl: bool) -> list[dict]:
     from quantmesh.quant import kernel4
 
     seen: list[dict] = []
-
-    class Fake:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                seen.append(kwargs)
-
-            return run
-
-    monkeypatch.setattr(_triton_attention, "qm_decode_attn_split", Fake())
-    monkeypatch.setattr(_triton_attention, "qm_decode_attn_combine", Fake())
+    monkeypatch.setattr(_triton_attention, "qm_decode_attn_split", _Recording(seen))
+    monkeypatch.setattr(_triton_attention, "qm_decode_attn_combine", _Recording(seen))
     monkeypatch.setattr(kernel4, "pdl_on", lambda device: pdl)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 1, 64, generator=g).to(torch.bfloat16)
