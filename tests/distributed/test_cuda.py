@@ -95,7 +95,8 @@ def _graphs_run(rank: int, graphs: bool, out: str) -> dict:
     qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=8, alpha=16, seed=3))
     with torch.no_grad():  # nonzero B, so that every adapter's A trains from the first step
         for i, p in enumerate(p for n, p in model.named_parameters() if "lora_B" in n):
-            p.normal_(0, 0.02, generator=torch.Generator().manual_seed(i))
+            noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.02
+            p.copy_(noise)  # drawn on CPU: a CPU generator cannot fill a CUDA tensor
     n = compile_for_training(model, cuda_graphs=graphs)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 512, (64,), generator=g) for _ in range(20)]

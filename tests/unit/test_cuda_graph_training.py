@@ -45,6 +45,31 @@ def test_which_compiles_replay_cuda_graphs(kwargs: dict, replays: bool, monkeypa
     assert replays_cuda_graphs(model) is replays
 
 
+@pytest.mark.parametrize(("mode", "marks"), [("reduce-overhead", 3), ("default", 0)])
+def test_each_forward_begins_a_graph_step_when_blocks_replay(mode: str, marks: int,
+                                                             monkeypatch) -> None:  # fmt: skip
+    """A model whose blocks replay CUDA graphs marks a new step of the graph trees as each forward
+    starts (an evaluation under no_grad, the next micro-batch: without it torch raised on a GPU
+    that a block's output had been overwritten), once per forward however often compile_blocks
+    ran; a model compiled otherwise marks nothing. The blocks run eagerly here (compile_module
+    stubbed: the marks are the question, not inductor on CPU)."""
+    import quantmesh.blocks.compile as bc
+
+    monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(bc, "compile_module", lambda block, kwargs: None)
+    seen: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: seen.append(1))
+    model = _Blocks()
+    compile_blocks(model, mode=mode)
+    compile_blocks(model, mode=mode)  # again: still one mark a forward
+    x = torch.randn(2, 8)
+    model(x).sum().backward()
+    with torch.no_grad():
+        model(x)
+        model(x)
+    assert len(seen) == marks
+
+
 def test_train_step_owns_the_gradients_when_blocks_replay_graphs(monkeypatch) -> None:
     """With graphs replayed, every trainable parameter gets a .grad of its own (zeros) before the
     first micro-batch's backward, which then adds into it in place: after the step each .grad is

@@ -100,7 +100,23 @@ def compile_blocks(
             install(block)
         else:
             compile_module(block, block.__dict__[COMPILE_KWARGS])
+    if replays_cuda_graphs(model) and STEP_MARK not in model.__dict__:
+        model.__dict__[STEP_MARK] = model.register_forward_pre_hook(_new_graph_step)
     return len(blocks)
+
+
+STEP_MARK = "_quantmesh_graph_step_mark"
+"""A model whose blocks replay CUDA graphs: the handle of its forward pre-hook that begins a new
+step of the graph trees (`_new_graph_step`)."""
+
+
+def _new_graph_step(module: nn.Module, args: Any) -> None:
+    """Every forward of a model whose blocks replay CUDA graphs is a new step of the graph trees:
+    nothing of the previous forward's outputs is read again (its backward has run, or it was an
+    evaluation), so the trees may reuse their pool. Without the mark, a forward under no_grad (an
+    evaluation) or a second micro-batch's can replay over outputs the trees still count as live,
+    and torch raises that an output was overwritten."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def replays_cuda_graphs(model: nn.Module) -> bool:
