@@ -21,7 +21,7 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
                          per_split, n_splits,
                          D: tl.constexpr, MASK: tl.constexpr, BLOCK_L: tl.constexpr,
                          GP: tl.constexpr, DP: tl.constexpr, ONE: tl.constexpr,
-                         COUNT: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                         COUNT: tl.constexpr):  # fmt: skip
     # q (B, Hq, 1, D), k and v (B, Hkv, L, D), each with its own strides (elements), D padded to
     # DP (a power of two: where D == DP, the loads along D are unmasked and vectorized); query head
     # h * G + g reads kv head h. The mask's strides (batch, head, key) are 0 along a broadcast
@@ -34,11 +34,7 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
     # base 2 (q pre-scaled by scaling x log2(e)), fp32. Partials (ONE 0): m and l (B * Hq,
     # n_splits), acc (B * Hq, n_splits, D) unnormalized; ONE 1: out (B, 1, Hq, D) directly.
     # A head that sees no key gets 0. COUNT: the blocks read, per program, into cnt (B * Hkv,
-    # n_splits) (the tests' check of the skip). PDL (a programmatic dependent launch,
-    # `kernel4.pdl_on`): wait for the kernel before this one to end before touching memory, and
-    # let the next one start once the loop is done (it waits for this one's end in turn).
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    # n_splits) (the tests' check of the skip).
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
@@ -93,8 +89,6 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # (GP, DP)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     rows = b * (Hkv * G) + hq  # (GP,) the query heads' rows of (B * Hq)
     if ONE:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -111,14 +105,11 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
 
 @triton.jit(do_not_specialize=["n_splits"])
 def qm_decode_attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits, D: tl.constexpr,
-                           SP: tl.constexpr, DP: tl.constexpr,
-                           PDL: tl.constexpr = False):  # fmt: skip
+                           SP: tl.constexpr, DP: tl.constexpr):  # fmt: skip
     # One query head's output (row `pid` of (B * Hq)) from its n_splits partials: each split's
     # sum and output scaled by 2^(its max - the largest max) (0 for a split that saw no key),
     # the outputs' sum divided by the sums' (0 where no key was seen). SP, DP: powers of two at
-    # or above n_splits and D. PDL: as in qm_decode_attn_split.
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    # or above n_splits and D.
     row = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, SP)
     rd = tl.arange(0, DP)
@@ -134,6 +125,4 @@ def qm_decode_attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits, D: tl.const
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(lsum * w, axis=0)
     o = num / tl.where(den > 0, den, 1.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + row * D + rd, o.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -163,21 +163,17 @@ def launch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         acc = torch.empty((B * Hq, splits, D), dtype=torch.float32, device=q.device)
     if counts is not None and tuple(counts.shape) != (B * Hkv, splits):
         raise ValueError(f"counts of shape {tuple(counts.shape)}; expected {(B * Hkv, splits)}")
-    # a programmatic dependent launch where it is on (`kernel4.pdl_on`): each program waits for
-    # the kernel before it to end before touching memory
-    pdl: dict[str, Any] = dict(PDL=True, launch_pdl=True) if kernel4.pdl_on(q.device) else {}
     qm_decode_attn_split[(B * Hkv, splits)](
         q, k, v, m, m_part, l_part, acc, out, out if counts is None else counts,
         Hkv, groups, L, float(scaling) * math.log2(math.e), HIDDEN,
         q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(), *m_strides,
         per, splits,
         D=D, MASK=kind, BLOCK_L=block, GP=_pow2(groups), DP=_pow2(D), ONE=splits == 1,
-        COUNT=counts is not None, num_warps=cfg.get("num_warps", 4), num_stages=1, **pdl,
+        COUNT=counts is not None, num_warps=cfg.get("num_warps", 4), num_stages=1,
     )  # fmt: skip
     if splits > 1:
         qm_decode_attn_combine[(B * Hq,)](m_part, l_part, acc, out, splits, D=D,
-                                          SP=_pow2(splits), DP=_pow2(D), num_warps=4,
-                                          **pdl)  # fmt: skip
+                                          SP=_pow2(splits), DP=_pow2(D), num_warps=4)  # fmt: skip
     return out
 
 

@@ -316,7 +316,7 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                   BF16: tl.constexpr, WK: tl.constexpr = 1,
                   ROWS: tl.constexpr = 1, OFFS: tl.constexpr = False,
                   RL: tl.constexpr = 1, LORA: tl.constexpr = False,
-                  BIAS: tl.constexpr = False, PDL: tl.constexpr = False):  # fmt: skip
+                  BIAS: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for a few rows (M <= ROWS, a power of two), with the lanes along
     # K; each code's value is found once and multiplied with all M rows (fused multiply-adds,
     # no tensor cores: the codes are read once, the products cost M times one row's). A program
@@ -348,11 +348,6 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
     # A products begin in t, its scale; RL: RANK's power of two), computed before the loop (a
     # few registers a thread); else those are never read. BIAS (with LORA): b_ptr holds each
     # feature's bias in y's dtype, added to the stored product before the delta (`_stored`).
-    # PDL (a programmatic dependent launch, `kernel4.pdl_on`): the program waits for the kernel
-    # before it to end before it touches memory, and lets the kernel after it start once its loop
-    # is done (that kernel waits for this one's end in turn before it reads).
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -422,8 +417,6 @@ def qm_gemv_lines(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_
                 a = tl.sum(tl.where(tl.arange(0, 8)[None, :, None] == s, a, 0.0), axis=1)
                 a = tl.broadcast_to(a[:, :, None], (BLOCK_N * WK, 4, 8))  # word 8u + v: 4s + u
             acc += part * tl.reshape(a, (1, BLOCK_N, 32 * WK))
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     _finish(tl.sum(acc, axis=2), rm, M, rn, n_mask, pid_n, pid_k, N, n_slices, y_ptr, part_ptr,
             cnt_ptr, NS, delta, bias, LORA, BIAS)  # fmt: skip
 

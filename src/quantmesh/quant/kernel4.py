@@ -100,7 +100,6 @@ __all__ = [
     "MMA_ENABLED",
     "MMA_MAX_ROWS",
     "MMA_MIN_ROWS",
-    "PDL_ENABLED",
     "choose_config",
     "dequant_kernel_applies",
     "dequantize_4bit",
@@ -222,13 +221,6 @@ MMA_PROGRAMS = 512  # mma_config cuts K so that a grid holds about this many pro
 # the kernels run (`joins_pay_on`: decoding 1.07x, the slot engine's CUDA test passes with it;
 # docs/benchmarks.md, "Figures the code relies on"); QUANTMESH_JOIN_CODES=0 turns it off.
 JOIN_ENABLED = env_switch("QUANTMESH_JOIN_CODES", default=True)
-# Programmatic dependent launch for the lines gemv and the decode attention's kernels (opt-in,
-# QUANTMESH_PDL=1; Hopper and later, `pdl_on`): the launch lets a kernel start while the one
-# before it ends; its programs wait (griddepcontrol.wait) before they read or write anything and,
-# once their loop is done, let the kernel after them start. Inductor's own kernels do the same
-# under TORCHINDUCTOR_ENABLE_PDL=1 (torch's switch). Not yet measured
-# (`benchmarks/run_kernel_gpu.sh pdl`).
-PDL_ENABLED = env_switch("QUANTMESH_PDL", default=False)
 
 
 # Triton runs where it is installed (the GPU images); found without importing it, so that the
@@ -282,25 +274,6 @@ def gemv_lora_on(device: torch.device) -> bool:
         False
     """
     return GEMV_LORA_ENABLED and _kernels_run_on(device)
-
-
-def pdl_on(device: torch.device) -> bool:
-    """Whether the lines gemv and the decode attention's kernels are launched as programmatic
-    dependent launches on `device`:
-    `PDL_ENABLED`, a CUDA device of compute capability 9 or more, and a Triton with grid
-    dependency control (`triton.language.extra.cuda.gdc_wait`). Read at call time.
-
-    Example:
-        >>> pdl_on(torch.device("cpu"))
-        False
-    """
-    if not (PDL_ENABLED and _HAS_TRITON and device.type == "cuda"):
-        return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from triton.language.extra import cuda as tl_cuda
-
-    return hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")
 
 
 def _kernels_run_on(device: torch.device) -> bool:
@@ -721,12 +694,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     zero = (0,) if lines else ()
     extra = {}
     lr: tuple[Any, ...] = ()
-    launch: dict[str, Any] = {}
     if lines:
         extra = dict(SB=cfg.get("SB", 32), WK=wk, ROWS=triton.next_power_of_2(rows))
-        if pdl_on(x.device):  # the program waits for the kernel before it; the launch says so
-            extra["PDL"] = True
-            launch["launch_pdl"] = True
         lr = (y, y, y, y, y, 0, 0)  # (never read without LORA)
         if low_rank is not None:
             t, e, col, sc, bias = low_rank
@@ -739,7 +708,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         *m, out_f, nblk, in_f // 8, per, slices, *zero, *lr,
         BS2=256, NESTED=nested_absmax is not None, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
         LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra, **_offsets(offset),
-        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1), **launch,
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
     )  # fmt: skip
     if keep is not None:
         keep.append(compiled)
