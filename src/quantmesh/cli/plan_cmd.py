@@ -313,6 +313,18 @@ def memory_alternatives(shape: RunShape, *, budget: int | None = None) -> list[t
     return out
 
 
+def _layers_and_fit(shape: RunShape, budget: int, least: int) -> tuple[int, int] | None:
+    """(decoder layers, bytes an estimate may reach): what `most_held` and `fewest_checkpointed`
+    search over, `budget` less PARTIAL_MARGIN; None for a run without adapters (a partial layout
+    is for training) or with fewer than `least` layers."""
+    from ..plan.auto import blocks_of
+
+    n = len(blocks_of(shape.model))
+    if n < least or shape.lora is None:
+        return None
+    return n, int(budget * (1 - PARTIAL_MARGIN))
+
+
 def most_held(shape: RunShape, budget: int) -> tuple[int, int] | None:
     """(k, estimated bytes): the most decoder layers whose 4-bit weights the training run `shape`
     can hold dequantized (`--keep-dequantized-blocks k`, the run's other settings as they are)
@@ -323,16 +335,14 @@ def most_held(shape: RunShape, budget: int) -> tuple[int, int] | None:
         >>> most_held(shape, 24 * 2**30)  # doctest: +SKIP
         (11, 23084769280)
     """
-    from ..plan.auto import blocks_of
-
-    n = len(blocks_of(shape.model))
-    if n < 1 or shape.lora is None:
+    space = _layers_and_fit(shape, budget, least=1)
+    if space is None:
         return None
+    n, fit = space
 
     def total(k: int) -> int:
         return shape.but(keep_dequantized=True, held_blocks=k).estimate().total
 
-    fit = int(budget * (1 - PARTIAL_MARGIN))
     # how many of 1..n fit: the totals grow with k, so the first that does not fit, found by a
     # bisection, is one past the most that fit
     k = bisect.bisect_left(range(1, n + 1), True, key=lambda k: total(k) > fit)
@@ -350,16 +360,14 @@ def fewest_checkpointed(shape: RunShape, budget: int) -> tuple[int, int] | None:
         >>> fewest_checkpointed(shape, 24 * 2**30)  # doctest: +SKIP
         (14, 25518190592)
     """
-    from ..plan.auto import blocks_of
-
-    n = len(blocks_of(shape.model))
-    if n < 2 or shape.lora is None:
+    space = _layers_and_fit(shape, budget, least=2)
+    if space is None:
         return None
+    n, fit = space
 
     def total(k: int) -> int:
         return shape.but(checkpointing=True, checkpointed_blocks=k).estimate().total
 
-    fit = int(budget * (1 - PARTIAL_MARGIN))
     if total(n - 1) > fit:
         return None
     # the totals fall as k grows: the first k of 1..n-1 that fits, by a bisection
