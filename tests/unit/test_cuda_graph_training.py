@@ -52,7 +52,8 @@ def test_each_forward_begins_a_graph_step_when_blocks_replay(mode: str, marks: i
     starts (an evaluation under no_grad, the next micro-batch: without it torch raised on a GPU
     that a block's output had been overwritten), once per forward however often compile_blocks
     ran; a model compiled otherwise marks nothing. The blocks run eagerly here (compile_module
-    stubbed: the marks are the question, not inductor on CPU)."""
+    stubbed: the marks are the question, not inductor on CPU). A forward traced whole marks
+    nothing."""
     import quantmesh.blocks.compile as bc
 
     monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "inductor")
@@ -67,6 +68,12 @@ def test_each_forward_begins_a_graph_step_when_blocks_replay(mode: str, marks: i
     with torch.no_grad():
         model(x)
         model(x)
+    assert len(seen) == marks
+    # a forward traced whole (as fast_decode compiles its step) marks nothing, and does not break
+    torch._dynamo.reset()
+    traced = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        traced(x)
     assert len(seen) == marks
 
 

@@ -115,8 +115,10 @@ def _new_graph_step(module: nn.Module, args: Any) -> None:
     nothing of the previous forward's outputs is read again (its backward has run, or it was an
     evaluation), so the trees may reuse their pool. Without the mark, a forward under no_grad (an
     evaluation) or a second micro-batch's can replay over outputs the trees still count as live,
-    and torch raises that an output was overwritten."""
-    torch.compiler.cudagraph_mark_step_begin()
+    and torch raises that an output was overwritten. A forward traced whole (a decode step
+    compiled by `fast_decode`) marks nothing: the mark is for the blocks' own graphs."""
+    if not torch.compiler.is_compiling():
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def replays_cuda_graphs(model: nn.Module) -> bool:
