@@ -62,7 +62,9 @@ def compile_blocks(
     or inductor (`quantmesh.config.compile_options`). `recompute_elementwise` (default on): the
     backward recomputes the norms' outputs, SiLU(gate) * up and the adapters' autocast weight
     copies instead of keeping them (module docstring; `estimate_memory(compiled=True)` counts
-    either choice). Returns the number of blocks compiled.
+    either choice). In a mode that replays CUDA graphs ("reduce-overhead"), each forward of
+    `model` then begins a new step of the graph trees (`replays_cuda_graphs`). Returns the number
+    of blocks compiled.
 
     Example:
         >>> qm.parallelize(model, mesh, quant="nf4", lora=qm.LoraConfig(r=16))  # doctest: +SKIP
