@@ -80,7 +80,7 @@ def _child(rank, world, port, call, env, log_path, queue, parent_env):  # pragma
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS") or "1",  # set but empty: 1 too
     )
     os.environ.update(env)
     try:

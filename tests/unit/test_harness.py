@@ -28,6 +28,19 @@ def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
     assert out == [(0, "hello", 0, "2"), (1, "hello", 10, "2")]
 
 
+def _threads(rank: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_ranks_take_one_thread_when_omp_num_threads_is_set_but_empty(monkeypatch) -> None:
+    """OMP_NUM_THREADS="" in the environment (set, no value) gives each rank one thread, as when
+    it is unset, instead of every rank failing on int("")."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert run_ranks(_threads, 1, timeout=60) == [1]
+
+
 def _raise_on_rank_1(rank: int, pid_dir: str) -> None:
     Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank == 1:
