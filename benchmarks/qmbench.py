@@ -47,6 +47,14 @@ def shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (implies --cpu)")
     p.add_argument("--out", default=".", help="folder for the result JSON")
     p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set torch._inductor.config.KEY (a dotted name: triton.enable_pdl) to VALUE (a Python "
+        "literal) for the whole run, e.g. combo_kernels=True; repeatable; recorded in the JSON",
+    )
 
 
 def finish_args(a: argparse.Namespace) -> argparse.Namespace:
@@ -54,7 +62,52 @@ def finish_args(a: argparse.Namespace) -> argparse.Namespace:
         a.cpu = True
         for k, v in SMOKE.items():
             setattr(a, k, v)
+    inductor_config(getattr(a, "inductor", []))
     return a
+
+
+def inductor_config(pairs: list[str]) -> dict:
+    """Set torch._inductor.config's KEY to VALUE for each "KEY=VALUE" (`--inductor`): KEY one of
+    its options (a dotted name for a nested one), VALUE a Python literal of that option's type.
+    An unknown key or a value that does not parse exits with the reason, before anything runs.
+    Returns {KEY: value} as set.
+
+    Example:
+        >>> inductor_config(["combo_kernels=True"])
+        {'combo_kernels': True}
+    """
+    import ast
+
+    import torch._inductor.config as config
+
+    done = {}
+    for pair in pairs:
+        key, eq, text = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"--inductor {pair!r}: expected KEY=VALUE (combo_kernels=True)")
+        owner, _, leaf = key.rpartition(".")
+        target = config
+        for part in owner.split(".") if owner else ():
+            target = getattr(target, part, None)
+        if target is None or not hasattr(target, leaf):
+            raise SystemExit(f"--inductor {pair!r}: torch._inductor.config has no option {key!r}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(
+                f"--inductor {pair!r}: {text!r} is not a Python literal (True, 8, 0.5, 'name')"
+            ) from None
+        old = getattr(target, leaf)
+        if isinstance(old, float) and type(value) is int:
+            value = float(value)
+        if old is not None and value is not None and type(value) is not type(old):
+            raise SystemExit(
+                f"--inductor {pair!r}: {key} holds a {type(old).__name__} ({old!r}), not a "
+                f"{type(value).__name__}"
+            )
+        setattr(target, leaf, value)
+        done[key] = value
+    return done
 
 
 def llama_config(a, *, use_cache: bool = False):

@@ -69,6 +69,10 @@
 #            with it on. A Hopper kernel launched so may start while the one before it ends, and
 #            waits (griddepcontrol.wait) before it reads what that one wrote; a decode step is ~700
 #            kernels of 1-25 us, so their starts and ends are a share of it worth measuring
+#   inductor torch._inductor.config options for the compiled decode step (INDUCTOR, default
+#            "combo_kernels=True": independent kernels of a region launched as one): qm.fast_decode
+#            at batch 1 (bench_decode.py --no-peer --timed-runs 3) without and with them, twice
+#            each, alternating, one process each (a step is ~700 kernels of 1-25 us)
 #   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, opt-in): the
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
@@ -116,7 +120,7 @@
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, graphs, gc, pairs, lora, step, xtab or host}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, inductor, graphs, gc, pairs, lora, step, xtab or host}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -221,6 +225,15 @@ case "$STAGE" in
     say "the trained model's CUDA decode test with PDL on"
     TORCHINDUCTOR_ENABLE_PDL=1 timeout 200 python3 -m pytest -q -x -m cuda \
       tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
+  inductor)
+    i=0
+    for on in 0 1 0 1; do
+      i=$((i + 1)) flags=()
+      if [ "$on" = 1 ]; then for kv in ${INDUCTOR:-combo_kernels=True}; do flags+=(--inductor "$kv"); done; fi
+      say "decode, 7B nf4 + LoRA, batch 1, inductor options: ${flags[*]:-(none)}"
+      timeout 140 python3 benchmarks/bench_decode.py --mode qlora --greedy --no-peer --timed-runs 3 \
+        "${flags[@]}" --out "$OUT/inductor$i-$on" 2>&1 | grep -E "qm_greedy|Error" | tail -2
+    done ;;
   graphs)
     say "CUDA decode tests: the trained model's (prefill graphs recorded and replayed), the refused recording's"
     timeout 240 python3 -m pytest -v -m cuda tests/distributed/test_cuda_decode.py \
@@ -346,6 +359,6 @@ case "$STAGE" in
       --dequant --profile --batch "${BATCH:-32}" --new 64 --out "$OUT/b${BATCH:-32}" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -5
     python3 -c "import json; r = json.load(open('$OUT/b${BATCH:-32}/result_decode_qlora.json')); print(json.dumps({k: [v.get('gpu_us_per_step'), v.get('kinds_us_per_step')] for k, v in r.items() if k.startswith('qm_profile') and isinstance(v, dict)})[:3000])" ;;
-  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, pdl, graphs, gc, pairs, xtab, lora, step, host)" >&2; exit 2 ;;
+  *) echo "unknown stage: $STAGE (sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, pdl, inductor, graphs, gc, pairs, xtab, lora, step, host)" >&2; exit 2 ;;
 esac
 say done
