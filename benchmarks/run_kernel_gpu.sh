@@ -71,8 +71,8 @@
 #            kernels of 1-25 us, so their starts and ends are a share of it worth measuring
 #   inductor torch._inductor.config options for the compiled decode step (INDUCTOR, default
 #            "combo_kernels=True": independent kernels of a region launched as one): qm.fast_decode
-#            at batch 1 (bench_decode.py --no-peer --timed-runs 3) without and with them, twice
-#            each, alternating, one process each (a step is ~700 kernels of 1-25 us)
+#            at batch 1 (bench_decode.py --no-peer --timed-runs 3) without and with them, one
+#            process each, in the order of INDUCTOR_RUNS (default "0 1 0 1"; 1: with them)
 #   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, opt-in): the
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
@@ -227,7 +227,7 @@ case "$STAGE" in
       tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
   inductor)
     i=0
-    for on in 0 1 0 1; do
+    for on in ${INDUCTOR_RUNS:-0 1 0 1}; do  # 0: the defaults, 1: with INDUCTOR
       i=$((i + 1)) flags=()
       if [ "$on" = 1 ]; then for kv in ${INDUCTOR:-combo_kernels=True}; do flags+=(--inductor "$kv"); done; fi
       say "decode, 7B nf4 + LoRA, batch 1, inductor options: ${flags[*]:-(none)}"
