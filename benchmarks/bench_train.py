@@ -46,8 +46,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qmbench as qb  # noqa: E402
 
 VARIANTS = (
-    "default", "cuda_graphs", "pdl", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16",
+    "default", "cuda_graphs", "pdl", "vp_ce", "triton_dequant", "keep_elementwise", "keep_dequantized", "fused_adamw", "lora_bf16", "inductor",
 )  # fmt: skip
+
+
+def split_variant(v: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's parts ({name: argument}) and its inductor options ("KEY=VALUE" of each
+    "inductor:KEY=VALUE" part, checked against torch._inductor.config). Raises ValueError (or
+    SystemExit for an inductor option) naming what is wrong."""
+    parts: dict[str, str] = {}
+    pairs: list[str] = []
+    for part in v.split("+"):
+        name, _, arg = part.partition(":")
+        if name == "inductor" and "=" in arg:
+            pairs.append(arg)
+            continue
+        if (
+            name not in VARIANTS
+            or name == "inductor"
+            or (arg and (name != "keep_dequantized" or not arg.isdigit()))
+        ):
+            raise ValueError(
+                f"unknown variant {part!r}; known: {', '.join(VARIANTS)} (keep_dequantized:K "
+                "holds the first K layers' weights; inductor:KEY=VALUE compiles the blocks again "
+                "with a torch._inductor.config option; join variants with '+' to time them "
+                "together)"
+            )
+        if name in parts:
+            raise ValueError(f"variant {v!r} names {name!r} twice")
+        parts[name] = arg
+    qb.inductor_options(pairs)
+    return parts, pairs
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -74,6 +103,7 @@ def parse(argv=None) -> argparse.Namespace:
         default="",
         help="comma list of prototype speed-ups to time after the main run: "
         f"{','.join(VARIANTS)} (keep_dequantized:K: the first K layers' weights held; "
+        "inductor:KEY=VALUE: the blocks compiled again with that torch._inductor.config option; "
         "a+b: timed together)",
     )
     p.add_argument("--variant-steps", type=int, default=10)
@@ -117,7 +147,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--offload-base", action="store_true", help="with --fsdp: the base's shards on the host"
     )
-    return qb.finish_args(p.parse_args(argv))
+    a = qb.finish_args(p.parse_args(argv))
+    for v in (v for v in a.variants.split(",") if v):  # every variant checked before anything runs
+        try:
+            split_variant(v)
+        except ValueError as e:
+            p.error(str(e))
+    return a
 
 
 def layout_name(a, dp: int) -> str:
@@ -639,21 +675,15 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     alive beside the variant's own (2 x 4 bytes per adapter parameter). Variants joined by '+'
     (`triton_dequant+fused_adamw`) are timed together."""
     dev = mesh.device
-    parts = {}
-    for part in v.split("+"):
-        name, _, arg = part.partition(":")
-        if name not in VARIANTS or (arg and (name != "keep_dequantized" or not arg.isdigit())):
-            raise ValueError(
-                f"unknown variant {part!r}; known: {', '.join(VARIANTS)} (keep_dequantized:K "
-                "holds the first K layers' weights; join variants with '+' to time them together)"
-            )
-        if name in parts:
-            raise ValueError(f"variant {v!r} names {name!r} twice")
-        parts[name] = arg
+    parts, pairs = split_variant(v)
+    if pairs:
+        parts["inductor"] = ",".join(pairs)
     if "lora_bf16" in parts and len(parts) > 1:
         raise ValueError("lora_bf16 changes the model: time it alone, last")
     held_blocks = int(parts["keep_dequantized"]) if parts.get("keep_dequantized") else None
     import torch._inductor.config as inductor_config
+
+    from quantmesh.config import compile_options
 
     skipped = {
         "vp_ce": "needs tp > 1" if mesh.tp == 1 else None,
@@ -668,6 +698,11 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         if a.quant not in ("nf4", "fp4") or a.quant_backend != "bitsandbytes"
         else None,
         "lora_bf16": "changes parameter dtypes under DDP" if mesh.dp > 1 else None,
+        "inductor": "needs --compile"
+        if not a.compile
+        else f"the blocks compile with {backend!r}, which reads no inductor option"
+        if (backend := compile_options()["backend"]) != "inductor"
+        else None,
     }
     for name in parts:
         if skipped.get(name):
@@ -686,10 +721,12 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     dequant_before = kernel4.DEQUANT_ENABLED
     if "triton_dequant" in parts:
         kernel4.DEQUANT_ENABLED = True
-    recompiled = {"keep_elementwise", "cuda_graphs", "pdl"} & parts.keys()
+    recompiled = {"keep_elementwise", "cuda_graphs", "pdl", "inductor"} & parts.keys()
     pdl_before = getattr(inductor_config.triton, "enable_pdl", None)
     if "pdl" in parts:
         inductor_config.triton.enable_pdl = True
+    patched = contextlib.ExitStack()
+    patched.enter_context(qb.inductor_patched(pairs))  # given back before the blocks compile back
     if recompiled:
         kw: dict = {"recompute_elementwise": False} if "keep_elementwise" in parts else {}
         recompile_blocks(model, a, mode="reduce-overhead" if "cuda_graphs" in parts else None, **kw)
@@ -712,6 +749,7 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         kernel4.DEQUANT_ENABLED = dequant_before
         if pdl_before is not None:
             inductor_config.triton.enable_pdl = pdl_before
+        patched.close()
         if recompiled:
             recompile_blocks(model, a)
         if "keep_dequantized" in parts:

@@ -66,48 +66,83 @@ def finish_args(a: argparse.Namespace) -> argparse.Namespace:
     return a
 
 
-def inductor_config(pairs: list[str]) -> dict:
-    """Set torch._inductor.config's KEY to VALUE for each "KEY=VALUE" (`--inductor`): KEY one of
-    its options (a dotted name for a nested one), VALUE a Python literal of that option's type.
-    An unknown key or a value that does not parse exits with the reason, before anything runs.
-    Returns {KEY: value} as set.
+def inductor_options(pairs: list[str]) -> list[tuple[object, str, str, object]]:
+    """Each "KEY=VALUE" (`--inductor`, a bench_train.py variant "inductor:KEY=VALUE") checked
+    against torch._inductor.config: (the object holding the option, its name there, KEY, the
+    value). KEY is one of its options (a dotted name for a nested one), VALUE a Python literal of
+    that option's type (an int for a float option is taken). An unknown key or a value that does
+    not parse exits with the reason, before anything runs.
 
     Example:
-        >>> inductor_config(["combo_kernels=True"])
-        {'combo_kernels': True}
+        >>> [(k, v) for _, _, k, v in inductor_options(["combo_kernels=True"])]
+        [('combo_kernels', True)]
     """
     import ast
 
     import torch._inductor.config as config
 
-    done = {}
+    out = []
     for pair in pairs:
         key, eq, text = pair.partition("=")
         if not eq:
-            raise SystemExit(f"--inductor {pair!r}: expected KEY=VALUE (combo_kernels=True)")
+            raise SystemExit(f"inductor option {pair!r}: expected KEY=VALUE (combo_kernels=True)")
         owner, _, leaf = key.rpartition(".")
-        target = config
+        target: object = config
         for part in owner.split(".") if owner else ():
             target = getattr(target, part, None)
         if target is None or not hasattr(target, leaf):
-            raise SystemExit(f"--inductor {pair!r}: torch._inductor.config has no option {key!r}")
+            raise SystemExit(
+                f"inductor option {pair!r}: torch._inductor.config has no option {key!r}"
+            )
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             raise SystemExit(
-                f"--inductor {pair!r}: {text!r} is not a Python literal (True, 8, 0.5, 'name')"
+                f"inductor option {pair!r}: {text!r} is not a Python literal (True, 8, 0.5, 'name')"
             ) from None
         old = getattr(target, leaf)
         if isinstance(old, float) and type(value) is int:
             value = float(value)
         if old is not None and value is not None and type(value) is not type(old):
             raise SystemExit(
-                f"--inductor {pair!r}: {key} holds a {type(old).__name__} ({old!r}), not a "
+                f"inductor option {pair!r}: {key} holds a {type(old).__name__} ({old!r}), not a "
                 f"{type(value).__name__}"
             )
+        out.append((target, leaf, key, value))
+    return out
+
+
+def inductor_config(pairs: list[str]) -> dict:
+    """Set torch._inductor.config's KEY to VALUE for each "KEY=VALUE" (`--inductor`; checked by
+    `inductor_options` first, all of them before any is set). Returns {KEY: value} as set.
+
+    Example:
+        >>> inductor_config(["combo_kernels=True"])
+        {'combo_kernels': True}
+    """
+    options = inductor_options(pairs)
+    for target, leaf, _, value in options:
         setattr(target, leaf, value)
-        done[key] = value
-    return done
+    return {key: value for _, _, key, value in options}
+
+
+@contextmanager
+def inductor_patched(pairs: list[str]):
+    """`inductor_config(pairs)` while the context lasts; every option as it was after.
+
+    Example:
+        >>> with inductor_patched(["combo_kernels=True"]):
+        ...     pass
+    """
+    options = inductor_options(pairs)
+    before = [(target, leaf, getattr(target, leaf)) for target, leaf, _, _ in options]
+    try:
+        for target, leaf, _, value in options:
+            setattr(target, leaf, value)
+        yield
+    finally:
+        for target, leaf, value in reversed(before):
+            setattr(target, leaf, value)
 
 
 def llama_config(a, *, use_cache: bool = False):

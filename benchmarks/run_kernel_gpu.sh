@@ -72,7 +72,9 @@
 #   inductor torch._inductor.config options for the compiled decode step (INDUCTOR, default
 #            "combo_kernels=True": independent kernels of a region launched as one): qm.fast_decode
 #            at batch 1 (bench_decode.py --no-peer --timed-runs 3) without and with them, one
-#            process each, in the order of INDUCTOR_RUNS (default "0 1 0 1"; 1: with them)
+#            process each, in the order of INDUCTOR_RUNS (default "0 1 0 1"; 1: with them). For
+#            training, in one process: TRAIN_VARIANTS=default,inductor:combo_kernels=True,default
+#            with the train stage
 #   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, opt-in): the
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process

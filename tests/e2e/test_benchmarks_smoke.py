@@ -12,6 +12,7 @@ cross-entropy prototype is checked against the plain one.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -178,11 +179,14 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
     blocks compiled again from scratch under torch's own partitioner rule (dynamo's caches
     cleared), timed, then back to the default; then the 4-bit weights held dequantized, timed, then
     dropped; then the first layer's alone; then a fused AdamW; then the last two together; then
-    the default twice (kept apart); CUDA graphs and programmatic launches skipped on CPU, said."""
+    the default twice (kept apart); CUDA graphs and programmatic launches skipped on CPU, said;
+    an inductor option skipped where the blocks do not compile with inductor (make test's
+    aot_eager), said."""
     bench_on_ranks(
         1, "bench_train.py", "--smoke", "--quant", "nf4", "--compile", "--variants",
         "keep_elementwise,keep_dequantized,keep_dequantized:1,fused_adamw,"
-        "keep_dequantized:1+fused_adamw,default,default,cuda_graphs,pdl", "--variant-steps", "1",
+        "keep_dequantized:1+fused_adamw,default,default,cuda_graphs,pdl,"
+        "inductor:combo_kernels=True+fused_adamw", "--variant-steps", "1",
         "--out",
         str(tmp_path),
         timeout=300,
@@ -206,3 +210,11 @@ def test_bench_train_smoke_compiled_with_the_kept_elementwise_and_held_variants(
         assert v["tokens_per_s"] > 0 and "held_bytes" not in v and v["adamw"] != "fused", (name, v)
     for name in ("cuda_graphs", "pdl"):
         assert res["variants"][name] == {"skipped": f"{name}: needs --compile on a GPU"}
+    # an inductor option: timed where the blocks compile with inductor, else skipped, said
+    v = res["variants"]["inductor:combo_kernels=True+fused_adamw"]
+    backend = os.environ.get("QUANTMESH_COMPILE_BACKEND") or "inductor"
+    if backend == "inductor":
+        assert "error" not in v and v["tokens_per_s"] > 0, v
+    else:
+        assert v == {"skipped": f"inductor: the blocks compile with {backend!r}, which reads no "
+                                "inductor option"}, v  # fmt: skip

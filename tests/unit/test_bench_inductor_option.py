@@ -62,3 +62,49 @@ def test_the_flag_reaches_the_config_through_the_parser() -> None:
     qmbench.shape_args(p)
     a = qmbench.finish_args(p.parse_args(["--inductor", "max_autotune=True"]))
     assert a.inductor == ["max_autotune=True"] and config.max_autotune is True
+
+
+@pytest.mark.parametrize(
+    ("variants", "said"),
+    [
+        ("default,inductor:no_such_option=1", "has no option 'no_such_option'"),
+        ("inductor:combo_kernels=yes", "is not a Python literal"),
+        ("default,no_such_variant", "unknown variant 'no_such_variant'"),
+        ("inductor", "unknown variant 'inductor'"),
+        ("fused_adamw+fused_adamw", "names 'fused_adamw' twice"),
+    ],
+)
+def test_bench_train_refuses_a_bad_variant_before_it_runs(variants: str, said: str, capsys) -> None:
+    """bench_train.py checks every variant as it parses its flags, so a typo in the last one
+    does not surface after the main run's minutes (inductor:KEY=VALUE's options included)."""
+    import bench_train
+
+    with pytest.raises(SystemExit) as e:
+        bench_train.parse(["--smoke", "--variants", variants])
+    assert said in str(e.value) + capsys.readouterr().err
+
+
+def test_bench_train_splits_inductor_options_from_the_other_parts() -> None:
+    import bench_train
+
+    parts, pairs = bench_train.split_variant(
+        "keep_dequantized:3+inductor:combo_kernels=True+inductor:max_autotune=False"
+    )
+    assert parts == {"keep_dequantized": "3"}
+    assert pairs == ["combo_kernels=True", "max_autotune=False"]
+
+
+def test_a_patch_lasts_while_its_context_does_and_an_error_leaves_nothing() -> None:
+    before, nested = config.combo_kernels, config.triton.cudagraph_trees
+    with qmbench.inductor_patched([f"combo_kernels={not before}",
+                                   f"triton.cudagraph_trees={not nested}"]):  # fmt: skip
+        assert config.combo_kernels is (not before)
+        assert config.triton.cudagraph_trees is (not nested)
+    assert (config.combo_kernels, config.triton.cudagraph_trees) == (before, nested)
+    with pytest.raises(RuntimeError), qmbench.inductor_patched([f"combo_kernels={not before}"]):
+        raise RuntimeError("a variant failed")
+    assert config.combo_kernels is before
+    with pytest.raises(SystemExit):  # a bad pair among good ones: none is set
+        with qmbench.inductor_patched([f"combo_kernels={not before}", "no_such_option=1"]):
+            pass
+    assert config.combo_kernels is before
