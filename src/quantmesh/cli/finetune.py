@@ -85,8 +85,8 @@ class ActivationOptions:
     kernel there, whose launches a replay no longer pays for (unless
     QUANTMESH_TRITON_DEQUANT_TRAINING=0). Opt-in: 3-6% faster steps on one GPU in the
     benchmark's loop, and its CUDA test through this loop passes; not yet verified with tp, pp,
-    dp, FSDP or checkpointing, which it refuses. The graphs' memory pool is not in the memory check's estimate (0.7 GiB more
-    reserved on the 7B shape)."""
+    dp, FSDP or checkpointing, which it refuses. The graphs' memory pool is not in the memory
+    check's estimate (0.7 GiB more reserved on the 7B shape)."""
 
     def __post_init__(self) -> None:
         if self.offload_activations and not self.checkpointing:
