@@ -75,6 +75,10 @@ def test_each_forward_begins_a_graph_step_when_blocks_replay(mode: str, marks: i
     with torch.no_grad():
         traced(x)
     assert len(seen) == marks
+    # compiled again without graphs: no mark any more
+    compile_blocks(model)
+    model(x)
+    assert len(seen) == marks
 
 
 def test_train_step_owns_the_gradients_when_blocks_replay_graphs(monkeypatch) -> None:

@@ -102,14 +102,18 @@ def compile_blocks(
             install(block)
         else:
             compile_module(block, block.__dict__[COMPILE_KWARGS])
-    if replays_cuda_graphs(model) and STEP_MARK not in model.__dict__:
+    replays = replays_cuda_graphs(model)
+    if replays and STEP_MARK not in model.__dict__:
         model.__dict__[STEP_MARK] = model.register_forward_pre_hook(_new_graph_step)
+    elif not replays and STEP_MARK in model.__dict__:  # compiled again without graphs
+        model.__dict__.pop(STEP_MARK).remove()
     return len(blocks)
 
 
 STEP_MARK = "_quantmesh_graph_step_mark"
 """A model whose blocks replay CUDA graphs: the handle of its forward pre-hook that begins a new
-step of the graph trees (`_new_graph_step`)."""
+step of the graph trees (`_new_graph_step`), removed when `compile_blocks` compiles them again
+without graphs."""
 
 
 def _new_graph_step(module: nn.Module, args: Any) -> None:
