@@ -282,8 +282,6 @@ def train(model, opt, ids, *, warmup, steps, device, autocast, loss_fn=hf_loss):
             dist.barrier()
             t0 = time.perf_counter()
             train.warmup_s = t0 - tw
-        if device.type == "cuda":  # a new step for CUDA graphs of blocks ("reduce-overhead")
-            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, ids)
         if not done:
@@ -722,9 +720,8 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
     if "triton_dequant" in parts:
         kernel4.DEQUANT_ENABLED = True
     recompiled = {"keep_elementwise", "cuda_graphs", "pdl", "inductor"} & parts.keys()
-    pdl_before = getattr(inductor_config.triton, "enable_pdl", None)
-    if "pdl" in parts:
-        inductor_config.triton.enable_pdl = True
+    if "pdl" in parts:  # inductor's option, by name
+        pairs = [*pairs, "triton.enable_pdl=True"]
     patched = contextlib.ExitStack()
     patched.enter_context(qb.inductor_patched(pairs))  # given back before the blocks compile back
     if recompiled:
@@ -747,8 +744,6 @@ def run_variant(v, a, mesh, model, params, ids, autocast, V):
         )  # fmt: skip
     finally:
         kernel4.DEQUANT_ENABLED = dequant_before
-        if pdl_before is not None:
-            inductor_config.triton.enable_pdl = pdl_before
         patched.close()
         if recompiled:
             recompile_blocks(model, a)
