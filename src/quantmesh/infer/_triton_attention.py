@@ -21,8 +21,7 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
                          per_split, n_splits,
                          D: tl.constexpr, MASK: tl.constexpr, BLOCK_L: tl.constexpr,
                          GP: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-                         CH: tl.constexpr, ONE: tl.constexpr,
-                         COUNT: tl.constexpr):  # fmt: skip
+                         ONE: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
     # q (B, Hq, 1, D), k and v (B, Hkv, L, D), each with its own strides (elements), D padded to
     # DP (a power of two: where D == DP, the loads along D are unmasked and vectorized); query head
     # h * G + g reads kv head h. The mask's strides (batch, head, key) are 0 along a broadcast
@@ -35,8 +34,8 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
     # base 2 (q pre-scaled by scaling x log2(e)), fp32. ONE 1: out (B, 1, Hq, D) directly.
     # ONE 0: partials m and l (B * Hq, n_splits), acc (B * Hq, n_splits, D) unnormalized; each
     # program then counts itself in sem[pid] (B * Hkv int32, zero between launches), and the
-    # last of a (row, kv head) merges its n_splits partials (`_merge`, CH at a time) and sets the
-    # count back to 0. A head that sees no key gets 0. COUNT: the blocks read, per program, into cnt
+    # last of a (row, kv head) merges its n_splits partials (`_merge`) and sets the count back
+    # to 0. A head that sees no key gets 0. COUNT: the blocks read, per program, into cnt
     # (B * Hkv, n_splits) (the tests' check of the skip). SP: n_splits' power of two.
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -109,40 +108,34 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
         tl.debug_barrier()  # every thread's partials stored before the count says so
         done = tl.atomic_add(sem_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if done == n_splits - 1:  # the last split of this (row, kv head): the others' are in
-            _merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, g_ok, rd, d_ok, n_splits, D, GP, DP, SP,
-                   CH)  # fmt: skip
+            _merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, g_ok, rd, d_ok, n_splits, D, SP)
             tl.store(sem_ptr + pid, 0)  # ready for the next launch (or graph replay)
 
 
 @triton.jit
 def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, g_ok, rd, d_ok, n_splits, D: tl.constexpr,
-           GP: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, CH: tl.constexpr):  # fmt: skip
+           SP: tl.constexpr):  # fmt: skip
     # The output of query heads `rows` (GP,) from their n_splits partials: each split's sum and
     # output scaled by 2^(its max - the heads' largest max) (0 for a split that saw no key),
-    # the outputs' sum divided by the sums' (0 where no key was seen). The partials are loaded
-    # CH splits at a time (`merge_chunk`: all of them at once where they fit, one round trip to
-    # L2 rather than one a split), added in a fixed order (deterministic). Loads bypass L1
-    # (.cg): other programs wrote them.
+    # added one split after another in order (deterministic), the outputs' sum divided by the
+    # sums' (0 where no key was seen). Loads bypass L1 (.cg): other programs wrote them.
     rs = tl.arange(0, SP)
     m_all = tl.load(m_ptr + rows[:, None] * n_splits + rs[None, :],
                     mask=g_ok[:, None] & (rs < n_splits)[None, :], other=float("-inf"),
                     cache_modifier=".cg")  # fmt: skip
     top = tl.max(m_all, axis=1)  # (GP,)
     top = tl.where(top == float("-inf"), 0.0, top)
-    num = tl.zeros((GP, DP), tl.float32)
-    den = tl.zeros((GP,), tl.float32)
-    rc = tl.arange(0, CH)
-    for c in range(0, n_splits, CH):
-        at = rows[:, None] * n_splits + c + rc[None, :]  # (GP, CH)
-        ok = g_ok[:, None] & (c + rc < n_splits)[None, :]
-        m = tl.load(m_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m - top[:, None])  # 0 for a split that saw no key (its max -inf)
-        lsum = tl.load(l_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-        part = tl.load(acc_ptr + at[:, :, None] * D + rd[None, None, :],
-                       mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
-        num += tl.sum(part * w[:, :, None], axis=1)
-        den += tl.sum(lsum * w, axis=1)
+    num = tl.zeros((rows.shape[0], rd.shape[0]), tl.float32)
+    den = tl.zeros((rows.shape[0],), tl.float32)
+    for i in range(0, n_splits):
+        at = rows * n_splits + i
+        m = tl.load(m_ptr + at, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m - top)  # 0 for a split that saw no key (its max -inf)
+        lsum = tl.load(l_ptr + at, mask=g_ok, other=0.0, cache_modifier=".cg")
+        part = tl.load(acc_ptr + at[:, None] * D + rd[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                       other=0.0, cache_modifier=".cg")  # fmt: skip
+        num += part * w[:, None]
+        den += lsum * w
     o = num / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * D + rd[None, :], o.to(out_ptr.dtype.element_ty),
              mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip

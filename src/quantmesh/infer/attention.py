@@ -61,7 +61,6 @@ __all__ = [
     "decode_attention_wanted",
     "decode_config",
     "launch_decode_attention",
-    "merge_chunk",
 ]
 
 # The kernel in place of sdpa for one query token, where it applies (`decode_attention_applies`):
@@ -121,19 +120,6 @@ def decode_config(batch: int, kv_heads: int, groups: int, head_dim: int,
     return dict(BLOCK_L=block, SPLIT=per * block, num_warps=warps)
 
 
-def merge_chunk(groups: int, head_dim: int, splits: int) -> int:
-    """The splits the merging program loads at once: all of them where (heads of a group) x
-    splits x head_dim, each to its power of two, is at most 8,192 fp32 values (32 a thread at 8
-    warps), else as many as fit (a power of two).
-
-    Example:
-        >>> merge_chunk(1, 128, 8), merge_chunk(8, 128, 64)
-        (8, 8)
-    """
-    sp = _pow2(splits)
-    return min(sp, max(1, 8192 // (_pow2(groups) * _pow2(head_dim))))
-
-
 def launch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             mask: torch.Tensor | None, scaling: float,
                             cfg: dict[str, int] | None = None,
@@ -186,7 +172,7 @@ def launch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(), *m_strides,
         per, splits,
         D=D, MASK=kind, BLOCK_L=block, GP=_pow2(groups), DP=_pow2(D), SP=_pow2(splits),
-        CH=merge_chunk(groups, D, splits), ONE=splits == 1, COUNT=counts is not None, num_warps=cfg.get("num_warps", 4),
+        ONE=splits == 1, COUNT=counts is not None, num_warps=cfg.get("num_warps", 4),
         num_stages=1,
     )  # fmt: skip
     return out
