@@ -78,9 +78,6 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
             kv_ok = key_seen[:, None] & d_ok[None, :]
             kv_rows = keys[:, None].to(tl.int64)
             k = tl.load(k_at + kv_rows * skl + rd[None, :] * skd, mask=kv_ok, other=0.0)
-            # V's load issued with K's, before the scores' reduction (a barrier across warps
-            # that no load moves past): the two reads overlap instead of following each other
-            v = tl.load(v_at + kv_rows * svl + rd[None, :] * svd, mask=kv_ok, other=0.0)
             sc = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # (GP, BLOCK_L)
             if MASK == 2:
                 sc += bias * 1.4426950408889634  # log2(e): the scores are in base 2
@@ -90,6 +87,7 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(sc - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_at + kv_rows * svl + rd[None, :] * svd, mask=kv_ok, other=0.0)
             pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # (GP, DP)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
