@@ -3,25 +3,25 @@
 One query token against a key/value cache, split along the keys ("split-KV"):
 `qm_decode_attn_split` runs one program per (batch row, kv head, split of the keys) over all the
 query heads that read that kv head (grouped-query attention: `G` of them), and writes each
-split's softmax statistics (running max, sum) and its unnormalized fp32 output; the last split of
-a (row, kv head) to finish (a counter) merges them into the output, in one launch. With one split
-the program writes the output itself (ONE).
+split's softmax statistics (running max, sum) and its unnormalized fp32 output;
+`qm_decode_attn_combine` merges a row's splits into the output (one program per query head).
+With one split the first kernel writes the output itself (ONE).
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["qm_decode_attn_split"]
+__all__ = ["qm_decode_attn_combine", "qm_decode_attn_split"]
 
 
 @triton.jit(do_not_specialize=["L", "per_split", "n_splits"])
 def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, cnt_ptr,
-                         sem_ptr, Hkv, G, L, scale_log2, hidden,
+                         Hkv, G, L, scale_log2, hidden,
                          sqb, sqh, sqd, skb, skh, skl, skd, svb, svh, svl, svd, smb, smh, sml,
                          per_split, n_splits,
                          D: tl.constexpr, MASK: tl.constexpr, BLOCK_L: tl.constexpr,
-                         GP: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-                         ONE: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+                         GP: tl.constexpr, DP: tl.constexpr, ONE: tl.constexpr,
+                         COUNT: tl.constexpr):  # fmt: skip
     # q (B, Hq, 1, D), k and v (B, Hkv, L, D), each with its own strides (elements), D padded to
     # DP (a power of two: where D == DP, the loads along D are unmasked and vectorized); query head
     # h * G + g reads kv head h. The mask's strides (batch, head, key) are 0 along a broadcast
@@ -31,12 +31,10 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
     # of BLOCK_L (per_split a multiple of it). A block none of whose keys any of the G heads
     # sees is skipped before K or V is read (a static cache's unwritten tail costs its mask's
     # bytes only); within a block, only the keys some head sees are loaded. Softmax online, in
-    # base 2 (q pre-scaled by scaling x log2(e)), fp32. ONE 1: out (B, 1, Hq, D) directly.
-    # ONE 0: partials m and l (B * Hq, n_splits), acc (B * Hq, n_splits, D) unnormalized; each
-    # program then counts itself in sem[pid] (B * Hkv int32, zero between launches), and the
-    # last of a (row, kv head) merges its n_splits partials (`_merge`) and sets the count back
-    # to 0. A head that sees no key gets 0. COUNT: the blocks read, per program, into cnt
-    # (B * Hkv, n_splits) (the tests' check of the skip). SP: n_splits' power of two.
+    # base 2 (q pre-scaled by scaling x log2(e)), fp32. Partials (ONE 0): m and l (B * Hq,
+    # n_splits), acc (B * Hq, n_splits, D) unnormalized; ONE 1: out (B, 1, Hq, D) directly.
+    # A head that sees no key gets 0. COUNT: the blocks read, per program, into cnt (B * Hkv,
+    # n_splits) (the tests' check of the skip).
     pid = tl.program_id(0)
     s = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
@@ -96,44 +94,35 @@ def qm_decode_attn_split(q_ptr, k_ptr, v_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, o
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * D + rd[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
-    if COUNT:
-        tl.store(cnt_ptr + pid * n_splits + s, seen)
-    if not ONE:
+    else:
         at = rows * n_splits + s
         tl.store(m_ptr + at, m_i, mask=g_ok)
         tl.store(l_ptr + at, l_i, mask=g_ok)
         tl.store(acc_ptr + at[:, None] * D + rd[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        done = tl.atomic_add(sem_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if done == n_splits - 1:  # the last split of this (row, kv head): the others' are in
-            _merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, g_ok, rd, d_ok, n_splits, D, SP)
-            tl.store(sem_ptr + pid, 0)  # ready for the next launch (or graph replay)
+    if COUNT:
+        tl.store(cnt_ptr + pid * n_splits + s, seen)
 
 
-@triton.jit
-def _merge(m_ptr, l_ptr, acc_ptr, out_ptr, rows, g_ok, rd, d_ok, n_splits, D: tl.constexpr,
-           SP: tl.constexpr):  # fmt: skip
-    # The output of query heads `rows` (GP,) from their n_splits partials: each split's sum and
-    # output scaled by 2^(its max - the heads' largest max) (0 for a split that saw no key),
-    # added one split after another in order (deterministic), the outputs' sum divided by the
-    # sums' (0 where no key was seen). Loads bypass L1 (.cg): other programs wrote them.
+@triton.jit(do_not_specialize=["n_splits"])
+def qm_decode_attn_combine(m_ptr, l_ptr, acc_ptr, out_ptr, n_splits, D: tl.constexpr,
+                           SP: tl.constexpr, DP: tl.constexpr):  # fmt: skip
+    # One query head's output (row `pid` of (B * Hq)) from its n_splits partials: each split's
+    # sum and output scaled by 2^(its max - the largest max) (0 for a split that saw no key),
+    # the outputs' sum divided by the sums' (0 where no key was seen). SP, DP: powers of two at
+    # or above n_splits and D.
+    row = tl.program_id(0).to(tl.int64)
     rs = tl.arange(0, SP)
-    m_all = tl.load(m_ptr + rows[:, None] * n_splits + rs[None, :],
-                    mask=g_ok[:, None] & (rs < n_splits)[None, :], other=float("-inf"),
-                    cache_modifier=".cg")  # fmt: skip
-    top = tl.max(m_all, axis=1)  # (GP,)
+    rd = tl.arange(0, DP)
+    s_ok = rs < n_splits
+    d_ok = rd < D
+    m = tl.load(m_ptr + row * n_splits + rs, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(l_ptr + row * n_splits + rs, mask=s_ok, other=0.0)
+    top = tl.max(m, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    num = tl.zeros((rows.shape[0], rd.shape[0]), tl.float32)
-    den = tl.zeros((rows.shape[0],), tl.float32)
-    for i in range(0, n_splits):
-        at = rows * n_splits + i
-        m = tl.load(m_ptr + at, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m - top)  # 0 for a split that saw no key (its max -inf)
-        lsum = tl.load(l_ptr + at, mask=g_ok, other=0.0, cache_modifier=".cg")
-        part = tl.load(acc_ptr + at[:, None] * D + rd[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                       other=0.0, cache_modifier=".cg")  # fmt: skip
-        num += part * w[:, None]
-        den += lsum * w
-    o = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * D + rd[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])  # fmt: skip
+    w = tl.exp2(m - top)  # (SP,)
+    acc = tl.load(acc_ptr + (row * n_splits + rs[:, None]) * D + rd[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(lsum * w, axis=0)
+    o = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + row * D + rd, o.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -11,10 +11,8 @@ head (grouped-query attention reads each K/V once for the group); a block of `BL
 of whose keys any of those heads sees is skipped before its K and V are loaded (the cache's
 unwritten tail costs its mask's bytes only), and within a block only the keys some head sees are
 loaded. The softmax runs online in fp32 (elementwise products and sums, no tensor cores: one
-query row gains nothing from them), each split writes its (max, sum, output) and the last split
-of a (row, kv head) to finish merges them in the same launch (a counter per (row, kv head), set
-back to 0 by that split, kept between launches as the gemv's are); with one split the program
-writes the output. Inputs bf16 or fp16, head
+query row gains nothing from them), each split writes its (max, sum, output) and a second small
+kernel merges them; with one split the first kernel writes the output. Inputs bf16 or fp16, head
 dimension up to 256, output in the query's dtype.
 
 Masks: what transformers' sdpa path hands its attention (`sdpa_mask`): None (every key visible),
@@ -153,28 +151,29 @@ def launch_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"BLOCK_L a power of two and SPLIT a multiple of it, not {cfg}")
     kind, m, m_strides = _mask_args(mask, q, B, Hq, L)
     triton = kernel4._triton()[0]
-    from ._triton_attention import qm_decode_attn_split
+    from ._triton_attention import qm_decode_attn_combine, qm_decode_attn_split
 
     splits = triton.cdiv(L, per)
     out = torch.empty((B, 1, Hq, D), dtype=q.dtype, device=q.device)
     if splits == 1:
-        m_part = l_part = acc = sem = out  # never read
+        m_part = l_part = acc = out  # never read
     else:
         m_part = torch.empty((B * Hq, splits), dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
         acc = torch.empty((B * Hq, splits, D), dtype=torch.float32, device=q.device)
-        sem = kernel4._counters(B * Hkv, q.device)  # the last split of each (row, kv head) merges
     if counts is not None and tuple(counts.shape) != (B * Hkv, splits):
         raise ValueError(f"counts of shape {tuple(counts.shape)}; expected {(B * Hkv, splits)}")
     qm_decode_attn_split[(B * Hkv, splits)](
-        q, k, v, m, m_part, l_part, acc, out, out if counts is None else counts, sem,
+        q, k, v, m, m_part, l_part, acc, out, out if counts is None else counts,
         Hkv, groups, L, float(scaling) * math.log2(math.e), HIDDEN,
         q.stride(0), q.stride(1), q.stride(3), *k.stride(), *v.stride(), *m_strides,
         per, splits,
-        D=D, MASK=kind, BLOCK_L=block, GP=_pow2(groups), DP=_pow2(D), SP=_pow2(splits),
-        ONE=splits == 1, COUNT=counts is not None, num_warps=cfg.get("num_warps", 4),
-        num_stages=1,
+        D=D, MASK=kind, BLOCK_L=block, GP=_pow2(groups), DP=_pow2(D), ONE=splits == 1,
+        COUNT=counts is not None, num_warps=cfg.get("num_warps", 4), num_stages=1,
     )  # fmt: skip
+    if splits > 1:
+        qm_decode_attn_combine[(B * Hq,)](m_part, l_part, acc, out, splits, D=D,
+                                          SP=_pow2(splits), DP=_pow2(D), num_warps=4)  # fmt: skip
     return out
 
 
