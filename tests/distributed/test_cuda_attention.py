@@ -116,8 +116,8 @@ def test_decode_attention_under_cuda_graphs():
     def fn(q, mask):
         return A.decode_attention_forward(module, q, k, v, mask, scaling=D**-0.5)[0]
 
-    before = A.ENABLED
-    A.ENABLED = True
+    before = A.ENABLED, A.MAX_ROWS
+    A.ENABLED, A.MAX_ROWS = True, None  # four rows: the kernel at any batch (its wiring)
     try:
         step = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
         for i in range(5):
@@ -127,7 +127,7 @@ def test_decode_attention_under_cuda_graphs():
             assert torch.equal(got, A.decode_attention_op(q, k, v, mask, D**-0.5)), i
             _check(got, _reference(q, k, v, mask, D**-0.5), torch.bfloat16, i)
     finally:
-        A.ENABLED = before
+        A.ENABLED, A.MAX_ROWS = before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -167,8 +167,8 @@ def test_decode_step_with_the_kernel_is_the_sdpa_step(dtype):
     step = torch.compile(dec.logits, fullgraph=True, mode="reduce-overhead")
     ctl = _Decoder(model, 2, L, compile=False, mode=None, padded=True)  # compiled, sdpa
     ctl_step = torch.compile(ctl.logits, fullgraph=True, mode="reduce-overhead")
-    before = A.ENABLED
-    A.ENABLED = True
+    before = A.ENABLED, A.MAX_ROWS
+    A.ENABLED, A.MAX_ROWS = True, None  # two rows: the kernel at any batch (its wiring)
     A.launch_decode_attention = counted
     rel, ctl_rel = [], []
     try:
@@ -189,7 +189,7 @@ def test_decode_step_with_the_kernel_is_the_sdpa_step(dtype):
                 ctl_rel.append(float((base - want).norm() / want.norm()))
                 tok, pos = want.argmax(-1)[:, None], pos + 1
     finally:
-        A.ENABLED = before
+        A.ENABLED, A.MAX_ROWS = before
         A.launch_decode_attention = real
     assert model.config._attn_implementation == "sdpa"
     bound = 2 * max(ctl_rel) + (2e-3 if dtype == torch.bfloat16 else 4e-4)

@@ -31,10 +31,24 @@ def no_kernel(monkeypatch):
 
 @pytest.fixture
 def kernel_on_cpu(monkeypatch):
-    """The switch on, CPU among the kernel's devices (its launches still refused by no_kernel)."""
+    """The switch on, CPU among the kernel's devices, any batch (these inputs have two rows; the
+    rows rule has its own test), its launches still refused by no_kernel."""
     monkeypatch.setattr(A, "ENABLED", True)
     monkeypatch.setattr(A, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(A, "_HAS_TRITON", True)
+    monkeypatch.setattr(A, "MAX_ROWS", None)
+
+
+@pytest.mark.usefixtures("kernel_on_cpu")
+def test_the_kernel_takes_one_row_by_default(monkeypatch):
+    """At 32 rows the kernel was measured slower than sdpa (MAX_ROWS): by default a batch of
+    more than one row goes to sdpa, one row to the kernel."""
+    monkeypatch.setattr(A, "MAX_ROWS", 1)
+    q, k, v, mask = _inputs()
+    assert A.decode_attention_applies(q[:1], k[:1], v[:1], mask[:1])
+    assert not A.decode_attention_applies(q, k, v, mask)
+    monkeypatch.setattr(A, "MAX_ROWS", None)
+    assert A.decode_attention_applies(q, k, v, mask)
 
 
 class _Attn(torch.nn.Module):

@@ -26,7 +26,8 @@ Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (rea
   hold NaN (a read of one shows) and the blocks each program read must be those holding a seen
   key (the skip); the op compiled gives the eager bits. Then `fast_decode` of a small fp16 Llama
   (nf4 + LoRA, grouped-query) with the switch on: sdpa's tokens, eager (left-padded rows too)
-  and compiled, one launch a layer a step; and at tp=2 (two gloo ranks, each a shard's heads).
+  and compiled, one launch a layer a step; by default (`MAX_ROWS`) two rows with sdpa and one
+  with the kernel; and at tp=2 (two gloo ranks, each a shard's heads).
 
 A product is right when its error against the fp32 product of x and the dequantized weight is at
 most twice a plain matmul's on the same weight (the CUDA tests' rule). The interpreter rounds
@@ -873,6 +874,7 @@ def _attention_decode() -> list[dict]:
     A.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernel on CPU
     mesh = qm.init_mesh()
     layers = 2
+    default_rows = A.MAX_ROWS
     model = _fp16_qlora_llama(mesh, layers=layers, kv_heads=2, positions=300)
     launches = _count_attention_launches()
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -892,7 +894,7 @@ def _attention_decode() -> list[dict]:
                                      ("kernel", True, False)):  # fmt: skip
                 if compile and name == "off":
                     continue  # eager shows it
-                A.ENABLED = on
+                A.ENABLED, A.MAX_ROWS = on, None  # two rows: the kernel at any batch
                 launches[0] = 0
                 with A.decode_attention(model) if inside else contextlib.nullcontext():
                     runs[name] = (qm.fast_decode(model, ids, new, **kw).tolist(), launches[0])
@@ -902,8 +904,21 @@ def _attention_decode() -> list[dict]:
                   and runs["sdpa"][1] == runs.get("off", runs["sdpa"])[1] == 0
                   and all(r[2] == "sdpa" for r in runs.values()))  # fmt: skip
             out.append({"case": repr(("decode", compile, mask is not None, runs)), "ok": bool(ok)})
+        # the default rows (MAX_ROWS, one): two rows decode with sdpa, one row with the kernel
+        A.ENABLED, A.MAX_ROWS = True, default_rows
+        counts = []
+        for rows in (ids, ids[:1]):
+            launches[0] = 0
+            got = qm.fast_decode(model, rows, new, compile=False, mode=None).tolist()
+            counts.append(launches[0])
+            A.ENABLED = False
+            want = qm.fast_decode(model, rows, new, compile=False, mode=None).tolist()
+            A.ENABLED = True
+            counts.append(got == want)
+        ok = default_rows == 1 and counts == [0, True, layers * (new - 1), True]
+        out.append({"case": repr(("default rows", default_rows, counts)), "ok": bool(ok)})
     finally:
-        A.ENABLED = False
+        A.ENABLED, A.MAX_ROWS = False, default_rows
         dist.destroy_process_group()
     return out
 
@@ -914,6 +929,7 @@ def _attention_tp_rank(rank: int) -> dict:
     from quantmesh.infer import attention as A
 
     A.KERNEL_DEVICES = ("cuda", "cpu")  # the interpreter runs the kernel on CPU
+    A.MAX_ROWS = None  # two rows: the kernel at any batch (its wiring)
     model = _fp16_qlora_llama(qm.init_mesh(tp=2), layers=2, kv_heads=2, positions=300)
     launches = _count_attention_launches()
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))

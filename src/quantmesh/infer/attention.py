@@ -24,9 +24,10 @@ Wiring: the module registers `IMPLEMENTATION` ("quantmesh_decode") in transforme
 `AttentionInterface` (`decode_attention_forward`) and `AttentionMaskInterface` (sdpa's mask) at
 import; `decode_attention(model)` switches a model that runs "sdpa" to it while entered. The
 function takes the kernel only with `ENABLED` (on by default; QUANTMESH_DECODE_ATTENTION=0 turns it
-off), one query token, inputs on `KERNEL_DEVICES`, bf16/fp16, no dropout and no
-keyword that changes the math (softcap, sinks, a position bias, attention weights asked for...);
-everything else goes to transformers' own `sdpa_attention_forward` unchanged. The kernel is the
+off), one query token, one row (`MAX_ROWS`: at 32 rows the kernel was measured slower than
+sdpa), inputs on `KERNEL_DEVICES`, bf16/fp16, no dropout and no keyword that changes the math
+(softcap, sinks, a position bias, attention weights asked for...); everything else goes to
+transformers' own `sdpa_attention_forward` unchanged. The kernel is the
 custom op `quantmesh::decode_attention`, so `torch.compile(fullgraph=True)` (CUDA graphs) traces
 it as one opaque op.
 """
@@ -51,6 +52,7 @@ __all__ = [
     "HIDDEN",
     "IMPLEMENTATION",
     "KERNEL_DEVICES",
+    "MAX_ROWS",
     "decode_attention",
     "decode_attention_applies",
     "decode_attention_forward",
@@ -67,6 +69,14 @@ __all__ = [
 # Read at call time: a compiled step is guarded on it.
 ENABLED = env_switch("QUANTMESH_DECODE_ATTENTION", default=True)
 IMPLEMENTATION = "quantmesh_decode"  # the name in transformers' AttentionInterface
+# The most rows (batch) the kernel takes; more go to sdpa. Timed alone on an H100 (bf16, 32 heads
+# of 128), the kernel reads keys at about half SDPA's rate at one row and a third at 32 rows;
+# skipping a static cache's unwritten slots repays that at one row (1.03x a decode step end to
+# end), but at 32 rows it took 2.1x SDPA's time on a 512-slot cache with 288 written and 3.3x
+# with 2,000 of 2,048 written, 0.87x with 300 of 2,048 (docs/benchmarks.md, "The decode attention
+# at 32 rows"). Between 2 and 31 rows it was not timed, so torch's kernel keeps them. Read at
+# call time (a compiled step is guarded on the batch); None: any batch (the tests of the wiring).
+MAX_ROWS: int | None = 1
 # A float mask's values at or below this hide their key (fp16's lowest: transformers' eager masks
 # use the dtype's lowest, -inf or below); the kernel skips a block of such keys unread.
 HIDDEN = -65504.0
@@ -217,8 +227,8 @@ def decode_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torc
                              attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              **kwargs: Any) -> bool:  # fmt: skip
     """Whether `decode_attention_forward` takes the kernel for these arguments (transformers'):
-    `ENABLED` (read at call time), Triton, one query token, inputs on `KERNEL_DEVICES`, all
-    bf16 or all fp16, q (B, Hq, 1, D) and k, v (B, Hkv, L, D) alike with Hq a multiple of Hkv
+    `ENABLED` (read at call time), Triton, one query token, at most `MAX_ROWS` rows (one),
+    inputs on `KERNEL_DEVICES`, all bf16 or all fp16, q (B, Hq, 1, D) and k, v (B, Hkv, L, D) alike with Hq a multiple of Hkv
     and D <= 256, a mask of None, bool or float broadcastable to (B, Hq, 1, L), no dropout, and
     no keyword outside `NEUTRAL_KWARGS` set (softcap, sinks (`s_aux`), a position bias,
     `output_attentions`...: sdpa's path keeps those).
@@ -242,6 +252,8 @@ def decode_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torc
     if key.dtype != query.dtype or value.dtype != query.dtype or value.device != query.device:
         return False
     B, Hq, _, D = query.shape
+    if MAX_ROWS is not None and B > MAX_ROWS:
+        return False
     Bk, Hkv, L, Dk = key.shape
     if Bk != B or Dk != D or tuple(value.shape) != (Bk, Hkv, L, Dk) or Hkv < 1 or Hq % Hkv:
         return False
