@@ -63,6 +63,11 @@
 #            slots, batch 1 and 32), then qm.fast_decode at batch 1 with and without it, profiled
 #            (bench_decode.py --attention --profile), then the trained model's CUDA decode test
 #            with it on
+#   attrows  the decode attention against SDPA at ATTROWS_BATCHES rows (default
+#            1,2,4,8,16,32), its tiles swept (decode_attention_bench.py --sweep; ATTROWS_S
+#            seconds, default 300; the JSON is rewritten after each case): the measurements
+#            `attention.MAX_ROWS` (one row since the thirty-seventh sitting; 2-31 never timed)
+#            and `decode_config` should come from
 #   pdl      inductor's programmatic dependent launch (TORCHINDUCTOR_ENABLE_PDL, read when inductor
 #            is imported: one process each): qm.fast_decode at batch 1 with it off, on, off, on
 #            (bench_decode.py --no-peer --timed-runs 3), then the trained model's CUDA decode test
@@ -217,6 +222,11 @@ case "$STAGE" in
     say "the trained model's CUDA decode test, QUANTMESH_DECODE_ATTENTION=1"
     QUANTMESH_DECODE_ATTENTION=1 timeout 200 python3 -m pytest -q -x -m cuda \
       tests/distributed/test_cuda_decode.py -k trained 2>&1 | tail -4 ;;
+  attrows)
+    say "decode attention against SDPA at ${ATTROWS_BATCHES:-1,2,4,8,16,32} rows, its tiles swept"
+    timeout "${ATTROWS_S:-300}" python3 benchmarks/decode_attention_bench.py --out "$OUT" \
+      --batches "${ATTROWS_BATCHES:-1,2,4,8,16,32}" --replays 10 --sweep 2>&1 \
+      | grep -v "Warning\|warnings.warn\|Configuration class" | tail -20 ;;
   pdl)
     python3 -c "import torch._inductor.config as c; print('inductor has enable_pdl:', hasattr(c.triton, 'enable_pdl'))"
     for pdl in 0 1 0 1; do
