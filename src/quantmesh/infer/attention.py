@@ -27,9 +27,9 @@ function takes the kernel only with `ENABLED` (on by default; QUANTMESH_DECODE_A
 off), one query token, one row (`MAX_ROWS`: at 32 rows the kernel was measured slower than
 sdpa), inputs on `KERNEL_DEVICES`, bf16/fp16, no dropout and no keyword that changes the math
 (softcap, sinks, a position bias, attention weights asked for...); everything else goes to
-transformers' own `sdpa_attention_forward` unchanged. The kernel is the
-custom op `quantmesh::decode_attention`, so `torch.compile(fullgraph=True)` (CUDA graphs) traces
-it as one opaque op.
+transformers' own `sdpa_attention_forward` unchanged. The kernel is the custom op
+`quantmesh::decode_attention`, so `torch.compile(fullgraph=True)` (CUDA graphs) traces it as one
+opaque op.
 """
 
 from __future__ import annotations
@@ -228,10 +228,10 @@ def decode_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torc
                              **kwargs: Any) -> bool:  # fmt: skip
     """Whether `decode_attention_forward` takes the kernel for these arguments (transformers'):
     `ENABLED` (read at call time), Triton, one query token, at most `MAX_ROWS` rows (one),
-    inputs on `KERNEL_DEVICES`, all bf16 or all fp16, q (B, Hq, 1, D) and k, v (B, Hkv, L, D) alike with Hq a multiple of Hkv
-    and D <= 256, a mask of None, bool or float broadcastable to (B, Hq, 1, L), no dropout, and
-    no keyword outside `NEUTRAL_KWARGS` set (softcap, sinks (`s_aux`), a position bias,
-    `output_attentions`...: sdpa's path keeps those).
+    inputs on `KERNEL_DEVICES`, all bf16 or all fp16, q (B, Hq, 1, D) and k, v (B, Hkv, L, D)
+    alike with Hq a multiple of Hkv and D <= 256, a mask of None, bool or float broadcastable to
+    (B, Hq, 1, L), no dropout, and no keyword outside `NEUTRAL_KWARGS` set (softcap, sinks
+    (`s_aux`), a position bias, `output_attentions`...: sdpa's path keeps those).
 
     Example:
         >>> q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16)
