@@ -69,13 +69,11 @@ __all__ = [
 # Read at call time: a compiled step is guarded on it.
 ENABLED = env_switch("QUANTMESH_DECODE_ATTENTION", default=True)
 IMPLEMENTATION = "quantmesh_decode"  # the name in transformers' AttentionInterface
-# The most rows (batch) the kernel takes; more go to sdpa. Timed alone on an H100 (bf16, 32 heads
-# of 128), the kernel reads keys at about half SDPA's rate at one row and a third at 32 rows;
-# skipping a static cache's unwritten slots repays that at one row (1.03x a decode step end to
-# end), but at 32 rows it took 2.1x SDPA's time on a 512-slot cache with 288 written and 3.3x
-# with 2,000 of 2,048 written, 0.87x with 300 of 2,048 (docs/benchmarks.md, "The decode attention
-# at 32 rows"). Between 2 and 31 rows it was not timed, so torch's kernel keeps them. Read at
-# call time (a compiled step is guarded on the batch); None: any batch (the tests of the wiring).
+# The most rows (batch) the kernel takes; more go to sdpa. The kernel reads keys at about half
+# SDPA's rate at one row, which skipping a static cache's unwritten slots repays, and at a third
+# of it at 32 rows, which it does not (docs/benchmarks.md, "Figures the code relies on"); 2 to 31
+# rows were not timed, so torch's kernel keeps them. Read at call time (a compiled step is
+# guarded on the batch); None: any batch (the tests of the wiring).
 MAX_ROWS: int | None = 1
 # A float mask's values at or below this hide their key (fp16's lowest: transformers' eager masks
 # use the dtype's lowest, -inf or below); the kernel skips a block of such keys unread.
