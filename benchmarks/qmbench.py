@@ -126,23 +126,17 @@ def inductor_config(pairs: list[str]) -> dict:
     return {key: value for _, _, key, value in options}
 
 
-@contextmanager
 def inductor_patched(pairs: list[str]):
-    """`inductor_config(pairs)` while the context lasts; every option as it was after.
+    """`inductor_config(pairs)` while the context lasts, every option as it was after: torch's
+    own `torch._inductor.config.patch`, given the options `inductor_options` checked.
 
     Example:
         >>> with inductor_patched(["combo_kernels=True"]):
         ...     pass
     """
-    options = inductor_options(pairs)
-    before = [(target, leaf, getattr(target, leaf)) for target, leaf, _, _ in options]
-    try:
-        for target, leaf, _, value in options:
-            setattr(target, leaf, value)
-        yield
-    finally:
-        for target, leaf, value in reversed(before):
-            setattr(target, leaf, value)
+    import torch._inductor.config as config
+
+    return config.patch({key: value for _, _, key, value in inductor_options(pairs)})
 
 
 def llama_config(a, *, use_cache: bool = False):
