@@ -1,0 +1,174 @@
+"""Where a decode call's time goes outside its replayed steps: the 7B nf4 + LoRA shape at batch 1
+(bench_decode.py's qlora model), one process.
+
+A call of `qm.fast_decode` is the prefill (the prompt's forward), the first step (the compiled
+function run from the host, which checks the step's recording), then replays of the recorded
+step. New tokens/s counts the whole call, so a fixed cost per call weighs on a 256-token reply as
+much as its steps' speed does. This probe times each part of three warm calls: the prefill and
+the first step each between two synchronizations, the rest as the call's time less those. Then,
+with `--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
+its compile time is reported as the first call's), and with `--graphs` with the prefill
+replayed as a CUDA graph (`prefill_graph.ENABLED`, opt-in). Last, the eager prefill of one call
+under cProfile: its top functions by own and by cumulative time.
+
+Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--compiled-prefill] [--graphs]
+(--smoke: CPU, tiny; no CUDA graphs)
+Writes DIR/result_decode_phases.json.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
+import qmbench as qb  # noqa: E402
+
+
+class Phases:
+    """Wraps a decoder's prefill and step: the prefill's time and the first step's of each call,
+    each between two synchronizations (the rest of the call is not synchronized)."""
+
+    def __init__(self, dec, dev: torch.device) -> None:
+        self.dec, self.dev = dec, dev
+        self.prefill, self.run, self.begin = dec.prefill, dec.run, dec.begin
+        self.prefill_ms: list[float] = []
+        self.first_ms: list[float] = []
+        self.first = False
+        self.profile: cProfile.Profile | None = None
+        dec.prefill, dec.run, dec.begin = self._prefill, self._run, self._begin
+
+    def _prefill(self, *args, **kw):
+        qb.sync(self.dev)
+        t0 = time.perf_counter()
+        if self.profile is not None:
+            self.profile.enable()
+        out = self.prefill(*args, **kw)
+        qb.sync(self.dev)
+        if self.profile is not None:
+            self.profile.disable()
+        self.prefill_ms.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def _begin(self):
+        self.first = True
+        return self.begin()
+
+    def _run(self, *args):
+        if not self.first:
+            return self.run(*args)
+        self.first = False
+        qb.sync(self.dev)
+        t0 = time.perf_counter()
+        out = self.run(*args)
+        qb.sync(self.dev)
+        self.first_ms.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def undo(self) -> None:
+        self.dec.prefill, self.dec.run, self.dec.begin = self.prefill, self.run, self.begin
+
+
+def decoder(model):
+    return model.__dict__["_quantmesh_decoder"]
+
+
+def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> list[int]:
+    """A first call (it compiles where new), then `runs` timed calls split into their phases."""
+    import quantmesh as qm
+
+    t0 = time.perf_counter()
+    qm.fast_decode(model, ids, a.new, mode=mode)
+    first_s = time.perf_counter() - t0
+    ph = Phases(decoder(model), dev)
+    rows, tokens = [], []
+    try:
+        for _ in range(runs):
+            qb.sync(dev)
+            t0 = time.perf_counter()
+            out = qm.fast_decode(model, ids, a.new, mode=mode)
+            tokens = out[0].tolist()
+            ms = (time.perf_counter() - t0) * 1e3
+            pre, first = ph.prefill_ms[-1], ph.first_ms[-1] if ph.first_ms else 0.0
+            rest = ms - pre - first
+            steps = max(1, a.new - 2)  # the replays (the last token's step included)
+            rows.append(
+                {
+                    "call_ms": round(ms, 2),
+                    "new_tokens_per_s": round(a.new / ms * 1e3, 1),
+                    "prefill_ms": round(pre, 2),
+                    "first_step_ms": round(first, 2),
+                    "rest_ms": round(rest, 2),
+                    "rest_ms_per_step": round(rest / steps, 4),
+                    "fixed_share": round((pre + first) / ms, 4),
+                    "new_tokens_per_s_without_fixed": round((a.new - 1) / rest * 1e3, 1),
+                }
+            )
+            qb.log(f"{name}: {rows[-1]}")
+        if a.profile_prefill:
+            ph.profile = cProfile.Profile()
+            qm.fast_decode(model, ids, a.new, mode=mode)  # (only its prefill is profiled)
+            for key in ("tottime", "cumulative"):
+                s = io.StringIO()
+                pstats.Stats(ph.profile, stream=s).sort_stats(key).print_stats(35)
+                R.setdefault(name + "_prefill_cprofile", {})[key] = s.getvalue().splitlines()[:75]
+    finally:
+        ph.undo()
+    R[name] = {"first_call_s": round(first_s, 2), "runs": rows}
+    return tokens
+
+
+def main(argv=None) -> int:
+    extra = {"--compiled-prefill": "compiled_prefill", "--graphs-phase": "graphs_phase",
+             "--profile-prefill": "profile_prefill"}  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = {v: k in argv for k, v in extra.items()}
+    argv = [x for x in argv if x not in extra]
+    a = bd.parse(argv)
+    for k, v in flags.items():
+        setattr(a, k, v)
+    out_path = os.path.join(a.out, "result_decode_phases.json")
+    R: dict = {"bench": "decode_phases", "args": vars(a), "versions": qb.versions()}
+    import quantmesh as qm
+    from quantmesh.infer import decode, prefill_graph
+
+    dev = torch.device("cpu" if a.cpu else "cuda:0")
+    ids = bd.prompt_ids(a, dev)
+    model = bd.qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
+    bd.fill_adapters(model, a.seed)
+    bd.prepare_generation(model)
+    mode = "reduce-overhead" if dev.type == "cuda" else None
+    R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED
+    R["prefill_graphs_at_start"] = prefill_graph.ENABLED
+    with torch.no_grad():
+        ref = timed_calls(model, ids, a, dev, mode, R, "defaults")
+        qb.write_json(out_path, R)
+        for want, module, flag, name in (
+            (a.compiled_prefill, decode, "PREFILL_COMPILED", "compiled_prefill"),
+            (a.graphs_phase, prefill_graph, "ENABLED", "prefill_graphs"),
+        ):
+            if not want:
+                continue
+            before = getattr(module, flag)
+            setattr(module, flag, not before)
+            try:
+                with qb.record_errors(R, f"{name}_error"):
+                    got = timed_calls(model, ids, a, dev, mode, R, name if not before else
+                                      f"no_{name}")  # fmt: skip
+                    R[name if not before else f"no_{name}"]["tokens_agree"] = bd.agree(got, ref)
+            finally:
+                setattr(module, flag, before)
+            qb.write_json(out_path, R)
+    qb.write_json(out_path, R)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
