@@ -123,11 +123,15 @@
 #   host     benchmarks/decode_host_probe.py: qm.fast_decode on the 7B shape at batch 1 with CUDA
 #            graph trees, with the step recorded by hand and with the trees again, in one
 #            process: the host's time in each step, cProfile of one call
+#   phases   benchmarks/decode_phases.py: qm.fast_decode on the 7B shape at batch 1, each call's
+#            prefill and first step timed apart from its replayed steps (the fixed cost a call
+#            pays), eager and with the prefill replayed as a CUDA graph, then the eager prefill
+#            under cProfile (PHASES_FLAGS, e.g. --compiled-prefill: the compiled prefill too)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, inductor, graphs, gc, pairs, lora, step, xtab or host}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, inductor, graphs, gc, pairs, lora, step, xtab, host or phases}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -282,6 +286,11 @@ case "$STAGE" in
     say "decode, 7B nf4 + LoRA, batch 1: the host's time a step (trees, recorded by hand, trees)"
     timeout 450 python3 benchmarks/decode_host_probe.py --mode qlora --out "$OUT" 2>&1 \
       | grep -v "Warning\|warnings.warn" | grep "^\[" | tail -12 ;;
+  phases)
+    say "decode, 7B nf4 + LoRA, batch 1: a call's prefill and first step against its replays"
+    timeout 300 python3 benchmarks/decode_phases.py --mode qlora --out "$OUT" --graphs-phase \
+      --profile-prefill ${PHASES_FLAGS:-} 2>&1 | grep -v "Warning\|warnings.warn" | grep "^\[" \
+      | tail -12 ;;
   gc)
     # BETWEEN (default "gc prefill"): decode_gc_check.py --between, each in its own process
     for b in ${BETWEEN:-gc prefill}; do
