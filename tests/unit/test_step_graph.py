@@ -47,7 +47,8 @@ class _Rerun:
 
 @pytest.fixture
 def rerun(monkeypatch):
-    """CPU among the devices that record, `_Rerun` as the recorder, dynamo's eager backend."""
+    """CPU among the devices that record, `_Rerun` as the recorder, AOT autograd's eager backend
+    (its runtime wrappers, which apply the cache's writes, as inductor's do)."""
     made: list[_Rerun] = []
 
     def recorder(graph):
@@ -55,9 +56,10 @@ def rerun(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(SG, "ENABLED", True)
+    monkeypatch.setattr(SG, "CHECK_REPLAYS", True)  # (opt-in: the tests run the check that replays)
     monkeypatch.setattr(SG, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(SG, "RECORDER", recorder)
-    monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "eager")
+    monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()  # (each decoder compiles its step anew: dynamo's limit is per process)
     return made
 
@@ -87,7 +89,9 @@ KINDS = {  # fast_decode's keywords: every kind of step input (tokens, noise, pa
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_recorded_steps_give_the_eager_loops_tokens(rerun, kind):
     """Two calls of 12 tokens: the eager loop's tokens; one recording, made at the first call's
-    second step, replayed by every later step but each call's first (which checks it)."""
+    second step, replayed by every later step, the second call's first too: its check runs the
+    compiled frame, whose call of the recorded function launches nothing (had it run, the cache
+    would have advanced twice that step, and the tokens would differ)."""
     kw = KINDS[kind]
     ids = _ids(2 if kind == "padded" else 1)
     model, ref = _llama(), _llama()
@@ -97,7 +101,8 @@ def test_recorded_steps_give_the_eager_loops_tokens(rerun, kind):
         assert torch.equal(got, want), (kind, got, want)
     graph = model.__dict__["_quantmesh_decoder"].step_graph
     assert graph is not None and graph.records == 1
-    assert len(rerun) == 1 and rerun[0].replays == 10 + 10  # 11 steps a call, the first checks
+    assert len(rerun) == 1 and rerun[0].replays == 10 + 11  # 11 steps a call; the first call's
+    # first runs before any recording, the second's checks it and replays it
 
 
 def _changed(model) -> None:
@@ -275,9 +280,24 @@ def test_where_the_step_is_not_recorded(rerun, monkeypatch):
     assert model.__dict__["_quantmesh_decoder"].step_graph is None
 
 
+def test_a_check_without_replays_runs_the_step(rerun, monkeypatch):
+    """With CHECK_REPLAYS off each call's first step runs the compiled step for real (its check
+    replays nothing): the eager loop's tokens, one recording, one replay fewer a later call."""
+    monkeypatch.setattr(SG, "CHECK_REPLAYS", False)
+    ids = _ids()
+    model, ref = _llama(), _llama()
+    want = qm.fast_decode(ref, ids, 12, compile=False)
+    for _ in range(2):
+        assert torch.equal(qm.fast_decode(model, ids, 12), want)
+    assert model.__dict__["_quantmesh_decoder"].step_graph.records == 1
+    assert len(rerun) == 1 and rerun[0].replays == 10 + 10
+
+
 def test_on_by_default(monkeypatch):
     import importlib
 
     monkeypatch.delenv("QUANTMESH_STEP_GRAPH", raising=False)
+    monkeypatch.delenv("QUANTMESH_STEP_CHECK_REPLAYS", raising=False)
     assert importlib.reload(SG).ENABLED is True
+    assert SG.CHECK_REPLAYS is False  # (opt-in until the trained model's CUDA decode test ran it)
     assert SG.DEVICES == ("cuda",) and SG.RECORDER is None

@@ -408,7 +408,8 @@ def fast_decode(
     (the default) on a GPU the compiled step is recorded as one CUDA graph at the first call's
     second step and replayed by every later step; each call's first step runs it compiled and
     checks the recording against it (`quantmesh.infer.step_graph`: a recompile, or a tensor the
-    step reads at another address, records it again). The first call compiles the step
+    step reads at another address, records it again; $QUANTMESH_STEP_CHECK_REPLAYS=1 checks
+    without running it and replays it). The first call compiles the step
     (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
     (prompt + new tokens, rounded up to a multiple of 256) and greedy-or-sampled stay. With
     $QUANTMESH_COMPILED_PREFILL=1 the prefill is compiled too, one graph for prompts of any length

@@ -13,10 +13,14 @@ the recording's: about 10 us of host time a step.
 Safety. A graph reads every tensor where it was when it was recorded. The step is compiled by a
 backend that notes the flat inputs of each call (`backend`): every tensor the compiled graph reads,
 the model's included, as dynamo gathers them. So at each decode call (`begin`) the first step runs
-the compiled function itself, dynamo's guards included, and its inputs are compared with those
-the graph was recorded with: another compiled function (a recompile: a kernel switch flipped, a
-shape changed) or any input tensor at another address (a parameter replaced, a model moved,
-statistics remade) drops the recording, and the next step records it again. Values changed in
+the compiled frame, dynamo's guards included, and its inputs are compared with those the graph
+was recorded with: another compiled function (a recompile: a kernel switch flipped, a shape
+changed) or any input tensor at another address (a parameter replaced, a model moved, statistics
+remade) drops the recording, and the next step records it again. With `CHECK_REPLAYS` (opt-in)
+the frame's call of the recorded function launches nothing (it hands back the outputs the
+recording writes): the step is then replayed if nothing changed, or run for real if something
+did; otherwise the check runs the step itself, every kernel of it launched from the host
+(docs/benchmarks.md, "Figures the code relies on"). Values changed in
 place (an optimizer's step, the adapters' stacks refreshed) need nothing: the graph reads them.
 The recording keeps the tensors it read alive until it is dropped, so no other tensor can take
 one's address unseen. A recording the runtime refuses (or one that would compile) is said once,
@@ -47,6 +51,7 @@ from ..config import env_switch
 from ..errors import said
 
 __all__ = [
+    "CHECK_REPLAYS",
     "DEVICES",
     "ENABLED",
     "RECORDER",
@@ -60,6 +65,11 @@ __all__ = [
 ENABLED = env_switch("QUANTMESH_STEP_GRAPH", default=True)
 """Whether fast_decode records its compiled step by hand as one CUDA graph on a GPU (`StepGraph`;
 $QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees, mode "reduce-overhead")."""
+# Opt-in until the trained model's CUDA decode test has run with it (checked on CPU only so far).
+CHECK_REPLAYS = env_switch("QUANTMESH_STEP_CHECK_REPLAYS", default=False)
+"""Whether a call's first step, checking the recording, launches nothing and replays it when
+nothing changed (`StepGraph._check`; $QUANTMESH_STEP_CHECK_REPLAYS=1), rather than running the
+compiled step from the host."""
 DEVICES = ("cuda",)
 """The devices whose decoders record their step (tests add "cpu", with `RECORDER` standing in)."""
 RECORDER: Callable[[StepGraph], Recorder] | None = None
@@ -124,9 +134,15 @@ def backend(name: str | Callable[..., Any]) -> Callable[..., Any]:
 
             def run(*args: Any) -> Any:
                 graph = getattr(_NOTING, "graph", None)
-                if graph is not None:
-                    graph.noted = (run, list(args))
-                return compiled(*args)
+                if graph is None:
+                    return compiled(*args)
+                graph.noted = (run, list(args))
+                if graph.dry and run is graph.fn:  # a check of the recorded function: nothing
+                    graph.dried = True  # launched; the replay will write these outputs
+                    return graph.fn_out
+                out = compiled(*args)
+                graph.noted_out = out
+                return out
 
             return run
 
@@ -183,6 +199,10 @@ class StepGraph:
         self.spec: Any = None  # the step's inputs' structure, as recorded
         self.fn: Any = None  # the compiled function the recording ran, and its flat inputs
         self.inputs: list[Any] = []
+        self.fn_out: Any = None  # what `fn` returned while recorded (the graph writes them)
+        self.noted_out: Any = None  # what the compiled function returned in the last noted call
+        self.dry = False  # a check runs: the recorded function, if it is called, launches nothing
+        self.dried = False  # ...and it was called so
         self.checked = False  # this call's first step has run (and checked the recording)
         self.noted: tuple[Any, list[Any]] | None = None  # (function, flat inputs) of the last call
         self.records = 0  # recordings made (the tests count them)
@@ -195,29 +215,53 @@ class StepGraph:
 
     def drop(self) -> None:
         """Forget the recording (its memory with it)."""
-        self.recording = self.out = self.spec = self.fn = None
+        self.recording = self.out = self.spec = self.fn = self.fn_out = None
         self.static, self.inputs = [], []
 
     def __call__(self, step: Callable[..., Any], *args: Any) -> Any:
         leaves, spec = pytree.tree_flatten(args)
         if not self.checked:  # the call's first step: the compiled function, its inputs noted
-            out = self._noting(lambda: step(*args))
-            self.checked = True
-            if self.recording is not None:
-                self.changed = self._changed(leaves, spec)
-                if self.changed is not None:
-                    self.drop()
-            self.noted = None  # (holds no tensor past the check)
-            return out
+            return self._check(step, args, leaves, spec)
         if self.recording is None and self.refused is None:
             self._record(step, leaves, spec)
         if self.recording is None:  # refused (and said): the compiled function itself
             return step(*args)
+        return self._replay(leaves)
+
+    def _replay(self, leaves: list[Any]) -> Any:
         for mine, theirs in zip(self.static, leaves, strict=True):
             if mine is not theirs and mine is not None:
                 mine.copy_(theirs)
+        assert self.recording is not None  # (replayed only while recorded)
         self.recording.replay()
         return self.out
+
+    def _check(self, step: Callable[..., Any], args: tuple[Any, ...], leaves: list[Any],
+               spec: Any) -> Any:  # fmt: skip
+        """A call's first step: the compiled function's frame runs (dynamo's guards, its
+        inputs gathered and noted), then its inputs are compared with the recording's. With
+        `CHECK_REPLAYS`, where the frame calls the recorded function, that call launches nothing
+        (it returns the outputs the recording writes): an unchanged step is then replayed, a
+        changed one dropped and run for real. Otherwise, and for another function (a
+        recompile), the frame runs the step for real; a change drops the recording."""
+        self.dry = CHECK_REPLAYS and self.recording is not None and self.fn is not None
+        self.dried = False
+        try:
+            out = self._noting(lambda: step(*args))
+        finally:
+            self.dry = False
+        self.checked = True
+        if self.recording is not None:
+            self.changed = self._changed(leaves, spec)
+            if self.changed is not None:
+                self.drop()
+                if self.dried:  # (nothing ran): the step itself, on its inputs
+                    self.noted = self.noted_out = None
+                    out = step(*args)
+            elif self.dried:
+                out = self._replay(leaves)
+        self.noted = self.noted_out = None  # (holds no tensor past the check)
+        return out
 
     def _noting(self, fn: Callable[[], Any]) -> Any:
         """`fn()`, the compiled function it calls and that function's inputs noted (`noted`)."""
@@ -281,5 +325,7 @@ class StepGraph:
             self.fn, self.inputs = None, []
         else:
             self.fn, self.inputs = self.noted
+            self.fn_out = self.noted_out
+        self.noted_out = None
         self.recording, self.spec = rec, spec
         self.records += 1
