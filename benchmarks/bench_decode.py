@@ -41,6 +41,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -439,6 +440,23 @@ def qlora_model(a, mesh):
     )
     qb.fill_random(model, seed=a.seed)
     return model
+
+
+def qlora_ready(a) -> tuple[torch.device, torch.Tensor, Any]:
+    """What the decode probes run on: the device of `a`, its prompt and `qlora_model`'s model
+    with its adapters filled and its generation config set."""
+    import quantmesh as qm
+
+    dev = torch.device("cpu" if a.cpu else "cuda:0")
+    model = qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
+    fill_adapters(model, a.seed)
+    prepare_generation(model)
+    return dev, prompt_ids(a, dev), model
+
+
+def decoder(model) -> Any:
+    """The `fast_decode` decoder kept on `model` (after a first call)."""
+    return model.__dict__["_quantmesh_decoder"]
 
 
 def run_qlora(a, R: dict, out_path: str) -> None:

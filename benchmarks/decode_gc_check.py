@@ -59,11 +59,7 @@ def main(argv=None) -> int:
     import quantmesh as qm
 
     args = bd.parse(["--mode", "qlora", "--layers", str(a.layers)])
-    dev = torch.device("cuda:0")
-    ids = bd.prompt_ids(args, dev)
-    model = bd.qlora_model(args, qm.init_mesh())
-    bd.fill_adapters(model, args.seed)
-    bd.prepare_generation(model)
+    dev, ids, model = bd.qlora_ready(args)
     R: dict = {"layers": a.layers, "new": a.new, "between": a.between}
 
     def call() -> torch.Tensor:

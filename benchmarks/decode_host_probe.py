@@ -50,17 +50,13 @@ class HostClock:
         return out
 
 
-def decoder(model):
-    return model.__dict__["_quantmesh_decoder"]
-
-
 def run(model, ids, a, dev, mode, R, name, ref=None, profile=True):
     import quantmesh as qm
 
     t0 = time.perf_counter()
     qm.fast_decode(model, ids, a.new, mode=mode)  # compiles where new
     R[f"{name}_first_s"] = round(time.perf_counter() - t0, 2)
-    dec = decoder(model)
+    dec = bd.decoder(model)
     clock = HostClock(dec.run)
     dec.run = clock
     runs = []
@@ -109,14 +105,9 @@ def main(argv=None) -> int:
     a = bd.parse(argv)
     out_path = os.path.join(a.out, "result_decode_host.json")
     R: dict = {"bench": "decode_host", "args": vars(a), "versions": qb.versions()}
-    import quantmesh as qm
     from quantmesh.infer import step_graph
 
-    dev = torch.device("cpu" if a.cpu else "cuda:0")
-    ids = bd.prompt_ids(a, dev)
-    model = bd.qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
-    bd.fill_adapters(model, a.seed)
-    bd.prepare_generation(model)
+    dev, ids, model = bd.qlora_ready(a)
     cuda = dev.type == "cuda"
     mode = "reduce-overhead" if cuda else None
     on = step_graph.ENABLED

@@ -76,10 +76,6 @@ class Phases:
         self.dec.prefill, self.dec.run, self.dec.begin = self.prefill, self.run, self.begin
 
 
-def decoder(model):
-    return model.__dict__["_quantmesh_decoder"]
-
-
 def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> list[int]:
     """A first call (it compiles where new), then `runs` timed calls split into their phases."""
     import quantmesh as qm
@@ -87,7 +83,7 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
     t0 = time.perf_counter()
     qm.fast_decode(model, ids, a.new, mode=mode)
     first_s = time.perf_counter() - t0
-    ph = Phases(decoder(model), dev)
+    ph = Phases(bd.decoder(model), dev)
     rows, tokens = [], []
     try:
         for _ in range(runs):
@@ -136,14 +132,9 @@ def main(argv=None) -> int:
         setattr(a, k, v)
     out_path = os.path.join(a.out, "result_decode_phases.json")
     R: dict = {"bench": "decode_phases", "args": vars(a), "versions": qb.versions()}
-    import quantmesh as qm
     from quantmesh.infer import decode, prefill_graph
 
-    dev = torch.device("cpu" if a.cpu else "cuda:0")
-    ids = bd.prompt_ids(a, dev)
-    model = bd.qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
-    bd.fill_adapters(model, a.seed)
-    bd.prepare_generation(model)
+    dev, ids, model = bd.qlora_ready(a)
     mode = "reduce-overhead" if dev.type == "cuda" else None
     R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED
     R["prefill_graphs_at_start"] = prefill_graph.ENABLED

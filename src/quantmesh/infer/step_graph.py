@@ -256,7 +256,6 @@ class StepGraph:
             if self.changed is not None:
                 self.drop()
                 if self.dried:  # (nothing ran): the step itself, on its inputs
-                    self.noted = self.noted_out = None
                     out = step(*args)
             elif self.dried:
                 out = self._replay(leaves)
