@@ -6,12 +6,15 @@ function run from the host, which checks the step's recording), then replays of 
 step. New tokens/s counts the whole call, so a fixed cost per call weighs on a 256-token reply as
 much as its steps' speed does. This probe times each part of three warm calls: the prefill and
 the first step each between two synchronizations, the rest as the call's time less those. Then,
-with `--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
-its compile time is reported as the first call's), and with `--graphs` with the prefill
+with `--check-phase`, the same with `step_graph.CHECK_REPLAYS` flipped (a call's first step
+checks the recording without launching the step; read at each call, so no recompile), with
+`--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
+its compile time is reported as the first call's), and with `--graphs-phase` with the prefill
 replayed as a CUDA graph (`prefill_graph.ENABLED`, opt-in). Last, the eager prefill of one call
 under cProfile: its top functions by own and by cumulative time.
 
-Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--compiled-prefill] [--graphs]
+Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--check-phase] [--compiled-prefill]
+[--graphs-phase] [--profile-prefill]
 (--smoke: CPU, tiny; no CUDA graphs)
 Writes DIR/result_decode_phases.json.
 """
@@ -123,7 +126,7 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
 
 def main(argv=None) -> int:
     extra = {"--compiled-prefill": "compiled_prefill", "--graphs-phase": "graphs_phase",
-             "--profile-prefill": "profile_prefill"}  # fmt: skip
+             "--profile-prefill": "profile_prefill", "--check-phase": "check_phase"}  # fmt: skip
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = {v: k in argv for k, v in extra.items()}
     argv = [x for x in argv if x not in extra]
@@ -132,16 +135,18 @@ def main(argv=None) -> int:
         setattr(a, k, v)
     out_path = os.path.join(a.out, "result_decode_phases.json")
     R: dict = {"bench": "decode_phases", "args": vars(a), "versions": qb.versions()}
-    from quantmesh.infer import decode, prefill_graph
+    from quantmesh.infer import decode, prefill_graph, step_graph
 
     dev, ids, model = bd.qlora_ready(a)
     mode = "reduce-overhead" if dev.type == "cuda" else None
     R["prefill_compiled_at_start"] = decode.PREFILL_COMPILED
     R["prefill_graphs_at_start"] = prefill_graph.ENABLED
+    R["check_replays_at_start"] = step_graph.CHECK_REPLAYS
     with torch.no_grad():
         ref = timed_calls(model, ids, a, dev, mode, R, "defaults")
         qb.write_json(out_path, R)
         for want, module, flag, name in (
+            (a.check_phase, step_graph, "CHECK_REPLAYS", "check_replays"),
             (a.compiled_prefill, decode, "PREFILL_COMPILED", "compiled_prefill"),
             (a.graphs_phase, prefill_graph, "ENABLED", "prefill_graphs"),
         ):
