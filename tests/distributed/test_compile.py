@@ -542,17 +542,20 @@ def _stacked(rank: int) -> dict:
     dec = model.__dict__["_quantmesh_decoder"]
     out["stacks"] = [[m.fqn.split(".", 3)[-1] for m in st.members] for st in dec.stacks]
     out["compiled"] = qm.greedy_decode(model, ids, 20, mode=None)
-    refresh = AdapterStack.refresh
+    from quantmesh.infer import decode
 
-    def stale(self):
-        refresh(self)
-        self.b.zero_()  # the stacks no longer hold the adapters' B
+    refresh = decode.refresh_stacks
 
-    AdapterStack.refresh = stale  # type: ignore[method-assign]
+    def stale(stacks):
+        refresh(stacks)
+        for st in stacks:
+            st.b.zero_()  # the stacks no longer hold the adapters' B
+
+    decode.refresh_stacks = stale
     try:
         out["stale"] = qm.greedy_decode(model, ids, 20, mode=None)
     finally:
-        AdapterStack.refresh = refresh  # type: ignore[method-assign]
+        decode.refresh_stacks = refresh
     out["unfused_compiled"] = qm.greedy_decode(model, ids, 20, mode=None, fuse_adapters=False)
     # one row: the compiled step's adapters (stacked, and the lone rowwise ones, whose partial
     # products are all-reduced) as fused products and sums (lean_linear: tests/unit/test_adapter.py

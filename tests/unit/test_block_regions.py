@@ -399,3 +399,66 @@ def test_the_adapters_deltas_go_in_the_launch_by_default_where_the_gemv_runs(mon
         monkeypatch.setattr(kernel4, "KERNEL_DEVICES", ("cuda", "cpu"))
         monkeypatch.setattr(kernel4, "_HAS_TRITON", True)  # (whether or not it is installed)
         assert all(ad.low_rank() is not None for ad in adapters)
+
+
+def _stacks_hold_their_members(stacks) -> None:
+    """Each stack's A rows, block-diagonal B and (where made) launch rows (B padded to the widest
+    rank), columns and scales are those of its members now."""
+    for st in stacks:
+        ads = [m.lora for m in st.members]
+        ranks = [ad.r for ad in ads]
+        outs = torch.tensor([ad.lora_B.weight.shape[0] for ad in ads])
+        assert torch.equal(st.a, torch.cat([ad.lora_A.weight for ad in ads]))
+        assert torch.equal(st.b, torch.block_diag(*[ad.lora_B.weight for ad in ads]))
+        if not st.e.numel():
+            continue
+        e = torch.cat([torch.nn.functional.pad(ad.lora_B.weight, (0, max(ranks) - r))
+                       for ad, r in zip(ads, ranks, strict=True)])  # fmt: skip
+        assert torch.equal(st.e, e)
+        col = torch.tensor([sum(ranks[:i]) for i in range(len(ads))]).repeat_interleave(outs)
+        assert torch.equal(st.col, col.to(torch.int32))
+        assert torch.equal(st.scale, torch.tensor([ad.scale for ad in ads]).repeat_interleave(outs))
+
+
+def _train_in_place(stacks, seed: int) -> None:
+    """New adapter values in place, as an optimizer writes them (B through `.data`, which bumps
+    no version counter)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for st in stacks:
+            for m in st.members:
+                m.lora.lora_A.weight.add_(torch.randn(m.lora.lora_A.weight.shape, generator=g))
+                m.lora.lora_B.weight.data.mul_(-3.0)
+
+
+def test_refreshed_stacks_hold_the_adapters_current_weights(monkeypatch) -> None:
+    """`refresh_stacks` (one foreach copy for every stack) leaves each stack holding its members'
+    current weights, launch rows and scales included, after the adapters changed in place and a
+    member's scale changed, at the same addresses (a captured CUDA graph reads them there); and
+    each `fast_decode` call's prefill refreshes its decoder's stacks."""
+    import quantmesh as qm
+    from quantmesh.infer import decode
+    from quantmesh.quant import kernel4
+
+    model = qlora_llama()
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    qm.fast_decode(model, ids, 2, compile=False)  # its first prefill finds the stacks
+    stacks = model.__dict__["_quantmesh_decoder"].stacks
+    assert len(stacks) == 4  # q/k/v, gate/up a block
+    _train_in_place(stacks, 1)
+    qm.fast_decode(model, ids, 2, compile=False)
+    _stacks_hold_their_members(stacks)
+
+    monkeypatch.setattr(kernel4, "gemv_lora_on", lambda device: True)  # the launch's rows too
+    with torch.no_grad(), decode.stack_sibling_adapters(model) as stacks:
+        model(input_ids=ids)
+    assert len(stacks) == 4 and all(s.e.numel() for s in stacks)
+    _stacks_hold_their_members(stacks)
+    _train_in_place(stacks, 2)
+    member = stacks[2].members[1]
+    member.set_adapter(member.lora.retuned(scale=0.25, dropout=0.0))
+    addresses = [(st.a.data_ptr(), st.b.data_ptr(), st.e.data_ptr()) for st in stacks]
+    decode.refresh_stacks(stacks)
+    _stacks_hold_their_members(stacks)
+    assert member.lora.scale == 0.25 and stacks[2].scale[stacks[2].out_at[1]] == 0.25
+    assert addresses == [(st.a.data_ptr(), st.b.data_ptr(), st.e.data_ptr()) for st in stacks]

@@ -56,7 +56,7 @@ def rerun(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(SG, "ENABLED", True)
-    monkeypatch.setattr(SG, "CHECK_REPLAYS", True)  # (opt-in: the tests run the check that replays)
+    monkeypatch.setattr(SG, "CHECK_REPLAYS", True)  # (the default, whatever the environment says)
     monkeypatch.setattr(SG, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(SG, "RECORDER", recorder)
     monkeypatch.setenv("QUANTMESH_COMPILE_BACKEND", "aot_eager")
@@ -299,5 +299,5 @@ def test_on_by_default(monkeypatch):
     monkeypatch.delenv("QUANTMESH_STEP_GRAPH", raising=False)
     monkeypatch.delenv("QUANTMESH_STEP_CHECK_REPLAYS", raising=False)
     assert importlib.reload(SG).ENABLED is True
-    assert SG.CHECK_REPLAYS is False  # (opt-in until the trained model's CUDA decode test ran it)
+    assert SG.CHECK_REPLAYS is True
     assert SG.DEVICES == ("cuda",) and SG.RECORDER is None

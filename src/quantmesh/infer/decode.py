@@ -56,6 +56,7 @@ __all__ = [
     "greedy_decode",
     "join_sibling_codes_in",
     "prepare_low_rank",
+    "refresh_stacks",
     "sibling_runs",
     "stack_sibling_adapters",
 ]
@@ -297,9 +298,8 @@ class _Decoder:
         and making the adapters' launch vectors (`prepare_low_rank`)."""
         if stacks is not None:
             self.stacks = stacks  # built from the current weights
-        else:
-            for stack in self.stacks or []:
-                stack.refresh()  # the adapters may have trained since the last call
+        else:  # the adapters may have trained since the last call
+            refresh_stacks(self.stacks or [])
         prepare_low_rank(self.model)
         return logits
 
@@ -406,10 +406,11 @@ def fast_decode(
     causal LM (plain, quantized, or parallelized by quantmesh); its config gives the static
     cache's layout. `compile=False` runs the same loop eagerly. With `mode` "reduce-overhead"
     (the default) on a GPU the compiled step is recorded as one CUDA graph at the first call's
-    second step and replayed by every later step; each call's first step runs it compiled and
-    checks the recording against it (`quantmesh.infer.step_graph`: a recompile, or a tensor the
-    step reads at another address, records it again; $QUANTMESH_STEP_CHECK_REPLAYS=1 checks
-    without running it and replays it). The first call compiles the step
+    second step and replayed by every later step; each call's first step runs the compiled frame
+    (its guards, its inputs gathered) and checks the recording against it without launching the
+    step (`quantmesh.infer.step_graph`: a recompile, or a tensor the step reads at another
+    address, runs it and records it again; otherwise it is replayed;
+    $QUANTMESH_STEP_CHECK_REPLAYS=0 runs the step in every check). The first call compiles the step
     (tens of seconds for a 7B model); later calls reuse it while the batch size, the cache length
     (prompt + new tokens, rounded up to a multiple of 256) and greedy-or-sampled stay. With
     $QUANTMESH_COMPILED_PREFILL=1 the prefill is compiled too, one graph for prompts of any length
@@ -671,11 +672,21 @@ class AdapterStack:
         # only where kernel4.gemv_lora_on (empty otherwise)
         self.e = self.col = self.scale = torch.empty(0)
         self.locals = tuple(id(m.local) for m in members)
+        # the views `refresh` copies into, and the scales last written (`_copies`)
+        self._into: list[torch.Tensor] | None = None
+        self._scales: list[float] | None = None
         self.refresh()
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the members' current A and B in (in place, so a captured CUDA graph reads them)."""
+        """Copy the members' current A and B in (in place, so a captured CUDA graph reads them);
+        `refresh_stacks` does it for many stacks at once."""
+        refresh_stacks([self])
+
+    def _copies(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(where, what): the views of the stack's tensors each member's A and B go to, and those
+        weights now; (re)makes the tensors where the weights' shape, dtype or device moved, and
+        writes the columns and the scales where they are new or changed."""
         w = _lora(self.members[0]).lora_A.weight
         r_at = [sum(self.ranks[:i]) for i in range(len(self.members) + 1)]
         a_shape = (r_at[-1], int(w.shape[1]))
@@ -684,9 +695,12 @@ class AdapterStack:
             # fixed addresses on CUDA: CUDA graphs read them, never copy them
             self.a = static_on_cuda(torch.empty(a_shape, dtype=w.dtype, device=w.device))
             self.b = static_on_cuda(torch.zeros(b_shape, dtype=w.dtype, device=w.device))
+            self._into = None
         n, r_max = sum(self.outs), max(self.ranks)
         if not kernel4.gemv_lora_on(w.device):  # (made when it is on at a prefill's refresh)
-            self.e = self.col = self.scale = torch.empty(0)
+            if self.e.numel():
+                self.e = self.col = self.scale = torch.empty(0)
+                self._into = None
         elif (
             tuple(self.e.shape) != (n, r_max)
             or self.e.dtype != w.dtype
@@ -695,17 +709,33 @@ class AdapterStack:
             self.e = static_on_cuda(torch.zeros(n, r_max, dtype=w.dtype, device=w.device))
             self.col = static_on_cuda(torch.zeros(n, dtype=torch.int32, device=w.device))
             self.scale = static_on_cuda(torch.zeros(n, dtype=torch.float32, device=w.device))
-        for i, m in enumerate(self.members):
+            self._into, self._scales = None, None
+            for i in range(len(self.members)):  # (the ranks are the stack's: fixed)
+                self.col[self.out_at[i] : self.out_at[i] + self.outs[i]].fill_(r_at[i])
+        if self._into is None:  # the views, made once for the tensors' life
+            into = []
+            for i in range(len(self.members)):
+                o = self.out_at[i]
+                into += [
+                    self.a[r_at[i] : r_at[i + 1]],
+                    self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]],
+                ]
+                if self.e.numel():
+                    into.append(self.e[o : o + self.outs[i], : self.ranks[i]])
+            self._into = into
+        what = []
+        for m in self.members:
             ad = _lora(m)
-            self.a[r_at[i] : r_at[i + 1]].copy_(ad.lora_A.weight)
-            o = self.out_at[i]
-            self.b[o : o + self.outs[i], r_at[i] : r_at[i + 1]].copy_(ad.lora_B.weight)
-            if not self.e.numel():
-                continue
-            rows = slice(o, o + self.outs[i])
-            self.e[rows, : self.ranks[i]].copy_(ad.lora_B.weight)
-            self.col[rows].fill_(r_at[i])
-            self.scale[rows].fill_(float(_lora(m).scale))  # (the member's own: a StackedLora's)
+            what += [ad.lora_A.weight, ad.lora_B.weight]
+            if self.e.numel():
+                what.append(ad.lora_B.weight)
+        if self.e.numel():
+            scales = [float(_lora(m).scale) for m in self.members]  # (the member's own)
+            if scales != self._scales:
+                for i, sc in enumerate(scales):
+                    self.scale[self.out_at[i] : self.out_at[i] + self.outs[i]].fill_(sc)
+                self._scales = scales
+        return self._into, what
 
     def down(self, cast: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Every member's A product of `x` (..., sum of ranks), fp32: what `low_rank`'s `col`
@@ -740,6 +770,24 @@ class AdapterStack:
 
 
 @torch.no_grad()
+def refresh_stacks(stacks: list[AdapterStack]) -> None:
+    """Copy every stack's members' current A and B in (`AdapterStack.refresh`), as one foreach
+    copy rather than one copy per weight: a prefill refreshes about 700 weights on a 7B model.
+
+    Example:
+        >>> refresh_stacks(decoder.stacks)  # doctest: +SKIP
+    """
+    into: list[torch.Tensor] = []
+    what: list[torch.Tensor] = []
+    for stack in stacks:
+        i, w = stack._copies()
+        into += i
+        what += w
+    if into:
+        torch._foreach_copy_(into, what)
+
+
+@torch.no_grad()
 def prepare_low_rank(model: nn.Module) -> int:
     """Unless `kernel4.GEMV_LORA_ENABLED` is off, make every LoRA adapter's tensors for the
     gemv's launch where its device takes them (`kernel4.gemv_lora_on`, which
@@ -755,11 +803,10 @@ def prepare_low_rank(model: nn.Module) -> int:
     if not kernel4.GEMV_LORA_ENABLED:
         return 0
     made = 0
-    for m in sharded_modules(model).values():
-        if isinstance(m.lora, LoraAdapter):
-            made += LoraAdapter.low_rank(m.lora) is not None
     runs: dict[int, tuple[Any, torch.dtype, dict[int, nn.Module]]] = {}  # each joined run once:
     for module in model.modules():  # its members' compute dtype, its members by index
+        if isinstance(module, ShardedModule) and isinstance(module.lora, LoraAdapter):
+            made += LoraAdapter.low_rank(module.lora) is not None
         m = module.__dict__.get("local", module)  # (a sharded layer holds its own in `local`)
         run = m.__dict__.get("codes_run")
         cd = getattr(m, "compute_dtype", None)

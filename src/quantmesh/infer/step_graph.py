@@ -16,10 +16,10 @@ the model's included, as dynamo gathers them. So at each decode call (`begin`) t
 the compiled frame, dynamo's guards included, and its inputs are compared with those the graph
 was recorded with: another compiled function (a recompile: a kernel switch flipped, a shape
 changed) or any input tensor at another address (a parameter replaced, a model moved, statistics
-remade) drops the recording, and the next step records it again. With `CHECK_REPLAYS` (opt-in)
-the frame's call of the recorded function launches nothing (it hands back the outputs the
-recording writes): the step is then replayed if nothing changed, or run for real if something
-did; otherwise the check runs the step itself, every kernel of it launched from the host
+remade) drops the recording, and the next step records it again. With `CHECK_REPLAYS` (the
+default) the frame's call of the recorded function launches nothing (it hands back the outputs
+the recording writes): the step is then replayed if nothing changed, or run for real if something
+did; with it off the check runs the step itself, every kernel of it launched from the host
 (docs/benchmarks.md, "Figures the code relies on"). Values changed in
 place (an optimizer's step, the adapters' stacks refreshed) need nothing: the graph reads them.
 The recording keeps the tensors it read alive until it is dropped, so no other tensor can take
@@ -65,11 +65,12 @@ __all__ = [
 ENABLED = env_switch("QUANTMESH_STEP_GRAPH", default=True)
 """Whether fast_decode records its compiled step by hand as one CUDA graph on a GPU (`StepGraph`;
 $QUANTMESH_STEP_GRAPH=0: inductor's CUDA graph trees, mode "reduce-overhead")."""
-# Opt-in until the trained model's CUDA decode test has run with it (checked on CPU only so far).
-CHECK_REPLAYS = env_switch("QUANTMESH_STEP_CHECK_REPLAYS", default=False)
+# On since the trained model's CUDA decode test passed with it (docs/benchmarks.md, "Figures the
+# code relies on").
+CHECK_REPLAYS = env_switch("QUANTMESH_STEP_CHECK_REPLAYS", default=True)
 """Whether a call's first step, checking the recording, launches nothing and replays it when
-nothing changed (`StepGraph._check`; $QUANTMESH_STEP_CHECK_REPLAYS=1), rather than running the
-compiled step from the host."""
+nothing changed (`StepGraph._check`; $QUANTMESH_STEP_CHECK_REPLAYS=0: the check runs the
+compiled step from the host)."""
 DEVICES = ("cuda",)
 """The devices whose decoders record their step (tests add "cpu", with `RECORDER` standing in)."""
 RECORDER: Callable[[StepGraph], Recorder] | None = None
