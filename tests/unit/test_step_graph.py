@@ -25,6 +25,7 @@ class _Rerun:
         self.graph = graph
         self.fresh = False
         self.replays = 0
+        self.addresses: list = []  # the inputs' addresses at the recording's first replay
 
     def record(self, fn):
         out = fn()  # (a capture does not run; its first replay does: `fresh`)
@@ -33,10 +34,16 @@ class _Rerun:
 
     def replay(self) -> None:
         self.replays += 1
-        if self.fresh:
-            self.fresh = False
-            return
         g = self.graph
+        if self.fresh:  # the addresses a graph would read from now on: those of its recording
+            self.fresh = False
+            self.addresses = SG.tensor_addresses(g.inputs)
+            return
+        # a real graph reads its inputs where they were when it was recorded: a tensor whose
+        # storage moved since (`.data` assigned, as `Module.to` does) would be read stale
+        now = SG.tensor_addresses(g.inputs)
+        moved = [i for i, (a, b) in enumerate(zip(now, self.addresses, strict=True)) if a != b]
+        assert not moved, f"replayed with inputs {moved} away from their recorded addresses"
         new = [t for t in pytree.tree_leaves(g.fn(*g.inputs)) if isinstance(t, torch.Tensor)]
         outs = pytree.tree_leaves(g.out)
         assert len(outs) == 1, outs
@@ -131,6 +138,27 @@ def test_a_replaced_parameter_is_recorded_again(rerun):
     assert (
         graph.changed is not None and "(64, 128) torch.float32) at another address" in graph.changed
     )
+
+
+def test_a_parameter_whose_storage_moved_is_recorded_again(rerun):
+    """The same Parameter given new storage (`.data` assigned, as `Module.to` and `.cpu()` /
+    `.cuda()` round trips do; dynamo's guards see the same tensor): the check compares the
+    addresses the recording read, not the tensor's present one, so the step is recorded again
+    and the tokens are the eager loop's on the changed model."""
+    ids = _ids()
+    model, ref = _llama(), _llama()
+    before = qm.fast_decode(model, ids, 12)
+    for m in (model, ref):
+        w = m.model.layers[0].mlp.down_proj.weight
+        w.data = w.data.clone()
+        _changed(m)
+    want = qm.fast_decode(ref, ids, 12, compile=False)
+    assert not torch.equal(want, before)  # (the change changes the tokens)
+    got = qm.fast_decode(model, ids, 12)
+    assert torch.equal(got, want), (got, want)
+    graph = model.__dict__["_quantmesh_decoder"].step_graph
+    assert graph.records == 2
+    assert graph.changed is not None and "at another address" in graph.changed
 
 
 def test_a_parameter_changed_in_place_keeps_the_recording(rerun):

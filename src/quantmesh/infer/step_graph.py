@@ -15,15 +15,16 @@ backend that notes the flat inputs of each call (`backend`): every tensor the co
 the model's included, as dynamo gathers them. So at each decode call (`begin`) the first step runs
 the compiled frame, dynamo's guards included, and its inputs are compared with those the graph
 was recorded with: another compiled function (a recompile: a kernel switch flipped, a shape
-changed) or any input tensor at another address (a parameter replaced, a model moved, statistics
-remade) drops the recording, and the next step records it again. With `CHECK_REPLAYS` (the
+changed) or any input tensor away from the address the graph reads it at (a parameter replaced,
+or given new storage in place as `Module.to` does, a model moved, statistics remade) drops the
+recording, and the next step records it again. With `CHECK_REPLAYS` (the
 default) the frame's call of the recorded function launches nothing (it hands back the outputs
 the recording writes): the step is then replayed if nothing changed, or run for real if something
 did; with it off the check runs the step itself, every kernel of it launched from the host
 (docs/benchmarks.md, "Figures the code relies on"). Values changed in
 place (an optimizer's step, the adapters' stacks refreshed) need nothing: the graph reads them.
-The recording keeps the tensors it read alive until it is dropped, so no other tensor can take
-one's address unseen. A recording the runtime refuses (or one that would compile) is said once,
+The recording keeps the tensors it read alive until it is dropped, and compares their addresses
+with those it noted when it was made, so no other tensor can take one's address unseen. A recording the runtime refuses (or one that would compile) is said once,
 and the decoder's steps run the compiled function from then on.
 
 On (`ENABLED`, $QUANTMESH_STEP_GRAPH, default 1) on CUDA devices when the step's mode is
@@ -200,6 +201,9 @@ class StepGraph:
         self.spec: Any = None  # the step's inputs' structure, as recorded
         self.fn: Any = None  # the compiled function the recording ran, and its flat inputs
         self.inputs: list[Any] = []
+        # the inputs' addresses as recorded: where the graph reads them (a tensor's storage may
+        # move while the tensor stays: `.data` assigned, as `Module.to` does)
+        self.addresses: list[Any] = []
         self.fn_out: Any = None  # what `fn` returned while recorded (the graph writes them)
         self.noted_out: Any = None  # what the compiled function returned in the last noted call
         self.dry = False  # a check runs: the recorded function, if it is called, launches nothing
@@ -217,7 +221,7 @@ class StepGraph:
     def drop(self) -> None:
         """Forget the recording (its memory with it)."""
         self.recording = self.out = self.spec = self.fn = self.fn_out = None
-        self.static, self.inputs = [], []
+        self.static, self.inputs, self.addresses = [], [], []
 
     def __call__(self, step: Callable[..., Any], *args: Any) -> Any:
         leaves, spec = pytree.tree_flatten(args)
@@ -286,7 +290,7 @@ class StepGraph:
             return f"{len(now)} inputs against {len(self.inputs)}"
         own = {_address(t) for t in leaves if isinstance(t, torch.Tensor)}
         mine = {_address(t) for t in self.static if t is not None}
-        at = zip(tensor_addresses(now), tensor_addresses(self.inputs), strict=True)
+        at = zip(tensor_addresses(now), self.addresses, strict=True)
         for i, (a, b) in enumerate(at):
             if a in own and b in mine:  # the step's own input: copied in at every replay
                 continue
@@ -322,9 +326,10 @@ class StepGraph:
                 "it; each call records it again ($QUANTMESH_STEP_GRAPH=0: CUDA graph trees)",
                 stacklevel=3,
             )
-            self.fn, self.inputs = None, []
+            self.fn, self.inputs, self.addresses = None, [], []
         else:
             self.fn, self.inputs = self.noted
+            self.addresses = tensor_addresses(self.inputs)
             self.fn_out = self.noted_out
         self.noted_out = None
         self.recording, self.spec = rec, spec
