@@ -118,16 +118,26 @@ def _changed(model) -> None:
         w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * 3 * w.std())
 
 
-def test_a_replaced_parameter_is_recorded_again(rerun):
-    """A parameter replaced by another tensor (new values at a new address) between calls: the
-    check at the call's first step sees the address and the step is recorded again; the tokens
-    are the eager loop's on the changed model (a stale recording reads the old weight)."""
+def _new_parameter(lin: nn.Linear) -> None:
+    lin.weight = nn.Parameter(lin.weight.detach().clone())
+
+
+def _new_storage(lin: nn.Linear) -> None:
+    lin.weight.data = lin.weight.data.clone()
+
+
+@pytest.mark.parametrize("move", [_new_parameter, _new_storage], ids=["parameter", "storage"])
+def test_a_weight_at_a_new_address_is_recorded_again(rerun, move):
+    """A parameter replaced by another tensor, or the same Parameter given new storage (`.data`
+    assigned, as `Module.to` and `.cpu()` / `.cuda()` round trips do; dynamo's guards see the
+    same tensor), with new values, between calls: the check at the call's first step compares
+    the addresses the recording read, not the tensor's present one, so the step is recorded again;
+    the tokens are the eager loop's on the changed model (a stale recording reads the old weight)."""
     ids = _ids()
     model, ref = _llama(), _llama()
     before = qm.fast_decode(model, ids, 12)
     for m in (model, ref):
-        lin = m.model.layers[0].mlp.down_proj
-        lin.weight = nn.Parameter(lin.weight.detach().clone())
+        move(m.model.layers[0].mlp.down_proj)
         _changed(m)
     want = qm.fast_decode(ref, ids, 12, compile=False)
     assert not torch.equal(want, before)  # (the change changes the tokens)
@@ -138,27 +148,6 @@ def test_a_replaced_parameter_is_recorded_again(rerun):
     assert (
         graph.changed is not None and "(64, 128) torch.float32) at another address" in graph.changed
     )
-
-
-def test_a_parameter_whose_storage_moved_is_recorded_again(rerun):
-    """The same Parameter given new storage (`.data` assigned, as `Module.to` and `.cpu()` /
-    `.cuda()` round trips do; dynamo's guards see the same tensor): the check compares the
-    addresses the recording read, not the tensor's present one, so the step is recorded again
-    and the tokens are the eager loop's on the changed model."""
-    ids = _ids()
-    model, ref = _llama(), _llama()
-    before = qm.fast_decode(model, ids, 12)
-    for m in (model, ref):
-        w = m.model.layers[0].mlp.down_proj.weight
-        w.data = w.data.clone()
-        _changed(m)
-    want = qm.fast_decode(ref, ids, 12, compile=False)
-    assert not torch.equal(want, before)  # (the change changes the tokens)
-    got = qm.fast_decode(model, ids, 12)
-    assert torch.equal(got, want), (got, want)
-    graph = model.__dict__["_quantmesh_decoder"].step_graph
-    assert graph.records == 2
-    assert graph.changed is not None and "at another address" in graph.changed
 
 
 def test_a_parameter_changed_in_place_keeps_the_recording(rerun):
