@@ -17,15 +17,15 @@ the compiled frame, dynamo's guards included, and its inputs are compared with t
 was recorded with: another compiled function (a recompile: a kernel switch flipped, a shape
 changed) or any input tensor away from the address the graph reads it at (a parameter replaced,
 or given new storage in place as `Module.to` does, a model moved, statistics remade) drops the
-recording, and the next step records it again. With `CHECK_REPLAYS` (the
-default) the frame's call of the recorded function launches nothing (it hands back the outputs
-the recording writes): the step is then replayed if nothing changed, or run for real if something
-did; with it off the check runs the step itself, every kernel of it launched from the host
-(docs/benchmarks.md, "Figures the code relies on"). Values changed in
-place (an optimizer's step, the adapters' stacks refreshed) need nothing: the graph reads them.
-The recording keeps the tensors it read alive until it is dropped, and compares their addresses
-with those it noted when it was made, so no other tensor can take one's address unseen. A recording the runtime refuses (or one that would compile) is said once,
-and the decoder's steps run the compiled function from then on.
+recording, and the next step records it again. With `CHECK_REPLAYS` (the default) the frame's
+call of the recorded function launches nothing (it hands back the outputs the recording writes):
+the step is then replayed if nothing changed, or run for real if something did; with it off the
+check runs the step itself, every kernel of it launched from the host (docs/benchmarks.md,
+"Figures the code relies on"). Values changed in place (an optimizer's step, the adapters'
+stacks refreshed) need nothing: the graph reads them. The recording keeps the tensors it read
+alive until it is dropped, and compares their addresses with those it noted when it was made, so
+no other tensor can take one's address unseen. A recording the runtime refuses (or one that
+would compile) is said once, and the decoder's steps run the compiled function from then on.
 
 On (`ENABLED`, $QUANTMESH_STEP_GRAPH, default 1) on CUDA devices when the step's mode is
 "reduce-overhead" (fast_decode's default); 0 keeps inductor's CUDA graph trees.
