@@ -432,6 +432,23 @@ def test_mma_is_dequantize_then_matmul(shape, nested):
             ], rows=rows, launch=k4.launch_mma)  # fmt: skip
 
 
+@pytest.mark.parametrize("shape", [(4096, 4096), (11008, 4096), (100, 1088)])
+def test_mma_takes_a_training_batch_of_rows(shape):
+    """More rows than a program's BLOCK_M (a training batch's: the dequantization as the GEMM's
+    prologue, `benchmarks/nf4_prologue_bench.py`): a program per BLOCK_M rows, K in one share,
+    within its output's rounding of x @ dequantize_4bit(W)^T, the last program's rows partly
+    masked (1000) or none (2048), bf16 and fp16, the same bits again."""
+    _need_cuda()
+    from quantmesh.quant import kernel4 as k4
+
+    for rows in (1000, 2048):
+        for dtype in (torch.bfloat16, torch.float16):
+            _gemv_tiles_check(shape, True, dtype, lambda out_f, in_f: [
+                dict(BLOCK_M=64, BLOCK_N=128, NB=1, BLK=0, LUT=1, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=128, NB=1, BLK=0, LUT=1, num_warps=8, num_stages=3),
+            ], rows=rows, launch=k4.launch_mma)  # fmt: skip
+
+
 def test_quant_linear_takes_the_mma_when_enabled_and_compiles():
     """QuantLinear4bit with `MMA_ENABLED`: 16 and 33 rows without autograd take the tensor-core
     kernel, in eager and inside torch.compile(fullgraph=True, mode="reduce-overhead") alike (the

@@ -483,7 +483,8 @@ def test_mma_kernel_is_on_cuda_only_and_refuses_what_it_cannot_compute():
     tile = k4.mma_config(16, 64, 128)
     bf = torch.bfloat16
     cases = [
-        (torch.zeros(17, 128, dtype=bf), 64, tile, "at most the tile's BLOCK_M"),
+        (torch.zeros(17, 128, dtype=bf), 64, dict(tile, NB=1, BLK=1), "K in one share"),
+        (torch.zeros(0, 128, dtype=bf), 64, tile, "at least 1 row"),
         (torch.zeros(16, 128, dtype=bf), 128, tile, "blocksize 64"),
         (torch.zeros(16, 96, dtype=bf), 64, tile, "a multiple of 64"),
         (torch.zeros(16, 128), 64, tile, "bf16 or fp16"),

@@ -425,6 +425,13 @@ def _mma() -> list[dict]:
                 y = k4.launch_mma(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
                 out.append(_product(y, x, packed, qs, ("mma", out_f, in_f, rows, cfg)))
                 out[-1]["ok"] &= _counts_back_at_zero()
+        # more rows than a program's BLOCK_M (the dequantization as a GEMM's prologue): a program
+        # per BLOCK_M rows, K in one share; the last program's rows partly masked off
+        x = torch.randn(81, in_f, generator=g).to(torch.float16)
+        for cfg in (dict(LUT=0, BLOCK_M=16, BLOCK_N=32, NB=2, BLK=0),
+                    dict(LUT=0, BLOCK_M=32, BLOCK_N=16, NB=1, BLK=0)):  # fmt: skip
+            y = k4.launch_mma(x, flat, *_stats(qs), 64, "nf4", out_f, cfg)
+            out.append(_product(y, x, packed, qs, ("mma rows", out_f, in_f, 81, cfg)))
     return out
 
 

@@ -428,26 +428,29 @@ def qm_mma_4bit(x_ptr, q_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, lut_ptr, y_pt
                 BLOCK_M: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, LUT: tl.constexpr,
                 BF16: tl.constexpr, OFFS: tl.constexpr = False):  # fmt: skip
     # y (M, N) = x (M, K) @ W^T for 9 to 64 rows on tensor cores, the codes read once: a program
-    # owns BLOCK_N features and all M rows (M <= BLOCK_M, a power of two >= 16) and walks its
-    # share of K in steps of NB blocks of 64 codes. A step loads the features' bytes of codes
-    # (BLOCK_N, 32 NB: byte j holds inputs 2j, high nibble, and 2j + 1, low), turns each nibble
-    # into its value (shuffled from the lane that holds it, LUT 1, or loaded, LUT 0), scales it by
-    # its block's absmax (fp32, as dequantize_4bit computes it) and rounds it to x's dtype: the
-    # weight bitsandbytes writes, in registers only. x's rows are read as int32 words, each the
-    # pair (input 2j, input 2j + 1), split into the even and the odd inputs; the high nibbles
-    # meet the even inputs and the low ones the odd in two MMAs of K = 32 NB, so neither side is
+    # owns BLOCK_N features and all M rows (M <= BLOCK_M, a power of two >= 16; more: below) and
+    # walks its share of K in steps of NB blocks of 64 codes. A step loads the features' bytes of
+    # codes (BLOCK_N, 32 NB: byte j holds inputs 2j, high nibble, and 2j + 1, low), turns each
+    # nibble into its value (shuffled from the lane that holds it, LUT 1, or loaded, LUT 0), scales
+    # it by its block's absmax (fp32, as dequantize_4bit computes it) and rounds it to x's dtype:
+    # the weight bitsandbytes writes, in registers only. x's rows are read as int32 words, each the
+    # pair (input 2j, input 2j + 1), split into the even and the odd inputs; the high nibbles meet
+    # the even inputs and the low ones the odd in two MMAs of K = 32 NB, so neither side is
     # interleaved. The features run along the MMA's M and the rows along its N (acc: BLOCK_N,
     # BLOCK_M), so that 16 rows fill an instruction. K is cut into shares as in the gemvs
-    # (`_finish`, fp32 partials added in a fixed order). KH: bytes of codes a feature (x's rows
-    # are KH int32 words apart: x is contiguous). `zero` (0 at run time): the lane table's seed.
-    # OFFS: one offset per nested block (siblings joined), as in qm_gemv_lines.
+    # (`_finish`, fp32 partials added in a fixed order). KH: bytes of codes a feature (x's rows are
+    # KH int32 words apart: x is contiguous). `zero` (0 at run time): the lane table's seed. OFFS:
+    # one offset per nested block (siblings joined), as in qm_gemv_lines. More than BLOCK_M rows (a
+    # training batch's, say: the dequantization as the GEMM's prologue) take a third grid axis, a
+    # program per BLOCK_M rows, with K in one share (the shares' counts are per group of features).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     HB: tl.constexpr = 32  # bytes of a 64-block
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rn_c = tl.minimum(rn, N - 1)  # features past N read feature N - 1: never stored
-    rm = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rj = tl.arange(0, NB * HB)  # a step's bytes (and x's words) from its first
     rb = tl.arange(0, NB)

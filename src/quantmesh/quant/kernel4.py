@@ -773,12 +773,15 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                cfg: dict[str, Any], keep: list | None = None) -> torch.Tensor:  # fmt: skip
     """x (rows, in) @ W^T -> (rows, out) in x's dtype on tensor cores, with tiles `cfg`
     (`mma_config`'s keys; the benchmark passes each candidate): `_triton4.qm_mma_4bit`, BLOCK_N
-    features and BLOCK_M >= rows rows a program (powers of two; BLOCK_N and BLOCK_M at least 16,
-    the instruction's least), NB blocks of 64 codes a step, K in shares of BLK blocks (a multiple
-    of NB; 0: one share; the shares' fp32 partials are added as the gemv's are: see
-    `launch_gemv`), LUT 1 shuffles each code's value from the lane that holds it (0 loads it:
-    Triton's interpreter runs only this). Anything else is refused before any launch. `keep`: a list the compiled
-    kernel is appended to (the benchmark reads its PTX).
+    features and BLOCK_M rows a program (powers of two; BLOCK_N and BLOCK_M at least 16, the
+    instruction's least), NB blocks of 64 codes a step, K in shares of BLK blocks (a multiple of
+    NB; 0: one share; the shares' fp32 partials are added as the gemv's are: see `launch_gemv`),
+    LUT 1 shuffles each code's value from the lane that holds it (0 loads it: Triton's
+    interpreter runs only this). More rows than BLOCK_M take a program per BLOCK_M rows and K in
+    one share: a GEMM whose prologue dequantizes the codes (the library routes only up to
+    `MMA_MAX_ROWS` rows here; `benchmarks/nf4_prologue_bench.py` times it at a training batch's
+    rows). Anything else is refused before any launch. `keep`: a list the compiled kernel is
+    appended to (the benchmark reads its PTX).
 
     Example:
         >>> y = launch_mma(x, flat, *stats, 64, "nf4", 4096, mma_config(32, 4096, 4096))  # doctest: +SKIP
@@ -786,12 +789,18 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     rows, in_f = x.shape
     bm, bn, nb = cfg.get("BLOCK_M", 0), cfg.get("BLOCK_N", 0), cfg.get("NB", 0)
     pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (bm, bn, nb))
-    if not 1 <= rows <= min(bm, MMA_MAX_ROWS) or blocksize != 64 or in_f % 64:
+    nblk = in_f // blocksize
+    per = cfg.get("BLK") or nblk
+    if rows < 1 or blocksize != 64 or in_f % 64:
         raise ValueError(
-            f"the tensor-core kernel takes 1 to {MMA_MAX_ROWS} rows (at most the tile's BLOCK_M), "
-            f"blocksize 64 and `in` a multiple of 64, not {rows} rows, BLOCK_M {bm}, blocksize "
-            f"{blocksize}, in={in_f}: use mma_config's tile, matmul_4bit_rows or bitsandbytes' "
-            f"matmul_4bit"
+            f"the tensor-core kernel takes at least 1 row, blocksize 64 and `in` a multiple of 64, "
+            f"not {rows} rows, blocksize {blocksize}, in={in_f}: use matmul_4bit_rows or "
+            f"bitsandbytes' matmul_4bit"
+        )
+    if rows > bm and per < nblk:
+        raise ValueError(
+            f"{rows} rows are more than the tile's BLOCK_M {bm}: a program a BLOCK_M rows, which "
+            f"takes K in one share (BLK 0), not shares of {per} blocks of {nblk}"
         )
     if not pow2 or bm < 16 or bn < 16 or (cfg.get("BLK") or 0) % nb:
         raise ValueError(
@@ -807,10 +816,8 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     from ._triton4 import qm_mma_4bit
 
     x = _as_words(x)
-    nblk = in_f // blocksize
-    per = cfg.get("BLK") or nblk
-    grid = (triton.cdiv(out_f, bn), triton.cdiv(nblk, per))
-    y, part, cnt = _outputs(x, rows, out_f, grid)
+    grid = (triton.cdiv(out_f, bn), triton.cdiv(nblk, per), triton.cdiv(rows, bm))
+    y, part, cnt = _outputs(x, rows, out_f, grid[:2])
     stats = _kernel_statistics(absmax, nested_absmax, nested_code, offset)
     compiled = qm_mma_4bit[grid](
         x.view(torch.int32), packed, *stats, _code_values(quant_type, x.device), y, part, cnt,
