@@ -127,11 +127,15 @@
 #            prefill and first step timed apart from its replayed steps (the fixed cost a call
 #            pays), eager and with the prefill replayed as a CUDA graph, then the eager prefill
 #            under cProfile (PHASES_FLAGS, e.g. --compiled-prefill: the compiled prefill too)
+#   prologue the dequantization inside a training GEMM's prologue: the tensor-core kernel's CUDA
+#            test at a training batch's rows, then benchmarks/nf4_prologue_bench.py (forward and
+#            input gradient at ROWS, default 4096,2048, against dequantize + cuBLAS and the bf16
+#            weight; PROLOGUE_BUDGET, default 150 s)
 #
 # Needs the bitsandbytes (and torchao) wheels in .whl/ (git-ignored; DEVELOPERS.md says how to
 # make them). Results under $OUT (default .bench/kernel-gpu).
 set -u
-STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, inductor, graphs, gc, pairs, lora, step, xtab, host or phases}
+STAGE=${1:?stage: sweep, probe, warps, dequant, test, gemv, rows, mma, decode, peer, gaps, batches, train, b32, join, attention, inductor, graphs, gc, pairs, lora, step, xtab, host, phases or prologue}
 # shellcheck source=benchmarks/gpu_env.sh
 source "$(dirname "$0")/gpu_env.sh" kernel-gpu
 # a kernel's CUDA tests (-k $1, timeout $2 s; NOTEST=1: not), then nf4_gemv_bench.py at each row
@@ -298,6 +302,14 @@ case "$STAGE" in
       timeout 240 python3 benchmarks/decode_gc_check.py --between "$b" --layers "${GC_LAYERS:-32}" \
         2>&1 | grep -v "Warning\|warnings.warn" | tail -3
     done ;;
+  prologue)
+    say "the tensor-core kernel at a training batch's rows: its CUDA test"
+    timeout 120 python3 -m pytest -q -m cuda -p no:cacheprovider tests/distributed/test_cuda_kernel4.py \
+      -k training_batch 2>&1 | tail -3
+    say "the prologue kernels against dequantize + matmul"
+    timeout $((${PROLOGUE_BUDGET:-150} + 60)) python3 benchmarks/nf4_prologue_bench.py \
+      --rows "${ROWS:-4096,2048}" --budget-s "${PROLOGUE_BUDGET:-150}" --out "$OUT/prologue" \
+      2>&1 | grep -v "Warning\|warnings.warn" | tail -14 ;;
   xtab)
     say "the product-table gemv against the library's tile and bitsandbytes, one row"
     timeout $((${XTAB_BUDGET:-200} + 60)) python3 benchmarks/nf4_gemv_bench.py \
