@@ -50,13 +50,13 @@ _T = dict(BLK=0, LUT=1)
 # A operand in registers, x its B operand through shared memory
 TILES = [
     dict(_T, BLOCK_N=128, BLOCK_M=128, NB=1, num_warps=8, num_stages=3),
+    dict(_T, BLOCK_N=128, BLOCK_M=256, NB=1, num_warps=8, num_stages=3),
+    dict(_T, BLOCK_N=256, BLOCK_M=128, NB=1, num_warps=8, num_stages=3),
     dict(_T, BLOCK_N=128, BLOCK_M=128, NB=1, num_warps=4, num_stages=3),
+    dict(_T, BLOCK_N=128, BLOCK_M=256, NB=1, num_warps=8, num_stages=2),
+    dict(_T, BLOCK_N=128, BLOCK_M=128, NB=2, num_warps=8, num_stages=2),
     dict(_T, BLOCK_N=64, BLOCK_M=128, NB=1, num_warps=4, num_stages=4),
     dict(_T, BLOCK_N=128, BLOCK_M=64, NB=2, num_warps=4, num_stages=3),
-    dict(_T, BLOCK_N=128, BLOCK_M=256, NB=1, num_warps=8, num_stages=2),
-    dict(_T, BLOCK_N=64, BLOCK_M=256, NB=1, num_warps=8, num_stages=3),
-    dict(_T, BLOCK_N=128, BLOCK_M=128, NB=2, num_warps=8, num_stages=2),
-    dict(_T, BLOCK_N=64, BLOCK_M=64, NB=2, num_warps=4, num_stages=3),
 ]
 # the input gradient's (`nf4_dx.launch_dx`): BLOCK_M rows and BLOCK_K inputs a program, BLOCK_R of
 # W's rows a step
