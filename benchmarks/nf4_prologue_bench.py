@@ -83,19 +83,22 @@ def _weights(out_f: int, in_f: int, device: str, dtype: torch.dtype) -> tuple:
 
 def _candidates(r: dict, key: str, peers: dict, tiles: list, launch, ref: torch.Tensor,
                 flops: int, t_start: float, budget_s: float, timed: bool = True) -> None:  # fmt: skip
-    """Into r[key]: the peers and every tile (`launch(cfg)`), each checked against `ref`, then
-    timed (`timed`), the tiles ranked; a tile that fails or is wrong is noted, not fatal."""
+    """Into r[key]: the peers (a function, or a function and its own reference: the bf16
+    weight's product is not the dequantized weight's) and every tile (`launch(cfg)`), each
+    checked against `ref`, then timed (`timed`), the tiles ranked; a tile that fails or is wrong
+    is noted, not fatal."""
     out: dict = {"peers": {}, "tiles": [], "skipped": []}
     r[key] = out
-    runs = [(name, fn, None) for name, fn in peers.items()]
+    runs = [(name, fn, None) for name, fn in peers.items()]  # (fn, or (fn, its own reference))
     runs += [(None, partial(launch, cfg), cfg) for cfg in tiles]
     for name, fn, cfg in runs:
         if cfg is not None and time.time() - t_start > budget_s:
             out["skipped"].append({"cfg": cfg, "why": "budget"})
             continue
+        fn, want = fn if isinstance(fn, tuple) else (fn, ref)
         try:
             y = fn()
-            err = rel_err(y, ref)
+            err = rel_err(y, want)
             tol = TOL if timed else SMOKE_TOL
             if not (err <= tol and bool(torch.isfinite(y).all())):
                 raise ValueError(f"wrong: relative error {err:.3g} > {tol}")
@@ -144,18 +147,19 @@ def run_shape(out_f: int, in_f: int, rows: int, t_start: float, budget_s: float,
     def qm_w() -> torch.Tensor:
         return k4.dequantize_4bit(flat, *stats, 64, "nf4", (out_f, in_f), dt)
 
-    peers = {} if smoke else {
-        "bnb_dequant_mm": lambda: x @ F.dequantize_4bit(packed, qs).t(),
+    wc = w.to(dt)  # (smoke: fp16; else the bf16 weight itself)
+    peers = {  # (smoke: checked, not timed)
+        "bnb_dequant_mm": lambda: x @ F.dequantize_4bit(packed, qs).to(dt).t(),
         "qm_dequant_mm": lambda: x @ qm_w().t(),
-        "bf16_mm": partial(torch.matmul, x, w.t()),
+        "bf16_mm": (partial(torch.matmul, x, wc.t()), x.float() @ wc.float().t()),  # unquantized
     }  # fmt: skip
     _candidates(r, "forward", peers, fwd_tiles,
                 lambda cfg: k4.launch_mma(x, flat, *stats, 64, "nf4", out_f, cfg),
                 x.float() @ wd.float().t(), flops, t_start, budget_s, not smoke)  # fmt: skip
-    peers = {} if smoke else {
-        "bnb_dequant_mm": lambda: g @ F.dequantize_4bit(packed, qs),
+    peers = {
+        "bnb_dequant_mm": lambda: g @ F.dequantize_4bit(packed, qs).to(dt),
         "qm_dequant_mm": lambda: g @ qm_w(),
-        "bf16_mm": partial(torch.matmul, g, w),
+        "bf16_mm": (partial(torch.matmul, g, wc), g.float() @ wc.float()),
     }  # fmt: skip
     _candidates(r, "input_grad", peers, dx_tiles,
                 lambda cfg: launch_dx(g, flat, *stats, in_f, cfg),
@@ -168,7 +172,8 @@ def line(r: dict) -> str:
     out = []
     for key in ("forward", "input_grad"):
         d = r[key]
-        peers = ", ".join(f"{k} {v['us']} us" for k, v in d["peers"].items() if "us" in v)
+        peers = ", ".join(f"{k} {v['us']} us" if "us" in v else
+                          f"{k} {v.get('error') or 'checked'}" for k, v in d["peers"].items())  # fmt: skip
         best = d["tiles"][0] if d["tiles"] else None
         if best is None:
             b = "none"
@@ -236,7 +241,7 @@ def smoke() -> int:
         r = run_shape(out_f, in_f, rows, time.time(), 1e9, device="cpu", smoke=True)
         print(line(r), flush=True)
         for key in ("forward", "input_grad"):
-            bad += len(r[key]["skipped"])
+            bad += len(r[key]["skipped"]) + sum("error" in v for v in r[key]["peers"].values())
             bad += len(r[key]["tiles"]) != len(SMOKE_TILES if key == "forward" else SMOKE_TILES_DX)
     return 1 if bad else 0
 

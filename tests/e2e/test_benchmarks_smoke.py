@@ -148,8 +148,9 @@ def test_prologue_bench_kernels_hold_in_the_interpreter() -> None:
     """benchmarks/nf4_prologue_bench.py --smoke: the tensor-core kernel at more rows than a
     program's BLOCK_M (the forward) and the experiment `nf4_dx.launch_dx` (the input gradient,
     g @ W), both dequantizing the codes in their prologue, each within 1e-3 of the dequantized
-    weight's product in Triton's interpreter (fp16, partly masked programs): exit 0, a line a
-    product and shape."""
+    weight's product in Triton's interpreter (fp16, partly masked programs), and the peers
+    (dequantize + matmul, the unquantized weight's matmul) within 1e-3 of their own references:
+    exit 0, a line a product and shape."""
     root = Path(__file__).parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "nf4_prologue_bench.py"),
@@ -158,6 +159,8 @@ def test_prologue_bench_kernels_hold_in_the_interpreter() -> None:
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     lines = [x for x in r.stdout.splitlines() if x.startswith("[")]
     assert len(lines) == 4 and all("rel_err at most" in x for x in lines), r.stdout
+    # the peers are checked too, each against its own reference (the bf16 weight's is unquantized)
+    assert all("bf16_mm checked" in x and "bnb_dequant_mm checked" in x for x in lines), r.stdout
 
 
 def test_scheduler_host_bench_smoke(tmp_path: Path) -> None:
