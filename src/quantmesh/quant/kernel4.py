@@ -201,7 +201,10 @@ GEMV_WARPS = 1536  # gemv_config cuts K so that a grid holds about this many war
 # (those rows keep the other paths). It is tried after the gemv, which takes up to GEMV_MAX_ROWS.
 MMA_ENABLED = env_switch("QUANTMESH_MMA", default=True)
 MMA_MIN_ROWS = 9  # fewer rows would leave most of a 16-row instruction empty (the gemv's range)
-MMA_MAX_ROWS = 64  # the most rows `launch_mma` takes (all in one program: BLOCK_M <= 64)
+# the most rows the library sends the kernel (mma_config: all in one program, BLOCK_M <= 64);
+# `launch_mma` takes more, a program per BLOCK_M rows, which lost to dequantize + cuBLAS at a
+# training batch's rows (docs/benchmarks.md, "The dequantization in a training GEMM's prologue")
+MMA_MAX_ROWS = 64
 # mma_config's tile by rows (the power of two at or above them, at least 16): BLOCK_N features
 # and all rows a program, NB blocks of 64 codes a step (two MMAs of K = 32 NB), LUT 1 (code values
 # shuffled from the lane that holds them), 4 warps (one warpgroup: the MMA's 64 features), 3
@@ -799,8 +802,8 @@ def launch_mma(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         )
     if rows > bm and per < nblk:
         raise ValueError(
-            f"{rows} rows are more than the tile's BLOCK_M {bm}: a program a BLOCK_M rows, which "
-            f"takes K in one share (BLK 0), not shares of {per} blocks of {nblk}"
+            f"{rows} rows are more than the tile's BLOCK_M {bm}: a program per BLOCK_M rows, "
+            f"which takes K in one share (BLK 0), not shares of {per} blocks of {nblk}"
         )
     if not pow2 or bm < 16 or bn < 16 or (cfg.get("BLK") or 0) % nb:
         raise ValueError(
