@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 4-bit kernel's GPU measurements (quant/kernel4.py), one stage per device call:
+# The 4-bit kernel's GPU measurements (quant/kernel4.py), one stage per GPU run:
 #
 #   bash benchmarks/run_kernel_gpu.sh STAGE
 #

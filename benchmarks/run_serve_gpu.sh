@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The server's GPU measurements, one stage per device call (each fits its 10-minute limit):
+# The server's GPU measurements, one stage per GPU run (each fits its 10-minute limit):
 #
 #   bash benchmarks/run_serve_gpu.sh STAGE [GRAPHS]     GRAPHS: captured (default) or trees
 #                                                      (profile also takes none: no CUDA graphs,
