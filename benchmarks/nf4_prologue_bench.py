@@ -74,11 +74,12 @@ def _weights(out_f: int, in_f: int, device: str, dtype: torch.dtype) -> tuple:
     random W (the QuantState dequantizes to `dtype`)."""
     import bitsandbytes.functional as F
 
+    from quantmesh.quant import kernel4 as k4
+
     w = (torch.randn(out_f, in_f, device=device) * 0.02).to(dtype)
     packed, qs = F.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
     flat = packed.reshape(-1).view(torch.uint8)
-    stats = (qs.absmax, qs.state2.absmax, qs.state2.code, qs.offset.float().reshape(1))
-    return w, packed, qs, flat, stats
+    return w, packed, qs, flat, k4._statistics(qs, w.device)
 
 
 def _candidates(r: dict, key: str, peers: dict, tiles: list, launch, ref: torch.Tensor,
