@@ -428,6 +428,30 @@ def _desync(err: str | None) -> bool:
     return err is not None and ("Timed out" in err or "DistBackendError" in err)
 
 
+def _probe_each_model_once() -> list[str]:
+    """Make `qm.parallelize`'s probe (`verify_plan`) run once per model in this rank process: the
+    lora and nf4 jobs take a copy of the report their model's main job made. parallelize calls
+    verify_plan on the float model before it quantizes or adds adapters, with the auto plan and
+    no inputs in every job, so their probes would repeat the main job's to the value (a third of
+    the zoo's time). The key holds the plan's rules and every argument; set `[0]` of the returned
+    list to the model's name before its jobs."""
+    from quantmesh.parallel import verify
+
+    real = verify.verify_plan
+    current = [""]
+    reports: dict[str, object] = {}
+
+    def once(model, mesh, plan=None, **kw):
+        rules = None if plan is None else sorted(getattr(plan, "rules", {"?": repr(plan)}).items())
+        key = repr((current[0], type(model).__name__, mesh.tp, rules, sorted(kw.items())))
+        if key not in reports:
+            reports[key] = real(model, mesh, plan, **kw)
+        return copy.deepcopy(reports[key])
+
+    verify.verify_plan = once
+    return current
+
+
 def zoo_rank(rank: int, tp: int, jobs: dict[str, list[str]], collective_s: float = 30.0) -> dict:
     """Run `jobs` ({model: [job names]}) in order on a tp mesh; {model: {job: facts or error}}.
 
@@ -444,8 +468,10 @@ def zoo_rank(rank: int, tp: int, jobs: dict[str, list[str]], collective_s: float
     agree = _Agree(rank, tp, 3 * collective_s + 30)
     out: dict = {}
     names = list(jobs)
+    probing = _probe_each_model_once()
     for i, name in enumerate(names):
         out[name] = {}
+        probing[0] = name
         for job in jobs[name]:
             t0 = time.perf_counter()
             facts, err = None, None
