@@ -988,11 +988,12 @@ def nested_patches_skipped() -> list[int] | None:
 
     patch = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
-    if patch is None or scope_type is None or getattr(patch, "skipped", None) is not None:
-        return None if patch is None or scope_type is None else patch.skipped
+    if patch is None or scope_type is None:
+        return None
+    if hasattr(patch, "skipped"):  # installed already (this module imported again)
+        return patch.skipped
     held: list[set[int]] = []  # the language modules patched since the running launch began
     skipped = [0]
-
     seen: dict[object, set[int]] = {}
 
     def _langs(fn) -> set[int]:
