@@ -3,7 +3,8 @@ Triton's interpreter on CPU, against bitsandbytes' own `dequantize_4bit` (CPU) a
 kernels' arithmetic in `make test`, on any machine, where the CUDA tests need a GPU.
 
 Each family of kernels runs in a process of its own with TRITON_INTERPRET=1 (read when
-`triton.jit` wraps a kernel, so before quant/_triton4.py is imported):
+`triton.jit` wraps a kernel, so before quant/_triton4.py is imported), forked from a server that
+imported the libraries once (`serve_families`):
 - the gemvs (1 to 8 rows) and the tensor-core kernel (9 to 64 rows);
 - the dequantize, bit for bit, also as the op the experts' weights take;
 - the older row and block kernels;
@@ -43,10 +44,15 @@ value is loaded, LUT 0) and bf16 `tl.dot` (its numpy bf16 products are wrong).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
@@ -67,18 +73,84 @@ def test_triton_kernels_in_the_interpreter(family: str) -> None:
 
 def run_family(family: str) -> None:
     """Run one family of cases in a process of its own with TRITON_INTERPRET=1; every case must
-    hold (test_triton_low_rank.py runs one from its own module: another worker)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
-    code = f"import tests.unit.test_triton_interpreter as t; t.main({family!r})"
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=400)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    cases = json.loads(r.stdout.strip().splitlines()[-1])
+    hold (test_triton_low_rank.py runs one from its own module: another worker). The process is
+    forked from this worker's family server (`_family_server`), which imported the libraries
+    once, instead of a fresh interpreter importing torch, Triton and transformers again (~6 s of
+    CPU a family on 2 cores)."""
+    server = _family_server()
+    with tempfile.TemporaryDirectory(prefix="qm-family-") as tmp:
+        out = Path(tmp) / "out"
+        assert server.stdin is not None and server.stdout is not None
+        server.stdin.write(f"{family} {out}\n")
+        server.stdin.flush()
+        ready, _, _ = select.select([server.stdout], [], [], FAMILY_TIMEOUT_S)
+        if not ready:  # stop the server and the family's process with it (their own session)
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(10)
+            _family_server.cache_clear()
+            pytest.fail(f"the {family} family did not finish in {FAMILY_TIMEOUT_S} s")
+        status = server.stdout.readline().strip()
+        stdout = out.with_suffix(".stdout").read_text(errors="replace")
+        stderr = out.with_suffix(".stderr").read_text(errors="replace")
+    assert status == "0", f"the {family} family ended with status {status!r}:\n{stderr[-4000:]}"
+    cases = json.loads(stdout.strip().splitlines()[-1])
     bad = [c for c in cases if not c["ok"]]
     assert cases and not bad, bad
 
 
-# ---- run inside the interpreter's process -----------------------------------------------------
+FAMILY_TIMEOUT_S = 400
+
+
+@functools.cache
+def _family_server() -> subprocess.Popen:
+    """This pytest process's family server (`serve_families`): TRITON_INTERPRET=1, in a session
+    of its own; it ends when this process closes its stdin (at exit)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    code = "import tests.unit.test_triton_interpreter as t; t.serve_families()"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+
+
+def serve_families() -> None:
+    """The family server: imports what the families use (with TRITON_INTERPRET=1, so that the
+    kernels are wrapped for the interpreter), then for each line `FAMILY PATH` of stdin forks a
+    process that runs `main(FAMILY)` with its stdout and stderr in PATH.stdout and PATH.stderr,
+    and answers its exit status on a line of stdout. Each family starts from the server's state,
+    as a fresh process would (nothing a family sets reaches the next); the server itself runs
+    nothing, so that no thread or thread pool exists when it forks."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import quantmesh  # noqa: F401
+    from quantmesh.infer import _triton_attention, attention  # noqa: F401
+    from quantmesh.quant import _triton4, kernel4  # noqa: F401
+
+    for line in sys.stdin:
+        family, path = line.split()
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:  # the family's process
+            code = 1
+            try:
+                with open(path + ".stdout", "w") as out, open(path + ".stderr", "w") as err:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(err.fileno(), 2)
+                    try:
+                        main(family)
+                        code = 0
+                    except BaseException:
+                        traceback.print_exc()
+                    finally:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
 def _weight(out_f: int, in_f: int, nested: bool, blocksize: int = 64, quant_type: str = "nf4",
             seed: int = 0, scale: float = 0.02):  # fmt: skip
     import bitsandbytes.functional as F
