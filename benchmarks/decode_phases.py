@@ -10,11 +10,14 @@ with `--check-phase`, the same with `step_graph.CHECK_REPLAYS` flipped (a call's
 checks the recording without launching the step; read at each call, so no recompile), with
 `--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
 its compile time is reported as the first call's), and with `--graphs-phase` with the prefill
-replayed as a CUDA graph (`prefill_graph.ENABLED`, opt-in). Last, the eager prefill of one call
-under cProfile: its top functions by own and by cumulative time.
+replayed as a CUDA graph (`prefill_graph.ENABLED`, opt-in; with `--release-phase` then with those
+recordings dropped and the allocator's cached memory given back). `--neighbor-phase` (CUDA)
+records a graph of 700 tiny kernels that the decoder never reads, times the calls while it is
+kept, then after it is released. With any phase, the defaults are timed again at the end. Last,
+the eager prefill of one call under cProfile: its top functions by own and by cumulative time.
 
 Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--check-phase] [--compiled-prefill]
-[--graphs-phase] [--profile-prefill]
+[--graphs-phase [--release-phase]] [--neighbor-phase] [--profile-prefill]
 (--smoke: CPU, tiny; no CUDA graphs)
 Writes DIR/result_decode_phases.json.
 """
@@ -124,9 +127,43 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
     return tokens
 
 
+def neighbor_graph(dev: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `kernels` tiny kernels (an add each on a buffer of 1,024 floats that nothing
+    else reads), recorded as the prefill graphs are (a warm-up on a side stream, then the capture
+    in a private pool), replayed once and returned: kept alive by the caller.
+
+    Example:
+        >>> g = neighbor_graph(torch.device("cuda"), 700)  # doctest: +SKIP
+    """
+    buf = torch.zeros(1024, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        buf.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            buf.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    graph.buf = buf  # type: ignore[attr-defined]  # (kept with the graph)
+    return graph
+
+
+def released(dev: torch.device) -> None:
+    """Python's collector run and the allocator's cached blocks given back."""
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     extra = {"--compiled-prefill": "compiled_prefill", "--graphs-phase": "graphs_phase",
-             "--profile-prefill": "profile_prefill", "--check-phase": "check_phase"}  # fmt: skip
+             "--profile-prefill": "profile_prefill", "--check-phase": "check_phase",
+             "--neighbor-phase": "neighbor_phase", "--release-phase": "release_phase"}  # fmt: skip
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = {v: k in argv for k, v in extra.items()}
     argv = [x for x in argv if x not in extra]
@@ -161,7 +198,30 @@ def main(argv=None) -> int:
                     R[name if not before else f"no_{name}"]["tokens_agree"] = bd.agree(got, ref)
             finally:
                 setattr(module, flag, before)
+            if name == "prefill_graphs" and a.release_phase and not before:
+                # the decoder's recorded prefills dropped and their memory given back: do the
+                # steps of this process run as fast as before the recordings again?
+                graphs = bd.decoder(model).graphs
+                if graphs is not None:
+                    graphs.entries.clear()
+                released(dev)
+                with qb.record_errors(R, "prefill_graphs_released_error"):
+                    timed_calls(model, ids, a, dev, mode, R, "prefill_graphs_released")
             qb.write_json(out_path, R)
+        if a.neighbor_phase and dev.type == "cuda":
+            # a CUDA graph of 700 tiny kernels (about a step's count) that the decoder never
+            # reads, kept, then released: does another recorded graph slow the step's replays?
+            graph = neighbor_graph(dev, 700)
+            with qb.record_errors(R, "neighbor_graph_kept_error"):
+                timed_calls(model, ids, a, dev, mode, R, "neighbor_graph_kept")
+            graph.reset()
+            del graph
+            released(dev)
+            with qb.record_errors(R, "neighbor_graph_released_error"):
+                timed_calls(model, ids, a, dev, mode, R, "neighbor_graph_released")
+            qb.write_json(out_path, R)
+        if any(flags.values()):
+            timed_calls(model, ids, a, dev, mode, R, "defaults_again")
     qb.write_json(out_path, R)
     return 0
 
