@@ -48,6 +48,8 @@ class Phases:
         self.prefill_ms: list[float] = []
         self.first_ms: list[float] = []
         self.first = False
+        self.host_run_s = 0.0  # host time inside the replayed steps' calls (not synchronized)
+        self.host_runs = 0
         self.profile: cProfile.Profile | None = None
         dec.prefill, dec.run, dec.begin = self._prefill, self._run, self._begin
 
@@ -69,7 +71,11 @@ class Phases:
 
     def _run(self, *args):
         if not self.first:
-            return self.run(*args)
+            t0 = time.perf_counter()
+            out = self.run(*args)
+            self.host_run_s += time.perf_counter() - t0
+            self.host_runs += 1
+            return out
         self.first = False
         qb.sync(self.dev)
         t0 = time.perf_counter()
@@ -123,8 +129,25 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
                 R.setdefault(name + "_prefill_cprofile", {})[key] = s.getvalue().splitlines()[:75]
     finally:
         ph.undo()
-    R[name] = {"first_call_s": round(first_s, 2), "runs": rows}
+    R[name] = {"first_call_s": round(first_s, 2), "runs": rows, **step_state(model, ph)}
+    qb.log(f"{name}: {step_state(model, ph)}")
     return tokens
+
+
+def step_state(model, ph: Phases) -> dict:
+    """What a phase left: the decoder's step recordings so far, dynamo's compiled graphs, graph
+    breaks and recompiles so far, and the host's time inside a replayed step's call (the GPU
+    idles between steps only where that nears a step's GPU time)."""
+    from torch._dynamo.utils import counters
+
+    sg = getattr(bd.decoder(model), "step_graph", None)
+    return {
+        "step_records": None if sg is None else sg.records,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiles": sum(v for k, v in counters["recompiles"].items()),
+        "host_run_us_per_step": round(ph.host_run_s / max(1, ph.host_runs) * 1e6, 1),
+    }
 
 
 def neighbor_graph(dev: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
