@@ -13,11 +13,13 @@ its compile time is reported as the first call's), and with `--graphs-phase` wit
 replayed as a CUDA graph (`prefill_graph.ENABLED`, opt-in; with `--release-phase` then with those
 recordings dropped and the allocator's cached memory given back). `--neighbor-phase` (CUDA)
 records a graph of 700 tiny kernels that the decoder never reads, times the calls while it is
-kept, then after it is released. With any phase, the defaults are timed again at the end. Last,
+kept, then after it is released. `--side-phase` (CUDA), right after the defaults: the prompt's
+forward run once on a side stream (as a prefill graph's warm-up runs it, nothing recorded),
+then the calls timed. With any phase, the defaults are timed again at the end. Last,
 the eager prefill of one call under cProfile: its top functions by own and by cumulative time.
 
 Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--check-phase] [--compiled-prefill]
-[--graphs-phase [--release-phase]] [--neighbor-phase] [--profile-prefill]
+[--graphs-phase [--release-phase]] [--neighbor-phase] [--side-phase] [--profile-prefill]
 (--smoke: CPU, tiny; no CUDA graphs)
 Writes DIR/result_decode_phases.json.
 """
@@ -186,7 +188,8 @@ def released(dev: torch.device) -> None:
 def main(argv=None) -> int:
     extra = {"--compiled-prefill": "compiled_prefill", "--graphs-phase": "graphs_phase",
              "--profile-prefill": "profile_prefill", "--check-phase": "check_phase",
-             "--neighbor-phase": "neighbor_phase", "--release-phase": "release_phase"}  # fmt: skip
+             "--neighbor-phase": "neighbor_phase", "--release-phase": "release_phase",
+             "--side-phase": "side_phase"}  # fmt: skip
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = {v: k in argv for k, v in extra.items()}
     argv = [x for x in argv if x not in extra]
@@ -205,6 +208,18 @@ def main(argv=None) -> int:
     with torch.no_grad():
         ref = timed_calls(model, ids, a, dev, mode, R, "defaults")
         qb.write_json(out_path, R)
+        if a.side_phase and dev.type == "cuda":
+            # the prompt's forward once on a side stream (no cache, nothing recorded), as a
+            # prefill graph's warm-up runs it: do the steps slow down after it alone?
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(input_ids=ids, use_cache=False)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            with qb.record_errors(R, "side_stream_forward_error"):
+                timed_calls(model, ids, a, dev, mode, R, "side_stream_forward")
+            qb.write_json(out_path, R)
         for want, module, flag, name in (
             (a.check_phase, step_graph, "CHECK_REPLAYS", "check_replays"),
             (a.compiled_prefill, decode, "PREFILL_COMPILED", "compiled_prefill"),
