@@ -43,6 +43,7 @@ value is loaded, LUT 0) and bf16 `tl.dot` (its numpy bf16 products are wrong).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -81,8 +82,9 @@ def run_family(family: str) -> None:
     with tempfile.TemporaryDirectory(prefix="qm-family-") as tmp:
         out = Path(tmp) / "out"
         assert server.stdin is not None and server.stdout is not None
-        server.stdin.write(f"{family} {out}\n")
-        server.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # (a server that died: said below)
+            server.stdin.write(f"{family} {out}\n")
+            server.stdin.flush()
         ready, _, _ = select.select([server.stdout], [], [], FAMILY_TIMEOUT_S)
         if not ready:  # stop the server and the family's process with it (their own session)
             os.killpg(server.pid, signal.SIGKILL)
@@ -90,6 +92,12 @@ def run_family(family: str) -> None:
             _family_server.cache_clear()
             pytest.fail(f"the {family} family did not finish in {FAMILY_TIMEOUT_S} s")
         status = server.stdout.readline().strip()
+        if not status:  # the server itself ended (an import failed, say): the next starts anew
+            server.wait(10)
+            _family_server.cache_clear()
+            said = Path(server.err_path).read_text(errors="replace")  # type: ignore[attr-defined]
+            pytest.fail(f"the family server ended (status {server.returncode}) before running "
+                        f"the {family} family:\n{said[-4000:]}")  # fmt: skip
         stdout = out.with_suffix(".stdout").read_text(errors="replace")
         stderr = out.with_suffix(".stderr").read_text(errors="replace")
     assert status == "0", f"the {family} family ended with status {status!r}:\n{stderr[-4000:]}"
@@ -107,9 +115,14 @@ def _family_server() -> subprocess.Popen:
     of its own; it ends when this process closes its stdin (at exit)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
     code = "import tests.unit.test_triton_interpreter as t; t.serve_families()"
-    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+    err = tempfile.NamedTemporaryFile(prefix="qm-family-server-", suffix=".stderr", delete=False)
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                              start_new_session=True)  # fmt: skip
+    err.close()
+    atexit.register(Path(err.name).unlink, missing_ok=True)
+    server.err_path = err.name  # type: ignore[attr-defined]  # what it said (read if it ends)
+    return server
 
 
 def serve_families() -> None:
