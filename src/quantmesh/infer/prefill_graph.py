@@ -37,7 +37,9 @@ what a token that sees a pad would change.)
 
 Opt-in and experimental (`QUANTMESH_CAPTURED_PREFILL=1`, or `ENABLED`): its CUDA tests pass, but
 on a 7B model the compiled decode step faulted (an illegal memory access) right after a recording,
-not yet understood (docs/benchmarks.md, twenty-seventh sitting).
+not yet understood (docs/benchmarks.md, twenty-seventh sitting), and the process's decode steps
+ran 0.2 ms slower after the first recording, which its warm-up on a side stream alone caused
+(forty-second sitting); the warm-up now runs on the current stream, not yet timed on a GPU.
 
 Example:
     >>> graphs = PrefillGraphs(model, cache)                  # doctest: +SKIP
@@ -159,14 +161,16 @@ def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """Record `fn` (run once eagerly just before, on a side stream, so that every kernel is built
-    and every buffer it keeps exists) as a CUDA graph; returns what replays it and gives its
-    output (the same tensor every time)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    """Record `fn` (run once eagerly just before, so that every kernel is built and every buffer
+    it keeps exists) as a CUDA graph; returns what replays it and gives its output (the same
+    tensor every time).
+
+    The warm-up runs on the current stream, as every eager prefill does, not on a side stream:
+    on an H100 one forward of the 7B model on a side stream, nothing recorded, left every later
+    replay of the decode step ~0.2 ms (6.5%) slower for the rest of the process, its kernels no
+    slower (docs/benchmarks.md, forty-second sitting). The capture itself (on
+    `torch.cuda.graph`'s own stream) launches nothing."""
+    fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
