@@ -168,8 +168,9 @@ def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     The warm-up runs on the current stream, as every eager prefill does, not on a side stream:
     on an H100 one forward of the 7B model on a side stream, nothing recorded, left every later
     replay of the decode step ~0.2 ms (6.5%) slower for the rest of the process, its kernels no
-    slower (docs/benchmarks.md, forty-second sitting). The capture itself (on
-    `torch.cuda.graph`'s own stream) launches nothing."""
+    slower (docs/benchmarks.md, forty-second sitting; pytorch/pytorch#161104 reports replayed
+    kernels slower once work has run on two streams). The capture itself (on `torch.cuda.graph`'s
+    own stream) launches nothing."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
