@@ -147,7 +147,7 @@ def step_state(model, ph: Phases) -> dict:
         "step_records": None if sg is None else sg.records,
         "unique_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
-        "recompiles": sum(v for k, v in counters["recompiles"].items()),
+        "recompiles": sum(counters["recompiles"].values()),
         "host_run_us_per_step": round(ph.host_run_s / max(1, ph.host_runs) * 1e6, 1),
     }
 
