@@ -38,7 +38,7 @@ what a token that sees a pad would change.)
 Opt-in and experimental (`QUANTMESH_CAPTURED_PREFILL=1`, or `ENABLED`): its CUDA tests pass, but
 on a 7B model the compiled decode step faulted (an illegal memory access) right after a recording,
 not yet understood (docs/benchmarks.md, twenty-seventh sitting), and the process's decode steps
-ran 0.2 ms slower after the first recording, which its warm-up on a side stream alone caused
+ran slower after the first recording, which its warm-up on a side stream alone caused
 (forty-second sitting); the warm-up now runs on the current stream, not yet timed on a GPU.
 
 Example:
@@ -166,11 +166,11 @@ def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     tensor every time).
 
     The warm-up runs on the current stream, as every eager prefill does, not on a side stream:
-    on an H100 one forward of the 7B model on a side stream, nothing recorded, left every later
-    replay of the decode step ~0.2 ms (6.5%) slower for the rest of the process, its kernels no
-    slower (docs/benchmarks.md, forty-second sitting; pytorch/pytorch#161104 reports replayed
-    kernels slower once work has run on two streams). The capture itself (on `torch.cuda.graph`'s
-    own stream) launches nothing."""
+    one forward of a model on a side stream, nothing recorded, left every later replay of the
+    decode step slower for the rest of the process, its kernels no slower (docs/benchmarks.md,
+    forty-second sitting; pytorch/pytorch#161104 reports replayed kernels slower once work has
+    run on two streams). The capture itself (on `torch.cuda.graph`'s own stream) launches
+    nothing."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
