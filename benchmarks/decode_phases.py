@@ -131,8 +131,9 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
                 R.setdefault(name + "_prefill_cprofile", {})[key] = s.getvalue().splitlines()[:75]
     finally:
         ph.undo()
-    R[name] = {"first_call_s": round(first_s, 2), "runs": rows, **step_state(model, ph)}
-    qb.log(f"{name}: {step_state(model, ph)}")
+    state = step_state(model, ph)
+    R[name] = {"first_call_s": round(first_s, 2), "runs": rows, **state}
+    qb.log(f"{name}: {state}")
     return tokens
 
 
@@ -161,11 +162,7 @@ def neighbor_graph(dev: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
         >>> g = neighbor_graph(torch.device("cuda"), 700)  # doctest: +SKIP
     """
     buf = torch.zeros(1024, device=dev)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        buf.add_(1)
-    torch.cuda.current_stream().wait_stream(side)
+    on_side_stream(lambda: buf.add_(1))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(kernels):
@@ -174,6 +171,16 @@ def neighbor_graph(dev: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
     torch.cuda.synchronize()
     graph.buf = buf  # type: ignore[attr-defined]  # (kept with the graph)
     return graph
+
+
+def on_side_stream(fn) -> None:
+    """`fn()` run on a fresh side stream, ordered after the current stream's work and before its
+    next (as a recording's warm-up on a side stream runs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def released(dev: torch.device) -> None:
@@ -211,11 +218,7 @@ def main(argv=None) -> int:
         if a.side_phase and dev.type == "cuda":
             # the prompt's forward once on a side stream (no cache, nothing recorded), as a
             # prefill graph's warm-up runs it: do the steps slow down after it alone?
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                model(input_ids=ids, use_cache=False)
-            torch.cuda.current_stream().wait_stream(side)
+            on_side_stream(lambda: model(input_ids=ids, use_cache=False))
             torch.cuda.synchronize()
             with qb.record_errors(R, "side_stream_forward_error"):
                 timed_calls(model, ids, a, dev, mode, R, "side_stream_forward")
