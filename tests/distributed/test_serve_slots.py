@@ -333,9 +333,8 @@ def _captured_vs_eager(rank: int) -> dict:
     from quantmesh.serve.engine import Admit
     from quantmesh.serve.slots import SlotBatch
 
-    class Stream:
-        def wait_stream(self, other) -> None:
-            pass
+    def no_stream(*args, **kw):  # the warm-up runs on the current stream (`cuda_graph`)
+        raise AssertionError("the capture made or entered a side stream")
 
     @contextlib.contextmanager
     def graph(g, pool=None):
@@ -343,9 +342,13 @@ def _captured_vs_eager(rank: int) -> dict:
         yield
         _FakeGraph.recording.pop()
 
-    fake = {"Stream": lambda device=None: Stream(), "stream": lambda s: contextlib.nullcontext(),
-            "current_stream": lambda device=None: Stream(), "graph_pool_handle": lambda: None,
-            "CUDAGraph": _FakeGraph, "graph": graph}  # fmt: skip
+    fake = {
+        "Stream": no_stream,
+        "stream": no_stream,
+        "graph_pool_handle": lambda: None,
+        "CUDAGraph": _FakeGraph,
+        "graph": graph,
+    }
     for name, value in fake.items():
         setattr(torch.cuda, name, value)
     # one layer: the replay mechanics are per step (two layers' caches: _compiled_vs_eager)
@@ -375,7 +378,9 @@ def test_captured_graphs_replay_the_step_of_each_shape() -> None:
     """`graphs="captured"` keeps one graph per (rows, key columns) and replays it: its logits equal
     the eager step's while rows join, leave and cross 256 key columns. The CUDA graph is a CPU
     stand-in here (a replay runs the step into the captured output tensor, which `_step` clones
-    before the next replay); tests/distributed/test_cuda_serve.py runs the real one on a GPU."""
+    before the next replay); tests/distributed/test_cuda_serve.py runs the real one on a GPU.
+    The captures warm up on the current stream: a side stream's forward left later replays
+    slower (`prefill_graph.cuda_graph`)."""
     (res,) = run_ranks(_captured_vs_eager, 1, timeout=300)
     assert res["steps"] == 2 * 11, res
     assert res["captured"] == [(2, 256), (2, 512), (4, 256)], res

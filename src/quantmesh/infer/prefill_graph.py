@@ -160,20 +160,30 @@ def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, t.requires_grad)
 
 
-def cuda_graph(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """Record `fn` (run once eagerly just before, so that every kernel is built and every buffer
-    it keeps exists) as a CUDA graph; returns what replays it and gives its output (the same
-    tensor every time).
+def cuda_graph(
+    fn: Callable[[], torch.Tensor], *, warmups: int = 1, pool: Any = None
+) -> Callable[[], torch.Tensor]:
+    """Record `fn` (run `warmups` times eagerly just before, so that every kernel is built and
+    every buffer it keeps exists) as a CUDA graph, in memory pool `pool` (a
+    `torch.cuda.graph_pool_handle()` that graphs share; None: its own); returns what replays it
+    and gives its output (the same tensor every time).
 
-    The warm-up runs on the current stream, as every eager prefill does, not on a side stream:
+    The warm-up runs on the current stream, as every eager forward does, not on a side stream:
     one forward of a model on a side stream, nothing recorded, left every later replay of the
     decode step slower for the rest of the process, its kernels no slower (docs/benchmarks.md,
     forty-second sitting; pytorch/pytorch#161104 reports replayed kernels slower once work has
     run on two streams). The capture itself (on `torch.cuda.graph`'s own stream) launches
-    nothing."""
-    fn()
+    nothing. The prefill graphs and the slot engine's captured steps are both recorded here.
+
+    Example:
+        >>> replay = cuda_graph(lambda: x * 2)      # doctest: +SKIP
+        >>> replay() is replay()                    # doctest: +SKIP
+        True
+    """
+    for _ in range(warmups):
+        fn()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
 
     def replay() -> torch.Tensor:

@@ -47,6 +47,7 @@ from ..blocks.compile import mark_block_regions, unmark_block_regions
 from ..config import CUDA_GRAPHS
 from ..errors import said
 from ..infer.decode import CACHE_STEP, _static_statistics
+from ..infer.prefill_graph import cuda_graph
 from ..quant.bnb import fuse_held_siblings, join_sibling_codes
 from .bank import AdapterBank
 from .engine import Admit, Batch, ServeError
@@ -221,9 +222,9 @@ class SlotBatch(Batch):
         self.lo = self.b = self.le = 0  # the rows a forward runs: slots lo..lo+b-1, keys [:le]
         self.run: Callable[[], torch.Tensor] = self._decode
         self.compiled_step: Callable[[], torch.Tensor] = self._decode
-        # graphs="captured": (b, le) -> a CUDA graph of the compiled step and its output; (0, 0):
+        # graphs="captured": (b, le) -> the replay of a CUDA graph of the compiled step; (0, 0):
         # the compiled prefill's
-        self.captured: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.captured: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self._pool: Any = None  # one memory pool for every captured graph
         self.regions = 0  # blocks marked to compile as one (`mark_block_regions`)
         if self.compiled:
@@ -328,30 +329,18 @@ class SlotBatch(Batch):
         if key not in self.captured:
             fn = self.compiled_prefill if key == (0, 0) else self.compiled_step
             self.captured[key] = self._capture(fn)
-        graph, out = self.captured[key]
-        graph.replay()
-        return out
+        return self.captured[key]()
 
-    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """A compiled function (the step for the current (b, le), or the prefill), captured
-        into a CUDA graph. It runs twice
-        on a side stream first (a capture must not compile, autotune or synchronize); the step
-        is idempotent (the same keys written at the same columns), so a capture in the middle
-        of serving changes nothing. Every graph shares one memory pool: a step's output is
-        cloned before the next replay."""
-        dev = self.device
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        into a CUDA graph (`prefill_graph.cuda_graph`: its warm-up on the current stream, not a
+        side stream, which left later replays slower). It runs twice first (a capture must not
+        compile, autotune or synchronize); the step is idempotent (the same keys written at the
+        same columns), so a capture in the middle of serving changes nothing. Every graph
+        shares one memory pool: a step's output is cloned before the next replay."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = fn()
-        return graph, out
+        return cuda_graph(fn, warmups=2, pool=self._pool)
 
     def _step(self, feed: list[int]) -> torch.Tensor:  # -> (rows, vocab)
         n = len(self.rids) - self.pending  # the rows mid-prefill (after these) do not decode
