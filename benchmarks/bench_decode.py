@@ -138,7 +138,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--graphs",
         action="store_true",
         help="qlora: also greedy with infer.prefill_graph.ENABLED flipped (the prefill replayed as "
-        "a CUDA graph per length bucket, opt-in), in the same process: qm_greedy_prefill_graphs "
+        "a CUDA graph per length bucket, on by default), in the same process: qm_greedy_prefill_graphs "
         "when it is off at the start, else qm_greedy_no_prefill_graphs",
     )
     p.add_argument(

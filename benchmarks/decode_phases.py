@@ -10,7 +10,7 @@ with `--check-phase`, the same with `step_graph.CHECK_REPLAYS` flipped (a call's
 checks the recording without launching the step; read at each call, so no recompile), with
 `--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
 its compile time is reported as the first call's), and with `--graphs-phase` with the prefill
-replayed as a CUDA graph (`prefill_graph.ENABLED`, opt-in; with `--release-phase` then with those
+replayed as a CUDA graph flipped (`prefill_graph.ENABLED`, on by default; with `--release-phase`, after turning them on, then with those
 recordings dropped and the allocator's cached memory given back). `--neighbor-phase` (CUDA)
 records a graph of 700 tiny kernels that the decoder never reads, times the calls while it is
 kept, then after it is released. `--side-phase` (CUDA), right after the defaults: the prompt's

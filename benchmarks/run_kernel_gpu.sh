@@ -80,10 +80,10 @@
 #            process each, in the order of INDUCTOR_RUNS (default "0 1 0 1"; 1: with them). For
 #            training, in one process: TRAIN_VARIANTS=default,inductor:combo_kernels=True,default
 #            with the train stage
-#   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, opt-in): the
+#   graphs   the prefill replayed as a CUDA graph (QUANTMESH_CAPTURED_PREFILL, on by default): the
 #            trained model's CUDA decode test and the refused recording's (both turn it on),
 #            then qm.fast_decode at batch 1 with peft's runs, with and without it in one process
-#            (bench_decode.py --graphs; its figures decide whether it becomes the default)
+#            (bench_decode.py --graphs: the run without them against the defaults)
 #   gc       benchmarks/decode_gc_check.py: the default decode path, then what BETWEEN says (a
 #            list of its --between values; default "gc prefill": gc.collect() and empty_cache(),
 #            what torch.cuda.graph does as it starts recording; then a recorded prefill), then a

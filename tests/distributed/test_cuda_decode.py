@@ -201,7 +201,9 @@ def _trained(rank: int) -> dict:
     eager = qm.greedy_decode(model, ids, 48, compile=False, fuse_adapters=False)[0].cpu()
     from quantmesh.infer import prefill_graph
 
-    prefill_graph.ENABLED = True  # (opt-in) the compiled calls' prefills recorded and replayed
+    prefill_graph.ENABLED = (
+        True  # (whatever the environment says) the compiled calls' prefills recorded and replayed
+    )
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
     # (its steps recorded by hand as one CUDA graph, the default: step_graph; recorded once,
     # not refused)
@@ -368,7 +370,7 @@ def _reads_back(rank: int) -> dict:
     from quantmesh.infer import prefill_graph
     from tests.models import llama
 
-    prefill_graph.ENABLED = True  # (opt-in)
+    prefill_graph.ENABLED = True  # (whatever the environment says)
     mesh = qm.init_mesh()
     model = llama(heads=4, kv_heads=2, head_dim=16, vocab=256, layers=2, seed=4)
     model.config.max_position_embeddings = 512

@@ -52,7 +52,7 @@ def recorder(monkeypatch):
     """CPU among the devices that record, the recorder above in place of CUDA graphs, and a
     compile that only traces (the step's compile is not what is tested here)."""
     rec = _Recorder()
-    monkeypatch.setattr(PG, "ENABLED", True)  # (opt-in)
+    monkeypatch.setattr(PG, "ENABLED", True)  # (whatever the environment says)
     monkeypatch.setattr(PG, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(PG, "cuda_graph", rec)
     monkeypatch.setattr(PG.PrefillGraphs.__init__, "__defaults__", (rec,))
@@ -176,7 +176,7 @@ def test_where_it_does_not_apply(recorder, monkeypatch):
     monkeypatch.setattr(PG, "DEVICES", ("cuda",))
     assert graphs.why_not(_prompt(5), None) == "a cpu model"
     monkeypatch.setattr(PG, "ENABLED", False)
-    assert graphs.why_not(_prompt(5), None) == "off (QUANTMESH_CAPTURED_PREFILL=1 turns it on)"
+    assert graphs.why_not(_prompt(5), None) == "off (QUANTMESH_CAPTURED_PREFILL=0)"
 
 
 def test_model_state_sees_what_a_graph_would_miss():
@@ -207,14 +207,18 @@ def test_model_state_sees_what_a_graph_would_miss():
         kernel4.GEMV_ENABLED = saved
 
 
-def test_off_by_default():
-    """Opt-in until its GPU check (QUANTMESH_CAPTURED_PREFILL unset: off)."""
+def test_on_by_default():
+    """On since its GPU check (QUANTMESH_CAPTURED_PREFILL unset: on; 0: off)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "QUANTMESH_CAPTURED_PREFILL"}
     code = "from quantmesh.infer import prefill_graph as PG; print(PG.ENABLED)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "True", out
+    env["QUANTMESH_CAPTURED_PREFILL"] = "0"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)  # fmt: skip
     assert out.stdout.strip() == "False", out

@@ -239,7 +239,7 @@ class _Decoder:
         With `PREFILL_COMPILED` a compiled decoder compiles the prefill too, the prompt's length
         dynamic: an eager prefill launches every op of every layer from the host, about a
         tenth of a second on a 7B model. Where the compiler refuses it, the prefill runs
-        eagerly from then on, with a warning. Otherwise, with `prefill_graph.ENABLED` (opt-in),
+        eagerly from then on, with a warning. Otherwise, with `prefill_graph.ENABLED` (the default),
         a compiled decoder replays its eager prefill as a CUDA graph per length bucket where
         that applies (`PrefillGraphs`: recorded after an eager prefill, which it is checked
         against)."""
