@@ -68,6 +68,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--no-peer", action="store_true", help="qlora: quantmesh's runs only (the peer's are known)"
     )
+    p.add_argument(
+        "--peer-only",
+        action="store_true",
+        help="qlora: the peer's runs only, none of quantmesh's: with a --no-peer run in another "
+        "process of the same call, neither pays for what the other left on the GPU (the peer's "
+        "compiled static cache warms its CUDA graphs up on a side stream, which slowed the "
+        "replayed steps of everything after it in the process: docs/benchmarks.md, forty-second "
+        "and forty-third sittings)",
+    )
     p.add_argument("--batch", type=int, default=1, help="rows decoded at once (random prompts)")
     p.add_argument(
         "--kernel",
@@ -184,6 +193,8 @@ def parse(argv=None) -> argparse.Namespace:
         help="qlora: also greedy with fuse_adapters=False (each adapter its own two matmuls)",
     )
     a = qb.finish_args(p.parse_args(argv))
+    if a.peer_only and (a.no_peer or a.mode != "qlora"):
+        p.error("--peer-only runs the qlora peer: it takes --mode qlora and not --no-peer")
     if a.smoke:
         a.new, a.prompt = 16, 8
     return a
@@ -470,6 +481,8 @@ def run_qlora(a, R: dict, out_path: str) -> None:
     sample = {"temperature": a.temperature, "top_p": a.top_p}
     if not a.no_peer:
         run_qlora_peer(a, R, out_path, dev, ids, sample)
+    if a.peer_only:
+        return
 
     t0 = time.perf_counter()
     model = qlora_model(a, qm.init_mesh(backend="gloo" if a.cpu else None))
