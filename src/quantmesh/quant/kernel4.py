@@ -641,6 +641,8 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
     one share, the programs of a group count themselves in a per-device int32 buffer kept zero
     between calls (`_counters`), so two such calls must not run at once on different streams.
     `keep`: a list the compiled kernel is appended to (the benchmark reads its PTX).
+    `maxnreg` (optional): the most registers a thread (Triton's launch option on CUDA: fewer
+    registers, more warps an SM; the benchmark's tiles).
     `low_rank`: (t, e, col, scale, bias or None), a low-rank delta the lines kernel adds to each
     output as it stores it, after the bias (`check_low_rank`: the LoRA adapters' B products
     inside the gemv's launch).
@@ -712,6 +714,7 @@ def launch_gemv(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
         BS2=256, NESTED=nested_absmax is not None, BLOCK_N=cfg["BLOCK_N"], NS=triton.next_power_of_2(slices),
         LUT=cfg.get("LUT", 0), BF16=x.dtype == torch.bfloat16, **extra, **_offsets(offset),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 1),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
     if keep is not None:
         keep.append(compiled)
