@@ -201,9 +201,8 @@ def _trained(rank: int) -> dict:
     eager = qm.greedy_decode(model, ids, 48, compile=False, fuse_adapters=False)[0].cpu()
     from quantmesh.infer import prefill_graph
 
-    prefill_graph.ENABLED = (
-        True  # (whatever the environment says) the compiled calls' prefills recorded and replayed
-    )
+    # (whatever the environment says) the compiled calls' prefills recorded and replayed
+    prefill_graph.ENABLED = True
     compiled = qm.greedy_decode(model, ids, 48, compile=True)[0].cpu()
     # (its steps recorded by hand as one CUDA graph, the default: step_graph; recorded once,
     # not refused)

@@ -351,6 +351,6 @@ class PrefillGraphs:
         self.entries.clear()
         warnings.warn(
             f"quantmesh: replaying {type(self.model).__name__}'s prefill as a CUDA graph: {why}; "
-            "its prefills run eagerly (QUANTMESH_CAPTURED_PREFILL=0 turns the recording off and says nothing)",
+            "its prefills run eagerly (QUANTMESH_CAPTURED_PREFILL=0: no recording, no warning)",
             stacklevel=5,
         )
