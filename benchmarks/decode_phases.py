@@ -10,13 +10,13 @@ with `--check-phase`, the same with `step_graph.CHECK_REPLAYS` flipped (a call's
 checks the recording without launching the step; read at each call, so no recompile), with
 `--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
 its compile time is reported as the first call's), and with `--graphs-phase` with the prefill
-replayed as a CUDA graph flipped (`prefill_graph.ENABLED`, on by default; with `--release-phase`, after turning them on, then with those
-recordings dropped and the allocator's cached memory given back). `--neighbor-phase` (CUDA)
+graphs (`prefill_graph.ENABLED`, on by default) flipped; with `--release-phase` then with the
+recordings dropped, the allocator's cached memory given back and the prefills eager. `--neighbor-phase` (CUDA)
 records a graph of 700 tiny kernels that the decoder never reads, times the calls while it is
 kept, then after it is released. `--side-phase` (CUDA), right after the defaults: the prompt's
 forward run once on a side stream (as a prefill graph's warm-up runs it, nothing recorded),
 then the calls timed. With any phase, the defaults are timed again at the end. Last,
-the eager prefill of one call under cProfile: its top functions by own and by cumulative time.
+the eager prefill of one call under cProfile (the prefill graphs off for it): its top functions by own and by cumulative time.
 
 Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--check-phase] [--compiled-prefill]
 [--graphs-phase [--release-phase]] [--neighbor-phase] [--side-phase] [--profile-prefill]
@@ -123,8 +123,14 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
             )
             qb.log(f"{name}: {rows[-1]}")
         if a.profile_prefill:
+            from quantmesh.infer import prefill_graph
+
             ph.profile = cProfile.Profile()
-            qm.fast_decode(model, ids, a.new, mode=mode)  # (only its prefill is profiled)
+            recorded, prefill_graph.ENABLED = prefill_graph.ENABLED, False  # the eager prefill
+            try:
+                qm.fast_decode(model, ids, a.new, mode=mode)  # (only its prefill is profiled)
+            finally:
+                prefill_graph.ENABLED = recorded
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
                 pstats.Stats(ph.profile, stream=s).sort_stats(key).print_stats(35)
@@ -239,15 +245,20 @@ def main(argv=None) -> int:
                     R[name if not before else f"no_{name}"]["tokens_agree"] = bd.agree(got, ref)
             finally:
                 setattr(module, flag, before)
-            if name == "prefill_graphs" and a.release_phase and not before:
-                # the decoder's recorded prefills dropped and their memory given back: do the
-                # steps of this process run as fast as before the recordings again?
+            if name == "prefill_graphs" and a.release_phase:
+                # the decoder's recorded prefills dropped and their memory given back, the
+                # prefills eager: do the steps of this process run as they did without the
+                # recordings? (whichever phase recorded them: the defaults, or the flipped one)
                 graphs = bd.decoder(model).graphs
                 if graphs is not None:
                     graphs.entries.clear()
                 released(dev)
-                with qb.record_errors(R, "prefill_graphs_released_error"):
-                    timed_calls(model, ids, a, dev, mode, R, "prefill_graphs_released")
+                prefill_graph.ENABLED = False
+                try:
+                    with qb.record_errors(R, "prefill_graphs_released_error"):
+                        timed_calls(model, ids, a, dev, mode, R, "prefill_graphs_released")
+                finally:
+                    prefill_graph.ENABLED = before
             qb.write_json(out_path, R)
         if a.neighbor_phase and dev.type == "cuda":
             # a CUDA graph of 700 tiny kernels (about a step's count) that the decoder never

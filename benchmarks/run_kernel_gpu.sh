@@ -125,7 +125,8 @@
 #            process: the host's time in each step, cProfile of one call
 #   phases   benchmarks/decode_phases.py: qm.fast_decode on the 7B shape at batch 1, each call's
 #            prefill and first step timed apart from its replayed steps (the fixed cost a call
-#            pays), eager and with the prefill replayed as a CUDA graph, then the eager prefill
+#            pays), with the prefill replayed as a CUDA graph (the default) and without, then
+#            the eager prefill
 #            under cProfile (PHASES_FLAGS, e.g. --compiled-prefill: the compiled prefill too)
 #   prologue the dequantization inside a training GEMM's prologue: the tensor-core kernel's CUDA
 #            test at a training batch's rows, then benchmarks/nf4_prologue_bench.py (forward and
