@@ -6,7 +6,7 @@ graphs recorded a prefill (docs/benchmarks.md, twenty-seventh sitting). If a ste
 reads a tensor that nothing references, its memory stays mapped in the allocator's cache until an
 `empty_cache()` returns it; then the next replay faults, or reads whatever took the memory.
 
-This runs the default path (prefill graphs off) on the 7B nf4 + LoRA shape: two calls, then (by
+This runs the decode path with the prefill graphs off (they are on by default) on the 7B nf4 + LoRA shape: two calls, then (by
 default) `gc.collect()` and `empty_cache()`, then a third call, and says whether the third faulted
 and whether its tokens are the first call's. `--layers` takes fewer layers. `--between` says what
 happens between the second call and the third:
@@ -57,7 +57,9 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     import quantmesh as qm
+    from quantmesh.infer import prefill_graph
 
+    prefill_graph.ENABLED = False  # the path before any recorded prefill (on by default now)
     args = bd.parse(["--mode", "qlora", "--layers", str(a.layers)])
     dev, ids, model = bd.qlora_ready(args)
     R: dict = {"layers": a.layers, "new": a.new, "between": a.between}
@@ -92,8 +94,6 @@ def main(argv=None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     else:
-        from quantmesh.infer import prefill_graph
-
         prefill_graph.ENABLED = True
         if a.between == "prefill_one":
             qm.fast_decode(model, ids, 1)
