@@ -40,7 +40,9 @@ warm-up on the current stream, a 7B decode's steps keep their time and a 256-tok
 1 runs 1.07x the eager prefill's; its CUDA tests pass, the trained model's tokens included
 (docs/benchmarks.md, forty-third sitting). A warm-up on a side stream had left every later
 decode step slower (forty-second sitting). A fault after a recording, seen once on a 7B model
-(twenty-seventh sitting), has not come back in any run since.
+(twenty-seventh sitting), has not come back in any run since. Memory: each recorded (batch,
+bucket) keeps what its forward allocates (its intermediates and logits) in a memory pool of its
+own for as long as the decoder lives; where GPU memory is tight, `QUANTMESH_CAPTURED_PREFILL=0`.
 
 Example:
     >>> graphs = PrefillGraphs(model, cache)                  # doctest: +SKIP
