@@ -36,9 +36,9 @@ rows, whose kernels may round otherwise: `TOLERANCE` leaves room for bf16's roun
 what a token that sees a pad would change.)
 
 On by default (`ENABLED`; `QUANTMESH_CAPTURED_PREFILL=0` turns it off). With the recordings'
-warm-up on the current stream, a 7B decode's steps keep their time and a 256-token call at batch
-1 runs 1.07x the eager prefill's; its CUDA tests pass, the trained model's tokens included
-(docs/benchmarks.md, forty-third sitting). A warm-up on a side stream had left every later
+warm-up on the current stream, a 7B decode's steps keep their time and a call saves most of its
+prefill's host time; its CUDA tests pass, the trained model's tokens included (the figures:
+docs/benchmarks.md, forty-third sitting). A warm-up on a side stream had left every later
 decode step slower (forty-second sitting). A fault after a recording, seen once on a 7B model
 (twenty-seventh sitting), has not come back in any run since. Memory: each recorded (batch,
 bucket) keeps what its forward allocates (its intermediates and logits) in a memory pool of its
