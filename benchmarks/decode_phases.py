@@ -11,12 +11,13 @@ checks the recording without launching the step; read at each call, so no recomp
 `--compiled-prefill`, the same with the prefill compiled (`decode.PREFILL_COMPILED`, opt-in:
 its compile time is reported as the first call's), and with `--graphs-phase` with the prefill
 graphs (`prefill_graph.ENABLED`, on by default) flipped; with `--release-phase` then with the
-recordings dropped, the allocator's cached memory given back and the prefills eager. `--neighbor-phase` (CUDA)
-records a graph of 700 tiny kernels that the decoder never reads, times the calls while it is
-kept, then after it is released. `--side-phase` (CUDA), right after the defaults: the prompt's
-forward run once on a side stream (as a prefill graph's warm-up runs it, nothing recorded),
-then the calls timed. With any phase, the defaults are timed again at the end. Last,
-the eager prefill of one call under cProfile (the prefill graphs off for it): its top functions by own and by cumulative time.
+recordings dropped, the allocator's cached memory given back and the prefills eager.
+`--neighbor-phase` (CUDA) records a graph of 700 tiny kernels that the decoder never reads, times
+the calls while it is kept, then after it is released. `--side-phase` (CUDA), right after the
+defaults: the prompt's forward run once on a side stream (as the prefill graphs' warm-up ran it
+until the forty-third sitting; nothing recorded), then the calls timed. With any phase, the
+defaults are timed again at the end. Last, the eager prefill of one call under cProfile (the
+prefill graphs off for it): its top functions by own and by cumulative time.
 
 Usage: python benchmarks/decode_phases.py --mode qlora --out DIR [--check-phase] [--compiled-prefill]
 [--graphs-phase [--release-phase]] [--neighbor-phase] [--side-phase] [--profile-prefill]
@@ -26,6 +27,7 @@ Writes DIR/result_decode_phases.json.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import os
@@ -126,11 +128,8 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
             from quantmesh.infer import prefill_graph
 
             ph.profile = cProfile.Profile()
-            recorded, prefill_graph.ENABLED = prefill_graph.ENABLED, False  # the eager prefill
-            try:
+            with switched(prefill_graph, "ENABLED", False):  # the eager prefill
                 qm.fast_decode(model, ids, a.new, mode=mode)  # (only its prefill is profiled)
-            finally:
-                prefill_graph.ENABLED = recorded
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
                 pstats.Stats(ph.profile, stream=s).sort_stats(key).print_stats(35)
@@ -159,10 +158,30 @@ def step_state(model, ph: Phases) -> dict:
     }
 
 
+@contextlib.contextmanager
+def switched(module, flag: str, value):
+    """`module.flag` set to `value` while the context lasts, as it was after (a switch the library
+    reads at each call).
+
+    Example:
+        >>> from quantmesh.infer import prefill_graph
+        >>> with switched(prefill_graph, "ENABLED", False):
+        ...     prefill_graph.ENABLED
+        False
+    """
+    before = getattr(module, flag)
+    setattr(module, flag, value)
+    try:
+        yield
+    finally:
+        setattr(module, flag, before)
+
+
 def neighbor_graph(dev: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of `kernels` tiny kernels (an add each on a buffer of 1,024 floats that nothing
-    else reads), recorded as the prefill graphs are (a warm-up on a side stream, then the capture
-    in a private pool), replayed once and returned: kept alive by the caller.
+    else reads), recorded as the prefill graphs were until the forty-third sitting (a warm-up on a
+    side stream, then the capture in a private pool), replayed once and returned: kept alive by
+    the caller.
 
     Example:
         >>> g = neighbor_graph(torch.device("cuda"), 700)  # doctest: +SKIP
@@ -237,14 +256,10 @@ def main(argv=None) -> int:
             if not want:
                 continue
             before = getattr(module, flag)
-            setattr(module, flag, not before)
-            try:
-                with qb.record_errors(R, f"{name}_error"):
-                    got = timed_calls(model, ids, a, dev, mode, R, name if not before else
-                                      f"no_{name}")  # fmt: skip
-                    R[name if not before else f"no_{name}"]["tokens_agree"] = bd.agree(got, ref)
-            finally:
-                setattr(module, flag, before)
+            phase = f"no_{name}" if before else name
+            with switched(module, flag, not before), qb.record_errors(R, f"{name}_error"):
+                got = timed_calls(model, ids, a, dev, mode, R, phase)
+                R[phase]["tokens_agree"] = bd.agree(got, ref)
             if name == "prefill_graphs" and a.release_phase:
                 # the decoder's recorded prefills dropped and their memory given back, the
                 # prefills eager: do the steps of this process run as they did without the
@@ -253,12 +268,11 @@ def main(argv=None) -> int:
                 if graphs is not None:
                     graphs.entries.clear()
                 released(dev)
-                prefill_graph.ENABLED = False
-                try:
-                    with qb.record_errors(R, "prefill_graphs_released_error"):
-                        timed_calls(model, ids, a, dev, mode, R, "prefill_graphs_released")
-                finally:
-                    prefill_graph.ENABLED = before
+                with (
+                    switched(prefill_graph, "ENABLED", False),
+                    qb.record_errors(R, "prefill_graphs_released_error"),
+                ):
+                    timed_calls(model, ids, a, dev, mode, R, "prefill_graphs_released")
             qb.write_json(out_path, R)
         if a.neighbor_phase and dev.type == "cuda":
             # a CUDA graph of 700 tiny kernels (about a step's count) that the decoder never
