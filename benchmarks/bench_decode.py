@@ -287,9 +287,7 @@ def flag_phase(model, a, ids, dev, R: dict, out_path: str, g: list[int], name: s
     step is guarded on: it compiles again), profiled too with --profile (`qm_profile_*`); then
     its tokens' agreement with the default run's `g` and its speed over the default run's."""
     with qb.record_errors(R, f"{name}_error"):
-        before = getattr(module, flag)
-        setattr(module, flag, value)
-        try:
+        with qb.switched(module, flag, value):
             # a flag may change the model at a loop's first prefill (JOIN_ENABLED joins the
             # siblings' codes; its prefill's kernels then compile for the joined shapes): one
             # prefill first, so that the warm-up and the timed run start from the same model
@@ -299,8 +297,6 @@ def flag_phase(model, a, ids, dev, R: dict, out_path: str, g: list[int], name: s
             v = phase(model, a, ids, dev, R, name, qm={})
             if a.profile and dev.type == "cuda":
                 R[name.replace("qm_greedy", "qm_profile")] = profile_decode(model, ids, a)
-        finally:
-            setattr(module, flag, before)
         if "qm_greedy" in R:
             R[name]["tokens_agree_with_default"] = agree(v, g)
             R[name]["over_default"] = round(

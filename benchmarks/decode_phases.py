@@ -27,7 +27,6 @@ Writes DIR/result_decode_phases.json.
 
 from __future__ import annotations
 
-import contextlib
 import cProfile
 import io
 import os
@@ -128,7 +127,7 @@ def timed_calls(model, ids, a, dev, mode, R: dict, name: str, runs: int = 3) -> 
             from quantmesh.infer import prefill_graph
 
             ph.profile = cProfile.Profile()
-            with switched(prefill_graph, "ENABLED", False):  # the eager prefill
+            with qb.switched(prefill_graph, "ENABLED", False):  # the eager prefill
                 qm.fast_decode(model, ids, a.new, mode=mode)  # (only its prefill is profiled)
             for key in ("tottime", "cumulative"):
                 s = io.StringIO()
@@ -156,25 +155,6 @@ def step_state(model, ph: Phases) -> dict:
         "recompiles": sum(counters["recompiles"].values()),
         "host_run_us_per_step": round(ph.host_run_s / max(1, ph.host_runs) * 1e6, 1),
     }
-
-
-@contextlib.contextmanager
-def switched(module, flag: str, value):
-    """`module.flag` set to `value` while the context lasts, as it was after (a switch the library
-    reads at each call).
-
-    Example:
-        >>> from quantmesh.infer import prefill_graph
-        >>> with switched(prefill_graph, "ENABLED", False):
-        ...     prefill_graph.ENABLED
-        False
-    """
-    before = getattr(module, flag)
-    setattr(module, flag, value)
-    try:
-        yield
-    finally:
-        setattr(module, flag, before)
 
 
 def neighbor_graph(dev: torch.device, kernels: int) -> torch.cuda.CUDAGraph:
@@ -257,7 +237,7 @@ def main(argv=None) -> int:
                 continue
             before = getattr(module, flag)
             phase = f"no_{name}" if before else name
-            with switched(module, flag, not before), qb.record_errors(R, f"{name}_error"):
+            with qb.switched(module, flag, not before), qb.record_errors(R, f"{name}_error"):
                 got = timed_calls(model, ids, a, dev, mode, R, phase)
                 R[phase]["tokens_agree"] = bd.agree(got, ref)
             if name == "prefill_graphs" and a.release_phase:
@@ -269,7 +249,7 @@ def main(argv=None) -> int:
                     graphs.entries.clear()
                 released(dev)
                 with (
-                    switched(prefill_graph, "ENABLED", False),
+                    qb.switched(prefill_graph, "ENABLED", False),
                     qb.record_errors(R, "prefill_graphs_released_error"),
                 ):
                     timed_calls(model, ids, a, dev, mode, R, "prefill_graphs_released")

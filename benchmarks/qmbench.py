@@ -139,6 +139,25 @@ def inductor_patched(pairs: list[str]):
     return config.patch({key: value for _, _, key, value in inductor_options(pairs)})
 
 
+@contextmanager
+def switched(module, flag: str, value):
+    """`module.flag` set to `value` while the context lasts, as it was after (a switch the library
+    reads at each call).
+
+    Example:
+        >>> from quantmesh.infer import prefill_graph
+        >>> with switched(prefill_graph, "ENABLED", False):
+        ...     prefill_graph.ENABLED
+        False
+    """
+    before = getattr(module, flag)
+    setattr(module, flag, value)
+    try:
+        yield
+    finally:
+        setattr(module, flag, before)
+
+
 def llama_config(a, *, use_cache: bool = False):
     """Llama-2-7B's shape by default (MHA, untied head), as peer_bench.py builds it."""
     from transformers import LlamaConfig
