@@ -324,8 +324,9 @@ def table(r: dict) -> str:
         if c.get("KERNEL") in ("pairs", "pairs_k", "pairs32"):  # (nf4_pairs.py: fixed layouts)
             name = f"{c['KERNEL']} bps{c.get('BPS', 2)} (CUDA, shared-memory pair tables)"
         elif c.get("KERNEL") == "xtab":  # (nf4_xtab.py)
-            name = "xtab tr{} t{} pf{} det{} (CUDA)".format(
-                c.get("TR", 32), c.get("THREADS", 512), c.get("PF", 0), c.get("DET", 0))  # fmt: skip
+            name = "xtab sl{} tr{} t{} bps{} pf{} det{} (CUDA)".format(
+                c.get("SL", 256), c.get("TR", 32), c.get("THREADS", 512), c.get("BPS", 1),
+                c.get("PF", 0), c.get("DET", 0))  # fmt: skip
         elif c.get("KERNEL") == "mma":
             name = "mma n{BLOCK_N} m{BLOCK_M} nb{NB} blk{BLK} lut{LUT} w{num_warps} s{}".format(
                 c.get("num_stages"), **c)  # fmt: skip
