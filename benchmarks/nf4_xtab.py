@@ -36,7 +36,8 @@ takes each word's bytes in another order so that the halves' lookups fall in dif
 16 or 32), BPS the blocks an SM the grid is cut for (and, above 1, asked of the register
 allocation). Each (K, TR, THREADS, PF, DET, SL, BPS) compiles its own kernel. Measured in
 docs/benchmarks.md (thirty-second sitting): the fastest, TR 8 at 1024 threads, was 2-13% under
-the library's gemv on four 7B shapes and 25% over on 4096 x 4096. CUDA only.
+the library's gemv on four 7B shapes and 25% over on 4096 x 4096; every deterministic SL 128
+form was 11-129% slower than SL 256 (forty-fourth sitting). CUDA only.
 
 Example:
     >>> y = launch_xtab(x, flat, *stats, 64, "nf4", out_f, {"KERNEL": "xtab"})  # doctest: +SKIP
