@@ -6,9 +6,9 @@ graphs recorded a prefill (docs/benchmarks.md, twenty-seventh sitting). If a ste
 reads a tensor that nothing references, its memory stays mapped in the allocator's cache until an
 `empty_cache()` returns it; then the next replay faults, or reads whatever took the memory.
 
-This runs the decode path with the prefill graphs off (they are on by default) on the 7B nf4 + LoRA shape: two calls, then (by
-default) `gc.collect()` and `empty_cache()`, then a third call, and says whether the third faulted
-and whether its tokens are the first call's. `--layers` takes fewer layers. `--between` says what
+This runs the decode path with the prefill graphs off (they are on by default) on the 7B nf4 +
+LoRA shape: two calls, then (by default) `gc.collect()` and `empty_cache()`, then a third call,
+and says whether the third faulted and whether its tokens are the first call's. `--layers` takes fewer layers. `--between` says what
 happens between the second call and the third:
 
   gc        gc.collect() and torch.cuda.empty_cache() (what torch.cuda.graph does first)
